@@ -1,0 +1,264 @@
+"""The controller: owns requests, the KV block manager, the clock's bookkeeping and the records.
+
+Its loop is three calls, the same for the simulator and the real engine:
+
+    mb = policy.schedule(view)          # while a pipeline slot is free
+    executor.launch(mb)
+    controller.complete(executor.next_completion())
+
+Every request ends exactly once, FINISHED or FAILED with a reason: a request that could never
+fit the whole KV cache fails at arrival, and if the policy stops scheduling while work remains
+(a policy bug) the run fails loudly instead of hanging.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass, field
+
+from engine.batch import BatchBuilder, MicroBatch, shape_of
+from engine.errors import RunFailedError
+from engine.executor import Completion, Executor
+from engine.kv import BlockManager
+from engine.policy import Policy, SchedulerView
+from engine.request import Request, SeqStatus, Sequence
+
+
+@dataclass
+class MicroBatchRecord:
+    """One row of the per-micro-batch table."""
+
+    mb_id: int
+    scheduled_s: float
+    completed_s: float
+    kind: str
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_seqs: int
+    num_preempted: int
+    kv_usage: float
+    tags: dict = field(default_factory=dict)
+
+
+class Controller:
+    def __init__(self, requests: Seq[Request], policy: Policy, executor: Executor, kv: BlockManager,
+                 cost_model=None, *, check_integrity: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
+        ids = [r.request_id for r in self.requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
+        self.policy = policy
+        self.executor = executor
+        self.kv = kv
+        self.cost_model = cost_model
+        self.pipeline_depth = executor.pipeline_depth
+        self.check_integrity = check_integrity
+        self.progress = progress
+        self.sequences: dict[int, Sequence] = {r.request_id: Sequence(r) for r in self.requests}
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self.inflight: dict[int, MicroBatch] = {}
+        self.view = SchedulerView(self)
+        self.records: list[MicroBatchRecord] = []
+        self.num_finished = 0
+        self.num_failed = 0
+        self.num_preemptions = 0
+        self._next_arrival = 0
+        self._next_mb_id = 0
+        self._admit_counter = 0
+        self._arrival_times = [r.arrival_s for r in self.requests]
+        self._active_since: float | None = None
+        self.active_time = 0.0  # time with at least one micro-batch in flight
+        self.first_launch_s: float | None = None
+        self.last_complete_s: float | None = None
+
+    # --- the loop ------------------------------------------------------------------------------
+    @property
+    def num_not_arrived(self) -> int:
+        return len(self.requests) - self._next_arrival
+
+    @property
+    def num_done(self) -> int:
+        return self.num_finished + self.num_failed
+
+    def run(self) -> None:
+        """Serve every request to completion (or failure); raises RunFailedError on a stall."""
+        total = len(self.requests)
+        self.executor.start()
+        self.policy.start(self.view)
+        while self.num_done < total:
+            self._admit_arrivals(self.executor.now())
+            self._fill_pipeline()
+            if self.inflight:
+                slot_free = len(self.inflight) < self.policy.max_inflight(self.view)
+                deadline = self._arrival_times[self._next_arrival] if (
+                    slot_free and self._next_arrival < total) else None
+                completion = self.executor.next_completion(deadline)
+                if completion is not None:
+                    self.complete(completion)
+                    if self.progress is not None:
+                        self.progress(self.num_done, total)
+            elif self._next_arrival < total:
+                self.executor.wait_until(self._arrival_times[self._next_arrival])
+            elif self.num_done < total:
+                self._stall()
+
+    def _fill_pipeline(self) -> None:
+        view = self.view
+        while len(self.inflight) < self.policy.max_inflight(view):
+            mb = self.policy.schedule(view)
+            if mb is None:
+                return
+            self._commit(mb)
+            self.executor.launch(mb)
+
+    def _admit_arrivals(self, now: float) -> None:
+        total = len(self.requests)
+        while self._next_arrival < total and self._arrival_times[self._next_arrival] <= now:
+            seq = self.sequences[self.requests[self._next_arrival].request_id]
+            self._next_arrival += 1
+            need = self.kv.blocks_for(seq.prompt_len + seq.output_len)
+            if need > self.kv.num_blocks:
+                self._fail(seq, f"needs {need} KV blocks for {seq.prompt_len}+{seq.output_len} tokens, "
+                                f"the whole cache has {self.kv.num_blocks}")
+            else:
+                self.waiting.append(seq)
+
+    # --- commit and completion -------------------------------------------------------------------
+    def _commit(self, mb: MicroBatch) -> None:
+        now = self.executor.now()
+        self.apply_preemptions(mb.preempted)
+        for chunk in mb.prefills:
+            seq = chunk.seq
+            if seq.is_waiting:
+                self.waiting.remove(seq)
+                seq.status = SeqStatus.PREFILLING
+                seq.admit_order = self._admit_counter
+                self._admit_counter += 1
+                self.running[seq.seq_id] = seq
+                if seq.first_scheduled_s is None:
+                    seq.first_scheduled_s = now
+            self.kv.ensure(seq.seq_id, chunk.reserve_tokens)
+            seq.in_flight = True
+        append_one = self.kv.append_one
+        for seq in mb.decodes:
+            append_one(seq.seq_id)  # a decoding sequence holds exactly num_computed tokens
+            seq.in_flight = True
+        mb.mb_id = self._next_mb_id
+        self._next_mb_id += 1
+        mb.scheduled_s = now
+        mb.kv_usage = self.kv.usage
+        self.inflight[mb.mb_id] = mb
+        if self._active_since is None:
+            self._active_since = now
+        if self.first_launch_s is None:
+            self.first_launch_s = now
+        if self.check_integrity:
+            self.kv.check_integrity()
+
+    def apply_preemptions(self, victims: Seq[Sequence]) -> None:
+        """Free each victim's KV and queue it first for recomputation (vLLM's recompute mode)."""
+        for seq in reversed(victims):  # appendleft in reverse keeps the policy's order at the front
+            self.kv.free(seq.seq_id)
+            del self.running[seq.seq_id]
+            seq.status = SeqStatus.PREEMPTED
+            seq.num_computed = 0
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(seq)
+
+    def complete(self, completion: Completion) -> list[Sequence]:
+        mb = self.inflight.pop(completion.mb_id)
+        now = completion.time_s
+        mb.completed_s = now
+        tokens = completion.token_ids
+        k = 0
+        finished: list[Sequence] = []
+        for chunk in mb.prefills:
+            seq = chunk.seq
+            seq.in_flight = False
+            seq.num_computed += chunk.num_tokens
+            if chunk.samples:
+                if tokens is not None:
+                    seq.output_token_ids.append(tokens[k])
+                k += 1
+                self._emit_token(seq, now, finished)
+        decoding = SeqStatus.DECODING
+        for seq in mb.decodes:  # the hot path: inlined _emit_token for a sequence past its first token
+            seq.in_flight = False
+            seq.num_computed += 1
+            if tokens is not None:
+                seq.output_token_ids.append(tokens[k])
+            k += 1
+            seq.num_generated += 1
+            if seq.num_generated >= seq.request.output_len:
+                self._emit_finish(seq, now, finished)
+            else:
+                seq.status = decoding
+        if tokens is not None and k != len(tokens):
+            raise RuntimeError(f"micro-batch {mb.mb_id}: {len(tokens)} tokens returned for {k} samplers")
+        self.records.append(MicroBatchRecord(
+            mb.mb_id, mb.scheduled_s, now, mb.kind, mb.num_prefill_tokens, len(mb.decodes), mb.num_seqs,
+            len(mb.preempted), mb.kv_usage, mb.tags))
+        self.last_complete_s = now
+        if not self.inflight and self._active_since is not None:
+            self.active_time += now - self._active_since
+            self._active_since = None
+        self.policy.on_complete(self.view, mb, finished)
+        if self.check_integrity:
+            self.kv.check_integrity()
+        return finished
+
+    def _emit_token(self, seq: Sequence, now: float, finished: list[Sequence]) -> None:
+        seq.num_generated += 1
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+        if seq.num_generated >= seq.output_len:
+            self._emit_finish(seq, now, finished)
+        else:
+            seq.status = SeqStatus.DECODING
+
+    def _emit_finish(self, seq: Sequence, now: float, finished: list[Sequence]) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_s = now
+        self.kv.free(seq.seq_id)
+        del self.running[seq.seq_id]
+        self.num_finished += 1
+        finished.append(seq)
+
+    # --- failure -----------------------------------------------------------------------------------
+    def _fail(self, seq: Sequence, reason: str) -> None:
+        seq.status = SeqStatus.FAILED
+        seq.fail_reason = reason
+        self.num_failed += 1
+
+    def fail_unfinished(self, reason: str) -> int:
+        """Mark every request not yet done as FAILED (after a stall or an executor failure)."""
+        n = 0
+        for seq in self.sequences.values():
+            if not seq.is_done:
+                if seq.seq_id in self.running:
+                    self.kv.free(seq.seq_id)
+                    del self.running[seq.seq_id]
+                seq.in_flight = False
+                self._fail(seq, reason)
+                n += 1
+        self.waiting.clear()
+        self.inflight.clear()
+        return n
+
+    def _stall(self) -> None:
+        waiting, running = len(self.waiting), len(self.running)
+        reason = (f"policy {self.policy.name!r} scheduled nothing while {waiting} requests waited, "
+                  f"{running} were running and no micro-batch was in flight")
+        self.fail_unfinished(reason)
+        raise RunFailedError(reason)
+
+    # --- cost estimates for policies ---------------------------------------------------------------
+    def estimate(self, batch: MicroBatch | BatchBuilder) -> float:
+        if self.cost_model is None:
+            raise RuntimeError("this run has no cost model, so view.estimate is unavailable")
+        shape = batch.shape if isinstance(batch, MicroBatch) else shape_of(batch.prefills, batch.decodes)
+        return self.cost_model.bottleneck_s(shape)
+

@@ -1,0 +1,503 @@
+"""Analytical cost model: predicted time of one micro-batch on one pipeline stage.
+
+Roofline per operator group, for the layers a stage holds (DESIGN.md, "The simulator"):
+- linear layers (q/k/v/o + SwiGLU MLP) by token count: FLOPs = 2 * tokens * linear params per
+  layer; bytes = the layer's weights + activation traffic; time = max(compute, memory).
+- attention by context: FLOPs = 4 * heads * head_dim * query-key pairs (QK^T and PV); bytes = the
+  KV read (+ q/o and the new K/V written). Prefill chunks and decodes are separate kernels, each its
+  own max(compute, memory). A prefill chunk of x tokens after a prefix of L therefore costs
+  c + g*L + b*x + a*(2*L*x + x^2) (PITFALLS.md): later chunks of a long prompt cost more.
+- the embedding on the first stage (a gather, memory only) and the lm_head on the last stage for
+  the `num_sampled` rows only (vLLM computes logits only where a token is sampled).
+- tensor parallelism divides compute and weights by tp and adds 2 ring all-reduces per layer.
+- fixed CPU/launch overheads: `stage_overhead_s` + `per_layer_overhead_s` * layers.
+Sampling, CPU input preparation and transfers are separate methods because the simulator places
+them on different resources (SiPipe moves sampling to CPUs and overlaps input preparation).
+
+Hot path: `stage_compute_s` is called per micro-batch per stage (~1e5 times a run); it is plain
+float arithmetic on constants precomputed in the constructor (about 1 us a call, see the test).
+
+All times are seconds, sizes bytes, bandwidths bytes per second.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+
+from engine.errors import ConfigError, ImpossibleFitError
+from engine.hardware import HardwareSpec
+from engine.models import ModelSpec
+
+__all__ = ["split_layers", "CostCoefficients", "BatchShape", "CostModel"]
+
+GIB = float(2**30)
+
+
+def split_layers(num_layers: int, pp: int, explicit: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Layers per stage. Even split; the remainder goes to the FIRST stages, one each.
+
+    Why the first: the last stage already carries the lm_head and (unless sampling runs on CPUs)
+    the sampler, so giving it an extra layer would make the bottleneck worse; the first stage's
+    extra work (the embedding gather) is negligible. `explicit` (config `parallel.layer_split`)
+    overrides it: one positive count per stage, summing to `num_layers`.
+    """
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ConfigError(f"invalid parallel.pp={pp!r}: must be an integer >= 1")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ConfigError(f"invalid num_layers={num_layers!r}: must be an integer >= 1")
+    if explicit is not None:
+        split = tuple(explicit)
+        if len(split) != pp:
+            raise ConfigError(
+                f"invalid parallel.layer_split={list(split)}: needs one entry per stage (pp={pp}), got {len(split)}"
+            )
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in split):
+            raise ConfigError(f"invalid parallel.layer_split={list(split)}: every stage needs an integer >= 1 layers")
+        if sum(split) != num_layers:
+            raise ConfigError(
+                f"invalid parallel.layer_split={list(split)}: sums to {sum(split)}, the model has {num_layers} layers"
+            )
+        return split
+    if pp > num_layers:
+        raise ConfigError(
+            f"invalid parallel.pp={pp}: the model has only {num_layers} layers, so at most pp={num_layers}"
+        )
+    base, extra = divmod(num_layers, pp)
+    return tuple(base + 1 if s < extra else base for s in range(pp))
+
+
+@dataclass(frozen=True)
+class CostCoefficients:
+    """Efficiency factors and fixed overheads. Defaults are literature-informed guesses, to be
+    calibrated against the real engine's profiles; the numbers they give are in the tests
+    (TestAbsoluteNumbers) and below.
+
+    With the defaults, on A100-80GB (312 TFLOPS, 2,039 GB/s):
+    - Llama2-70B, pp=4 (20 layers a stage), a decode micro-batch of 32 sequences at context 512:
+      22.8 ms on a middle stage, 23.6 ms on the last (lm_head) + 0.55 ms GPU sampling. The floor
+      is streaming the stage's 34.2 GB of weights: 16.8 ms even at 100% of peak bandwidth, so a
+      10-15 ms per-stage decode is physically out of reach for this model and GPU.
+    - the same stage, one 2,048-token prefill chunk (no prefix): 0.309 s (70 TFLOP of GEMMs at
+      75% of peak = 0.300 s, + ~9 ms of causal attention); after a 4,096-token prefix: 0.344 s.
+    - Llama2-70B, pp=4, decode of 256 at context 1,024: 51.5 ms (compute-bound GEMMs 37 ms +
+      13 ms of KV reads). Llama2-13B (MHA: 800 KB of KV a token), pp=4, the same batch: 40.4 ms,
+      33 ms of it reading 54 GB of KV cache.
+    - Llama-3.1-70B on 8x H100, pp=8, decode of 512 at context 800: 18.6 ms a middle stage; the
+      last stage adds lm_head (+1.5 ms) and sampling (+3.8 ms): 29% more, inside SiPipe's 22-40%.
+    - CPU input preparation: 1.0 ms for 32 decodes, 4.0 ms for 512 (SiPipe: 12-19% of a step).
+    """
+
+    # Fraction of peak tensor FLOPs that large GEMMs reach end to end. cuBLAS reaches ~80-87% on
+    # big square fp16 GEMMs on A100; real forward passes with M=512..2048 rows sit lower.
+    linear_efficiency: float = 0.75
+    # Fraction of peak reached by attention's FLOPs. FlashAttention-2 reports up to ~70% of A100
+    # peak in the forward pass on long sequences; chunked/causal serving kernels reach less.
+    attention_efficiency: float = 0.5
+    # Fraction of peak memory bandwidth reached by weight-streaming GEMVs and paged attention
+    # (~1.6 TB/s of A100's 2.04 TB/s is commonly measured for large copies / GEMV).
+    memory_efficiency: float = 0.8
+    # Fixed per micro-batch per stage: Python step, launch of the first kernels, syncs.
+    stage_overhead_s: float = 200e-6
+    # Per layer per micro-batch: ~10 kernel launches at a few us each that the GPU cannot hide at
+    # small batch (no CUDA graphs assumed).
+    per_layer_overhead_s: float = 30e-6
+    # CPU input preparation per micro-batch (block tables, positions, slot mappings, H2D copies).
+    # SiPipe measured it at 12-19% of an iteration; these give ~1 ms for 32 decodes and ~3.9 ms
+    # for 512 decodes.
+    prep_fixed_s: float = 800e-6
+    prep_per_seq_s: float = 6e-6
+    prep_per_token_s: float = 0.2e-6
+    # GPU sampling on the last stage (softmax, penalties, top-k/top-p): a fixed part (many small
+    # kernels) and a part per sampled sequence per vocabulary entry. 5e-11 s gives 3.3 ms for 512
+    # sequences x 128k vocab: ~22% of an H100 70B stage, the low end of SiPipe's 22-40%.
+    sample_fixed_s: float = 500e-6
+    sample_per_token_vocab_s: float = 5e-11
+    # CPU sampler (SiPipe): one pass-or-two of vectorised fp32 work per vocabulary entry per core.
+    cpu_sample_fixed_s: float = 200e-6
+    cpu_sample_per_token_vocab_s: float = 1e-9
+    # Extra per-hop cost of a transfer that is not structure-aware (size, metadata blob, then each
+    # tensor). SiPipe measured 2-5 ms per hop; we take the low end, consistent with its 3-6%
+    # end-to-end gain from structure-aware transmission.
+    transfer_metadata_s: float = 2e-3
+    # GPU memory kept back for activations, sampler buffers and the CUDA context, per GPU.
+    activation_reserve_gib: float = 1.5
+    # Tensors of [tokens, hidden] sent stage to stage. 1 = hidden states only (MoLink's 13,312 B
+    # per token for LLaMA-30B); vLLM also ships the residual (2).
+    activation_copies: int = 1
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"invalid cost.{f.name}={value!r}: must be a finite number")
+            if f.name.endswith("_efficiency"):
+                if not 0.0 < value <= 1.0:
+                    raise ConfigError(f"invalid cost.{f.name}={value!r}: must be in (0, 1]")
+            elif value < 0:
+                raise ConfigError(f"invalid cost.{f.name}={value!r}: must be >= 0")
+        if not isinstance(self.activation_copies, int) or self.activation_copies < 1:
+            raise ConfigError(f"invalid cost.activation_copies={self.activation_copies!r}: must be an integer >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What the cost model needs to know about a micro-batch, as O(1) aggregates.
+
+    - num_prefill_tokens: tokens of all prefill chunks.
+    - num_decode_seqs: decode sequences (one token each).
+    - decode_context_sum: sum over decodes of the KV tokens attended, the new token included.
+    - prefill_attention_pairs: sum over chunks of x*L + x*(x+1)/2 (causal query-key pairs of a
+      chunk of x tokens after a prefix of L).
+    - prefill_context_sum: sum over chunks of L + x (KV tokens read).
+    - num_sampled: sequences sampling a token (decodes + chunks that end their prompt).
+    - num_seqs: prefill chunks + decodes.
+    """
+
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+    decode_context_sum: int = 0
+    prefill_attention_pairs: int = 0
+    prefill_context_sum: int = 0
+    num_sampled: int = 0
+    num_seqs: int = 0
+
+    def __post_init__(self) -> None:
+        if (
+            min(self.num_prefill_tokens, self.num_decode_seqs, self.num_sampled) < 0
+            or self.decode_context_sum < self.num_decode_seqs
+            or self.prefill_context_sum < self.num_prefill_tokens
+            or self.prefill_attention_pairs < self.num_prefill_tokens
+            or self.num_sampled > self.num_seqs
+            or self.num_decode_seqs + (self.num_prefill_tokens > 0) > self.num_seqs
+        ):
+            raise ValueError(f"inconsistent {self!r}")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_seqs
+
+    @classmethod
+    def from_parts(
+        cls,
+        prefills: Iterable[tuple[int, int, bool]] = (),
+        decode_contexts: Iterable[int] = (),
+    ) -> BatchShape:
+        """Aggregate prefill chunks `(prefix_len, chunk_len, samples)` and decode context lengths
+        (KV tokens attended including the new token, so >= 1)."""
+        tokens = pairs = context = sampled = seqs = 0
+        for prefix, chunk, samples in prefills:
+            if prefix < 0 or chunk < 1:
+                raise ValueError(f"bad prefill chunk: prefix_len={prefix}, chunk_len={chunk}")
+            tokens += chunk
+            pairs += chunk * prefix + chunk * (chunk + 1) // 2
+            context += prefix + chunk
+            seqs += 1
+            if samples:
+                sampled += 1
+        decodes = decode_sum = 0
+        for ctx in decode_contexts:
+            if ctx < 1:
+                raise ValueError(f"bad decode context length {ctx}: must be >= 1 (it includes the new token)")
+            decodes += 1
+            decode_sum += ctx
+        return cls(tokens, decodes, decode_sum, pairs, context, sampled + decodes, seqs + decodes)
+
+    @classmethod
+    def decode(cls, batch_size: int, context_len: int) -> BatchShape:
+        """`batch_size` decodes, each attending `context_len` tokens (the new one included)."""
+        if batch_size < 0 or context_len < 1:
+            raise ValueError(f"bad decode batch: batch_size={batch_size}, context_len={context_len}")
+        return cls(0, batch_size, batch_size * context_len, 0, 0, batch_size, batch_size)
+
+    @classmethod
+    def prefill(cls, chunk_len: int, prefix_len: int = 0, samples: bool = True) -> BatchShape:
+        """One prefill chunk."""
+        return cls.from_parts([(prefix_len, chunk_len, samples)])
+
+    def __add__(self, other: BatchShape) -> BatchShape:
+        if not isinstance(other, BatchShape):
+            return NotImplemented
+        return BatchShape(
+            self.num_prefill_tokens + other.num_prefill_tokens,
+            self.num_decode_seqs + other.num_decode_seqs,
+            self.decode_context_sum + other.decode_context_sum,
+            self.prefill_attention_pairs + other.prefill_attention_pairs,
+            self.prefill_context_sum + other.prefill_context_sum,
+            self.num_sampled + other.num_sampled,
+            self.num_seqs + other.num_seqs,
+        )
+
+
+class CostModel:
+    """Per-stage time predictions for `model` split into `pp` stages of `tp` GPUs on `hardware`.
+
+    Construction validates the parallel layout (pp >= 1, tp >= 1, pp <= layers, tp compatible with
+    the head counts) but not the memory fit: `kv_capacity_tokens` raises `ImpossibleFitError`.
+    `dtype_bytes=None` takes the model's own element size.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        hardware: HardwareSpec,
+        pp: int,
+        tp: int = 1,
+        layer_split: Sequence[int] | None = None,
+        coefficients: CostCoefficients | None = None,
+        dtype_bytes: int | None = None,
+    ) -> None:
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"invalid parallel.tp={tp!r}: must be an integer >= 1")
+        if model.num_heads % tp:
+            raise ConfigError(
+                f"invalid parallel.tp={tp}: must divide the {model.num_heads} attention heads of {model.name}"
+            )
+        if model.num_kv_heads % tp and tp % model.num_kv_heads:
+            raise ConfigError(
+                f"invalid parallel.tp={tp}: must divide, or be a multiple of, the {model.num_kv_heads} "
+                f"KV heads of {model.name}"
+            )
+        if dtype_bytes is None:
+            dtype_bytes = model.dtype_bytes
+        if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes < 1:
+            raise ConfigError(f"invalid dtype_bytes={dtype_bytes!r}: must be a positive integer")
+        self.model = model
+        self.hardware = hardware
+        self.pp = pp
+        self.tp = tp
+        self.layers: tuple[int, ...] = split_layers(model.num_layers, pp, layer_split)
+        self.coefficients = c = coefficients if coefficients is not None else CostCoefficients()
+        self.dtype_bytes = db = dtype_bytes
+
+        h, hd, vocab = model.hidden_size, model.head_dim, model.vocab_size
+        heads_gpu = model.num_heads // tp
+        kv_heads_gpu = max(1, model.num_kv_heads // tp)  # replicated when tp > num_kv_heads
+        lin_rate = hardware.peak_flops * c.linear_efficiency
+        attn_rate = hardware.peak_flops * c.attention_efficiency
+        mem_rate = hardware.mem_bw_Bps * c.memory_efficiency
+        ar_bw = hardware.allreduce_bw_Bps
+        ring = 2.0 * (tp - 1) / tp  # bytes on the wire per byte reduced, ring all-reduce
+
+        # Per layer, per GPU. Seconds per token / per pair / fixed.
+        lin_params = model.linear_params_per_layer / tp
+        self.kv_bytes_per_token_per_layer_gpu = 2 * kv_heads_gpu * hd * db
+        act_bytes_per_token = db * (
+            10 * h  # norms, residual adds, GEMM inputs of hidden width (replicated under tp)
+            + (2 * model.q_size + 2 * model.kv_size + 3 * model.intermediate_size) / tp
+        )
+        self._lin_c = 2.0 * lin_params / lin_rate
+        self._lin_w = (lin_params + model.norm_params_per_layer) * db / mem_rate
+        self._lin_a = act_bytes_per_token / mem_rate
+        self._attn_c = 4.0 * heads_gpu * hd / attn_rate
+        self._kv_r = self.kv_bytes_per_token_per_layer_gpu / mem_rate
+        self._qo = (2 * heads_gpu * hd * db + self.kv_bytes_per_token_per_layer_gpu) / mem_rate
+        if tp > 1:  # two all-reduces of [tokens, hidden] per layer (after attention and MLP)
+            self._ar_tok = 2.0 * ring * h * db / ar_bw
+            self._ar_fix = 2.0 * 2 * (tp - 1) * hardware.p2p_latency_s
+        else:
+            self._ar_tok = self._ar_fix = 0.0
+
+        # Per stage: (layers, fixed s, embedding s/token, lm_head s/row compute, lm_head weight
+        # read s, lm_head s/row memory, logits gather s/row, logits gather fixed s).
+        consts = []
+        for s, n in enumerate(self.layers):
+            fixed = c.stage_overhead_s + c.per_layer_overhead_s * n
+            emb = 0.0
+            if s == 0:
+                emb = 2.0 * h * db / mem_rate  # gather: read a row, write it
+                if tp > 1:  # vocab-parallel embedding ends with an all-reduce
+                    emb += ring * h * db / ar_bw
+                    fixed += 2 * (tp - 1) * hardware.p2p_latency_s
+            lm_c = lm_w = lm_r = lm_g = lm_gf = 0.0
+            if s == pp - 1:
+                lm_c = 2.0 * h * vocab / tp / lin_rate
+                lm_w = (vocab * h / tp + h) * db / mem_rate  # + the final norm
+                lm_r = (h * db + vocab / tp * 4) / mem_rate  # read hidden, write fp32 logits
+                if tp > 1:  # logits gathered to rank 0
+                    lm_g = (tp - 1) / tp * vocab * db / ar_bw
+                    lm_gf = (tp - 1) * hardware.p2p_latency_s
+            consts.append((n, fixed, emb, lm_c, lm_w, lm_r, lm_g, lm_gf))
+        self._stage_consts: tuple[tuple, ...] = tuple(consts)
+        self._vocab = vocab
+        self._act_bytes_per_token = c.activation_copies * h * db
+
+    def __repr__(self) -> str:
+        return (
+            f"CostModel(model={self.model.name!r}, hardware={self.hardware.name!r}, pp={self.pp}, "
+            f"tp={self.tp}, layers={self.layers})"
+        )
+
+    # ---- compute --------------------------------------------------------------------------
+    def stage_compute_s(self, stage: int, shape: BatchShape) -> float:
+        """GPU time of `shape` on `stage` (0-based; a negative index counts from the end), without
+        sampling. An empty micro-batch costs 0."""
+        n_pre = shape.num_prefill_tokens
+        n_dec = shape.num_decode_seqs
+        tokens = n_pre + n_dec
+        if not tokens:
+            return 0.0
+        n, fixed, emb, lm_c, lm_w, lm_r, lm_g, lm_gf = self._stage_consts[stage]
+        # Linear layers.
+        comp = tokens * self._lin_c
+        mem = self._lin_w + tokens * self._lin_a
+        layer = comp if comp > mem else mem
+        # Attention: prefill chunks and decodes as separate kernels.
+        if n_pre:
+            comp = shape.prefill_attention_pairs * self._attn_c
+            mem = shape.prefill_context_sum * self._kv_r + n_pre * self._qo
+            layer += comp if comp > mem else mem
+        if n_dec:
+            ctx = shape.decode_context_sum
+            comp = ctx * self._attn_c
+            mem = ctx * self._kv_r + n_dec * self._qo
+            layer += comp if comp > mem else mem
+        if self._ar_tok:
+            layer += tokens * self._ar_tok + self._ar_fix
+        total = n * layer + fixed
+        if emb:
+            total += tokens * emb
+        if lm_w:
+            rows = shape.num_sampled
+            if rows:
+                comp = rows * lm_c
+                mem = lm_w + rows * lm_r
+                total += (comp if comp > mem else mem) + rows * lm_g + lm_gf
+        return total
+
+    def stage_times_s(self, shape: BatchShape, include_sampling: bool = True) -> tuple[float, ...]:
+        """`stage_compute_s` of every stage, GPU sampling added to the last one if asked."""
+        times = [self.stage_compute_s(s, shape) for s in range(self.pp)]
+        if include_sampling:
+            times[-1] += self.sample_s(shape)
+        return tuple(times)
+
+    def bottleneck_s(self, shape: BatchShape, include_sampling: bool = True) -> float:
+        """The slowest stage's time for `shape`: the steady-state pipeline period."""
+        return max(self.stage_times_s(shape, include_sampling))
+
+    def decode_step_s(self, batch_size: int, context_len: int) -> float:
+        """Bottleneck stage time of a decode micro-batch of `batch_size` sequences each attending
+        `context_len` tokens, GPU sampling included (TD-Pipe's T(b))."""
+        return self.bottleneck_s(BatchShape.decode(batch_size, context_len))
+
+    def prefill_s(self, tokens: int, num_seqs: int = 1) -> float:
+        """Bottleneck stage time of prefilling `tokens` prompt tokens split evenly over `num_seqs`
+        whole prompts (no prefix), each sampling its first token."""
+        if tokens < 1 or not 1 <= num_seqs <= tokens:
+            raise ValueError(f"bad prefill: tokens={tokens}, num_seqs={num_seqs}")
+        base, extra = divmod(tokens, num_seqs)
+        parts = [(0, base + (1 if i < extra else 0), True) for i in range(num_seqs)]
+        return self.bottleneck_s(BatchShape.from_parts(parts))
+
+    # ---- sampling and CPU work ------------------------------------------------------------
+    def sample_s(self, shape: BatchShape) -> float:
+        """GPU sampling on the last stage (0 when nothing samples)."""
+        rows = shape.num_sampled
+        if not rows:
+            return 0.0
+        c = self.coefficients
+        return c.sample_fixed_s + c.sample_per_token_vocab_s * rows * self._vocab
+
+    def cpu_sample_s(self, shape: BatchShape, workers: int = 1) -> float:
+        """CPU sampling of `shape`'s rows spread over `workers` sampler processes (SiPipe)."""
+        rows = shape.num_sampled
+        if not rows:
+            return 0.0
+        c = self.coefficients
+        return c.cpu_sample_fixed_s + c.cpu_sample_per_token_vocab_s * rows * self._vocab / max(1, workers)
+
+    def prep_s(self, shape: BatchShape) -> float:
+        """CPU input preparation of one micro-batch on one stage."""
+        c = self.coefficients
+        return c.prep_fixed_s + c.prep_per_seq_s * shape.num_seqs + c.prep_per_token_s * (
+            shape.num_prefill_tokens + shape.num_decode_seqs
+        )
+
+    # ---- transfers ------------------------------------------------------------------------
+    def activation_bytes(self, shape: BatchShape) -> int:
+        """Bytes one stage sends the next: tokens x hidden x dtype (x activation_copies)."""
+        return (shape.num_prefill_tokens + shape.num_decode_seqs) * self._act_bytes_per_token
+
+    def token_return_bytes(self, shape: BatchShape) -> int:
+        """Sampled token ids returned to the driver: 4 bytes each."""
+        return shape.num_sampled * 4
+
+    def logits_bytes(self, shape: BatchShape) -> int:
+        """fp32 logits shipped to CPU samplers (SiPipe): rows x vocab x 4."""
+        return shape.num_sampled * self._vocab * 4
+
+    def transfer_s(self, nbytes: float, bandwidth_Bps: float, latency_s: float, structure_aware: bool = True) -> float:
+        """latency + nbytes / bandwidth, + `transfer_metadata_s` unless structure-aware (SiPipe)."""
+        t = latency_s + nbytes / bandwidth_Bps
+        if not structure_aware:
+            t += self.coefficients.transfer_metadata_s
+        return t
+
+    def hop_s(self, shape: BatchShape, structure_aware: bool = True) -> float:
+        """One stage-to-stage activation transfer on the hardware's default link."""
+        hw = self.hardware
+        return self.transfer_s(self.activation_bytes(shape), hw.p2p_bw_Bps, hw.p2p_latency_s, structure_aware)
+
+    # ---- memory ---------------------------------------------------------------------------
+    def weight_bytes_per_stage(self) -> tuple[int, ...]:
+        """Weight bytes of each whole stage (all tp GPUs together): its layers, the embedding on
+        the first stage, the lm_head and final norm on the last. A tied lm_head is the embedding
+        itself when pp == 1, but the last stage holds its own copy when pp > 1 (as vLLM does)."""
+        m, db = self.model, self.dtype_bytes
+        out = []
+        for s, n in enumerate(self.layers):
+            params = n * m.params_per_layer
+            if s == 0:
+                params += m.embedding_params
+            if s == self.pp - 1:
+                params += m.final_norm_params
+                if not (m.tie_word_embeddings and self.pp == 1):
+                    params += m.lm_head_params
+            out.append(params * db)
+        return tuple(out)
+
+    def kv_capacity_blocks(self, gpu_memory_utilization: float = 0.9, block_size: int = 16) -> int:
+        """KV blocks of `block_size` tokens that every stage can hold (the minimum over stages).
+
+        Per GPU: mem * utilisation - weights / tp - activation_reserve, divided by the block's
+        bytes on that stage (KV bytes per token per layer / tp x the stage's layers x block).
+        Raises ImpossibleFitError when some stage cannot hold even one block.
+        """
+        if isinstance(gpu_memory_utilization, bool) or not (
+            isinstance(gpu_memory_utilization, (int, float)) and 0.0 < gpu_memory_utilization <= 1.0
+        ):
+            raise ConfigError(
+                f"invalid engine.gpu_memory_utilization={gpu_memory_utilization!r}: must be in (0, 1]"
+            )
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError(f"invalid engine.block_size={block_size!r}: must be an integer >= 1")
+        hw, m = self.hardware, self.model
+        reserve = self.coefficients.activation_reserve_gib * GIB
+        usable = hw.mem_bytes * gpu_memory_utilization - reserve
+        best: int | None = None
+        for s, (n, wbytes) in enumerate(zip(self.layers, self.weight_bytes_per_stage())):
+            weights = wbytes / self.tp
+            block_bytes = self.kv_bytes_per_token_per_layer_gpu * n * block_size
+            free = usable - weights
+            blocks = math.floor(free / block_bytes) if free > 0 else 0
+            if blocks < 1:
+                where = (
+                    f"stage {s} of {self.pp} ({n} layers) needs {weights / GIB:.1f} GiB of weights per GPU "
+                    f"but only {usable / GIB:.1f} GiB is usable ({hw.mem_gib:g} GiB x "
+                    f"gpu_memory_utilization {gpu_memory_utilization:g} - "
+                    f"{self.coefficients.activation_reserve_gib:g} GiB activation reserve)"
+                )
+                if free > 0:
+                    where += f", leaving less than one KV block ({block_bytes / 2**20:.1f} MiB)"
+                raise ImpossibleFitError(
+                    f"model {m.name} does not fit on hardware {hw.name} with pp={self.pp}, tp={self.tp}: "
+                    f"{where}; raise parallel.pp (or parallel.tp) or choose a bigger GPU"
+                )
+            best = blocks if best is None else min(best, blocks)
+        assert best is not None
+        return best
+
+    def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9, block_size: int = 16) -> int:
+        """Tokens of KV cache every stage can hold, in whole blocks (= blocks x block_size)."""
+        return self.kv_capacity_blocks(gpu_memory_utilization, block_size) * block_size

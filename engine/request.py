@@ -1,0 +1,118 @@
+"""Requests and the life of a sequence inside the controller.
+
+A `Request` is what a workload produces: immutable, with an arrival time and the two lengths
+that drive every cost (prompt tokens, tokens to generate). A `Sequence` is the controller's
+mutable record of one request while it is served. Its states follow the usual paged-attention
+engines:
+
+    WAITING --admit--> PREFILLING --last prompt chunk sampled--> DECODING --last token--> FINISHED
+        ^                  |                                          |
+        +---- PREEMPTED <--+------------------------------------------+   (KV freed, recompute)
+    any state --impossible to serve--> FAILED (reported, never silently dropped)
+
+Preemption is by recomputation: the KV is freed and the sequence later re-prefills its prompt
+plus the tokens it had already generated (vLLM's recompute mode), so `prefill_target` grows
+with `num_generated`.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One inference request as a workload yields it.
+
+    `prompt_text` and `prompt_token_ids` are optional: the simulator needs only lengths, the
+    torch executor derives deterministic ids from `request_id` when none are given, and text
+    feeds output-length predictors.
+    """
+
+    request_id: int
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    prompt_text: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1:
+            raise ValueError(f"request {self.request_id}: prompt_len must be >= 1, got {self.prompt_len}")
+        if self.output_len < 1:
+            raise ValueError(f"request {self.request_id}: output_len must be >= 1, got {self.output_len}")
+        if self.arrival_s < 0:
+            raise ValueError(f"request {self.request_id}: arrival_s must be >= 0, got {self.arrival_s}")
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    PREEMPTED = "preempted"  # waiting again, to recompute its prompt + generated tokens
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """The controller's state of one request. Policies read it; only the controller writes it."""
+
+    request: Request
+    seq_id: int = field(init=False)  # = request.request_id; a plain attribute, read on hot paths
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose KV is in the cache
+    num_generated: int = 0  # output tokens sampled so far
+    in_flight: bool = False  # part of a launched, not yet completed micro-batch
+    admit_order: int = -1  # position in admission order; the latest admitted is preempted first
+    num_preemptions: int = 0
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    fail_reason: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.seq_id = self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def output_len(self) -> int:
+        return self.request.output_len
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to prefill before the next token can be sampled (prompt + recomputed output)."""
+        return self.request.prompt_len + self.num_generated
+
+    @property
+    def remaining_prefill(self) -> int:
+        return max(0, self.prefill_target - self.num_computed)
+
+    @property
+    def total_len(self) -> int:
+        """Tokens known so far: prompt plus generated."""
+        return self.request.prompt_len + self.num_generated
+
+    @property
+    def remaining_output(self) -> int:
+        return self.request.output_len - self.num_generated
+
+    @property
+    def is_waiting(self) -> bool:
+        return self.status in (SeqStatus.WAITING, SeqStatus.PREEMPTED)
+
+    @property
+    def is_running(self) -> bool:
+        return self.status in (SeqStatus.PREFILLING, SeqStatus.DECODING)
+
+    @property
+    def is_done(self) -> bool:
+        return self.status in (SeqStatus.FINISHED, SeqStatus.FAILED)
+
+    def __repr__(self) -> str:  # short, for error messages and debugging
+        return (f"Sequence(id={self.seq_id}, {self.status.value}, computed={self.num_computed}, "
+                f"generated={self.num_generated}/{self.output_len})")

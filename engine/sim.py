@@ -1,0 +1,276 @@
+"""The discrete-event pipeline simulator: P stages and P-1 links as servers on a virtual clock.
+
+Events live in one heap keyed `(time, priority, sequence number)`, so two runs of the same
+config pop events in exactly the same order, bit for bit; the priority breaks same-time ties in
+a fixed, documented order (tests/test_sim.py pins it):
+
+    STAGE_DONE < LINK_DONE < ARRIVE < PREP_DONE < SAMPLE_DONE < COMPLETE
+
+What one micro-batch does, stage s = 0..P-1:
+  input preparation (CPU: metadata, tensors; serial before the forward unless the runtime
+  overlaps it into a second buffer) -> forward of the stage's layers (cost model) -> on the last
+  stage, sampling (inline on the GPU, or on a pool of CPU sampler processes with SiPipe's
+  `cpu_sampling`) -> the activation crosses link s->s+1, a server with bandwidth whose data lands
+  `latency` later; which pending activation (or chunk of one) a link sends is the policy's
+  `schedule_transfer` choice; without `structure_aware_transfer` every send pays the cost model's
+  per-hop metadata rounds. Token ids return to the driver after one link latency.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass
+
+from engine.batch import MicroBatch
+from engine.errors import bad_value
+from engine.executor import EXECUTORS, Completion, Executor, ExecutorBuild, ExecutorSpec
+from engine.policy import LinkState, PendingTransfer, RuntimeFeatures, Transfer
+from engine.trace import Tracer
+
+STAGE_DONE, LINK_DONE, ARRIVE, PREP_DONE, SAMPLE_DONE, COMPLETE = range(6)
+EVENT_NAMES = ("STAGE_DONE", "LINK_DONE", "ARRIVE", "PREP_DONE", "SAMPLE_DONE", "COMPLETE")
+
+
+class EventQueue:
+    """Min-heap of (time, priority, seq_no, payload); seq_no makes ties first-in first-out."""
+
+    __slots__ = ("_heap", "_counter")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple] = []
+        self._counter = itertools.count()
+
+    def push(self, time: float, priority: int, payload: tuple) -> None:
+        heapq.heappush(self._heap, (time, priority, next(self._counter), payload))
+
+    def pop(self) -> tuple:
+        return heapq.heappop(self._heap)
+
+    def peek_time(self) -> float | None:
+        return self._heap[0][0] if self._heap else None
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+class SimExecutor(Executor):
+    def __init__(self, cost_model, *, runtime: RuntimeFeatures = RuntimeFeatures(),
+                 link_bandwidth_Bps: float, link_latency_s: float,
+                 transfer_scheduler: Callable[[LinkState, Seq[PendingTransfer]], Transfer] | None = None,
+                 num_cpu_samplers: int = 4, tracer: Tracer | None = None) -> None:
+        self.cost = cost_model
+        self.pipeline_depth = P = cost_model.pp
+        self.runtime = runtime
+        self.bandwidth = float(link_bandwidth_Bps)
+        self.latency = float(link_latency_s)
+        self.transfer_scheduler = transfer_scheduler or _fifo
+        self.tracer = tracer or Tracer()
+        self.events = EventQueue()
+        self._clock = 0.0
+        self._mbs: dict[int, MicroBatch] = {}
+        # stage servers
+        self._gpu_busy = [False] * P
+        self._ready: list[deque[int]] = [deque() for _ in range(P)]  # input arrived (and prepared)
+        self._running: list[tuple[float, float, int] | None] = [None] * P  # (start, end, mb) now on the GPU
+        # overlapped input preparation (double buffer: at most one prepared batch waits per stage)
+        self._prep_queue: list[deque[int]] = [deque() for _ in range(P)]
+        self._cpu_busy = [False] * P
+        self._prepared: list[set[int]] = [set() for _ in range(P)]
+        self._arrived: list[set[int]] = [set() for _ in range(P)]
+        # links s -> s+1
+        self._link_pending: list[list[PendingTransfer]] = [[] for _ in range(max(0, P - 1))]
+        self._link_busy = [False] * max(0, P - 1)
+        self._inbound: dict[tuple[int, int], int] = {}  # (stage, mb) -> bytes still to arrive
+        self._sampler_free_at = [0.0] * max(1, num_cpu_samplers)
+        self._stage_tracks = [f"stage{s}" for s in range(P)]
+        self._link_tracks = [f"link{s}-{s + 1}" for s in range(P - 1)]
+
+    # --- Executor interface ----------------------------------------------------------------------
+    def now(self) -> float:
+        return self._clock
+
+    def wait_until(self, t: float) -> None:
+        if t > self._clock:
+            self._clock = t
+
+    def launch(self, mb: MicroBatch) -> None:
+        self._mbs[mb.mb_id] = mb
+        if self.runtime.overlap_input_prep:
+            for s in range(self.pipeline_depth):
+                self._prep_queue[s].append(mb.mb_id)
+                self._try_prep(s)
+        self._arrive(0, mb.mb_id)
+
+    def next_completion(self, deadline: float | None = None) -> Completion | None:
+        ev = self.events
+        while True:
+            t = ev.peek_time()
+            if t is None or (deadline is not None and t > deadline):
+                if deadline is not None and deadline > self._clock:
+                    self._clock = deadline
+                return None
+            t, prio, _, payload = ev.pop()
+            self._clock = t
+            if prio == STAGE_DONE:
+                self._on_stage_done(*payload)
+            elif prio == LINK_DONE:
+                self._on_link_done(*payload)
+            elif prio == ARRIVE:
+                self._on_arrive(*payload)
+            elif prio == PREP_DONE:
+                self._on_prep_done(*payload)
+            elif prio == SAMPLE_DONE:
+                self._complete_after_return(payload[0])
+            else:  # COMPLETE
+                mb_id = payload[0]
+                del self._mbs[mb_id]
+                return Completion(mb_id, t)
+
+    # --- stages ------------------------------------------------------------------------------------
+    def _arrive(self, stage: int, mb_id: int) -> None:
+        if self.runtime.overlap_input_prep:
+            self._arrived[stage].add(mb_id)
+            if mb_id in self._prepared[stage]:
+                self._ready[stage].append(mb_id)
+        else:
+            self._ready[stage].append(mb_id)
+        self._try_start(stage)
+
+    def _try_start(self, s: int) -> None:
+        if self._gpu_busy[s] or not self._ready[s]:
+            return
+        mb_id = self._ready[s].popleft()
+        mb = self._mbs[mb_id]
+        shape = mb.shape
+        now = self._clock
+        tr = self.tracer
+        track = self._stage_tracks[s]
+        t = now
+        if self.runtime.overlap_input_prep:
+            self._prepared[s].discard(mb_id)
+            self._arrived[s].discard(mb_id)
+            self._try_prep(s)  # the buffer it used is free for the next batch
+        else:
+            prep = self.cost.prep_s(shape)
+            tr.span(track, "prepare", t, t + prep, mb_id)
+            t += prep
+        fwd = self.cost.stage_compute_s(s, shape)
+        tr.span(track, f"forward:{mb.kind}", t, t + fwd, mb_id)
+        t += fwd
+        if s == self.pipeline_depth - 1 and not self.runtime.cpu_sampling:
+            smp = self.cost.sample_s(shape)
+            tr.span(track, "sample", t, t + smp, mb_id)
+            t += smp
+        self._gpu_busy[s] = True
+        self._running[s] = (now, t, mb_id)
+        self.events.push(t, STAGE_DONE, (s, mb_id))
+
+    def _on_stage_done(self, s: int, mb_id: int) -> None:
+        self._gpu_busy[s] = False
+        self._running[s] = None
+        now = self._clock
+        mb = self._mbs[mb_id]
+        if s < self.pipeline_depth - 1:
+            nbytes = self.cost.activation_bytes(mb.shape)
+            self._inbound[(s + 1, mb_id)] = nbytes
+            self._link_pending[s].append(PendingTransfer(mb, nbytes, nbytes, now))
+            self._try_send(s)
+        elif self.runtime.cpu_sampling:
+            # Logits go to the least-loaded CPU sampler; the GPU is free at once.
+            k = min(range(len(self._sampler_free_at)), key=self._sampler_free_at.__getitem__)
+            start = max(now, self._sampler_free_at[k])
+            end = start + self.cost.cpu_sample_s(mb.shape)
+            self._sampler_free_at[k] = end
+            self.tracer.span(f"sampler{k}", "sample", start, end, mb_id)
+            self.events.push(end, SAMPLE_DONE, (mb_id,))
+        else:
+            self._complete_after_return(mb_id)
+        self._try_start(s)
+
+    def _complete_after_return(self, mb_id: int) -> None:
+        self.events.push(self._clock + self.latency, COMPLETE, (mb_id,))
+
+    # --- overlapped preparation ------------------------------------------------------------------
+    def _try_prep(self, s: int) -> None:
+        waiting_prepared = len(self._prepared[s])
+        if self._cpu_busy[s] or not self._prep_queue[s] or waiting_prepared >= 1:
+            return
+        mb_id = self._prep_queue[s].popleft()
+        prep = self.cost.prep_s(self._mbs[mb_id].shape)
+        self._cpu_busy[s] = True
+        self.tracer.span(f"{self._stage_tracks[s]}.cpu", "prepare", self._clock, self._clock + prep, mb_id)
+        self.events.push(self._clock + prep, PREP_DONE, (s, mb_id))
+
+    def _on_prep_done(self, s: int, mb_id: int) -> None:
+        self._cpu_busy[s] = False
+        self._prepared[s].add(mb_id)
+        if mb_id in self._arrived[s]:
+            self._ready[s].append(mb_id)
+            self._try_start(s)
+        self._try_prep(s)
+
+    # --- links ---------------------------------------------------------------------------------------
+    def _try_send(self, link: int) -> None:
+        pending = self._link_pending[link]
+        if self._link_busy[link] or not pending:
+            return
+        now = self._clock
+        running = self._running[link]
+        info = {"upstream_busy": running is not None,
+                "upstream_start_s": running[0] if running else None,
+                "upstream_end_s": running[1] if running else None}
+        state = LinkState(link, link + 1, self.bandwidth, self.latency, now, info)
+        choice = self.transfer_scheduler(state, pending)
+        item, nbytes = choice.item, int(choice.nbytes)
+        if item not in pending or not 0 < nbytes <= item.remaining_bytes:
+            raise RuntimeError(f"schedule_transfer chose {nbytes} bytes of micro-batch {item.mb.mb_id}, "
+                               f"which has {item.remaining_bytes} pending on link {link}")
+        item.remaining_bytes -= nbytes
+        if item.remaining_bytes == 0:
+            pending.remove(item)
+        duration = nbytes / self.bandwidth
+        if not self.runtime.structure_aware_transfer:
+            duration += self.cost.coefficients.transfer_metadata_s
+        self._link_busy[link] = True
+        self.tracer.span(self._link_tracks[link], "send", now, now + duration, item.mb.mb_id)
+        self.events.push(now + duration, LINK_DONE, (link, item.mb.mb_id, nbytes))
+
+    def _on_link_done(self, link: int, mb_id: int, nbytes: int) -> None:
+        self._link_busy[link] = False
+        self.events.push(self._clock + self.latency, ARRIVE, (link + 1, mb_id, nbytes))
+        self._try_send(link)
+
+    def _on_arrive(self, stage: int, mb_id: int, nbytes: int) -> None:
+        key = (stage, mb_id)
+        left = self._inbound[key] - nbytes
+        if left > 0:
+            self._inbound[key] = left
+            return
+        del self._inbound[key]
+        self._arrive(stage, mb_id)
+
+
+def _fifo(link: LinkState, pending: Seq[PendingTransfer]) -> Transfer:
+    return Transfer(pending[0], pending[0].remaining_bytes)
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """`executor=sim` settings."""
+
+    num_cpu_samplers: int = 4  # SiPipe's CPU sampler pool size (used with runtime.cpu_sampling)
+
+    def __post_init__(self) -> None:
+        if self.num_cpu_samplers < 1:
+            raise bad_value("executor.num_cpu_samplers", self.num_cpu_samplers, "must be >= 1")
+
+
+def _make_sim(settings: SimSettings, build: ExecutorBuild) -> SimExecutor:
+    return SimExecutor(build.cost_model, runtime=build.runtime, link_bandwidth_Bps=build.link_bandwidth_Bps,
+                       link_latency_s=build.link_latency_s, transfer_scheduler=build.policy.schedule_transfer,
+                       num_cpu_samplers=settings.num_cpu_samplers, tracer=build.tracer)
+
+
+EXECUTORS.add("sim", ExecutorSpec(SimSettings, _make_sim))

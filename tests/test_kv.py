@@ -1,0 +1,61 @@
+"""Block manager invariants under random operations (hypothesis drives the sequences)."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from engine.kv import BlockManager
+
+
+def test_allocate_append_free_roundtrip():
+    kv = BlockManager(num_blocks=10, block_size=16)
+    assert kv.can_allocate(1, 33)
+    kv.allocate(1, 33)  # 3 blocks
+    assert kv.num_used == 3 and kv.num_free == 7
+    assert kv.can_append(1, 15) and kv.extra_blocks(1, 48) == 0
+    kv.append(1, 15)  # 48 tokens: still 3 blocks
+    assert kv.num_used == 3
+    kv.append_one(1)  # 49 tokens: a 4th block
+    assert kv.num_used == 4 and kv.num_tokens(1) == 49
+    assert kv.free(1) == 4 and kv.num_free == 10 and kv.usage == 0.0
+    kv.check_integrity()
+
+
+def test_cannot_overallocate():
+    kv = BlockManager(num_blocks=2, block_size=16)
+    assert not kv.can_allocate(1, 33)
+    kv.allocate(1, 32)
+    assert not kv.can_append(1, 1)
+    with pytest.raises(MemoryError):
+        kv.append(1, 1)
+    with pytest.raises(MemoryError):
+        kv.append_one(1)
+    assert kv.num_tokens(1) == 32  # a failed append changes nothing
+    kv.check_integrity()
+
+
+def test_integrity_detects_double_ownership():
+    kv = BlockManager(num_blocks=4, block_size=4)
+    kv.allocate(1, 4)
+    kv.allocate(2, 4)
+    kv._tables[2][0] = kv._tables[1][0]  # corrupt on purpose
+    with pytest.raises(AssertionError, match="owned by sequences"):
+        kv.check_integrity()
+
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "append", "free"]), st.integers(0, 7), st.integers(1, 40)),
+               max_size=200)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_random_operations_keep_invariants(operations):
+    kv = BlockManager(num_blocks=20, block_size=8)
+    for op, seq, n in operations:
+        if op == "alloc" and kv.can_allocate(seq, n):
+            kv.allocate(seq, n)
+        elif op == "append" and kv.holds(seq) and kv.can_append(seq, n):
+            kv.append(seq, n)
+        elif op == "free":
+            kv.free(seq)
+        kv.check_integrity()
+        owned = sum(len(kv.block_table(s)) for s in range(8))
+        assert owned + kv.num_free == kv.num_blocks

@@ -1,0 +1,169 @@
+"""The workload registry, config checking shared by all workloads, and `build_workload`.
+
+A workload is a frozen dataclass of plain settings (so Hydra/OmegaConf, the tuner and the CLI
+can all pass a flat dict) plus a `build(cfg, data_dir)` function returning requests. Keeping
+configs flat and typed means a typo or a bad value is caught here, with the key named, before
+any simulation time is spent.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from engine.errors import ConfigError, bad_value
+from engine.registry import Registry
+from engine.request import Request
+
+PREFIX = "workload"  # config keys are reported as workload.<field>, as in the Hydra config
+
+
+class WorkloadSpec(NamedTuple):
+    """What a workload registers: its config dataclass and the function that builds requests."""
+
+    config_cls: type
+    build: Callable[[Any, str | None], list[Request]]
+
+
+WORKLOADS: Registry[WorkloadSpec] = Registry("workload")
+
+
+def key(field: str) -> str:
+    return f"{PREFIX}.{field}"
+
+
+# ---------------------------------------------------------------- config checking
+
+def check_types(cfg: Any) -> None:
+    """Check every field of a config dataclass against its annotation, coercing where lossless.
+
+    Accepted annotations: int, float, str, bool and their `| None` forms. An int is accepted for
+    a float field (OmegaConf gives `rate: 4` as int), an integral float for an int field, and a
+    path-like for a str field; bool is never taken as a number. NaN and infinities are refused.
+    Call it first thing in `__post_init__`; it also checks that `name` is the registered one.
+    """
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        allowed = _allowed_types(hints[f.name])
+        new = _coerce(f.name, value, allowed)
+        if new is not value:
+            object.__setattr__(cfg, f.name, new)
+    name_field = dataclasses.fields(cfg)[0]
+    if name_field.name != "name" or cfg.name != name_field.default:
+        raise bad_value(key("name"), cfg.name, f"this config class is for workload {name_field.default!r}")
+
+
+def _allowed_types(hint: Any) -> tuple[type, ...]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _describe(allowed: tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    parts = [names[t] for t in allowed if t is not type(None)]
+    text = " or ".join(parts)
+    return f"must be {text} or null" if type(None) in allowed else f"must be {text}"
+
+
+def _coerce(field: str, value: Any, allowed: tuple[type, ...]) -> Any:
+    if value is None and type(None) in allowed:
+        return value
+    if isinstance(value, bool):
+        if bool in allowed:
+            return value
+    elif isinstance(value, int):
+        if int in allowed:
+            return value
+        if float in allowed:
+            return float(value)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise bad_value(key(field), value, "must be a finite number")
+        if float in allowed:
+            return value
+        if int in allowed and value.is_integer():
+            return int(value)
+    elif isinstance(value, str):
+        if str in allowed:
+            return value
+    elif isinstance(value, os.PathLike) and str in allowed:
+        return os.fspath(value)
+    raise bad_value(key(field), value, _describe(allowed))
+
+
+def check_choice(field: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise bad_value(key(field), value, f"must be one of {', '.join(choices)}")
+
+
+def check_min(field: str, value: float | None, low: float, *, strict: bool = False) -> None:
+    """`value` must be >= low (or > low when strict); None passes (it means 'no limit')."""
+    if value is None:
+        return
+    if value < low or (strict and value == low):
+        raise bad_value(key(field), value, f"must be {'>' if strict else '>='} {low}")
+
+
+def check_range(lo_field: str, lo: int, hi_field: str, hi: int | None) -> None:
+    """A [min, max] pair of length filters: min >= 1, max None or >= min."""
+    check_min(lo_field, lo, 1)
+    if hi is not None and hi < lo:
+        raise bad_value(key(hi_field), hi, f"must be >= {key(lo_field)}={lo} (or null for no limit)")
+
+
+# ---------------------------------------------------------------- building
+
+def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_lens: Sequence[int],
+                  texts: Sequence[str | None] | None = None) -> list[Request]:
+    """Requests sorted by arrival (stable, so ties keep their given order), ids 0..n-1."""
+    n = len(arrivals)
+    if not (len(prompt_lens) == len(output_lens) == n) or (texts is not None and len(texts) != n):
+        raise ValueError("make_requests: arrivals, lengths and texts must have the same length")
+    order = sorted(range(n), key=lambda i: arrivals[i])
+    return [Request(request_id=rid, arrival_s=float(arrivals[i]), prompt_len=int(prompt_lens[i]),
+                    output_len=int(output_lens[i]), prompt_text=None if texts is None else texts[i])
+            for rid, i in enumerate(order)]
+
+
+def workload_config(name_or_cfg: str | Mapping[str, Any] | Any) -> Any:
+    """Turn a workload name, a flat dict `{name: ..., field: value}` or a config into a config.
+
+    Unknown keys are an error listing the valid keys, so a misspelt setting is never ignored.
+    """
+    if dataclasses.is_dataclass(name_or_cfg) and not isinstance(name_or_cfg, type):
+        WORKLOADS.get(getattr(name_or_cfg, "name", None))
+        return name_or_cfg
+    if isinstance(name_or_cfg, str):
+        name, settings = name_or_cfg, {}
+    elif isinstance(name_or_cfg, Mapping):
+        settings = dict(name_or_cfg)
+        name = settings.pop("name", None)
+        if name is None:
+            raise ConfigError(f"workload config has no 'name'; valid names: {', '.join(WORKLOADS.names())}")
+    else:
+        raise ConfigError(f"workload must be a name or a mapping with a 'name', got {type(name_or_cfg).__name__}")
+    spec = WORKLOADS.get(name)
+    valid = [f.name for f in dataclasses.fields(spec.config_cls) if f.name != "name"]
+    unknown = sorted(str(k) for k in settings if k not in valid)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(key(k) for k in unknown)} for workload {name!r}; "
+                          f"valid keys: {', '.join(valid)}")
+    return spec.config_cls(name=name, **settings)
+
+
+def build_workload(name_or_cfg: str | Mapping[str, Any] | Any, data_dir: str | os.PathLike | None = None
+                   ) -> list[Request]:
+    """Build the requests of a workload: sorted by arrival, `request_id` 0..n-1 in that order."""
+    cfg = workload_config(name_or_cfg)
+    spec = WORKLOADS.get(cfg.name)
+    requests = spec.build(cfg, None if data_dir is None else os.fspath(data_dir))
+    for i, r in enumerate(requests):  # the contract every consumer relies on
+        if r.request_id != i or (i and r.arrival_s < requests[i - 1].arrival_s):
+            raise AssertionError(f"workload {cfg.name!r} returned requests out of order at index {i}")
+    return requests
