@@ -56,6 +56,9 @@ class HardwareSpec:
     p2p_latency_s: float
     allreduce_bw_gbs: float
     cpu_cores_hint: int | None = None
+    # Fitted CostCoefficients of a calibrated profile (`testbed profile`); None for table GPUs,
+    # whose coefficients are the cost model's defaults. `cost.<field>=` still overrides either.
+    calibration: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):

@@ -78,7 +78,8 @@ def group_nodes() -> dict[str, dict[str, dict]]:
 
 def base_config() -> dict:
     base = {k: (dict(v) if isinstance(v, dict) else v) for k, v in BASE.items()}
-    base["cost"] = _node(CostCoefficients())
+    # null = the hardware profile's fitted value if it has one, else the cost model's default
+    base["cost"] = {k: None for k in _node(CostCoefficients())}
     return base
 
 

@@ -24,9 +24,12 @@ def _natural(s: str):
 
 
 def plot_timeline(result, path: Path, max_microbatches: int = 40) -> None:
-    """Gantt chart of the first `max_microbatches` micro-batches on every stage, link and
-    sampler: bubbles show as white gaps between bars."""
-    spans = [s for s in result.tracer.spans if 0 <= s[4] < max_microbatches]
+    """Gantt chart of `max_microbatches` consecutive micro-batches on every stage, link and
+    sampler, taken from the middle of the traced part of the run (steady state, not warm-up):
+    bubbles show as white gaps between bars."""
+    traced = max((s[4] for s in result.tracer.spans), default=0)
+    first = max(0, traced // 2 - max_microbatches // 2)
+    spans = [s for s in result.tracer.spans if first <= s[4] < first + max_microbatches]
     tracks = result.stage_tracks + sorted({s[0] for s in spans} - set(result.stage_tracks), key=_natural)
     fig, ax = plt.subplots(figsize=(12, 0.5 * len(tracks) + 1.5))
     for i, track in enumerate(tracks):
@@ -38,7 +41,8 @@ def plot_timeline(result, path: Path, max_microbatches: int = 40) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("time (s)")
     pol = result.info.get("policy", "")
-    ax.set_title(f"pipeline timeline, first {max_microbatches} micro-batches ({pol}, {result.info.get('executor', '')})")
+    ax.set_title(f"pipeline timeline, micro-batches {first}-{first + max_microbatches - 1} "
+                 f"({pol}, {result.info.get('executor', '')})")
     handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in KIND_COLORS.items() if k != "wait"]
     ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=4)
     fig.tight_layout()

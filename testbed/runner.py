@@ -55,7 +55,9 @@ def build_cost_model(cfg: Mapping[str, Any]) -> CostModel:
     for key, value in (("parallel.pp", pp), ("parallel.tp", tp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise bad_value(key, value, "must be an integer >= 1")
-    coeffs = make_params(CostCoefficients, _section(cfg, "cost"), prefix="cost")
+    values = dict(hw.calibration or {})
+    values.update({k: v for k, v in _section(cfg, "cost").items() if v is not None})
+    coeffs = make_params(CostCoefficients, values, prefix="cost")
     split = par.get("layer_split")
     return CostModel(model, hw, pp=pp, tp=tp, layer_split=list(split) if split else None, coefficients=coeffs)
 

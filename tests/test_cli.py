@@ -110,3 +110,20 @@ def test_list_shows_every_group(capsys):
     for line in ("policy:", "workload:", "executor:", "hardware:", "model:"):
         assert line in out
     assert "l20-48g" in out and "qwen2.5-32b" in out
+
+
+def test_data_sharegpt_command_builds_a_usable_pairs_file(tmp_path, capsys):
+    from test_workloads import sharegpt_source, word_tokenizer
+
+    src = sharegpt_source(tmp_path / "sg.json", truncate=True)
+    tok = word_tokenizer(tmp_path / "tok.json", False)
+    out = tmp_path / "pairs.jsonl.gz"
+    assert main(["data", "sharegpt", "--source", str(src), "--tokenizer", str(tok), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "truncated: True" in printed and printed.strip().splitlines()[-1] == str(out.resolve())
+    code = main(["run", "policy=sarathi", "workload=sharegpt", f"workload.path={out}", "workload.num_requests=3",
+                 "workload.arrival=offline", "model=llama2-13b", "hardware=a100-80g", "output.mlflow=false",
+                 "output.plots=false", "output.progress=false", f"output.dir={tmp_path}"])
+    assert code == 0
+    run_dir = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.loads((run_dir / "summary.json").read_text())["num_finished"] == 3
