@@ -142,6 +142,39 @@ def cmd_test(args: argparse.Namespace) -> int:
     return int(pytest.main([str(tests), *args.pytest_args]))
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Search the policy's hyperparameters with Optuna (see testbed/tune.py)."""
+    from testbed.tune import print_outcome, run_tune
+
+    outcome = run_tune(args.overrides, _console())
+    print_outcome(outcome)
+    if outcome.interrupted:
+        print("interrupted: run the same command again to resume the study", file=sys.stderr)
+        return 130
+    return 1 if outcome.worker_errors else 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Run a grid (comma lists are axes) and write a comparison table and figures."""
+    from testbed.compare import run_compare
+
+    out_dir, _ = run_compare(args.overrides, _console())
+    print(out_dir.resolve())
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Rebuild tables and figures of experiments from the MLflow tracking store."""
+    from testbed.overrides import split_list
+    from testbed.report import build_report
+
+    metrics = split_list(args.metrics) if args.metrics else None
+    out_dir = build_report(args.experiments, args.tracking_uri, Path(args.out) if args.out else None, x=args.x,
+                           metrics=metrics, console=_console())
+    print(out_dir.resolve())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="testbed", description="Pipeline-parallel LLM serving testbed.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -151,6 +184,20 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="list the choices of every config group")
     ls.add_argument("group", nargs="?")
     ls.set_defaults(func=cmd_list)
+    tu = sub.add_parser("tune", help="tune a policy's hyperparameters with Optuna (tune.trials=, tune.objective=, ...)")
+    tu.add_argument("overrides", nargs="*", help="run overrides plus tune.* keys, e.g. policy=sarathi tune.trials=50")
+    tu.set_defaults(func=cmd_tune)
+    cp = sub.add_parser("compare", help="run a grid of experiments (comma lists are axes) and compare them")
+    cp.add_argument("overrides", nargs="*", help="run overrides (policy=sarathi,vllm workload.rate=2,4) plus compare.*")
+    cp.set_defaults(func=cmd_compare)
+    rp = sub.add_parser("report", help="rebuild comparison tables and figures from MLflow runs")
+    rp.add_argument("experiments", nargs="+", help="MLflow experiment name(s); several are combined")
+    rp.add_argument("--tracking-uri", default="sqlite:///runs/mlflow.db",
+                    help="MLflow tracking URI (default: sqlite:///runs/mlflow.db; also http://host:port)")
+    rp.add_argument("--out", help="output directory (default: runs/report/<experiment>)")
+    rp.add_argument("--x", help="x axis of the figures (default: the numeric axis, workload.rate first)")
+    rp.add_argument("--metrics", help="comma list of metrics for the table and figures")
+    rp.set_defaults(func=cmd_report)
     t = sub.add_parser("test", help="run the test suite (extra arguments go to pytest)")
     t.add_argument("pytest_args", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_test)

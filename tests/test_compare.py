@@ -1,0 +1,84 @@
+"""`testbed compare`: one row per grid point carrying the metrics of its MLflow run; a point that
+fails is a failed row, not a failed grid; a typo fails before anything runs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from mlflow_db import fresh_mlflow_db
+from testbed.cli import main
+
+# llama2-13b does not fit one 24 GiB RTX 4090 (pp=1) but fits two (pp=2): half the grid fails.
+BASE = ["workload=synthetic", "workload.num_requests=60", "model=llama2-13b", "hardware=rtx4090",
+        "output.plots=false", "output.progress=false"]
+METRICS = ("throughput_tok_s", "ttft_p99_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment", "num_finished")
+
+
+def test_grid_rows_match_their_mlflow_runs(tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    fresh_mlflow_db(tmp_path)
+    code = main(["compare", *BASE, f"output.dir={tmp_path}", "policy=sarathi,vllm", "parallel.pp=1,2",
+                 "compare.workers=2", "compare.experiment=grid"])
+    assert code == 0
+    out_dir = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out_dir == (tmp_path / "compare" / "grid").resolve()
+    table = pd.read_csv(out_dir / "table.csv")
+    assert len(table) == 4
+    assert list(zip(table["point"], table["policy"], table["parallel.pp"])) == [
+        (0, "sarathi", 1), (1, "sarathi", 2), (2, "vllm", 1), (3, "vllm", 2)]
+    failed = table[table["parallel.pp"] == 1]
+    assert (failed["status"] == "failed").all()
+    assert failed["error"].str.contains("does not fit").all()
+    done = table[table["parallel.pp"] == 2]
+    assert (done["status"] == "finished").all() and (done["num_finished"] == 60).all()
+
+    client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
+    exp = client.get_experiment_by_name("grid")
+    runs = {r.info.run_id: r for r in client.search_runs([exp.experiment_id])}
+    parent = [r for r in runs.values() if r.data.tags.get("testbed.kind") == "compare"]
+    assert len(parent) == 1 and len(runs) == 5
+    for _, row in table.iterrows():
+        run = runs[row["run_id"]]
+        assert run.data.tags["mlflow.parentRunId"] == parent[0].info.run_id
+        assert run.data.params["policy.name"] == row["policy"]
+        assert run.data.params["parallel.pp"] == str(row["parallel.pp"])
+        assert run.data.tags["axis.parallel.pp"] == str(row["parallel.pp"])
+        if row["status"] == "finished":
+            assert run.info.status == "FINISHED"
+            for m in METRICS:
+                assert run.data.metrics[m] == pytest.approx(row[m], rel=1e-12), m
+        else:
+            assert run.info.status == "FAILED" and "does not fit" in run.data.tags["error"]
+    # the same rows as Markdown, and a figure per metric: x = the numeric axis, one line per policy
+    md = (out_dir / "table.md").read_text().splitlines()
+    assert md[0].startswith("| point | policy | parallel.pp | status | throughput_tok_s")
+    assert len(md) == 2 + 4
+    for name in ("throughput_tok_s_vs_parallel.pp.png", "ttft_p99_s_vs_parallel.pp.png", "overview.png"):
+        assert (out_dir / name).stat().st_size > 0
+    assert {"table.csv", "table.md", "overview.png"} <= {a.path for a in client.list_artifacts(parent[0].info.run_id)}
+    assert sorted(p.name for p in (out_dir / "runs").iterdir()) == [  # run directories of the finished points
+        "001_policy=sarathi_parallel.pp=2", "003_policy=vllm_parallel.pp=2"]
+
+
+def test_a_typo_in_the_grid_fails_before_anything_runs(tmp_path, capsys):
+    code = main(["compare", *BASE, f"output.dir={tmp_path}", "policy=sarathi,nope", "compare.experiment=typo"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: unknown policy 'nope'; valid choices:") and "\n" not in err
+    assert not (tmp_path / "compare").exists() and not (tmp_path / "mlflow.db").exists()
+    code = main(["compare", *BASE, f"output.dir={tmp_path}", "compare.wrokers=2"])
+    assert code == 2 and "unknown compare key 'compare.wrokers'; valid keys: experiment, metrics, workers, x" in \
+        capsys.readouterr().err
+
+
+def test_grid_expansion():
+    from testbed.compare import grid
+
+    axes, points = grid(["policy=sarathi,vllm", "workload.rate=range(2,7,2)", "parallel.layer_split=[20,20]",
+                         "seed=1"])
+    assert axes == ["policy", "workload.rate"]
+    assert len(points) == 6
+    assert points[0].overrides == ("parallel.layer_split=[20,20]", "seed=1", "policy=sarathi", "workload.rate=2")
+    assert points[-1].label == "policy=vllm,workload.rate=6"

@@ -1,0 +1,121 @@
+"""The real MLflow server, on loopback, over the runs database that `testbed tune` wrote: the
+study run, its nested trial runs, their params and metrics read back through the REST API."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from mlflow_db import fresh_mlflow_db
+from testbed.cli import main
+
+START_TIMEOUT_S = 120  # the server imports MLflow, FastAPI and uvicorn: ~15 s on a busy 2-core machine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, backend_uri: str, workdir: Path) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = open(workdir / "mlflow-server.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_uri, "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1", "--artifacts-destination", str(workdir / "served")],
+            cwd=workdir, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"mlflow server exited with {self.proc.returncode}: {self._tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        pytest.fail(f"mlflow server not healthy after {START_TIMEOUT_S} s: {self._tail()}")
+
+    def _tail(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-2000:]
+
+    def get(self, path: str, **query) -> dict:
+        url = f"{self.base}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(query)}"
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(f"{self.base}/api/2.0/mlflow/{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=15)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=15)
+        finally:
+            self.log.close()
+
+
+def test_server_serves_the_study_and_its_trials(tmp_path):
+    import optuna
+
+    uri = fresh_mlflow_db(tmp_path)
+    assert main(["tune", "policy=sarathi", "workload=synthetic", "workload.num_requests=60", "workload.arrival=offline",
+                 "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2", "output.plots=false",
+                 "output.progress=false", f"output.dir={tmp_path}", "tune.trials=3", "tune.study=served"]) == 0
+    study = optuna.load_study(study_name="served", storage=f"sqlite:///{tmp_path.resolve()}/optuna.db")
+
+    server = Server(uri, tmp_path)
+    try:
+        server.wait_healthy()
+        exp = server.get("experiments/get-by-name", experiment_name="tune-served")["experiment"]
+        runs = server.post("runs/search", {"experiment_ids": [exp["experiment_id"]], "max_results": 100})["runs"]
+
+        def tags(run):
+            return {t["key"]: t["value"] for t in run["data"].get("tags", [])}
+
+        parents = [r for r in runs if tags(r).get("testbed.kind") == "study"]
+        trials = [r for r in runs if tags(r).get("testbed.kind") == "trial"]
+        assert len(parents) == 1 and len(trials) == 3
+        parent_id = parents[0]["info"]["run_id"]
+        assert parents[0]["info"]["status"] == "FINISHED"
+        for run in trials:
+            t = study.trials[int(tags(run)["optuna.trial"])]
+            assert tags(run)["mlflow.parentRunId"] == parent_id
+            params = {p["key"]: p["value"] for p in run["data"]["params"]}
+            metrics = {m["key"]: m["value"] for m in run["data"]["metrics"]}
+            assert params["policy.name"] == "sarathi"
+            assert params["policy.token_budget"] == str(t.params["token_budget"])
+            assert params["policy.max_num_seqs"] == str(t.params["max_num_seqs"])
+            assert metrics["throughput_tok_s"] == pytest.approx(t.value)
+            assert metrics["num_finished"] == 60
+        hist = server.get("metrics/get-history", run_id=parent_id, metric_key="best.throughput_tok_s")["metrics"]
+        assert hist[-1]["value"] == pytest.approx(study.best_value)
+        run = server.get("runs/get", run_id=parent_id)["run"]
+        assert json.loads({t["key"]: t["value"] for t in run["data"]["tags"]}["best.params"]) == study.best_params
+    finally:
+        server.stop()
+    assert server.proc.poll() is not None

@@ -1,0 +1,197 @@
+"""`testbed tune`: seeded studies repeat, studies resume, parallel workers share one study,
+invalid trials fail with their reason, and the settings parser names every mistake."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.errors import ConfigError
+from mlflow_db import fresh_mlflow_db
+from testbed.cli import main
+
+# 60 requests arriving at once: the token budget changes throughput, each trial takes ~0.1 s.
+BASE = ["policy=sarathi", "workload=synthetic", "workload.num_requests=60", "workload.arrival=offline",
+        "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2", "output.plots=false", "output.progress=false"]
+
+
+def _tune(tmp_path: Path, *extra: str, capsys=None) -> int:
+    return main(["tune", *BASE, f"output.dir={tmp_path}", *extra])
+
+
+def _study(tmp_path: Path, name: str):
+    import optuna
+
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path.resolve()}/optuna.db")
+
+
+@pytest.fixture
+def out(tmp_path: Path) -> Path:
+    fresh_mlflow_db(tmp_path)
+    return tmp_path
+
+
+def test_same_seed_finds_the_same_best_trial(out, capsys):
+    args = ["tune.trials=6", "tune.startup_trials=3", "seed=3"]
+    assert _tune(out, *args, "tune.study=first") == 0
+    first_lines = capsys.readouterr().out.strip().splitlines()
+    assert _tune(out, *args, "tune.study=second") == 0
+    second_lines = capsys.readouterr().out.strip().splitlines()
+    a, b = _study(out, "first"), _study(out, "second")
+    assert [t.params for t in a.trials] == [t.params for t in b.trials]
+    assert a.best_trial.number == b.best_trial.number and a.best_trial.params == b.best_trial.params
+    assert a.best_value == pytest.approx(b.best_value, rel=0, abs=0)
+    # the last lines name the best trial, its value and its parameters
+    assert first_lines[-2] == second_lines[-2]
+    assert first_lines[-2].startswith(f"best trial {a.best_trial.number}: throughput_tok_s=")
+    assert first_lines[-1] == "best params: " + " ".join(f"policy.{k}={v}" for k, v in a.best_trial.params.items())
+    # trial 0 is the policy's defaults, the baseline the gain is measured against
+    assert a.trials[0].params == {"token_budget": 2048, "max_num_seqs": 128}
+    assert a.trials[0].user_attrs["baseline"] is True
+    # another seed samples other parameters
+    assert _tune(out, "tune.trials=4", "tune.startup_trials=3", "seed=4", "tune.study=third") == 0
+    assert [t.params for t in _study(out, "third").trials][1:] != [t.params for t in a.trials][1:4]
+
+
+def test_resume_adds_trials_and_keeps_one_study_run(out, capsys):
+    from mlflow.tracking import MlflowClient
+
+    assert _tune(out, "tune.trials=3", "tune.study=resume") == 0
+    before = {t.number: t.datetime_start for t in _study(out, "resume").trials}
+    assert sorted(before) == [0, 1, 2]
+    capsys.readouterr()
+    assert _tune(out, "tune.trials=5", "tune.study=resume") == 0
+    assert "this session 2 in" in capsys.readouterr().out
+    study = _study(out, "resume")
+    assert [t.number for t in study.trials] == [0, 1, 2, 3, 4]
+    assert {t.number: t.datetime_start for t in study.trials if t.number < 3} == before  # not re-run
+    assert _tune(out, "tune.trials=5", "tune.study=resume") == 0  # target reached: nothing to do
+    assert "this session 0 in" in capsys.readouterr().out
+    assert len(_study(out, "resume").trials) == 5
+
+    client = MlflowClient(f"sqlite:///{out.resolve()}/mlflow.db")
+    exp = client.get_experiment_by_name("tune-resume")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("testbed.kind") == "study"]
+    trials = [r for r in runs if r.data.tags.get("testbed.kind") == "trial"]
+    assert len(parents) == 1 and len(trials) == 5
+    parent = parents[0]
+    assert {r.data.tags["mlflow.parentRunId"] for r in trials} == {parent.info.run_id}
+    assert parent.info.status == "FINISHED"
+    best = study.best_trial
+    assert parent.data.metrics["best.throughput_tok_s"] == pytest.approx(best.value)
+    assert parent.data.tags["best.params"] == json.dumps(best.params)
+    by_number = {int(r.data.tags["optuna.trial"]): r for r in trials}
+    for t in study.trials:
+        run = by_number[t.number]
+        assert run.data.metrics["throughput_tok_s"] == pytest.approx(t.value)
+        assert run.data.params["policy.token_budget"] == str(t.params["token_budget"])
+    arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"trials.csv", "best.json"} <= arts
+
+
+def test_changed_problem_is_refused_for_a_named_study(out, capsys):
+    assert _tune(out, "tune.trials=1", "tune.study=fixed") == 0
+    capsys.readouterr()
+    code = _tune(out, "tune.trials=2", "tune.study=fixed", "workload.num_requests=61")
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "was created for another problem (workload.num_requests=60 then, 61 now)" in err
+
+
+def test_two_workers_share_one_study(out):
+    assert _tune(out, "tune.trials=8", "tune.workers=2", "tune.study=pair") == 0
+    study = _study(out, "pair")
+    numbers = [t.number for t in study.trials]
+    assert sorted(numbers) == list(range(8))  # exactly the target, no number twice
+    assert all(t.state.name == "COMPLETE" for t in study.trials), [t.user_attrs for t in study.trials]
+    workers = {t.user_attrs["worker"] for t in study.trials}
+    assert len(workers) == 2  # both processes ran trials
+
+
+def test_invalid_trial_config_fails_with_its_reason_and_the_study_goes_on(out, capsys):
+    from mlflow.tracking import MlflowClient
+
+    code = _tune(out, "tune.trials=6", "tune.study=invalid", "tune.sampler=random", "seed=2",
+                 "tune.space.policy.token_budget=0,512")
+    assert code == 0
+    study = _study(out, "invalid")
+    assert len(study.trials) == 6
+    failed = [t for t in study.trials if t.state.name == "FAIL"]
+    done = [t for t in study.trials if t.state.name == "COMPLETE"]
+    assert failed and done
+    for t in failed:
+        assert t.params["token_budget"] == 0
+        assert t.user_attrs["fail_reason"].startswith("invalid config: invalid policy.token_budget=0")
+    assert all(t.params["token_budget"] == 512 for t in done)
+    client = MlflowClient(f"sqlite:///{out.resolve()}/mlflow.db")
+    run = client.get_run(failed[0].user_attrs["mlflow_run_id"])
+    assert run.info.status == "FAILED" and "token_budget=0" in run.data.tags["error"]
+    assert "best params: policy.token_budget=512" in capsys.readouterr().out
+
+
+def test_multi_objective_with_a_constraint_reports_the_pareto_front(tmp_path, capsys):
+    code = main(["tune", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", "tune.trials=5",
+                 "tune.objective=[throughput,ttft_p99_s]", "tune.constraints=[slo_attainment>=0.0]",
+                 "tune.study=mo"])
+    assert code == 0
+    out = capsys.readouterr().out
+    best = json.loads((tmp_path / "tune" / "mo" / "best.json").read_text())
+    assert best["directions"] == ["maximize", "minimize"]
+    assert best["constraints"] == ["slo_attainment>=0"]
+    front = best["best"]
+    assert front and f"Pareto front ({len(front)} trials):" in out
+    values = [(b["values"]["throughput_tok_s"], b["values"]["ttft_p99_s"]) for b in front]
+    for i, (tp, lat) in enumerate(values):  # no member dominates another
+        assert not any(t2 >= tp and l2 <= lat and (t2, l2) != (tp, lat) for j, (t2, l2) in enumerate(values) if j != i)
+    study = _study(tmp_path, "mo")
+    assert all(t.constraints == {"slo_attainment>=0": pytest.approx(-t.user_attrs["summary"]["slo_attainment"])}
+               for t in study.trials if t.state.name == "COMPLETE")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["tune.trails=5"], "unknown tune key 'tune.trails'; valid keys: artifacts, baseline, constraints"),
+    (["tune.objective=speed"], "unknown objective 'speed'; valid choices:"),
+    (["tune.objective=kv_usage_mean"], "objective 'kv_usage_mean' has no known direction; add tune.direction="),
+    (["tune.objective=stage_utilization"], "is a per-stage list"),
+    (["tune.direction=up"], "invalid tune.direction 'up'; valid choices: maximize, minimize"),
+    (["tune.trials=0"], "invalid tune.trials='0': must be an integer >= 1"),
+    (["tune.constraints=[slo_attainment=0.9]"], "write metric>=value or metric<=value"),
+    (["tune.space.parallel.ppp=1,2"],
+     "unknown config key 'parallel.ppp'; valid keys under 'parallel': layer_split, pp, tp"),
+    (["tune.space.parallel.pp=4:1"], "low must be < high"),
+    (["tune.space.policy.name=vllm,sarathi"], "policy.name cannot be tuned"),
+    (["tune.space.parallel.pp=1,2", "parallel.pp=2"], "parallel.pp is both set (parallel.pp=2) and searched"),
+    (["policy=vllm", "policy.max_num_batched_tokens=4096", "policy.max_num_seqs=64"], "nothing to tune"),
+    (["tune.sampler=cmaes"], "unknown tune.sampler 'cmaes'; valid choices: tpe, nsga2, random"),
+])
+def test_bad_tune_settings_are_one_clear_line(args, needle, tmp_path, capsys):
+    base = [a for a in BASE if not (a.startswith("parallel.pp=") and any(x.startswith("parallel.pp=") for x in args))]
+    base = [a for a in base if not (a.startswith("policy=") and any(x.startswith("policy=") for x in args))]
+    code = main(["tune", *base, f"output.dir={tmp_path}", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert needle in err
+    assert not (tmp_path / "optuna.db").exists()  # nothing was created
+
+
+def test_space_specs_and_settings_parse():
+    from testbed.tune import Constraint, SpaceSpec, parse_settings
+
+    s = SpaceSpec.parse("policy.token_budget", "128:4096:log")
+    assert (s.kind, s.low, s.high, s.log, s.name) == ("int", 128, 4096, True, "token_budget")
+    s = SpaceSpec.parse("kv.gpu_memory_utilization", "0.8:0.95:0.05")
+    assert (s.kind, s.step) == ("float", 0.05)
+    s = SpaceSpec.parse("runtime.cpu_sampling", "true,false")
+    assert (s.kind, s.choices) == ("categorical", (True, False))
+    c = Constraint.parse("ttft<=2")
+    assert (c.metric, c.violation({"ttft_p99_s": 3.0}), c.violation({"ttft_p99_s": float("nan")})) == \
+        ("ttft_p99_s", 1.0, 1e12)
+    cfg = {"runtime": {"cpu_sampling": None, "overlap_input_prep": None}, "parallel": {"pp": 4}}
+    st = parse_settings({"objective": "[throughput,ttft]", "space.runtime.*": "true,false", "workers": "2"}, cfg)
+    assert st.objectives == ("throughput_tok_s", "ttft_p99_s") and st.directions == ("maximize", "minimize")
+    assert [sp.key for sp in st.space] == ["runtime.cpu_sampling", "runtime.overlap_input_prep"]
+    with pytest.raises(ConfigError, match="tune.direction has 1 entries for 2"):
+        parse_settings({"objective": "throughput,ttft", "direction": "maximize"}, cfg)
