@@ -677,7 +677,7 @@ class TrialRunner:
                 if p.settings.artifacts:
                     self.tracker.finish(run_id, result, run_dir)  # everything, as `testbed run` logs it
                 else:
-                    _log_summary(self.tracker, run_id, result)
+                    self.tracker.finish(run_id, result, None, steps=False)
             if result.error:
                 return self._fail(study, trial, None, f"run failed: {result.error}", event, t0)
             s = result.summary
@@ -715,28 +715,6 @@ class TrialRunner:
         study.tell(trial, state=TrialState.FAIL)
         event.update(state="FAIL", fail_reason=reason, wall_s=time.perf_counter() - t0)
         return event
-
-
-def _log_summary(tracker: Any, run_id: str, result: Any) -> None:
-    """A trial's MLflow run: summary metrics in one log_batch, without the step series and
-    artifacts of `Tracker.finish` (those cost ~0.6 s per trial on SQLite; `tune.artifacts=true`
-    logs them)."""
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    metrics = []
-    for k, v in result.summary.items():
-        if isinstance(v, list):
-            metrics += [Metric(f"{k}.stage{i}", float(x), now, 0) for i, x in enumerate(v)]
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            metrics.append(Metric(k, float(v), now, 0))
-    for k in ("wall_s", "simulate_s", "microbatches_per_wall_s"):
-        if k in result.info:
-            metrics.append(Metric(f"run.{k}", float(result.info[k]), now, 0))
-    tracker.client.log_batch(run_id, metrics=metrics)
-    if result.error:
-        tracker.client.set_tag(run_id, "error", result.error[:5000])
-    tracker.client.set_terminated(run_id, "FAILED" if result.error else "FINISHED")
 
 
 def _where(exc: BaseException) -> str:

@@ -90,6 +90,9 @@ def test_failed_run_is_recorded_failed(tmp_path, monkeypatch, capsys):
     import testbed.runner as runner
     from test_controller import LazyPolicy
 
+    from mlflow_db import fresh_mlflow_db
+
+    fresh_mlflow_db(tmp_path)  # the first-run migration is covered by the test above
     monkeypatch.setattr(runner, "build_policy", lambda cfg: LazyPolicy())
     code = main(["run", "workload=synthetic", "workload.num_requests=20", "model=llama2-13b", "hardware=a100-80g",
                  f"output.dir={tmp_path}", "output.progress=false", "output.plots=false"])
