@@ -2,5 +2,5 @@
 `engine.policy.POLICIES`."""
 from importlib import import_module
 
-for _module in ("sarathi", "vllm"):
+for _module in ("sarathi", "vllm", "gllm", "tdpipe"):
     import_module(f"policies.{_module}")
