@@ -42,7 +42,7 @@ class MicroBatchRecord:
 
 class Controller:
     def __init__(self, requests: Seq[Request], policy: Policy, executor: Executor, kv: BlockManager,
-                 cost_model=None, *, check_integrity: bool = False,
+                 cost_model=None, *, check_integrity: bool = False, data_dir: str | None = None,
                  progress: Callable[[int, int], None] | None = None) -> None:
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
         ids = [r.request_id for r in self.requests]
@@ -60,6 +60,8 @@ class Controller:
         self.running: dict[int, Sequence] = {}
         self.inflight: dict[int, MicroBatch] = {}
         self.view = SchedulerView(self)
+        self.data_dir = data_dir  # where the workload's data set lives, for policies that learn from history
+        self._started = False
         self.records: list[MicroBatchRecord] = []
         self.num_finished = 0
         self.num_failed = 0
@@ -82,11 +84,18 @@ class Controller:
     def num_done(self) -> int:
         return self.num_finished + self.num_failed
 
+    def start(self) -> None:
+        """Bring the executor up and let the policy prepare (e.g. fit a predictor); idempotent,
+        and separate from `run` so that preparation is not counted as serving time."""
+        if not self._started:
+            self._started = True
+            self.executor.start()
+            self.policy.start(self.view)
+
     def run(self) -> None:
         """Serve every request to completion (or failure); raises RunFailedError on a stall."""
         total = len(self.requests)
-        self.executor.start()
-        self.policy.start(self.view)
+        self.start()
         while self.num_done < total:
             self._admit_arrivals(self.executor.now())
             self._fill_pipeline()
@@ -107,8 +116,11 @@ class Controller:
     def _fill_pipeline(self) -> None:
         view = self.view
         while len(self.inflight) < self.policy.max_inflight(view):
+            preempted_before = self.num_preemptions
             mb = self.policy.schedule(view)
             if mb is None:
+                if self.num_preemptions != preempted_before:
+                    continue  # the policy only made room: the state changed, so ask again
                 return
             self._commit(mb)
             self.executor.launch(mb)

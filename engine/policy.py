@@ -245,6 +245,11 @@ class SchedulerView:
         return self._c.num_not_arrived
 
     @property
+    def data_dir(self) -> str | None:
+        """The run's workload data directory (None: the environment/cache defaults)."""
+        return self._c.data_dir
+
+    @property
     def all_requests(self):
         """Every request of the workload (offline policies such as TD-Pipe may look ahead)."""
         return self._c.requests

@@ -280,12 +280,12 @@ class TdpipePolicy(Policy):
         run = [r for r in view.all_requests]
         self.forecast = KVForecast(self.points, view.block_size)
         self.stealer = WorkStealer(view.pipeline_depth, p.work_stealing)
-        predictor, info = self._predictor(run)
+        predictor, info = self._predictor(run, view.data_dir)
         self.pred = {r.request_id: int(x) for r, x in zip(run, predictor.predict(run))}
         self._fallback = int(np.median(list(self.pred.values()))) if self.pred else 1
         self.predictor_info = info
 
-    def _predictor(self, run: list) -> tuple[lp.LengthPredictor, dict]:
+    def _predictor(self, run: list, run_data_dir: str | None) -> tuple[lp.LengthPredictor, dict]:
         p = self.params
         cache_dir = f"{p.predictor_dir}/cache"
         if p.predictor == "oracle":
@@ -296,7 +296,7 @@ class TdpipePolicy(Policy):
                            "classifier": model.chosen, "features": model.features}
         if p.predictor_model is not None:
             raise ConfigError(f"policy.predictor_model is for predictor=bins, not {p.predictor!r}")
-        hist = lp.history_for_run(run, p.data_dir, p.history)
+        hist = lp.history_for_run(run, p.data_dir or run_data_dir, p.history)
         note = None
         if p.predictor == "bins" and hist.dataset is not None:
             # A model saved by train_predictor for this data set is used when it was not trained

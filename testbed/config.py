@@ -30,7 +30,7 @@ import engine.sim  # noqa: F401  (registers executor=sim)
 import policies  # noqa: F401  (registers every policy)
 import workloads  # noqa: F401  (registers every workload)
 
-DEFAULTS = {"policy": "sarathi", "workload": "azure", "executor": "sim", "hardware": "l20-48g",
+DEFAULTS = {"policy": "gllm", "workload": "azure", "executor": "sim", "hardware": "l20-48g",
             "model": "qwen2.5-32b"}
 GROUP_KINDS = {"policy": "policy", "workload": "workload", "executor": "executor", "hardware": "hardware",
                "model": "model"}

@@ -112,8 +112,11 @@ class PreparedRun:
     def run(self) -> RunResult:
         ctrl = self.controller
         error = None
-        t0 = time.perf_counter()
+        t_prep = time.perf_counter()
+        t0 = t_prep
         try:
+            ctrl.start()  # executor workers up, policy preparation (not serving time)
+            t0 = time.perf_counter()
             ctrl.run()
         except RunFailedError as exc:
             error = str(exc)
@@ -125,7 +128,7 @@ class PreparedRun:
         run_s = time.perf_counter() - t0
         stage_tracks = [f"stage{s}" for s in range(self.cost.pp)]
         summary = summarize(ctrl, SLO(**self.info.pop("_slo")), stage_tracks)
-        info = dict(self.info, simulate_s=run_s, wall_s=self.info["build_s"] + run_s,
+        info = dict(self.info, simulate_s=run_s, start_s=t0 - t_prep, wall_s=self.info["build_s"] + (t0 - t_prep) + run_s,
                     microbatches_per_wall_s=summary["num_microbatches"] / run_s if run_s > 0 else 0.0)
         return RunResult(config=self.config, summary=summary, requests=request_rows(ctrl),
                          microbatches=microbatch_rows(ctrl), tracer=ctrl.executor.tracer,
@@ -156,7 +159,8 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
     executor = ex_spec.factory(settings, ExecutorBuild(cost, runtime, bandwidth, latency, policy, tracer, cfg))
     kv = BlockManager(num_blocks, block_size)
     ctrl = Controller(requests, policy, executor, kv, cost_model=cost,
-                      check_integrity=bool(cfg.get("check_integrity", False)), progress=progress)
+                      check_integrity=bool(cfg.get("check_integrity", False)), data_dir=data_dir(cfg),
+                      progress=progress)
     info = {"build_s": time.perf_counter() - wall0, "kv_num_blocks": num_blocks, "kv_block_size": block_size,
             "layers_per_stage": list(cost.layers), "executor": ex_name, "policy": policy.name,
             "runtime": {k: getattr(runtime, k) for k in ("cpu_sampling", "overlap_input_prep",

@@ -462,3 +462,11 @@ def test_build_pairs_missing_packages(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="min_input_tokens=0"):
         build_sharegpt_pairs(src, tmp_path / "p.jsonl.gz", tok, min_input_tokens=0)
     assert sharegpt_build.default_pairs_path() == tmp_path / "empty_cache" / wdata.SHAREGPT_PAIRS
+
+
+def test_sharegpt_total_length_filter(data_dir):
+    reqs = build_workload({"name": "sharegpt", "num_requests": 2000, "arrival": "offline", "max_total_len": 600},
+                          data_dir)
+    assert max(r.prompt_len + r.output_len for r in reqs) <= 600
+    with pytest.raises(ConfigError, match="workload.max_total_len"):
+        build_workload({"name": "sharegpt", "max_total_len": 1})

@@ -43,11 +43,15 @@ class ShareGPTConfig:
     max_input_len: int | None = None
     min_output_len: int = 1
     max_output_len: int | None = None
+    # prompt + output; e.g. 4096 keeps pairs inside Llama-2's context (one ShareGPT pair has a
+    # 22,267-token output that alone sets the length of an offline run when left in)
+    max_total_len: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
         check_types(self)
         check_min("num_requests", self.num_requests, 1)
+        check_min("max_total_len", self.max_total_len, 2)
         check_arrival(self.arrival, self.rate, self.cv)
         check_choice("tokenizer", self.tokenizer, tuple(TOKENIZERS))
         check_range("min_input_len", self.min_input_len, "max_input_len", self.max_input_len)
@@ -103,6 +107,8 @@ def build_sharegpt(cfg: ShareGPTConfig, data_dir: str | None = None) -> list[Req
         ok &= inp <= cfg.max_input_len
     if cfg.max_output_len is not None:
         ok &= out <= cfg.max_output_len
+    if cfg.max_total_len is not None:
+        ok &= inp + out <= cfg.max_total_len
     pool = np.flatnonzero(ok)
     if cfg.num_requests > len(pool):
         raise bad_value(key("num_requests"), cfg.num_requests,
