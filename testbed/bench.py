@@ -51,7 +51,7 @@ def run_sim_bench(policies: list[str], extra: list[str]) -> list[dict]:
         t.add_row(p, f"{r['simulate_s']:.2f}", f"{r['peak_rss_mb']:.0f}", str(r["num_microbatches"]),
                   f"{r['microbatches_per_wall_s']:.0f}", f"{r['throughput_tok_s']:.0f}", f"{r['bubble_ratio']:.3f}",
                   f"{r['ttft_mean_s']:.1f}", f"{r['tpot_mean_s']:.4f}")
-    Console().print(t)
+    Console(width=max(160, Console().width)).print(t)
     return rows
 
 

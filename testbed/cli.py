@@ -3,6 +3,9 @@
     testbed run policy=gllm workload=azure [key=value ...]
     testbed list [group]
     testbed data sharegpt [--source FILE] [--out FILE]
+    testbed tune | compare | report ...      (testbed/tune.py, compare.py, report.py)
+    testbed bench sim
+    testbed predictor train workload=sharegpt
     testbed test [pytest args]
 
 A user mistake prints one line `error: ...` (naming the bad value and the valid choices) and
@@ -175,6 +178,32 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Simulator speed and peak memory (figures, never assertions)."""
+    from testbed.bench import run_sim_bench
+
+    run_sim_bench(args.policies.split(","), args.overrides)
+    return 0
+
+
+def cmd_predictor_train(args: argparse.Namespace) -> int:
+    """Train TD-Pipe's output-length classifier on a workload's data set (60/20/20 split)."""
+    from policies.length_predictor import train_predictor
+    from testbed.config import compose, data_dir, to_container
+
+    cfg = to_container(compose(args.overrides))
+    rep = train_predictor(cfg["workload"], data_dir(cfg), cfg["output"]["dir"], int(cfg["seed"]),
+                          features=args.features)
+    print(f"data set: {rep['dataset']}  features: {rep['features']}  classifier: {rep['classifier']}  "
+          f"train/val/test: {rep['num_train']}/{rep['num_val']}/{rep['num_test']}")
+    print(f"bin accuracy (test): {rep['bin_accuracy']:.3f}   (paper: 0.52-0.58)")
+    print("accumulated relative error of summed predictions (test groups):")
+    for size, err in rep["summed_error"].items():
+        print(f"  {int(size):>4} requests: {100 * float(err):5.1f}%")
+    print(rep["path"])
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="testbed", description="Pipeline-parallel LLM serving testbed.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -198,6 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--x", help="x axis of the figures (default: the numeric axis, workload.rate first)")
     rp.add_argument("--metrics", help="comma list of metrics for the table and figures")
     rp.set_defaults(func=cmd_report)
+    b = sub.add_parser("bench", help="benchmarks that print figures")
+    bsub = b.add_subparsers(dest="bench", metavar="BENCH")
+    bs = bsub.add_parser("sim", help="simulator wall time, peak memory and micro-batches per second")
+    bs.add_argument("--policies", default="sarathi,vllm", help="comma list (default: sarathi,vllm)")
+    bs.add_argument("overrides", nargs="*", help="extra overrides for every run")
+    bs.set_defaults(func=cmd_bench)
+    pr = sub.add_parser("predictor", help="output-length predictors (TD-Pipe)")
+    prsub = pr.add_subparsers(dest="predictor", metavar="ACTION")
+    pt = prsub.add_parser("train", help="train the bins classifier on a workload's data set and save it under runs/")
+    pt.add_argument("overrides", nargs="*", help="e.g. workload=sharegpt workload.tokenizer=qwen3 seed=0")
+    pt.add_argument("--features", default="auto", choices=["auto", "hash", "minilm", "length"],
+                    help="text features (ShareGPT: hashed words by default, minilm = sentence embeddings)")
+    pt.set_defaults(func=cmd_predictor_train)
     t = sub.add_parser("test", help="run the test suite (extra arguments go to pytest)")
     t.add_argument("pytest_args", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_test)

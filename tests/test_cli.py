@@ -130,3 +130,21 @@ def test_data_sharegpt_command_builds_a_usable_pairs_file(tmp_path, capsys):
     assert code == 0
     run_dir = Path(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.loads((run_dir / "summary.json").read_text())["num_finished"] == 3
+
+
+def test_predictor_train_prints_accuracy_and_saves_the_model(tmp_path, capsys, shared_data):
+    code = main(["predictor", "train", "workload=azure", "workload.trace=code", f"output.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == 0
+    acc = float(out.split("bin accuracy (test): ")[1].split()[0])
+    assert 0.2 < acc <= 1.0
+    assert "256 requests:" in out
+    saved = Path(out.strip().splitlines()[-1])
+    assert (saved / "model.pkl").is_file() and (saved / "meta.json").is_file()
+
+
+def test_bench_sim_prints_figures(capsys):
+    code = main(["bench", "sim", "--policies", "vllm", "workload.num_requests=80", "model=llama2-13b"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "simulator benchmark" in out and "vllm" in out and "peak RSS MB" in out
