@@ -51,6 +51,7 @@ class Controller:
         self.policy = policy
         self.executor = executor
         self.kv = kv
+        executor.attach(kv)
         self.cost_model = cost_model
         self.pipeline_depth = executor.pipeline_depth
         self.check_integrity = check_integrity

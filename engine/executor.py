@@ -48,6 +48,10 @@ class Executor(ABC):
     def wait_until(self, t: float) -> None:
         """Idle until the clock reads `t` (nothing is in flight)."""
 
+    def attach(self, kv) -> None:
+        """The controller hands over its block manager: the real engine's stages index their
+        paged KV pools by its block tables. The simulator needs only lengths."""
+
     def start(self) -> None:
         """Bring workers up (the real engine); the simulator has nothing to do."""
 

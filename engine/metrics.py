@@ -67,6 +67,7 @@ def request_rows(ctrl: Controller) -> list[dict]:
             "first_scheduled_s": s.first_scheduled_s, "first_token_s": s.first_token_s,
             "finish_s": s.finish_s, "ttft_s": ttft, "tpot_s": tpot, "e2el_s": e2el,
             "num_preemptions": s.num_preemptions, "fail_reason": s.fail_reason or "",
+            "output_token_ids": " ".join(map(str, s.output_token_ids)),  # real engine only; empty in simulation
         })
     return rows
 

@@ -27,6 +27,7 @@ from engine.policy import POLICIES
 from workloads.base import WORKLOADS
 
 import engine.sim  # noqa: F401  (registers executor=sim)
+import engine.torch_exec  # noqa: F401  (registers executor=torch; torch itself is imported only when used)
 import policies  # noqa: F401  (registers every policy)
 import workloads  # noqa: F401  (registers every workload)
 

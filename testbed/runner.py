@@ -120,6 +120,7 @@ class PreparedRun:
             ctrl.run()
         except RunFailedError as exc:
             error = str(exc)
+            ctrl.fail_unfinished(f"run failed: {error}")  # in-flight and waiting requests are reported, not lost
         except BaseException as exc:
             ctrl.fail_unfinished(f"run aborted: {type(exc).__name__}: {exc}")
             raise

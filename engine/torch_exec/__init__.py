@@ -1,0 +1,55 @@
+"""`executor=torch`: the real pipeline-parallel engine (one process per stage, real models).
+
+Importing this package registers the executor and imports no torch (the settings and the
+factory are torch-free; stages import torch in their own processes).
+
+Architecture
+------------
+    driver process: Controller + Policy + TorchExecutor (engine/torch_exec/driver.py)
+        | ZeroMQ ROUTER <-> one DEALER per stage: micro-batch metadata out (same message to every
+        | stage), sampled token ids and per-stage spans back, errors with tracebacks back
+    stage 0 --torch.distributed send/recv (gloo on CPU, NCCL on GPUs)--> stage 1 --> ... stage P-1
+        each stage process (engine/torch_exec/worker.py) holds its slice of decoder layers
+        (engine/torch_exec/model.py; stage 0 the embedding, the last the final norm, lm_head and
+        sampler) and a paged KV pool per layer indexed by the controller's block tables.
+
+Clock: spans are taken with `time.perf_counter()` in every process. On one Linux machine that is
+CLOCK_MONOTONIC for all processes, so the driver only subtracts its run start; for stages on
+another host it estimates the offset from the fastest of five ping round trips at start-up.
+
+Multi-machine runs (torchrun-style rendezvous)
+-----------------------------------------------
+Set `executor.launch=external`, fixed ports and reachable addresses, and start the stages by hand:
+
+    # driver host (runs the controller, binds the control socket on every interface)
+    testbed run executor=torch executor.launch=external executor.zmq_host=0.0.0.0 \
+        executor.zmq_port=5555 executor.master_addr=<stage-0 host> executor.master_port=29500 ...
+    # on each stage host s = 0..P-1 (the same checkpoint path must exist on every host)
+    python -m engine.torch_exec.worker --driver tcp://<driver host>:5555 --stage <s>
+
+`master_addr`/`master_port` play MASTER_ADDR/MASTER_PORT's role: stage 0 hosts the
+torch.distributed TCP store there and the other stages join it. Control messages are pickles:
+bind the control socket only on a trusted network. The driver cannot watch external processes,
+so a dead external stage is reported by the `stage_timeout_s` hang check (with the stage named),
+and external stages do not notice a dead driver until their next message (end them by hand). With the default
+`launch=spawn` the driver starts the P stages on this machine (torch.multiprocessing, spawn),
+binds everything to 127.0.0.1 and picks free ports.
+
+See `TorchSettings` (engine/torch_exec/settings.py) for every `executor.*` key.
+"""
+from __future__ import annotations
+
+from engine.executor import EXECUTORS, ExecutorBuild, ExecutorSpec
+from engine.torch_exec.settings import TorchSettings
+
+
+def _make_torch(settings: TorchSettings, build: ExecutorBuild):
+    from engine.torch_exec.driver import make_torch_executor
+
+    return make_torch_executor(settings, build)
+
+
+if "torch" not in EXECUTORS:
+    EXECUTORS.add("torch", ExecutorSpec(TorchSettings, _make_torch))
+
+__all__ = ["TorchSettings"]

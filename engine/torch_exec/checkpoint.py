@@ -1,0 +1,268 @@
+"""Checkpoints for the real engine: find or build one, read its config.json, name its tensors.
+
+Two sources, one format. A local Hugging Face checkpoint (config.json + model.safetensors, or
+sharded with model.safetensors.index.json) is used as it is. A table model (`model=tiny-llama`,
+`tiny-qwen2`, any `ModelSpec`) is built once with transformers (`LlamaForCausalLM` /
+`Qwen2ForCausalLM` from the spec's `hf_config()`, float32, weights from `torch.manual_seed(seed)`)
+and saved with `save_pretrained` (safetensors) into `<cache>/<name>-seed<seed>/`; the stages
+then load it like any other checkpoint, reading only their own tensors with `safe_open`.
+
+Random weights use `initializer_range=0.1`, not transformers' 0.02: with 0.02 a tiny random
+model's greedy output collapses into one repeated token after a few steps (measured on
+tiny-llama: 2-8 distinct tokens in 24), which would let a broken attention or position bug pass
+the correctness anchor unnoticed; with 0.1 every one of 24 greedy tokens differed.
+
+Prompt ids: a request without `prompt_token_ids` gets `prompt_len` ids drawn uniformly from
+[3, vocab_size) by `numpy.random.default_rng([prompt_seed, request_id])` (ids 0-2 are the usual
+special tokens), so the same request has the same prompt under every policy and depth.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.errors import ConfigError
+from engine.models import ARCHITECTURES, ModelSpec
+
+RANDOM_INIT_STD = 0.1
+MAX_RANDOM_PARAMS = 2_000_000_000  # building a random 70B model on the fly is never what was meant
+FIRST_PROMPT_ID = 3
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """What a stage needs from config.json (Llama/Qwen2 decoder)."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None (default rope), or {"rope_type": "linear"|"llama3", ...}
+    hidden_act: str = "silu"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_arch(path: str | os.PathLike) -> ArchConfig:
+    """Parse `<path>/config.json` (transformers 4.x and 5.x layouts)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model checkpoint {str(path)!r} has no config.json") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {cfg_file}: {exc}") from None
+    arch = cfg.get("model_type")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"model checkpoint {str(path)!r}: model_type {arch!r} is not supported; "
+                          f"valid choices: {', '.join(ARCHITECTURES)}")
+    rope = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    scaling = None
+    if kind != "default":
+        if kind not in ("linear", "llama3"):
+            raise ConfigError(f"model checkpoint {str(path)!r}: rope type {kind!r} is not supported "
+                              f"(supported: default, linear, llama3)")
+        scaling = {**legacy, **{k: v for k, v in rope.items() if k != "rope_theta"}, "rope_type": kind}
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"model checkpoint {str(path)!r}: hidden_act {act!r} is not supported (silu only)")
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return ArchConfig(
+            architecture=arch,
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+        )
+    except KeyError as exc:
+        raise ConfigError(f"config.json of {str(path)!r} lacks {exc.args[0]!r}") from None
+
+
+# --- tensors ------------------------------------------------------------------------------------
+LAYER_TENSORS = (
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)
+ATTN_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+MLP_BIASES = ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias")
+EMBED = "model.embed_tokens.weight"
+NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+
+def stage_tensor_names(arch: ArchConfig, first_layer: int, num_layers: int, first: bool, last: bool) -> list[str]:
+    """The checkpoint tensors one stage loads (and nothing else)."""
+    names: list[str] = []
+    if first:
+        names.append(EMBED)
+    for i in range(first_layer, first_layer + num_layers):
+        per = list(LAYER_TENSORS)
+        if arch.attention_bias:
+            per += ATTN_BIASES
+        if arch.mlp_bias:
+            per += MLP_BIASES
+        names += [f"model.layers.{i}.{n}" for n in per]
+    if last:
+        names.append(NORM)
+        names.append(LM_HEAD)  # falls back to the embedding when tied (see `tensor_files`)
+    return names
+
+
+def tensor_files(path: str | os.PathLike) -> dict[str, str]:
+    """Tensor name -> safetensors file, for single-file and sharded checkpoints."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: str(path / v) for k, v in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model checkpoint {str(path)!r} has no *.safetensors files")
+    from safetensors import safe_open
+
+    out: dict[str, str] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                out[k] = str(f)
+    return out
+
+
+# --- resolving the run's model -------------------------------------------------------------------
+def model_source(settings: Any, run_config: dict | None) -> tuple[str | None, ModelSpec | None]:
+    """(checkpoint path, None) for a checkpoint on disk, or (None, spec) for a table model."""
+    if settings.model_path:
+        return _existing_dir(settings.model_path, "executor.model_path"), None
+    model = dict((run_config or {}).get("model") or {})
+    if model.get("path"):
+        return _existing_dir(model["path"], "model.path"), None
+    name = model.get("name")
+    if name and os.path.isdir(str(name)) and os.path.exists(os.path.join(str(name), "config.json")):
+        return str(name), None
+    if not model:
+        raise ConfigError("executor=torch needs a model: model=<table name>, model.path=<checkpoint dir> "
+                          "or executor.model_path=<checkpoint dir>")
+    fields = {k: v for k, v in model.items() if k in ModelSpec.__dataclass_fields__}
+    try:
+        return None, ModelSpec(**fields)
+    except TypeError as exc:
+        raise ConfigError(f"model config is incomplete for building a random checkpoint: {exc}") from None
+
+
+def _existing_dir(p: str, key: str) -> str:
+    p = os.path.expanduser(str(p))
+    if not os.path.isdir(p):
+        raise ConfigError(f"invalid {key}={p!r}: no such directory")
+    if not os.path.exists(os.path.join(p, "config.json")):
+        raise ConfigError(f"invalid {key}={p!r}: no config.json in it (not a Hugging Face checkpoint)")
+    return p
+
+
+def random_checkpoint(spec: ModelSpec, seed: int, cache_dir: str | os.PathLike) -> str:
+    """Build (once) and return the checkpoint dir of `spec` with random weights from `seed`.
+
+    Safe against concurrent builders: each writes a temporary dir and renames it into place; the
+    loser of a race discards its copy. A cached dir whose config no longer matches the spec is
+    rebuilt, so editing a table model never silently reuses stale weights.
+    """
+    if spec.total_params > MAX_RANDOM_PARAMS:
+        raise ConfigError(f"model {spec.name!r} has {spec.total_params / 1e9:.1f}B parameters: too large to build "
+                          f"with random weights; give a checkpoint (model.path or executor.model_path)")
+    cache_dir = Path(cache_dir)
+    target = cache_dir / f"{spec.name}-seed{seed}"
+    want = _hf_config(spec)
+    if _matches(target, want):
+        return str(target)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}-seed{seed}-", dir=cache_dir))
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+        cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                              "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[spec.architecture]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_cls(cfg_cls(**want))
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        (tmp / "testbed_model.json").write_text(json.dumps({"spec": asdict(spec), "seed": seed,
+                                                            "initializer_range": RANDOM_INIT_STD}, indent=1))
+        if target.exists() and not _matches(target, want):
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _matches(target, want):  # a concurrent builder won; anything else is an error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def _hf_config(spec: ModelSpec) -> dict:
+    cfg = spec.hf_config()
+    cfg["torch_dtype"] = "float32"
+    cfg["initializer_range"] = RANDOM_INIT_STD
+    return cfg
+
+
+def _matches(target: Path, want: dict) -> bool:
+    meta = target / "testbed_model.json"
+    if not (meta.exists() and (target / "config.json").exists() and any(target.glob("*.safetensors"))):
+        return False
+    try:
+        stored = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return False
+    return stored.get("initializer_range") == RANDOM_INIT_STD and _hf_config(ModelSpec(**stored["spec"])) == want
+
+
+# --- prompts ----------------------------------------------------------------------------------
+def prompt_ids(request: Any, vocab_size: int, seed: int) -> list[int]:
+    """The request's own ids, or `prompt_len` deterministic ids from (seed, request_id)."""
+    ids = request.prompt_token_ids
+    if ids is not None:
+        if len(ids) != request.prompt_len:
+            raise ConfigError(f"request {request.request_id}: {len(ids)} prompt_token_ids for prompt_len="
+                              f"{request.prompt_len}")
+        bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ConfigError(f"request {request.request_id}: token id {bad[0]} outside the vocabulary "
+                              f"[0, {vocab_size})")
+        return [int(t) for t in ids]
+    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(request.request_id)])
+    low = FIRST_PROMPT_ID if vocab_size > FIRST_PROMPT_ID + 1 else 0
+    return rng.integers(low, vocab_size, size=request.prompt_len).tolist()

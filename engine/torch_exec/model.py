@@ -1,0 +1,314 @@
+"""One pipeline stage of a Llama/Qwen2 decoder in plain torch, over a paged KV cache.
+
+A stage holds layers [first, first + n) (stage 0 also the embedding, the last stage the final
+norm and lm_head) and, per layer, two pools `[num_blocks * block_size, kv_heads, head_dim]`
+(K and V) indexed by the controller's block tables: token position p of a sequence lives in
+slot `table[p // block_size] * block_size + p % block_size`. Every stage stores the same slots
+for its own layers (engine/kv.py).
+
+Numerics follow transformers' Llama/Qwen2 code (float32 RMSNorm, RoPE from float32 inverse
+frequencies, SwiGLU) so greedy tokens match Hugging Face's `generate` token for token in
+float32.
+
+KV layout per layer: `[kv_heads, num_blocks, block_size, head_dim]`, so gathering a
+sequence's blocks along dim 1 (`index_select`, one 2 KB-8 KB copy per block) yields, for a batch
+of D decodes, a contiguous `[kv_heads * D, max_blocks * block_size, head_dim]` that batched
+matmuls read without another copy. Gathering by block is 3-6x faster than gathering by slot
+(measured on this 2-core machine: 64 decodes x 608 context, 2.8-5.8 ms against 7-18 ms per
+layer) but reads whole blocks, including slots not written yet; blocks are therefore zeroed the
+first time a table names them (the pools themselves are `torch.empty`, so CPU pages are
+committed only as blocks are used), masked slots hold finite values, and a masked probability of
+exactly 0 times them adds exactly 0.
+
+Attention per micro-batch:
+- prefill chunks one by one: the chunk's queries against its whole context, causal with the
+  chunk's offset (query i sees keys <= start + i), through `scaled_dot_product_attention`
+  (`enable_gqa=True`);
+- all decodes together: scores `[kv_heads, D, group, context]` by one `bmm`, padding masked, one
+  softmax, one `bmm` with V.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.torch_exec.checkpoint import ArchConfig, EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def inv_freq(arch: ArchConfig) -> torch.Tensor:
+    """RoPE inverse frequencies as transformers computes them (default, linear, llama3)."""
+    d = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype=torch.float) / d))
+    sc = arch.rope_scaling
+    if sc is None:
+        return inv
+    if sc["rope_type"] == "linear":
+        return inv / float(sc["factor"])
+    # llama3
+    factor = float(sc["factor"])
+    low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+    old = float(sc["original_max_position_embeddings"])
+    low_wl, high_wl = old / low, old / high
+    wavelen = 2 * math.pi / inv
+    inv_l = torch.where(wavelen > low_wl, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+    return torch.where(medium, smoothed, inv_l)
+
+
+@dataclass
+class Layer:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    b_gate: torch.Tensor | None = None
+    b_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+
+
+@dataclass
+class BatchInputs:
+    """Per-micro-batch tensors a stage builds once and every layer reuses."""
+
+    num_tokens: int
+    token_ids: torch.Tensor | None  # [T] (stage 0)
+    cos: torch.Tensor  # [T, head_dim] float32
+    sin: torch.Tensor
+    slots: torch.Tensor  # [T] where each new token's K/V goes
+    chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]  # (row0, n, ctx, blocks, mask|None=causal)
+    decode_row0: int
+    decode_blocks: torch.Tensor | None  # [D * max_blocks]
+    decode_mask: torch.Tensor | None  # [1, D, 1, max_blocks * block_size] bool (True = attend)
+    sample_rows: torch.Tensor  # [S] rows whose logits are sampled
+    new_blocks: torch.Tensor | None = None  # blocks named for the first time: zero them
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x.to(dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos/sin [T, 1, d] already in x's dtype."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class StageModel:
+    def __init__(self, arch: ArchConfig, first_layer: int, num_layers: int, first: bool, last: bool,
+                 num_blocks: int, block_size: int, dtype: str = "float32", device: str = "cpu") -> None:
+        self.arch = arch
+        self.first_layer = first_layer
+        self.num_layers = num_layers
+        self.first = first
+        self.last = last
+        self.block_size = block_size
+        self.num_slots = num_blocks * block_size
+        self.dtype = DTYPES[dtype]
+        self.device = torch.device(device)
+        self.scale = arch.head_dim ** -0.5
+        self.inv_freq = inv_freq(arch).to(self.device)
+        self.layers: list[Layer] = []
+        self.embed: torch.Tensor | None = None
+        self.norm: torch.Tensor | None = None
+        self.lm_head: torch.Tensor | None = None
+        # torch.empty: pages are committed only as blocks are used (CPU), see module docstring
+        self.num_blocks = num_blocks
+        self._zeroed = bytearray(num_blocks)
+        shape = (arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
+        self.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        self.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+
+    # --- weights ----------------------------------------------------------------------------------
+    def load(self, path: str) -> None:
+        """Read only this stage's tensors from the checkpoint's safetensors files."""
+        from safetensors import safe_open
+
+        files = tensor_files(path)
+        names = stage_tensor_names(self.arch, self.first_layer, self.num_layers, self.first, self.last)
+        # dst name -> checkpoint name; a tied lm_head reads the embedding
+        want = {n: (EMBED if n == LM_HEAD and LM_HEAD not in files else n) for n in names}
+        missing = sorted({src for src in want.values() if src not in files})
+        if missing:
+            raise KeyError(f"checkpoint {path!r} lacks tensor(s) {', '.join(missing[:3])}")
+        by_file: dict[str, list[tuple[str, str]]] = {}
+        for dst, src in want.items():
+            by_file.setdefault(files[src], []).append((dst, src))
+        got: dict[str, torch.Tensor] = {}
+        for f, pairs in by_file.items():
+            with safe_open(f, framework="pt", device="cpu") as fh:
+                for dst, src in pairs:
+                    got[dst] = fh.get_tensor(src).to(device=self.device, dtype=self.dtype)
+        self.embed = got.get(EMBED)
+        self.norm = got.get(NORM)
+        self.lm_head = got.get(LM_HEAD)
+        for i in range(self.first_layer, self.first_layer + self.num_layers):
+            p = f"model.layers.{i}."
+            g = lambda n: got.get(p + n)  # noqa: E731
+            self.layers.append(Layer(
+                g("input_layernorm.weight"), g("post_attention_layernorm.weight"),
+                g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight"),
+                g("self_attn.o_proj.weight"), g("mlp.gate_proj.weight"), g("mlp.up_proj.weight"),
+                g("mlp.down_proj.weight"), g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"),
+                g("self_attn.v_proj.bias"), g("mlp.gate_proj.bias"), g("mlp.up_proj.bias"), g("mlp.down_proj.bias")))
+
+    # --- inputs -------------------------------------------------------------------------------------
+    def prepare(self, prefills, decodes) -> BatchInputs:
+        """Tensors for one micro-batch from the driver's metadata.
+
+        prefills: [(seq_id, start, n, samples, block_table, token_ids)]
+        decodes:  [(seq_id, position, block_table, token_id)]
+        Rows are the prefill chunks' tokens in order, then one row per decode; sampled rows are
+        each sampling chunk's last row, then every decode row (`sampled_sequences()` order).
+        """
+        bs = self.block_size
+        dev = self.device
+        zeroed = self._zeroed
+        new: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        ids: list[int] = []
+        chunks = []
+        sample_rows: list[int] = []
+        row = 0
+        for _sid, start, n, samples, table, toks in prefills:
+            ctx = start + n
+            nb = -(-ctx // bs)
+            for blk in table:
+                if not zeroed[blk]:
+                    zeroed[blk] = 1
+                    new.append(blk)
+            tbl = torch.tensor(table[:nb], dtype=torch.long)
+            p = torch.arange(start, ctx, dtype=torch.long)
+            positions.append(p)
+            slots.append(tbl[p // bs] * bs + p % bs)
+            ids.extend(toks)
+            if start == 0:
+                mask = None
+            else:
+                mask = (torch.arange(ctx)[None, :] <= p[:, None]).to(dev)  # [n, ctx]
+            chunks.append((row, n, ctx, tbl.to(dev), mask))
+            row += n
+            if samples:
+                sample_rows.append(row - 1)
+        decode_row0 = row
+        dblocks = dmask = None
+        if decodes:
+            D = len(decodes)
+            pos_list = [d[1] for d in decodes]
+            maxb = max(p // bs for p in pos_list) + 1
+            flat: list[int] = []
+            dslots: list[int] = []
+            for _sid, p, table, tok in decodes:
+                own = table[:p // bs + 1]
+                last = own[-1]
+                if not zeroed[last]:
+                    zeroed[last] = 1
+                    new.append(last)
+                flat.extend(own)
+                flat.extend([own[0]] * (maxb - len(own)))
+                dslots.append(last * bs + p % bs)
+                ids.append(tok)
+            pos = torch.tensor(pos_list, dtype=torch.long)
+            dblocks = torch.tensor(flat, dtype=torch.long, device=dev)
+            grid = torch.arange(maxb * bs, dtype=torch.long)
+            dmask = (grid[None, :] <= pos[:, None]).view(1, D, 1, maxb * bs).to(dev)
+            positions.append(pos)
+            slots.append(torch.tensor(dslots, dtype=torch.long))
+            sample_rows.extend(range(row, row + D))
+            row += D
+        pos_all = torch.cat(positions)
+        freqs = pos_all.to(dev, torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return BatchInputs(
+            num_tokens=row,
+            token_ids=torch.tensor(ids, dtype=torch.long, device=dev) if self.first else None,
+            cos=emb.cos(), sin=emb.sin(), slots=torch.cat(slots).to(dev), chunks=chunks,
+            decode_row0=decode_row0, decode_blocks=dblocks, decode_mask=dmask,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            new_blocks=torch.tensor(new, dtype=torch.long, device=dev) if new else None)
+
+    # --- forward ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, b: BatchInputs, hidden: torch.Tensor | None) -> torch.Tensor:
+        """Stage 0 embeds `b.token_ids`; others take `hidden` [T, hidden]. Returns the hidden
+        states for the next stage, or, on the last stage, the logits of the sampled rows (float32)."""
+        a = self.arch
+        if b.new_blocks is not None:
+            for kc, vc in zip(self.k_cache, self.v_cache):
+                kc.index_fill_(1, b.new_blocks, 0)
+                vc.index_fill_(1, b.new_blocks, 0)
+        x = F.embedding(b.token_ids, self.embed) if self.first else hidden
+        cos = b.cos.to(self.dtype)[:, None, :]
+        sin = b.sin.to(self.dtype)[:, None, :]
+        T = b.num_tokens
+        kvh, d = a.num_kv_heads, a.head_dim
+        for li, L in enumerate(self.layers):
+            h = rms_norm(x, L.ln1, a.rms_norm_eps)
+            q = F.linear(h, L.wq, L.bq).view(T, a.num_heads, d)
+            k = F.linear(h, L.wk, L.bk).view(T, kvh, d)
+            v = F.linear(h, L.wv, L.bv).view(T, kvh, d)
+            q = rope(q, cos, sin)
+            k = rope(k, cos, sin)
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc.view(kvh, -1, d).index_copy_(1, b.slots, k.transpose(0, 1))
+            vc.view(kvh, -1, d).index_copy_(1, b.slots, v.transpose(0, 1))
+            o = self._attention(b, q, kc, vc)
+            x = x + F.linear(o.reshape(T, a.num_heads * d), L.wo)
+            h = rms_norm(x, L.ln2, a.rms_norm_eps)
+            x = x + F.linear(F.silu(F.linear(h, L.w_gate, L.b_gate)) * F.linear(h, L.w_up, L.b_up), L.w_down, L.b_down)
+        if not self.last:
+            return x
+        h = rms_norm(x.index_select(0, b.sample_rows), self.norm, a.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """[kvh, nb, bs, d] by block ids [B] -> [kvh, B * bs, d] (contiguous).
+
+        On the 3-D view [kvh, nb, bs * d] index_select copies whole rows: 0.27 ms against 1.28 ms
+        on the 4-D tensor for 416 blocks of tiny-llama (measured)."""
+        kvh, nb, bs, d = cache.shape
+        return cache.view(kvh, nb, bs * d).index_select(1, blocks).view(kvh, -1, d)
+
+    def _attention(self, b: BatchInputs, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        a = self.arch
+        kvh, d = a.num_kv_heads, a.head_dim
+        out = torch.empty_like(q)
+        for row0, n, ctx, blocks, mask in b.chunks:
+            qc = q[row0:row0 + n].transpose(0, 1)[None]  # [1, H, n, d]
+            kk = self._gather(kc, blocks)[None, :, :ctx]  # [1, kvh, ctx, d]
+            vv = self._gather(vc, blocks)[None, :, :ctx]
+            o = F.scaled_dot_product_attention(qc, kk, vv, attn_mask=mask, is_causal=mask is None,
+                                               scale=self.scale, enable_gqa=True)
+            out[row0:row0 + n] = o[0].transpose(0, 1)
+        if b.decode_blocks is not None:
+            r0 = b.decode_row0
+            D = q.shape[0] - r0
+            g = a.num_heads // kvh
+            M = b.decode_mask.shape[-1]
+            qd = q[r0:].view(D, kvh, g, d).transpose(0, 1).reshape(kvh * D, g, d)
+            kk = self._gather(kc, b.decode_blocks).view(kvh * D, M, d)
+            vv = self._gather(vc, b.decode_blocks).view(kvh * D, M, d)
+            s = torch.bmm(qd, kk.transpose(1, 2)).view(kvh, D, g, M) * self.scale
+            s = s.masked_fill(~b.decode_mask, float("-inf")).softmax(dim=-1)
+            o = torch.bmm(s.view(kvh * D, g, M), vv).view(kvh, D, g, d)
+            out[r0:] = o.permute(1, 0, 2, 3).reshape(D, a.num_heads, d)
+        return out

@@ -1,0 +1,248 @@
+"""A pipeline stage process: control messages over ZeroMQ, activations over torch.distributed.
+
+Lifecycle (all waits bounded): connect a DEALER socket (identity `stage<s>`) to the driver's
+ROUTER and say `hello`; receive `init` (checkpoint, layer range, KV pool size, rendezvous,
+sampling); load this stage's tensors; join the process group (world = the P stages; the driver
+is not a member); say `ready`; answer `ping`s with this process's clock; then serve `mb`
+messages in order until `stop`.
+
+Per micro-batch, stage s: wait for its metadata (span `wait`), build index tensors (`prepare`),
+stage > 0 receives the previous stage's hidden states (`recv`), runs its layers (`forward:<kind>`),
+then either posts an asynchronous send to stage s+1 (`send`; a send still pending from the
+previous micro-batch is awaited first, `send_wait`) or, on the last stage, samples (`sample`)
+and returns the token ids. Spans carry this process's `time.perf_counter()` (CLOCK_MONOTONIC on
+Linux, shared by every process of one machine); the driver maps them onto the run's clock.
+`wait`, `recv` and `send_wait` are idle time (the stage waits on someone else) and are not
+counted as busy.
+
+Any exception is reported to the driver as `error` with its traceback, then the process exits.
+Spawned stages die with the driver (PR_SET_PDEATHSIG on Linux, and a parent check while idle)
+and ignore SIGINT: Ctrl-C reaches the driver, which ends every stage itself.
+
+Run by hand for multi-machine pipelines (executor.launch=external):
+    python -m engine.torch_exec.worker --driver tcp://<driver host>:<zmq_port> --stage <s>
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections import deque
+
+IDLE_POLL_MS = 500
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None) -> None:
+    """Entry point of a stage process (spawned by the driver, or run by hand)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent_pid is not None:
+        _die_with_parent()
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"stage{stage}".encode())
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(driver_addr)
+    code = 0
+    try:
+        sock.send(pickle.dumps(("hello", stage, socket.gethostname(), os.getpid())))
+        _Stage(sock, stage, parent_pid).run()
+    except _Stopped:
+        pass
+    except BaseException as exc:  # report, then exit non-zero
+        code = 1
+        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
+        try:
+            sock.send(pickle.dumps(("error", stage, text)), zmq.NOBLOCK)
+        except Exception:
+            pass
+    finally:
+        sock.close(linger=2000 if code else 200)
+        ctx.term()
+    if code:
+        os._exit(code)
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _Stage:
+    def __init__(self, sock, stage: int, parent_pid: int | None) -> None:
+        self.sock = sock
+        self.stage = stage
+        self.parent_pid = parent_pid
+        self.pending_sends: deque = deque()
+        self.fault = None
+        self.count = 0
+
+    # --- control plane ----------------------------------------------------------------------------
+    def send(self, *msg) -> None:
+        self.sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def recv(self, timeout_s: float | None):
+        """Next driver message; raises if the driver vanished or `timeout_s` passed."""
+        import zmq
+
+        waited = 0.0
+        while True:
+            if self.sock.poll(IDLE_POLL_MS, zmq.POLLIN):
+                msg = pickle.loads(self.sock.recv())
+                if msg[0] == "stop":
+                    raise _Stopped()
+                return msg
+            waited += IDLE_POLL_MS / 1000
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                raise _Stopped()  # the driver is gone: nobody to report to
+            if timeout_s is not None and waited > timeout_s:
+                raise TimeoutError(f"no message from the driver for {timeout_s:.0f} s")
+
+    # --- main loop -----------------------------------------------------------------------------------
+    def run(self) -> None:
+        msg = self.recv(300.0)
+        if msg[0] != "init":
+            raise RuntimeError(f"expected init, got {msg[0]!r}")
+        cfg = msg[1]
+        self.setup(cfg)
+        while True:
+            t_wait = time.perf_counter()
+            msg = self.recv(None)
+            kind = msg[0]
+            if kind == "ping":
+                self.send("pong", self.stage, time.perf_counter())
+            elif kind == "mb":
+                self.step(msg, t_wait)
+            else:
+                raise RuntimeError(f"unknown message {kind!r}")
+
+    def setup(self, cfg: dict) -> None:
+        t0 = time.perf_counter()
+        import torch
+
+        from engine.torch_exec.checkpoint import ArchConfig
+        from engine.torch_exec.model import StageModel
+
+        self.cfg = cfg
+        self.P = cfg["pp"]
+        self.first = self.stage == 0
+        self.last = self.stage == self.P - 1
+        if cfg["device"] == "cpu":
+            torch.set_num_threads(cfg["threads"])
+        device = cfg["device"]
+        if device == "cuda":
+            device = f"cuda:{self.stage % torch.cuda.device_count()}"
+            torch.cuda.set_device(device)
+        self.device = device
+        self.transfer_via_cpu = cfg["backend"] == "gloo" and device != "cpu"
+        if cfg.get("fault"):
+            from engine.torch_exec.settings import parse_fault
+
+            kind, st, n = parse_fault(cfg["fault"])
+            if st == self.stage:
+                self.fault = (kind, n)
+        arch = ArchConfig(**cfg["arch"])
+        first_layer, n_layers = cfg["layers"][self.stage]
+        self.model = StageModel(arch, first_layer, n_layers, self.first, self.last, cfg["num_blocks"],
+                                cfg["block_size"], cfg["dtype"], device)
+        self.model.load(cfg["path"])
+        self.hidden = arch.hidden_size
+        t_load = time.perf_counter() - t0
+        if self.P > 1:
+            import datetime
+
+            import torch.distributed as dist
+
+            dist.init_process_group(cfg["backend"], init_method=f"tcp://{cfg['master_addr']}:{cfg['master_port']}",
+                                    rank=self.stage, world_size=self.P,
+                                    timeout=datetime.timedelta(seconds=cfg["stage_timeout_s"]))
+            self.dist = dist
+        self.torch = torch
+        self.send("ready", self.stage, {"load_s": t_load, "init_s": time.perf_counter() - t0,
+                                        "pid": os.getpid(), "device": str(device)})
+
+    def step(self, msg, t_wait: float) -> None:
+        _, mb_id, kind, prefills, decodes = msg
+        torch = self.torch
+        spans = []
+        t = time.perf_counter()
+        spans.append(("wait", t_wait, t, False))
+        self.count += 1
+        if self.fault is not None and self.count == self.fault[1]:
+            self.misbehave(self.fault[0])
+        b = self.model.prepare(prefills, decodes)
+        t1 = time.perf_counter()
+        spans.append(("prepare", t, t1, True))
+        hidden = None
+        if not self.first:
+            buf = torch.empty((b.num_tokens, self.hidden), dtype=self.model.dtype,
+                              device="cpu" if self.transfer_via_cpu else self.device)
+            self.dist.recv(buf, src=self.stage - 1)
+            hidden = buf.to(self.device) if self.transfer_via_cpu else buf
+            t2 = time.perf_counter()
+            spans.append(("recv", t1, t2, False))
+            t1 = t2
+        out = self.model.forward(b, hidden)
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        spans.append((f"forward:{kind}", t1, t2, True))
+        if not self.last:
+            while self.pending_sends:
+                work, _tensor = self.pending_sends.popleft()
+                work.wait()
+            t3 = time.perf_counter()
+            if t3 - t2 > 20e-6:
+                spans.append(("send_wait", t2, t3, False))
+            payload = out.cpu() if self.transfer_via_cpu else out
+            work = self.dist.isend(payload.contiguous(), dst=self.stage + 1)
+            self.pending_sends.append((work, payload))
+            t4 = time.perf_counter()
+            spans.append(("send", t3, t4, True))
+            self.send("spans", self.stage, mb_id, spans)
+        else:
+            from engine.torch_exec.sampling import sample
+
+            c = self.cfg
+            keys = [(p[0], p[1] + p[2]) for p in prefills if p[3]] + [(d[0], d[1] + 1) for d in decodes]
+            tokens = sample(out, keys, method=c["sampling"], temperature=c["temperature"], top_k=c["top_k"],
+                            top_p=c["top_p"], seed=c["sample_seed"])
+            t3 = time.perf_counter()
+            spans.append(("sample", t2, t3, True))
+            self.send("done", self.stage, mb_id, tokens, spans)
+
+    def misbehave(self, kind: str) -> None:
+        if kind == "raise":
+            raise RuntimeError(f"injected fault on stage {self.stage} at micro-batch #{self.count}")
+        if kind == "exit":
+            os._exit(3)
+        while True:  # hang
+            time.sleep(3600)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Run one pipeline stage for a driver started with "
+                                             "executor.launch=external.")
+    ap.add_argument("--driver", required=True, help="the driver's control address, tcp://HOST:PORT")
+    ap.add_argument("--stage", type=int, required=True, help="this stage's index, 0..P-1")
+    args = ap.parse_args(argv)
+    stage_main(args.driver, args.stage, None)
+
+
+if __name__ == "__main__":
+    main()
