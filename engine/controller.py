@@ -67,6 +67,7 @@ class Controller:
         self.num_finished = 0
         self.num_failed = 0
         self.num_preemptions = 0
+        self.waiting_prefill_tokens = 0  # sum of remaining_prefill over `waiting`, kept incrementally
         self._next_arrival = 0
         self._next_mb_id = 0
         self._admit_counter = 0
@@ -137,6 +138,7 @@ class Controller:
                                 f"the whole cache has {self.kv.num_blocks}")
             else:
                 self.waiting.append(seq)
+                self.waiting_prefill_tokens += seq.remaining_prefill
 
     # --- commit and completion -------------------------------------------------------------------
     def _commit(self, mb: MicroBatch) -> None:
@@ -146,6 +148,7 @@ class Controller:
             seq = chunk.seq
             if seq.is_waiting:
                 self.waiting.remove(seq)
+                self.waiting_prefill_tokens -= seq.remaining_prefill
                 seq.status = SeqStatus.PREFILLING
                 seq.admit_order = self._admit_counter
                 self._admit_counter += 1
@@ -180,6 +183,7 @@ class Controller:
             seq.num_preemptions += 1
             self.num_preemptions += 1
             self.waiting.appendleft(seq)
+            self.waiting_prefill_tokens += seq.remaining_prefill
 
     def complete(self, completion: Completion) -> list[Sequence]:
         mb = self.inflight.pop(completion.mb_id)
@@ -221,6 +225,7 @@ class Controller:
         self.policy.on_complete(self.view, mb, finished)
         if self.check_integrity:
             self.kv.check_integrity()
+            assert self.waiting_prefill_tokens == sum(q.remaining_prefill for q in self.waiting)
         return finished
 
     def _emit_token(self, seq: Sequence, now: float, finished: list[Sequence]) -> None:
@@ -258,6 +263,7 @@ class Controller:
                 self._fail(seq, reason)
                 n += 1
         self.waiting.clear()
+        self.waiting_prefill_tokens = 0
         self.inflight.clear()
         return n
 

@@ -220,6 +220,11 @@ class SchedulerView:
         return self._c.waiting
 
     @property
+    def waiting_prefill_tokens(self) -> int:
+        """Prompt tokens the waiting sequences still need to prefill (O(1); gLLM's #WP part)."""
+        return self._c.waiting_prefill_tokens
+
+    @property
     def running(self):
         """Admitted sequences (prefilling or decoding, in flight or not), in admission order."""
         return self._c.running.values()

@@ -150,7 +150,7 @@ class GllmPolicy(Policy):
             inflight_seqs += mb.num_seqs
             for c in mb.prefills:
                 inflight_chunk[c.seq.seq_id] = c.num_tokens
-        wp = sum(s.remaining_prefill for s in view.waiting)
+        wp = view.waiting_prefill_tokens
         num_waiting = len(view.waiting)
         rd = idle_decodes = 0
         for s in view.running:

@@ -1,7 +1,8 @@
 """`testbed bench sim`: speed and memory of the simulator, as figures (never as test assertions).
 
 Each measured run is a fresh subprocess so that its peak RSS (ru_maxrss) is its own. The
-reference setting is TD-Pipe's: 5,000 ShareGPT requests offline, Llama2-70B on 4 x A100-80GB.
+reference setting is TD-Pipe's: 5,000 ShareGPT requests offline (prompt + output <= 4,096 tokens,
+Llama-2's context), Llama2-70B on 4 x A100-80GB.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import resource
 import subprocess
 import sys
 
-REFERENCE = ["workload=sharegpt", "workload.arrival=offline", "workload.num_requests=5000",
+REFERENCE = ["workload=sharegpt", "workload.arrival=offline", "workload.num_requests=5000", "workload.max_total_len=4096",
              "hardware=a100-80g", "model=llama2-70b", "parallel.pp=4"]
 
 

@@ -64,4 +64,5 @@ def make_state(policy, *, pp=2, num_blocks=1000, block_size=16, decoding=(), pre
         s.admit_order = ctrl._admit_counter; ctrl._admit_counter += 1
         ctrl.running[s.seq_id] = s
         ctrl.kv.allocate(s.seq_id, prompt)
+    ctrl.waiting_prefill_tokens = sum(s.remaining_prefill for s in ctrl.waiting)
     return ctrl, seqs
