@@ -178,12 +178,16 @@ class SimExecutor(Executor):
             self._link_pending[s].append(PendingTransfer(mb, nbytes, nbytes, now))
             self._try_send(s)
         elif self.runtime.cpu_sampling:
-            # Logits go to the least-loaded CPU sampler; the GPU is free at once.
-            k = min(range(len(self._sampler_free_at)), key=self._sampler_free_at.__getitem__)
-            start = max(now, self._sampler_free_at[k])
-            end = start + self.cost.cpu_sample_s(mb.shape)
-            self._sampler_free_at[k] = end
-            self.tracer.span(f"sampler{k}", "sample", start, end, mb_id)
+            # Logits go to the CPU sampler pool; the GPU is free at once. The pool shares a
+            # micro-batch's rows among its processes (each holds the vocab-major penalty state
+            # of its rows), so a batch starts when every sampler is free and takes 1/n of the
+            # single-process time (plus the fixed cost).
+            n = len(self._sampler_free_at)
+            start = max(now, max(self._sampler_free_at))
+            end = start + self.cost.cpu_sample_s(mb.shape, workers=n)
+            for k in range(n):
+                self._sampler_free_at[k] = end
+                self.tracer.span(f"sampler{k}", "sample", start, end, mb_id)
             self.events.push(end, SAMPLE_DONE, (mb_id,))
         else:
             self._complete_after_return(mb_id)

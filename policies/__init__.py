@@ -2,5 +2,5 @@
 `engine.policy.POLICIES`."""
 from importlib import import_module
 
-for _module in ("sarathi", "vllm", "gllm", "tdpipe"):
+for _module in ("sarathi", "vllm", "gllm", "tdpipe", "sipipe", "molink"):
     import_module(f"policies.{_module}")

@@ -141,10 +141,15 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
     """Validate the config and build workload, policy, cost model and executor.
     Raises TestbedError (one clear line) for any user mistake."""
     wall0 = time.perf_counter()
+    from testbed.molink_search import resolve_extension  # MoLink: extension=search -> simulated k
+
+    cfg, search_info = resolve_extension(cfg)
     cost = build_cost_model(cfg)
     num_blocks, block_size = kv_blocks(cfg, cost)
     bandwidth, latency = link_settings(cfg, cost)
     policy = build_policy(cfg)
+    if hasattr(policy, "bind_links"):  # policies that size work by the links (MoLink)
+        policy.bind_links(bandwidth, latency)
     runtime = policy.runtime.merged(_section(cfg, "runtime"))
     ex_cfg = _section(cfg, "executor")
     ex_name = ex_cfg.pop("name", "sim")
@@ -168,6 +173,8 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
                                                           "structure_aware_transfer")},
             "link_bandwidth_Bps": bandwidth, "link_latency_s": latency,
             "_slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}}
+    if search_info:
+        info.update(search_info)
     return PreparedRun(dict(cfg), ctrl, cost, info)
 
 

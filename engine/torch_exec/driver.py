@@ -46,8 +46,18 @@ class TorchExecutor(Executor):
     """P stage processes running a real model; see the package docstring for the architecture."""
 
     def __init__(self, settings: TorchSettings, *, pp: int, run_config: dict | None = None,
-                 layer_split: list[int] | None = None, tracer: Tracer | None = None) -> None:
+                 layer_split: list[int] | None = None, tracer: Tracer | None = None, runtime=None,
+                 link_bandwidth_Bps: float | None = None, link_latency_s: float = 0.0,
+                 shape_links: bool = False) -> None:
         self.settings = settings
+        from engine.policy import RuntimeFeatures
+
+        self.runtime = runtime or RuntimeFeatures()
+        # Links are paced (emulated on loopback) only when the run names them (link.bandwidth /
+        # link.latency); otherwise the data plane runs at loopback speed.
+        self.link_bandwidth_Bps = link_bandwidth_Bps if shape_links else None
+        self.link_latency_s = link_latency_s if shape_links else 0.0
+        self._parts: dict[int, list] = {}  # mb id -> CPU sampler parts received
         self.pipeline_depth = pp
         self.run_config = dict(run_config or {})
         self.layer_split = layer_split
@@ -258,7 +268,13 @@ class TorchExecutor(Executor):
                 "threads": st.threads_per_stage, "backend": backend, "master_addr": st.master_addr,
                 "master_port": master_port, "stage_timeout_s": st.stage_timeout_s, "sampling": st.sampling,
                 "temperature": st.temperature, "top_k": st.top_k, "top_p": st.top_p,
-                "sample_seed": st.sample_seed, "fault": st.fault}
+                "sample_seed": st.sample_seed, "fault": st.fault,
+                "repetition_penalty": st.repetition_penalty, "presence_penalty": st.presence_penalty,
+                "frequency_penalty": st.frequency_penalty, "num_cpu_samplers": st.num_cpu_samplers,
+                "cpu_sampling": self.runtime.cpu_sampling, "overlap_input_prep": self.runtime.overlap_input_prep,
+                "structure_aware_transfer": self.runtime.structure_aware_transfer,
+                "link_bandwidth_Bps": self.link_bandwidth_Bps, "link_latency_s": self.link_latency_s,
+                "link_chunk_bytes": st.link_chunk_bytes, "driver_addr": addr}
         for s in range(P):
             self._send(s, ("init", init))
         ready = self._gather("ready", deadline)
@@ -355,7 +371,7 @@ class TorchExecutor(Executor):
                 msg = pickle.loads(raw)
                 kind = msg[0]
                 if kind == "error":
-                    self._fail(f"stage {msg[1]} failed: {msg[2].strip()}")
+                    self._stage_error(msg[1], msg[2])
                 elif kind == expect:
                     out.append(msg)
                 else:
@@ -383,6 +399,23 @@ class TorchExecutor(Executor):
             if head != mb_id:
                 self._fail(f"stage {s} completed micro-batch {mb_id} while {head} was the oldest in flight")
             self._ready.append(Completion(mb_id, self.now(), tuple(tokens)))
+        elif kind == "sampled":  # one CPU sampler's share of a micro-batch
+            _, k, mb_id, n, rows, tokens, (a, b) = msg
+            self.tracer.span(f"sampler{k}", "sample", max(a - self._t0, 0.0), max(b - self._t0, 0.0), mb_id)
+            parts = self._parts.setdefault(mb_id, [])
+            parts.append((rows, tokens))
+            if len(parts) == n:
+                del self._parts[mb_id]
+                size = sum(len(r) for r, _ in parts)
+                out = [0] * size
+                for r, t in parts:
+                    for i, tok in zip(r, t):
+                        out[i] = tok
+                self._last_progress = time.perf_counter()
+                head = self._inflight.popleft() if self._inflight else None
+                if head != mb_id:
+                    self._fail(f"CPU samplers completed micro-batch {mb_id} while {head} was the oldest in flight")
+                self._ready.append(Completion(mb_id, self.now(), tuple(out)))
         elif kind == "pong":
             pass
         else:
@@ -448,9 +481,28 @@ class TorchExecutor(Executor):
             _ident, raw = self._sock.recv_multipart()
             msg = pickle.loads(raw)
             if msg[0] == "error":
-                self._fail(f"stage {msg[1]} failed: {msg[2].strip()}")
+                self._stage_error(msg[1], msg[2])
             elif msg[0] in ("spans", "done"):
                 self._handle(msg)
+
+    def _stage_error(self, stage: int, text: str) -> None:
+        """A stage reported an exception. If another stage process died, that death is the root
+        cause (its neighbours' communication then fails): name the dead stage first."""
+        deadline = time.monotonic() + 1.0
+        dead = []
+        while time.monotonic() < deadline:
+            dead = [(s, p) for s, p in enumerate(self._procs) if p.exitcode is not None and s != stage]
+            if dead:
+                break
+            time.sleep(0.05)
+        first = text.strip().splitlines()[0] if text.strip() else "error"
+        if dead:
+            s, p = dead[0]
+            sig = -p.exitcode if p.exitcode < 0 else None
+            how = f"was killed by signal {sig}" if sig else f"exited with code {p.exitcode}"
+            self._fail(f"stage {s} (pid {p.pid}) {how} while the run was in progress; "
+                       f"then stage {stage} failed: {first}")
+        self._fail(f"stage {stage} failed: {text.strip()}")
 
     def _hang_message(self) -> str:
         oldest = self._inflight[0]
@@ -481,5 +533,8 @@ def make_torch_executor(settings: TorchSettings, build: ExecutorBuild) -> TorchE
     par = dict(cfg.get("parallel") or {})
     pp = build.cost_model.pp if build.cost_model is not None else int(par.get("pp", 1))
     split = par.get("layer_split")
+    link = dict(cfg.get("link") or {})
+    shape = link.get("bandwidth") is not None or link.get("latency") is not None
     return TorchExecutor(settings, pp=pp, run_config=cfg, layer_split=list(split) if split else None,
-                         tracer=build.tracer)
+                         tracer=build.tracer, runtime=build.runtime, link_bandwidth_Bps=build.link_bandwidth_Bps,
+                         link_latency_s=build.link_latency_s, shape_links=shape)

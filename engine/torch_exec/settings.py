@@ -39,6 +39,11 @@ class TorchSettings:
     temperature: float = 1.0  # random only; 0 means greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
+    repetition_penalty: float = 1.0  # vLLM's definitions; 1.0 / 0.0 = off (apply inline and on CPU samplers alike)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    num_cpu_samplers: int = 2  # CPU sampler processes of runtime.cpu_sampling (rows split by sequence id)
+    link_chunk_bytes: int = 1 << 20  # a paced (shaped) link sends activations in chunks of at most this
     sample_seed: int = 0  # each (request, position) draws from its own stream: batching-independent
     prompt_seed: int | None = None  # seed of derived prompt ids (requests without ids); None = run seed
     # failure handling: every wait is bounded
@@ -76,6 +81,13 @@ class TorchSettings:
             raise bad_value("executor.top_k", self.top_k, "must be an integer >= 0 (0 = off)")
         if not 0 < self.top_p <= 1:
             raise bad_value("executor.top_p", self.top_p, "must be in (0, 1]")
+        if not self.repetition_penalty > 0:
+            raise bad_value("executor.repetition_penalty", self.repetition_penalty, "must be > 0 (1.0 = off)")
+        if isinstance(self.num_cpu_samplers, bool) or not isinstance(self.num_cpu_samplers, int) \
+                or self.num_cpu_samplers < 1:
+            raise bad_value("executor.num_cpu_samplers", self.num_cpu_samplers, "must be an integer >= 1")
+        if self.link_chunk_bytes < 1:
+            raise bad_value("executor.link_chunk_bytes", self.link_chunk_bytes, "must be >= 1")
         for key in ("stage_timeout_s", "start_timeout_s"):
             if not getattr(self, key) > 0:
                 raise bad_value(f"executor.{key}", getattr(self, key), "must be > 0")

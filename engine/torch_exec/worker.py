@@ -120,14 +120,29 @@ class _Stage:
             raise RuntimeError(f"expected init, got {msg[0]!r}")
         cfg = msg[1]
         self.setup(cfg)
+        import zmq
+
         while True:
             t_wait = time.perf_counter()
-            msg = self.recv(None)
+            msg = self.backlog.popleft() if self.backlog else self.recv(None)
             kind = msg[0]
             if kind == "ping":
                 self.send("pong", self.stage, time.perf_counter())
             elif kind == "mb":
-                self.step(msg, t_wait)
+                if self.overlap:
+                    # double buffer: micro-batch i+1's inputs are prepared by the prep thread while
+                    # i runs (consecutive micro-batches hold disjoint sequences: token-safe)
+                    if not self.backlog and self.sock.poll(0, zmq.POLLIN):
+                        nxt = pickle.loads(self.sock.recv())
+                        if nxt[0] == "stop":
+                            raise _Stopped()
+                        self.backlog.append(nxt)
+                    ahead = None
+                    if self.backlog and self.backlog[0][0] == "mb":
+                        ahead = self.backlog[0]
+                    self.step(msg, t_wait, ahead)
+                else:
+                    self.step(msg, t_wait)
             else:
                 raise RuntimeError(f"unknown message {kind!r}")
 
@@ -173,10 +188,59 @@ class _Stage:
                                     timeout=datetime.timedelta(seconds=cfg["stage_timeout_s"]))
             self.dist = dist
         self.torch = torch
+        self.backlog: deque = deque()
+        self.overlap = bool(cfg.get("overlap_input_prep"))
+        self.prepared: dict[int, object] = {}  # mb id -> future of its prepared inputs (<= 2 buffers)
+        self.aware = bool(cfg.get("structure_aware_transfer"))
+        self.bw = cfg.get("link_bandwidth_Bps")
+        self.lat = float(cfg.get("link_latency_s") or 0.0)
+        self.chunk = int(cfg.get("link_chunk_bytes") or (1 << 20))
+        if self.overlap:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.prep_pool = ThreadPoolExecutor(1, thread_name_prefix="prep")
+        if not self.last and (self.bw or self.lat):
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.link_pool = ThreadPoolExecutor(1, thread_name_prefix="link")  # paced sends, in order
+        if self.last:
+            from engine.torch_exec.sampling import Sampler
+
+            skw = dict(method=cfg["sampling"], temperature=cfg["temperature"], top_k=cfg["top_k"],
+                       top_p=cfg["top_p"], seed=cfg["sample_seed"],
+                       repetition_penalty=cfg.get("repetition_penalty", 1.0),
+                       presence_penalty=cfg.get("presence_penalty", 0.0),
+                       frequency_penalty=cfg.get("frequency_penalty", 0.0))
+            self.sampler = Sampler(arch.vocab_size, **skw)
+            self.cpu_queues = []
+            if cfg.get("cpu_sampling"):
+                import torch.multiprocessing as tmp
+
+                from engine.torch_exec.cpu_sampler import sampler_main
+
+                mp = tmp.get_context("spawn")
+                n = cfg["num_cpu_samplers"]
+                self.sampler_procs = []
+                for k in range(n):
+                    q = mp.Queue()
+                    pr = mp.Process(target=sampler_main, args=(cfg["driver_addr"], k, n,
+                                                              {"vocab": arch.vocab_size, "sampler": skw}, q),
+                                    daemon=True, name=f"pp-sampler{k}")
+                    import multiprocessing as _mp
+
+                    cur = _mp.current_process()._config  # stage processes are daemons; samplers die with them
+                    was = cur.get("daemon")
+                    cur["daemon"] = False
+                    try:
+                        pr.start()
+                    finally:
+                        cur["daemon"] = was
+                    self.cpu_queues.append(q)
+                    self.sampler_procs.append(pr)
         self.send("ready", self.stage, {"load_s": t_load, "init_s": time.perf_counter() - t0,
                                         "pid": os.getpid(), "device": str(device)})
 
-    def step(self, msg, t_wait: float) -> None:
+    def step(self, msg, t_wait: float, ahead=None) -> None:
         _, mb_id, kind, prefills, decodes = msg
         torch = self.torch
         spans = []
@@ -185,14 +249,38 @@ class _Stage:
         self.count += 1
         if self.fault is not None and self.count == self.fault[1]:
             self.misbehave(self.fault[0])
-        b = self.model.prepare(prefills, decodes)
-        t1 = time.perf_counter()
-        spans.append(("prepare", t, t1, True))
+        fut = self.prepared.pop(mb_id, None) if self.overlap else None
+        if fut is not None:
+            b = fut.result()
+            t1 = time.perf_counter()
+            if t1 - t > 20e-6:
+                spans.append(("prepare_wait", t, t1, False))
+        else:
+            b = self.model.prepare(prefills, decodes)
+            t1 = time.perf_counter()
+            spans.append(("prepare", t, t1, True))
+        if ahead is not None and ahead[1] not in self.prepared:
+            self.prepared[ahead[1]] = self.prep_pool.submit(self.model.prepare, ahead[3], ahead[4])
         hidden = None
         if not self.first:
             buf = torch.empty((b.num_tokens, self.hidden), dtype=self.model.dtype,
                               device="cpu" if self.transfer_via_cpu else self.device)
-            self.dist.recv(buf, src=self.stage - 1)
+            if not self.aware:
+                # vLLM-style tensor-dict send: first the metadata (its size, then the blob), then
+                # the tensor; structure-aware receivers infer the shape from the schedule instead
+                size = torch.empty(1, dtype=torch.long)
+                self.dist.recv(size, src=self.stage - 1)
+                meta = torch.empty(int(size), dtype=torch.uint8)
+                self.dist.recv(meta, src=self.stage - 1)
+                shape = pickle.loads(meta.numpy().tobytes())["hidden"][0]
+                if tuple(shape) != tuple(buf.shape):
+                    raise RuntimeError(f"metadata says {shape}, schedule says {tuple(buf.shape)}")
+            if self.bw or self.lat:
+                from engine.torch_exec.transfer import recv_chunked
+
+                recv_chunked(self.dist, buf, self.stage - 1, self.chunk)
+            else:
+                self.dist.recv(buf, src=self.stage - 1)
             hidden = buf.to(self.device) if self.transfer_via_cpu else buf
             t2 = time.perf_counter()
             spans.append(("recv", t1, t2, False))
@@ -209,22 +297,40 @@ class _Stage:
             t3 = time.perf_counter()
             if t3 - t2 > 20e-6:
                 spans.append(("send_wait", t2, t3, False))
-            payload = out.cpu() if self.transfer_via_cpu else out
-            work = self.dist.isend(payload.contiguous(), dst=self.stage + 1)
+            payload = (out.cpu() if self.transfer_via_cpu else out).contiguous()
+            if not self.aware:
+                blob = pickle.dumps({"hidden": (tuple(payload.shape), str(payload.dtype))})
+                self.dist.send(torch.tensor([len(blob)], dtype=torch.long), dst=self.stage + 1)
+                self.dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=self.stage + 1)
+            if self.bw or self.lat:
+                from engine.torch_exec.transfer import send_chunked_paced
+
+                work = self.link_pool.submit(send_chunked_paced, self.dist, payload, self.stage + 1,
+                                             self.chunk, self.bw, self.lat)
+                work.wait = work.result
+            else:
+                work = self.dist.isend(payload, dst=self.stage + 1)
             self.pending_sends.append((work, payload))
             t4 = time.perf_counter()
             spans.append(("send", t3, t4, True))
             self.send("spans", self.stage, mb_id, spans)
         else:
-            from engine.torch_exec.sampling import sample
-
-            c = self.cfg
             keys = [(p[0], p[1] + p[2]) for p in prefills if p[3]] + [(d[0], d[1] + 1) for d in decodes]
-            tokens = sample(out, keys, method=c["sampling"], temperature=c["temperature"], top_k=c["top_k"],
-                            top_p=c["top_p"], seed=c["sample_seed"])
-            t3 = time.perf_counter()
-            spans.append(("sample", t2, t3, True))
-            self.send("done", self.stage, mb_id, tokens, spans)
+            if self.cpu_queues:
+                pre = [(p[0], p[1], p[5]) for p in prefills]
+                logits = out.detach().float().cpu()
+                for q in self.cpu_queues:
+                    q.put((mb_id, logits, keys, pre))  # storage moves to shared memory once
+                t3 = time.perf_counter()
+                spans.append(("to_samplers", t2, t3, True))
+                self.send("spans", self.stage, mb_id, spans)
+            else:
+                for p in prefills:
+                    self.sampler.observe_prefill(p[0], p[1], p[5])
+                tokens = self.sampler.sample(out, keys)
+                t3 = time.perf_counter()
+                spans.append(("sample", t2, t3, True))
+                self.send("done", self.stage, mb_id, tokens, spans)
 
     def misbehave(self, kind: str) -> None:
         if kind == "raise":
