@@ -88,3 +88,27 @@ def test_pipeline_overlaps_microbatches():
                                       "workload.num_requests=400"))
     assert min(res.summary["stage_utilization"]) > 0.4
     assert 0 <= res.summary["bubble_ratio"] < 0.6
+
+
+def test_blocking_send_holds_the_sending_stage_until_the_activation_has_left():
+    cost = CostModel(get_model("llama2-13b"), get_hardware("a100-80g"), pp=2)
+    mbs = []
+    for i in range(2):
+        seq = Sequence(Request(i, 0.0, 1000, 10))
+        chunk = PrefillChunk(seq, 0, 1000, True)
+        mbs.append(MicroBatch(i, (chunk,), (), shape=shape_of([chunk], [])))
+    slow = dict(link_bandwidth_Bps=1e8, link_latency_s=1e-3)  # 100 MB/s: the send outlasts the forward
+    starts = {}
+    for blocking in (False, True):
+        ex = SimExecutor(cost, blocking_send=blocking, **slow)
+        for mb in mbs:
+            ex.launch(mb)
+        while ex.next_completion() is not None:
+            pass
+        fwd = [s for s in ex.tracer.spans if s[0] == "stage0" and s[1].startswith("forward")]
+        starts[blocking] = fwd[1][2]
+        sends = [s for s in ex.tracer.spans if s[0] == "stage0" and s[1] == "send"]
+        assert bool(sends) == blocking
+    send_s = cost.activation_bytes(mbs[0].shape) / 1e8 + cost.coefficients.transfer_metadata_s
+    # blocking: the second forward on stage 0 waits for the first activation to leave
+    assert starts[True] - starts[False] == pytest.approx(send_s, rel=1e-9)
