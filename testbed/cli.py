@@ -204,6 +204,27 @@ def cmd_predictor_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    """Rerun a seed paper's headline experiments in simulation and judge each published claim."""
+    from testbed.reproduce import cli_reproduce
+
+    return cli_reproduce(args, _console())
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Profile the real engine (or import a table) and fit a calibrated hardware profile."""
+    from testbed.calibrate import cmd_profile as run
+
+    return run(args, _console())
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Run one workload on the torch engine and in the calibrated simulator; print the errors."""
+    from testbed.calibrate import cmd_validate as run
+
+    return run(args, _console())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="testbed", description="Pipeline-parallel LLM serving testbed.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -227,6 +248,32 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--x", help="x axis of the figures (default: the numeric axis, workload.rate first)")
     rp.add_argument("--metrics", help="comma list of metrics for the table and figures")
     rp.set_defaults(func=cmd_report)
+    rr = sub.add_parser("reproduce", help="rerun a paper's headline experiments and judge its claims "
+                                          "(--list; <study> [--quick] [key=value ...])")
+    rr.add_argument("--list", action="store_true", help="list the studies")
+    rr.add_argument("--quick", action="store_true", help="few requests and sweep points (smoke test)")
+    rr.add_argument("--workers", type=int, help="grid points run at once, in processes (default 1)")
+    rr.add_argument("--experiment", help="MLflow experiment (default: reproduce-<study>[-quick])")
+    rr.add_argument("args", nargs=argparse.REMAINDER, help="<study> then key=value overrides for every run")
+    rr.set_defaults(func=cmd_reproduce)
+    pf = sub.add_parser("profile", help="profile the torch engine (or --import a table), fit the cost model, "
+                                        "save hardware profile <name> (hardware=<name>)")
+    pf.add_argument("overrides", nargs="*", help="e.g. executor=torch model=tiny-llama parallel.pp=2")
+    pf.add_argument("--name", help="hardware profile name (default: cpu-<model>-pp<P>)")
+    pf.add_argument("--quick", action="store_true", help="a small grid (about 10 s)")
+    pf.add_argument("--repeats", type=int, default=3, help="timed launches per designed batch (median; default 3)")
+    pf.add_argument("--import", dest="import_path", help="import a TD-Pipe 'Total Length,Execute Time' CSV")
+    pf.add_argument("--time-unit", choices=["s", "ms", "us"], help="time unit of the imported table")
+    pf.add_argument("--prompt-len", type=int, help="imported totals are batches of prompts of this length")
+    pf.add_argument("--table", help="fit an existing profile table (CSV in testbed's format)")
+    pf.add_argument("--out", help="directory (default: $TESTBED_PROFILE_DIR or runs/profiles)")
+    pf.set_defaults(func=cmd_profile)
+    va = sub.add_parser("validate", help="same workload on the torch engine and the calibrated simulator: "
+                                         "error table, MLflow, timeline overlay")
+    va.add_argument("overrides", nargs="*", help="e.g. policy=sarathi workload=azure hardware=cpu-tiny-llama-pp2")
+    va.add_argument("--out", help="output directory (default: <output.dir>/validate/<time>_<label>)")
+    va.add_argument("--num-mbs", type=int, default=24, help="micro-batches in the overlay figure")
+    va.set_defaults(func=cmd_validate)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = b.add_subparsers(dest="bench", metavar="BENCH")
     bs = bsub.add_parser("sim", help="simulator wall time, peak memory and micro-batches per second")

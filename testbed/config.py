@@ -61,8 +61,17 @@ def _node(obj: Any) -> dict:
     return dict(obj)
 
 
+def load_saved_profiles() -> list[str]:
+    """Register the calibrated hardware profiles saved by `testbed profile` ($TESTBED_PROFILE_DIR,
+    default runs/profiles/*.yaml) so that `hardware=<name>` finds them."""
+    from engine.calibration import load_profiles_dir
+
+    return load_profiles_dir(os.environ.get("TESTBED_PROFILE_DIR") or "runs/profiles")
+
+
 def group_nodes() -> dict[str, dict[str, dict]]:
     """Every config group's choices as plain dicts, straight from the registries."""
+    load_saved_profiles()
     groups: dict[str, dict[str, dict]] = {"policy": {}, "workload": {}, "executor": {}, "hardware": {}, "model": {}}
     for name in POLICIES.names():
         groups["policy"][name] = {"name": name, **_node(POLICIES.get(name).Params())}

@@ -1,0 +1,471 @@
+"""Calibration: profile tables, their import from other tools, and fitting `CostCoefficients`.
+
+Torch-free. `testbed profile` (testbed/calibrate.py, measuring in engine/torch_exec/profile.py)
+writes a profile table, fits it here and saves a hardware profile usable as `hardware=<name>`.
+
+Profile table (CSV, `#` lines are comments; `# key=value` comments before the header are the
+table's metadata: model, pp, layers, hardware, source). One row per measurement (or per median
+of repetitions):
+
+    op,stage,kind,batch,tokens,prefix,context,nbytes,time_s
+
+- op=forward: stage forward time (the cost model's `stage_compute_s`, lm_head included on the
+  last stage, sampling excluded). `stage` is 0-based, or `max` for the slowest stage (what
+  TD-Pipe's tables hold). kind=prefill: `batch` prompts, each a chunk of `tokens` tokens after
+  `prefix` cached tokens, each sampling; kind=decode: `batch` decodes each attending `context`
+  tokens (the new one included); kind=mixed is not used by the fitter.
+- op=prepare: CPU input preparation of the batch described as above (`prep_s`).
+- op=sample: sampling on the last stage (`sample_s`).
+- op=transfer: one stage-to-stage hop of `nbytes` bytes (latency + nbytes / bandwidth).
+
+Fit (`fit_profile`): forward rows by nonlinear least squares on relative errors of
+`CostModel.stage_compute_s` over the efficiencies and the two fixed overheads (log-parameters,
+bounded, a weak pull towards the defaults keeps unidentifiable ones put); prepare/sample/transfer
+rows by non-negative linear least squares. Only coefficients that the table constrains are
+returned; the rest stay at the defaults when the profile is used.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from engine.costmodel import BatchShape, CostCoefficients, CostModel
+from engine.errors import ConfigError
+from engine.hardware import HARDWARE, HardwareSpec, get_hardware, register_hardware
+from engine.models import ModelSpec
+
+__all__ = ["ProfileRow", "ProfileTable", "read_profile", "write_profile", "import_tdpipe", "fit_profile",
+           "FitResult", "save_hardware_profile", "load_hardware_profile", "load_profiles_dir",
+           "synthetic_profile"]
+
+COLUMNS = ("op", "stage", "kind", "batch", "tokens", "prefix", "context", "nbytes", "time_s")
+OPS = ("forward", "prepare", "sample", "transfer")
+KINDS = ("prefill", "decode", "mixed", "")
+FORWARD_PARAMS = ("linear_efficiency", "attention_efficiency", "memory_efficiency", "stage_overhead_s",
+                  "per_layer_overhead_s")
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+@dataclass(frozen=True)
+class ProfileRow:
+    op: str
+    stage: int | None  # None = the slowest stage ("max")
+    kind: str = ""
+    batch: int = 0
+    tokens: int = 0
+    prefix: int = 0
+    context: int = 0
+    nbytes: int = 0
+    time_s: float = 0.0
+
+    def shape(self) -> BatchShape:
+        if self.kind == "prefill":
+            return BatchShape.from_parts([(self.prefix, self.tokens, True)] * self.batch)
+        if self.kind == "decode":
+            return BatchShape.decode(self.batch, self.context)
+        raise ValueError(f"no batch shape for kind {self.kind!r}")
+
+
+@dataclass
+class ProfileTable:
+    rows: list[ProfileRow]
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def select(self, op: str) -> list[ProfileRow]:
+        return [r for r in self.rows if r.op == op]
+
+
+def _int(value: str, name: str, where: str, minimum: int = 0) -> int:
+    try:
+        v = int(value)
+    except ValueError:
+        raise ConfigError(f"{where}: column {name}={value!r} is not an integer") from None
+    if v < minimum:
+        raise ConfigError(f"{where}: column {name}={v} must be >= {minimum}")
+    return v
+
+
+def _check_row(row: ProfileRow, where: str) -> None:
+    if row.op in ("forward", "prepare", "sample"):
+        if row.kind not in ("prefill", "decode"):
+            raise ConfigError(f"{where}: op={row.op} needs kind=prefill or kind=decode, got {row.kind!r}")
+        if row.batch < 1:
+            raise ConfigError(f"{where}: batch must be >= 1")
+        if row.kind == "prefill" and row.tokens < 1:
+            raise ConfigError(f"{where}: a prefill row needs tokens >= 1")
+        if row.kind == "decode" and row.context < 1:
+            raise ConfigError(f"{where}: a decode row needs context >= 1")
+    if not (math.isfinite(row.time_s) and row.time_s > 0):
+        raise ConfigError(f"{where}: time_s={row.time_s!r} must be a positive number of seconds")
+
+
+def read_profile(path: str | Path) -> ProfileTable:
+    """Read a profile table; any malformed line raises ConfigError naming `file line N`."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    return parse_profile(text, path.name)
+
+
+def parse_profile(text: str, name: str = "profile") -> ProfileTable:
+    meta: dict[str, str] = {}
+    rows: list[ProfileRow] = []
+    header: list[str] | None = None
+    for lineno, line in enumerate(text.splitlines(), 1):
+        where = f"{name} line {lineno}"
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("#"):
+            body = stripped[1:].strip()
+            if header is None and "=" in body:
+                k, _, v = body.partition("=")
+                meta[k.strip()] = v.strip()
+            continue
+        cells = next(csv.reader([line]))
+        cells = [c.strip() for c in cells]
+        if header is None:
+            header = cells
+            missing = [c for c in ("op", "time_s") if c not in header]
+            unknown = [c for c in header if c not in COLUMNS]
+            if missing or unknown:
+                raise ConfigError(f"{where}: bad header {','.join(header)!r}; expected columns "
+                                  f"{','.join(COLUMNS)} (op and time_s required)"
+                                  + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+            continue
+        if len(cells) != len(header):
+            raise ConfigError(f"{where}: {len(cells)} fields, the header has {len(header)}")
+        rec = dict(zip(header, cells))
+        op = rec["op"]
+        if op not in OPS:
+            raise ConfigError(f"{where}: unknown op {op!r}; valid: {', '.join(OPS)}")
+        kind = rec.get("kind", "")
+        if kind not in KINDS:
+            raise ConfigError(f"{where}: unknown kind {kind!r}; valid: prefill, decode, mixed")
+        st = rec.get("stage", "0")
+        stage = None if st in ("max", "") else _int(st, "stage", where)
+        try:
+            t = float(rec["time_s"])
+        except ValueError:
+            raise ConfigError(f"{where}: column time_s={rec['time_s']!r} is not a number") from None
+        row = ProfileRow(op, stage, kind, *(_int(rec.get(c, "0") or "0", c, where)
+                                            for c in ("batch", "tokens", "prefix", "context", "nbytes")), t)
+        _check_row(row, where)
+        rows.append(row)
+    if header is None or not rows:
+        raise ConfigError(f"{name}: no measurements (expected a header {','.join(COLUMNS)} and rows)")
+    return ProfileTable(rows, meta)
+
+
+def write_profile(table: ProfileTable, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO()
+    for k, v in table.meta.items():
+        buf.write(f"# {k}={v}\n")
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(COLUMNS)
+    for r in table.rows:
+        w.writerow([r.op, "max" if r.stage is None else r.stage, r.kind, r.batch, r.tokens, r.prefix,
+                    r.context, r.nbytes, f"{r.time_s:.9g}"])
+    path.write_text(buf.getvalue())
+    return path
+
+
+def import_tdpipe(path: str | Path, time_unit: str, *, prompt_len: int | None = None,
+                  meta: dict | None = None) -> ProfileTable:
+    """TD-Pipe's two-column profile (`Total Length,Execute Time`: tokens of a prefill batch vs the
+    time of one pipeline stage) -> forward rows on the slowest stage. `time_unit` must be given
+    (s, ms or us): TD-Pipe's files do not say. `prompt_len` splits each total into prompts of that
+    length (default: one prompt of the whole length)."""
+    if time_unit not in TIME_UNITS:
+        raise ConfigError(f"invalid time unit {time_unit!r}: must be one of {', '.join(TIME_UNITS)}")
+    scale = TIME_UNITS[time_unit]
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    rows: list[ProfileRow] = []
+    header_seen = False
+    for lineno, line in enumerate(lines, 1):
+        where = f"{path.name} line {lineno}"
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        cells = [c.strip() for c in next(csv.reader([line]))]
+        if not header_seen:
+            header_seen = True
+            if [c.lower() for c in cells[:2]] == ["total length", "execute time"]:
+                continue
+        if len(cells) < 2:
+            raise ConfigError(f"{where}: expected 'Total Length,Execute Time', got {line.strip()!r}")
+        try:
+            total = int(float(cells[0]))
+            t = float(cells[1]) * scale
+        except ValueError:
+            raise ConfigError(f"{where}: not numbers: {line.strip()!r}") from None
+        if total < 1 or not (math.isfinite(t) and t > 0):
+            raise ConfigError(f"{where}: length must be >= 1 and time > 0, got {line.strip()!r}")
+        if prompt_len and total > prompt_len:
+            full, rest = divmod(total, prompt_len)
+            rows.append(ProfileRow("forward", None, "prefill", full, prompt_len, 0, 0, 0, t * full * prompt_len / total))
+            if rest:  # keep one row per measurement: approximate by splitting time by tokens
+                rows.append(ProfileRow("forward", None, "prefill", 1, rest, 0, 0, 0, t * rest / total))
+        else:
+            rows.append(ProfileRow("forward", None, "prefill", 1, total, 0, 0, 0, t))
+    if not rows:
+        raise ConfigError(f"{path.name}: no measurements")
+    m = {"source": f"tdpipe:{path.name}", "time_unit": time_unit}
+    m.update(meta or {})
+    return ProfileTable(rows, m)
+
+
+# ---- fitting ---------------------------------------------------------------------------------
+@dataclass
+class FitResult:
+    coefficients: dict[str, float]  # only the fitted ones
+    p2p_bw_gbs: float | None = None
+    p2p_latency_s: float | None = None
+    errors: dict[str, dict[str, float]] = field(default_factory=dict)  # op -> {median_abs_rel, max_abs_rel, n}
+
+    def summary_lines(self) -> list[str]:
+        out = [f"  {k} = {v:.6g}" for k, v in self.coefficients.items()]
+        if self.p2p_bw_gbs is not None:
+            out.append(f"  p2p_bw_gbs = {self.p2p_bw_gbs:.6g}   p2p_latency_s = {self.p2p_latency_s:.6g}")
+        for op, e in self.errors.items():
+            out.append(f"  fit error {op:<9} n={e['n']:<4.0f} median |rel| {100 * e['median_abs_rel']:.1f}%  "
+                       f"max {100 * e['max_abs_rel']:.1f}%")
+        return out
+
+
+def _cost(model: ModelSpec, hw: HardwareSpec, pp: int, layers: Sequence[int] | None, values: dict) -> CostModel:
+    return CostModel(model, hw, pp, layer_split=list(layers) if layers else None,
+                     coefficients=CostCoefficients(**values))
+
+
+def _forward_pred(cost: CostModel, rows: Sequence[ProfileRow], shapes: Sequence[BatchShape]) -> list[float]:
+    out = []
+    for r, sh in zip(rows, shapes):
+        if r.stage is None:
+            out.append(max(cost.stage_compute_s(s, sh) for s in range(cost.pp)))
+        else:
+            out.append(cost.stage_compute_s(r.stage, sh))
+    return out
+
+
+def _err_stats(pred: Sequence[float], meas: Sequence[float]) -> dict[str, float]:
+    rel = sorted(float(abs(p / m - 1.0)) for p, m in zip(pred, meas))
+    return {"n": float(len(rel)), "median_abs_rel": rel[len(rel) // 2], "max_abs_rel": rel[-1]}
+
+
+def _nnls(cols: list[list[float]], y: list[float], relative: bool = True) -> list[float]:
+    import numpy as np
+    from scipy.optimize import nnls
+
+    A = np.array(cols, dtype=float).T
+    b = np.array(y, dtype=float)
+    if relative:  # weight rows by 1/y: minimise relative error
+        w = 1.0 / b
+        A = A * w[:, None]
+        b = b * w
+    scale = np.maximum(np.abs(A).max(axis=0), 1e-300)
+    x, _ = nnls(A / scale, b)
+    return [float(v) for v in x / scale]
+
+
+def fit_profile(table: ProfileTable, model: ModelSpec, hardware: HardwareSpec, pp: int,
+                layers: Sequence[int] | None = None, base: dict | None = None,
+                forward_params: Sequence[str] | None = None) -> FitResult:
+    """Fit the coefficients the table constrains. `base`: starting/default coefficient values.
+    `forward_params`: which forward coefficients to fit (default: all five when the table has
+    decode and prefill rows, else those a prefill-only table constrains)."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    base_vals = asdict(CostCoefficients(**(base or {})))
+    fitted: dict[str, float] = {}
+    errors: dict[str, dict[str, float]] = {}
+    fwd = [r for r in table.select("forward") if r.kind in ("prefill", "decode")]
+    if fwd:
+        if forward_params is None:
+            kinds = {r.kind for r in fwd}
+            forward_params = FORWARD_PARAMS if "decode" in kinds else (
+                "linear_efficiency", "attention_efficiency", "stage_overhead_s")
+        names = list(forward_params)
+        shapes = [r.shape() for r in fwd]
+        meas = np.array([r.time_s for r in fwd])
+        x0 = np.log([max(base_vals[n], 1e-9) for n in names])
+        lo = np.array([math.log(1e-5) if n.endswith("efficiency") else math.log(1e-9) for n in names])
+        hi = np.array([0.0 if n.endswith("efficiency") else math.log(1.0) for n in names])
+        x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
+        prior_w = 1e-3
+
+        def resid(x):
+            vals = dict(base_vals)
+            vals.update({n: float(math.exp(v)) for n, v in zip(names, x)})
+            pred = np.array(_forward_pred(_cost(model, hardware, pp, layers, vals), fwd, shapes))
+            return np.concatenate([pred / meas - 1.0, prior_w * (x - x0)])
+
+        best = None
+        starts = [x0]
+        for k in range(4):  # a few starts: the max() in the roofline makes the surface piecewise
+            starts.append(np.clip(x0 + np.log(10.0) * np.array([(-1) ** (k + i) * (0.5 + 0.5 * (k % 2))
+                                                                 for i in range(len(names))]), lo + 1e-9, hi - 1e-9))
+        for s in starts:
+            res = least_squares(resid, s, bounds=(lo, hi), x_scale=1.0, max_nfev=400)
+            if best is None or res.cost < best.cost:
+                best = res
+        fitted.update({n: float(math.exp(v)) for n, v in zip(names, best.x)})
+        vals = dict(base_vals, **fitted)
+        errors["forward"] = _err_stats(_forward_pred(_cost(model, hardware, pp, layers, vals), fwd, shapes),
+                                       list(meas))
+    prep = [r for r in table.rows if r.op == "prepare"]
+    if prep:
+        shapes = [r.shape() for r in prep]
+        cols = [[1.0] * len(prep), [float(s.num_seqs) for s in shapes], [float(s.num_tokens) for s in shapes]]
+        a, b, c = _nnls(cols, [r.time_s for r in prep])
+        fitted.update(prep_fixed_s=a, prep_per_seq_s=b, prep_per_token_s=c)
+        pred = [a + b * s.num_seqs + c * s.num_tokens for s in shapes]
+        errors["prepare"] = _err_stats(pred, [r.time_s for r in prep])
+    samp = [r for r in table.rows if r.op == "sample"]
+    if samp:
+        shapes = [r.shape() for r in samp]
+        cols = [[1.0] * len(samp), [float(s.num_sampled * model.vocab_size) for s in shapes]]
+        a, b = _nnls(cols, [r.time_s for r in samp])
+        fitted.update(sample_fixed_s=a, sample_per_token_vocab_s=b)
+        errors["sample"] = _err_stats([a + b * s.num_sampled * model.vocab_size for s in shapes],
+                                      [r.time_s for r in samp])
+    bw = lat = None
+    tr = [r for r in table.rows if r.op == "transfer"]
+    if tr:
+        a, b = _nnls([[1.0] * len(tr), [float(r.nbytes) for r in tr]], [r.time_s for r in tr])
+        lat = a
+        bw = 1.0 / b / 1e9 if b > 0 else 1e3  # GB/s; no measurable byte cost -> very fast
+        errors["transfer"] = _err_stats([a + b * r.nbytes for r in tr], [r.time_s for r in tr])
+    return FitResult(fitted, bw, lat, errors)
+
+
+def synthetic_profile(model: ModelSpec, hardware: HardwareSpec, pp: int, coefficients: dict,
+                      layers: Sequence[int] | None = None, noise: float = 0.0, seed: int = 0) -> ProfileTable:
+    """A profile generated by the cost model itself (for tests and for checking a grid)."""
+    import random
+
+    rng = random.Random(seed)
+    cost = _cost(model, hardware, pp, layers, dict(asdict(CostCoefficients()), **coefficients))
+    rows: list[ProfileRow] = []
+
+    def t(v: float) -> float:
+        return v * (1.0 + noise * rng.uniform(-1, 1))
+
+    grid = [("prefill", b, x, L, 0) for b in (1, 4) for x in (16, 128, 512, 2048) for L in (0, 1024)] + \
+           [("decode", b, 0, 0, c) for b in (1, 8, 64, 256) for c in (64, 512, 4096)]
+    for kind, b, x, L, c in grid:
+        r = ProfileRow("forward", 0, kind, b, x, L, c, 0, 1.0)
+        sh = r.shape()
+        for s in range(pp):
+            rows.append(replace(r, stage=s, time_s=t(cost.stage_compute_s(s, sh))))
+        rows.append(replace(r, op="prepare", time_s=t(cost.prep_s(sh))))
+        rows.append(replace(r, op="sample", stage=pp - 1, time_s=t(cost.sample_s(sh))))
+        if pp > 1:
+            nb = cost.activation_bytes(sh)
+            rows.append(ProfileRow("transfer", 0, kind, b, x, L, c, nb,
+                                   t(hardware.p2p_latency_s + nb / hardware.p2p_bw_Bps)))
+    return ProfileTable(rows, {"model": model.name, "pp": str(pp), "hardware": hardware.name, "source": "synthetic"})
+
+
+# ---- saved hardware profiles ----------------------------------------------------------------
+HW_FIELDS = tuple(f.name for f in fields(HardwareSpec))
+
+
+def save_hardware_profile(spec: HardwareSpec, path: str | Path, extra: dict | None = None) -> Path:
+    """Write `spec` (with its `calibration`) as YAML; `extra` goes under `profile:` (provenance)."""
+    import yaml
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = {k: getattr(spec, k) for k in HW_FIELDS}
+    if data.get("calibration"):
+        data["calibration"] = {k: float(v) for k, v in data["calibration"].items()}
+    if extra:
+        data["profile"] = extra
+    import json
+
+    data = json.loads(json.dumps(data, default=float))  # numpy scalars -> plain floats
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def load_hardware_profile(path: str | Path) -> HardwareSpec:
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read hardware profile {path}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"hardware profile {path}: expected a mapping of HardwareSpec fields")
+    data.pop("profile", None)
+    unknown = sorted(set(data) - set(HW_FIELDS))
+    if unknown:
+        raise ConfigError(f"hardware profile {path}: unknown keys {', '.join(unknown)}")
+    cal = data.get("calibration")
+    if cal is not None:
+        valid = {f.name for f in fields(CostCoefficients)}
+        bad = sorted(set(cal) - valid)
+        if bad:
+            raise ConfigError(f"hardware profile {path}: unknown calibration keys {', '.join(bad)}")
+        CostCoefficients(**cal)  # validates ranges
+    try:
+        return HardwareSpec(**data)
+    except TypeError as exc:
+        raise ConfigError(f"hardware profile {path}: {exc}") from None
+
+
+def load_profiles_dir(directory: str | Path) -> list[str]:
+    """Register every `*.yaml` hardware profile in `directory` not registered yet. Returns the names
+    added. A profile whose name equals an already registered one with the same content is skipped;
+    a different one under a table GPU's name is refused by `register_hardware`."""
+    d = Path(directory)
+    added = []
+    if not d.is_dir():
+        return added
+    for p in sorted(d.glob("*.yaml")):
+        spec = load_hardware_profile(p)
+        have = HARDWARE.get(spec.name)
+        if have is not None:
+            if have == spec:
+                continue
+            if have.calibration is not None:  # a re-saved profile: the newest file wins
+                HARDWARE[spec.name] = spec
+                added.append(spec.name)
+                continue
+        register_hardware(spec)
+        added.append(spec.name)
+    return added
+
+
+def calibrated_spec(base: HardwareSpec, name: str, fit: FitResult, description: str | None = None) -> HardwareSpec:
+    """`base` with the fitted links and coefficients, under `name`."""
+    kw: dict[str, Any] = {"name": name, "calibration": dict(fit.coefficients)}
+    if description:
+        kw["description"] = description
+    if fit.p2p_bw_gbs is not None:
+        kw["p2p_bw_gbs"] = max(fit.p2p_bw_gbs, 1e-6)
+        kw["p2p_latency_s"] = fit.p2p_latency_s
+    return replace(base, **kw)
+
+
+def get_base_hardware(name: str) -> HardwareSpec:
+    return get_hardware(name)
+
+
+def rows_from_iter(items: Iterable[ProfileRow]) -> ProfileTable:
+    return ProfileTable(list(items))

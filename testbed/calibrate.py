@@ -1,0 +1,300 @@
+"""`testbed profile` and `testbed validate`: calibrate the simulator on the real engine, check it.
+
+    testbed profile executor=torch model=tiny-llama parallel.pp=2 [--name cpu-tiny] [--quick]
+    testbed profile --import tdpipe.csv --time-unit ms --name l20-qwen32b-tdpipe \
+        model=qwen2.5-32b hardware=l20-48g parallel.pp=4
+    testbed validate policy=sarathi workload=azure workload.num_requests=300 model=tiny-llama \
+        parallel.pp=2 hardware=cpu-tiny
+
+Profiles go to `$TESTBED_PROFILE_DIR` (default `runs/profiles/`): `<name>.csv` (the table) and
+`<name>.yaml` (a HardwareSpec with `calibration`), which `testbed.config` registers at start-up so
+`hardware=<name>` works in every command. See README "Calibration and fidelity".
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+
+VALIDATE_METRICS = (
+    ("throughput_tok_s", "throughput (tok/s)"),
+    ("ttft_mean_s", "TTFT mean (s)"),
+    ("ttft_p99_s", "TTFT p99 (s)"),
+    ("tpot_mean_s", "TPOT mean (s)"),
+    ("tpot_p99_s", "TPOT p99 (s)"),
+    ("e2el_mean_s", "E2EL mean (s)"),
+    ("e2el_p99_s", "E2EL p99 (s)"),
+    ("bubble_ratio", "bubble ratio"),
+    ("num_microbatches", "micro-batches"),
+)
+
+
+def profile_dir() -> Path:
+    return Path(os.environ.get("TESTBED_PROFILE_DIR") or "runs/profiles")
+
+
+def _override(overrides: list[str], key: str) -> str | None:
+    for ov in overrides:
+        k, _, v = ov.partition("=")
+        if k.lstrip("+") == key:
+            return v
+    return None
+
+
+def _with_default(overrides: list[str], key: str, value: Any) -> list[str]:
+    return overrides if _override(overrides, key) is not None else overrides + [f"{key}={value}"]
+
+
+# ---- profile ---------------------------------------------------------------------------------
+def cmd_profile(args, console) -> int:
+    from engine.calibration import (calibrated_spec, fit_profile, import_tdpipe, read_profile,
+                                    save_hardware_profile, write_profile)
+    from engine.hardware import get_hardware
+    from engine.models import ModelSpec
+    from engine.policy import make_params
+    from testbed.config import compose, to_container
+
+    overrides = list(args.overrides)
+    out_dir = Path(args.out) if args.out else profile_dir()
+    if args.import_path or args.table:
+        if args.import_path and not args.time_unit:
+            raise ConfigError("--import needs --time-unit s|ms|us (TD-Pipe's tables do not say)")
+        cfg = to_container(compose(overrides))
+        model = make_params(ModelSpec, dict(cfg["model"]), prefix="model")
+        pp = int(cfg["parallel"]["pp"])
+        hw = get_hardware(cfg["hardware"]["name"])
+        if args.import_path:
+            table = import_tdpipe(args.import_path, args.time_unit, prompt_len=args.prompt_len,
+                                  meta={"model": model.name, "pp": str(pp), "hardware": hw.name})
+        else:
+            table = read_profile(args.table)
+        name = args.name or f"{hw.name}-{model.name}-pp{pp}-cal"
+        fit = fit_profile(table, model, hw, pp, cfg["parallel"].get("layer_split"))
+        spec = calibrated_spec(hw, name, fit, f"{hw.description}; calibrated from {table.meta.get('source', 'a table')}")
+        csv_path = write_profile(table, out_dir / f"{name}.csv")
+        yaml_path = save_hardware_profile(spec, out_dir / f"{name}.yaml",
+                                          {"table": str(csv_path), "model": model.name, "pp": pp,
+                                           "fit_errors": fit.errors})
+        _print_fit(console, name, fit)
+        print(yaml_path.resolve())
+        return 0
+    return _profile_engine(args, overrides, out_dir, console)
+
+
+def _print_fit(console, name, fit) -> None:
+    console.print(f"[bold]hardware profile {name}[/bold]: fitted")
+    for line in fit.summary_lines():
+        console.print(line)
+
+
+def _profile_engine(args, overrides, out_dir: Path, console) -> int:
+    from engine.calibration import ProfileTable, calibrated_spec, fit_profile, save_hardware_profile, write_profile
+    from engine.hardware import HardwareSpec
+    from engine.request import Request
+    from engine.torch_exec.profile import DEFAULT_GRID, QUICK_GRID, host_memory_gib, max_context, measure_peaks, profile_engine
+    from testbed.config import compose, to_container
+    from testbed.runner import prepare_experiment
+
+    grid = QUICK_GRID if args.quick else DEFAULT_GRID
+    overrides = _with_default(overrides, "executor", "torch")
+    overrides = _with_default(overrides, "model", "tiny-llama")
+    overrides = _with_default(overrides, "parallel.pp", 2)
+    bs = int(_override(overrides, "kv.block_size") or 16)
+    overrides = _with_default(overrides, "kv.num_blocks", min(  # distinct blocks for the largest batch
+        8192, max(max(grid["decode_batch"]) * (max(grid["decode_context"]) // bs + 1),
+                  max(grid["prefill_batch"]) * (max_context(grid) // bs + 1)) + 4))
+    overrides = _with_default(overrides, "output.mlflow", "false")
+    cfg = to_container(compose(overrides))
+    if cfg["executor"]["name"] != "torch":
+        raise ConfigError("testbed profile measures the real engine: use executor=torch")
+    t0 = time.perf_counter()
+    peaks = measure_peaks(threads=int(cfg["executor"].get("threads_per_stage", 1)))
+    prepared = prepare_experiment(cfg, requests=[Request(0, 0.0, 1, 1)])
+    ex = prepared.controller.executor
+    cost = prepared.cost
+    try:
+        table = profile_engine(ex, grid, block_size=cfg["kv"]["block_size"], repeats=args.repeats,
+                               bytes_of=lambda r: cost.activation_bytes(r.shape()))
+    finally:
+        ex.shutdown()
+    pp = cost.pp
+    model = cost.model
+    name = args.name or f"cpu-{model.name}-pp{pp}"
+    base = HardwareSpec(
+        name=name,
+        description=f"this CPU host, torch engine ({cfg['executor'].get('threads_per_stage', 1)} thread(s)/stage, "
+                    f"{cfg['executor'].get('dtype')}), measured peaks; calibrated by testbed profile",
+        peak_tflops=peaks["peak_flops"] / 1e12, mem_bw_gbs=peaks["mem_bw_Bps"] / 1e9,
+        mem_gib=round(host_memory_gib(), 1), p2p_bw_gbs=1.0, p2p_latency_s=1e-4, allreduce_bw_gbs=1.0,
+        cpu_cores_hint=os.cpu_count())
+    table.meta.update({"model": model.name, "pp": str(pp), "layers": ",".join(map(str, cost.layers)),
+                       "hardware": name, "source": "testbed profile (torch engine)",
+                       "dtype": str(cfg["executor"].get("dtype")), "repeats": str(args.repeats)})
+    fit = fit_profile(table, model, base, pp, list(cost.layers))
+    spec = calibrated_spec(base, name, fit)
+    csv_path = write_profile(table, out_dir / f"{name}.csv")
+    yaml_path = save_hardware_profile(spec, out_dir / f"{name}.yaml", {
+        "table": str(csv_path), "model": model.name, "pp": pp, "layers": list(cost.layers),
+        "measured_peak_flops": peaks["peak_flops"], "measured_mem_bw_Bps": peaks["mem_bw_Bps"],
+        "fit_errors": fit.errors, "profile_wall_s": round(time.perf_counter() - t0, 2)})
+    console.print(f"profiled {len(table.rows)} rows in {time.perf_counter() - t0:.1f} s "
+                  f"(peak {peaks['peak_flops'] / 1e9:.1f} GFLOP/s, copy {peaks['mem_bw_Bps'] / 1e9:.1f} GB/s)")
+    _print_fit(console, name, fit)
+    print(csv_path.resolve())
+    print(yaml_path.resolve())
+    return 0
+
+
+# ---- validate --------------------------------------------------------------------------------
+def rel_error(real: float, sim: float) -> float:
+    if real == 0:
+        return 0.0 if sim == 0 else math.inf
+    return (sim - real) / abs(real)
+
+
+def error_table(real: dict, sim: dict) -> list[dict]:
+    rows = []
+    for key, label in VALIDATE_METRICS:
+        r, s = float(real.get(key, float("nan"))), float(sim.get(key, float("nan")))
+        rows.append({"metric": key, "label": label, "real": r, "sim": s, "rel_error": rel_error(r, s)})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'metric':<22}{'real':>14}{'sim':>14}{'rel. error':>12}", "-" * 62]
+    for r in rows:
+        lines.append(f"{r['label']:<22}{r['real']:>14.5g}{r['sim']:>14.5g}{100 * r['rel_error']:>11.1f}%")
+    return "\n".join(lines)
+
+
+def cmd_validate(args, console) -> int:
+    from testbed.config import compose, to_container
+    from testbed.outputs import write_run_dir
+    from testbed.runner import prepare_experiment
+
+    overrides = list(args.overrides)
+    hw = _override(overrides, "hardware")
+    if hw is None:
+        raise ConfigError("testbed validate needs hardware=<calibrated profile> (see testbed profile)")
+    overrides = _with_default(overrides, "model", "tiny-llama")
+    overrides = _with_default(overrides, "parallel.pp", 2)
+    overrides = _with_default(overrides, "kv.num_blocks", 2048)
+    base = [o for o in overrides if not o.startswith("executor=") and not o.startswith("executor.")]
+    ex_ovs = [o for o in overrides if o.startswith("executor.")]
+    real_cfg = to_container(compose(base + ["executor=torch"] + ex_ovs))
+    # The real engine on CPU sends with gloo's blocking send: model it (executor.blocking_send).
+    blocking = "true" if real_cfg["executor"].get("device", "cpu") == "cpu" else "false"
+    sim_cfg = to_container(compose(base + ["executor=sim", f"executor.blocking_send={blocking}"]))
+    from testbed.config import data_dir
+    from workloads.base import build_workload
+
+    requests = build_workload(dict(real_cfg["workload"]), data_dir(real_cfg))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    label = f"{real_cfg['policy']['name']}-{real_cfg['workload']['name']}-pp{real_cfg['parallel']['pp']}-{hw}"
+    out_dir = Path(args.out) if args.out else Path(real_cfg["output"]["dir"]) / "validate" / f"{stamp}_{label}"
+    console.print(f"validate: {len(requests)} requests, real (torch) then sim (hardware={hw})")
+    results = {}
+    for kind, cfg in (("real", real_cfg), ("sim", sim_cfg)):
+        t = time.perf_counter()
+        res = prepare_experiment(cfg, requests=list(requests)).run()
+        if res.error:
+            raise ConfigError(f"the {kind} run failed: {res.error}")
+        write_run_dir(res, out_dir / kind, plots=False)
+        results[kind] = res
+        console.print(f"  {kind}: {res.summary['num_finished']} finished, {time.perf_counter() - t:.1f} s wall")
+    rows = error_table(results["real"].summary, results["sim"].summary)
+    text = format_table(rows)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "errors.md").write_text("```\n" + text + "\n```\n")
+    (out_dir / "errors.json").write_text(json.dumps(rows, indent=2))
+    fig = overlay_figure(results["real"], results["sim"], out_dir / "timeline_overlay.png", num_mbs=args.num_mbs)
+    print(text)
+    if real_cfg["output"].get("mlflow", True):
+        _log_validate(real_cfg, sim_cfg, results, rows, out_dir, label)
+    print(out_dir.resolve())
+    _ = fig
+    return 0
+
+
+def _log_validate(real_cfg, sim_cfg, results, rows, out_dir: Path, label: str) -> None:
+    from mlflow.entities import Metric
+
+    from testbed.tracking import Tracker
+
+    tr = Tracker(real_cfg, experiment=real_cfg["output"].get("experiment") or "validate")
+    parent = tr.start(real_cfg, f"validate-{label}", tags={"testbed.kind": "validate"})
+    for kind, cfg in (("real", real_cfg), ("sim", sim_cfg)):
+        rid = tr.start(cfg, f"{kind}-{label}", parent_run_id=parent, tags={"validate.side": kind})
+        tr.finish(rid, results[kind], out_dir / kind)
+    now = int(time.time() * 1000)
+    ms = []
+    for r in rows:
+        for k in ("real", "sim", "rel_error"):
+            v = r[k]
+            if math.isfinite(v):
+                ms.append(Metric(f"{r['metric']}.{k}", float(v), now, 0))
+    tr.client.log_batch(parent, metrics=ms)
+    for f in ("errors.md", "errors.json", "timeline_overlay.png"):
+        if (out_dir / f).exists():
+            tr.client.log_artifact(parent, str(out_dir / f))
+    tr.client.set_terminated(parent, "FINISHED")
+
+
+def overlay_figure(real, sim, path: Path, num_mbs: int = 24):
+    """Per-stage timelines of the first `num_mbs` micro-batches: real (top row of each stage)
+    against simulated (bottom row), each from its own first launch; same colour = same mb id."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def spans(res):
+        ids = sorted({s[4] for s in res.tracer.spans if s[0].startswith("stage") and s[4] is not None})[:num_mbs]
+        keep = set(ids)
+        out = [s for s in res.tracer.spans if s[4] in keep and s[0].startswith("stage") and "." not in s[0]
+               and s[1].split(":")[0] in ("prepare", "forward", "sample", "recv", "send")]
+        t0 = min((s[2] for s in out), default=0.0)
+        return [(s[0], s[1].split(":")[0], s[2] - t0, s[3] - t0, s[4]) for s in out], ids
+
+    r_sp, r_ids = spans(real)
+    s_sp, s_ids = spans(sim)
+    tracks = real.stage_tracks
+    cmap = plt.get_cmap("tab20")
+    colour = {mb: cmap(i % 20) for i, mb in enumerate(r_ids)}
+    colour.update({mb: cmap(i % 20) for i, mb in enumerate(s_ids) if mb not in colour})
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 1.1 * len(tracks)))
+    yt, yl = [], []
+    for i, tr in enumerate(tracks):
+        for j, (name, sp) in enumerate((("real", r_sp), ("sim", s_sp))):
+            y = (len(tracks) - 1 - i) * 2.5 + (1 - j) * 1.1
+            yt.append(y + 0.45)
+            yl.append(f"{tr} {name}")
+            for track, op, a, b, mb in sp:
+                if track != tr:
+                    continue
+                if op == "forward":
+                    ax.broken_barh([(a, b - a)], (y, 0.9), facecolors=colour.get(mb, "grey"), edgecolor="black",
+                                   linewidth=0.3)
+                elif op in ("prepare", "sample", "send"):
+                    ax.broken_barh([(a, b - a)], (y + 0.3, 0.3), facecolors="black" if op != "sample" else "red")
+                elif op == "recv":
+                    ax.broken_barh([(a, b - a)], (y + 0.4, 0.1), facecolors="lightgrey")
+    ax.set_yticks(yt)
+    ax.set_yticklabels(yl)
+    ax.set_xlabel("seconds since the first span (each run on its own clock)")
+    ax.set_title(f"real vs simulated per-stage timelines, first {num_mbs} micro-batches "
+                 "(colour = mb id; black = prepare/send, red = sample, grey = recv)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+_ = asdict
