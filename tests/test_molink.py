@@ -151,3 +151,52 @@ def test_extension_search_picks_a_k_in_range(shared_data):
     k = res.info["extension_k"]
     assert 3 <= k <= 6 and set(res.info["extension_scores"]) == {3, 4, 5, 6}
     assert res.info["extension_scores"][k] == min(res.info["extension_scores"].values())
+
+
+# --- the torch executor: the policy's schedule_transfer drives its paced links -------------------------
+
+
+def _torch_molink(tmp_path, *extra):
+    torch = pytest.importorskip("torch")  # noqa: F841
+    import engine.torch_exec  # noqa: F401
+    from testbed.config import compose, to_container
+
+    cfg = to_container(compose([
+        "executor=torch", "model=tiny-llama", "parallel.pp=2", "policy=molink", "workload=synthetic",
+        "workload.num_requests=8", "workload.arrival=poisson", "workload.rate=40", "workload.input_dist=uniform",
+        "workload.input_min=96", "workload.input_max=256", "workload.output_dist=uniform",
+        "workload.output_min=6", "workload.output_max=16", "kv.num_blocks=256", "kv.block_size=8",
+        "policy.max_num_seqs=2", "policy.extension=off", "link.bandwidth=20Mbps", "link.latency=5ms",
+        "policy.min_chunk_bytes=16384", "output.mlflow=false", "output.plots=false", "output.progress=false",
+        f"executor.model_cache_dir={tmp_path.parent / 'models'}", f"output.dir={tmp_path}", *extra]))
+    res = run_experiment(cfg)
+    assert res.error is None, res.error
+    assert res.summary["num_finished"] == 8
+    return res
+
+
+def test_torch_links_follow_schedule_transfer(tmp_path):
+    """Paced torch links send what MoLink's Algorithm 1 picks: same greedy tokens as FIFO whole
+    tensors, and a decode activation never waits behind more than one prefill transfer."""
+    fifo = _torch_molink(tmp_path / "fifo", "policy.chunking=false")
+    mol = _torch_molink(tmp_path / "molink")
+    tok = lambda r: {q["request_id"]: q.get("output_token_ids") for q in r.requests}  # noqa: E731
+    assert tok(fifo) == tok(mol)
+    link = [s for s in mol.tracer.spans if s[0] == "link0"]
+    xfer_pre = [(a, b, m) for _, n, a, b, m in link if n == "xfer:prefill"]
+    queued = [(a, b, m) for _, n, a, b, m in link if n == "queue:decode"]
+    assert xfer_pre and queued
+    for a, b, m in queued:  # prefill transfers on the link while decode m waited (one may be in flight)
+        behind = [x for x in xfer_pre if x[1] > a + 1e-6 and x[0] < b - 1e-6]
+        assert len(behind) <= 1, (m, behind)
+    # prefills were chunked (more transfers than prefill micro-batches) and FIFO's were whole
+    assert len(xfer_pre) > len({m for *_, m in xfer_pre})
+    # ... and decode activations overtook a prefill's remaining chunks
+    xfer_dec = [(a, b, m) for _, n, a, b, m in link if n == "xfer:decode"]
+    spans = {}
+    for a, b, m in xfer_pre:
+        lo, hi = spans.get(m, (a, b))
+        spans[m] = (min(lo, a), max(hi, b))
+    assert any(lo < a and b < hi for lo, hi in spans.values() for a, b, _ in xfer_dec)
+    fifo_pre = [m for _, n, *_, m in (s for s in fifo.tracer.spans if s[0] == "link0") if n == "xfer:prefill"]
+    assert len(fifo_pre) == len(set(fifo_pre))

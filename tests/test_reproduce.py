@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,12 +16,8 @@ from testbed.cli import main
 
 import policies  # noqa: F401  (registers every policy)
 
-MOLINK = "molink" in POLICIES
 VERDICT_LABELS = set(R.VERDICT_TEXT.values()) | {"reproduced in direction (no size published)"}
-STUDIES = ["tdpipe-scaling", "tdpipe-ablation", "gllm-rates", "gllm-sensitivity", "sipipe-ablation",
-           pytest.param("molink-tables", marks=pytest.mark.xfail(
-               not MOLINK, strict=False, reason="policy molink is not registered yet (a colleague is writing "
-                                                "policies/molink.py); this test passes once it lands"))]
+STUDIES = ["tdpipe-scaling", "tdpipe-ablation", "gllm-rates", "gllm-sensitivity", "sipipe-ablation", "molink-tables"]
 
 
 def run_quick(study: str, tmp_path: Path, capsys, *extra: str) -> tuple[Path, str]:
@@ -78,44 +73,6 @@ def test_every_study_runs_quick_and_writes_its_report(study, tmp_path, capsys):
         assert set(table[table["gpus"] == 1]["status"]) == {"does not fit"}
         assert set(table[table["gpus"] > 1]["status"]) == {"finished"}
         assert "| does not fit |" in text
-
-
-@pytest.mark.skipif(MOLINK, reason="policy molink is registered")
-def test_molink_study_without_molink_is_one_clear_line(tmp_path, capsys):
-    code = main(["reproduce", "molink-tables", "--quick", f"output.dir={tmp_path}"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err
-    assert err.startswith("error: policy molink is not available")
-    assert not (tmp_path / "reproduce").exists()
-
-
-@dataclass(frozen=True)
-class _StandInParams:
-    chunking: bool = True
-    extension: bool = True
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    virtual_engines: bool = True
-
-
-@pytest.mark.skipif(MOLINK, reason="policy molink is registered: the real study test covers it")
-def test_molink_study_file_is_well_formed_with_a_stand_in_policy(tmp_path, capsys):
-    """Until policies/molink.py lands: a stand-in `molink` (vLLM's batching with the two switches
-    the study sets) checks that the study file composes, runs and judges all its claims."""
-    from policies.vllm import VllmPolicy
-
-    class StandIn(VllmPolicy):
-        Params = _StandInParams
-        name = "molink"
-
-    POLICIES.add("molink", StandIn)
-    try:
-        report, _ = run_quick("molink-tables", tmp_path, capsys, "workload.num_requests=20", "output.mlflow=false")
-    finally:
-        del POLICIES._items["molink"]
-    claims = json.loads((report.parent / "claims.json").read_text())
-    assert [c["id"] for c in claims] == ["ttft", "tpot", "latency", "chunking-alone", "extension-alone", "both"]
-    assert all(c["measured"] is not None for c in claims)
 
 
 def test_list_names_every_study(capsys):

@@ -83,3 +83,18 @@ def test_greedy_tokens_unchanged_by_every_runtime_switch(tmp_path):
     assert _tokens(base) == _tokens(all_on)
     names = {n for _, n, *_ in all_on.tracer.spans}
     assert "to_samplers" in names and any(t.startswith("sampler") for t, *_ in all_on.tracer.spans)
+
+
+@pytest.fixture(scope="module")
+def baseline_tokens(tmp_path_factory):
+    res = _torch_run(tmp_path_factory.mktemp("feat") / "base", *[f"{f}=false" for f in FEATURES])
+    assert res.summary["num_finished"] == 6
+    return _tokens(res)
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_each_runtime_switch_alone_keeps_greedy_tokens(feature, baseline_tokens, tmp_path):
+    """Each SiPipe switch on its own (the others off) gives the baseline's greedy tokens."""
+    res = _torch_run(tmp_path / "one", *[f"{f}={'true' if f == feature else 'false'}" for f in FEATURES])
+    assert res.summary["num_finished"] == 6
+    assert _tokens(res) == baseline_tokens

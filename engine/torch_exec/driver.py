@@ -9,6 +9,11 @@ stage over one ZeroMQ ROUTER socket. The last stage answers with the sampled ids
 ships its spans per micro-batch, which the driver records in the run's Tracer on tracks
 `stage<s>` (and its own `launch` spans on track `driver`).
 
+Completion order: micro-batches complete in launch order, except behind paced links (link.bandwidth
+/ link.latency), where the policy's `schedule_transfer` may let a decode activation overtake a
+prefill's remaining chunks: then any micro-batch in flight may complete (the controller keys
+micro-batches by id). The hang diagnosis tracks, per stage, which in-flight micro-batches it finished.
+
 Failure handling: the driver polls its socket together with every stage process's sentinel,
 so a stage that dies is noticed at once; a stage that reports an exception is named with its
 error; a pipeline that makes no progress for `stage_timeout_s` with work in flight is declared
@@ -48,7 +53,7 @@ class TorchExecutor(Executor):
     def __init__(self, settings: TorchSettings, *, pp: int, run_config: dict | None = None,
                  layer_split: list[int] | None = None, tracer: Tracer | None = None, runtime=None,
                  link_bandwidth_Bps: float | None = None, link_latency_s: float = 0.0,
-                 shape_links: bool = False) -> None:
+                 shape_links: bool = False, policy=None) -> None:
         self.settings = settings
         from engine.policy import RuntimeFeatures
 
@@ -57,6 +62,10 @@ class TorchExecutor(Executor):
         # link.latency); otherwise the data plane runs at loopback speed.
         self.link_bandwidth_Bps = link_bandwidth_Bps if shape_links else None
         self.link_latency_s = link_latency_s if shape_links else 0.0
+        # Paced links send what the policy's schedule_transfer picks: a decode activation may
+        # overtake a prefill's remaining chunks, so micro-batches may complete out of launch order.
+        self.policy = policy
+        self.reorder = bool(shape_links) and pp > 1
         self._parts: dict[int, list] = {}  # mb id -> CPU sampler parts received
         self.pipeline_depth = pp
         self.run_config = dict(run_config or {})
@@ -78,7 +87,7 @@ class TorchExecutor(Executor):
         self._offsets = [0.0] * pp
         self._inflight: deque[int] = deque()  # mb ids in launch order
         self._ready: deque[Completion] = deque()
-        self._stage_done: list[int] = [-1] * pp  # last mb id each stage finished
+        self._stage_done: list[set[int]] = [set() for _ in range(pp)]  # in-flight mb ids each stage finished
         self._last_progress = time.perf_counter()
         self._prompts: dict[int, list[int]] = {}
         self._failed: str | None = None
@@ -274,7 +283,8 @@ class TorchExecutor(Executor):
                 "cpu_sampling": self.runtime.cpu_sampling, "overlap_input_prep": self.runtime.overlap_input_prep,
                 "structure_aware_transfer": self.runtime.structure_aware_transfer,
                 "link_bandwidth_Bps": self.link_bandwidth_Bps, "link_latency_s": self.link_latency_s,
-                "link_chunk_bytes": st.link_chunk_bytes, "driver_addr": addr}
+                "link_chunk_bytes": st.link_chunk_bytes, "driver_addr": addr,
+                "policy": self._policy_spec()}
         for s in range(P):
             self._send(s, ("init", init))
         ready = self._gather("ready", deadline)
@@ -388,17 +398,21 @@ class TorchExecutor(Executor):
         if kind == "spans":
             _, s, mb_id, spans = msg
             self._record(s, mb_id, spans)
-            self._stage_done[s] = mb_id
+            if mb_id in self._inflight:
+                self._stage_done[s].add(mb_id)
             self._last_progress = time.perf_counter()
         elif kind == "done":
             _, s, mb_id, tokens, spans = msg
             self._record(s, mb_id, spans)
-            self._stage_done[s] = mb_id
             self._last_progress = time.perf_counter()
-            head = self._inflight.popleft() if self._inflight else None
-            if head != mb_id:
-                self._fail(f"stage {s} completed micro-batch {mb_id} while {head} was the oldest in flight")
+            self._retire(f"stage {s}", mb_id)
             self._ready.append(Completion(mb_id, self.now(), tuple(tokens)))
+        elif kind == "link":  # the link scheduler's queueing and transfer spans of stage s's out-link
+            _, s, events = msg
+            off = self._offsets[s] + self._t0
+            for name, a, b, mb_id in events:
+                a = max(a - off, 0.0)
+                self.tracer.span(f"link{s}", name, a, max(b - off, a), mb_id, busy=False)
         elif kind == "sampled":  # one CPU sampler's share of a micro-batch
             _, k, mb_id, n, rows, tokens, (a, b) = msg
             self.tracer.span(f"sampler{k}", "sample", max(a - self._t0, 0.0), max(b - self._t0, 0.0), mb_id)
@@ -412,14 +426,31 @@ class TorchExecutor(Executor):
                     for i, tok in zip(r, t):
                         out[i] = tok
                 self._last_progress = time.perf_counter()
-                head = self._inflight.popleft() if self._inflight else None
-                if head != mb_id:
-                    self._fail(f"CPU samplers completed micro-batch {mb_id} while {head} was the oldest in flight")
+                self._retire("CPU samplers", mb_id)
                 self._ready.append(Completion(mb_id, self.now(), tuple(out)))
         elif kind == "pong":
             pass
         else:
             self._fail(f"unexpected message {kind!r} from stage {msg[1] if len(msg) > 1 else '?'}")
+
+    def _retire(self, who: str, mb_id: int) -> None:
+        """A micro-batch completed: in launch order, or -- behind policy-scheduled links -- any in flight."""
+        head = self._inflight[0] if self._inflight else None
+        if head == mb_id:
+            self._inflight.popleft()
+        elif self.reorder and mb_id in self._inflight:
+            self._inflight.remove(mb_id)
+        else:
+            self._fail(f"{who} completed micro-batch {mb_id} while {head} was the oldest in flight")
+        for done in self._stage_done:
+            done.discard(mb_id)
+
+    def _policy_spec(self):
+        """(module, class, params) of the run's policy: stages rebuild it for `schedule_transfer`."""
+        pol = self.policy
+        if pol is None or not self.reorder:
+            return None
+        return (type(pol).__module__, type(pol).__qualname__, pol.params)
 
     def _record(self, s: int, mb_id: int, spans: list) -> None:
         off = self._offsets[s] + self._t0
@@ -506,7 +537,8 @@ class TorchExecutor(Executor):
 
     def _hang_message(self) -> str:
         oldest = self._inflight[0]
-        stuck = next((s for s in range(self.pipeline_depth) if self._stage_done[s] < oldest), self.pipeline_depth - 1)
+        stuck = next((s for s in range(self.pipeline_depth) if oldest not in self._stage_done[s]),
+                     self.pipeline_depth - 1)
         pid = self.stage_info[stuck].get("pid") if stuck < len(self.stage_info) else "?"
         return (f"stage {stuck} (pid {pid}) made no progress for executor.stage_timeout_s="
                 f"{self.settings.stage_timeout_s:g} s on micro-batch {oldest} (hung)")
@@ -537,4 +569,4 @@ def make_torch_executor(settings: TorchSettings, build: ExecutorBuild) -> TorchE
     shape = link.get("bandwidth") is not None or link.get("latency") is not None
     return TorchExecutor(settings, pp=pp, run_config=cfg, layer_split=list(split) if split else None,
                          tracer=build.tracer, runtime=build.runtime, link_bandwidth_Bps=build.link_bandwidth_Bps,
-                         link_latency_s=build.link_latency_s, shape_links=shape)
+                         link_latency_s=build.link_latency_s, shape_links=shape, policy=build.policy)

@@ -43,7 +43,7 @@ class TorchSettings:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     num_cpu_samplers: int = 2  # CPU sampler processes of runtime.cpu_sampling (rows split by sequence id)
-    link_chunk_bytes: int = 1 << 20  # a paced (shaped) link sends activations in chunks of at most this
+    link_chunk_bytes: int = 1 << 20  # a paced link sends each transfer the policy schedules in sends of at most this
     sample_seed: int = 0  # each (request, position) draws from its own stream: batching-independent
     prompt_seed: int | None = None  # seed of derived prompt ids (requests without ids); None = run seed
     # failure handling: every wait is bounded

@@ -15,6 +15,16 @@ Linux, shared by every process of one machine); the driver maps them onto the ru
 `wait`, `recv` and `send_wait` are idle time (the stage waits on someone else) and are not
 counted as busy.
 
+Paced links (the run names link.bandwidth / link.latency): a stage's activations are queued at
+its outgoing link and a sender thread sends what the run's policy picks with
+`schedule_transfer` (the policy is rebuilt here from the class and params in `init`; MoLink's
+`bind_links` gets the link), chunk by chunk; a receiver thread reassembles each micro-batch's
+chunks (interleaved: a decode may overtake a prefill's remaining chunks), see transfer.py. A
+stage behind such a link runs the micro-batches whose activations are complete, in launch order
+among them, so micro-batches may finish out of launch order (the driver accepts that then).
+This is token-safe: the micro-batches in flight hold disjoint sequences. Link spans
+(`queue:<kind>`, `xfer:<kind>`) go to the driver as `link` messages, traced on track `link<s>`.
+
 Any exception is reported to the driver as `error` with its traceback, then the process exits.
 Spawned stages die with the driver (PR_SET_PDEATHSIG on Linux, and a parent check while idle)
 and ignore SIGINT: Ctrl-C reaches the driver, which ends every stage itself.
@@ -60,9 +70,11 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None) -> N
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(driver_addr)
     code = 0
+    st = None
     try:
         sock.send(pickle.dumps(("hello", stage, socket.gethostname(), os.getpid())))
-        _Stage(sock, stage, parent_pid).run()
+        st = _Stage(sock, stage, parent_pid)
+        st.run()
     except _Stopped:
         pass
     except BaseException as exc:  # report, then exit non-zero
@@ -77,6 +89,12 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None) -> N
         ctx.term()
     if code:
         os._exit(code)
+    if st is not None and (getattr(st, "link_in", None) is not None or getattr(st, "link_out", None) is not None):
+        # link threads sit in blocking gloo calls: a normal interpreter exit would abort in the
+        # process group's teardown ("terminate called without an active exception")
+        for pr in getattr(st, "sampler_procs", []):
+            pr.terminate()
+        os._exit(0)
 
 
 class _Stopped(Exception):
@@ -108,6 +126,8 @@ class _Stage:
                     raise _Stopped()
                 return msg
             waited += IDLE_POLL_MS / 1000
+            if getattr(self, "link_out", None) is not None:
+                self.flush_link_events()
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 raise _Stopped()  # the driver is gone: nobody to report to
             if timeout_s is not None and waited > timeout_s:
@@ -120,6 +140,8 @@ class _Stage:
             raise RuntimeError(f"expected init, got {msg[0]!r}")
         cfg = msg[1]
         self.setup(cfg)
+        if self.link_in is not None:
+            return self.run_linked()
         import zmq
 
         while True:
@@ -145,6 +167,56 @@ class _Stage:
                     self.step(msg, t_wait)
             else:
                 raise RuntimeError(f"unknown message {kind!r}")
+
+    def run_linked(self) -> None:
+        """Main loop of a stage > 0 behind a policy-scheduled link: micro-batches run in the order
+        their activations complete (a decode may overtake a prefill still on the link), launch
+        order among those complete. Token-safe: micro-batches in flight hold disjoint sequences,
+        and each one's KV writes and reads touch only its own sequences' blocks."""
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.notify, zmq.POLLIN)
+        known: dict[int, tuple] = {}  # mb id -> its message, launch order (dicts keep insertion order)
+        t_wait = time.perf_counter()
+        while True:
+            ready = next((m for i, m in known.items() if self.link_in.has(i)), None)
+            if ready is not None:
+                del known[ready[1]]
+                ahead = next(iter(known.values()), None) if self.overlap else None
+                self.step(ready, t_wait, ahead)
+                t_wait = time.perf_counter()
+                continue
+            self.flush_link_events()
+            events = dict(poller.poll(IDLE_POLL_MS))
+            if self.notify in events:
+                while self.notify.poll(0, zmq.POLLIN):
+                    if self.notify.recv() == b"error":
+                        raise RuntimeError(f"link {self.stage - 1}->{self.stage} receiver failed: "
+                                           f"{self.link_in.error!r}") from self.link_in.error
+            if self.sock in events:
+                while self.sock.poll(0, zmq.POLLIN):
+                    msg = pickle.loads(self.sock.recv())
+                    if msg[0] == "stop":
+                        raise _Stopped()
+                    if msg[0] == "ping":
+                        self.send("pong", self.stage, time.perf_counter())
+                    elif msg[0] == "mb":
+                        known[msg[1]] = msg
+                    else:
+                        raise RuntimeError(f"unknown message {msg[0]!r}")
+            elif not events and self.parent_pid is not None and os.getppid() != self.parent_pid:
+                raise _Stopped()
+
+    def flush_link_events(self) -> None:
+        if self.link_out is not None:
+            if self.link_out.error is not None:
+                raise RuntimeError(f"link {self.stage}->{self.stage + 1} sender failed: "
+                                   f"{self.link_out.error!r}") from self.link_out.error
+            ev = self.link_out.drain_events()
+            if ev:
+                self.send("link", self.stage, ev)
 
     def setup(self, cfg: dict) -> None:
         t0 = time.perf_counter()
@@ -199,10 +271,30 @@ class _Stage:
             from concurrent.futures import ThreadPoolExecutor
 
             self.prep_pool = ThreadPoolExecutor(1, thread_name_prefix="prep")
-        if not self.last and (self.bw or self.lat):
-            from concurrent.futures import ThreadPoolExecutor
+        # paced links: activations go through a policy-scheduled sender thread (transfer.py)
+        self.link_out = self.link_in = None
+        self.fwd_start: float | None = None  # the forward running now (for the policy's T_a)
+        self.fwd_kind = ""
+        self.fwd_ema: dict[str, float] = {}  # kind -> mean forward time
+        self.decode_starts: deque = deque(maxlen=8)  # recent decode forward starts (next decode's ETA)
+        if self.P > 1 and (self.bw or self.lat):
+            from engine.torch_exec import transfer
 
-            self.link_pool = ThreadPoolExecutor(1, thread_name_prefix="link")  # paced sends, in order
+            comm_dev = "cpu" if (self.transfer_via_cpu or device == "cpu") else device
+            if not self.last:
+                policy = self.build_policy(cfg.get("policy"))
+                self.link_out = transfer.LinkSender(self.dist, self.stage, self.stage + 1, policy, self.bw,
+                                                    self.lat, self.chunk, comm_dev, self.link_info)
+            if not self.first:
+                import zmq
+
+                self.izctx = zmq.Context()  # never terminated: the receiver thread may sit in recv
+                addr = f"inproc://link-recv-{self.stage}"
+                self.notify = self.izctx.socket(zmq.PAIR)
+                self.notify.setsockopt(zmq.LINGER, 0)
+                self.notify.bind(addr)
+                self.link_in = transfer.LinkReceiver(self.dist, self.stage - 1, comm_dev, self.chunk, addr,
+                                                     self.izctx)
         if self.last:
             from engine.torch_exec.sampling import Sampler
 
@@ -240,6 +332,38 @@ class _Stage:
         self.send("ready", self.stage, {"load_s": t_load, "init_s": time.perf_counter() - t0,
                                         "pid": os.getpid(), "device": str(device)})
 
+    def build_policy(self, spec):
+        """The run's policy, rebuilt here from (module, class name, params) for `schedule_transfer`."""
+        from engine.policy import Policy
+
+        if spec is None:
+            return Policy()
+        import importlib
+
+        mod, name, params = spec
+        if mod.startswith("policies"):
+            import policies  # noqa: F401  (registers every policy)
+        pol = getattr(importlib.import_module(mod), name)(params)
+        if hasattr(pol, "bind_links"):
+            from engine.torch_exec.transfer import UNPACED_BPS
+
+            pol.bind_links(self.bw or UNPACED_BPS, self.lat)
+        return pol
+
+    def link_info(self, now: float) -> dict:
+        """What the sending stage knows for the policy's idle-time prediction (LinkState.info)."""
+        info: dict = {"upstream_busy": False}
+        start, kind = self.fwd_start, self.fwd_kind
+        if start is not None:
+            info["upstream_busy"] = True
+            info["upstream_end_s"] = start + self.fwd_ema.get(kind, 0.0)
+        elif len(self.decode_starts) >= 2:
+            ds = self.decode_starts
+            period = (ds[-1] - ds[0]) / (len(ds) - 1)
+            if ds[-1] + period > now:
+                info["next_decode_s"] = ds[-1] + period
+        return info
+
     def step(self, msg, t_wait: float, ahead=None) -> None:
         _, mb_id, kind, prefills, decodes = msg
         torch = self.torch
@@ -265,7 +389,7 @@ class _Stage:
         if not self.first:
             buf = torch.empty((b.num_tokens, self.hidden), dtype=self.model.dtype,
                               device="cpu" if self.transfer_via_cpu else self.device)
-            if not self.aware:
+            if not self.aware and self.link_in is None:
                 # vLLM-style tensor-dict send: first the metadata (its size, then the blob), then
                 # the tensor; structure-aware receivers infer the shape from the schedule instead
                 size = torch.empty(1, dtype=torch.long)
@@ -275,22 +399,49 @@ class _Stage:
                 shape = pickle.loads(meta.numpy().tobytes())["hidden"][0]
                 if tuple(shape) != tuple(buf.shape):
                     raise RuntimeError(f"metadata says {shape}, schedule says {tuple(buf.shape)}")
-            if self.bw or self.lat:
-                from engine.torch_exec.transfer import recv_chunked
-
-                recv_chunked(self.dist, buf, self.stage - 1, self.chunk)
+            if self.link_in is not None:
+                got = self.link_in.take(mb_id)
+                flat, ready_s, shape = got
+                if shape is not None and tuple(shape) != tuple(buf.shape):
+                    raise RuntimeError(f"metadata says {shape}, schedule says {tuple(buf.shape)}")
+                if flat.numel() != buf.numel() * buf.element_size():
+                    raise RuntimeError(f"micro-batch {mb_id}: {flat.numel()} bytes arrived, the schedule "
+                                       f"needs {buf.numel() * buf.element_size()}")
+                buf = flat.view(buf.dtype).view(buf.shape)
+                late = ready_s - time.perf_counter()
+                if late > 0:
+                    time.sleep(min(late, self.lat))  # the link's latency: delivered L after sending
             else:
                 self.dist.recv(buf, src=self.stage - 1)
             hidden = buf.to(self.device) if self.transfer_via_cpu else buf
             t2 = time.perf_counter()
             spans.append(("recv", t1, t2, False))
             t1 = t2
+        self.fwd_kind = kind
+        self.fwd_start = t1
+        if not prefills:
+            self.decode_starts.append(t1)
         out = self.model.forward(b, hidden)
         if self.device != "cpu":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
+        self.fwd_start = None
+        prev = self.fwd_ema.get(kind)
+        self.fwd_ema[kind] = (t2 - t1) if prev is None else 0.7 * prev + 0.3 * (t2 - t1)
         spans.append((f"forward:{kind}", t1, t2, True))
-        if not self.last:
+        if self.link_out is not None:
+            from engine.torch_exec.transfer import _MbRef
+
+            t3 = time.perf_counter()
+            payload = (out.cpu() if self.transfer_via_cpu else out).contiguous()
+            meta = None
+            if not self.aware:
+                meta = pickle.dumps({"hidden": (tuple(payload.shape), str(payload.dtype))})
+            self.link_out.put(_MbRef(mb_id, kind, prefills, decodes), payload, meta)
+            spans.append(("send", t3, time.perf_counter(), True))
+            self.flush_link_events()
+            self.send("spans", self.stage, mb_id, spans)
+        elif not self.last:
             while self.pending_sends:
                 work, _tensor = self.pending_sends.popleft()
                 work.wait()
@@ -302,14 +453,7 @@ class _Stage:
                 blob = pickle.dumps({"hidden": (tuple(payload.shape), str(payload.dtype))})
                 self.dist.send(torch.tensor([len(blob)], dtype=torch.long), dst=self.stage + 1)
                 self.dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=self.stage + 1)
-            if self.bw or self.lat:
-                from engine.torch_exec.transfer import send_chunked_paced
-
-                work = self.link_pool.submit(send_chunked_paced, self.dist, payload, self.stage + 1,
-                                             self.chunk, self.bw, self.lat)
-                work.wait = work.result
-            else:
-                work = self.dist.isend(payload, dst=self.stage + 1)
+            work = self.dist.isend(payload, dst=self.stage + 1)
             self.pending_sends.append((work, payload))
             t4 = time.perf_counter()
             spans.append(("send", t3, t4, True))
