@@ -155,21 +155,9 @@ class MoLinkPolicy(VllmPolicy):
         return self._k
 
     # --- batching: vLLM V0 with one virtual engine per micro-batch slot ---------------------------
-    def schedule(self, view: SchedulerView):
-        p = self.params
-        engines = self.max_inflight(view) if p.virtual_engines else 1
-        for i in range(engines):
-            ve = (self._next + i) % engines
-            if ve in self._busy:
-                continue
-            mb = self._schedule_engine(view, ve)
-            if mb is not None:
-                self._next = (ve + 1) % engines
-                mb.tags["ve"] = ve
-                if p.virtual_engines:
-                    self._busy.add(ve)
-                return mb
-        return None
+    def num_engines(self, view: SchedulerView) -> int:
+        """One virtual engine per in-flight slot: k of them with micro-batch extension."""
+        return self.max_inflight(view)
 
     # --- transmission scheduling (Algorithm 1) ------------------------------------------------------
     def schedule_transfer(self, link: LinkState, pending: Seq[PendingTransfer]) -> Transfer:

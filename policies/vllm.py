@@ -55,7 +55,7 @@ class VllmPolicy(Policy):
         """Serve the first idle virtual engine (round robin) that has work; an engine with
         nothing to do must not block another whose sequences hold the KV."""
         p = self.params
-        engines = view.pipeline_depth if p.virtual_engines else 1
+        engines = self.num_engines(view) if p.virtual_engines else 1
         for i in range(engines):
             ve = (self._next + i) % engines
             if ve in self._busy:
@@ -68,6 +68,10 @@ class VllmPolicy(Policy):
                     self._busy.add(ve)
                 return mb
         return None
+
+    def num_engines(self, view: SchedulerView) -> int:
+        """One virtual engine per micro-batch slot (vLLM: one per stage)."""
+        return view.pipeline_depth
 
     def _schedule_engine(self, view: SchedulerView, ve: int):
         p = self.params
