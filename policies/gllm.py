@@ -51,6 +51,7 @@ from engine.batch import BatchBuilder
 from engine.errors import bad_value
 from engine.policy import Policy, SchedulerView, register_policy
 from engine.request import SeqStatus, Sequence
+from policies.idle_order import IdleOrder
 
 RULES = ("paper", "code")
 
@@ -127,8 +128,7 @@ class GllmPolicy(Policy):
     def __init__(self, params=None) -> None:
         super().__init__(params)
         self._round = 0  # micro-batches formed so far (drives the rotating offset)
-        self._stamp: dict[int, int] = {}  # seq id -> completion counter when it last returned
-        self._completions = 0
+        self._idle = IdleOrder()
         self._rng = np.random.default_rng(self.params.seed)
         self.last_budgets: tuple[int, int] = (0, 0)  # (#P, #D) of the last micro-batch, for tests/traces
 
@@ -186,7 +186,7 @@ class GllmPolicy(Policy):
         idle = [s for s in view.running if s.status is SeqStatus.DECODING and not s.in_flight]
         if db and idle:
             self._preempt_for(b, idle, min(db, len(idle)))
-            idle.sort(key=lambda s: (self._stamp.get(s.seq_id, -1), s.admit_order))  # longest idle first
+            self._idle.sort(idle)  # longest idle first
             for seq in idle:
                 if b.num_decodes >= db:
                     break
@@ -234,12 +234,7 @@ class GllmPolicy(Policy):
             need = min(need, len(idle))
 
     def on_complete(self, view: SchedulerView, micro_batch, finished) -> None:
-        self._completions += 1
-        for seq in micro_batch.sequences():
-            if seq.status is SeqStatus.DECODING:
-                self._stamp[seq.seq_id] = self._completions
-        for seq in finished:
-            self._stamp.pop(seq.seq_id, None)
+        self._idle.on_complete(micro_batch, finished)
 
 
 def fill_chunked_prefills(b: BatchBuilder, view: SchedulerView, budget: int) -> int:

@@ -72,6 +72,7 @@ from engine.errors import ConfigError, bad_value
 from engine.policy import Policy, SchedulerView, register_policy
 from engine.request import SeqStatus, Sequence
 from policies import length_predictor as lp
+from policies.idle_order import IdleOrder
 from policies.sarathi import add_decode_or_preempt
 
 PAPER_POINTS = tuple(range(32, 1025, 32))  # the paper: every 32 decode steps up to 1024
@@ -263,8 +264,7 @@ class TdpipePolicy(Policy):
         self._checked_at = 0  # value of _decode_batches at the last decode -> prefill check
         self._phase_start = 0  # requests at the start of this decode phase
         self._phase_finished = 0
-        self._stamp: dict[int, int] = {}  # seq id -> completion count when it last returned
-        self._completions = 0
+        self._idle = IdleOrder()
         self.switches: list[tuple[float, str]] = []  # (time, new phase), for traces and tests
 
     @classmethod
@@ -437,7 +437,7 @@ class TdpipePolicy(Policy):
 
     def _idle_decodes(self, view: SchedulerView) -> list[Sequence]:
         idle = [s for s in view.running if s.status is SeqStatus.DECODING and not s.in_flight]
-        idle.sort(key=lambda s: (self._stamp.get(s.seq_id, -1), s.admit_order))  # longest idle first
+        self._idle.sort(idle)  # longest idle first
         return idle
 
     # --- the hooks ---------------------------------------------------------------------------------
@@ -521,12 +521,7 @@ class TdpipePolicy(Policy):
         return mb
 
     def on_complete(self, view: SchedulerView, micro_batch, finished) -> None:
-        self._completions += 1
-        for seq in micro_batch.sequences():
-            if seq.status is SeqStatus.DECODING:
-                self._stamp[seq.seq_id] = self._completions
-        for seq in finished:
-            self._stamp.pop(seq.seq_id, None)
+        self._idle.on_complete(micro_batch, finished)
         if self.phase != "decode":
             return
         self._phase_finished += len(finished)
