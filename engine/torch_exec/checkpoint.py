@@ -87,27 +87,23 @@ def read_arch(path: str | os.PathLike) -> ArchConfig:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"model checkpoint {str(path)!r}: hidden_act {act!r} is not supported (silu only)")
-    try:
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        return ArchConfig(
-            architecture=arch,
-            num_layers=int(cfg["num_hidden_layers"]),
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-        )
-    except KeyError as exc:
-        raise ConfigError(f"config.json of {str(path)!r} lacks {exc.args[0]!r}") from None
+    spec = ModelSpec.from_hf_config(str(path), cfg)  # the one parser of config.json shapes
+    return ArchConfig(
+        architecture=spec.architecture,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size,
+        vocab_size=spec.vocab_size,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        attention_bias=spec.qkv_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_theta=theta,  # transformers 5 keeps it in rope_parameters
+        rope_scaling=scaling,
+    )
 
 
 # --- tensors ------------------------------------------------------------------------------------
