@@ -6,6 +6,7 @@ trial can decide what to keep.
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from engine.hardware import HardwareSpec
 from engine.kv import BlockManager
 from engine.metrics import SLO, microbatch_rows, request_rows, summarize
 from engine.models import ModelSpec
-from engine.policy import POLICIES, RuntimeFeatures, make_params
+from engine.policy import POLICIES, PrepareContext, RuntimeFeatures, make_params
 from engine.trace import Tracer
 from engine.units import parse_bandwidth, parse_duration
 from testbed.config import data_dir
@@ -91,6 +92,46 @@ def link_settings(cfg: Mapping[str, Any], cost: CostModel) -> tuple[float, float
     return bandwidth, latency
 
 
+def microbatch_count(cfg: Mapping[str, Any], pp: int) -> int | None:
+    """`parallel.num_microbatches`: None (the policy's choice) or an integer in [1, 2P].
+
+    Fewer than P leaves stages idle on purpose; more than P queues micro-batches at stage 0,
+    which hides link latency and bubbles at the price of smaller batches (docs/configuration.md).
+    """
+    n = _section(cfg, "parallel").get("num_microbatches")
+    if n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 2 * pp:
+        raise bad_value("parallel.num_microbatches", n, f"must be an integer in [1, {2 * pp}] (2 x parallel.pp) "
+                                                       "or null (the policy's own choice)")
+    return n
+
+
+def check_microbatch_count(ctrl: Controller, pinned: int | None) -> None:
+    """Refuse a pinned micro-batch count the policy does not honour (its `max_inflight`)."""
+    if pinned is None:
+        return
+    got = ctrl.policy.max_inflight(ctrl.view)
+    if got != pinned:
+        raise ConfigError(f"policy {ctrl.policy.name!r} does not honour parallel.num_microbatches={pinned} "
+                          f"(it keeps {got} micro-batches in flight); unset it for this policy")
+
+
+def _short_simulation(cfg: Mapping[str, Any], params: Mapping[str, Any], num_requests: int) -> dict | None:
+    """`PrepareContext.simulate`: this run with other policy params, in the simulator, on its first
+    `num_requests` requests, writing nothing. None when that simulation failed."""
+    c = copy.deepcopy(dict(cfg))
+    c["policy"] = dict(_section(cfg, "policy"), **params)
+    c["executor"] = {"name": "sim"}
+    wl = _section(c, "workload")
+    if wl.get("num_requests") is None or wl["num_requests"] > num_requests:
+        wl["num_requests"] = num_requests
+    c["workload"] = wl
+    c["output"] = dict(_section(c, "output"), mlflow=False, plots=False, progress=False)
+    res = run_experiment(c)
+    return None if res.failed else res.summary
+
+
 def build_policy(cfg: Mapping[str, Any]):
     pol = _section(cfg, "policy")
     name = pol.pop("name", None)
@@ -141,15 +182,12 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
     """Validate the config and build workload, policy, cost model and executor.
     Raises TestbedError (one clear line) for any user mistake."""
     wall0 = time.perf_counter()
-    from testbed.molink_search import resolve_extension  # MoLink: extension=search -> simulated k
-
-    cfg, search_info = resolve_extension(cfg)
     cost = build_cost_model(cfg)
     num_blocks, block_size = kv_blocks(cfg, cost)
     bandwidth, latency = link_settings(cfg, cost)
+    num_microbatches = microbatch_count(cfg, cost.pp)
     policy = build_policy(cfg)
-    if hasattr(policy, "bind_links"):  # policies that size work by the links (MoLink)
-        policy.bind_links(bandwidth, latency)
+    prepare_info = policy.prepare(PrepareContext(cost.pp, lambda params, n: _short_simulation(cfg, params, n)))
     runtime = policy.runtime.merged(_section(cfg, "runtime"))
     ex_cfg = _section(cfg, "executor")
     ex_name = ex_cfg.pop("name", "sim")
@@ -166,15 +204,18 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
     kv = BlockManager(num_blocks, block_size)
     ctrl = Controller(requests, policy, executor, kv, cost_model=cost,
                       check_integrity=bool(cfg.get("check_integrity", False)), data_dir=data_dir(cfg),
-                      progress=progress)
+                      progress=progress, num_microbatches=num_microbatches,
+                      link_bandwidth_Bps=bandwidth, link_latency_s=latency)
+    check_microbatch_count(ctrl, num_microbatches)
     info = {"build_s": time.perf_counter() - wall0, "kv_num_blocks": num_blocks, "kv_block_size": block_size,
             "layers_per_stage": list(cost.layers), "executor": ex_name, "policy": policy.name,
             "runtime": {k: getattr(runtime, k) for k in ("cpu_sampling", "overlap_input_prep",
                                                           "structure_aware_transfer")},
             "link_bandwidth_Bps": bandwidth, "link_latency_s": latency,
             "_slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}}
-    if search_info:
-        info.update(search_info)
+    if num_microbatches is not None:
+        info["num_microbatches"] = num_microbatches
+    info.update(prepare_info)
     return PreparedRun(dict(cfg), ctrl, cost, info)
 
 
