@@ -23,6 +23,7 @@ import numpy as np
 from engine.errors import ConfigError, TestbedError, bad_value
 from engine.request import Request
 from engine.typed import setting
+from workloads.arrivals import MAX_RATE
 from workloads.base import WORKLOADS, WorkloadSpec, check_range, check_types, key, make_requests
 from workloads.data import resolve_data_file
 
@@ -36,7 +37,7 @@ class AzureConfig:
     path: str | None = None  # explicit CSV path; None = resolve via workloads.data
     num_requests: int | None = setting(2000, min=1)  # None = every row that passes the filters
     start_s: float = setting(0.0, min=0)  # offset into the trace, seconds after its first row
-    rate: float | None = setting(None, gt=0)  # None = real timestamps; else rescale to this mean req/s
+    rate: float | None = setting(None, gt=0, max=MAX_RATE)  # None = real timestamps; else rescale to this mean req/s
     min_input_len: int = 1
     max_input_len: int | None = None
     min_output_len: int = 1

@@ -24,7 +24,7 @@ import numpy as np
 from engine.errors import TestbedError, bad_value
 from engine.request import Request
 from engine.typed import setting
-from workloads.arrivals import ARRIVAL_PROCESSES, arrival_times, check_arrival
+from workloads.arrivals import ARRIVAL_PROCESSES, MAX_RATE, arrival_times, check_arrival
 from workloads.base import WORKLOADS, WorkloadSpec, check_range, check_types, key, make_requests
 from workloads.data import SHAREGPT_PAIRS, resolve_data_file
 
@@ -38,7 +38,7 @@ class ShareGPTConfig:
     path: str | None = None  # explicit pairs file; None = resolve via workloads.data
     num_requests: int = setting(1000, min=1)
     arrival: str = setting("poisson", choices=ARRIVAL_PROCESSES)
-    rate: float | None = 4.0  # req/s; required > 0 unless offline (ignored then)
+    rate: float | None = setting(4.0, max=MAX_RATE)  # req/s; required > 0 unless offline (ignored then)
     cv: float = 1.0  # gamma only: coefficient of variation of the gaps
     tokenizer: str = setting("llama3", choices=tuple(TOKENIZERS))  # which token counts to use
     min_input_len: int = 1
