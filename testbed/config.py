@@ -153,8 +153,8 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         raise _explain(exc, overrides, groups) from None
     finally:
         GlobalHydra.instance().clear()
-    validate(container)
     OmegaConf.set_struct(cfg, False)
+    _normalize(cfg, validate(container))
     return cfg
 
 
@@ -165,6 +165,9 @@ def _precheck(overrides: Sequence[str], groups: Mapping[str, Mapping[str, dict]]
         if "=" not in ov:
             raise ConfigError(f"override {ov!r} is not key=value (e.g. policy=gllm, workload.rate=4)")
         key, value = ov.split("=", 1)
+        if key.split(".")[0] == "hydra":
+            raise ConfigError(f"unknown config key {key!r}: Hydra's own settings are not used by testbed; "
+                              f"valid keys at the top level: {', '.join(sorted([*base_config(), *groups]))}")
         if key.startswith(("+", "~")):
             raise ConfigError(f"override {ov!r}: adding (+) or deleting (~) config keys is not supported; "
                               f"set an existing key, e.g. {key.lstrip('+~') or 'seed'}=<value> (see `testbed list`)")
@@ -231,18 +234,34 @@ def run_config(cfg: Mapping[str, Any]) -> RunConfig:
     return build(RunConfig, {**top, **sections, "executor": executor, "hardware": hardware, "model": model}, "")
 
 
-def validate(cfg: Mapping[str, Any]) -> RunConfig:
+def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Check a whole composed config before anything runs: the typed sections, then the policy's
-    params, the workload's config and the cost overrides (each by its own dataclass)."""
+    params, the workload's config and the cost overrides (each by its own dataclass).
+    Returns {section ('' = top level): its typed object}."""
     rc = run_config(cfg)
+    typed = {"": rc, **{name: getattr(rc, name) for name in SECTIONS}, "executor": rc.executor.settings}
     pol = _mapping(cfg, "policy")
     name = pol.pop("name", None)
     if name is not None:
-        make_params(POLICIES.get(name).Params, pol, prefix="policy")
+        typed["policy"] = make_params(POLICIES.get(name).Params, pol, prefix="policy")
     if cfg.get("workload") is not None:
-        workload_config(_mapping(cfg, "workload"))
+        typed["workload"] = workload_config(_mapping(cfg, "workload"))
     make_params(CostCoefficients, {k: v for k, v in _mapping(cfg, "cost").items() if v is not None}, prefix="cost")
-    return rc
+    return typed
+
+
+def _normalize(cfg: DictConfig, typed: Mapping[str, Any]) -> None:
+    """Write back the integers given as integral floats (`seed=1e2` -> 100), so that every reader
+    of the composed config, and the run's recorded params, see the value that runs."""
+    for section, obj in typed.items():
+        node = cfg if not section else cfg.get(section)
+        if node is None or obj is None:
+            continue
+        for f in dataclasses.fields(obj):
+            raw = node.get(f.name) if f.name in node else None
+            new = getattr(obj, f.name)
+            if isinstance(raw, float) and isinstance(new, int) and not isinstance(new, bool):
+                node[f.name] = new
 
 
 def _mapping(cfg: Mapping[str, Any], name: str) -> dict:
