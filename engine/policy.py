@@ -53,6 +53,7 @@ from collections.abc import Callable, Mapping, Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from engine import typed
 from engine.batch import BatchBuilder, MicroBatch, shape_of
 from engine.errors import ConfigError
 from engine.registry import Registry
@@ -198,41 +199,8 @@ def register_policy(name: str):
 
 
 def make_params(params_cls: type, values: Mapping[str, Any], prefix: str) -> Any:
-    """Build a frozen dataclass from config values, naming unknown keys and bad types."""
-    fields = {f.name: f for f in dataclasses.fields(params_cls)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        valid = ", ".join(sorted(fields)) or "(none)"
-        raise ConfigError(f"unknown key {prefix}.{unknown[0]}; valid keys: {valid}")
-    kwargs = {}
-    for key, value in values.items():
-        kwargs[key] = _coerce(f"{prefix}.{key}", value, fields[key])
-    try:
-        return params_cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _coerce(key: str, value: Any, field: dataclasses.Field) -> Any:
-    """Accept ints for float fields and reject strings for numbers, with a clear message."""
-    default = field.default
-    if value is None or default is dataclasses.MISSING or default is None:
-        return value
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ConfigError(f"invalid {key}={value!r}: must be true or false")
-        return value
-    if isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"invalid {key}={value!r}: must be an integer")
-        return value
-    if isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"invalid {key}={value!r}: must be a number")
-        return float(value)
-    if isinstance(default, tuple) and isinstance(value, (list, tuple)):
-        return tuple(value)
-    return value
+    """Build a frozen dataclass from config values (engine/typed.py: one system for every setting)."""
+    return typed.build(params_cls, values, prefix)
 
 
 class SchedulerView:
