@@ -143,7 +143,7 @@ class SimExecutor(Executor):
 
     def _price(self, mb: MicroBatch) -> _Priced:
         cost, shape = self.cost, mb.shape
-        return _Priced(tuple(cost.stage_compute_s(s, shape) for s in range(self.pipeline_depth)),
+        return _Priced(cost.stage_compute_all_s(shape),
                        f"forward:{mb.kind}", cost.prep_s(shape), cost.sample_s(shape), cost.activation_bytes(shape))
 
     # --- stages ------------------------------------------------------------------------------------
@@ -163,24 +163,17 @@ class SimExecutor(Executor):
         mb_id = ready.popleft()
         priced = self._priced[mb_id]
         now = self._clock
-        span = self.tracer.span
-        track = self._stage_tracks[s]
-        t = now
+        forward = (priced.forward_name, priced.forward[s])
         if self.runtime.overlap_input_prep:
             self._prepared[s].discard(mb_id)
             self._arrived[s].discard(mb_id)
             self._try_prep(s)  # the buffer it used is free for the next batch
+            parts = (forward,)
         else:
-            prep = priced.prep
-            span(track, "prepare", t, t + prep, mb_id)
-            t += prep
-        fwd = priced.forward[s]
-        span(track, priced.forward_name, t, t + fwd, mb_id)
-        t += fwd
+            parts = (("prepare", priced.prep), forward)
         if s == self.pipeline_depth - 1 and not self.runtime.cpu_sampling:
-            smp = priced.sample
-            span(track, "sample", t, t + smp, mb_id)
-            t += smp
+            parts += (("sample", priced.sample),)
+        t = self.tracer.chain(self._stage_tracks[s], now, parts, mb_id)
         self._gpu_busy[s] = True
         self._running[s] = (now, t, mb_id)
         heapq.heappush(self._heap, (t, STAGE_DONE, next(self._counter), (s, mb_id)))

@@ -143,6 +143,10 @@ class GllmPolicy(Policy):
     # --- the two budgets from the view -----------------------------------------------------------
     def budgets(self, view: SchedulerView) -> tuple[int, int]:
         """(#P, #D) for the next micro-batch in this state (does not advance the rotation)."""
+        return self._budgets(view, *_split_running(view))
+
+    def _budgets(self, view: SchedulerView, decoding: list[Sequence], idle: list[Sequence],
+                 partial: list[Sequence]) -> tuple[int, int]:
         p = self.params
         inflight_chunk: dict[int, int] = {}
         inflight_seqs = 0
@@ -152,14 +156,11 @@ class GllmPolicy(Policy):
                 inflight_chunk[c.seq.seq_id] = c.num_tokens
         wp = view.waiting_prefill_tokens
         num_waiting = len(view.waiting)
-        rd = idle_decodes = 0
-        for s in view.running:
-            if s.status is SeqStatus.PREFILLING:
-                wp += s.remaining_prefill - inflight_chunk.get(s.seq_id, 0)
-                num_waiting += 1
-            elif s.status is SeqStatus.DECODING:
-                rd += 1
-                idle_decodes += not s.in_flight
+        for s in partial:  # every running prefilling sequence, in flight or not
+            wp += s.remaining_prefill - inflight_chunk.get(s.seq_id, 0)
+        num_waiting += len(partial)
+        rd = len(decoding)
+        idle_decodes = len(idle)
         pb = prefill_budget(p, wp, view.kv_free_fraction, num_waiting_seqs=num_waiting,
                             free_blocks=view.kv_free_blocks, total_blocks=view.kv_total_blocks,
                             block_size=view.block_size)
@@ -181,20 +182,16 @@ class GllmPolicy(Policy):
         return mb
 
     def _compose(self, view: SchedulerView):
-        pb, db = self.budgets(view)
+        decoding, idle, prefilling = _split_running(view)  # one scan of the running set serves all
+        pb, db = self._budgets(view, decoding, idle, prefilling)
         b = view.new_batch()
-        idle = [s for s in view.running if s.status is SeqStatus.DECODING and not s.in_flight]
         if db and idle:
             self._preempt_for(b, idle, min(db, len(idle)))
             self._idle.sort(idle)  # longest idle first
-            for seq in idle:
-                if b.num_decodes >= db:
-                    break
-                if seq not in b and not b.add_decode(seq):
-                    break
+            b.add_decodes(idle, db)  # until #D decodes or the first that does not fit
         if b.preempted:  # the prefill budget sees the KV this batch just freed
             pb = self._prefill_after_preemption(view, b)
-        fill_chunked_prefills(b, view, pb)
+        fill_chunked_prefills(b, view, pb, [s for s in prefilling if not s.in_flight])
         if b.is_empty() and not view.num_inflight:
             # Liveness: below KV_thresh with no decode to run and nothing in flight, no KV will
             # ever be freed; let a little prefill through (partial prompts first) instead of
@@ -237,13 +234,28 @@ class GllmPolicy(Policy):
         self._idle.on_complete(micro_batch, finished)
 
 
-def fill_chunked_prefills(b: BatchBuilder, view: SchedulerView, budget: int) -> int:
+def _split_running(view: SchedulerView) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+    """(decoding, idle decoding, prefilling) running sequences in admission order, from list
+    comprehensions: the explicit per-sequence loop this replaces was gLLM's costliest line
+    (~900 running sequences scanned twice per micro-batch in the 5,000-request benchmark)."""
+    running = view.running
+    decoding_status, prefilling_status = SeqStatus.DECODING, SeqStatus.PREFILLING
+    decoding = [s for s in running if s.status is decoding_status]
+    idle = [s for s in decoding if not s.in_flight]
+    prefilling = [s for s in running if s.status is prefilling_status]
+    return decoding, idle, prefilling
+
+
+def fill_chunked_prefills(b: BatchBuilder, view: SchedulerView, budget: int,
+                          partial: list[Sequence] | None = None) -> int:
     """Chunked prefill within `budget` tokens: partial prompts first, then waiting requests FCFS;
-    KV for the chunk only. Returns the budget left."""
-    for seq in view.running:
+    KV for the chunk only. Returns the budget left. `partial`: the running prefilling sequences
+    not in flight (admission order) if the caller has them, instead of a scan of the running set."""
+    prefilling = SeqStatus.PREFILLING
+    for seq in view.running if partial is None else partial:
         if budget <= 0:
             return 0
-        if seq.status is SeqStatus.PREFILLING and not seq.in_flight and seq not in b:
+        if seq.status is prefilling and not seq.in_flight and seq not in b:
             n = min(seq.remaining_prefill, budget)
             if not b.add_prefill(seq, n):
                 return budget

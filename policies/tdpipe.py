@@ -335,6 +335,12 @@ class TdpipePolicy(Policy):
     def remaining_pred(self, seq: Sequence) -> int:
         return max(0, self.pred.get(seq.seq_id, self._fallback) - seq.num_generated)
 
+    def remaining_preds(self, seqs) -> list[int]:
+        """`remaining_pred` of each sequence, in one comprehension (the plan runs it over the whole
+        running set: 1.5M calls in the 5,000-request benchmark)."""
+        get, fallback = self.pred.get, self._fallback
+        return [max(0, get(s.seq_id, fallback) - s.num_generated) for s in seqs]
+
     # --- phase rules -------------------------------------------------------------------------------
     def should_enter_decode(self, view: SchedulerView) -> bool:
         """Prefill -> decode: no prompt waits, or the KV plan is full (forecast or the ablation's
@@ -380,8 +386,8 @@ class TdpipePolicy(Policy):
             limit = int(np.searchsorted(before, cap, side="left")) + 1
             fc = KVForecast(self.points, view.block_size)
             run = list(view.running)
-            fc.add([s.total_len for s in run], [self.remaining_pred(s) for s in run])
-            n = fc.admissible(lengths[:limit], [self.remaining_pred(s) for s in waiting[:limit]], cap)
+            fc.add([s.total_len for s in run], self.remaining_preds(run))
+            n = fc.admissible(lengths[:limit], self.remaining_preds(waiting[:limit]), cap)
         batches, tok, cnt = [], 0, 0
         for x in lengths[:n]:
             tok += int(x)
@@ -415,7 +421,7 @@ class TdpipePolicy(Policy):
         self.stealer.pool.clear()
         self.forecast.reset()
         run = list(view.running)
-        self.forecast.add([s.total_len for s in run], [self.remaining_pred(s) for s in run])
+        self.forecast.add([s.total_len for s in run], self.remaining_preds(run))
 
     def _enter_decode(self, view: SchedulerView) -> None:
         self.phase = "decode"
@@ -482,7 +488,7 @@ class TdpipePolicy(Policy):
         mb = view.finish(b)
         if mb is not None:
             seqs = [c.seq for c in mb.prefills]
-            self.forecast.add([s.prefill_target for s in seqs], [self.remaining_pred(s) for s in seqs])
+            self.forecast.add([s.prefill_target for s in seqs], self.remaining_preds(seqs))
         return mb
 
     def _decode_members(self, view: SchedulerView) -> list[Sequence]:
@@ -508,8 +514,10 @@ class TdpipePolicy(Policy):
         b = view.new_batch()
         b.tags.update(phase="decode", epoch=self.epoch)
         victims = None  # built on the first KV shortage only (the common case never needs it)
-        for seq in members:
-            if seq in b or seq.status is not SeqStatus.DECODING or b.add_decode(seq):
+        members = [s for s in members if s.status is SeqStatus.DECODING]
+        first = b.add_decodes(members, len(members))  # all that fit in one call, the common case
+        for seq in members[first:]:
+            if seq in b or b.add_decode(seq):
                 continue
             if victims is None:
                 victims = sorted((s for s in view.running if s.status is SeqStatus.DECODING and not s.in_flight),
