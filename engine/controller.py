@@ -209,7 +209,7 @@ class Controller:
                 seq.output_token_ids.append(tokens[k])
             k += 1
             seq.num_generated += 1
-            if seq.num_generated >= seq.request.output_len:
+            if seq.num_generated >= seq.output_len:
                 self._emit_finish(seq, now, finished)
             else:
                 seq.status = decoding

@@ -213,16 +213,24 @@ class GllmPolicy(Policy):
     def _prefill_after_preemption(self, view: SchedulerView, b: BatchBuilder) -> int:
         """#P with the KV a batch's preemptions free, over the prompts that batch may still take."""
         total = view.kv_total_blocks
-        left = [s for s in view.waiting if s not in b] + [
-            s for s in view.running if s.status is SeqStatus.PREFILLING and not s.in_flight and s not in b]
-        wp = sum(s.remaining_prefill for s in left)
-        return prefill_budget(self.params, wp, b.free_blocks / total, num_waiting_seqs=len(left),
+        partial = [s for s in view.running if s.status is SeqStatus.PREFILLING and not s.in_flight and s not in b]
+        if b.prefills:
+            waiting = [s for s in view.waiting if s not in b]
+            wp = sum(s.remaining_prefill for s in waiting)
+            num_left = len(waiting)
+        else:  # only a prefill puts a waiting sequence in a batch: all wait, and their sum is kept
+            wp = view.waiting_prefill_tokens  # (O(1) instead of a scan of up to 5,000 prompts)
+            num_left = len(view.waiting)
+        wp += sum(s.remaining_prefill for s in partial)
+        return prefill_budget(self.params, wp, b.free_blocks / total, num_waiting_seqs=num_left + len(partial),
                               free_blocks=b.free_blocks, total_blocks=total, block_size=view.block_size)
 
     @staticmethod
     def _preempt_for(b: BatchBuilder, idle: list[Sequence], need: int) -> None:
         """While free blocks < `need` (the decodes about to be added), preempt the most recently
         admitted idle decode sequence."""
+        if b.free_blocks >= need:
+            return  # the common case: no victim needed, so skip the sort (6% of a benchmark run)
         victims = sorted(idle, key=lambda s: s.admit_order)
         while b.free_blocks < need and victims:
             victim = victims.pop()

@@ -358,7 +358,7 @@ class TdpipePolicy(Policy):
         P = view.pipeline_depth
         cm = view.cost_model
         running = list(view.running)
-        ctx = max(1, round(sum(s.num_computed + 1 for s in running) / len(running))) if running else 1
+        ctx = max(1, round((sum([s.num_computed for s in running]) + len(running)) / len(running))) if running else 1
         b = len(running) // P
         si = spatial_intensity(lambda x: cm.decode_step_s(x, ctx), b, p.b_peak)
         batches = self.plan_prefills(view)
@@ -374,7 +374,7 @@ class TdpipePolicy(Policy):
         waiting = list(view.waiting)
         if not waiting:
             return []
-        lengths = np.array([s.prefill_target for s in waiting])
+        lengths = np.array([s.request.prompt_len + s.num_generated for s in waiting])  # prefill_target, inlined
         used = view.kv_total_blocks - view.kv_free_blocks
         before = used + np.concatenate([[0], np.cumsum(-(-lengths // view.block_size))[:-1]])
         if p.switch_kv_ratio is not None:
@@ -386,7 +386,7 @@ class TdpipePolicy(Policy):
             limit = int(np.searchsorted(before, cap, side="left")) + 1
             fc = KVForecast(self.points, view.block_size)
             run = list(view.running)
-            fc.add([s.total_len for s in run], self.remaining_preds(run))
+            fc.add([s.request.prompt_len + s.num_generated for s in run], self.remaining_preds(run))  # total_len
             n = fc.admissible(lengths[:limit], self.remaining_preds(waiting[:limit]), cap)
         batches, tok, cnt = [], 0, 0
         for x in lengths[:n]:
