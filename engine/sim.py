@@ -185,7 +185,8 @@ class SimExecutor(Executor):
         mb = self._mbs[mb_id]
         if s < self.pipeline_depth - 1:
             nbytes = self._priced[mb_id].nbytes
-            self._inbound[(s + 1, mb_id)] = nbytes
+            if not self._fifo_sends:  # FIFO sends whole activations: each arrives in one piece
+                self._inbound[(s + 1, mb_id)] = nbytes
             self._link_pending[s].append(PendingTransfer(mb, nbytes, nbytes, now))
             if self.blocking_send:
                 # torch.distributed's send on CPU (gloo) returns only once the data has left:
@@ -277,6 +278,9 @@ class SimExecutor(Executor):
         self._try_send(link)
 
     def _on_arrive(self, stage: int, mb_id: int, nbytes: int) -> None:
+        if self._fifo_sends:
+            self._arrive(stage, mb_id)
+            return
         key = (stage, mb_id)
         left = self._inbound[key] - nbytes
         if left > 0:

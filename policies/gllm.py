@@ -250,7 +250,8 @@ def _split_running(view: SchedulerView) -> tuple[list[Sequence], list[Sequence],
     decoding_status, prefilling_status = SeqStatus.DECODING, SeqStatus.PREFILLING
     decoding = [s for s in running if s.status is decoding_status]
     idle = [s for s in decoding if not s.in_flight]
-    prefilling = [s for s in running if s.status is prefilling_status]
+    # running holds only prefilling and decoding sequences: skip the second scan when all decode
+    prefilling = [s for s in running if s.status is prefilling_status] if len(decoding) < len(running) else []
     return decoding, idle, prefilling
 
 
