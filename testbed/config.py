@@ -38,7 +38,7 @@ GROUP_KINDS = {"policy": "policy", "workload": "workload", "executor": "executor
 
 BASE = {
     "seed": 0,
-    "parallel": {"pp": 4, "tp": 1, "layer_split": None},
+    "parallel": {"pp": 4, "tp": 1, "layer_split": None, "num_microbatches": None},
     "kv": {"block_size": 16, "gpu_memory_utilization": 0.9, "num_blocks": None},
     "link": {"bandwidth": None, "latency": None},  # None: the hardware's stage-to-stage link
     "runtime": {"cpu_sampling": None, "overlap_input_prep": None, "structure_aware_transfer": None},

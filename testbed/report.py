@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from rich.markup import escape
+from rich.measure import Measurement
+from rich.table import Table
 
 from engine.errors import ConfigError
 
@@ -124,9 +127,10 @@ def choose_x(df: pd.DataFrame, axes: Sequence[str], x: str | None = None) -> str
 
 
 def plot_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: str | None = None,
-                    metrics: Sequence[str] = FIGURE_METRICS, max_series: int = 12) -> list[Path]:
-    """One PNG per metric plus `overview.png` (every metric side by side)."""
-    import matplotlib
+                    metrics: Sequence[str] = FIGURE_METRICS, max_series: int = 12,
+                    title: str | None = None) -> list[Path]:
+    """One PNG per metric plus `overview.png` (every metric side by side, under `title`)."""
+    import matplotlib  # lazy: ~0.5 s to import, and tables without figures never need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -190,13 +194,16 @@ def plot_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: str
         draw(ax, metric)
     for ax in list(axs.flat)[len(metrics):]:
         ax.set_visible(False)
+    head = 0.45 / (3.6 * nrows + 0.6) if title else 0.0  # the title's share of the figure height
+    if title:
+        fig.suptitle(title, fontsize=10, y=0.995, va="top")
     if x is not None and others:
         handles, labs = axs[0][0].get_legend_handles_labels()
         fig.legend(handles, labs, loc="upper center", ncol=min(len(labs), 4), fontsize=8,
-                   title=", ".join(others) if len(others) == 1 else None)
-        fig.tight_layout(rect=(0, 0, 1, 1 - 0.7 / (3.6 * nrows + 0.6) - 0.04 * math.ceil(len(labs) / 4)))
+                   title=", ".join(others) if len(others) == 1 else None, bbox_to_anchor=(0.5, 1 - head))
+        fig.tight_layout(rect=(0, 0, 1, 1 - head - 0.7 / (3.6 * nrows + 0.6) - 0.04 * math.ceil(len(labs) / 4)))
     else:
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0, 1, 1 - head))
     path = out_dir / "overview.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -210,7 +217,7 @@ def _safe(text: str) -> str:
 
 def write_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: str | None = None,
                      metrics: Sequence[str] = TABLE_METRICS, figure_metrics: Sequence[str] = FIGURE_METRICS,
-                     plots: bool = True) -> dict[str, Any]:
+                     plots: bool = True, title: str | None = None) -> dict[str, Any]:
     """table.csv (every column), table.md (the readable columns) and figures."""
     out_dir.mkdir(parents=True, exist_ok=True)
     df = df.copy()
@@ -219,41 +226,46 @@ def write_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: st
     cols = table_columns(df, axes, metrics)
     md = out_dir / "table.md"
     md.write_text(to_markdown(df[[c for c in cols if c != "run_id"]]))
-    figures = plot_comparison(df, axes, out_dir, x, figure_metrics) if plots else []
+    figures = plot_comparison(df, axes, out_dir, x, figure_metrics, title=title) if plots else []
     return {"csv": csv, "markdown": md, "figures": figures, "columns": cols}
 
 
 def print_table(console: Any, df: pd.DataFrame, axes: Sequence[str], title: str,
                 metrics: Sequence[str] = PRINT_METRICS) -> None:
-    """A compact table for the terminal (table.md and table.csv hold every column)."""
-    from rich.table import Table
-
+    """A compact table for the terminal (table.md and table.csv hold every column), never cut
+    to the console's width."""
     t = Table(title=title)
     shown = [c for c in ("point", "trial") if c in df.columns] + list(axes) + ["status"] + \
         [m for m in metrics if m in df.columns]
     for c in shown:
-        t.add_column(c, justify="right" if pd.api.types.is_numeric_dtype(df[c]) else "left")
+        t.add_column(c, justify="right" if pd.api.types.is_numeric_dtype(df[c]) else "left", no_wrap=True)
     for _, row in df.iterrows():
-        cells = [_fmt(row[c]) for c in shown]
+        cells = [escape(_fmt(row[c])) for c in shown]
         if row.get("status") != "finished":
-            cells[shown.index("status")] = f"[red]{_fmt(row.get('status'))}[/red]"
+            cells[shown.index("status")] = f"[red]{escape(_fmt(row.get('status')))}[/red]"
         t.add_row(*cells)
-    console.print(t)
+    console.print(t, width=max(console.width, full_width(console, t)))
     failed = df[df["status"] != "finished"] if "status" in df.columns else df.iloc[0:0]
     for i, (_, row) in enumerate(failed.iterrows()):
         if i == 10:
             console.print(f"... and {len(failed) - 10} more not finished (see table.md)")
             break
         label = ", ".join(f"{a}={_fmt(row[a])}" for a in axes) or str(row.get("run_name"))
-        console.print(f"[red]{_fmt(row.get('status'))}[/red] {label}: {_fmt(row.get('error'))[:120]}",
-                      highlight=False)
+        console.print(f"[red]{escape(_fmt(row.get('status')))}[/red] {escape(label)}: "
+                      f"{escape(_fmt(row.get('error'))[:120])}", highlight=False)
+
+
+def full_width(console: Any, table: Any) -> int:
+    """The width at which a rich table shows every column whole: on a narrow (or non-tty, 80
+    column) console rich would otherwise cut headers and cells to `throu…`."""
+    return Measurement.get(console, console.options.update(width=100_000), table).maximum
 
 
 # --- from MLflow -----------------------------------------------------------------------------------
 
 def runs_frame(experiments: Sequence[str], tracking_uri: str) -> tuple[pd.DataFrame, list[str]]:
     """One row per result run of the experiments: axes, status, error, metrics, run id."""
-    import mlflow
+    import mlflow  # lazy: ~2 s to import; comparisons from results in hand never need it
     from mlflow.tracking import MlflowClient
 
     _check_store(tracking_uri)

@@ -45,9 +45,11 @@ def test_same_seed_finds_the_same_best_trial(out, capsys):
     # the last lines name the best trial, its value and its parameters
     assert first_lines[-2] == second_lines[-2]
     assert first_lines[-2].startswith(f"best trial {a.best_trial.number}: throughput_tok_s=")
-    assert first_lines[-1] == "best params: " + " ".join(f"policy.{k}={v}" for k, v in a.best_trial.params.items())
-    # trial 0 is the policy's defaults, the baseline the gain is measured against
-    assert a.trials[0].params == {"token_budget": 2048, "max_num_seqs": 128}
+    assert first_lines[-1] == "best params: " + " ".join(f"{k if '.' in k else f'policy.{k}'}={v}"
+                                                          for k, v in a.best_trial.params.items())
+    # trial 0 is the policy's defaults, the baseline the gain is measured against; the micro-batch
+    # count is searched by default and its default (the policy's own choice) is tried as P
+    assert a.trials[0].params == {"token_budget": 2048, "max_num_seqs": 128, "parallel.num_microbatches": 2}
     assert a.trials[0].user_attrs["baseline"] is True
     # another seed samples other parameters
     assert _tune(out, "tune.trials=4", "tune.startup_trials=3", "seed=4", "tune.study=third") == 0
@@ -159,11 +161,12 @@ def test_multi_objective_with_a_constraint_reports_the_pareto_front(tmp_path, ca
     (["tune.trials=0"], "invalid tune.trials='0': must be an integer >= 1"),
     (["tune.constraints=[slo_attainment=0.9]"], "write metric>=value or metric<=value"),
     (["tune.space.parallel.ppp=1,2"],
-     "unknown config key 'parallel.ppp'; valid keys under 'parallel': layer_split, pp, tp"),
+     "unknown config key 'parallel.ppp'; valid keys under 'parallel': layer_split, num_microbatches, pp, tp"),
     (["tune.space.parallel.pp=4:1"], "low must be < high"),
     (["tune.space.policy.name=vllm,sarathi"], "policy.name cannot be tuned"),
     (["tune.space.parallel.pp=1,2", "parallel.pp=2"], "parallel.pp is both set (parallel.pp=2) and searched"),
-    (["policy=vllm", "policy.max_num_batched_tokens=4096", "policy.max_num_seqs=64"], "nothing to tune"),
+    (["policy=vllm", "policy.max_num_batched_tokens=4096", "policy.max_num_seqs=64",
+      "parallel.num_microbatches=2"], "nothing to tune"),
     (["tune.sampler=cmaes"], "unknown tune.sampler 'cmaes'; valid choices: tpe, nsga2, random"),
 ])
 def test_bad_tune_settings_are_one_clear_line(args, needle, tmp_path, capsys):
