@@ -376,7 +376,7 @@ def build_report(experiments: Sequence[str], tracking_uri: str, out: Path | None
             valid = sorted(c for c in df.columns if c not in ("run_id", "run_name", "error", "status",
                                                              "experiment_id", "trial", *axes))
             raise ConfigError(f"unknown metric {m!r}; valid choices: {', '.join(valid)}")
-    res = write_comparison(df, axes, out_dir, x=x, metrics=table_metrics, figure_metrics=fig_metrics)
+    write_comparison(df, axes, out_dir, x=x, metrics=table_metrics, figure_metrics=fig_metrics)
     (out_dir / "report.json").write_text(json.dumps({"experiments": list(experiments), "tracking_uri": tracking_uri,
                                                      "axes": axes, "runs": len(df)}, indent=2) + "\n")
     if console is not None:
