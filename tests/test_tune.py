@@ -198,3 +198,46 @@ def test_space_specs_and_settings_parse():
     assert [sp.key for sp in st.space] == ["runtime.cpu_sampling", "runtime.overlap_input_prep"]
     with pytest.raises(ConfigError, match="tune.direction has 1 entries for 2"):
         parse_settings({"objective": "throughput,ttft", "direction": "maximize"}, cfg)
+
+
+# --- signals ---------------------------------------------------------------------------------------
+
+# trials of a few seconds each, so some are in flight when the signal comes
+SIGNAL_BASE = [a for a in BASE if not a.startswith(("workload.num_requests", "output.progress"))] + \
+    ["workload.num_requests=3000", "tune.trials=400", "tune.workers=2", "tune.study=sig"]
+
+
+def test_sigterm_ends_the_study_killed_with_no_worker_left(out):
+    from signal_helpers import Command, run_states, survivors
+
+    cmd = Command("tune", *SIGNAL_BASE, f"output.dir={out}")
+    cmd.wait_for(" done ")  # a first trial finished
+    children = cmd.descendants()
+    assert children  # the spawned worker (and multiprocessing's resource tracker)
+    assert cmd.terminate() == 143, "".join(cmd.err)[-2000:]
+    assert survivors(children) == []
+    runs = run_states(out / "mlflow.db")
+    assert "RUNNING" not in {r["status"] for r in runs.values()}, runs
+    assert [r["status"] for r in runs.values() if r["kind"] == "study"] == ["KILLED"]
+    trials = {r["status"] for r in runs.values() if r["kind"] == "trial"}
+    assert "FINISHED" in trials and "KILLED" in trials  # done ones kept, in-flight ones killed
+    study = _study(out, "sig")
+    assert all(t.state.name in ("COMPLETE", "FAIL") for t in study.trials)
+    assert [t.user_attrs.get("fail_reason") for t in study.trials if t.state.name == "FAIL"] == \
+        ["interrupted"] * sum(t.state.name == "FAIL" for t in study.trials)
+    assert (out / "tune" / "sig" / "trials.csv").is_file()  # the partial outputs are written
+
+
+def test_workers_stop_when_the_parent_is_killed(out):
+    from signal_helpers import Command, survivors
+
+    cmd = Command("tune", *SIGNAL_BASE, f"output.dir={out}")
+    cmd.wait_for(" done ")
+    children = cmd.descendants()
+    cmd.kill()  # SIGKILL: no cleanup in the parent at all
+    assert survivors(children) == []
+    study = _study(out, "sig")  # the orphaned worker marked its own trial before leaving
+    running = [t.number for t in study.trials if t.state.name == "RUNNING"]
+    workers = {t.user_attrs.get("worker") for t in study.trials if t.number in running}
+    parent_tag = f":{cmd.proc.pid}"
+    assert all(w.endswith(parent_tag) for w in workers), (running, workers)  # only the parent's own trial
