@@ -241,3 +241,17 @@ def test_workers_stop_when_the_parent_is_killed(out):
     workers = {t.user_attrs.get("worker") for t in study.trials if t.number in running}
     parent_tag = f":{cmd.proc.pid}"
     assert all(w.endswith(parent_tag) for w in workers), (running, workers)  # only the parent's own trial
+
+
+def test_two_tunes_started_together_on_a_fresh_folder_both_succeed(tmp_path):
+    """Optuna's tables and MLflow's schema are created on first use; unserialised, the second
+    command died in alembic ("expected to match one row") or on "database is locked"."""
+    from signal_helpers import WAIT_S, Command, run_states
+
+    cmds = [Command("tune", *BASE, f"output.dir={tmp_path}", "tune.trials=2", f"tune.study=s{i}") for i in (1, 2)]
+    codes = [c.proc.wait(timeout=WAIT_S) for c in cmds]
+    assert codes == [0, 0], [("".join(c.err))[-1500:] for c in cmds]
+    for i in (1, 2):
+        assert [t.state.name for t in _study(tmp_path, f"s{i}").trials] == ["COMPLETE", "COMPLETE"]
+    studies = [r for r in run_states(tmp_path / "mlflow.db").values() if r["kind"] == "study"]
+    assert sorted(r["name"] for r in studies) == ["s1", "s2"] and {r["status"] for r in studies} == {"FINISHED"}

@@ -22,8 +22,8 @@ from testbed.tune.display import Display, pareto_indices, print_start, values_te
 from testbed.tune.figures import trials_frame, write_study_figures
 from testbed.tune.objectives import sig4
 from testbed.tune.problem import Problem, fingerprint_of, first_difference, prepare
-from testbed.tune.storage import (counted, create_or_load, fail_stale, make_sampler, problem_json, quiet_optuna,
-                                  redact)
+from testbed.tune.storage import (counted, create_or_load, fail_stale, first_use_lock, make_sampler, problem_json,
+                                  quiet_optuna, redact)
 from testbed.tune.tracking import log_study, study_run
 from testbed.tune.trial import open_tracker
 from testbed.tune.workers import run_workers, worker_loop
@@ -82,8 +82,9 @@ def run_tune(overrides: Sequence[str], console: Any = None) -> TuneOutcome:
 def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
     quiet_optuna()
     problem = prepare(overrides)
-    study, storage = open_study(problem)
-    tracker = open_tracker(problem)  # creates the MLflow DB before any worker
+    with first_use_lock(problem.storage_url, Path(problem.out_dir).parent.parent):
+        study, storage = open_study(problem)
+        tracker = open_tracker(problem)  # creates the MLflow DB before any worker
     stale = fail_stale(study, storage, tracker)
     if problem.settings.baseline and not study.trials:
         params = problem.baseline_params()

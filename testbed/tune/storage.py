@@ -3,10 +3,11 @@ MLflow database: both keep an `alembic_version` table), any other RDB URL (`post
 spreads workers over machines) or `journal:<file>` for Optuna's JournalStorage; samplers; and
 creating or resuming a study safely when several commands start on one fresh directory.
 
-First use is serialised by a file lock next to the SQLite file (`optuna.db.lock`): Optuna
-creates its tables and stamps the alembic version on first connect, and two processes doing
-that at once failed with "database is locked" or "table already exists" (issue 13 item 4).
-After that, workers open SQLite with a 60 s busy timeout."""
+First use is serialised by a file lock next to the SQLite file (`optuna.db.lock`), held while
+a tune creates or opens its study and the MLflow store: Optuna and MLflow both create tables
+and stamp an alembic version on first connect, and two `testbed tune` started together on a
+fresh folder lost one of them to "database is locked" or alembic's "expected to match one row"
+(issue 13 item 4). After that, workers open SQLite with a 60 s busy timeout."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ import socket
 import sqlite3
 import warnings
 from collections.abc import Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +36,14 @@ def sqlite_path(uri: str) -> Path | None:
     return None
 
 
-def first_use_lock(url: str) -> Any:
-    """A cross-process lock for creating the storage's tables and the study (SQLite only: a
-    server database or the journal file backend serialise this themselves)."""
+def first_use_lock(url: str, out_root: Path) -> FileLock:
+    """A cross-process lock held while a tune creates or opens its study and the MLflow store:
+    next to the SQLite file (`optuna.db.lock`), or in the output folder for other storages (the
+    MLflow SQLite store there is created on first use too)."""
     path = sqlite_path(url)
-    if path is None:
-        return nullcontext()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S)
+    lock = Path(str(path) + ".lock") if path is not None else out_root.resolve() / ".tune.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(lock), timeout=LOCK_TIMEOUT_S)
 
 
 def make_storage(url: str):
@@ -125,14 +125,13 @@ def quiet_optuna() -> None:
 
 
 def create_or_load(name: str, url: str, directions: Sequence[str], metric_names: Sequence[str], sampler: Any):
-    """(study, storage): created under the first-use lock, with its metric names set so
-    optuna-dashboard labels the axes (`throughput_tok_s`, not "Objective 0")."""
-    with first_use_lock(url):
-        storage = make_storage(url)
-        study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True,
-                                    directions=list(directions), sampler=sampler)
-        if study.metric_names is None:
-            study.set_metric_names(list(metric_names))
+    """(study, storage), the study with its metric names set so optuna-dashboard labels the
+    axes (`throughput_tok_s`, not "Objective 0"). Call under `first_use_lock`."""
+    storage = make_storage(url)
+    study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True,
+                                directions=list(directions), sampler=sampler)
+    if study.metric_names is None:
+        study.set_metric_names(list(metric_names))
     return study, storage
 
 
