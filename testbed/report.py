@@ -244,7 +244,7 @@ def print_table(console: Any, df: pd.DataFrame, axes: Sequence[str], title: str,
         if row.get("status") != "finished":
             cells[shown.index("status")] = f"[red]{escape(_fmt(row.get('status')))}[/red]"
         t.add_row(*cells)
-    console.print(t, width=max(console.width, full_width(console, t)))
+    print_wide(console, t)
     failed = df[df["status"] != "finished"] if "status" in df.columns else df.iloc[0:0]
     for i, (_, row) in enumerate(failed.iterrows()):
         if i == 10:
@@ -255,10 +255,18 @@ def print_table(console: Any, df: pd.DataFrame, axes: Sequence[str], title: str,
                       f"{escape(_fmt(row.get('error'))[:120])}", highlight=False)
 
 
-def full_width(console: Any, table: Any) -> int:
-    """The width at which a rich table shows every column whole: on a narrow (or non-tty, 80
-    column) console rich would otherwise cut headers and cells to `throu…`."""
-    return Measurement.get(console, console.options.update(width=100_000), table).maximum
+def print_wide(console: Any, table: Any) -> None:
+    """Print a rich table at the width that shows every column whole: on a narrow (or non-tty,
+    80-column) console rich would cut headers and cells to `throu…` (a terminal wraps the long
+    lines instead). `Console.print(width=)` cannot exceed the console's width, so it is widened
+    for this one table."""
+    needed = Measurement.get(console, console.options.update(width=100_000), table).maximum
+    saved = console.width
+    console.width = max(saved, needed)
+    try:
+        console.print(table)
+    finally:
+        console.width = saved
 
 
 # --- from MLflow -----------------------------------------------------------------------------------

@@ -118,3 +118,27 @@ def test_a_signal_stops_the_grid_at_once_and_kills_its_runs(tmp_path, send, exit
     # the table of the points done so far
     table = pd.read_csv(tmp_path / "compare" / "sig" / "table.csv")
     assert list(table["workload.num_requests"]) == [40] and list(table["status"]) == ["finished"]
+
+
+def test_the_micro_batch_count_is_an_ordinary_axis(tmp_path, capsys):
+    code = main(["compare", *BASE, f"output.dir={tmp_path}", "output.mlflow=false",
+                 "policy=sarathi", "parallel.pp=2", "parallel.num_microbatches=2,3,4", "compare.experiment=mb"])
+    assert code == 0
+    table = pd.read_csv(tmp_path / "compare" / "mb" / "table.csv")
+    assert list(table["parallel.num_microbatches"]) == [2, 3, 4] and (table["status"] == "finished").all()
+
+
+def test_the_printed_table_is_never_cut_to_the_console_width(tmp_path):
+    from rich.console import Console
+
+    from testbed.report import print_table
+
+    console = Console(width=80, record=True, file=open(tmp_path / "out.txt", "w"))
+    df = pd.DataFrame([{"point": 0, "policy": "sarathi", "workload.rate": 2.0, "parallel.num_microbatches": 4,
+                        "status": "finished", "throughput_tok_s": 12345.6, "ttft_p99_s": 0.123456,
+                        "tpot_p99_s": 0.0456, "e2el_mean_s": 3.21, "slo_attainment": 0.987}])
+    print_table(console, df, ["policy", "workload.rate", "parallel.num_microbatches"], "wide")
+    text = console.export_text()
+    for column in ("parallel.num_microbatches", "throughput_tok_s", "slo_attainment", "1.235e+04", "0.987"):
+        assert column in text, text
+    assert "…" not in text

@@ -51,6 +51,7 @@ def test_same_seed_finds_the_same_best_trial(out, capsys):
     # count is searched by default and its default (the policy's own choice) is tried as P
     assert a.trials[0].params == {"token_budget": 2048, "max_num_seqs": 128, "parallel.num_microbatches": 2}
     assert a.trials[0].user_attrs["baseline"] is True
+    assert a.metric_names == ["throughput_tok_s"]  # optuna-dashboard labels its axes with it
     # another seed samples other parameters
     assert _tune(out, "tune.trials=4", "tune.startup_trials=3", "seed=4", "tune.study=third") == 0
     assert [t.params for t in _study(out, "third").trials][1:] != [t.params for t in a.trials][1:4]
@@ -255,3 +256,43 @@ def test_two_tunes_started_together_on_a_fresh_folder_both_succeed(tmp_path):
         assert [t.state.name for t in _study(tmp_path, f"s{i}").trials] == ["COMPLETE", "COMPLETE"]
     studies = [r for r in run_states(tmp_path / "mlflow.db").values() if r["kind"] == "study"]
     assert sorted(r["name"] for r in studies) == ["s1", "s2"] and {r["status"] for r in studies} == {"FINISHED"}
+
+
+def test_values_print_with_four_significant_digits():
+    from testbed.tune.objectives import sig4
+
+    assert [sig4(0.17835460015641597), sig4(1999.6), sig4(12345.6), sig4(3), sig4(True), sig4("a")] == \
+        ["0.1784", "2000", "12346", "3", "True", "a"]
+
+
+def test_the_micro_batch_count_is_searched_unless_pinned_or_given_a_space():
+    import optuna
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    from testbed.tune import prepare
+
+    base = [a for a in BASE if not a.startswith("parallel.pp")]
+    space = prepare([*base, "parallel.pp=3"]).space()
+    assert space["parallel.num_microbatches"] == IntDistribution(3, 6)  # [P, 2P]
+    assert set(space) == {"token_budget", "max_num_seqs", "parallel.num_microbatches"}
+    problem = prepare([*base, "parallel.pp=3", "parallel.num_microbatches=4"])
+    assert "parallel.num_microbatches" not in problem.space()  # pinned on the command line
+    assert problem.base_cfg["parallel"]["num_microbatches"] == 4
+    space = prepare([*base, "tune.space.parallel.num_microbatches=4,5,6,8"]).space()
+    assert space["parallel.num_microbatches"] == CategoricalDistribution([4, 5, 6, 8])
+    problem = prepare([*base, "tune.space.parallel.pp=2,4"])  # the range follows the trial's P
+    assert problem.space()["parallel.num_microbatches"] == IntDistribution(4, 8)  # described at the default P=4
+    trial = optuna.trial.FixedTrial({"parallel.pp": 2, "parallel.num_microbatches": 3, "token_budget": 512,
+                                     "max_num_seqs": 64})
+    assert problem.assign(trial)["parallel.num_microbatches"] == 3
+    assert trial.distributions["parallel.num_microbatches"] == IntDistribution(2, 4)
+
+
+def test_trials_run_the_searched_micro_batch_count(tmp_path):
+    code = main(["tune", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", "tune.trials=4",
+                 "tune.space.parallel.num_microbatches=3,4", "tune.study=mb", "policy.token_budget=512",
+                 "policy.max_num_seqs=64"])
+    assert code == 0
+    trials = _study(tmp_path, "mb").trials
+    assert {t.params["parallel.num_microbatches"] for t in trials} <= {3, 4}
+    assert all(set(t.params) == {"parallel.num_microbatches"} for t in trials)

@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 from rich.table import Table
 
-from testbed.report import plot_comparison, to_markdown
+from testbed.report import plot_comparison, print_wide, to_markdown
 from testbed.reproduce.claims import ClaimResult, format_value, select
 from testbed.reproduce.studies import Claim, FigureSpec, Study
 from testbed.reproduce.verdicts import pct
@@ -170,6 +170,6 @@ def print_claims(console: Any, study: Study, claims: Sequence[ClaimResult], titl
     for r in claims:
         t.add_row(r.claim.id, claimed_text(r.claim), format_value(r.claim, r.measured),
                   f"[{colour[r.verdict.category]}]{r.verdict.label}[/{colour[r.verdict.category]}]")
-    console.print(t)
+    print_wide(console, t)
 
 
