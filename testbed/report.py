@@ -194,21 +194,26 @@ def plot_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: str
         draw(ax, metric)
     for ax in list(axs.flat)[len(metrics):]:
         ax.set_visible(False)
-    head = 0.45 / (3.6 * nrows + 0.6) if title else 0.0  # the title's share of the figure height
+    top = 1.0  # the panels go below the title and the shared legend, stacked from the top
     if title:
-        fig.suptitle(title, fontsize=10, y=0.995, va="top")
+        top = _bottom(fig, fig.text(0.5, 0.995, title, ha="center", va="top", fontsize=10))
     if x is not None and others:
         handles, labs = axs[0][0].get_legend_handles_labels()
-        fig.legend(handles, labs, loc="upper center", ncol=min(len(labs), 4), fontsize=8,
-                   title=", ".join(others) if len(others) == 1 else None, bbox_to_anchor=(0.5, 1 - head))
-        fig.tight_layout(rect=(0, 0, 1, 1 - head - 0.7 / (3.6 * nrows + 0.6) - 0.04 * math.ceil(len(labs) / 4)))
-    else:
-        fig.tight_layout(rect=(0, 0, 1, 1 - head))
+        top = _bottom(fig, fig.legend(handles, labs, loc="upper center", ncol=min(len(labs), 4), fontsize=8,
+                                      title=", ".join(others) if len(others) == 1 else None,
+                                      bbox_to_anchor=(0.5, top)))
+    fig.tight_layout(rect=(0, 0, 1, top))
     path = out_dir / "overview.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     paths.append(path)
     return paths
+
+
+def _bottom(fig: Any, artist: Any) -> float:
+    """The lower edge of a figure-level artist (title, legend) in figure coordinates, less a gap."""
+    box = artist.get_window_extent(fig.canvas.get_renderer()).transformed(fig.transFigure.inverted())
+    return box.y0 - 0.01
 
 
 def _safe(text: str) -> str:
