@@ -141,7 +141,30 @@ def plot_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: str
         return []
     x = choose_x(df, axes, x)
     others = [a for a in axes if a != x]
+    draw = _line_drawer(ok, others, x, max_series) if x is not None else _bar_drawer(ok, axes)
+    if draw is None:
+        return []
     paths: list[Path] = []
+    stem = f"_vs_{_safe(x)}" if x else ""
+    for metric in metrics:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax, metric)
+        if x is not None and others:
+            ax.legend(title=", ".join(others) if len(others) == 1 else None, fontsize=8)
+        fig.tight_layout()
+        paths.append(_save(plt, fig, out_dir / f"{metric}{stem}.png"))
+    legend = others if x is not None else []
+    paths.append(_save(plt, _overview(plt, draw, metrics, legend, title), out_dir / "overview.png"))
+    return paths
+
+
+def _line_drawer(ok: pd.DataFrame, others: list[str], x: str, max_series: int) -> Any:
+    """x = a numeric axis, one line per value of the other axes (None: too many lines)."""
+    groups: dict[tuple, list] = {}
+    for _, row in ok.iterrows():
+        groups.setdefault(tuple(row[a] for a in others), []).append(row)
+    if len(groups) > max_series:
+        return None
 
     def series_label(key: tuple) -> str:
         if not others:
@@ -150,43 +173,33 @@ def plot_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: str
             return str(key[0])
         return ", ".join(f"{a}={v}" for a, v in zip(others, key))
 
-    if x is not None:
-        groups = {}
-        for _, row in ok.iterrows():
-            groups.setdefault(tuple(row[a] for a in others), []).append(row)
-        if len(groups) > max_series:
-            return []
+    def draw(ax, metric: str) -> None:
+        for key in sorted(groups, key=lambda k: tuple(_sort_key(v) for v in k)):
+            rows = sorted(groups[key], key=lambda r: _sort_key(r[x]))
+            ax.plot([r[x] for r in rows], [r[metric] for r in rows], marker="o", label=series_label(key))
+        ax.set_xlabel(LABELS.get(x, x))
+        ax.set_ylabel(LABELS.get(metric, metric))
+        ax.grid(True, alpha=0.3)
 
-        def draw(ax, metric: str) -> None:
-            for key in sorted(groups, key=lambda k: tuple(_sort_key(v) for v in k)):
-                rows = sorted(groups[key], key=lambda r: _sort_key(r[x]))
-                xs = [r[x] for r in rows]
-                ys = [r[metric] for r in rows]
-                ax.plot(xs, ys, marker="o", label=series_label(key))
-            ax.set_xlabel(LABELS.get(x, x))
-            ax.set_ylabel(LABELS.get(metric, metric))
-            ax.grid(True, alpha=0.3)
-    else:
-        labels = [", ".join(f"{r[a]}" for a in axes) if axes else str(r.get("run_name", i))
-                  for i, (_, r) in enumerate(ok.iterrows())]
+    return draw
 
-        def draw(ax, metric: str) -> None:
-            ax.bar(range(len(ok)), list(ok[metric]), color="C0")
-            ax.set_xticks(range(len(ok)), labels, rotation=30, ha="right", fontsize=8)
-            ax.set_ylabel(LABELS.get(metric, metric))
-            ax.grid(True, axis="y", alpha=0.3)
 
-    stem = f"_vs_{_safe(x)}" if x else ""
-    for metric in metrics:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        draw(ax, metric)
-        if x is not None and others:
-            ax.legend(title=", ".join(others) if len(others) == 1 else None, fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"{metric}{stem}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+def _bar_drawer(ok: pd.DataFrame, axes: Sequence[str]) -> Any:
+    """No numeric axis: one bar per run."""
+    labels = [", ".join(f"{r[a]}" for a in axes) if axes else str(r.get("run_name", i))
+              for i, (_, r) in enumerate(ok.iterrows())]
+
+    def draw(ax, metric: str) -> None:
+        ax.bar(range(len(ok)), list(ok[metric]), color="C0")
+        ax.set_xticks(range(len(ok)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(LABELS.get(metric, metric))
+        ax.grid(True, axis="y", alpha=0.3)
+
+    return draw
+
+
+def _overview(plt: Any, draw: Any, metrics: list[str], legend: list[str], title: str | None) -> Any:
+    """Every metric in one figure: the title, one shared legend (over `legend` axes), the panels."""
     ncols = min(3, len(metrics))
     nrows = math.ceil(len(metrics) / ncols)
     fig, axs = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows + 0.6), squeeze=False)
@@ -197,17 +210,19 @@ def plot_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: str
     top = 1.0  # the panels go below the title and the shared legend, stacked from the top
     if title:
         top = _bottom(fig, fig.text(0.5, 0.995, title, ha="center", va="top", fontsize=10))
-    if x is not None and others:
+    if legend:
         handles, labs = axs[0][0].get_legend_handles_labels()
         top = _bottom(fig, fig.legend(handles, labs, loc="upper center", ncol=min(len(labs), 4), fontsize=8,
-                                      title=", ".join(others) if len(others) == 1 else None,
+                                      title=", ".join(legend) if len(legend) == 1 else None,
                                       bbox_to_anchor=(0.5, top)))
     fig.tight_layout(rect=(0, 0, 1, top))
-    path = out_dir / "overview.png"
+    return fig
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    paths.append(path)
-    return paths
+    return path
 
 
 def _bottom(fig: Any, artist: Any) -> float:

@@ -36,6 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from engine.errors import TestbedError
 from testbed.outputs import write_run_dir
 from testbed.runner import prepare_experiment
+from testbed.tracking import Tracker, tracking_uri
 
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
@@ -124,10 +125,8 @@ _TRACKERS: dict[tuple[str, str], Any] = {}
 
 
 def _tracker(cfg: Mapping[str, Any], experiment: str) -> Any:
-    """One MLflow tracker per (store, experiment) and process. Imported here: `import mlflow`
-    costs ~2 s, and `output.mlflow=false` sweeps never need it."""
-    from testbed.tracking import Tracker, tracking_uri
-
+    """One MLflow tracker per (store, experiment) and process (`Tracker` imports mlflow, ~2 s,
+    only when the first one is made: `output.mlflow=false` sweeps never pay for it)."""
     key = (tracking_uri(cfg), experiment)
     if key not in _TRACKERS:
         _TRACKERS[key] = Tracker(cfg, experiment)

@@ -21,7 +21,10 @@ from typing import Any
 
 import optuna
 from filelock import FileLock
+from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState
+from sqlalchemy import event  # sqlalchemy comes with optuna's RDB storage
+from sqlalchemy.engine import make_url
 
 from engine.errors import ConfigError
 
@@ -50,8 +53,6 @@ def make_storage(url: str):
     """An Optuna storage from a URL: SQLite with a busy timeout, any other RDB URL, or
     `journal:<file>` for Optuna's JournalStorage (file backend)."""
     if url.startswith("journal:"):
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
-
         path = Path(url[len("journal:"):])
         path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(str(path)))
@@ -90,8 +91,6 @@ def _sqlite_wal(path: Path) -> None:
 
 
 def _sqlite_fast_commits(engine: Any) -> None:
-    from sqlalchemy import event  # sqlalchemy comes with optuna's RDB storage
-
     def on_connect(dbapi_conn, _record) -> None:
         dbapi_conn.execute("PRAGMA synchronous=NORMAL")
 
@@ -104,8 +103,6 @@ def redact(url: str) -> str:
     if "@" not in url:
         return url
     try:
-        from sqlalchemy.engine import make_url
-
         return make_url(url).render_as_string(hide_password=True)
     except Exception:
         return url.split("://")[0] + "://***@" + url.rsplit("@", 1)[-1]

@@ -21,6 +21,7 @@ from engine.errors import TestbedError
 from testbed.config import data_dir
 from testbed.outputs import write_run_dir
 from testbed.runner import prepare_experiment
+from testbed.tracking import Tracker
 from testbed.tune.problem import Problem, jsonable
 from testbed.tune.storage import INTERRUPTED, worker_tag
 from workloads.base import build_workload
@@ -39,12 +40,10 @@ class TrialFailed(Exception):
 
 
 def open_tracker(problem: Problem) -> Any:
-    """The MLflow tracker of this process, or None with `output.mlflow=false`. Imported here
-    because `import mlflow` costs ~2 s and untracked studies never need it."""
+    """The MLflow tracker of this process, or None with `output.mlflow=false` (then mlflow,
+    ~2 s to import, is never loaded)."""
     if not (problem.base_cfg.get("output") or {}).get("mlflow", True):
         return None
-    from testbed.tracking import Tracker
-
     return Tracker(problem.base_cfg, problem.experiment)
 
 
