@@ -306,7 +306,8 @@ class WorkerPool:
         self.finished: set[int] = set()
 
     def _spawn(self) -> None:
-        p = self.ctx.Process(target=_worker_main, args=(self.jobs, self.tasks, self.results), daemon=True,
+        # not daemonic: a torch point starts stage processes of its own; `stop` and the orphan guard end it
+        p = self.ctx.Process(target=_worker_main, args=(self.jobs, self.tasks, self.results), daemon=False,
                              name=f"sweep-worker-{len(self.procs)}")
         p.start()
         self.procs.append(p)
