@@ -37,6 +37,11 @@ labels its axes. Install the extra and point it at the study's storage:
 
     pip install -e '.[dashboard]'
     optuna-dashboard sqlite:///runs/optuna.db          # then open http://127.0.0.1:8080
+
+Open it when the study is finished, or on a copy while it runs
+(`sqlite3 runs/optuna.db ".backup /tmp/optuna-copy.db"`, then `optuna-dashboard
+sqlite:////tmp/optuna-copy.db`): pointing optuna-dashboard at the SQLite file of a running study
+has crashed the study (optuna-dashboard issue 545). For a live view use PostgreSQL storage.
 """
 from testbed.tune.command import TuneOutcome, cli_tune, finish_study, open_study, print_outcome, run_tune
 from testbed.tune.objectives import SCALAR_KEYS, Constraint, resolve_metric
