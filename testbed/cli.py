@@ -3,7 +3,7 @@
     testbed run policy=gllm workload=azure [key=value ...]
     testbed list [group]
     testbed data sharegpt [--source FILE] [--out FILE]
-    testbed tune | compare | report ...      (testbed/tune.py, compare.py, report.py)
+    testbed tune | compare | report ...      (testbed/tune/, compare.py, report.py)
     testbed bench sim
     testbed predictor train workload=sharegpt
     testbed test [pytest args]
@@ -146,24 +146,17 @@ def cmd_test(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    """Search the policy's hyperparameters with Optuna (see testbed/tune.py)."""
-    from testbed.tune import print_outcome, run_tune
+    """Search the policy's hyperparameters with Optuna (see testbed/tune/)."""
+    from testbed.tune import cli_tune
 
-    outcome = run_tune(args.overrides, _console())
-    print_outcome(outcome)
-    if outcome.interrupted:
-        print("interrupted: run the same command again to resume the study", file=sys.stderr)
-        return 130
-    return 1 if outcome.worker_errors else 0
+    return cli_tune(args.overrides, _console())
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Run a grid (comma lists are axes) and write a comparison table and figures."""
-    from testbed.compare import run_compare
+    from testbed.compare import cli_compare
 
-    out_dir, _ = run_compare(args.overrides, _console())
-    print(out_dir.resolve())
-    return 0
+    return cli_compare(args.overrides, _console())
 
 
 def cmd_report(args: argparse.Namespace) -> int:
