@@ -161,7 +161,7 @@ def test_multi_objective_with_a_constraint_reports_the_pareto_front(tmp_path, ca
     (["tune.objective=kv_usage_mean"], "objective 'kv_usage_mean' has no known direction; add tune.direction="),
     (["tune.objective=stage_utilization"], "is a per-stage list"),
     (["tune.direction=up"], "invalid tune.direction 'up'; valid choices: maximize, minimize"),
-    (["tune.trials=0"], "invalid tune.trials='0': must be an integer >= 1"),
+    (["tune.trials=0"], "invalid tune.trials=0: must be an integer >= 1"),
     (["tune.constraints=[slo_attainment=0.9]"], "write metric>=value or metric<=value"),
     (["tune.space.parallel.ppp=1,2"],
      "unknown config key 'parallel.ppp'; valid keys under 'parallel': layer_split, num_microbatches, pp, tp"),
