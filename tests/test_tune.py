@@ -10,6 +10,7 @@ import pytest
 from engine.errors import ConfigError
 from mlflow_db import fresh_mlflow_db
 from testbed.cli import main
+from testbed.overrides import merge
 
 # 60 requests arriving at once: the token budget changes throughput, each trial takes ~0.1 s.
 BASE = ["policy=sarathi", "workload=synthetic", "workload.num_requests=60", "workload.arrival=offline",
@@ -17,9 +18,7 @@ BASE = ["policy=sarathi", "workload=synthetic", "workload.num_requests=60", "wor
 
 
 def _tune(tmp_path: Path, *extra: str, capsys=None) -> int:
-    from testbed.overrides import merge
-
-    return main(["tune", *merge([*BASE, f"output.dir={tmp_path}"], list(extra))])
+    return main(["tune", *merge(BASE, [f"output.dir={tmp_path}"], extra)])  # a key given twice is an error
 
 
 def _study(tmp_path: Path, name: str):
