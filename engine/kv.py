@@ -92,7 +92,8 @@ class BlockManager:
 
     def append_one_each(self, seq_ids) -> None:
         """`append_one` for each id in order (a micro-batch's decodes at commit): one call per
-        micro-batch instead of one per token saves ~0.3 us a token (2-core machine)."""
+        micro-batch instead of one per token, 0.07 us of CPU a token instead of 0.11 us
+        (micro-benchmark, 128 decodes, shared 2-core machine)."""
         tokens_of = self._tokens
         tables = self._tables
         free = self._free

@@ -47,7 +47,7 @@ class SarathiPolicy(Policy):
         decodes = [s for s in victims if s.status is decoding]
         partial = [s for s in victims if s.status is prefilling]
         # Every idle decode in one call while they fit (the common case), then one at a time
-        # with preemption: same batch, 2.5x less time in this loop (engine/batch.py add_decodes).
+        # with preemption: the same batch at 2/3 of the CPU per decode (BatchBuilder.add_decodes).
         first = b.add_decodes(decodes, budget)
         budget -= b.num_decode_seqs
         for seq in decodes[first:]:

@@ -137,6 +137,19 @@ class TdpipeParams:
 
 
 # --------------------------------------------------------------------------- pure pieces
+def _leading_lengths(waiting: list[Sequence], used: int, threshold: float, block_size: int) -> np.ndarray:
+    """prefill_target of the leading waiting sequences, up to and including the first one whose
+    predecessors' prompt blocks (plus `used`) reach `threshold`: no later one can enter the plan.
+    The plan runs once per round of P decode batches; reading all 5,000 waiting prompts each
+    time was 5% of TD-Pipe's benchmark run (py-spy)."""
+    k = 256
+    while True:
+        lengths = np.array([s.request.prompt_len + s.num_generated for s in waiting[:k + 1]])
+        if k + 1 >= len(waiting) or used + int((-(-lengths[:k] // block_size)).sum()) >= threshold:
+            return lengths
+        k *= 4
+
+
 class KVForecast:
     """Predicted KV blocks held at each future decode point by the admitted requests."""
 
@@ -373,15 +386,16 @@ class TdpipePolicy(Policy):
         waiting = list(view.waiting)
         if not waiting:
             return []
-        lengths = np.array([s.request.prompt_len + s.num_generated for s in waiting])  # prefill_target, inlined
         used = view.kv_total_blocks - view.kv_free_blocks
+        threshold = (p.kv_capacity if p.switch_kv_ratio is None else p.switch_kv_ratio) * view.kv_total_blocks
+        lengths = _leading_lengths(waiting, used, threshold, view.block_size)
         before = used + np.concatenate([[0], np.cumsum(-(-lengths // view.block_size))[:-1]])
         if p.switch_kv_ratio is not None:
             ok = before < p.switch_kv_ratio * view.kv_total_blocks
             n = len(waiting) if ok.all() else int(np.argmin(ok))
         else:
             # The prompts' own blocks bound how many the forecast can admit: look no further.
-            cap = p.kv_capacity * view.kv_total_blocks
+            cap = threshold
             limit = int(np.searchsorted(before, cap, side="left")) + 1
             fc = KVForecast(self.points, view.block_size)
             run = list(view.running)
