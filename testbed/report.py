@@ -180,6 +180,10 @@ def _line_drawer(ok: pd.DataFrame, others: list[str], x: str, max_series: int) -
         ax.set_xlabel(LABELS.get(x, x))
         ax.set_ylabel(LABELS.get(metric, metric))
         ax.grid(True, alpha=0.3)
+        if all(float(v).is_integer() for v in ok[x]):  # counts (micro-batches, P): no 4.5 ticks
+            from matplotlib.ticker import MaxNLocator  # lazy, as in plot_comparison
+
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
     return draw
 
