@@ -1,12 +1,12 @@
 """Analytical cost model: predicted time of one micro-batch on one pipeline stage.
 
-Roofline per operator group, for the layers a stage holds (DESIGN.md, "The simulator"):
+Roofline per operator group, for the layers a stage holds (docs/calibration.md):
 - linear layers (q/k/v/o + SwiGLU MLP) by token count: FLOPs = 2 * tokens * linear params per
   layer; bytes = the layer's weights + activation traffic; time = max(compute, memory).
 - attention by context: FLOPs = 4 * heads * head_dim * query-key pairs (QK^T and PV); bytes = the
   KV read (+ q/o and the new K/V written). Prefill chunks and decodes are separate kernels, each its
   own max(compute, memory). A prefill chunk of x tokens after a prefix of L therefore costs
-  c + g*L + b*x + a*(2*L*x + x^2) (PITFALLS.md): later chunks of a long prompt cost more.
+  c + g*L + b*x + a*(2*L*x + x^2) (docs/calibration.md): later chunks of a long prompt cost more.
 - the embedding on the first stage (a gather, memory only) and the lm_head on the last stage for
   the `num_sampled` rows only (vLLM computes logits only where a token is sampled).
 - tensor parallelism divides compute and weights by tp and adds 2 ring all-reduces per layer.

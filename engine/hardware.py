@@ -1,4 +1,4 @@
-"""GPU and link tables for the cost model (REFERENCE.md section 7).
+"""GPU and link tables for the cost model (the papers' setups: docs/policies.md#references).
 
 Numbers are vendor datasheet peaks: dense fp16/bf16 tensor throughput (no structured sparsity) and
 HBM/GDDR bandwidth in decimal GB/s (1e9). The cost model applies its own efficiency factors
@@ -7,7 +7,7 @@ with `register_hardware` rather than by editing the factory entries.
 
 Links. The default stage-to-stage link of each GPU is what the papers ran on:
 - PCIe machines (TD-Pipe's 4x L20-48GB and 4x A100-80GB, "PCIe only"): point-to-point 20.8 GB/s
-  and all-reduce bus bandwidth 14.7 GB/s, both measured figures quoted in REFERENCE.md section 7.
+  and all-reduce bus bandwidth 14.7 GB/s, both measured figures of TD-Pipe's setting (ICPP'25).
   A100/A800 are kept on PCIe on purpose, because that is how TD-Pipe measured them; an NVLink
   A100 box is a different machine and should be registered under its own name.
 - H100: SiPipe's 8x H100 servers are SXM boxes with NVLink 4 (450 GB/s per direction per GPU).
@@ -33,8 +33,8 @@ from engine.errors import ConfigError, unknown_choice
 
 __all__ = ["HardwareSpec", "HARDWARE", "get_hardware", "register_hardware"]
 
-PCIE_P2P_GBS = 20.8  # REFERENCE.md s7: measured PCIe P2P (TD-Pipe setting)
-PCIE_ALLREDUCE_GBS = 14.7  # REFERENCE.md s7: measured PCIe all-reduce (TD-Pipe setting)
+PCIE_P2P_GBS = 20.8  # measured PCIe P2P in TD-Pipe's setting (ICPP'25)
+PCIE_ALLREDUCE_GBS = 14.7  # measured PCIe all-reduce in TD-Pipe's setting (ICPP'25)
 NVLINK4_GBS = 360.0  # assumption: ~80% of H100 SXM NVLink 4's 450 GB/s per direction
 INTRA_BOX_LATENCY_S = 10e-6  # per NCCL hop; order of magnitude
 

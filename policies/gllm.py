@@ -1,4 +1,4 @@
-"""gLLM Token Throttling (SC'25; REFERENCE.md section 3): pipeline-balanced hybrid micro-batches.
+"""gLLM Token Throttling (SC'25; docs/policies.md#gllm): pipeline-balanced hybrid micro-batches.
 
 Every micro-batch carries #D decode tokens and up to #P prefill tokens, both throttled so that
 consecutive micro-batches carry similar work (a PP pipeline runs at the pace of its slowest

@@ -1,4 +1,4 @@
-"""Sarathi-Serve chunked prefill, the "PP+HB" baseline (REFERENCE.md section 1).
+"""Sarathi-Serve chunked prefill, the "PP+HB" baseline (OSDI'24; docs/policies.md#sarathi).
 
 Hybrid micro-batches under a fixed token budget: first every running decode that is not in
 flight (one token each), then chunks of partially prefilled prompts, then new requests while

@@ -1,4 +1,4 @@
-"""Separate batching, the "PP+SB" baseline: vLLM's classic (v0) scheduler (REFERENCE.md section 2).
+"""Separate batching, the "PP+SB" baseline: vLLM's classic (v0) scheduler (SOSP'23; docs/policies.md#vllm).
 
 A micro-batch is prefill-only (whole prompts, up to `max_num_batched_tokens` and
 `max_num_seqs`) whenever waiting prompts fit in KV; otherwise decode-only. Prefill first.

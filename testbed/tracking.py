@@ -39,7 +39,7 @@ def artifact_root(cfg: Mapping[str, Any]) -> str:
 
 class Tracker:
     """Thin wrapper over MlflowClient: explicit run ids, no thread-local active-run stack
-    (MLflow's active run is thread-local, PITFALLS.md), so nested runs work from any worker."""
+    (MLflow's active run is thread-local since mlflow PR 13456), so nested runs work from any worker."""
 
     def __init__(self, cfg: Mapping[str, Any], experiment: str | None = None) -> None:
         import mlflow

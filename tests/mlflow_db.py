@@ -1,6 +1,6 @@
 """An empty MLflow SQLite tracking database for a test, copied from one made once per pytest
 process: creating one runs MLflow's schema migrations (~7 s on the 2-core machines,
-PITFALLS.md), copying the result takes milliseconds."""
+measured), copying the result takes milliseconds."""
 from __future__ import annotations
 
 import atexit

@@ -38,7 +38,7 @@ def test_every_study_runs_quick_and_writes_its_report(study, tmp_path, capsys):
     text = report.read_text()
     spec = R.load_study(study)
     # the claim table: published claim beside the testbed's number, and a verdict per claim
-    assert "| claim | published (REFERENCE.md) | claimed | testbed | verdict |" in text
+    assert "| claim | published (paper) | claimed | testbed | verdict |" in text
     table = text.split("## Claims: published vs testbed", 1)[1].split("### Verdicts", 1)[0]
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| claim |")]
     assert len(rows) == len(spec.claims)

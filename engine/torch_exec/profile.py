@@ -3,7 +3,7 @@
 What is measured and how (`profile_engine`):
 - `inflight` (default P) copies of each designed batch are launched back to back, so that the
   stages run concurrently as in a loaded pipeline: on a CPU host the stage processes share cores
-  and memory bandwidth, and isolated timings underestimate a pipelined run badly (PITFALLS).
+  and memory bandwidth, and isolated timings underestimate a pipelined run badly (docs/calibration.md).
 - The executor is built exactly as `testbed run executor=torch ...` builds it (same stage
   processes, model, threads, transport), then driven by hand: no policy, no workload. Each
   designed batch is a `MicroBatch` of synthetic sequences (prefill chunks of `tokens` after a

@@ -117,7 +117,7 @@ def _setup_lines(study: Study, quick: bool, user: Sequence[str], notes: Sequence
 
 def _claim_lines(claims: Sequence[ClaimResult]) -> list[str]:
     lines = ["", "## Claims: published vs testbed", "",
-             "| claim | published (REFERENCE.md) | claimed | testbed | verdict |", "|---|---|---:|---:|---|"]
+             "| claim | published (paper) | claimed | testbed | verdict |", "|---|---|---:|---:|---|"]
     for r in claims:
         c = r.claim
         lines.append(f"| {c.text} | {c.published} | {claimed_text(c)} | {format_value(c, r.measured)} | "

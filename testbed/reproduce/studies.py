@@ -48,7 +48,7 @@ class GridSpec:
 class Claim:
     id: str
     text: str  # what the claim is about, one line
-    published: str  # the claim as REFERENCE.md states it
+    published: str  # the claim as the paper states it
     metric: str
     kind: str = "ratio"  # ratio (a / b) | value (a, b = direction reference) | spread (max/min - 1 over a)
     a: Mapping[str, Any] = field(default_factory=dict)
