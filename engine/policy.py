@@ -10,6 +10,7 @@ discrete-event simulator and the real multi-process engine. Its hooks:
   completion or arrival.
 - `on_complete(view, micro_batch, finished)`: after a micro-batch's tokens are sampled and the
   controller has updated every sequence (`finished` lists the sequences that ended).
+- `on_abort(view, seq)`: a served request ended early (its client went away); forget its state.
 - `max_inflight(view) -> int`: how many micro-batches may be in flight; default the depth P
   (MoLink raises it to [P, 2P]).
 - `schedule_transfer(link, pending) -> Transfer`: which pending activation (or how many bytes of
@@ -130,6 +131,10 @@ class Policy:
 
     def on_complete(self, view: SchedulerView, micro_batch: MicroBatch, finished: list[Sequence]) -> None:
         """Called after the controller applied a completed micro-batch."""
+
+    def on_abort(self, view: SchedulerView, seq: Sequence) -> None:
+        """A served request ended before finishing (its client went away; `Controller.abort`):
+        forget any per-sequence state. The controller already freed its KV."""
 
     def max_inflight(self, view: SchedulerView) -> int:
         return view.pipeline_depth

@@ -24,6 +24,7 @@ from engine.executor import EXECUTORS
 from engine.hardware import HARDWARE
 from engine.models import MODELS
 from engine.policy import POLICIES
+from testbed.serve.settings import serve_defaults
 from workloads.base import WORKLOADS
 
 import engine.sim  # noqa: F401  (registers executor=sim)
@@ -48,6 +49,7 @@ BASE = {
     "output": {"dir": "runs", "run_name": None, "mlflow": True, "tracking_uri": None,
                "experiment": "testbed", "max_trace_spans": 200_000, "plots": True, "progress": True},
     "check_integrity": False,
+    "serve": serve_defaults(),  # `testbed serve` (testbed/serve/settings.py)
 }
 
 
