@@ -95,6 +95,7 @@ class EngineLoop:
         self.incremental = type(codec) is Codec
         self.placeholder = not hasattr(ctrl.executor, "model_path")  # the simulator samples nothing
         self.wake = getattr(ctrl.executor, "wake", None)
+        self.arrival = getattr(ctrl.executor, "arrival", ctrl.executor.now)  # the paced simulator notes arrivals
         self.interval = poll_interval_s if self.wake is None else 1.0
         self.metrics = metrics
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -177,7 +178,7 @@ class EngineLoop:
         if kind == "submit":
             gen: Generation = item[1]
             spec = gen.spec
-            req = Request(gen.request_id, self.ctrl.executor.now(), len(spec.prompt_ids), spec.max_tokens,
+            req = Request(gen.request_id, self.arrival(), len(spec.prompt_ids), spec.max_tokens,
                           prompt_token_ids=spec.prompt_ids, sampling=spec.sampling)
             gen.seq = self.ctrl.submit(req)
             if gen.seq.is_done:  # could never fit the KV cache (the HTTP side checks this first)
