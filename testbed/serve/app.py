@@ -141,12 +141,17 @@ def _release(state: ServeState, gen: Generation) -> None:
 
 async def _collect(state: ServeState, request: Request, gen: Generation, reply: _Reply):
     parts = []
+    check_at = time.monotonic() + DISCONNECT_POLL_S
     while True:
         try:
             ev = await asyncio.wait_for(gen.queue.get(), DISCONNECT_POLL_S)
         except asyncio.TimeoutError:
+            ev = None
+        if time.monotonic() >= check_at:  # tokens may arrive faster than the poll: check by the clock
+            check_at = time.monotonic() + DISCONNECT_POLL_S
             if await request.is_disconnected():
                 return Response(status_code=499)
+        if ev is None:
             continue
         if ev[0] == "delta":
             parts.append(ev[1])
