@@ -144,3 +144,24 @@ def test_fallback_codec_round_trips_ids():
     codec = Codec(32000)
     assert codec.encode(codec.decode([5, 17, 31999])) == [5, 17, 31999]
     assert codec.encode("hi") == [104, 105]
+
+
+def test_per_request_sampling_rows():
+    torch = pytest.importorskip("torch")
+    from engine.torch_exec.sampling import Sampler
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    run = Sampler(50)  # the run samples greedily; rows 1 and 2 are served requests with their own params
+    run.set_params({11: SamplingParams(temperature=0.0, repetition_penalty=1.5).as_tuple(),
+                    12: SamplingParams(temperature=0.7, top_k=5, seed=3).as_tuple()})
+    for sid in (10, 11, 12):
+        run.observe_prefill(sid, 0, [int(logits[1].argmax())])
+    out = run.sample(logits, [(10, 4), (11, 4), (12, 4)])
+    assert out[0] == int(logits[0].argmax())
+    pen = Sampler(50, repetition_penalty=1.5)  # the same penalty as a run setting gives the same token
+    pen.observe_prefill(11, 0, [int(logits[1].argmax())])
+    assert out[1] == pen.sample(logits[1:2], [(11, 4)])[0]
+    other = Sampler(50)
+    other.set_params({99: SamplingParams(temperature=0.7, top_k=5, seed=3).as_tuple()})
+    assert other.sample(logits[2:3], [(99, 4)]) == [out[2]]  # a seed keys draws by position, not request
+    assert out[2] in torch.topk(logits[2], 5).indices.tolist()

@@ -4,6 +4,7 @@ requests, /metrics, MLflow."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +108,55 @@ def test_streamed_placeholders_and_mlflow_run(tmp_path):
         [MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_experiment_by_name("testbed").experiment_id])
     assert runs[0].info.status == "FINISHED" and runs[0].data.tags["mode"] == "serve"
     assert runs[0].data.metrics["num_finished"] == 1
+
+
+def test_cli_serve_sigterm_drains_and_ends_the_mlflow_run(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "serve", *SIM, f"serve.port={port}",
+                             f"output.dir={tmp_path}", "serve.time_scale=4"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model="llama2-70b", prompt=[7] * 16, max_tokens=12, stream=True)
+        first = next(iter(stream))
+        proc.send_signal(signal.SIGTERM)  # in flight: drained, not cut
+        rest = list(stream)
+        assert len([c for c in [first, *rest] if c.choices and c.choices[0].text]) == 12
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name("testbed").experiment_id])[0]
+    assert run.info.status == "FINISHED" and run.data.metrics["num_finished"] == 1
+    assert Path(out.strip().splitlines()[-1], "summary.json").exists()
+
+
+def test_cli_rejects_bad_serve_values(tmp_path):
+    from testbed.cli import main
+
+    assert main(["serve", "serve.port=99999"]) == 2
+    assert main(["serve", "serve.time_scale=0"]) == 2
+    assert main(["bench", "serve", "--base-url", "localhost:8000", f"output.dir={tmp_path}"]) == 2

@@ -123,7 +123,7 @@ class Sampler:
         sid, pos = key
         p = self.per_seq.get(sid)
         if p is None:
-            return self.sample(row, [key])  # a run-sampled row beside served ones
+            return self.sample(row, [key])[0]  # a run-sampled row beside served ones
         temperature, top_p, top_k, seed, rep, pres, freq = p
         if rep != 1.0 or pres != 0.0 or freq != 0.0:
             if sid not in self.seen:
