@@ -152,7 +152,9 @@ def build_server(cfg: dict, console=None) -> Server:
                       check_integrity=stub.check_integrity, data_dir=stub.data_dir)
     model = prepared.cost.model
     name = settings.model_name or str(cfg["model"].get("name") or model.name)
-    info = dict(prepared.info, run_name=run_name(cfg), time_scale=settings.time_scale, model_name=name)
+    stamp = run_name(cfg) if (cfg.get("output") or {}).get("run_name") else \
+        f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}_{prepared.info['policy']}_serve-{ex_name}"
+    info = dict(prepared.info, run_name=stamp, time_scale=settings.time_scale, model_name=name)
     tracker = run_id = None
     if cfg["output"].get("mlflow", True):
         from testbed.tracking import Tracker
