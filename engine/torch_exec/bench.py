@@ -52,7 +52,8 @@ def run_policy(policy_name: str, requests, args, policy_params: dict, executor: 
     from engine.policy import POLICIES, RuntimeFeatures
     from engine.trace import Tracer
     from engine.torch_exec.settings import TorchSettings
-    from testbed.config import compose, to_container
+    from engine.settings import Link
+    from testbed.config import compose, run_config, to_container
     from testbed.runner import build_cost_model
 
     cfg = to_container(compose([f"model={args.model}", f"parallel.pp={args.pp}", f"policy={policy_name}",
@@ -92,8 +93,8 @@ def run_policy(policy_name: str, requests, args, policy_params: dict, executor: 
     else:
         settings = EXECUTORS.get(executor).config_cls()
     tracer = Tracer()
-    ex = EXECUTORS.get(executor).factory(settings, ExecutorBuild(cost, RuntimeFeatures(), 1e9, 0.0, policy,
-                                                                 tracer, cfg))
+    ex = EXECUTORS.get(executor).factory(settings, ExecutorBuild(cost, RuntimeFeatures(), Link(1e9, 0.0), policy,
+                                                                 tracer, run_config(cfg)))
     kv = BlockManager(args.num_blocks, args.block_size)
     ctrl = TimedController(requests, policy, ex, kv, cost_model=cost)
     wall = time.perf_counter()

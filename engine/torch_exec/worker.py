@@ -17,8 +17,8 @@ counted as busy.
 
 Paced links (the run names link.bandwidth / link.latency): a stage's activations are queued at
 its outgoing link and a sender thread sends what the run's policy picks with
-`schedule_transfer` (the policy is rebuilt here from the class and params in `init`; MoLink's
-`bind_links` gets the link), chunk by chunk; a receiver thread reassembles each micro-batch's
+`schedule_transfer` (the policy is rebuilt here from the class and params in `init`; the link
+arrives with each `LinkState`), chunk by chunk; a receiver thread reassembles each micro-batch's
 chunks (interleaved: a decode may overtake a prefill's remaining chunks), see transfer.py. A
 stage behind such a link runs the micro-batches whose activations are complete, in launch order
 among them, so micro-batches may finish out of launch order (the driver accepts that then).
@@ -343,12 +343,7 @@ class _Stage:
         mod, name, params = spec
         if mod.startswith("policies"):
             import policies  # noqa: F401  (registers every policy)
-        pol = getattr(importlib.import_module(mod), name)(params)
-        if hasattr(pol, "bind_links"):
-            from engine.torch_exec.transfer import UNPACED_BPS
-
-            pol.bind_links(self.bw or UNPACED_BPS, self.lat)
-        return pol
+        return getattr(importlib.import_module(mod), name)(params)  # the link arrives with each LinkState
 
     def link_info(self, now: float) -> dict:
         """What the sending stage knows for the policy's idle-time prediction (LinkState.info)."""

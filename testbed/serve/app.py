@@ -125,15 +125,34 @@ async def _generate(state: ServeState, request: Request, body: _Sampling, spec: 
     state.open += 1
     reply = _Reply(chat, gen.request_id, state.model_name)
     if body.stream:
-        return StreamingResponse(_stream(state, gen, reply, body.include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _Stream(_stream(state, gen, reply, body.include_usage), lambda: _release(state, gen),
+                       media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         return await _collect(state, request, gen, reply)
     finally:
         _release(state, gen)
 
 
+class _Stream(StreamingResponse):
+    """A stream whose request is released however it ends: a client gone before the first chunk
+    never starts the generator, so its `finally` alone would not run."""
+
+    def __init__(self, content, on_close, **kw) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 def _release(state: ServeState, gen: Generation) -> None:
+    """Once per request: count it out and abort it unless it ended (idempotent)."""
+    if gen.released:
+        return
+    gen.released = True
     state.open -= 1
     if not gen.ended:
         state.engine.abort(gen, "client disconnected")

@@ -49,6 +49,7 @@ class Generation:
     sent: int = 0
     stop_reason: str | None = None
     ended: bool = False
+    released: bool = False  # the HTTP side let go of it (app.py `_release`)
 
     def accept(self, tok: int, codec: Codec, incremental: bool) -> bool:
         """Record a sampled token; True when it ends the request (EOS, stop token, stop string)."""

@@ -149,7 +149,9 @@ def build_server(cfg: dict, console=None) -> Server:
         raise ConfigError(f"serve.time_scale={settings.time_scale} applies to executor=sim only; "
                           f"executor={ex_name} runs in real time")
     ctrl = Controller([], stub.policy, executor, stub.kv, cost_model=prepared.cost,
-                      check_integrity=stub.check_integrity, data_dir=stub.data_dir)
+                      check_integrity=stub.check_integrity, data_dir=stub.data_dir,
+                      num_microbatches=stub.num_microbatches, link_bandwidth_Bps=stub.link_bandwidth_Bps,
+                      link_latency_s=stub.link_latency_s)
     model = prepared.cost.model
     name = settings.model_name or str(cfg["model"].get("name") or model.name)
     stamp = run_name(cfg) if (cfg.get("output") or {}).get("run_name") else \
