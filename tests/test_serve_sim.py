@@ -3,7 +3,15 @@ package and by `testbed bench serve`: the consistency check against `testbed run
 requests, /metrics, MLflow."""
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -37,27 +45,57 @@ def _client(srv):
     return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
 
 
+@contextlib.contextmanager
+def _cli_server(tmp_path, *extra):
+    """`testbed serve` in its own process (as a user runs it: the client here does not share its
+    interpreter lock); yields (base URL, outcome), and on exit sends SIGTERM and fills `outcome`
+    with the exit code, stderr and the run directory the server printed."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "serve", *SIM, f"serve.port={port}",
+                             f"output.dir={tmp_path}", *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outcome = {}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        yield url, outcome
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        outcome.update(code=proc.returncode, err=err, run_dir=Path(out.strip().splitlines()[-1]))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_bench_serve_reproduces_testbed_run(tmp_path):
-    """Item 5 of the issue: served throughput and mean TTFT/TPOT within 5% of `testbed run`."""
+    """Item 5 of the issue: served throughput and mean TTFT/TPOT within 5% of `testbed run`
+    (measured at time_scale 1 on the loaded 2-core machine: within 1-3%)."""
     from testbed.bench_serve import run_bench_serve
     from testbed.runner import run_experiment
 
     offline = run_experiment(to_container(compose(SIM + WORKLOAD + [f"output.dir={tmp_path}",
                                                                      "output.mlflow=false"]))).summary
-    srv = _server(tmp_path)
-    try:
-        result, run_dir = run_bench_serve(srv.base_url, WORKLOAD + [f"output.dir={tmp_path}", "output.mlflow=false"])
-    finally:
-        server_side = srv.shutdown().summary
+    with _cli_server(tmp_path / "server", "output.mlflow=false", "check_integrity=true") as (url, outcome):
+        result, run_dir = run_bench_serve(url, WORKLOAD + [f"output.dir={tmp_path}", "output.mlflow=false"])
+    assert outcome["code"] == 0, outcome["err"]
+    server_side = json.loads((outcome["run_dir"] / "summary.json").read_text())
     served = result.summary
-    assert served["num_finished"] == offline["num_finished"] == 16
+    assert served["num_finished"] == offline["num_finished"] == server_side["num_finished"] == 16
     for key in ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s"):
         assert served[key] == pytest.approx(offline[key], rel=0.05), key
         assert server_side[key] == pytest.approx(offline[key], rel=0.05), key
     assert (run_dir / "requests.csv").exists() and (run_dir / "summary.json").exists()
     assert not math.isnan(served["itl_mean_s"]) and served["goodput_req_s"] > 0
-    assert srv.ctrl.kv.num_used == 0
-    srv.ctrl.kv.check_integrity()
 
 
 def test_full_queue_answers_429_and_metrics_count_it(tmp_path):
@@ -111,47 +149,29 @@ def test_streamed_placeholders_and_mlflow_run(tmp_path):
 
 
 def test_cli_serve_sigterm_drains_and_ends_the_mlflow_run(tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from mlflow.tracking import MlflowClient
 
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "serve", *SIM, f"serve.port={port}",
-                             f"output.dir={tmp_path}", "serve.time_scale=4"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+    with _cli_server(tmp_path, "serve.time_scale=4") as (url, outcome):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         stream = client.completions.create(model="llama2-70b", prompt=[7] * 16, max_tokens=12, stream=True)
         first = next(iter(stream))
-        proc.send_signal(signal.SIGTERM)  # in flight: drained, not cut
-        rest = list(stream)
-        assert len([c for c in [first, *rest] if c.choices and c.choices[0].text]) == 12
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err
-    assert "Traceback" not in err
+        # leaving the block sends SIGTERM while the request is in flight: it is drained, not cut
+        chunks = []
+
+        def read():
+            chunks.extend(stream)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        outcome["reader"] = reader
+    outcome["reader"].join(30)
+    assert len([c for c in [first, *chunks] if c.choices and c.choices[0].text]) == 12
+    assert outcome["code"] == 0, outcome["err"]
+    assert "Traceback" not in outcome["err"]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name("testbed").experiment_id])[0]
     assert run.info.status == "FINISHED" and run.data.metrics["num_finished"] == 1
-    assert Path(out.strip().splitlines()[-1], "summary.json").exists()
+    assert (outcome["run_dir"] / "summary.json").exists()
 
 
 def test_cli_rejects_bad_serve_values(tmp_path):

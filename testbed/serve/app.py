@@ -41,7 +41,7 @@ class ServeState:
     model_name: str
     metrics: ServeMetrics
     vocab_size: int
-    max_model_len: int
+    max_model_len: int | None  # the real model's context; None under executor=sim (as `testbed run`: KV only)
     open: int = 0
     created: int = 0
 
@@ -56,9 +56,9 @@ class ServeState:
         if bad is not None:
             raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         stop_ids = frozenset(body.stop_token_ids or ())
-        max_tokens = max_tokens if max_tokens is not None else min(default_max, self.max_model_len)
+        max_tokens = max_tokens if max_tokens is not None else min(default_max, self.max_model_len or default_max)
         total = len(prompt_ids) + max_tokens
-        if total > self.max_model_len:
+        if self.max_model_len is not None and total > self.max_model_len:
             raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
                                 f"this model's context of {self.max_model_len} tokens", param="max_tokens")
         kv = self.engine.ctrl.kv
@@ -236,10 +236,14 @@ def build_app(state: ServeState) -> FastAPI:
             return JSONResponse({"status": "failed", "error": state.engine.dead}, status_code=503)
         return {"status": "ok"}
 
+    kv = state.engine.ctrl.kv
+    kv_tokens = kv.num_blocks * kv.block_size
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "testbed", "max_model_len": state.max_model_len}]}
+                                            "owned_by": "testbed",
+                                            "max_model_len": state.max_model_len or kv_tokens}]}
 
     @app.get("/metrics")
     async def metrics():

@@ -175,8 +175,8 @@ def build_server(cfg: dict, console=None) -> Server:
         engine.incremental = codec.name == "fallback"
         metrics = ServeMetrics(ctrl, name)
         engine.metrics = metrics
-        state = ServeState(engine, codec, settings, name, metrics, codec_vocab, model.max_position_embeddings,
-                           created=int(time.time()))
+        context = model.max_position_embeddings if ex_name != "sim" else None
+        state = ServeState(engine, codec, settings, name, metrics, codec_vocab, context, created=int(time.time()))
         app = build_app(state)
     except BaseException as exc:
         executor.shutdown()
