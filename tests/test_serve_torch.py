@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import json
+import multiprocessing
 import time
 
 import pytest
@@ -35,6 +36,7 @@ def server(tmp_path_factory):
     yield srv
     srv.shutdown()
     assert srv.ctrl.kv.num_used == 0
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pp-stage")]  # stages stopped
 
 
 @pytest.fixture(autouse=True)
