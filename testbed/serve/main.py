@@ -187,6 +187,20 @@ def build_server(cfg: dict, console=None) -> Server:
     return Server(cfg, settings, ctrl, engine, app, info, tracker, run_id)
 
 
+def _check_bind(st: ServeSettings) -> None:
+    """A port in use (or an address not on this machine) is a one-line error before any stage starts."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in st.host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((st.host, st.port))
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on serve.host={st.host} serve.port={st.port}: {exc.strerror or exc}; "
+                          f"choose another serve.port (or serve.port=0 for a free one)") from None
+
+
 class _Terminated(Exception):
     """SIGTERM, re-raised by uvicorn after its graceful shutdown."""
 
@@ -197,6 +211,12 @@ def cli_serve(overrides: list[str], console) -> int:
     from testbed.config import compose, to_container
 
     cfg = to_container(compose(overrides))
+    st = make_params(ServeSettings, dict(cfg.get("serve") or {}), prefix="serve")
+    _check_bind(st)
+    if st.port == 0:  # pick the free port now, so that the line below can name it
+        from engine.torch_exec.driver import free_port
+
+        cfg["serve"]["port"] = free_port(st.host)
     server = build_server(cfg, console)
     st = server.settings
     if not st.is_loopback:
