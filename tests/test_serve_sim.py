@@ -180,3 +180,9 @@ def test_cli_rejects_bad_serve_values(tmp_path):
     assert main(["serve", "serve.port=99999"]) == 2
     assert main(["serve", "serve.time_scale=0"]) == 2
     assert main(["bench", "serve", "--base-url", "localhost:8000", f"output.dir={tmp_path}"]) == 2
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["serve", f"serve.port={busy.getsockname()[1]}", f"output.dir={tmp_path}"]) == 2
