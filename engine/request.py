@@ -83,6 +83,7 @@ class Sequence:
 
     request: Request
     seq_id: int = field(init=False)  # = request.request_id; a plain attribute, read on hot paths
+    output_len: int = field(init=False)  # = request.output_len, likewise (read once per decoded token)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose KV is in the cache
     num_generated: int = 0  # output tokens sampled so far
@@ -97,14 +98,11 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.seq_id = self.request.request_id
+        self.output_len = self.request.output_len
 
     @property
     def prompt_len(self) -> int:
         return self.request.prompt_len
-
-    @property
-    def output_len(self) -> int:
-        return self.request.output_len
 
     @property
     def prefill_target(self) -> int:

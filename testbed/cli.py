@@ -182,7 +182,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Simulator speed and peak memory (figures, never assertions)."""
     from testbed.bench import run_sim_bench
 
-    run_sim_bench(args.policies.split(","), args.overrides)
+    run_sim_bench(args.policies.split(","), args.overrides, end_to_end=not args.no_e2e)
     return 0
 
 
@@ -292,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", metavar="BENCH")
     bs = bsub.add_parser("sim", help="simulator wall time, peak memory and micro-batches per second")
     bs.add_argument("--policies", default="sarathi,vllm", help="comma list (default: sarathi,vllm)")
+    bs.add_argument("--no-e2e", action="store_true",
+                    help="skip the end-to-end `testbed run` (MLflow on) of each policy")
     bs.add_argument("overrides", nargs="*", help="extra overrides for every run")
     bs.set_defaults(func=cmd_bench)
     bv = bsub.add_parser("serve", help="replay a workload against an OpenAI-compatible server (TTFT, TPOT, ITL, "
