@@ -322,6 +322,7 @@ class Controller:
         its output length had been that long, so metrics and the policy's `on_complete` see an
         ordinary finish."""
         seq.request = dataclasses.replace(seq.request, output_len=seq.num_generated + 1)
+        seq.output_len = seq.request.output_len
 
     def step(self, timeout_s: float,
              inspect: Callable[[MicroBatch, Completion], None] | None = None) -> MicroBatch | None:
