@@ -12,6 +12,7 @@ fit the whole KV cache fails at arrival, and if the policy stops scheduling whil
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class Controller:
         self.active_time = 0.0  # time with at least one micro-batch in flight
         self.first_launch_s: float | None = None
         self.last_complete_s: float | None = None
+        self._aborting: dict[int, str] = {}  # online: in-flight sequences to drop at completion
 
     # --- the loop ------------------------------------------------------------------------------
     @property
@@ -277,6 +279,90 @@ class Controller:
                   f"{running} were running and no micro-batch was in flight")
         self.fail_unfinished(reason)
         raise RunFailedError(reason)
+
+    # --- online serving (testbed/serve) --------------------------------------------------------------
+    # `run` replays a list known in advance; a server instead calls `submit` when a request arrives,
+    # `abort` when its client goes away, `finish_early` when a sampled token ends it (EOS, a stop
+    # string) and `step` in its loop. The controller is not thread-safe: a server calls all of these
+    # from the one thread that owns the engine (testbed/serve/engine_loop.py).
+    def submit(self, request: Request) -> Sequence:
+        """Add a request that arrives now (its `arrival_s` should read `executor.now()`); it waits
+        for the policy like any arrival. A request that could never fit the whole KV cache comes
+        back already FAILED, with the reason."""
+        if request.request_id in self.sequences:
+            raise ValueError(f"request id {request.request_id} is already known")
+        seq = Sequence(request)
+        self.sequences[request.request_id] = seq
+        need = self.kv.blocks_for(seq.prompt_len + seq.output_len)
+        if need > self.kv.num_blocks:
+            self._fail(seq, f"needs {need} KV blocks for {seq.prompt_len}+{seq.output_len} tokens, "
+                            f"the whole cache has {self.kv.num_blocks}")
+        else:
+            self.waiting.append(seq)
+            self.waiting_prefill_tokens += seq.remaining_prefill
+        return seq
+
+    def abort(self, seq_id: int, reason: str) -> bool:
+        """End a request that is not done: free its KV, take it off the waiting queue or the
+        running set and report it FAILED with `reason`. A sequence inside an in-flight micro-batch
+        is only marked: its stages still hold its metadata, so it is dropped when that micro-batch
+        completes (`step`). Returns False when the request is unknown or already done."""
+        seq = self.sequences.get(seq_id)
+        if seq is None or seq.is_done:
+            return False
+        if seq.in_flight:
+            self._aborting[seq_id] = reason
+        else:
+            self._drop(seq, reason)
+        return True
+
+    def finish_early(self, seq: Sequence) -> None:
+        """Make the token that `seq`'s in-flight micro-batch samples its last (EOS or a stop string,
+        seen by the caller between `next_completion` and `complete`). The request then reads as if
+        its output length had been that long, so metrics and the policy's `on_complete` see an
+        ordinary finish."""
+        seq.request = dataclasses.replace(seq.request, output_len=seq.num_generated + 1)
+        seq.output_len = seq.request.output_len
+
+    def step(self, timeout_s: float,
+             inspect: Callable[[MicroBatch, Completion], None] | None = None) -> MicroBatch | None:
+        """One turn of the online loop: schedule while slots are free, wait up to `timeout_s` for a
+        completion and apply it. `inspect(mb, completion)` sees the sampled tokens before they are
+        applied (to call `finish_early`). Returns the completed micro-batch (each of its
+        `sampled_sequences()` got one token) or None. Raises RunFailedError, with every unfinished
+        request failed, if the policy leaves queued work with nothing in flight (a policy bug)."""
+        self.start()
+        self._fill_pipeline()
+        if not self.inflight:
+            if self.waiting or self.running:
+                self._stall()
+            return None
+        completion = self.executor.next_completion(self.executor.now() + timeout_s)
+        if completion is None:
+            return None
+        mb = self.inflight[completion.mb_id]
+        if inspect is not None:
+            inspect(mb, completion)
+        self.complete(completion)
+        if self._aborting:
+            for seq in mb.sequences():
+                reason = self._aborting.pop(seq.seq_id, None)
+                if reason is not None and not seq.is_done and not seq.in_flight:
+                    self._drop(seq, reason)
+        return mb
+
+    def _drop(self, seq: Sequence, reason: str) -> None:
+        if seq.is_waiting:
+            self.waiting.remove(seq)
+            self.waiting_prefill_tokens -= seq.remaining_prefill
+        if seq.seq_id in self.running:
+            self.kv.free(seq.seq_id)
+            del self.running[seq.seq_id]
+        self._fail(seq, reason)
+        seq.finish_s = self.executor.now()
+        self.policy.on_abort(self.view, seq)
+        if self.check_integrity:
+            self.kv.check_integrity()
 
     # --- cost estimates for policies ---------------------------------------------------------------
     def estimate(self, batch: MicroBatch | BatchBuilder) -> float:

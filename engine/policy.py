@@ -15,6 +15,7 @@ Hooks, their defaults, and the process that runs each:
 | `start(view)`: once before the first `schedule` (e.g. fit a predictor on history) | nothing | driver |
 | `schedule(view) -> MicroBatch or None` | required | driver |
 | `on_complete(view, micro_batch, finished)` | nothing | driver |
+| `on_abort(view, seq)`: a served request ended early (its client went away; `testbed serve`); forget its state | nothing | driver |
 | `max_inflight(view) -> int`: micro-batches in flight at most | `view.num_microbatches` | driver |
 | `schedule_transfer(link, pending) -> Transfer` | FIFO, whole tensors | simulator: driver; torch engine: every sending stage |
 | `runtime` (`RuntimeFeatures`, class attribute) | all off | read by the executor |
@@ -173,6 +174,10 @@ class Policy:
 
     def on_complete(self, view: SchedulerView, micro_batch: MicroBatch, finished: list[Sequence]) -> None:
         """Called after the controller applied a completed micro-batch."""
+
+    def on_abort(self, view: SchedulerView, seq: Sequence) -> None:
+        """A served request ended before finishing (its client went away; `Controller.abort`):
+        forget any per-sequence state. The controller already freed its KV."""
 
     def max_inflight(self, view: SchedulerView) -> int:
         """Micro-batches in flight at most: `parallel.num_microbatches`, P when unset."""

@@ -35,6 +35,7 @@ class Request:
     output_len: int
     prompt_text: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams | None = None  # per-request sampling (served requests); None = the run's
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -43,6 +44,28 @@ class Request:
             raise ValueError(f"request {self.request_id}: output_len must be >= 1, got {self.output_len}")
         if self.arrival_s < 0:
             raise ValueError(f"request {self.request_id}: arrival_s must be >= 0, got {self.arrival_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """One request's sampling, as an OpenAI-compatible client asks for it (vLLM's definitions).
+
+    The real engine's last stage applies it to this request's rows only (engine/torch_exec/
+    sampling.py); requests without one use the run's `executor.*` sampling. `temperature` 0 is
+    greedy; `top_k` 0 and `top_p` 1 are off; `seed` None draws from the run's `sample_seed`."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def as_tuple(self) -> tuple:
+        """Plain values for the stage processes' control messages."""
+        return (self.temperature, self.top_p, self.top_k, self.seed, self.repetition_penalty,
+                self.presence_penalty, self.frequency_penalty)
 
 
 class SeqStatus(enum.Enum):

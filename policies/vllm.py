@@ -118,6 +118,11 @@ class VllmPolicy(Policy):
         self._engine_of[seq.seq_id] = ve
         self._members.setdefault(ve, {})[seq.seq_id] = seq
 
+    def on_abort(self, view: SchedulerView, seq: Sequence) -> None:
+        ve = self._engine_of.pop(seq.seq_id, None)
+        if ve is not None:
+            self._members[ve].pop(seq.seq_id, None)
+
     def on_complete(self, view: SchedulerView, micro_batch: MicroBatch, finished) -> None:
         self._busy.discard(micro_batch.tags.get("ve"))
         for seq in finished:

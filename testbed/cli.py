@@ -218,6 +218,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return run(args, _console())
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """OpenAI-compatible server over the engine (testbed/serve/)."""
+    from testbed.serve.main import cli_serve
+
+    return cli_serve(args.overrides, _console())
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Replay a workload against an OpenAI-compatible server (testbed/bench_serve.py)."""
+    from testbed.bench_serve import cli_bench_serve
+
+    return cli_bench_serve(args, _console())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="testbed", description="Pipeline-parallel LLM serving testbed.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -275,6 +289,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip the end-to-end `testbed run` (MLflow on) of each policy")
     bs.add_argument("overrides", nargs="*", help="extra overrides for every run")
     bs.set_defaults(func=cmd_bench)
+    bv = bsub.add_parser("serve", help="replay a workload against an OpenAI-compatible server (TTFT, TPOT, ITL, "
+                                       "goodput; requests.csv, summary.json, MLflow)")
+    bv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    bv.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    bv.add_argument("--model", help="model id to send (default: the server's first /v1/models entry)")
+    bv.add_argument("--time-scale", type=float, default=1.0, help="the server's clock speed (serve.time_scale)")
+    bv.add_argument("--vocab-size", type=int, default=32000, help="range of derived prompt token ids")
+    bv.add_argument("--max-concurrency", type=int, help="requests in flight at most (default: unbounded)")
+    bv.add_argument("--label", default="served", help="the run's policy tag in MLflow (default: served)")
+    bv.add_argument("overrides", nargs="*", help="workload and output overrides, e.g. workload=azure")
+    bv.set_defaults(func=cmd_bench_serve)
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the engine (executor=torch, or "
+                                      "executor=sim paced by the wall clock); serve.host=, serve.port=")
+    sv.add_argument("overrides", nargs="*", help="run overrides plus serve.* keys")
+    sv.set_defaults(func=cmd_serve)
     pr = sub.add_parser("predictor", help="output-length predictors (TD-Pipe)")
     prsub = pr.add_subparsers(dest="predictor", metavar="ACTION")
     pt = prsub.add_parser("train", help="train the bins classifier on a workload's data set and save it under runs/")

@@ -50,6 +50,7 @@ from engine.models import MODELS, ModelSpec
 from engine.policy import POLICIES, make_params
 from engine.settings import SECTIONS, ExecutorChoice, RunConfig
 from engine.typed import build, coerce
+from testbed.serve.settings import serve_defaults
 from workloads.base import WORKLOADS, workload_config
 
 import engine.sim  # noqa: F401  (registers executor=sim)
@@ -92,6 +93,7 @@ BASE = {
     "data_dir": _DEFAULT.data_dir,
     "output": _node(_DEFAULT.output),
     "check_integrity": _DEFAULT.check_integrity,
+    "serve": serve_defaults(),  # `testbed serve` (testbed/serve/settings.py)
 }
 
 

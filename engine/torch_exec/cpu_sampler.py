@@ -34,7 +34,9 @@ def sampler_main(driver_addr: str, k: int, n: int, cfg: dict, queue) -> None:
             item = queue.get()
             if item is None:
                 break
-            mb_id, logits, keys, prefills = item
+            mb_id, logits, keys, prefills = item[:4]
+            if len(item) > 4:  # served requests' own sampling
+                s.set_params(item[4])
             t0 = time.perf_counter()
             for sid, start, toks in prefills:
                 if sid % n == k:

@@ -121,7 +121,12 @@ class TorchExecutor(Executor):
     def launch(self, mb: MicroBatch) -> None:
         self._check_failed()
         t = time.perf_counter()
-        msg = pickle.dumps(("mb", mb.mb_id, mb.kind, *self._metadata(mb)), protocol=pickle.HIGHEST_PROTOCOL)
+        meta = self._metadata(mb)
+        sampling = {c.seq.seq_id: c.seq.request.sampling.as_tuple() for c in mb.prefills
+                    if c.seq.request.sampling is not None}
+        if sampling:  # served requests' own sampling, set on the last stage with their prefill
+            meta = (*meta, sampling)
+        msg = pickle.dumps(("mb", mb.mb_id, mb.kind, *meta), protocol=pickle.HIGHEST_PROTOCOL)
         for s in range(self.pipeline_depth):
             self._sock.send_multipart([self._ident(s), msg])
         if not self._inflight:

@@ -81,9 +81,20 @@ class Sampler:
         self.penalties = repetition_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
         self.counts: dict[int, torch.Tensor] = {}
         self.seen: dict[int, torch.Tensor] = {}
+        self.per_seq: dict[int, tuple] = {}  # seq id -> SamplingParams.as_tuple() (served requests)
+
+    def set_params(self, params: dict[int, tuple]) -> None:
+        """Per-request sampling of served requests (engine/request.py `SamplingParams`): their
+        rows are sampled one by one with their own settings; a request's `seed` keys its draws
+        by position only, so the same seed and prompt give the same tokens in any request."""
+        self.per_seq.update(params)
+
+    def _tracks(self, seq_id: int) -> bool:
+        p = self.per_seq.get(seq_id)
+        return self.penalties or (p is not None and (p[4] != 1.0 or p[5] != 0.0 or p[6] != 0.0))
 
     def observe_prefill(self, seq_id: int, start: int, token_ids) -> None:
-        if not self.penalties:
+        if not self.penalties and not (self.per_seq and self._tracks(seq_id)):
             return
         if start == 0 or seq_id not in self.seen:
             self.seen[seq_id] = torch.zeros(self.vocab, dtype=torch.bool)
@@ -92,6 +103,8 @@ class Sampler:
             self.seen[seq_id][torch.as_tensor(list(token_ids), dtype=torch.long)] = True
 
     def sample(self, logits: torch.Tensor, keys: list[tuple[int, int]]) -> list[int]:
+        if self.per_seq and any(sid in self.per_seq for sid, _ in keys):
+            return [self._sample_row(logits[i:i + 1], key) for i, key in enumerate(keys)]
         if self.penalties and keys:
             for sid, _ in keys:
                 if sid not in self.seen:
@@ -105,3 +118,23 @@ class Sampler:
             for (sid, _), tok in zip(keys, tokens):
                 self.counts[sid][tok] += 1  # in place: the next micro-batch of this sequence sees it
         return tokens
+
+    def _sample_row(self, row: torch.Tensor, key: tuple[int, int]) -> int:
+        sid, pos = key
+        p = self.per_seq.get(sid)
+        if p is None:
+            return self.sample(row, [key])[0]  # a run-sampled row beside served ones
+        temperature, top_p, top_k, seed, rep, pres, freq = p
+        if rep != 1.0 or pres != 0.0 or freq != 0.0:
+            if sid not in self.seen:
+                self.observe_prefill(sid, 0, ())
+            row = row.float().clone()
+            apply_penalties(row, self.counts[sid][:, None], self.seen[sid][:, None], repetition=rep,
+                            presence=pres, frequency=freq)
+        method = "greedy" if temperature == 0 else "random"
+        row_key = (0, pos) if seed is not None else key
+        tok = sample(row, [row_key], method=method, temperature=temperature or 1.0, top_k=top_k, top_p=top_p,
+                     seed=self.kw["seed"] if seed is None else seed)[0]
+        if sid in self.counts:
+            self.counts[sid][tok] += 1
+        return tok

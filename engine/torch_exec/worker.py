@@ -360,7 +360,8 @@ class _Stage:
         return info
 
     def step(self, msg, t_wait: float, ahead=None) -> None:
-        _, mb_id, kind, prefills, decodes = msg
+        _, mb_id, kind, prefills, decodes = msg[:5]
+        sampling = msg[5] if len(msg) > 5 else None  # served requests' own sampling (driver._metadata)
         torch = self.torch
         spans = []
         t = time.perf_counter()
@@ -458,12 +459,15 @@ class _Stage:
             if self.cpu_queues:
                 pre = [(p[0], p[1], p[5]) for p in prefills]
                 logits = out.detach().float().cpu()
+                item = (mb_id, logits, keys, pre) + ((sampling,) if sampling else ())
                 for q in self.cpu_queues:
-                    q.put((mb_id, logits, keys, pre))  # storage moves to shared memory once
+                    q.put(item)  # storage moves to shared memory once
                 t3 = time.perf_counter()
                 spans.append(("to_samplers", t2, t3, True))
                 self.send("spans", self.stage, mb_id, spans)
             else:
+                if sampling:
+                    self.sampler.set_params(sampling)
                 for p in prefills:
                     self.sampler.observe_prefill(p[0], p[1], p[5])
                 tokens = self.sampler.sample(out, keys)

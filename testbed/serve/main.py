@@ -1,0 +1,241 @@
+"""Start-up and shutdown of `testbed serve`.
+
+The run config is built exactly as `testbed run` builds it (`prepare_experiment`: policy,
+cost model, KV block manager, executor), then a Controller with no requests of its own is made
+over the same pieces and driven online by the engine thread (engine_loop.py). Under
+`executor=sim` the simulator is wrapped in `PacedExecutor` (engine/paced.py) at
+`serve.time_scale`.
+
+One MLflow run per server (when `output.mlflow`): opened at start, and at shutdown given the
+summary of every request served (the same `summary.json`/`requests.csv` as `testbed run`, under
+`<output.dir>/<run name>`), then closed FINISHED, KILLED when requests had to be aborted at
+shutdown, FAILED when the engine failed. uvicorn catches SIGTERM and Ctrl-C: it stops accepting,
+lets open requests finish for `serve.drain_timeout_s`, then the engine thread aborts what is left
+and the stage processes are stopped.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.controller import Controller
+from engine.errors import ConfigError
+from engine.metrics import SLO, microbatch_rows, request_rows, summarize
+from engine.paced import PacedExecutor
+from engine.policy import make_params
+from engine.request import Request
+from testbed.runner import RunResult, prepare_experiment
+from testbed.serve.settings import ServeSettings
+
+
+@dataclass
+class Server:
+    """A built server: controller, engine thread, ASGI app; `serve_forever()` or `start_background()`."""
+
+    cfg: dict
+    settings: ServeSettings
+    ctrl: Controller
+    engine: object
+    app: object
+    info: dict
+    tracker: object = None
+    run_id: str | None = None
+    _uvicorn: object = None
+    _thread: threading.Thread | None = None
+    _closed: bool = False
+    result: RunResult | None = field(default=None, repr=False)
+
+    @property
+    def base_url(self) -> str:
+        host = self.settings.host if ":" not in self.settings.host else f"[{self.settings.host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def port(self) -> int:
+        srv = self._uvicorn
+        if srv is not None and getattr(srv, "servers", None):
+            return srv.servers[0].sockets[0].getsockname()[1]
+        return self.settings.port
+
+    def _uvicorn_server(self):
+        import uvicorn
+
+        config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port,
+                                log_level=self.settings.log_level, timeout_graceful_shutdown=self.settings.drain_timeout_s,
+                                lifespan="off", access_log=False)
+        self._uvicorn = uvicorn.Server(config)
+        return self._uvicorn
+
+    def serve_forever(self, console=None) -> RunResult:
+        """Serve until SIGTERM or Ctrl-C (uvicorn's handlers), then shut down."""
+        srv = self._uvicorn_server()
+        try:
+            srv.run()
+        finally:
+            result = self.shutdown()
+        return result
+
+    def start_background(self, timeout_s: float = 30.0) -> str:
+        """Serve from a thread (tests); returns the base URL once the socket listens."""
+        srv = self._uvicorn_server()
+        self._thread = threading.Thread(target=srv.run, name="uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not srv.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        return self.base_url
+
+    def shutdown(self) -> RunResult:
+        """Stop HTTP (background mode), abort what is open, stop the stages, close the MLflow run."""
+        if self._closed:
+            return self.result
+        self._closed = True
+        if self._thread is not None:
+            self._uvicorn.should_exit = True
+            self._thread.join(self.settings.drain_timeout_s + 5)
+        engine = self.engine
+        aborted = engine.num_open
+        try:
+            engine.stop()
+        finally:
+            self.ctrl.executor.shutdown()
+        self.result = self._result(engine.dead)
+        self._close_tracking(aborted)
+        return self.result
+
+    def _result(self, error: str | None) -> RunResult:
+        ctrl = self.ctrl
+        tracks = [f"stage{s}" for s in range(ctrl.pipeline_depth)]
+        slo = SLO(**self.info.pop("_slo"))
+        return RunResult(config=self.cfg, summary=summarize(ctrl, slo, tracks), requests=request_rows(ctrl),
+                         microbatches=microbatch_rows(ctrl), tracer=ctrl.executor.tracer, stage_tracks=tracks,
+                         info=dict(self.info, mode="serve"), error=error)
+
+    def _close_tracking(self, aborted: int) -> None:
+        from testbed.outputs import run_name, write_run_dir
+
+        out = self.cfg["output"]
+        run_dir = Path(out["dir"]) / self.info.get("run_name", run_name(self.cfg))
+        write_run_dir(self.result, run_dir, plots=False)
+        self.info["run_dir"] = str(run_dir)
+        if self.tracker is not None:
+            self.tracker.finish(self.run_id, self.result, run_dir)
+            if aborted and not self.result.error:
+                self.tracker.client.set_terminated(self.run_id, "KILLED")
+
+
+def build_server(cfg: dict, console=None) -> Server:
+    """Validate everything and start the engine (stage processes, for executor=torch)."""
+    from testbed.outputs import run_name
+    from testbed.serve.app import ServeState, build_app
+    from testbed.serve.codec import load_codec
+    from testbed.serve.engine_loop import EngineLoop
+    from testbed.serve.metrics import ServeMetrics
+
+    settings = make_params(ServeSettings, dict(cfg.get("serve") or {}), prefix="serve")
+    # prepare_experiment builds policy, cost model, KV and executor from the config; the stand-in
+    # request keeps it from building a workload and is never served.
+    prepared = prepare_experiment(cfg, requests=[Request(0, 0.0, 1, 1)])
+    stub = prepared.controller
+    executor = stub.executor
+    ex_name = prepared.info["executor"]
+    if ex_name == "sim":
+        executor = PacedExecutor(executor, settings.time_scale)
+    elif settings.time_scale != 1.0:
+        raise ConfigError(f"serve.time_scale={settings.time_scale} applies to executor=sim only; "
+                          f"executor={ex_name} runs in real time")
+    ctrl = Controller([], stub.policy, executor, stub.kv, cost_model=prepared.cost,
+                      check_integrity=stub.check_integrity, data_dir=stub.data_dir,
+                      num_microbatches=stub.num_microbatches, link_bandwidth_Bps=stub.link_bandwidth_Bps,
+                      link_latency_s=stub.link_latency_s)
+    model = prepared.cost.model
+    name = settings.model_name or str(cfg["model"].get("name") or model.name)
+    stamp = run_name(cfg) if (cfg.get("output") or {}).get("run_name") else \
+        f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}_{prepared.info['policy']}_serve-{ex_name}"
+    info = dict(prepared.info, run_name=stamp, time_scale=settings.time_scale, model_name=name)
+    tracker = run_id = None
+    if cfg["output"].get("mlflow", True):
+        from testbed.tracking import Tracker
+
+        tracker = Tracker(cfg)
+        run_id = tracker.start(cfg, info["run_name"], tags={"mode": "serve"})
+    try:
+        codec_vocab = model.vocab_size
+        engine = EngineLoop(ctrl, None, poll_interval_s=settings.poll_interval_s)  # codec set after start
+        engine.start()  # stage processes up (torch), clock started (sim)
+        path = getattr(executor, "model_path", None)
+        if getattr(executor, "arch", None) is not None:
+            codec_vocab = executor.arch.vocab_size
+        codec = load_codec(path, codec_vocab)
+        engine.codec = codec
+        engine.incremental = codec.name == "fallback"
+        metrics = ServeMetrics(ctrl, name)
+        engine.metrics = metrics
+        context = model.max_position_embeddings if ex_name != "sim" else None
+        state = ServeState(engine, codec, settings, name, metrics, codec_vocab, context, created=int(time.time()))
+        app = build_app(state)
+    except BaseException as exc:
+        executor.shutdown()
+        if tracker is not None:
+            tracker.fail(run_id, f"{type(exc).__name__}: {exc}")
+        raise
+    info["codec"] = codec.name
+    return Server(cfg, settings, ctrl, engine, app, info, tracker, run_id)
+
+
+def _check_bind(st: ServeSettings) -> None:
+    """A port in use (or an address not on this machine) is a one-line error before any stage starts."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in st.host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((st.host, st.port))
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on serve.host={st.host} serve.port={st.port}: {exc.strerror or exc}; "
+                          f"choose another serve.port (or serve.port=0 for a free one)") from None
+
+
+class _Terminated(Exception):
+    """SIGTERM, re-raised by uvicorn after its graceful shutdown."""
+
+
+def cli_serve(overrides: list[str], console) -> int:
+    import signal
+
+    from testbed.config import compose, to_container
+
+    cfg = to_container(compose(overrides))
+    st = make_params(ServeSettings, dict(cfg.get("serve") or {}), prefix="serve")
+    _check_bind(st)
+    if st.port == 0:  # pick the free port now, so that the line below can name it
+        from engine.torch_exec.driver import free_port
+
+        cfg["serve"]["port"] = free_port(st.host)
+    server = build_server(cfg, console)
+    st = server.settings
+    if not st.is_loopback:
+        console.print(f"[yellow]warning:[/yellow] serve.host={st.host} exposes port {st.port} beyond this machine; "
+                      f"the server has no authentication")
+
+    def _term(signum, frame):
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, _term)
+    info = server.info
+    console.print(f"serving {info['model_name']!r} ({info['executor']}, policy {info['policy']}, "
+                  f"P={server.ctrl.pipeline_depth}, KV {info['kv_num_blocks']} blocks x {info['kv_block_size']}, "
+                  f"text: {info['codec']}) on http://{st.host}:{st.port}  (Ctrl-C to stop)")
+    try:
+        result = server.serve_forever(console)
+    except (KeyboardInterrupt, _Terminated):
+        result = server.shutdown()
+    s = result.summary
+    console.print(f"served {s['num_finished']} requests ({s['num_failed']} failed or aborted)")
+    print(Path(server.info["run_dir"]).resolve())
+    return 1 if result.error else 0

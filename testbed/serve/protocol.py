@@ -1,0 +1,147 @@
+"""Request bodies of the OpenAI-compatible routes and the OpenAI-style error.
+
+The bodies are pydantic models (FastAPI validates them; a bad body is a 400 with
+`{"error": {"message", "type", "param", "code"}}`, as OpenAI and vLLM answer). Unknown fields are
+ignored, as vLLM does. The sampling fields follow the OpenAI API plus vLLM's extensions that
+benchmark clients send (`top_k`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`).
+Refused with a 400 because the engine does not implement them: `n > 1`, `best_of > 1`,
+`logprobs`, `echo`, and several prompts in one request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.request import SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered to the client: HTTP status and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # vLLM: -1 or 0 = off
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1)
+    best_of: int | None = None
+    logprobs: Any = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise ApiError(400, f"n={self.n} is not supported: this server returns one choice per request; "
+                                "send n separate requests", param="n")
+        if self.best_of not in (None, 1):
+            raise ApiError(400, f"best_of={self.best_of} is not supported", param="best_of")
+        if self.logprobs not in (None, False, 0):
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(0, self.top_k),
+                              seed=self.seed, repetition_penalty=self.repetition_penalty,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not s for s in stops):
+            raise ApiError(400, "stop strings must not be empty", param="stop")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[dict], None] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def single_prompt(prompt) -> str | list[int]:
+    """The one prompt of a completions request (text or token ids); several are refused."""
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(x, int) for x in prompt):
+        return list(prompt)
+    if len(prompt) == 1:
+        return prompt[0] if isinstance(prompt[0], str) else list(prompt[0])
+    raise ApiError(400, f"{len(prompt)} prompts in one request are not supported; send one request per prompt",
+                   param="prompt")
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """What the engine thread needs to serve one request, validated."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
