@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+
+T_START = time.perf_counter()  # end-to-end timing of `testbed run` starts here (after interpreter start-up)
 from pathlib import Path
 
 from engine.errors import TestbedError
@@ -29,84 +32,9 @@ def _console():
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from testbed.config import compose, to_container
-    from testbed.outputs import run_name, write_run_dir
-    from testbed.runner import prepare_experiment
+    from testbed.run_command import run_command
 
-    cfg = to_container(compose(args.overrides))
-    out = cfg["output"]
-    console = _console()
-    progress, bar = _progress(console, enabled=bool(out.get("progress", True)))
-    prepared = prepare_experiment(cfg, progress=bar)
-    name = run_name(cfg)
-    run_dir = Path(out["dir"]) / name
-    tracker = run_id = None
-    if out.get("mlflow", True):
-        from testbed.tracking import Tracker
-
-        tracker = Tracker(cfg)
-        run_id = tracker.start(cfg, name)
-    try:
-        with progress:
-            result = prepared.run()
-    except BaseException as exc:
-        if tracker is not None:
-            tracker.fail(run_id, f"{type(exc).__name__}: {exc}")
-        raise
-    write_run_dir(result, run_dir, plots=bool(out.get("plots", True)))
-    if tracker is not None:
-        tracker.finish(run_id, result, run_dir)
-    print_summary(console, result)
-    if result.error:
-        console.print(f"[red]run failed:[/red] {result.error}")
-    print(run_dir.resolve())
-    return 1 if result.error else 0
-
-
-def _progress(console, enabled: bool):
-    """A rich progress bar over finished requests, updated at most every 0.5% of them."""
-    from contextlib import nullcontext
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    if not enabled:
-        return nullcontext(), None
-    progress = Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, transient=True)
-    task = progress.add_task("run", total=None)
-    state = {"last": -1}
-
-    def update(done: int, total: int) -> None:
-        step = max(1, total // 200)
-        if done - state["last"] >= step or done == total:
-            state["last"] = done
-            progress.update(task, completed=done, total=total)
-
-    return progress, update
-
-
-def print_summary(console, result) -> None:
-    from rich.table import Table
-
-    s = result.summary
-    t = Table(title=f"{result.info.get('policy')} on {result.config['workload']['name']} "
-                    f"({result.info.get('executor')}, P={len(result.stage_tracks)})")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-
-    def fmt(v):
-        if isinstance(v, list):
-            return " ".join(f"{x:.3f}" for x in v)
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
-
-    for key in ("num_requests", "num_finished", "num_failed", "throughput_tok_s", "output_throughput_tok_s",
-                "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment",
-                "bubble_ratio", "stage_utilization", "num_preemptions", "num_microbatches"):
-        t.add_row(key, fmt(s[key]))
-    t.add_row("wall time (s)", f"{result.info.get('wall_s', 0):.2f}")
-    console.print(t)
+    return run_command(args.overrides, _console(), t_start=T_START)
 
 
 def cmd_list(args: argparse.Namespace) -> int:

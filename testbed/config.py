@@ -46,7 +46,8 @@ BASE = {
     "cost": None,  # filled from CostCoefficients
     "data_dir": None,  # None: $TESTBED_DATA_DIR, then the cache (see workloads/data.py)
     "output": {"dir": "runs", "run_name": None, "mlflow": True, "tracking_uri": None,
-               "experiment": "testbed", "max_trace_spans": 200_000, "plots": True, "progress": True},
+               "experiment": "testbed", "max_trace_spans": 200_000, "trace": "sampled", "plots": True,
+               "progress": True},
     "check_integrity": False,
 }
 
