@@ -63,14 +63,22 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_test(args: argparse.Namespace) -> int:
-    """Run the test suite of this checkout (fast set by default; `-m slow` for the long ones)."""
+def cmd_test(pytest_args: list[str]) -> int:
+    """Run this checkout's test suite: every argument goes to pytest as given (`-m slow`, `-x -k kv`,
+    `tests/test_kv.py`, `--durations=15`). Pytest runs from the checkout, so with no path it
+    collects `testpaths` (tests/) and the fast set (`-m 'not slow'` from pyproject.toml)."""
+    import os
+
     import pytest
 
-    tests = Path(__file__).resolve().parents[1] / "tests"
-    if not tests.is_dir():
-        raise TestbedError(f"no tests folder at {tests}: `testbed test` runs from a source checkout")
-    return int(pytest.main([str(tests), *args.pytest_args]))
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "tests").is_dir():
+        raise TestbedError(f"no tests folder at {root / 'tests'}: `testbed test` runs from a source checkout")
+    # paths given relative to where the user stands keep working after the chdir below
+    args = [str(Path(a).resolve()) + (a[len(a.split("::")[0]):] if "::" in a else "")
+            if not a.startswith("-") and Path(a.split("::")[0]).exists() else a for a in pytest_args]
+    os.chdir(root)
+    return int(pytest.main(args))
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -215,9 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--features", default="auto", choices=["auto", "hash", "minilm", "length"],
                     help="text features (ShareGPT: hashed words by default, minilm = sentence embeddings)")
     pt.set_defaults(func=cmd_predictor_train)
-    t = sub.add_parser("test", help="run the test suite (extra arguments go to pytest)")
-    t.add_argument("pytest_args", nargs=argparse.REMAINDER)
-    t.set_defaults(func=cmd_test)
+    sub.add_parser("test", help="run the test suite; every further argument goes to pytest "
+                                "(-m slow, -x -k kv, tests/test_kv.py)", add_help=False)
     d = sub.add_parser("data", help="build workload data files")
     dsub = d.add_subparsers(dest="dataset", metavar="DATASET")
     sg = dsub.add_parser("sharegpt", help="build sharegpt_pairs.jsonl.gz from a ShareGPT V3 JSON")
@@ -230,20 +237,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_data_dir() -> None:
+    """The one data-dir rule, for `./tb` and for `testbed` from the venv alike: `data_dir=` >
+    `$TESTBED_DATA_DIR` > a `shared/data` folder beside the checkout (this one sets
+    $TESTBED_DATA_DIR to it) > the cache (`$TESTBED_CACHE_DIR` or ~/.cache/testbed/data; see
+    workloads/data.py)."""
+    import os
+
+    if os.environ.get("TESTBED_DATA_DIR"):
+        return
+    beside = Path(__file__).resolve().parents[2] / "shared" / "data"
+    if beside.is_dir():
+        os.environ["TESTBED_DATA_DIR"] = str(beside)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from testbed.signals import EXIT_CODES, sigterm_as_interrupt, signal_name
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    default_data_dir()
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return EXIT_USER_ERROR
+    if argv[:1] == ["test"]:  # not through argparse: it would claim -m, -k, -x, --durations
+        func, args = (lambda a: cmd_test(argv[1:])), None
+    else:
+        args = parser.parse_args(argv)
+        func = getattr(args, "func", None)
+        if not func:
+            parser.print_help()
+            return EXIT_USER_ERROR
     try:
-        return args.func(args)
+        with sigterm_as_interrupt():
+            return func(args)
     except TestbedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        name = signal_name(exc)
+        print(f"interrupted ({name})", file=sys.stderr)
+        return EXIT_CODES.get(name, 130)
 
 
 if __name__ == "__main__":

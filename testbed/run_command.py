@@ -21,9 +21,9 @@ from rich.markup import escape
 
 from testbed.outputs import (OutputSettings, display_name, folder_name, plot_data, prepare_output_dir,
                              reserve_run_dir, write_run_dir)
-from testbed.runner import RunInterrupted, RunResult, signal_name
+from testbed.runner import RunInterrupted, RunResult
+from testbed.signals import EXIT_CODES
 
-EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}
 OVERLOAD_MARGIN = 1.10  # offered load above 110% of what was served counts as overload
 
 
@@ -108,7 +108,7 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, side
                       f"{t_write - sidecar.t0:.2f}[/dim]")
     print(run_dir.resolve(), flush=True)
     if stopped:
-        return EXIT_INTERRUPTED.get(stopped, 130)
+        return EXIT_CODES.get(stopped, 130)
     return 1 if (result.error or errors) else 0
 
 
@@ -205,4 +205,4 @@ def print_summary(console, result: RunResult) -> None:
     console.print(t)
 
 
-__all__ = ["run_command", "print_summary", "warn_overload", "signal_name"]
+__all__ = ["run_command", "print_summary", "warn_overload"]

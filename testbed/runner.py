@@ -22,6 +22,7 @@ from engine.models import ModelSpec
 from engine.policy import POLICIES, RuntimeFeatures, make_params
 from engine.units import parse_bandwidth, parse_duration
 from testbed.config import data_dir
+from testbed.signals import signal_name
 from testbed.outputs import make_tracer
 from workloads.base import build_workload
 
@@ -147,10 +148,6 @@ class PreparedRun:
         return result
 
 
-class Terminated(KeyboardInterrupt):
-    """Raised by `testbed`'s SIGTERM handler: handled everywhere like Ctrl-C, exit code 143."""
-
-
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM during a run, with the partial result (a KeyboardInterrupt, so callers
     that stop on Ctrl-C keep doing so)."""
@@ -158,12 +155,6 @@ class RunInterrupted(KeyboardInterrupt):
     def __init__(self, result: RunResult, signal: str) -> None:
         super().__init__(signal)
         self.result, self.signal = result, signal
-
-
-def signal_name(exc: BaseException) -> str:
-    if isinstance(exc, RunInterrupted):
-        return exc.signal
-    return "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
 
 
 def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], None] | None = None,
