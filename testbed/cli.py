@@ -14,6 +14,7 @@ exits with code 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -251,6 +252,40 @@ def default_data_dir() -> None:
         os.environ["TESTBED_DATA_DIR"] = str(beside)
 
 
+def checkpoint_models(overrides: list[str]) -> list[str]:
+    """`model=/path/to/hf-checkpoint` (a folder with config.json): register its shape (read by
+    ModelSpec.from_hf_config) as a model choice named after the folder, with the path as the
+    model's name so the torch engine loads that checkpoint; return the overrides with
+    `model=<choice>`. Hydra group choices cannot contain '/'."""
+    import json
+
+    from engine.errors import ConfigError
+    from engine.models import MODELS, ModelSpec
+
+    out = []
+    for ov in overrides:
+        key, eq, value = ov.partition("=")
+        folder = Path(value).expanduser()
+        if key.lstrip("+") != "model" or not eq or value in MODELS or not (folder / "config.json").is_file():
+            out.append(ov)
+            continue
+        path = str(folder.resolve())
+        try:
+            hf = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"invalid model={value!r}: cannot read its config.json ({exc})") from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"invalid model={value!r}: its config.json is not a JSON object")
+        spec = ModelSpec.from_hf_config(path, hf)
+        choice, i = re.sub(r"[^A-Za-z0-9_.-]", "-", folder.resolve().name) or "checkpoint", 1
+        while choice in MODELS and MODELS[choice] != spec:
+            i += 1
+            choice = f"{folder.resolve().name}-{i}"
+        MODELS[choice] = spec
+        out.append(f"model={choice}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from testbed.signals import EXIT_CODES, sigterm_as_interrupt, signal_name
 
@@ -266,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return EXIT_USER_ERROR
     try:
+        if isinstance(getattr(args, "overrides", None), list):
+            args.overrides = checkpoint_models(args.overrides)
         with sigterm_as_interrupt():
             return func(args)
     except TestbedError as exc:

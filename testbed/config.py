@@ -67,7 +67,19 @@ def load_saved_profiles() -> list[str]:
     default runs/profiles/*.yaml) so that `hardware=<name>` finds them."""
     from engine.calibration import load_profiles_dir
 
-    return load_profiles_dir(os.environ.get("TESTBED_PROFILE_DIR") or "runs/profiles")
+    return load_profiles_dir(os.environ.get("TESTBED_PROFILE_DIR") or "runs/profiles", on_error=_skip_profile)
+
+
+_WARNED: set[str] = set()
+
+
+def _skip_profile(path, exc: Exception) -> None:
+    """One broken profile file is skipped with one warning line, not an error for every command."""
+    import sys
+
+    if str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        print(f"warning: skipping hardware profile {path}: {exc}", file=sys.stderr)
 
 
 def group_nodes() -> dict[str, dict[str, dict]]:
