@@ -104,6 +104,15 @@ class SampledTracer(Tracer):
             self.dropped += 1
 
 
+class BusyOnlyTracer(Tracer):
+    """output.trace=off: busy time for the summary, no spans kept (none counted as dropped)."""
+
+    def span(self, track: str, name: str, start: float, end: float, mb_id: int = -1,
+             busy: bool = True) -> None:
+        if busy:
+            self.busy[track] = self.busy.get(track, 0.0) + (end - start)
+
+
 def make_tracer(output: Mapping[str, Any]) -> Tracer:
     """The run's tracer for `output.trace` (the `output` config section as a dict)."""
     trace = output.get("trace", "sampled")
@@ -113,7 +122,7 @@ def make_tracer(output: Mapping[str, Any]) -> Tracer:
     if trace not in TRACE_MODES:
         raise bad_value("output.trace", trace, f"valid choices: {', '.join(TRACE_MODES)}")
     if trace == "off":
-        return Tracer(max_spans=0)
+        return BusyOnlyTracer(max_spans=0)
     return SampledTracer(max_spans=spans) if trace == "sampled" else Tracer(max_spans=spans)
 
 
