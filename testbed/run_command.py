@@ -12,6 +12,7 @@ Order matters for the first-hour experience:
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import time
 from pathlib import Path
@@ -100,9 +101,10 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, side
         console.print(f"[red]run failed:[/red] {escape(result.error)}")
     end = time.perf_counter()
     sim = result.info.get("simulate_s", 0.0)
-    console.print(f"[dim]time: simulate {sim:.2f} s, end to end {end - t_start:.2f} s "
-                  f"({(end - t_start) / sim if sim > 0 else 0:.2f}x; files and MLflow after the run "
-                  f"{end - t_write:.2f} s)[/dim]", highlight=False)
+    rss = [resource.getrusage(w).ru_maxrss / 1024 for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    console.print(f"[dim]time: {result.info.get('executor', 'sim')} run {sim:.2f} s, end to end {end - t_start:.2f} s "
+                  f"({(end - t_start) / sim if sim > 0 else 0:.2f}x; after the run {end - t_write:.2f} s); "
+                  f"peak RSS {rss[0]:.0f} MB (background process {rss[1]:.0f} MB)[/dim]", highlight=False)
     if sidecar is not None and os.environ.get("TESTBED_TIMING"):
         console.print(f"[dim]sidecar done at (s after spawn): {sidecar.timings}; sim ended at "
                       f"{t_write - sidecar.t0:.2f}[/dim]")
