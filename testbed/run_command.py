@@ -51,7 +51,7 @@ def run_command(overrides: Sequence[str], console, t_start: float | None = None)
 
             bg.tracker.start(uri=uri, experiment=out.experiment, artifact_location=artifact_root(cfg),
                              run_name=display_name(cfg, overrides),
-                             tags={**run_tags(cfg, "testbed run " + " ".join(overrides)),
+                             tags={**run_tags(cfg, source_name(overrides)),
                                    "testbed.run_dir": str(run_dir.resolve())},
                              params={k: _param(v) for k, v in flatten(cfg).items()})
         stopped = None
@@ -65,6 +65,12 @@ def run_command(overrides: Sequence[str], console, t_start: float | None = None)
         raise
     with _signals_ignored():  # flushing takes about a second; a second Ctrl-C must not lose it
         return _finish(console, result, run_dir, out, bg, stopped, t_start)
+
+
+def source_name(overrides: Sequence[str]) -> str:
+    """MLflow's Source column shows the text after the last '/': the command without output.* paths."""
+    keep = [ov for ov in overrides if not ov.lstrip("+~").startswith(("output.", "data_dir"))]
+    return " ".join(["testbed run", *keep])
 
 
 class Background:
@@ -105,6 +111,12 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
         errors += bg.tracker.finish(run_dir=str(run_dir), metrics=run_metrics(result), tags=tags, status=status)
     for e in errors:
         console.print(f"[red]error:[/red] {escape(e)}")
+    if bg.tracker is not None and bg.tracker.experiment_id is not None:
+        from testbed.tracking import tracking_uri
+
+        console.print(f"[dim]MLflow: mlflow ui --backend-store-uri {escape(tracking_uri(result.config))}, then "
+                      f"http://127.0.0.1:5000/#/experiments/{bg.tracker.experiment_id}?workflowType=machine_learning"
+                      f"[/dim]", highlight=False, soft_wrap=True)
     if stopped:
         console.print(f"[yellow]interrupted ({stopped}):[/yellow] {result.summary['num_finished']} of "
                       f"{result.summary['num_requests']} requests finished; the others are reported failed")

@@ -10,7 +10,7 @@ simulation's peak.
 Protocol: JSON lines on stdin/stdout (never pickle), one reply per request, in order:
 
     {"op": "start", "uri", "experiment", "artifact_location", "run_name", "tags", "params"}
-        -> {"ok": true, "run_id": ...} | {"ok": false, "error": ...}
+        -> {"ok": true, "run_id": ..., "experiment_id": ...} | {"ok": false, "error": ...}
     {"op": "plots", "run_dir", "plots": {...}}   (testbed/outputs.plot_data)
         -> {"ok": true} | {"ok": false, "error": ...}
     {"op": "finish", "run_dir", "metrics": [[k, v, step], ...], "tags": {...},
@@ -53,6 +53,7 @@ class Sidecar:
         self.started = False
         self.timings: dict[str, float | None] = {}  # op -> when the sidecar was done with it (debugging)
         self.run_id: str | None = None
+        self.experiment_id: str | None = None
         self.start_error: str | None = None
 
     def _send(self, msg: dict) -> None:
@@ -90,7 +91,7 @@ class Sidecar:
             rep = self._reply()
             self.timings[op] = rep.get("t")
             if op == "start" and rep.get("ok"):
-                self.run_id = rep["run_id"]
+                self.run_id, self.experiment_id = rep["run_id"], rep.get("experiment_id")
             elif op == "start":
                 self.start_error = rep["error"]
                 errors.append(f"MLflow run not recorded: {rep['error']}")
@@ -142,7 +143,7 @@ def _serve(mlflow: bool, plots: bool) -> None:
                 tracker = Tracker(None, msg["experiment"], uri=msg["uri"],
                                   artifact_location=msg["artifact_location"])
                 run_id = tracker.start_flat(msg["params"], msg["run_name"], msg["tags"])
-                reply: dict = {"ok": True, "run_id": run_id}
+                reply: dict = {"ok": True, "run_id": run_id, "experiment_id": tracker.experiment_id}
             elif msg["op"] == "plots":
                 from testbed.plots import render_plots
 

@@ -30,6 +30,7 @@ from engine.errors import ConfigError
 MAX_STEP_POINTS = 250  # per series: enough for the chart's shape; log_batch cost grows with rows
 MAX_ARTIFACT_BYTES = 2_000_000
 SMALL_ARTIFACTS = ("summary.json", "run_info.json", "config.yaml", "timeline.png", "kv_usage.png", "trace.json")
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 URI_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks")
 HEADLINE = (("throughput_tok_s", "throughput tok/s", "{:.0f}"), ("ttft_mean_s", "TTFT mean s", "{:.3g}"),
             ("ttft_p99_s", "TTFT p99 s", "{:.3g}"), ("tpot_mean_s", "TPOT mean s", "{:.3g}"),
@@ -212,6 +213,11 @@ class Tracker:
                     self.experiment_id = self.client.get_experiment_by_name(name).experiment_id
             else:
                 self.experiment_id = exp.experiment_id
+            if exp is None or EXPERIMENT_KIND[0] not in (exp.tags or {}):
+                # marks the experiment as model training, not GenAI. (MLflow 3.17's UI still opens
+                # in its GenAI mode, "Traces 0", until "Model training" is picked once or the link
+                # carries ?workflowType=machine_learning, as `testbed run` prints it.)
+                self.client.set_experiment_tag(self.experiment_id, *EXPERIMENT_KIND)
 
     def start(self, cfg: Mapping[str, Any], run_name: str, parent_run_id: str | None = None,
               tags: Mapping[str, str] | None = None) -> str:
