@@ -11,9 +11,10 @@
       timeline.png        the pipeline timeline of 40 consecutive traced micro-batches
       kv_usage.png        KV usage and tokens per micro-batch over time
 
-Sizes for the main job (`testbed run policy=gllm workload=azure`, 10,302 micro-batches): the full
-trace is 14 MB and took 1.5-3 s to write; the sampled one keeps the first 256 micro-batches and
-64 of every 1,024 after them (~1.2 MB, ~0.1 s), so a run folder stays near 3 MB.
+Sizes: the full trace of `testbed run policy=gllm workload=azure` at the trace's own rate (10,302
+micro-batches) is 14 MB and took 1.5-3 s to write; the sampled one keeps the first 256
+micro-batches and windows of 64 (one per 1,024 micro-batches, at most 12 written, evenly spread),
+~1.2 MB and ~0.1 s. The main job at its default 1.5 req/s (34,000 micro-batches) writes ~4 MB.
 
 This module imports nothing heavy (no pandas, no matplotlib): `testbed run` pays for what it
 writes, not for imports (measured: pandas+matplotlib imports cost ~1.5 s of a 6 s run).
@@ -40,6 +41,7 @@ TRACE_MODES = ("sampled", "full", "off")
 SAMPLE_HEAD = 256  # micro-batches traced from the start (warm-up)
 SAMPLE_WINDOW = 64  # then this many consecutive micro-batches ...
 SAMPLE_PERIOD = 1024  # ... out of every this many
+SAMPLE_MAX_WINDOWS = 12  # written: at most this many windows, evenly spread over the run
 MAX_PLOT_POINTS = 2000  # points of the KV figure and of MLflow's step series
 TIMELINE_MICROBATCHES = 40
 
@@ -102,6 +104,16 @@ class SampledTracer(Tracer):
             self.spans.append((track, name, start, end, mb_id))
         else:
             self.dropped += 1
+
+    def written_spans(self) -> list[tuple[str, str, float, float, int]]:
+        """The spans to write: the head and at most SAMPLE_MAX_WINDOWS windows evenly spread over
+        the run (a 1.5 req/s main job has 34,000 micro-batches: 33 windows, 3.2 MB of trace)."""
+        windows = sorted({(s[4] - SAMPLE_HEAD) // SAMPLE_PERIOD for s in self.spans if s[4] >= SAMPLE_HEAD})
+        if len(windows) <= SAMPLE_MAX_WINDOWS:
+            return self.spans
+        n = len(windows)
+        keep = {windows[round(i * (n - 1) / (SAMPLE_MAX_WINDOWS - 1))] for i in range(SAMPLE_MAX_WINDOWS)}
+        return [s for s in self.spans if s[4] < SAMPLE_HEAD or (s[4] - SAMPLE_HEAD) // SAMPLE_PERIOD in keep]
 
 
 class BusyOnlyTracer(Tracer):
@@ -207,8 +219,9 @@ def _clean(value):
     return value
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    """Rows as CSV (columns in first-seen order; NaN and None as empty cells, as pandas writes)."""
+def write_csv(rows: list[dict], path: Path, float_digits: int | None = None) -> None:
+    """Rows as CSV (columns in first-seen order; NaN and None as empty cells, as pandas writes).
+    `float_digits` rounds floats to that many significant digits (default: exact repr)."""
     cols: dict[str, None] = {}
     for r in rows:
         for k in r:
@@ -218,8 +231,17 @@ def write_csv(rows: list[dict], path: Path) -> None:
         w.writerow(cols)
         keys = list(cols)
         for r in rows:
-            w.writerow(["" if v is None or (isinstance(v, float) and math.isnan(v)) else v
-                        for v in (r.get(k) for k in keys)])
+            w.writerow([_cell(v, float_digits) for v in (r.get(k) for k in keys)])
+
+
+def _cell(v, digits: int | None):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        if math.isnan(v):
+            return ""
+        return f"{v:.{digits}g}" if digits else v
+    return v
 
 
 def write_run_dir(result: RunResult, out_dir: Path, plots: bool = True, trace: str | None = None) -> Path:
@@ -234,7 +256,8 @@ def write_run_dir(result: RunResult, out_dir: Path, plots: bool = True, trace: s
     (out_dir / "run_info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(result.config)))
     write_csv(result.requests, out_dir / "requests.csv")
-    write_csv(result.microbatches, out_dir / "microbatches.csv")
+    # 9 digits: 1 us at 1,000 s; exact reprs made the main job's file 3 MB (requests.csv stays exact)
+    write_csv(result.microbatches, out_dir / "microbatches.csv", float_digits=9)
     mode = trace or (result.config.get("output") or {}).get("trace", "sampled")
     if mode != "off":
         write_trace(result, out_dir / "trace.json")
@@ -265,7 +288,8 @@ def write_trace(result: RunResult, path: Path) -> None:
                      f'"tid": {tid}, "args": {{"sort_index": {tid}}}}}')
             first = False
         names: dict[str, str] = {}
-        for track, name, start, end, mb_id in tracer.spans:
+        spans = tracer.written_spans() if isinstance(tracer, SampledTracer) else tracer.spans
+        for track, name, start, end, mb_id in spans:
             tid = tids.setdefault(track, len(tids))
             jn = names.get(name) or names.setdefault(name, json.dumps(name))
             fh.write(('' if first else ',\n') + f'{{"ph": "X", "name": {jn}, "pid": 0, "tid": {tid}, '
