@@ -267,3 +267,19 @@ def test_test_command_passes_pytest_arguments_through():
     assert "1/4 tests collected" in p.stdout or "1 test collected" in p.stdout, p.stdout
     p = tb_test("-m", "slow", "--co", "tests/test_kv.py")  # -m reaches pytest (was: unrecognized arguments)
     assert p.returncode == 5 and "unrecognized" not in p.stderr, p.stdout + p.stderr
+
+
+def test_sampled_trace_writes_the_head_and_a_bounded_spread_of_windows():
+    from testbed.outputs import SAMPLE_HEAD, SAMPLE_MAX_WINDOWS, SAMPLE_PERIOD, SAMPLE_WINDOW, SampledTracer
+
+    tr = SampledTracer(max_spans=10**6)
+    for mb in range(40_000):
+        tr.span("stage0", "forward:decode", mb, mb + 0.5, mb)
+    assert tr.busy_time("stage0") == 20_000.0  # every span counts as work
+    kept = {s[4] for s in tr.spans}
+    assert set(range(SAMPLE_HEAD)) <= kept and len(kept) < 40_000 / 10
+    written = {s[4] for s in tr.written_spans()}
+    windows = {(m - SAMPLE_HEAD) // SAMPLE_PERIOD for m in written if m >= SAMPLE_HEAD}
+    assert len(windows) == SAMPLE_MAX_WINDOWS and min(windows) == 0
+    assert max(windows) == (40_000 - SAMPLE_HEAD - 1) // SAMPLE_PERIOD  # spread to the end of the run
+    assert len(written) == SAMPLE_HEAD + SAMPLE_MAX_WINDOWS * SAMPLE_WINDOW
