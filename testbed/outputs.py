@@ -125,8 +125,10 @@ class BusyOnlyTracer(Tracer):
             self.busy[track] = self.busy.get(track, 0.0) + (end - start)
 
 
-def make_tracer(output: Mapping[str, Any]) -> Tracer:
-    """The run's tracer for `output.trace` (the `output` config section as a dict)."""
+def make_tracer(output: Mapping[str, Any], executor: str = "sim") -> Tracer:
+    """The run's tracer for `output.trace` (the `output` config section as a dict). Sampling
+    applies to the simulator only: torch engine runs are short, and `testbed profile` reads the
+    spans of every micro-batch it launches."""
     trace = output.get("trace", "sampled")
     spans = output.get("max_trace_spans", 200_000)
     if isinstance(spans, bool) or not isinstance(spans, int) or spans < 0:
@@ -135,7 +137,7 @@ def make_tracer(output: Mapping[str, Any]) -> Tracer:
         raise bad_value("output.trace", trace, f"valid choices: {', '.join(TRACE_MODES)}")
     if trace == "off":
         return BusyOnlyTracer(max_spans=0)
-    return SampledTracer(max_spans=spans) if trace == "sampled" else Tracer(max_spans=spans)
+    return SampledTracer(max_spans=spans) if trace == "sampled" and executor == "sim" else Tracer(max_spans=spans)
 
 
 # --- names -----------------------------------------------------------------------------------------

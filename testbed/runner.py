@@ -182,7 +182,7 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
     if not requests:
         raise ConfigError("the workload produced no requests; loosen its filters or raise workload.num_requests")
     output = _section(cfg, "output")
-    tracer = make_tracer(output)  # output.trace: sampled (default), full or off
+    tracer = make_tracer(output, ex_name)  # output.trace: sampled (default), full or off
     executor = ex_spec.factory(settings, ExecutorBuild(cost, runtime, bandwidth, latency, policy, tracer, cfg))
     kv = BlockManager(num_blocks, block_size)
     ctrl = Controller(requests, policy, executor, kv, cost_model=cost,
