@@ -66,6 +66,9 @@ class OutputSettings:
 
         out = dict(cfg.get("output") or {})
         out.setdefault("trace", cls.trace)
+        for key in ("dir", "experiment"):  # `output.dir=5` arrives as an int
+            if out.get(key) is not None and not isinstance(out[key], bool):
+                out[key] = str(out[key])
         s = make_params(cls, out, prefix="output")
         if s.trace not in TRACE_MODES:
             raise bad_value("output.trace", s.trace, f"valid choices: {', '.join(TRACE_MODES)}")
