@@ -42,13 +42,13 @@ def tracking_uri(cfg: Mapping[str, Any]) -> str:
     uri = out.get("tracking_uri")
     if uri:
         return str(uri)
-    db = Path(out.get("dir") or "runs").expanduser().resolve() / "mlflow.db"
+    db = Path(str(out.get("dir") or "runs")).expanduser().resolve() / "mlflow.db"
     return f"sqlite:///{db}"
 
 
 def artifact_root(cfg: Mapping[str, Any]) -> str:
     out = cfg.get("output") or {}
-    return (Path(out.get("dir") or "runs").expanduser().resolve() / "mlartifacts").as_uri()
+    return (Path(str(out.get("dir") or "runs")).expanduser().resolve() / "mlartifacts").as_uri()
 
 
 def check_tracking_uri(uri: str, timeout_s: float = 3.0) -> None:
