@@ -175,6 +175,34 @@ def test_signal_ends_run_killed_with_partial_outputs(sig, code, tmp_path):
     assert [r.info.status for r in runs] == ["KILLED"]
 
 
+@pytest.mark.slow
+def test_sigterm_stops_a_torch_run_and_its_stages(tmp_path):
+    pytest.importorskip("torch")
+    psutil = pytest.importorskip("psutil")
+
+    from mlflow_db import fresh_mlflow_db
+
+    fresh_mlflow_db(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", "policy=sarathi", "executor=torch",
+                             "model=tiny-llama", "parallel.pp=2", "kv.num_blocks=512", "workload.num_requests=400",
+                             "output.progress=false", "output.plots=false", f"output.dir={tmp_path}"],
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_run_dir(tmp_path, proc)
+    time.sleep(8.0)  # stages up and serving
+    stages = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 143, err
+    assert not [p for p in stages if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    summary = json.loads((Path(out.strip().splitlines()[-1]) / "summary.json").read_text())
+    assert summary["num_finished"] + summary["num_failed"] == 400
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("testbed").experiment_id])
+    assert [r.info.status for r in runs] == ["KILLED"]
+
+
 def test_four_parallel_runs_on_a_fresh_output_dir_are_all_recorded(tmp_path):
     """MLflow's schema creation raced: the second of two runs started together was lost."""
     cache = tmp_path / "cache"  # no migrated copy to seed from: the lock alone must keep all four
