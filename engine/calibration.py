@@ -29,7 +29,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -429,16 +429,25 @@ def load_hardware_profile(path: str | Path) -> HardwareSpec:
         raise ConfigError(f"hardware profile {path}: {exc}") from None
 
 
-def load_profiles_dir(directory: str | Path) -> list[str]:
+def load_profiles_dir(directory: str | Path, on_error: Callable[[Path, ConfigError], None] | None = None
+                      ) -> list[str]:
     """Register every `*.yaml` hardware profile in `directory` not registered yet. Returns the names
     added. A profile whose name equals an already registered one with the same content is skipped;
-    a different one under a table GPU's name is refused by `register_hardware`."""
+    a different one under a table GPU's name is refused by `register_hardware`. With `on_error`,
+    a file that cannot be loaded is reported to it and skipped (one broken file must not break
+    every command); without, its ConfigError propagates."""
     d = Path(directory)
     added = []
     if not d.is_dir():
         return added
     for p in sorted(d.glob("*.yaml")):
-        spec = load_hardware_profile(p)
+        try:
+            spec = load_hardware_profile(p)
+        except ConfigError as exc:
+            if on_error is None:
+                raise
+            on_error(p, exc)
+            continue
         have = HARDWARE.get(spec.name)
         if have is not None:
             if have == spec:
@@ -447,7 +456,13 @@ def load_profiles_dir(directory: str | Path) -> list[str]:
                 HARDWARE[spec.name] = spec
                 added.append(spec.name)
                 continue
-        register_hardware(spec)
+        try:
+            register_hardware(spec)
+        except ConfigError as exc:
+            if on_error is None:
+                raise
+            on_error(p, exc)
+            continue
         added.append(spec.name)
     return added
 

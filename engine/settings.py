@@ -110,6 +110,7 @@ class OutputSettings:
     tracking_uri: str | None = None  # None = sqlite:///<dir>/mlflow.db
     experiment: str = "testbed"
     max_trace_spans: int = setting(200_000, min=0)
+    trace: str = setting("sampled", choices=("sampled", "full", "off"))  # what trace.json keeps (simulator)
     plots: bool = True
     progress: bool = True
 

@@ -14,7 +14,11 @@ exits with code 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import time
+
+T_START = time.perf_counter()  # end-to-end timing of `testbed run` starts here (after interpreter start-up)
 from pathlib import Path
 
 from engine.errors import TestbedError
@@ -29,84 +33,9 @@ def _console():
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from testbed.config import compose, to_container
-    from testbed.outputs import run_name, write_run_dir
-    from testbed.runner import prepare_experiment
+    from testbed.run_command import run_command
 
-    cfg = to_container(compose(args.overrides))
-    out = cfg["output"]
-    console = _console()
-    progress, bar = _progress(console, enabled=bool(out.get("progress", True)))
-    prepared = prepare_experiment(cfg, progress=bar)
-    name = run_name(cfg)
-    run_dir = Path(out["dir"]) / name
-    tracker = run_id = None
-    if out.get("mlflow", True):
-        from testbed.tracking import Tracker
-
-        tracker = Tracker(cfg)
-        run_id = tracker.start(cfg, name)
-    try:
-        with progress:
-            result = prepared.run()
-    except BaseException as exc:
-        if tracker is not None:
-            tracker.fail(run_id, f"{type(exc).__name__}: {exc}")
-        raise
-    write_run_dir(result, run_dir, plots=bool(out.get("plots", True)))
-    if tracker is not None:
-        tracker.finish(run_id, result, run_dir)
-    print_summary(console, result)
-    if result.error:
-        console.print(f"[red]run failed:[/red] {result.error}")
-    print(run_dir.resolve())
-    return 1 if result.error else 0
-
-
-def _progress(console, enabled: bool):
-    """A rich progress bar over finished requests, updated at most every 0.5% of them."""
-    from contextlib import nullcontext
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    if not enabled:
-        return nullcontext(), None
-    progress = Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, transient=True)
-    task = progress.add_task("run", total=None)
-    state = {"last": -1}
-
-    def update(done: int, total: int) -> None:
-        step = max(1, total // 200)
-        if done - state["last"] >= step or done == total:
-            state["last"] = done
-            progress.update(task, completed=done, total=total)
-
-    return progress, update
-
-
-def print_summary(console, result) -> None:
-    from rich.table import Table
-
-    s = result.summary
-    t = Table(title=f"{result.info.get('policy')} on {result.config['workload']['name']} "
-                    f"({result.info.get('executor')}, P={len(result.stage_tracks)})")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-
-    def fmt(v):
-        if isinstance(v, list):
-            return " ".join(f"{x:.3f}" for x in v)
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
-
-    for key in ("num_requests", "num_finished", "num_failed", "throughput_tok_s", "output_throughput_tok_s",
-                "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment",
-                "bubble_ratio", "stage_utilization", "num_preemptions", "num_microbatches"):
-        t.add_row(key, fmt(s[key]))
-    t.add_row("wall time (s)", f"{result.info.get('wall_s', 0):.2f}")
-    console.print(t)
+    return run_command(args.overrides, _console(), t_start=T_START)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -135,14 +64,22 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_test(args: argparse.Namespace) -> int:
-    """Run the test suite of this checkout (fast set by default; `-m slow` for the long ones)."""
+def cmd_test(pytest_args: list[str]) -> int:
+    """Run this checkout's test suite: every argument goes to pytest as given (`-m slow`, `-x -k kv`,
+    `tests/test_kv.py`, `--durations=15`). Pytest runs from the checkout, so with no path it
+    collects `testpaths` (tests/) and the fast set (`-m 'not slow'` from pyproject.toml)."""
+    import os
+
     import pytest
 
-    tests = Path(__file__).resolve().parents[1] / "tests"
-    if not tests.is_dir():
-        raise TestbedError(f"no tests folder at {tests}: `testbed test` runs from a source checkout")
-    return int(pytest.main([str(tests), *args.pytest_args]))
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "tests").is_dir():
+        raise TestbedError(f"no tests folder at {root / 'tests'}: `testbed test` runs from a source checkout")
+    # paths given relative to where the user stands keep working after the chdir below
+    args = [str(Path(a).resolve()) + (a[len(a.split("::")[0]):] if "::" in a else "")
+            if not a.startswith("-") and Path(a.split("::")[0]).exists() else a for a in pytest_args]
+    os.chdir(root)
+    return int(pytest.main(args))
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -311,9 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--features", default="auto", choices=["auto", "hash", "minilm", "length"],
                     help="text features (ShareGPT: hashed words by default, minilm = sentence embeddings)")
     pt.set_defaults(func=cmd_predictor_train)
-    t = sub.add_parser("test", help="run the test suite (extra arguments go to pytest)")
-    t.add_argument("pytest_args", nargs=argparse.REMAINDER)
-    t.set_defaults(func=cmd_test)
+    sub.add_parser("test", help="run the test suite; every further argument goes to pytest "
+                                "(-m slow, -x -k kv, tests/test_kv.py)", add_help=False)
     d = sub.add_parser("data", help="build workload data files")
     dsub = d.add_subparsers(dest="dataset", metavar="DATASET")
     sg = dsub.add_parser("sharegpt", help="build sharegpt_pairs.jsonl.gz from a ShareGPT V3 JSON")
@@ -326,20 +262,80 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_data_dir() -> None:
+    """The one data-dir rule, for `./tb` and for `testbed` from the venv alike: `data_dir=` >
+    `$TESTBED_DATA_DIR` > a `shared/data` folder beside the checkout (this one sets
+    $TESTBED_DATA_DIR to it) > the cache (`$TESTBED_CACHE_DIR` or ~/.cache/testbed/data; see
+    workloads/data.py)."""
+    import os
+
+    if os.environ.get("TESTBED_DATA_DIR"):
+        return
+    beside = Path(__file__).resolve().parents[2] / "shared" / "data"
+    if beside.is_dir():
+        os.environ["TESTBED_DATA_DIR"] = str(beside)
+
+
+def checkpoint_models(overrides: list[str]) -> list[str]:
+    """`model=/path/to/hf-checkpoint` (a folder with config.json): register its shape (read by
+    ModelSpec.from_hf_config) as a model choice named after the folder, with the path as the
+    model's name so the torch engine loads that checkpoint; return the overrides with
+    `model=<choice>`. Hydra group choices cannot contain '/'."""
+    import json
+
+    from engine.errors import ConfigError
+    from engine.models import MODELS, ModelSpec
+
+    out = []
+    for ov in overrides:
+        key, eq, value = ov.partition("=")
+        folder = Path(value).expanduser()
+        if key.lstrip("+") != "model" or not eq or value in MODELS or not (folder / "config.json").is_file():
+            out.append(ov)
+            continue
+        path = str(folder.resolve())
+        try:
+            hf = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"invalid model={value!r}: cannot read its config.json ({exc})") from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"invalid model={value!r}: its config.json is not a JSON object")
+        spec = ModelSpec.from_hf_config(path, hf)
+        choice, i = re.sub(r"[^A-Za-z0-9_.-]", "-", folder.resolve().name) or "checkpoint", 1
+        while choice in MODELS and MODELS[choice] != spec:
+            i += 1
+            choice = f"{folder.resolve().name}-{i}"
+        MODELS[choice] = spec
+        out.append(f"model={choice}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    from testbed.signals import EXIT_CODES, sigterm_as_interrupt, signal_name
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    default_data_dir()
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return EXIT_USER_ERROR
+    if argv[:1] == ["test"]:  # not through argparse: it would claim -m, -k, -x, --durations
+        func, args = (lambda a: cmd_test(argv[1:])), None
+    else:
+        args = parser.parse_args(argv)
+        func = getattr(args, "func", None)
+        if not func:
+            parser.print_help()
+            return EXIT_USER_ERROR
     try:
-        return args.func(args)
+        if isinstance(getattr(args, "overrides", None), list):
+            args.overrides = checkpoint_models(args.overrides)
+        with sigterm_as_interrupt():
+            return func(args)
     except TestbedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        name = signal_name(exc)
+        print(f"interrupted ({name})", file=sys.stderr)
+        return EXIT_CODES.get(name, 130)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from engine.policy import POLICIES, PrepareContext, make_params
 from engine.settings import Link, RunConfig
 from engine.trace import Tracer
 from testbed.config import data_dir, run_config
+from testbed.outputs import make_tracer
+from testbed.signals import signal_name
 from workloads.base import build_workload
 
 
@@ -118,8 +120,12 @@ class PreparedRun:
     info: dict
 
     def run(self) -> RunResult:
+        """Run to the end. A failure of the run itself (stall, dead worker) returns a result with
+        `error` set; Ctrl-C or SIGTERM raises `RunInterrupted` carrying the partial result (every
+        unfinished request reported failed), so `testbed run` can still write and log it."""
         ctrl = self.controller
         error = None
+        interrupted: KeyboardInterrupt | None = None
         t_prep = time.perf_counter()
         t0 = t_prep
         try:
@@ -129,6 +135,10 @@ class PreparedRun:
         except RunFailedError as exc:
             error = str(exc)
             ctrl.fail_unfinished(f"run failed: {error}")  # in-flight and waiting requests are reported, not lost
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+            error = f"interrupted ({signal_name(exc)})"
+            ctrl.fail_unfinished(f"run {error}")
         except BaseException as exc:
             ctrl.fail_unfinished(f"run aborted: {type(exc).__name__}: {exc}")
             raise
@@ -139,9 +149,21 @@ class PreparedRun:
         summary = summarize(ctrl, SLO(**self.info.pop("_slo")), stage_tracks)
         info = dict(self.info, simulate_s=run_s, start_s=t0 - t_prep, wall_s=self.info["build_s"] + (t0 - t_prep) + run_s,
                     microbatches_per_wall_s=summary["num_microbatches"] / run_s if run_s > 0 else 0.0)
-        return RunResult(config=self.config, summary=summary, requests=request_rows(ctrl),
-                         microbatches=microbatch_rows(ctrl), tracer=ctrl.executor.tracer,
-                         stage_tracks=stage_tracks, info=info, error=error)
+        result = RunResult(config=self.config, summary=summary, requests=request_rows(ctrl),
+                           microbatches=microbatch_rows(ctrl), tracer=ctrl.executor.tracer,
+                           stage_tracks=stage_tracks, info=info, error=error)
+        if interrupted is not None:
+            raise RunInterrupted(result, signal_name(interrupted)) from None
+        return result
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during a run, with the partial result (a KeyboardInterrupt, so callers
+    that stop on Ctrl-C keep doing so)."""
+
+    def __init__(self, result: RunResult, signal: str) -> None:
+        super().__init__(signal)
+        self.result, self.signal = result, signal
 
 
 def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], None] | None = None,
@@ -162,7 +184,7 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
         requests = build_workload(_section(cfg, "workload"), data_dir(cfg))
     if not requests:
         raise ConfigError("the workload produced no requests; loosen its filters or raise workload.num_requests")
-    tracer = Tracer(max_spans=rc.output.max_trace_spans)
+    tracer = make_tracer(dataclasses.asdict(rc.output), rc.executor.name)  # output.trace: sampled (default), full or off
     executor = ex_spec.factory(rc.executor.settings, ExecutorBuild(cost, runtime, link, policy, tracer, rc))
     kv = BlockManager(num_blocks, block_size)
     ctrl = Controller(requests, policy, executor, kv, cost_model=cost, check_integrity=rc.check_integrity,

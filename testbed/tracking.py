@@ -1,25 +1,40 @@
-"""MLflow logging of runs (imported only where tracking happens: `import mlflow` costs ~1 s).
+"""MLflow logging of runs (imported only where tracking happens: `import mlflow` costs 2-4 s).
 
 One experiment run = one MLflow run: params are the whole resolved config flattened, metrics
 the summary (lists per stage become `<key>.stage<i>`), step metrics the KV usage and tokens per
-micro-batch (downsampled to at most 1,000 points and sent with `log_batch`, since one
-`log_metric` call costs ~19 ms on SQLite), artifacts the run directory. The run is opened
-before the experiment starts, so a crash is recorded as FAILED, not lost.
+micro-batch (downsampled to at most 250 points and sent with `log_batch`, since one
+`log_metric` call costs ~19 ms on SQLite). Artifacts are the run folder's small files (summary,
+config, run info, figures, a sampled trace): the folder itself stays where it is and the run's
+`testbed.run_dir` tag points at it (copying it doubled the disk use: 14 MB traces). The run is
+opened before the experiment starts, so a crash is recorded as FAILED (KILLED when interrupted).
 
 The default store is `sqlite:///<output.dir>/mlflow.db`, with artifacts in
-`<output.dir>/mlartifacts`. Optuna never shares this database (both use alembic tables).
+`<output.dir>/mlartifacts`. Creating that database runs MLflow's schema migrations (~7 s); two
+processes doing it at once lose a run, so creation holds a file lock (`mlflow.db.lock`).
+Optuna never shares this database (both use alembic tables).
+
+`testbed run` does all of this in a background process (testbed/sidecar.py) while it simulates;
+`Tracker` is the same logging in-process, for `compare`, `tune` and `validate`.
 """
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from testbed.config import flatten
+from engine.errors import ConfigError
 
-MAX_STEP_POINTS = 1000
+MAX_STEP_POINTS = 250  # per series: enough for the chart's shape; log_batch cost grows with rows
+MAX_ARTIFACT_BYTES = 2_000_000
+SMALL_ARTIFACTS = ("summary.json", "run_info.json", "config.yaml", "timeline.png", "kv_usage.png", "trace.json")
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+URI_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks")
+HEADLINE = (("throughput_tok_s", "throughput tok/s", "{:.0f}"), ("ttft_mean_s", "TTFT mean s", "{:.3g}"),
+            ("ttft_p99_s", "TTFT p99 s", "{:.3g}"), ("tpot_mean_s", "TPOT mean s", "{:.3g}"),
+            ("slo_attainment", "SLO attainment", "{:.1%}"), ("bubble_ratio", "bubble ratio", "{:.3f}"))
 
 
 def tracking_uri(cfg: Mapping[str, Any]) -> str:
@@ -27,83 +42,231 @@ def tracking_uri(cfg: Mapping[str, Any]) -> str:
     uri = out.get("tracking_uri")
     if uri:
         return str(uri)
-    db = Path(out.get("dir") or "runs").resolve() / "mlflow.db"
-    db.parent.mkdir(parents=True, exist_ok=True)
+    db = Path(str(out.get("dir") or "runs")).expanduser().resolve() / "mlflow.db"
     return f"sqlite:///{db}"
 
 
 def artifact_root(cfg: Mapping[str, Any]) -> str:
     out = cfg.get("output") or {}
-    return (Path(out.get("dir") or "runs").resolve() / "mlartifacts").as_uri()
+    return (Path(str(out.get("dir") or "runs")).expanduser().resolve() / "mlartifacts").as_uri()
+
+
+def check_tracking_uri(uri: str, timeout_s: float = 3.0) -> None:
+    """Refuse a tracking URI that cannot work before anything runs: an unknown scheme, a SQLite
+    file in a folder that cannot be written, or an http(s) server that does not answer within
+    `timeout_s` (MLflow itself retries for minutes before failing)."""
+    from urllib.parse import urlsplit
+
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else ""
+    if scheme not in URI_SCHEMES:
+        raise ConfigError(f"invalid output.tracking_uri={uri!r}: unknown scheme {scheme or '(none)'!r}; "
+                          f"valid schemes: {', '.join(URI_SCHEMES)}")
+    if scheme == "sqlite":
+        path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+        folder = Path(path).expanduser().parent if path else None
+        if folder is None or not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ConfigError(f"invalid output.tracking_uri={uri!r}: folder {folder} is not a writable directory")
+    elif scheme in ("http", "https"):
+        import socket
+
+        parts = urlsplit(uri)
+        host = parts.hostname
+        port = parts.port or (443 if scheme == "https" else 80)
+        if not host:
+            raise ConfigError(f"invalid output.tracking_uri={uri!r}: no host")
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError as exc:
+            raise ConfigError(f"MLflow tracking server {uri} is not reachable ({exc.strerror or exc}); "
+                              f"start it (mlflow server) or set output.tracking_uri / output.mlflow=false") from None
+
+
+def _lock_for(uri: str):
+    """A file lock beside a SQLite tracking DB (schema creation races between processes);
+    a no-op context for other stores."""
+    from contextlib import nullcontext
+
+    if not uri.startswith("sqlite:///"):
+        return nullcontext()
+    from filelock import FileLock
+
+    return FileLock(uri[len("sqlite:///"):] + ".lock", timeout=600)
+
+
+def run_tags(cfg: Mapping[str, Any], command: str | None = None) -> dict[str, str]:
+    """Tags shown in MLflow's run table and usable as filters (`tags.policy = 'gllm'`)."""
+    wl = cfg.get("workload") or {}
+    tags = {"policy": str(cfg["policy"]["name"]), "workload": str(wl.get("name")),
+            "executor": str((cfg.get("executor") or {}).get("name", "sim")),
+            "model": str((cfg.get("model") or {}).get("name")),
+            "hardware": str((cfg.get("hardware") or {}).get("name")),
+            "pp": str((cfg.get("parallel") or {}).get("pp"))}
+    if wl.get("rate") is not None and wl.get("arrival", "poisson") != "offline":
+        tags["rate"] = str(wl["rate"])
+    if command:
+        tags["mlflow.source.name"] = command
+        tags["mlflow.source.type"] = "LOCAL"
+    return tags
+
+
+def run_metrics(result, steps: bool = True) -> list[tuple[str, float, int]]:
+    """(key, value, step) of a result: the summary, `run.*` timings and, with `steps`, the
+    downsampled step series."""
+    out: list[tuple[str, float, int]] = []
+    for k, v in result.summary.items():
+        if isinstance(v, list):
+            out += [(f"{k}.stage{i}", float(x), 0) for i, x in enumerate(v)]
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append((k, float(v), 0))
+    for k in ("wall_s", "simulate_s", "microbatches_per_wall_s"):
+        if k in result.info:
+            out.append((f"run.{k}", float(result.info[k]), 0))
+    mbs = result.microbatches if steps else []
+    stride = max(1, math.ceil(len(mbs) / MAX_STEP_POINTS))
+    for m in mbs[::stride]:
+        out.append(("step.kv_usage", float(m["kv_usage"]), int(m["mb_id"])))
+        out.append(("step.tokens_per_microbatch", float(m["num_tokens"]), int(m["mb_id"])))
+    return out
+
+
+def note(result) -> str:
+    """The run's description (tag mlflow.note.content, shown on the run page): one line of what
+    ran and the headline numbers."""
+    s, cfg = result.summary, result.config
+    wl = cfg.get("workload") or {}
+    rate = f", {wl['rate']} req/s" if wl.get("rate") is not None and wl.get("arrival") != "offline" else ""
+    head = (f"**{cfg['policy']['name']}** on {wl.get('name')}{rate}, {s['num_requests']} requests; "
+            f"{(cfg.get('model') or {}).get('name')} on {(cfg.get('parallel') or {}).get('pp')} x "
+            f"{(cfg.get('hardware') or {}).get('name')} ({result.info.get('executor', 'sim')})")
+    cells = [(label, fmt.format(s[k])) for k, label, fmt in HEADLINE
+             if isinstance(s.get(k), (int, float)) and not math.isnan(s[k])]
+    table = "| " + " | ".join(c[0] for c in cells) + " |\n|" + "---|" * len(cells) + "\n| " + \
+            " | ".join(c[1] for c in cells) + " |"
+    err = f"\n\n**failed:** {result.error}" if result.error else ""
+    return f"{head}\n\n{table}{err}"
+
+
+def small_artifacts(run_dir: Path | None) -> list[Path]:
+    if run_dir is None:
+        return []
+    return [run_dir / n for n in SMALL_ARTIFACTS
+            if (run_dir / n).is_file() and (run_dir / n).stat().st_size <= MAX_ARTIFACT_BYTES]
+
+
+def _seed_sqlite_store(uri: str) -> None:
+    """A new SQLite store starts as a copy of an empty, migrated one kept in the cache
+    (`<cache>/mlflow/empty-<mlflow version>.db`): MLflow's migrations take ~7 s, a copy
+    milliseconds. The first store on a machine is migrated in place and becomes that copy.
+    Called under the store's file lock."""
+    if not uri.startswith("sqlite:///"):
+        return
+    import shutil
+
+    import mlflow
+    from workloads.data import cache_dir
+
+    db = Path(uri[len("sqlite:///"):])
+    if db.exists() and db.stat().st_size > 0:
+        return
+    template = cache_dir() / "mlflow" / f"empty-{mlflow.__version__}.db"
+    try:
+        if template.is_file():
+            tmp = db.with_name(db.name + ".tmp")
+            shutil.copyfile(template, tmp)
+            os.replace(tmp, db)
+            return
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(uri).search_experiments()  # creates and migrates
+        template.parent.mkdir(parents=True, exist_ok=True)
+        tmp = template.with_name(f"{template.name}.{os.getpid()}.tmp")
+        shutil.copyfile(db, tmp)
+        os.replace(tmp, template)
+    except OSError:  # no cache (read-only home): MLflow migrates the store itself
+        pass
 
 
 class Tracker:
     """Thin wrapper over MlflowClient: explicit run ids, no thread-local active-run stack
     (MLflow's active run is thread-local since mlflow PR 13456), so nested runs work from any worker."""
 
-    def __init__(self, cfg: Mapping[str, Any], experiment: str | None = None) -> None:
+    def __init__(self, cfg: Mapping[str, Any] | None = None, experiment: str | None = None, *,
+                 uri: str | None = None, artifact_location: str | None = None) -> None:
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        self.uri = tracking_uri(cfg)
+        cfg = cfg or {}
+        self.uri = uri or tracking_uri(cfg)
+        if self.uri.startswith("sqlite:///"):
+            Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(self.uri)
-        self.client = MlflowClient(self.uri)
         name = experiment or (cfg.get("output") or {}).get("experiment") or "testbed"
-        exp = self.client.get_experiment_by_name(name)
-        if exp is None:
-            try:
-                self.experiment_id = self.client.create_experiment(name, artifact_location=artifact_root(cfg))
-            except Exception:  # created concurrently by another worker
-                self.experiment_id = self.client.get_experiment_by_name(name).experiment_id
-        else:
-            self.experiment_id = exp.experiment_id
+        with _lock_for(self.uri):
+            _seed_sqlite_store(self.uri)
+            self.client = MlflowClient(self.uri)
+            exp = self.client.get_experiment_by_name(name)
+            if exp is None:
+                try:
+                    loc = artifact_location or artifact_root(cfg)
+                    self.experiment_id = self.client.create_experiment(name, artifact_location=loc)
+                except Exception:  # created concurrently by a process on another store lock (http)
+                    self.experiment_id = self.client.get_experiment_by_name(name).experiment_id
+            else:
+                self.experiment_id = exp.experiment_id
+            if exp is None or EXPERIMENT_KIND[0] not in (exp.tags or {}):
+                # marks the experiment as model training, not GenAI. (MLflow 3.17's UI still opens
+                # in its GenAI mode, "Traces 0", until "Model training" is picked once or the link
+                # carries ?workflowType=machine_learning, as `testbed run` prints it.)
+                self.client.set_experiment_tag(self.experiment_id, *EXPERIMENT_KIND)
 
     def start(self, cfg: Mapping[str, Any], run_name: str, parent_run_id: str | None = None,
               tags: Mapping[str, str] | None = None) -> str:
+        from testbed.config import flatten
+
+        return self.start_flat(flatten(cfg), run_name, {**run_tags(cfg), **(tags or {})}, parent_run_id)
+
+    def start_flat(self, params: Mapping[str, Any], run_name: str, tags: Mapping[str, str],
+                   parent_run_id: str | None = None) -> str:
         from mlflow.entities import Param
 
-        all_tags = {"policy": str(cfg["policy"]["name"]), "workload": str(cfg["workload"]["name"]),
-                    "executor": str((cfg.get("executor") or {}).get("name", "sim")), **(tags or {})}
+        all_tags = dict(tags)
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
         run_id = run.info.run_id
-        params = [Param(k, _param_value(v)) for k, v in sorted(flatten(cfg).items())]
-        for i in range(0, len(params), 100):
-            self.client.log_batch(run_id, params=params[i:i + 100])
+        plist = [Param(k, _param_value(v)) for k, v in sorted(params.items())]
+        for i in range(0, len(plist), 100):
+            self.client.log_batch(run_id, params=plist[i:i + 100])
         return run_id
 
-    def finish(self, run_id: str, result, run_dir: Path | None, steps: bool = True) -> None:
-        """Log the summary (and, with `steps`, the step series; with `run_dir`, the artifacts)
+    def finish(self, run_id: str, result, run_dir: Path | None, steps: bool = True,
+               status: str | None = None) -> None:
+        """Log the summary (and, with `steps`, the step series; with `run_dir`, its small files)
         and close the run. Tuning trials skip steps and artifacts: they cost ~0.6 s a trial."""
-        from mlflow.entities import Metric
+        tags = {"mlflow.note.content": note(result)}
+        if run_dir is not None:
+            tags["testbed.run_dir"] = str(Path(run_dir).resolve())
+        if result.error:
+            tags["error"] = result.error[:5000]
+        self.finish_flat(run_id, run_metrics(result, steps), tags, small_artifacts(run_dir),
+                         status or ("FAILED" if result.error else "FINISHED"))
+
+    def finish_flat(self, run_id: str, metrics: list, tags: Mapping[str, str], artifacts: list,
+                    status: str) -> None:
+        from mlflow.entities import Metric, RunTag
 
         now = int(time.time() * 1000)
-        metrics = []
-        for k, v in result.summary.items():
-            if isinstance(v, list):
-                metrics += [Metric(f"{k}.stage{i}", float(x), now, 0) for i, x in enumerate(v)]
-            elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                metrics.append(Metric(k, float(v), now, 0))
-        for k in ("wall_s", "simulate_s", "microbatches_per_wall_s"):
-            if k in result.info:
-                metrics.append(Metric(f"run.{k}", float(result.info[k]), now, 0))
-        mbs = result.microbatches if steps else []
-        stride = max(1, math.ceil(len(mbs) / MAX_STEP_POINTS))
-        for m in mbs[::stride]:
-            metrics.append(Metric("step.kv_usage", float(m["kv_usage"]), now, int(m["mb_id"])))
-            metrics.append(Metric("step.tokens_per_microbatch", float(m["num_tokens"]), now, int(m["mb_id"])))
-        for i in range(0, len(metrics), 1000):
-            self.client.log_batch(run_id, metrics=metrics[i:i + 1000])
-        if run_dir is not None:
-            self.client.log_artifacts(run_id, str(run_dir))
-        if result.error:
-            self.client.set_tag(run_id, "error", result.error[:5000])
-        self.client.set_terminated(run_id, "FAILED" if result.error else "FINISHED")
+        ms = [Metric(k, float(v), now, int(step)) for k, v, step in metrics]
+        tag_list = [RunTag(k, str(v)) for k, v in tags.items()]
+        for i in range(0, max(len(ms), 1), 1000):
+            self.client.log_batch(run_id, metrics=ms[i:i + 1000], tags=tag_list if i == 0 else [])
+        for path in artifacts:
+            self.client.log_artifact(run_id, str(path))
+        self.client.set_terminated(run_id, status)
 
-    def fail(self, run_id: str, error: BaseException | str) -> None:
+    def fail(self, run_id: str, error: BaseException | str, status: str = "FAILED") -> None:
         self.client.set_tag(run_id, "error", str(error)[:5000])
-        self.client.set_terminated(run_id, "FAILED")
+        self.client.set_terminated(run_id, status)
 
 
 def _param_value(v: Any) -> str:

