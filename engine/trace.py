@@ -18,12 +18,19 @@ class Tracer:
         self.busy: dict[str, float] = {}
         self.dropped = 0
 
+    def keeps(self, mb_id: int) -> bool:
+        """Whether the spans of micro-batch `mb_id` are kept (busy time always counts); subclasses
+        sample (testbed/outputs.py)."""
+        return True
+
     def span(self, track: str, name: str, start: float, end: float, mb_id: int = -1,
              busy: bool = True) -> None:
         """Record one span; `busy=False` for waits, which are traced but not counted as work."""
         if busy:
             total = self.busy
             total[track] = total.get(track, 0.0) + (end - start)
+        if not self.keeps(mb_id):
+            return
         spans = self.spans
         if len(spans) < self.max_spans:
             spans.append((track, name, start, end, mb_id))
@@ -36,12 +43,15 @@ class Tracer:
         simulator instead of two or three (its 180k stage starts in the 5,000-request benchmark)."""
         total = self.busy
         spans = self.spans
+        keep = self.keeps(mb_id)
         busy = total.get(track, 0.0)
         t = start
         for name, duration in parts:
             end = t + duration
             busy += end - t
-            if len(spans) < self.max_spans:
+            if not keep:
+                pass
+            elif len(spans) < self.max_spans:
                 spans.append((track, name, t, end, mb_id))
             else:
                 self.dropped += 1

@@ -97,16 +97,8 @@ class SampledTracer(Tracer):
     SAMPLE_WINDOW consecutive ones out of every SAMPLE_PERIOD. Spans left out by sampling are
     not 'dropped' (the summary's trace_spans_dropped counts only the max_spans cap)."""
 
-    def span(self, track: str, name: str, start: float, end: float, mb_id: int = -1,
-             busy: bool = True) -> None:
-        if busy:
-            self.busy[track] = self.busy.get(track, 0.0) + (end - start)
-        if mb_id >= SAMPLE_HEAD and (mb_id - SAMPLE_HEAD) % SAMPLE_PERIOD >= SAMPLE_WINDOW:
-            return
-        if len(self.spans) < self.max_spans:
-            self.spans.append((track, name, start, end, mb_id))
-        else:
-            self.dropped += 1
+    def keeps(self, mb_id: int) -> bool:
+        return mb_id < SAMPLE_HEAD or (mb_id - SAMPLE_HEAD) % SAMPLE_PERIOD < SAMPLE_WINDOW
 
     def written_spans(self) -> list[tuple[str, str, float, float, int]]:
         """The spans to write: the head and at most SAMPLE_MAX_WINDOWS windows evenly spread over
@@ -122,10 +114,8 @@ class SampledTracer(Tracer):
 class BusyOnlyTracer(Tracer):
     """output.trace=off: busy time for the summary, no spans kept (none counted as dropped)."""
 
-    def span(self, track: str, name: str, start: float, end: float, mb_id: int = -1,
-             busy: bool = True) -> None:
-        if busy:
-            self.busy[track] = self.busy.get(track, 0.0) + (end - start)
+    def keeps(self, mb_id: int) -> bool:
+        return False
 
 
 def make_tracer(output: Mapping[str, Any], executor: str = "sim") -> Tracer:
