@@ -5,6 +5,7 @@
     testbed data sharegpt [--source FILE] [--out FILE]
     testbed tune | compare | report ...      (testbed/tune.py, compare.py, report.py)
     testbed bench sim
+    testbed bench engine
     testbed predictor train workload=sharegpt
     testbed test [pytest args]
 
@@ -186,6 +187,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    """The real engine's tokens/s per policy against Hugging Face generate (testbed/bench_engine.py)."""
+    from testbed.bench_engine import run
+
+    run(args)
+    return 0
+
+
 def cmd_predictor_train(args: argparse.Namespace) -> int:
     """Train TD-Pipe's output-length classifier on a workload's data set (60/20/20 split)."""
     from policies.length_predictor import train_predictor
@@ -280,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--policies", default="sarathi,vllm", help="comma list (default: sarathi,vllm)")
     bs.add_argument("overrides", nargs="*", help="extra overrides for every run")
     bs.set_defaults(func=cmd_bench)
+    be = bsub.add_parser("engine", help="real engine: generated tokens/s per policy against HF generate")
+    from testbed.bench_engine import add_arguments as bench_engine_arguments
+
+    bench_engine_arguments(be)
+    be.set_defaults(func=cmd_bench_engine)
     pr = sub.add_parser("predictor", help="output-length predictors (TD-Pipe)")
     prsub = pr.add_subparsers(dest="predictor", metavar="ACTION")
     pt = prsub.add_parser("train", help="train the bins classifier on a workload's data set and save it under runs/")
