@@ -30,7 +30,7 @@ SAMPLES = [
     wire.Spans(0, 7, [wire.SpanRec("forward:mixed", 1.5, 2.0, True)]),
     wire.Done(1, 7, [5, 6], [wire.SpanRec("sample", 1.0, 2.0, True)]),
     wire.LinkEvents(0, [wire.LinkSpan("xfer:prefill", 1.0, 2.0, 7)], 4096),
-    wire.StageError(1, "RuntimeError: boom"),
+    wire.StageError(1, "RuntimeError: boom", 3.5),
     wire.Sampled(0, 7, 2, [0, 2], [9, 8], 1.0, 2.0),
     wire.SampleJob(7, 2, [1], [wire.SampleKey(3, 5)], [wire.PrefillTokens(3, 0, [1, 2])], "float32", [1, 32000]),
     wire.TensorMeta([16, 256], "torch.float32"),

@@ -41,17 +41,18 @@ from collections import deque
 from typing import Any, Callable
 
 from engine.batch import MicroBatch
-from engine.errors import ConfigError, RunFailedError
+from engine.errors import ConfigError
 from engine.executor import Completion, Executor, ExecutorBuild
 from engine.torch_exec.settings import TorchSettings
 from engine.torch_exec import wire
 from engine.torch_exec.control import ControlSocket, free_port, warn_exposed
+from engine.torch_exec.diagnosis import FailureDiagnosis
 from engine.trace import Tracer
 
 STOP_GRACE_S = 5.0
 
 
-class TorchExecutor(Executor):
+class TorchExecutor(FailureDiagnosis, Executor):
     """P stage processes running a real model; see the package docstring for the architecture."""
 
     def __init__(self, settings: TorchSettings, *, pp: int, run_config: dict | None = None,
@@ -378,7 +379,7 @@ class TorchExecutor(Executor):
         if self._sock in events:
             while (msg := self._ctl.recv()) is not None:
                 if isinstance(msg, wire.StageError):
-                    self._stage_error(msg.stage, msg.text)
+                    self._stage_error(msg)
                 elif expect is not None and isinstance(msg, expect):
                     out.append(msg)
                 else:
@@ -494,68 +495,6 @@ class TorchExecutor(Executor):
 
             ids = self._prompts[request.request_id] = prompt_ids(request, self._vocab, self._prompt_seed)
         return ids
-
-    # --- failures ------------------------------------------------------------------------------------
-    def _check_processes(self) -> None:
-        for s, p in enumerate(self._procs):
-            if p.exitcode is not None:
-                # drain a last error message the stage may have sent before dying
-                self._drain_errors()
-                sig = -p.exitcode if p.exitcode < 0 else None
-                how = f"was killed by signal {sig}" if sig else f"exited with code {p.exitcode}"
-                self._fail(f"stage {s} (pid {p.pid}) {how} while the run was in progress")
-
-    def _drain_errors(self) -> None:
-        import zmq
-
-        if self._sock is None:
-            return
-        deadline = time.perf_counter() + 0.2
-        while time.perf_counter() < deadline:
-            if not self._sock.poll(20, zmq.POLLIN):
-                continue
-            msg = self._ctl.recv()
-            if isinstance(msg, wire.StageError):
-                self._stage_error(msg.stage, msg.text)
-            elif isinstance(msg, (wire.Spans, wire.Done)):
-                self._handle(msg)
-
-    def _stage_error(self, stage: int, text: str) -> None:
-        """A stage reported an exception. If another stage process died, that death is the root
-        cause (its neighbours' communication then fails): name the dead stage first."""
-        deadline = time.monotonic() + 1.0
-        dead = []
-        while time.monotonic() < deadline:
-            dead = [(s, p) for s, p in enumerate(self._procs) if p.exitcode is not None and s != stage]
-            if dead:
-                break
-            time.sleep(0.05)
-        first = text.strip().splitlines()[0] if text.strip() else "error"
-        if dead:
-            s, p = dead[0]
-            sig = -p.exitcode if p.exitcode < 0 else None
-            how = f"was killed by signal {sig}" if sig else f"exited with code {p.exitcode}"
-            self._fail(f"stage {s} (pid {p.pid}) {how} while the run was in progress; "
-                       f"then stage {stage} failed: {first}")
-        self._fail(f"stage {stage} failed: {text.strip()}")
-
-    def _hang_message(self) -> str:
-        oldest = self._inflight[0]
-        stuck = next((s for s in range(self.pipeline_depth) if oldest not in self._stage_done[s]),
-                     self.pipeline_depth - 1)
-        pid = self.stage_info[stuck].get("pid") if stuck < len(self.stage_info) else "?"
-        return (f"stage {stuck} (pid {pid}) made no progress for executor.stage_timeout_s="
-                f"{self.settings.stage_timeout_s:g} s on micro-batch {oldest} (hung)")
-
-    def _fail(self, message: str) -> None:
-        if self._failed is None:
-            self._failed = message
-        raise RunFailedError(self._failed)
-
-    def _check_failed(self) -> None:
-        if self._failed is not None:
-            raise RunFailedError(self._failed)
-
 
 def _shutdown_ref(ref) -> None:
     ex = ref()

@@ -26,12 +26,20 @@ def store_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def group_timeout_s(stage_timeout_s: float) -> float:
+    """Bound of a single send/recv between stages. Longer than the driver's hang check
+    (stage_timeout_s, which names the stuck stage and ends every stage), so that check speaks
+    first; and at least 10 minutes, because a link receiver legitimately waits for as long as the
+    pipeline is idle or a paced link is slow (10 kbps: 80 s for a 100 KB activation)."""
+    return max(600.0, 2 * stage_timeout_s + 5)
+
+
 def join_group(init, stage: int):
     """Join the P-stage group of `init` (a wire.StageInit); returns (torch.distributed, the store's
     listening socket on stage 0 -- keep it alive -- or None)."""
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=init.stage_timeout_s)
+    timeout = datetime.timedelta(seconds=group_timeout_s(init.stage_timeout_s))
     if is_loopback(init.master_addr) and sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")

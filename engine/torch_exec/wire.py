@@ -260,6 +260,7 @@ class LinkEvents:
 class StageError:
     stage: int
     text: str
+    clock: float  # when it happened, on the stage's perf_counter (which failed first)
 
 
 @message("sampled")

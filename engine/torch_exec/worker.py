@@ -50,6 +50,7 @@ import traceback
 from collections import deque
 
 from engine.torch_exec import wire
+from engine.torch_exec.diagnosis import REPORTED_EXIT
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
 from engine.torch_exec.wire import SpanRec
 
@@ -82,10 +83,10 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
     except _Stopped:
         pass
     except BaseException as exc:  # report, then exit non-zero
-        code = 1
+        code = REPORTED_EXIT
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
         try:
-            sock.send(codec.encode(wire.StageError(stage, text)), zmq.NOBLOCK)
+            sock.send(codec.encode(wire.StageError(stage, text, time.perf_counter())), zmq.NOBLOCK)
         except Exception:
             pass
     finally:
@@ -514,6 +515,10 @@ class _Stage:
             spans.append(SpanRec("send_wait", t2, t3, False))
         payload = (out.cpu() if self.transfer_via_cpu else out).contiguous()
         if not self.aware:
+            # the metadata sends block until stage s+1 posts its receives: tell the driver first
+            # that this micro-batch is computed, so a hang there is blamed on stage s+1, not here
+            self.send(wire.Spans(self.stage, msg.mb_id, spans))
+            spans = []
             blob = self.meta_blob(payload)
             self.dist.send(torch.tensor([len(blob)], dtype=torch.long), dst=self.stage + 1)
             self.dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=self.stage + 1)
