@@ -23,6 +23,11 @@ FORBIDDEN = {  # package -> top-level modules it must not import
     "workloads": {"testbed", "policies"},
 }
 TORCH_FREE_EXCEPT = "engine/torch_exec/"  # the only part of engine/ that may import torch
+# Known debt, listed so that nothing new slips in and so that the entry must go once it is fixed
+# (test_known_violations_still_exist fails then): TD-Pipe's length predictor reads the ShareGPT /
+# Azure files through workloads/ to train on the data set a run came from. The fix is to move those
+# readers into workloads/ and hand them to the policy from the runner.
+KNOWN = {("policies/length_predictor.py", "workloads")}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -37,7 +42,7 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-def violations(package: str) -> list[str]:
+def violations(package: str, known=frozenset()) -> list[str]:
     bad = []
     for path in sorted((ROOT / package).rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
@@ -45,14 +50,20 @@ def violations(package: str) -> list[str]:
         if package == "engine" and not rel.startswith(TORCH_FREE_EXCEPT):
             forbidden.add("torch")
         for line, mod in imported_modules(path):
-            if mod in forbidden:
+            if mod in forbidden and (rel, mod) not in known:
                 bad.append(f"{rel}:{line} imports {mod}")
     return bad
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_import_direction(package):
-    assert violations(package) == []
+    assert violations(package, KNOWN) == []
+
+
+def test_known_violations_still_exist():
+    """Each KNOWN entry is real; delete it from KNOWN when its import is gone."""
+    found = {(v.split(":")[0], v.rsplit(" ", 1)[1]) for pkg in FORBIDDEN for v in violations(pkg)}
+    assert KNOWN <= found, f"fixed, remove from KNOWN: {sorted(KNOWN - found)}"
 
 
 def test_the_checker_sees_function_local_and_from_imports(tmp_path):
