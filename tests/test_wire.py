@@ -71,6 +71,11 @@ def _signed(body_obj) -> bytes:
     (_signed(["pong", {"stage": "1", "clock": 2.0}]), "expected int"),
     (_signed(["mb", {"mb_id": 1, "kind": "d", "prefills": [], "decodes": [[1, 2, [3], "x"]]}]), "expected int"),
     (_signed(["mb", {"mb_id": 1, "kind": "d", "prefills": [], "decodes": [[1, 2, [3]]]}]), "DecodeRow"),
+    (_signed(["mb", {"mb_id": 1, "kind": "d", "prefills": [], "decodes": [[True, 2, [3], 4]]}]), "expected int"),
+    (_signed(["mb", {"mb_id": 1, "kind": "d", "prefills": [], "decodes": [[1, 2, [3, True], 4]]}]), "array of int"),
+    (_signed(["mb", {"mb_id": 1, "kind": "d", "prefills": [[1, 0, 2, 1, [3], [4, 5]]], "decodes": []}]),
+     "expected bool"),
+    (_signed(["mb", {"mb_id": 1, "kind": "d", "prefills": [], "decodes": {"a": 1}}]), "expected array"),
     (_signed({"tag": "ping"}), "[tag, fields]"),
     (_signed(["ping", {}])[:-1] + b"\xc1", "bad MAC"),
 ])
