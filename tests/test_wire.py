@@ -104,6 +104,20 @@ def test_external_secret_comes_from_env_or_file(tmp_path):
         wire.secret_from_env({wire.SECRET_ENV: "abcd"})
 
 
+def test_binding_off_loopback_warns_with_the_port(caplog):
+    pytest.importorskip("zmq")
+    from engine.torch_exec.control import ControlSocket
+
+    codec = wire.Codec(SECRET)
+    with caplog.at_level("WARNING", logger="engine.torch_exec.control"):
+        quiet = ControlSocket(codec, "127.0.0.1")
+        assert quiet.address.startswith("tcp://127.0.0.1:") and not caplog.records
+        loud = ControlSocket(codec, "0.0.0.0")
+    quiet.close()
+    loud.close()
+    assert len(caplog.records) == 1 and f"0.0.0.0:{loud.port}" in caplog.records[0].getMessage()
+
+
 # --- the engine ---------------------------------------------------------------------------------------------
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -224,23 +238,29 @@ def test_a_torch_run_listens_only_on_loopback(model_cache):
 
 
 DRIVER = textwrap.dedent("""
-    import os, sys, psutil
+    import os, sys, threading, time, psutil
     sys.path.insert(0, os.getcwd())
     import engine.torch_exec
     from testbed.config import compose, to_container
     from testbed.runner import run_experiment
 
-    def progress(done, total):
-        if done == 1:
-            kids = psutil.Process().children(recursive=True)
-            print("PIDS", *[p.pid for p in kids if "resource_tracker" not in " ".join(p.cmdline())], flush=True)
+    def announce():  # once both stages and both CPU samplers are up
+        while True:
+            kids = [p for p in psutil.Process().children(recursive=True)
+                    if "resource_tracker" not in " ".join(p.cmdline())]
+            if len(kids) >= 4:
+                time.sleep(1.0)
+                print("PIDS", *[p.pid for p in kids], flush=True)
+                return
+            time.sleep(0.2)
 
     if __name__ == "__main__":
+        threading.Thread(target=announce, daemon=True).start()
         cfg = to_container(compose(["executor=torch", "model=tiny-llama", "parallel.pp=2", "runtime.cpu_sampling=true",
             "workload=synthetic", "workload.num_requests=4", "workload.arrival=offline",
             "workload.input_mean=16", "workload.output_mean=2000", "kv.num_blocks=1024",
             "executor.num_cpu_samplers=2", "executor.model_cache_dir=%s", "output.dir=%s"]))
-        run_experiment(cfg, progress=progress)
+        run_experiment(cfg)
 """)
 
 
