@@ -97,7 +97,7 @@ class BatchBuilder:
 
     # --- queries ---------------------------------------------------------------------------
     @property
-    def num_decodes(self) -> int:
+    def num_decode_seqs(self) -> int:
         return len(self.decodes)
 
     @property

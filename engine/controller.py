@@ -43,7 +43,8 @@ class MicroBatchRecord:
 class Controller:
     def __init__(self, requests: Seq[Request], policy: Policy, executor: Executor, kv: BlockManager,
                  cost_model=None, *, check_integrity: bool = False, data_dir: str | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, num_microbatches: int | None = None,
+                 link_bandwidth_Bps: float | None = None, link_latency_s: float | None = None) -> None:
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
         ids = [r.request_id for r in self.requests]
         if len(set(ids)) != len(ids):
@@ -54,6 +55,9 @@ class Controller:
         executor.attach(kv)
         self.cost_model = cost_model
         self.pipeline_depth = executor.pipeline_depth
+        self.num_microbatches = num_microbatches  # parallel.num_microbatches; None: the policy's choice
+        self.link_bandwidth_Bps = link_bandwidth_Bps
+        self.link_latency_s = link_latency_s
         self.check_integrity = check_integrity
         self.progress = progress
         self.sequences: dict[int, Sequence] = {r.request_id: Sequence(r) for r in self.requests}

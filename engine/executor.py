@@ -10,11 +10,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine.batch import MicroBatch
 from engine.registry import Registry
 from engine.trace import Tracer
+
+if TYPE_CHECKING:  # engine.settings imports engine.metrics, which imports the controller and this module
+    from engine.policy import RuntimeFeatures
+    from engine.settings import Link, RunConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +67,7 @@ class ExecutorSpec(NamedTuple):
     """What an executor registers: its settings dataclass and a factory.
 
     `factory(settings, build)` gets the settings and an `ExecutorBuild` with everything the
-    run resolved (cost model, runtime features, link, policy, tracer, run config)."""
+    run resolved (cost model, runtime features, link, policy, tracer, typed run config)."""
 
     config_cls: type
     factory: Callable[[Any, "ExecutorBuild"], Executor]
@@ -71,13 +75,14 @@ class ExecutorSpec(NamedTuple):
 
 @dataclass(frozen=True)
 class ExecutorBuild:
-    cost_model: Any
-    runtime: Any
-    link_bandwidth_Bps: float
-    link_latency_s: float
+    """What the runner resolved for an executor: typed, never the raw config dict."""
+
+    cost_model: Any  # engine.costmodel.CostModel
+    runtime: RuntimeFeatures
+    link: Link  # resolved once by the runner; `link.explicit`: the run named it (the torch engine paces)
     policy: Any
     tracer: Tracer
-    run_config: Any = None
+    run_config: RunConfig  # the typed top-level sections (seed, parallel, kv, output, ...)
 
 
 EXECUTORS: Registry[ExecutorSpec] = Registry("executor")

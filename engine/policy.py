@@ -1,35 +1,59 @@
-"""The policy contract: what a scheduling policy implements, and the read-only view it sees.
+"""The policy contract: every hook a scheduling policy may implement, and the view it sees.
 
-A policy is pure Python and knows nothing of the executor: the very same object drives the
-discrete-event simulator and the real multi-process engine. Its hooks:
+A policy is pure Python and knows nothing of the executor: the very same class drives the
+discrete-event simulator and the real multi-process engine. A policy is one module in
+`policies/` (discovered automatically, see `policies/__init__.py`) with a class decorated by
+`@register_policy("name")`; `docs/writing-a-policy.md` walks through one.
 
-- `schedule(view) -> MicroBatch | None`: called whenever a pipeline slot is free (fewer
-  micro-batches in flight than `max_inflight(view)`). Compose the batch with
-  `b = view.new_batch()`; `b.add_decode(seq)`, `b.add_prefill(seq, n)`, `b.preempt(seq)`; then
-  `return view.finish(b)` (None when empty). Returning None leaves the slot free until the next
-  completion or arrival.
-- `on_complete(view, micro_batch, finished)`: after a micro-batch's tokens are sampled and the
-  controller has updated every sequence (`finished` lists the sequences that ended).
-- `max_inflight(view) -> int`: how many micro-batches may be in flight; default the depth P
-  (MoLink raises it to [P, 2P]).
-- `schedule_transfer(link, pending) -> Transfer`: which pending activation (or how many bytes of
-  it) a link sends next; default FIFO, whole tensors (MoLink chunks prefill activations).
-- `runtime`: executor features the policy asks for (`RuntimeFeatures`); the run config may
-  switch any of them on for any policy, e.g. gLLM on SiPipe's runtime.
-- `search_space(trial)`: the policy's Optuna search space (duck-typed `trial.suggest_*`; no
-  Optuna import here) returning a dict of hyperparameters.
-- `Params`: a frozen dataclass of hyperparameters, validated in `__post_init__`.
+Hooks, their defaults, and the process that runs each:
+
+| hook | default | runs in |
+|---|---|---|
+| `Params` (frozen dataclass, validated in `__post_init__`) | `NoParams` | everywhere |
+| `search_space(trial)` (classmethod; duck-typed `trial.suggest_*`, no Optuna import) | `{}` | the tuner |
+| `prepare(ctx)`: before the run is built; may simulate short runs of this setup through `ctx.simulate` and replace `self.params`; returns facts to record | `{}` | driver |
+| `start(view)`: once before the first `schedule` (e.g. fit a predictor on history) | nothing | driver |
+| `schedule(view) -> MicroBatch or None` | required | driver |
+| `on_complete(view, micro_batch, finished)` | nothing | driver |
+| `max_inflight(view) -> int`: micro-batches in flight at most | `view.num_microbatches` | driver |
+| `schedule_transfer(link, pending) -> Transfer` | FIFO, whole tensors | simulator: driver; torch engine: every sending stage |
+| `runtime` (`RuntimeFeatures`, class attribute) | all off | read by the executor |
+
+- `schedule` is called whenever a pipeline slot is free (fewer micro-batches in flight than
+  `max_inflight(view)`). Compose with `b = view.new_batch()`; `b.add_decode(seq)`,
+  `b.add_prefill(seq, n)`, `b.preempt(seq)`; then `return view.finish(b)`. Returning None leaves
+  the slot free until the next completion or arrival.
+- `view.finish(b)` is the view's one hand-over to the controller: a batch that holds work
+  becomes a `MicroBatch` (the controller commits it when `schedule` returns it); a batch that
+  only preempted is applied by the controller at once and `finish` returns None, so the policy
+  may look again in the same call with the KV it freed. Everything else on the view is
+  read-only.
+- `max_inflight`: the default honours `parallel.num_microbatches` (the view's
+  `num_microbatches`, which is the pipeline depth P when the setting is unset). A policy with
+  its own count (MoLink's extension) must still return the setting when the user pinned it
+  (`view.num_microbatches_pinned`); the runner refuses a pinned count a policy does not honour.
+  Policies that split work across the micro-batches in flight (gLLM's #D, TD-Pipe's decode
+  rounds, vLLM's virtual engines) split by `self.max_inflight(view)`, not by P.
+- The links: `view.link_bandwidth_Bps` / `view.link_latency_s` are the run's stage-to-stage
+  link (the hardware's unless `link.*` is set), the same numbers both executors use.
+  `schedule_transfer` gets a `LinkState` with them on every call.
+- On the torch engine each sending stage rebuilds the policy from its class and `params` and
+  calls only `schedule_transfer` there, from the link's sender thread: that hook may use its
+  arguments and state set up in `__init__`, never state from `prepare`/`start`/`schedule`.
 
 Preemption and KV accounting belong to the controller and its one block manager: policies only
-ask, through the builder, and the controller commits.
+ask, through the builder, and the controller commits. Shared building blocks (idle decodes in
+longest-idle-first order, Sarathi-style prefill filling, decode-or-preempt) are in
+`policies/common.py`.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence as Seq
+from collections.abc import Callable, Mapping, Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from engine import typed
 from engine.batch import BatchBuilder, MicroBatch, shape_of
 from engine.errors import ConfigError
 from engine.registry import Registry
@@ -96,6 +120,20 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class PrepareContext:
+    """What `Policy.prepare` may use before the run is built.
+
+    `simulate(param_overrides, num_requests)` simulates the first `num_requests` requests of this
+    very run (same config, executor forced to the simulator, no outputs) with the policy's params
+    changed by `param_overrides`, and returns the summary (the keys of `summary.json`), or None
+    when that simulation failed. MoLink's `extension=search` picks its micro-batch count this way.
+    """
+
+    pipeline_depth: int
+    simulate: Callable[[Mapping[str, Any], int], Mapping[str, Any] | None]
+
+
+@dataclass(frozen=True)
 class NoParams:
     """Hyperparameters of a policy that has none."""
 
@@ -122,6 +160,11 @@ class Policy:
         return {}
 
     # --- hooks -------------------------------------------------------------------------------
+    def prepare(self, ctx: PrepareContext) -> dict[str, Any]:
+        """Before the run is built (driver only): may replace `self.params` after simulating
+        alternatives through `ctx.simulate`; returns facts for the run's record."""
+        return {}
+
     def start(self, view: SchedulerView) -> None:
         """Called once before the first schedule (e.g. to fit a predictor on history)."""
 
@@ -132,7 +175,8 @@ class Policy:
         """Called after the controller applied a completed micro-batch."""
 
     def max_inflight(self, view: SchedulerView) -> int:
-        return view.pipeline_depth
+        """Micro-batches in flight at most: `parallel.num_microbatches`, P when unset."""
+        return view.num_microbatches
 
     def schedule_transfer(self, link: LinkState, pending: Seq[PendingTransfer]) -> Transfer:
         """FIFO, whole tensors."""
@@ -155,48 +199,15 @@ def register_policy(name: str):
 
 
 def make_params(params_cls: type, values: Mapping[str, Any], prefix: str) -> Any:
-    """Build a frozen dataclass from config values, naming unknown keys and bad types."""
-    fields = {f.name: f for f in dataclasses.fields(params_cls)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        valid = ", ".join(sorted(fields)) or "(none)"
-        raise ConfigError(f"unknown key {prefix}.{unknown[0]}; valid keys: {valid}")
-    kwargs = {}
-    for key, value in values.items():
-        kwargs[key] = _coerce(f"{prefix}.{key}", value, fields[key])
-    try:
-        return params_cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _coerce(key: str, value: Any, field: dataclasses.Field) -> Any:
-    """Accept ints for float fields and reject strings for numbers, with a clear message."""
-    default = field.default
-    if value is None or default is dataclasses.MISSING or default is None:
-        return value
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ConfigError(f"invalid {key}={value!r}: must be true or false")
-        return value
-    if isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"invalid {key}={value!r}: must be an integer")
-        return value
-    if isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"invalid {key}={value!r}: must be a number")
-        return float(value)
-    if isinstance(default, tuple) and isinstance(value, (list, tuple)):
-        return tuple(value)
-    return value
+    """Build a frozen dataclass from config values (engine/typed.py: one system for every setting)."""
+    return typed.build(params_cls, values, prefix)
 
 
 class SchedulerView:
-    """Read-only window on the controller for policies.
+    """The policy's window on the controller: read-only, except `finish` (see the module doc).
 
     The containers returned (`waiting`, `running`) are the controller's live ones, for speed:
-    read them, never mutate them. Mutation goes through `new_batch()`.
+    read them, never mutate them. Mutation goes through `new_batch()` and `finish()`.
     """
 
     __slots__ = ("_c",)
@@ -212,6 +223,25 @@ class SchedulerView:
     @property
     def pipeline_depth(self) -> int:
         return self._c.pipeline_depth
+
+    @property
+    def num_microbatches(self) -> int:
+        """`parallel.num_microbatches` when set, else the pipeline depth P."""
+        return self._c.num_microbatches or self._c.pipeline_depth
+
+    @property
+    def num_microbatches_pinned(self) -> bool:
+        """True when the user set `parallel.num_microbatches` (policies must then honour it)."""
+        return self._c.num_microbatches is not None
+
+    # the stage-to-stage link, as both executors use it
+    @property
+    def link_bandwidth_Bps(self) -> float | None:
+        return self._c.link_bandwidth_Bps
+
+    @property
+    def link_latency_s(self) -> float | None:
+        return self._c.link_latency_s
 
     # requests
     @property
@@ -293,10 +323,11 @@ class SchedulerView:
         return BatchBuilder(self._c.kv)
 
     def finish(self, builder: BatchBuilder) -> MicroBatch | None:
-        """Turn a builder into a micro-batch (None if it holds no work)."""
+        """Hand the builder to the controller: a micro-batch when it holds work, else None after
+        the controller applied its preemptions (a preemption-only decision makes room at once, so
+        the policy may look again in the same call)."""
         if builder.is_empty():
             if builder.preempted:
-                # Preemption alone is a real decision (make room); the controller applies it.
                 self._c.apply_preemptions(builder.preempted)
             return None
         return MicroBatch(

@@ -291,8 +291,8 @@ class SimSettings:
 
 
 def _make_sim(settings: SimSettings, build: ExecutorBuild) -> SimExecutor:
-    return SimExecutor(build.cost_model, runtime=build.runtime, link_bandwidth_Bps=build.link_bandwidth_Bps,
-                       link_latency_s=build.link_latency_s, transfer_scheduler=build.policy.schedule_transfer,
+    return SimExecutor(build.cost_model, runtime=build.runtime, link_bandwidth_Bps=build.link.bandwidth_Bps,
+                       link_latency_s=build.link.latency_s, transfer_scheduler=build.policy.schedule_transfer,
                        num_cpu_samplers=settings.num_cpu_samplers, tracer=build.tracer,
                        blocking_send=settings.blocking_send)
 

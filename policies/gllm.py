@@ -51,7 +51,7 @@ from engine.batch import BatchBuilder
 from engine.errors import bad_value
 from engine.policy import Policy, SchedulerView, register_policy
 from engine.request import SeqStatus, Sequence
-from policies.idle_order import IdleOrder
+from policies.common import IdleOrder, fill_chunked_prefills, idle_decodes
 
 RULES = ("paper", "code")
 
@@ -163,7 +163,7 @@ class GllmPolicy(Policy):
         pb = prefill_budget(p, wp, view.kv_free_fraction, num_waiting_seqs=num_waiting,
                             free_blocks=view.kv_free_blocks, total_blocks=view.kv_total_blocks,
                             block_size=view.block_size)
-        P = view.pipeline_depth
+        P = self.max_inflight(view)  # the micro-batches the decodes are spread over (P by default)
         if p.rules == "paper":
             db = decode_budget(rd, P, P - 1 - self._round % P, p.max_d)
         else:
@@ -183,12 +183,12 @@ class GllmPolicy(Policy):
     def _compose(self, view: SchedulerView):
         pb, db = self.budgets(view)
         b = view.new_batch()
-        idle = [s for s in view.running if s.status is SeqStatus.DECODING and not s.in_flight]
+        idle = idle_decodes(view)
         if db and idle:
             self._preempt_for(b, idle, min(db, len(idle)))
             self._idle.sort(idle)  # longest idle first
             for seq in idle:
-                if b.num_decodes >= db:
+                if b.num_decode_seqs >= db:
                     break
                 if seq not in b and not b.add_decode(seq):
                     break
@@ -235,26 +235,3 @@ class GllmPolicy(Policy):
 
     def on_complete(self, view: SchedulerView, micro_batch, finished) -> None:
         self._idle.on_complete(micro_batch, finished)
-
-
-def fill_chunked_prefills(b: BatchBuilder, view: SchedulerView, budget: int) -> int:
-    """Chunked prefill within `budget` tokens: partial prompts first, then waiting requests FCFS;
-    KV for the chunk only. Returns the budget left."""
-    for seq in view.running:
-        if budget <= 0:
-            return 0
-        if seq.status is SeqStatus.PREFILLING and not seq.in_flight and seq not in b:
-            n = min(seq.remaining_prefill, budget)
-            if not b.add_prefill(seq, n):
-                return budget
-            budget -= n
-    for seq in view.waiting:
-        if budget <= 0:
-            break
-        if seq in b:  # preempted in this very batch
-            continue
-        n = min(seq.remaining_prefill, budget)
-        if not b.add_prefill(seq, n):
-            break  # FCFS: later requests do not jump the queue
-        budget -= n
-    return budget

@@ -19,12 +19,15 @@ engine"), with two MoLink additions:
   engines). `extension=rule`: the public code's rule, the first k >= 3 with
   (k - 2) x compute >= 2 x transmission (compute: one stage's time for a decode batch of
   `rule_batch_size` sequences at `rule_context` tokens; transmission: link latency + that batch's
-  activation bytes / bandwidth), clamped to [P, 2P]. `extension=search`: the testbed runs short
-  simulations for every k in [P, 2P] and sets the best (testbed/molink_search.py) before the run.
-  An integer fixes k (clamped to [P, 2P]); `off`/false is k = P; true means `rule`.
+  activation bytes / bandwidth), clamped to [P, 2P]. `extension=search`: before the run
+  (`prepare`), short simulations of the same setup for every k in [P, 2P]; the best k replaces
+  `search` in the params. An integer fixes k (clamped to [P, 2P]); `off`/false is k = P; true
+  means `rule`.
+- `parallel.num_microbatches`, when set, is the number of micro-batches (virtual engines) and
+  wins over `extension` (which then has nothing to choose); unset, `extension` picks k.
 
-The link's bandwidth and latency come from the run (`bind_links`, called by the runner) or from
-the first `schedule_transfer` call.
+The link's bandwidth and latency are the run's (`view.link_bandwidth_Bps` / `link_latency_s`),
+or those of the `LinkState` of the first `schedule_transfer` call on a torch stage.
 
 On the torch executor each sending stage rebuilds this policy from its class and params and
 calls `schedule_transfer` from its link's sender thread whenever the link is free
@@ -34,12 +37,13 @@ while idle, `next_decode_s` (last decode forward start plus the mean decode peri
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from engine.costmodel import BatchShape
 from engine.errors import bad_value
-from engine.policy import LinkState, PendingTransfer, SchedulerView, Transfer, register_policy
+from engine.policy import LinkState, PendingTransfer, PrepareContext, SchedulerView, Transfer, register_policy
 from policies.vllm import VllmParams, VllmPolicy
 
 EXTENSION_MODES = ("rule", "search", "off")
@@ -102,7 +106,6 @@ def is_decode(item: PendingTransfer) -> bool:
 
 class MoLinkPolicy(VllmPolicy):
     Params = MoLinkParams
-    supports_extension_search = True  # testbed/molink_search.py resolves extension=search
 
     def __init__(self, params=None) -> None:
         super().__init__(params)
@@ -121,12 +124,34 @@ class MoLinkPolicy(VllmPolicy):
                 "extension": trial.suggest_categorical("extension", ["off", "rule"])}
 
     # --- set-up ---------------------------------------------------------------------------------
-    def bind_links(self, bandwidth_Bps: float, latency_s: float) -> None:
-        self._bw, self._lat = float(bandwidth_Bps), float(latency_s)
+    def prepare(self, ctx: PrepareContext) -> dict:
+        """`extension=search`: simulate every k in [P, 2P] on the first `search_requests`
+        requests and keep the k with the lowest `search_metric` (MoLink's emulation step)."""
+        if self.params.extension_mode != "search":
+            return {}
+        P = ctx.pipeline_depth
+        scores: dict[int, float] = {}
+        for k in range(P, 2 * P + 1):
+            summary = ctx.simulate({"extension": k}, self.params.search_requests)
+            value = None if summary is None else summary.get(self.params.search_metric)
+            scores[k] = float("inf") if value is None else float(value)
+        best = min(scores, key=lambda k: (scores[k], k))
+        self.params = dataclasses.replace(self.params, extension=best)
+        return {"extension_k": best, "extension_scores": scores}
 
     def start(self, view: SchedulerView) -> None:
         self._cost = view.cost_model
-        self._k = self.inflight_for(view.pipeline_depth, view.cost_model)
+        self._bind(view.link_bandwidth_Bps, view.link_latency_s)
+        self._k = self._count(view)
+
+    def _bind(self, bandwidth_Bps: float | None, latency_s: float | None) -> None:
+        if bandwidth_Bps is not None and latency_s is not None:
+            self._bw, self._lat = float(bandwidth_Bps), float(latency_s)
+
+    def _count(self, view: SchedulerView) -> int:
+        if view.num_microbatches_pinned:
+            return view.num_microbatches
+        return self.inflight_for(view.pipeline_depth, view.cost_model)
 
     def inflight_for(self, P: int, cost) -> int:
         mode = self.params.extension_mode
@@ -134,10 +159,8 @@ class MoLinkPolicy(VllmPolicy):
             return P
         if isinstance(mode, int):
             return max(P, min(2 * P, mode))
-        if mode == "search":
-            # The runner replaces `search` by the k its simulations found; reaching here means the
-            # policy runs outside the runner (a unit test): fall back to the rule.
-            pass
+        # `search` reaching here means the policy runs without the runner's `prepare` (a unit
+        # test): fall back to the rule.
         if cost is None or self._bw is None:
             return P
         compute, trans = self.rule_inputs(cost)
@@ -151,18 +174,15 @@ class MoLinkPolicy(VllmPolicy):
 
     def max_inflight(self, view: SchedulerView) -> int:
         if self._k is None:
-            self._k = self.inflight_for(view.pipeline_depth, view.cost_model)
+            self._bind(view.link_bandwidth_Bps, view.link_latency_s)
+            self._k = self._count(view)
         return self._k
 
     # --- batching: vLLM V0 with one virtual engine per micro-batch slot ---------------------------
-    def num_engines(self, view: SchedulerView) -> int:
-        """One virtual engine per in-flight slot: k of them with micro-batch extension."""
-        return self.max_inflight(view)
-
     # --- transmission scheduling (Algorithm 1) ------------------------------------------------------
     def schedule_transfer(self, link: LinkState, pending: Seq[PendingTransfer]) -> Transfer:
         if self._bw is None:
-            self.bind_links(link.bandwidth_Bps, link.latency_s)
+            self._bind(link.bandwidth_Bps, link.latency_s)
         if not self.params.chunking:
             first = pending[0]
             return self._log(link, Transfer(first, first.remaining_bytes))

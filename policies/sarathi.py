@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.batch import BatchBuilder
 from engine.errors import bad_value
 from engine.policy import Policy, SchedulerView, register_policy
-from engine.request import SeqStatus, Sequence
+from engine.request import SeqStatus
+from policies.common import add_decode_or_preempt, fill_prefills
 
 
 @dataclass(frozen=True)
@@ -27,48 +27,6 @@ class SarathiParams:
             raise bad_value("policy.token_budget", self.token_budget, "must be >= 1")
         if self.max_num_seqs < 1:
             raise bad_value("policy.max_num_seqs", self.max_num_seqs, "must be >= 1")
-
-
-def add_decode_or_preempt(b: BatchBuilder, seq: Sequence, victims: list[Sequence]) -> bool:
-    """Add `seq` as a decode, preempting from the end of `victims` (latest admitted first) until
-    its KV slot fits; if `seq` itself is the last candidate it is preempted. True if added."""
-    while not b.add_decode(seq):
-        victim = None
-        while victims:
-            cand = victims.pop()
-            if cand not in b and not cand.in_flight:
-                victim = cand
-                break
-        if victim is None or victim is seq:
-            if seq not in b:
-                b.preempt(seq)
-            return False
-        b.preempt(victim)
-    return True
-
-
-def fill_prefills(b: BatchBuilder, view: SchedulerView, budget: int, max_num_seqs: int) -> int:
-    """Sarathi's prefill part: continue partial prompts, then admit new requests FCFS while
-    their whole prompt fits in KV. Returns the budget left."""
-    for seq in view.running:
-        if budget <= 0:
-            return 0
-        if seq.status is SeqStatus.PREFILLING and not seq.in_flight and seq not in b:
-            n = min(seq.remaining_prefill, budget)
-            if b.add_prefill(seq, n):
-                budget -= n
-    running = view.num_running - len(b.preempted)
-    for seq in view.waiting:
-        if budget <= 0 or running >= max_num_seqs:
-            break
-        if seq in b:  # preempted in this very batch: recompute later
-            continue
-        n = min(seq.remaining_prefill, budget)
-        if not b.add_prefill(seq, n, reserve_tokens=seq.prefill_target):
-            break  # first-come first-served: do not let later requests jump the queue
-        budget -= n
-        running += 1
-    return budget
 
 
 @register_policy("sarathi")
@@ -85,8 +43,7 @@ class SarathiPolicy(Policy):
         b = view.new_batch()
         budget = p.token_budget
         victims = [s for s in view.running if not s.in_flight]
-        decoding = SeqStatus.DECODING
-        for seq in [s for s in victims if s.status is decoding]:
+        for seq in [s for s in victims if s.status is SeqStatus.DECODING]:  # = common.idle_decodes(view)
             if budget <= 0:
                 break
             if seq in b:  # preempted to make room for an earlier decode

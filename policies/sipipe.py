@@ -14,21 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import bad_value
 from engine.policy import RuntimeFeatures, register_policy
-from policies.sarathi import SarathiPolicy
+from policies.sarathi import SarathiParams, SarathiPolicy
 
 
 @dataclass(frozen=True)
-class SiPipeParams:
-    token_budget: int = 2048  # prefill chunking budget per micro-batch
-    max_num_seqs: int = 512  # SiPipe's batch size (8 x H100 experiments)
-
-    def __post_init__(self) -> None:
-        if self.token_budget < 1:
-            raise bad_value("policy.token_budget", self.token_budget, "must be >= 1")
-        if self.max_num_seqs < 1:
-            raise bad_value("policy.max_num_seqs", self.max_num_seqs, "must be >= 1")
+class SiPipeParams(SarathiParams):
+    max_num_seqs: int = 512  # SiPipe's batch size (8 x H100 experiments); the rest is Sarathi's
 
 
 @register_policy("sipipe")

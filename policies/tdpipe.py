@@ -72,8 +72,7 @@ from engine.errors import ConfigError, bad_value
 from engine.policy import Policy, SchedulerView, register_policy
 from engine.request import SeqStatus, Sequence
 from policies import length_predictor as lp
-from policies.idle_order import IdleOrder
-from policies.sarathi import add_decode_or_preempt
+from policies.common import IdleOrder, add_decode_or_preempt, idle_decodes
 
 PAPER_POINTS = tuple(range(32, 1025, 32))  # the paper: every 32 decode steps up to 1024
 CODE_POINTS = (5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # the public code
@@ -279,7 +278,7 @@ class TdpipePolicy(Policy):
         p = self.params
         run = [r for r in view.all_requests]
         self.forecast = KVForecast(self.points, view.block_size)
-        self.stealer = WorkStealer(view.pipeline_depth, p.work_stealing)
+        self.stealer = WorkStealer(self.max_inflight(view), p.work_stealing)
         predictor, info = self._predictor(run, view.data_dir)
         self.pred = {r.request_id: int(x) for r, x in zip(run, predictor.predict(run))}
         self._fallback = int(np.median(list(self.pred.values()))) if self.pred else 1
@@ -349,7 +348,7 @@ class TdpipePolicy(Policy):
     def intensities(self, view: SchedulerView) -> tuple[float, float]:
         """(SI, TI) of the current state (see the module docstring)."""
         p = self.params
-        P = view.pipeline_depth
+        P = self.max_inflight(view)  # decode batches per round (P by default)
         cm = view.cost_model
         running = list(view.running)
         ctx = max(1, round(sum(s.num_computed + 1 for s in running) / len(running))) if running else 1
@@ -421,7 +420,7 @@ class TdpipePolicy(Policy):
         self.phase = "decode"
         self.switches.append((view.now, "decode"))
         self.epoch += 1
-        P = view.pipeline_depth
+        P = self.max_inflight(view)  # decode batches per round (P by default)
         idle = self._idle_decodes(view)
         coming = sum(1 for mb in view.inflight for s in mb.sequences() if s.remaining_output > 1)
         n = len(idle) + coming
@@ -436,7 +435,7 @@ class TdpipePolicy(Policy):
         self._phase_finished = 0
 
     def _idle_decodes(self, view: SchedulerView) -> list[Sequence]:
-        idle = [s for s in view.running if s.status is SeqStatus.DECODING and not s.in_flight]
+        idle = idle_decodes(view)
         self._idle.sort(idle)  # longest idle first
         return idle
 
@@ -452,7 +451,7 @@ class TdpipePolicy(Policy):
                     return mb  # None here: nothing waits (or arrives later) and nothing runs
                 self._enter_decode(view)  # the next prompt does not fit the KV cache now
                 continue
-            P = view.pipeline_depth
+            P = self.max_inflight(view)  # decode batches per round (P by default)
             if self._decode_batches % P == 0 and self._decode_batches != self._checked_at:
                 self._checked_at = self._decode_batches  # once per round of P decode batches
                 if self.should_enter_prefill(view):
@@ -486,7 +485,7 @@ class TdpipePolicy(Policy):
         return mb
 
     def _decode_members(self, view: SchedulerView) -> list[Sequence]:
-        P = view.pipeline_depth
+        P = self.max_inflight(view)  # decode batches per round (P by default)
         if self.params.steal_rule == "even":
             total = sum(1 for s in view.running if s.status is SeqStatus.DECODING)
             k = self._decode_batches % P
@@ -512,7 +511,7 @@ class TdpipePolicy(Policy):
             if seq in b or seq.status is not SeqStatus.DECODING or b.add_decode(seq):
                 continue
             if victims is None:
-                victims = sorted((s for s in view.running if s.status is SeqStatus.DECODING and not s.in_flight),
+                victims = sorted(idle_decodes(view),
                                  key=lambda s: s.admit_order)
             add_decode_or_preempt(b, seq, victims)
         mb = view.finish(b)

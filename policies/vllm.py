@@ -19,7 +19,7 @@ from engine.batch import MicroBatch
 from engine.errors import bad_value
 from engine.policy import Policy, SchedulerView, register_policy
 from engine.request import SeqStatus, Sequence
-from policies.sarathi import add_decode_or_preempt
+from policies.common import add_decode_or_preempt
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,8 @@ class VllmPolicy(Policy):
         return None
 
     def num_engines(self, view: SchedulerView) -> int:
-        """One virtual engine per micro-batch slot (vLLM: one per stage)."""
-        return view.pipeline_depth
+        """One virtual engine per micro-batch slot (vLLM: one per stage, P by default)."""
+        return self.max_inflight(view)
 
     def _schedule_engine(self, view: SchedulerView, ve: int):
         p = self.params
@@ -103,7 +103,7 @@ class VllmPolicy(Policy):
         b.tags["phase"] = "decode"
         victims = list(mine)
         for seq in mine:
-            if b.num_decodes >= self.params.max_num_seqs:
+            if b.num_decode_seqs >= self.params.max_num_seqs:
                 break
             if seq.status is SeqStatus.DECODING and seq not in b:
                 add_decode_or_preempt(b, seq, victims)

@@ -18,9 +18,10 @@ REFERENCE = ["workload=sharegpt", "workload.arrival=offline", "workload.num_requ
 def measure_once(overrides: list[str]) -> dict:
     """Run in this process; return timings, peak memory and the headline metrics."""
     from testbed.config import compose, to_container
+    from testbed.overrides import merge
     from testbed.runner import prepare_experiment
 
-    cfg = to_container(compose(list(overrides) + ["output.mlflow=false", "output.progress=false"]))
+    cfg = to_container(compose(merge(overrides, ["output.mlflow=false", "output.progress=false"])))
     result = prepare_experiment(cfg).run()
     s = result.summary
     return {"overrides": overrides, "simulate_s": result.info["simulate_s"], "build_s": result.info["build_s"],
@@ -43,7 +44,9 @@ def run_sim_bench(policies: list[str], extra: list[str]) -> list[dict]:
     from rich.console import Console
     from rich.table import Table
 
-    rows = [measure([f"policy={p}", *REFERENCE, *extra]) for p in policies]
+    from testbed.overrides import merge
+
+    rows = [measure(merge([f"policy={p}", *REFERENCE], extra)) for p in policies]
     t = Table(title="simulator benchmark: " + " ".join(REFERENCE + extra))
     for col in ("policy", "simulate s", "peak RSS MB", "micro-batches", "mb / wall s", "throughput tok/s",
                 "bubble", "TTFT mean s", "TPOT mean s"):

@@ -87,15 +87,17 @@ def _executor(executor: str, args, cost, policy, tracer, cfg):
     import engine.torch_exec  # noqa: F401
     from engine.executor import EXECUTORS, ExecutorBuild
     from engine.policy import RuntimeFeatures
+    from engine.settings import Link
     from engine.torch_exec.settings import TorchSettings
+    from testbed.config import run_config
 
     if executor == "torch":
         settings = TorchSettings(threads_per_stage=args.threads_per_stage, model_cache_dir=args.model_cache_dir,
                                  stage_timeout_s=120.0)
     else:
         settings = EXECUTORS.get(executor).config_cls()
-    return EXECUTORS.get(executor).factory(settings, ExecutorBuild(cost, RuntimeFeatures(), 1e9, 0.0, policy,
-                                                                   tracer, cfg))
+    return EXECUTORS.get(executor).factory(settings, ExecutorBuild(cost, RuntimeFeatures(), Link(1e9, 0.0), policy,
+                                                                   tracer, run_config(cfg)))
 
 
 def run_policy(policy_name: str, requests, args, policy_params: dict, executor: str = "torch") -> dict:

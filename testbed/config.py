@@ -2,12 +2,36 @@
 
 Each group's choices come from the code, not from YAML copies: a policy's group node is its
 `Params` dataclass, a workload's is its config dataclass, hardware and model nodes are the
-tables in engine/hardware.py and engine/models.py. Adding a policy therefore adds
-`policy=<name>` and every `policy.<param>=` override with nothing else to edit.
+tables in engine/hardware.py and engine/models.py, and the top-level sections (`parallel`, `kv`,
+`link`, `runtime`, `slo`, `output`) are the dataclasses of engine/settings.py. Adding a policy
+therefore adds `policy=<name>` and every `policy.<param>=` override with nothing else to edit.
 
-`compose(overrides)` returns the resolved DictConfig; every user mistake (unknown group choice,
-unknown key, bad syntax) becomes a `ConfigError` whose one line names the value and the valid
-choices, which the CLI prints without a traceback.
+`compose(overrides)` returns the resolved DictConfig, already validated: every user mistake
+(unknown group choice, unknown or blank key, `+key`/`~key`, a key given twice, bad syntax, an
+unresolvable `${...}`, a value of the wrong type or out of range) becomes a `ConfigError` whose one
+line names the value and the valid choices, which the CLI prints without a traceback.
+`run_config(cfg)` turns a composed config into the typed `engine.settings.RunConfig` that the
+runner and the executors read.
+
+Random streams and seeds. `seed` (an integer >= 0, default 0) is the root of every random stream
+that is not pinned separately; each stream has a key that pins it:
+
+- `workload.seed` (default `${seed}`): the workload's draws -- synthetic lengths and arrivals,
+  ShareGPT's sample of pairs and its arrivals (independent child streams of one SeedSequence,
+  workloads/synthetic.py, workloads/sharegpt.py). The Azure trace is deterministic and ignores it.
+  The TD-Pipe predictor's synthetic history is drawn with `workload.seed + 1000003`.
+- `policy.seed` (default `${seed}`, for policies that draw): gLLM's random decode offset with
+  `rules=code` (policies/gllm.py), TD-Pipe's predictor training and history split
+  (policies/tdpipe.py, policies/length_predictor.py).
+- torch engine (`executor=torch`): `executor.prompt_seed` (default null = `seed`) makes the prompt
+  token ids of requests without text; `executor.sample_seed` (default 0) seeds random sampling and
+  `executor.model_seed` (default 0) the random weights of a table model -- both pinned on purpose,
+  so that sweeping `seed` changes the workload and the policy's draws but not the model.
+- `tune.seed` (default null = `seed`): the Optuna sampler (testbed/tune.py).
+
+The simulator itself draws nothing. Because every derived default is `seed` itself, `seed=0`
+gives exactly the streams of the runs made before `seed` was their root; `seed=1` and `seed=2`
+differ in every unpinned stream, and the same seed gives byte-identical simulated results.
 """
 from __future__ import annotations
 
@@ -21,10 +45,12 @@ from omegaconf import DictConfig, OmegaConf
 from engine.costmodel import CostCoefficients
 from engine.errors import ConfigError, unknown_choice
 from engine.executor import EXECUTORS
-from engine.hardware import HARDWARE
-from engine.models import MODELS
-from engine.policy import POLICIES
-from workloads.base import WORKLOADS
+from engine.hardware import HARDWARE, HardwareSpec
+from engine.models import MODELS, ModelSpec
+from engine.policy import POLICIES, make_params
+from engine.settings import SECTIONS, ExecutorChoice, RunConfig
+from engine.typed import build
+from workloads.base import WORKLOADS, workload_config
 
 import engine.sim  # noqa: F401  (registers executor=sim)
 import engine.torch_exec  # noqa: F401  (registers executor=torch; torch itself is imported only when used)
@@ -36,19 +62,7 @@ DEFAULTS = {"policy": "gllm", "workload": "azure", "executor": "sim", "hardware"
 GROUP_KINDS = {"policy": "policy", "workload": "workload", "executor": "executor", "hardware": "hardware",
                "model": "model"}
 
-BASE = {
-    "seed": 0,
-    "parallel": {"pp": 4, "tp": 1, "layer_split": None},
-    "kv": {"block_size": 16, "gpu_memory_utilization": 0.9, "num_blocks": None},
-    "link": {"bandwidth": None, "latency": None},  # None: the hardware's stage-to-stage link
-    "runtime": {"cpu_sampling": None, "overlap_input_prep": None, "structure_aware_transfer": None},
-    "slo": {"ttft_s": 4.0, "tpot_s": 0.2},
-    "cost": None,  # filled from CostCoefficients
-    "data_dir": None,  # None: $TESTBED_DATA_DIR, then the cache (see workloads/data.py)
-    "output": {"dir": "runs", "run_name": None, "mlflow": True, "tracking_uri": None,
-               "experiment": "testbed", "max_trace_spans": 200_000, "plots": True, "progress": True},
-    "check_integrity": False,
-}
+SEED_KEY = "seed"  # a group field of this name defaults to the run's seed (see the module docstring)
 
 
 def _node(obj: Any) -> dict:
@@ -59,6 +73,26 @@ def _node(obj: Any) -> dict:
             out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
     return dict(obj)
+
+
+def _seeded(node: dict) -> dict:
+    """A workload's or policy's `seed` defaults to the run's `seed` (an interpolation, so that
+    `seed=7` moves it and `workload.seed=3` pins it)."""
+    if SEED_KEY in node:
+        node[SEED_KEY] = "${" + SEED_KEY + "}"
+    return node
+
+
+_DEFAULT = RunConfig()
+# The top-level keys and their defaults, from the dataclasses of engine/settings.py.
+BASE = {
+    "seed": _DEFAULT.seed,
+    **{name: _node(getattr(_DEFAULT, name)) for name in ("parallel", "kv", "link", "runtime", "slo")},
+    "cost": None,  # filled from CostCoefficients
+    "data_dir": _DEFAULT.data_dir,
+    "output": _node(_DEFAULT.output),
+    "check_integrity": _DEFAULT.check_integrity,
+}
 
 
 def load_saved_profiles() -> list[str]:
@@ -74,9 +108,9 @@ def group_nodes() -> dict[str, dict[str, dict]]:
     load_saved_profiles()
     groups: dict[str, dict[str, dict]] = {"policy": {}, "workload": {}, "executor": {}, "hardware": {}, "model": {}}
     for name in POLICIES.names():
-        groups["policy"][name] = {"name": name, **_node(POLICIES.get(name).Params())}
+        groups["policy"][name] = _seeded({"name": name, **_node(POLICIES.get(name).Params())})
     for name in WORKLOADS.names():
-        groups["workload"][name] = _node(WORKLOADS.get(name).config_cls())
+        groups["workload"][name] = _seeded(_node(WORKLOADS.get(name).config_cls()))
     for name in EXECUTORS.names():
         groups["executor"][name] = {"name": name, **_node(EXECUTORS.get(name).config_cls())}
     for name, spec in HARDWARE.items():
@@ -94,7 +128,8 @@ def base_config() -> dict:
 
 
 def compose(overrides: Sequence[str] = ()) -> DictConfig:
-    """Resolve `key=value` overrides (Hydra syntax) on top of the defaults."""
+    """Resolve `key=value` overrides (Hydra syntax) on top of the defaults, and validate the result
+    (`validate`): a config that composes is one every command can run."""
     from hydra import compose as hydra_compose, initialize
     from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
@@ -113,27 +148,44 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     try:
         with initialize(version_base=None, config_path=None):
             cfg = hydra_compose(config_name="testbed_config", overrides=list(overrides))
+        container = OmegaConf.to_container(cfg, resolve=True)  # every ${...} must resolve
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise _explain(exc, overrides, groups) from None
     finally:
         GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, False)
+    _normalize(cfg, validate(container))
     return cfg
 
 
 def _precheck(overrides: Sequence[str], groups: Mapping[str, Mapping[str, dict]]) -> None:
     """Catch the common mistakes before Hydra, to word them our way."""
+    seen: dict[str, str] = {}
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r} is not key=value (e.g. policy=gllm, workload.rate=4)")
         key, value = ov.split("=", 1)
-        key = key.lstrip("+~")
+        if key.split(".")[0] == "hydra":
+            raise ConfigError(f"unknown config key {key!r}: Hydra's own settings are not used by testbed; "
+                              f"valid keys at the top level: {', '.join(sorted([*base_config(), *groups]))}")
+        if key.startswith(("+", "~")):
+            raise ConfigError(f"override {ov!r}: adding (+) or deleting (~) config keys is not supported; "
+                              f"set an existing key, e.g. {key.lstrip('+~') or 'seed'}=<value> (see `testbed list`)")
+        if not key.strip() or any(not part.strip() for part in key.split(".")):
+            raise ConfigError(f"override {ov!r} has a blank key or key part; use key=value or section.key=value")
+        if key in seen:
+            raise ConfigError(f"{key} is given twice ({seen[key]!r} and {ov!r}); give each key once")
+        seen[key] = ov
         if key in groups and value not in groups[key]:
             raise unknown_choice(GROUP_KINDS[key], value, groups[key])
 
 
 def _explain(exc: Exception, overrides: Sequence[str], groups: Mapping[str, Mapping[str, dict]]) -> ConfigError:
-    msg = str(exc)
+    msg = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    bad = getattr(exc, "override", None)  # hydra's OverrideParseException names the override
+    if isinstance(bad, str):
+        return ConfigError(f"invalid override {bad!r}: {msg} (quote values holding special characters, "
+                           f"e.g. key='a,b'; see https://hydra.cc/docs/advanced/override_grammar/basic/)")
     tree = _default_tree(groups, overrides)
     for ov in overrides:
         key = ov.split("=", 1)[0].lstrip("+~")
@@ -148,9 +200,9 @@ def _explain(exc: Exception, overrides: Sequence[str], groups: Mapping[str, Mapp
                 return ConfigError(f"unknown config key {key!r}; valid keys {where}: {', '.join(sorted(node))}")
             node = node[part]
     for ov in overrides:
-        if ov.split("=", 1)[0].lstrip("+~") in msg:
-            return ConfigError(f"invalid override {ov!r}: {msg.splitlines()[0]}")
-    return ConfigError(msg.splitlines()[0] if msg else type(exc).__name__)
+        if ov.split("=", 1)[0].lstrip("+~") in str(exc):
+            return ConfigError(f"invalid override {ov!r}: {msg}")
+    return ConfigError(msg)
 
 
 def _default_tree(groups: Mapping[str, Mapping[str, dict]], overrides: Sequence[str]) -> dict:
@@ -168,6 +220,57 @@ def _default_tree(groups: Mapping[str, Mapping[str, dict]], overrides: Sequence[
 
 def to_container(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def run_config(cfg: Mapping[str, Any]) -> RunConfig:
+    """The typed top-level run config of a composed config (engine/settings.py)."""
+    top = {k: cfg[k] for k in ("seed", "data_dir", "check_integrity") if k in cfg}
+    sections = {name: build(cls, _mapping(cfg, name), name) for name, cls in SECTIONS.items()}
+    ex = _mapping(cfg, "executor")
+    ex_name = ex.pop("name", "sim")
+    executor = ExecutorChoice(ex_name, make_params(EXECUTORS.get(ex_name).config_cls, ex, prefix="executor"))
+    hardware = make_params(HardwareSpec, _mapping(cfg, "hardware"), prefix="hardware") if cfg.get("hardware") else None
+    model = make_params(ModelSpec, _mapping(cfg, "model"), prefix="model") if cfg.get("model") else None
+    return build(RunConfig, {**top, **sections, "executor": executor, "hardware": hardware, "model": model}, "")
+
+
+def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Check a whole composed config before anything runs: the typed sections, then the policy's
+    params, the workload's config and the cost overrides (each by its own dataclass).
+    Returns {section ('' = top level): its typed object}."""
+    rc = run_config(cfg)
+    typed = {"": rc, **{name: getattr(rc, name) for name in SECTIONS}, "executor": rc.executor.settings}
+    pol = _mapping(cfg, "policy")
+    name = pol.pop("name", None)
+    if name is not None:
+        typed["policy"] = make_params(POLICIES.get(name).Params, pol, prefix="policy")
+    if cfg.get("workload") is not None:
+        typed["workload"] = workload_config(_mapping(cfg, "workload"))
+    make_params(CostCoefficients, {k: v for k, v in _mapping(cfg, "cost").items() if v is not None}, prefix="cost")
+    return typed
+
+
+def _normalize(cfg: DictConfig, typed: Mapping[str, Any]) -> None:
+    """Write back the integers given as integral floats (`seed=1e2` -> 100), so that every reader
+    of the composed config, and the run's recorded params, see the value that runs."""
+    for section, obj in typed.items():
+        node = cfg if not section else cfg.get(section)
+        if node is None or obj is None:
+            continue
+        for f in dataclasses.fields(obj):
+            raw = node.get(f.name) if f.name in node else None
+            new = getattr(obj, f.name)
+            if isinstance(raw, float) and isinstance(new, int) and not isinstance(new, bool):
+                node[f.name] = new
+
+
+def _mapping(cfg: Mapping[str, Any], name: str) -> dict:
+    value = cfg.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"invalid {name}={value!r}: must be a section ({name}.<key>=<value>)")
+    return dict(value)
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -4,7 +4,8 @@
 their own `tune.*` / `compare.*` keys. Those keys are not part of the composed config (a run does
 not depend on how it was launched), so they are split off here before `compose` and parsed into
 frozen dataclasses by the command that owns them. Parsing is deliberately tiny and shell-friendly:
-`[a,b]` or `a,b` for lists, `true/false/null`, ints, floats, everything else a string.
+`[a,b]` or `a,b` for lists, `true/false/null`, ints, floats, everything else a string; the values
+are then checked by the same system as every other setting (engine/typed.py).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.typed import build, coerce
 
 
 def split_prefixed(overrides: Sequence[str], prefix: str) -> tuple[dict[str, str], list[str]]:
@@ -91,26 +93,34 @@ def scalar(raw: str) -> Any:
 
 
 def as_int(key: str, raw: str, minimum: int | None = None) -> int:
-    value = scalar(raw)
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-        need = f"an integer >= {minimum}" if minimum is not None else "an integer"
-        raise ConfigError(f"invalid {key}={raw!r}: must be {need}")
-    return value
+    return coerce(key, scalar(raw), int, None if minimum is None else {"min": minimum})
 
 
 def as_float(key: str, raw: str, minimum: float | None = None) -> float:
-    value = scalar(raw)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (minimum is not None and value < minimum):
-        bound = f" >= {minimum}" if minimum is not None else ""
-        raise ConfigError(f"invalid {key}={raw!r}: must be a number{bound}")
-    return float(value)
+    return coerce(key, scalar(raw), float, None if minimum is None else {"min": minimum})
 
 
 def as_bool(key: str, raw: str) -> bool:
-    value = scalar(raw)
-    if not isinstance(value, bool):
-        raise ConfigError(f"invalid {key}={raw!r}: must be true or false")
-    return value
+    return coerce(key, scalar(raw), bool)
+
+
+def parse_settings(cls: type, raw: Mapping[str, str], prefix: str) -> Any:
+    """A settings dataclass from `prefix.key=value` strings (split off by `split_prefixed`): each value
+    is read by `scalar` and checked by its field's type and metadata (engine/typed.py)."""
+    return build(cls, {k: scalar(v) for k, v in raw.items()}, prefix)
+
+
+def merge(*layers: Sequence[str]) -> list[str]:
+    """Layer override lists, a later layer replacing an earlier override of the same key (order of
+    first appearance kept). For code that adds its own defaults or forced keys to the user's list:
+    `compose` refuses a key given twice, since on a command line that is a mistake."""
+    out: dict[str, str] = {}
+    for layer in layers:
+        for ov in layer:
+            key = ov.partition("=")[0]
+            out.pop(key, None)
+            out[key] = ov
+    return list(out.values())
 
 
 def explicit_keys(overrides: Sequence[str]) -> set[str]:

@@ -627,15 +627,14 @@ def _label(template: str, values: Mapping[str, Any]) -> str:
 
 def derived_columns(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Columns computed from a point's config: GPUs (pp x tp) and, when set, the link in Mbps/ms."""
-    from engine.units import parse_bandwidth, parse_duration
+    from testbed.config import run_config
 
-    par = cfg.get("parallel") or {}
-    out: dict[str, Any] = {"gpus": int(par.get("pp", 1)) * int(par.get("tp", 1))}
-    link = cfg.get("link") or {}
-    if link.get("bandwidth") is not None:
-        out["link_mbps"] = round(parse_bandwidth(link["bandwidth"]) * 8 / 1e6, 6)
-    if link.get("latency") is not None:
-        out["link_ms"] = round(parse_duration(link["latency"]) * 1e3, 6)
+    rc = run_config(cfg)
+    out: dict[str, Any] = {"gpus": rc.parallel.pp * rc.parallel.tp}
+    if rc.link.bandwidth is not None:
+        out["link_mbps"] = round(rc.link.bandwidth * 8 / 1e6, 6)
+    if rc.link.latency is not None:
+        out["link_ms"] = round(rc.link.latency * 1e3, 6)
     return out
 
 

@@ -6,6 +6,8 @@ trial can decide what to keep.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -13,16 +15,14 @@ from typing import Any
 
 from engine.controller import Controller
 from engine.costmodel import CostCoefficients, CostModel
-from engine.errors import ConfigError, RunFailedError, TestbedError, bad_value
+from engine.errors import ConfigError, RunFailedError, TestbedError
 from engine.executor import EXECUTORS, ExecutorBuild
-from engine.hardware import HardwareSpec
 from engine.kv import BlockManager
 from engine.metrics import SLO, microbatch_rows, request_rows, summarize
-from engine.models import ModelSpec
-from engine.policy import POLICIES, RuntimeFeatures, make_params
+from engine.policy import POLICIES, PrepareContext, make_params
+from engine.settings import Link, RunConfig
 from engine.trace import Tracer
-from engine.units import parse_bandwidth, parse_duration
-from testbed.config import data_dir
+from testbed.config import data_dir, run_config
 from workloads.base import build_workload
 
 
@@ -47,48 +47,56 @@ def _section(cfg: Mapping[str, Any], name: str) -> dict:
     return dict(value) if isinstance(value, Mapping) else {}
 
 
-def build_cost_model(cfg: Mapping[str, Any]) -> CostModel:
-    hw = _spec(HardwareSpec, _section(cfg, "hardware"), "hardware")
-    model = _spec(ModelSpec, _section(cfg, "model"), "model")
-    par = _section(cfg, "parallel")
-    pp, tp = par.get("pp", 1), par.get("tp", 1)
-    for key, value in (("parallel.pp", pp), ("parallel.tp", tp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise bad_value(key, value, "must be an integer >= 1")
-    values = dict(hw.calibration or {})
+def build_cost_model(cfg: Mapping[str, Any], rc: RunConfig | None = None) -> CostModel:
+    """The cost model of a composed config (`rc`: its typed sections, when already built)."""
+    rc = rc or run_config(cfg)
+    if rc.hardware is None or rc.model is None:
+        raise ConfigError("the config names no hardware or no model; e.g. hardware=l20-48g model=qwen2.5-32b")
+    values = dict(rc.hardware.calibration or {})
     values.update({k: v for k, v in _section(cfg, "cost").items() if v is not None})
     coeffs = make_params(CostCoefficients, values, prefix="cost")
-    split = par.get("layer_split")
-    return CostModel(model, hw, pp=pp, tp=tp, layer_split=list(split) if split else None, coefficients=coeffs)
+    split = rc.parallel.layer_split
+    return CostModel(rc.model, rc.hardware, pp=rc.parallel.pp, tp=rc.parallel.tp,
+                     layer_split=list(split) if split else None, coefficients=coeffs)
 
 
-def _spec(cls: type, values: dict, prefix: str):
-    return make_params(cls, values, prefix=prefix)
+def kv_blocks(rc: RunConfig, cost: CostModel) -> tuple[int, int]:
+    """(number of KV blocks, tokens per block): `kv.num_blocks`, else what the memory holds."""
+    kv = rc.kv
+    if kv.num_blocks is not None:
+        return kv.num_blocks, kv.block_size
+    return cost.kv_capacity_blocks(gpu_memory_utilization=kv.gpu_memory_utilization,
+                                   block_size=kv.block_size), kv.block_size
 
 
-def kv_blocks(cfg: Mapping[str, Any], cost: CostModel) -> tuple[int, int]:
-    kv = _section(cfg, "kv")
-    block_size = kv.get("block_size", 16)
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise bad_value("kv.block_size", block_size, "must be an integer >= 1")
-    util = kv.get("gpu_memory_utilization", 0.9)
-    if not isinstance(util, (int, float)) or not 0 < util <= 1:
-        raise bad_value("kv.gpu_memory_utilization", util, "must be in (0, 1]")
-    fixed = kv.get("num_blocks")
-    if fixed is not None:
-        if isinstance(fixed, bool) or not isinstance(fixed, int) or fixed < 1:
-            raise bad_value("kv.num_blocks", fixed, "must be an integer >= 1 or null (derived from memory)")
-        return fixed, block_size
-    return cost.kv_capacity_blocks(gpu_memory_utilization=float(util), block_size=block_size), block_size
+def link_settings(rc: RunConfig, cost: CostModel) -> Link:
+    """The run's stage-to-stage link, resolved once (engine/settings.py: null = the hardware's)."""
+    return rc.link.resolve(cost.hardware)
 
 
-def link_settings(cfg: Mapping[str, Any], cost: CostModel) -> tuple[float, float]:
-    link = _section(cfg, "link")
-    bw = link.get("bandwidth")
-    lat = link.get("latency")
-    bandwidth = parse_bandwidth(bw) if bw is not None else cost.hardware.p2p_bw_gbs * 1e9
-    latency = parse_duration(lat) if lat is not None else cost.hardware.p2p_latency_s
-    return bandwidth, latency
+def check_microbatch_count(ctrl: Controller, pinned: int | None) -> None:
+    """Refuse a pinned micro-batch count the policy does not honour (its `max_inflight`)."""
+    if pinned is None:
+        return
+    got = ctrl.policy.max_inflight(ctrl.view)
+    if got != pinned:
+        raise ConfigError(f"policy {ctrl.policy.name!r} does not honour parallel.num_microbatches={pinned} "
+                          f"(it keeps {got} micro-batches in flight); unset it for this policy")
+
+
+def _short_simulation(cfg: Mapping[str, Any], params: Mapping[str, Any], num_requests: int) -> dict | None:
+    """`PrepareContext.simulate`: this run with other policy params, in the simulator, on its first
+    `num_requests` requests, writing nothing. None when that simulation failed."""
+    c = copy.deepcopy(dict(cfg))
+    c["policy"] = dict(_section(cfg, "policy"), **params)
+    c["executor"] = {"name": "sim"}
+    wl = _section(c, "workload")
+    if wl.get("num_requests") is None or wl["num_requests"] > num_requests:
+        wl["num_requests"] = num_requests
+    c["workload"] = wl
+    c["output"] = dict(_section(c, "output"), mlflow=False, plots=False, progress=False)
+    res = run_experiment(c)
+    return None if res.failed else res.summary
 
 
 def build_policy(cfg: Mapping[str, Any]):
@@ -141,40 +149,35 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
     """Validate the config and build workload, policy, cost model and executor.
     Raises TestbedError (one clear line) for any user mistake."""
     wall0 = time.perf_counter()
-    from testbed.molink_search import resolve_extension  # MoLink: extension=search -> simulated k
-
-    cfg, search_info = resolve_extension(cfg)
-    cost = build_cost_model(cfg)
-    num_blocks, block_size = kv_blocks(cfg, cost)
-    bandwidth, latency = link_settings(cfg, cost)
+    rc = run_config(cfg)
+    cost = build_cost_model(cfg, rc)
+    num_blocks, block_size = kv_blocks(rc, cost)
+    link = link_settings(rc, cost)
+    num_microbatches = rc.parallel.num_microbatches
     policy = build_policy(cfg)
-    if hasattr(policy, "bind_links"):  # policies that size work by the links (MoLink)
-        policy.bind_links(bandwidth, latency)
-    runtime = policy.runtime.merged(_section(cfg, "runtime"))
-    ex_cfg = _section(cfg, "executor")
-    ex_name = ex_cfg.pop("name", "sim")
-    ex_spec = EXECUTORS.get(ex_name)
-    settings = make_params(ex_spec.config_cls, ex_cfg, prefix="executor")
-    slo = make_params(SLO, _section(cfg, "slo"), prefix="slo")
+    prepare_info = policy.prepare(PrepareContext(cost.pp, lambda params, n: _short_simulation(cfg, params, n)))
+    runtime = policy.runtime.merged(dataclasses.asdict(rc.runtime))
+    ex_spec = EXECUTORS.get(rc.executor.name)
     if requests is None:
         requests = build_workload(_section(cfg, "workload"), data_dir(cfg))
     if not requests:
         raise ConfigError("the workload produced no requests; loosen its filters or raise workload.num_requests")
-    output = _section(cfg, "output")
-    tracer = Tracer(max_spans=int(output.get("max_trace_spans", 200_000)))
-    executor = ex_spec.factory(settings, ExecutorBuild(cost, runtime, bandwidth, latency, policy, tracer, cfg))
+    tracer = Tracer(max_spans=rc.output.max_trace_spans)
+    executor = ex_spec.factory(rc.executor.settings, ExecutorBuild(cost, runtime, link, policy, tracer, rc))
     kv = BlockManager(num_blocks, block_size)
-    ctrl = Controller(requests, policy, executor, kv, cost_model=cost,
-                      check_integrity=bool(cfg.get("check_integrity", False)), data_dir=data_dir(cfg),
-                      progress=progress)
+    ctrl = Controller(requests, policy, executor, kv, cost_model=cost, check_integrity=rc.check_integrity,
+                      data_dir=data_dir(cfg), progress=progress, num_microbatches=num_microbatches,
+                      link_bandwidth_Bps=link.bandwidth_Bps, link_latency_s=link.latency_s)
+    check_microbatch_count(ctrl, num_microbatches)
     info = {"build_s": time.perf_counter() - wall0, "kv_num_blocks": num_blocks, "kv_block_size": block_size,
-            "layers_per_stage": list(cost.layers), "executor": ex_name, "policy": policy.name,
+            "layers_per_stage": list(cost.layers), "executor": rc.executor.name, "policy": policy.name,
             "runtime": {k: getattr(runtime, k) for k in ("cpu_sampling", "overlap_input_prep",
                                                           "structure_aware_transfer")},
-            "link_bandwidth_Bps": bandwidth, "link_latency_s": latency,
-            "_slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}}
-    if search_info:
-        info.update(search_info)
+            "link_bandwidth_Bps": link.bandwidth_Bps, "link_latency_s": link.latency_s,
+            "_slo": {"ttft_s": rc.slo.ttft_s, "tpot_s": rc.slo.tpot_s}}
+    if num_microbatches is not None:
+        info["num_microbatches"] = num_microbatches
+    info.update(prepare_info)
     return PreparedRun(dict(cfg), ctrl, cost, info)
 
 

@@ -25,10 +25,11 @@ def shared_data() -> Path:
 def small_config(*overrides: str, out_dir: Path | None = None) -> dict:
     """A resolved config for a fast simulated run (synthetic workload, no MLflow, no plots)."""
     from testbed.config import compose, to_container
+    from testbed.overrides import merge
 
     base = ["workload=synthetic", "workload.num_requests=200", "hardware=a100-80g", "model=llama2-13b",
             "parallel.pp=2", "output.mlflow=false", "output.plots=false", "output.progress=false",
             "check_integrity=true"]
     if out_dir is not None:
         base.append(f"output.dir={out_dir}")
-    return to_container(compose(base + list(overrides)))
+    return to_container(compose(merge(base, overrides)))

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
     (["model=gpt5"], "unknown model 'gpt5'; valid choices:"),
     (["executor=gpu"], "unknown executor 'gpu'"),
     (["foo.bar=1"], "unknown config key 'foo.bar'"),
-    (["parallel.ppp=2"], "unknown config key 'parallel.ppp'; valid keys under 'parallel': layer_split, pp, tp"),
+    (["parallel.ppp=2"], "unknown config key 'parallel.ppp'; valid keys under 'parallel': layer_split, num_microbatches, pp, tp"),
     (["policy.token_budgt=5", "policy=sarathi"], "unknown config key 'policy.token_budgt'"),
     (["workload=sharegpt", "workload.rate=-1"], "workload.rate"),
     (["workload=sharegpt", "workload.rate=0"], "workload.rate"),

@@ -73,6 +73,8 @@ def _run_pipeline(requests, *, pp: int, model: str, cache: str, policy: str = "s
                   policy_params: dict | None = None, num_blocks: int = 24, block_size: int = 4,
                   **settings) -> tuple[Controller, object]:
     """The runner's path (factory + Controller), keeping the controller for its token ids."""
+    from engine.settings import Link
+    from testbed.config import run_config
     from testbed.runner import build_cost_model
 
     spec = get_model(model)
@@ -86,7 +88,7 @@ def _run_pipeline(requests, *, pp: int, model: str, cache: str, policy: str = "s
     pol = POLICIES.get(policy).from_config(policy_params or {})
     st = TorchSettings(model_cache_dir=cache, stage_timeout_s=settings.pop("stage_timeout_s", 60.0), **settings)
     spec_ = EXECUTORS.get("torch")
-    ex = spec_.factory(st, ExecutorBuild(cost, RuntimeFeatures(), 1e9, 0.0, pol, Tracer(), cfg))
+    ex = spec_.factory(st, ExecutorBuild(cost, RuntimeFeatures(), Link(1e9, 0.0), pol, Tracer(), run_config(cfg)))
     kv = BlockManager(num_blocks, block_size)
     ctrl = Controller(requests, pol, ex, kv, cost_model=cost, check_integrity=True)
     try:

@@ -144,6 +144,8 @@ def model_cache(tmp_path_factory):
 
 
 def _run(requests, cache, progress, *, pp=2, runtime=RuntimeFeatures(), **settings):
+    from engine.settings import Link
+    from testbed.config import run_config
     from testbed.runner import build_cost_model
 
     spec = get_model("tiny-llama")
@@ -156,7 +158,7 @@ def _run(requests, cache, progress, *, pp=2, runtime=RuntimeFeatures(), **settin
     cost = build_cost_model(cfg)
     pol = POLICIES.get("sarathi").from_config({"token_budget": 16, "max_num_seqs": 8})
     ex = EXECUTORS.get("torch").factory(TorchSettings(model_cache_dir=cache, **settings),
-                                        ExecutorBuild(cost, runtime, 1e9, 0.0, pol, Tracer(), cfg))
+                                        ExecutorBuild(cost, runtime, Link(1e9, 0.0), pol, Tracer(), run_config(cfg)))
     ctrl = Controller(requests, pol, ex, BlockManager(64, 4), cost_model=cost, progress=lambda d, t: progress(ex))
     try:
         ctrl.run()

@@ -21,6 +21,7 @@ from engine.errors import bad_value
 from workloads.base import check_choice, key
 
 ARRIVAL_PROCESSES = ("offline", "poisson", "gamma")
+MAX_RATE = 1e6  # requests/s: far beyond any server, and below where rescaling a trace's gaps overflows
 
 
 def check_arrival(arrival: str, rate: float | None, cv: float) -> None:

@@ -22,7 +22,9 @@ import numpy as np
 
 from engine.errors import ConfigError, TestbedError, bad_value
 from engine.request import Request
-from workloads.base import WORKLOADS, WorkloadSpec, check_choice, check_min, check_range, check_types, key, make_requests
+from engine.typed import setting
+from workloads.arrivals import MAX_RATE
+from workloads.base import WORKLOADS, WorkloadSpec, check_range, check_types, key, make_requests
 from workloads.data import resolve_data_file
 
 TRACE_FILES = {"conv": "azure/AzureLLMInferenceTrace_conv.csv", "code": "azure/AzureLLMInferenceTrace_code.csv"}
@@ -31,44 +33,71 @@ TRACE_FILES = {"conv": "azure/AzureLLMInferenceTrace_conv.csv", "code": "azure/A
 @dataclass(frozen=True)
 class AzureConfig:
     name: str = "azure"
-    trace: str = "conv"  # conv | code
+    trace: str = setting("conv", choices=tuple(TRACE_FILES))
     path: str | None = None  # explicit CSV path; None = resolve via workloads.data
-    num_requests: int | None = 2000  # None = every row that passes the filters
-    start_s: float = 0.0  # offset into the trace, seconds after its first row
-    rate: float | None = None  # None = real timestamps; else rescale to this mean req/s
+    num_requests: int | None = setting(2000, min=1)  # None = every row that passes the filters
+    start_s: float = setting(0.0, min=0)  # offset into the trace, seconds after its first row
+    rate: float | None = setting(None, gt=0, max=MAX_RATE)  # None = real timestamps; else rescale to this mean req/s
     min_input_len: int = 1
     max_input_len: int | None = None
     min_output_len: int = 1
     max_output_len: int | None = None
-    seed: int = 0  # unused: the trace is deterministic
+    seed: int = setting(0, min=0)  # unused: the trace is deterministic
 
     def __post_init__(self) -> None:
         check_types(self)
-        check_choice("trace", self.trace, tuple(TRACE_FILES))
-        check_min("num_requests", self.num_requests, 1)
-        check_min("start_s", self.start_s, 0)
-        check_min("rate", self.rate, 0, strict=True)
         check_range("min_input_len", self.min_input_len, "max_input_len", self.max_input_len)
         check_range("min_output_len", self.min_output_len, "max_output_len", self.max_output_len)
 
 
+TOKEN_COLUMNS = ("ContextTokens", "GeneratedTokens")
+
+
 @functools.lru_cache(maxsize=4)
 def _load_trace(path: str, mtime_ns: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(timestamps in ns, ContextTokens, GeneratedTokens), sorted by time; cached per file version."""
+    """(timestamps in ns, ContextTokens, GeneratedTokens), sorted by time; cached per file version.
+
+    Every row must parse: a bad timestamp or a token count that is blank, non-numeric, fractional
+    or negative is an error naming the file, the line and the value (never dropped or truncated)."""
     import pandas as pd  # here, not at module level: `import workloads` stays fast for the CLI
 
-    try:
-        df = pd.read_csv(path, usecols=["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
-        ts = pd.to_datetime(df["TIMESTAMP"], format="%Y-%m-%d %H:%M:%S.%f")  # 7 digits -> ns exact
-    except (ValueError, KeyError) as exc:
-        raise TestbedError(f"cannot read Azure trace {path}: {exc}") from exc
+    try:  # read as text so that no value is converted (or silently truncated) before it is checked
+        df = pd.read_csv(path, dtype=str, keep_default_na=False)  # a row with extra fields is an error too
+    except (ValueError, UnicodeDecodeError) as exc:  # ParserError (names the line), EmptyDataError
+        raise TestbedError(f"cannot read Azure trace {path}: {_one_line(exc)}") from exc
+    missing = [c for c in ("TIMESTAMP", *TOKEN_COLUMNS) if c not in df.columns]
+    if missing:
+        raise TestbedError(f"Azure trace {path} has no column(s) {', '.join(missing)}; "
+                           f"its header is {', '.join(map(str, df.columns))}")
+    ts = pd.to_datetime(df["TIMESTAMP"], format="%Y-%m-%d %H:%M:%S.%f", errors="coerce")  # 7 digits -> ns exact
+    _first_bad(path, "TIMESTAMP", df["TIMESTAMP"], ts.isna().to_numpy(), "a time like 2023-11-16 18:15:46.6805900")
+    cols = [_token_column(path, df, c) for c in TOKEN_COLUMNS]
     t_ns = ts.to_numpy(dtype="datetime64[ns]").astype(np.int64)
     order = np.argsort(t_ns, kind="stable")
-    arrays = (t_ns[order], df["ContextTokens"].to_numpy(np.int64)[order],
-              df["GeneratedTokens"].to_numpy(np.int64)[order])
+    arrays = (t_ns[order], cols[0][order], cols[1][order])
     for a in arrays:
         a.setflags(write=False)
     return arrays
+
+
+def _token_column(path: str, df, column: str) -> np.ndarray:
+    import pandas as pd
+
+    raw = df[column]
+    num = pd.to_numeric(raw.str.strip(), errors="coerce").to_numpy(dtype=float)
+    bad = ~np.isfinite(num) | (num < 0) | (num != np.floor(num)) | (num > np.iinfo(np.int64).max / 2)
+    _first_bad(path, column, raw, bad, "a whole number >= 0")
+    return num.astype(np.int64)
+
+
+def _first_bad(path: str, column: str, raw, bad: np.ndarray, expected: str) -> None:
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise TestbedError(f"Azure trace {path} line {i + 2}: invalid {column}={raw.iloc[i]!r}: must be {expected}")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def load_trace(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -8,13 +8,11 @@ any simulation time is spent.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import types
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from engine import typed
 from engine.errors import ConfigError, bad_value
 from engine.registry import Registry
 from engine.request import Request
@@ -39,62 +37,13 @@ def key(field: str) -> str:
 # ---------------------------------------------------------------- config checking
 
 def check_types(cfg: Any) -> None:
-    """Check every field of a config dataclass against its annotation, coercing where lossless.
-
-    Accepted annotations: int, float, str, bool and their `| None` forms. An int is accepted for
-    a float field (OmegaConf gives `rate: 4` as int), an integral float for an int field, and a
-    path-like for a str field; bool is never taken as a number. NaN and infinities are refused.
-    Call it first thing in `__post_init__`; it also checks that `name` is the registered one.
-    """
-    hints = typing.get_type_hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        allowed = _allowed_types(hints[f.name])
-        new = _coerce(f.name, value, allowed)
-        if new is not value:
-            object.__setattr__(cfg, f.name, new)
+    """Check every field of a workload config against its annotation and `setting(...)` metadata
+    (engine/typed.py, the one system every setting goes through), coercing where lossless.
+    Call it first thing in `__post_init__`; it also checks that `name` is the registered one."""
+    typed.check(cfg, PREFIX)
     name_field = dataclasses.fields(cfg)[0]
     if name_field.name != "name" or cfg.name != name_field.default:
         raise bad_value(key("name"), cfg.name, f"this config class is for workload {name_field.default!r}")
-
-
-def _allowed_types(hint: Any) -> tuple[type, ...]:
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return typing.get_args(hint)
-    return (hint,)
-
-
-def _describe(allowed: tuple[type, ...]) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-    parts = [names[t] for t in allowed if t is not type(None)]
-    text = " or ".join(parts)
-    return f"must be {text} or null" if type(None) in allowed else f"must be {text}"
-
-
-def _coerce(field: str, value: Any, allowed: tuple[type, ...]) -> Any:
-    if value is None and type(None) in allowed:
-        return value
-    if isinstance(value, bool):
-        if bool in allowed:
-            return value
-    elif isinstance(value, int):
-        if int in allowed:
-            return value
-        if float in allowed:
-            return float(value)
-    elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise bad_value(key(field), value, "must be a finite number")
-        if float in allowed:
-            return value
-        if int in allowed and value.is_integer():
-            return int(value)
-    elif isinstance(value, str):
-        if str in allowed:
-            return value
-    elif isinstance(value, os.PathLike) and str in allowed:
-        return os.fspath(value)
-    raise bad_value(key(field), value, _describe(allowed))
 
 
 def check_choice(field: str, value: str, choices: Sequence[str]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,8 +23,9 @@ import numpy as np
 
 from engine.errors import TestbedError, bad_value
 from engine.request import Request
-from workloads.arrivals import arrival_times, check_arrival
-from workloads.base import WORKLOADS, WorkloadSpec, check_choice, check_min, check_range, check_types, key, make_requests
+from engine.typed import setting
+from workloads.arrivals import ARRIVAL_PROCESSES, MAX_RATE, arrival_times, check_arrival
+from workloads.base import WORKLOADS, WorkloadSpec, check_range, check_types, key, make_requests
 from workloads.data import SHAREGPT_PAIRS, resolve_data_file
 
 TOKENIZERS = {"llama3": ("input_tokens", "output_tokens", 1), "qwen3": ("input_tokens_qwen3", "output_tokens_qwen3", 0)}
@@ -34,26 +36,23 @@ FIELDS = ("id", "prompt", "input_tokens", "output_tokens", "input_tokens_qwen3",
 class ShareGPTConfig:
     name: str = "sharegpt"
     path: str | None = None  # explicit pairs file; None = resolve via workloads.data
-    num_requests: int = 1000
-    arrival: str = "poisson"  # offline | poisson | gamma
-    rate: float | None = 4.0  # req/s; required > 0 unless offline (ignored then)
+    num_requests: int = setting(1000, min=1)
+    arrival: str = setting("poisson", choices=ARRIVAL_PROCESSES)
+    rate: float | None = setting(4.0, max=MAX_RATE)  # req/s; required > 0 unless offline (ignored then)
     cv: float = 1.0  # gamma only: coefficient of variation of the gaps
-    tokenizer: str = "llama3"  # llama3 | qwen3: which token counts to use
+    tokenizer: str = setting("llama3", choices=tuple(TOKENIZERS))  # which token counts to use
     min_input_len: int = 1
     max_input_len: int | None = None
     min_output_len: int = 1
     max_output_len: int | None = None
     # prompt + output; e.g. 4096 keeps pairs inside Llama-2's context (one ShareGPT pair has a
     # 22,267-token output that alone sets the length of an offline run when left in)
-    max_total_len: int | None = None
-    seed: int = 0
+    max_total_len: int | None = setting(None, min=2)
+    seed: int = setting(0, min=0)  # the run config's default is ${seed} (testbed/config.py)
 
     def __post_init__(self) -> None:
         check_types(self)
-        check_min("num_requests", self.num_requests, 1)
-        check_min("max_total_len", self.max_total_len, 2)
         check_arrival(self.arrival, self.rate, self.cv)
-        check_choice("tokenizer", self.tokenizer, tuple(TOKENIZERS))
         check_range("min_input_len", self.min_input_len, "max_input_len", self.max_input_len)
         check_range("min_output_len", self.min_output_len, "max_output_len", self.max_output_len)
 
@@ -68,26 +67,54 @@ class Pairs:
 
 @functools.lru_cache(maxsize=2)
 def _load_pairs(path: str, mtime_ns: int, size: int) -> Pairs:
+    """Every non-blank line must be a JSON object with a string `prompt` and whole-number token
+    counts; anything else is an error naming the file, the line and the value (never skipped,
+    never truncated)."""
     prompts: list[str] = []
     cols: dict[str, list[int]] = {f: [] for f in FIELDS[2:]}
+    lineno = 0
     try:
         with gzip.open(path, "rt", encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
-                rec = json.loads(line)
-                missing = [f for f in FIELDS if f not in rec]
-                if missing:
-                    raise TestbedError(f"{path} line {lineno}: missing field(s) {', '.join(missing)}")
+                rec = _record(path, lineno, line)
                 prompts.append(rec["prompt"])
                 for f in cols:
-                    cols[f].append(int(rec[f]))
-    except (OSError, EOFError, ValueError) as exc:  # bad gzip, truncated file, bad JSON
-        raise TestbedError(f"cannot read ShareGPT pairs {path}: {exc}") from exc
+                    cols[f].append(rec[f])
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:  # bad gzip, truncated file, not UTF-8
+        after = f" after line {lineno}" if lineno else ""
+        raise TestbedError(f"cannot read ShareGPT pairs {path}{after}: {_one_line(exc)}") from exc
     counts = {f: np.asarray(v, dtype=np.int64) for f, v in cols.items()}
     for a in counts.values():
         a.setflags(write=False)
     return Pairs(tuple(prompts), counts)
+
+
+def _record(path: str, lineno: int, line: str) -> dict:
+    where = f"ShareGPT pairs {path} line {lineno}"
+    try:
+        rec = json.loads(line)
+    except ValueError as exc:
+        raise TestbedError(f"{where}: not JSON ({_one_line(exc)})") from None
+    if not isinstance(rec, dict):
+        raise TestbedError(f"{where}: expected a JSON object with fields {', '.join(FIELDS)}, got {line.strip()[:80]!r}")
+    missing = [f for f in FIELDS if f not in rec]
+    if missing:
+        raise TestbedError(f"{where}: missing field(s) {', '.join(missing)}")
+    if not isinstance(rec["prompt"], str):
+        raise TestbedError(f"{where}: invalid prompt={rec['prompt']!r}: must be a string")
+    for f in FIELDS[2:]:
+        v = rec[f]
+        ok = isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
+        if not ok or v < 0:
+            raise TestbedError(f"{where}: invalid {f}={v!r}: must be a whole number >= 0")
+        rec[f] = int(v)
+    return rec
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def load_pairs(path: Path) -> Pairs:

@@ -22,42 +22,42 @@ import numpy as np
 
 from engine.errors import ConfigError, bad_value
 from engine.request import Request
-from workloads.arrivals import arrival_times, check_arrival
-from workloads.base import WORKLOADS, WorkloadSpec, check_choice, check_min, check_range, check_types, key, make_requests
+from engine.typed import setting
+from workloads.arrivals import ARRIVAL_PROCESSES, MAX_RATE, arrival_times, check_arrival
+from workloads.base import WORKLOADS, WorkloadSpec, check_min, check_range, check_types, key, make_requests
 
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")
 MIN_ACCEPT = 1e-3  # lognormal bounds must keep at least this fraction of draws
+MAX_REQUESTS = 10_000_000  # each request is a Python object of ~1 kB in the controller
 
 
 @dataclass(frozen=True)
 class SyntheticConfig:
     name: str = "synthetic"
-    num_requests: int = 1000
-    input_dist: str = "fixed"  # fixed | uniform | lognormal
+    num_requests: int = setting(1000, min=1, max=MAX_REQUESTS)
+    input_dist: str = setting("fixed", choices=LENGTH_DISTS)
     input_mean: float = 512
     input_min: int = 1
     input_max: int | None = None  # None = no upper bound (not allowed for uniform)
     input_sigma: float = 1.0  # lognormal only: sigma of the underlying normal
-    output_dist: str = "fixed"
+    output_dist: str = setting("fixed", choices=LENGTH_DISTS)
     output_mean: float = 128
     output_min: int = 1
     output_max: int | None = None
     output_sigma: float = 1.0
-    arrival: str = "poisson"  # offline | poisson | gamma
-    rate: float | None = 4.0  # req/s; required > 0 unless offline
+    arrival: str = setting("poisson", choices=ARRIVAL_PROCESSES)
+    rate: float | None = setting(4.0, max=MAX_RATE)  # req/s; required > 0 unless offline
     cv: float = 1.0  # gamma only
-    seed: int = 0
+    seed: int = setting(0, min=0)  # the run config's default is ${seed} (testbed/config.py)
 
     def __post_init__(self) -> None:
         check_types(self)
-        check_min("num_requests", self.num_requests, 1)
         for side in ("input", "output"):
             _check_lengths(side, *(getattr(self, f"{side}_{k}") for k in ("dist", "mean", "min", "max", "sigma")))
         check_arrival(self.arrival, self.rate, self.cv)
 
 
 def _check_lengths(side: str, dist: str, mean: float, lo: int, hi: int | None, sigma: float) -> None:
-    check_choice(f"{side}_dist", dist, LENGTH_DISTS)
     check_range(f"{side}_min", lo, f"{side}_max", hi)
     if dist == "fixed":
         if not float(mean).is_integer() or mean < lo or (hi is not None and mean > hi):

@@ -43,6 +43,7 @@ from typing import Any, Callable
 from engine.batch import MicroBatch
 from engine.errors import ConfigError
 from engine.executor import Completion, Executor, ExecutorBuild
+from engine.settings import RunConfig
 from engine.torch_exec.settings import TorchSettings
 from engine.torch_exec import wire
 from engine.torch_exec.control import ControlSocket, free_port, warn_exposed
@@ -55,7 +56,7 @@ STOP_GRACE_S = 5.0
 class TorchExecutor(FailureDiagnosis, Executor):
     """P stage processes running a real model; see the package docstring for the architecture."""
 
-    def __init__(self, settings: TorchSettings, *, pp: int, run_config: dict | None = None,
+    def __init__(self, settings: TorchSettings, *, pp: int, run_config: RunConfig | None = None,
                  layer_split: list[int] | None = None, tracer: Tracer | None = None, runtime=None,
                  link_bandwidth_Bps: float | None = None, link_latency_s: float = 0.0,
                  shape_links: bool = False, policy=None) -> None:
@@ -73,7 +74,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self.reorder = bool(shape_links) and pp > 1
         self._parts: dict[int, list] = {}  # mb id -> CPU sampler parts received
         self.pipeline_depth = pp
-        self.run_config = dict(run_config or {})
+        self.run_config = run_config if run_config is not None else RunConfig()
         self.layer_split = layer_split
         self.tracer = tracer or Tracer()
         # The controller's KV block manager (block tables, pool size), set by `attach(kv)`,
@@ -238,17 +239,17 @@ class TorchExecutor(FailureDiagnosis, Executor):
         from engine.torch_exec.checkpoint import check_kv_memory, model_source, random_checkpoint, read_arch
 
         st = self.settings
-        path, spec = model_source(st, self.run_config)
+        model = self.run_config.model
+        path, spec = model_source(st, {"model": dataclasses.asdict(model)} if model is not None else {})
         if path is None:
-            out_dir = ((self.run_config.get("output") or {}).get("dir")) or "runs"
-            cache = st.model_cache_dir or os.path.join(out_dir, "models")
+            cache = st.model_cache_dir or os.path.join(self.run_config.output.dir, "models")
             path = random_checkpoint(spec, st.model_seed, cache)
         self.model_path = os.path.abspath(path)
         self.arch = arch = read_arch(path)
         self.layers = self._layer_ranges(arch.num_layers)
         num_blocks, block_size = self.kv.num_blocks, self.kv.block_size
         check_kv_memory(self.settings, arch, num_blocks, block_size)
-        seed = st.prompt_seed if st.prompt_seed is not None else int(self.run_config.get("seed", 0) or 0)
+        seed = st.prompt_seed if st.prompt_seed is not None else self.run_config.seed
         self._prompt_seed = seed
         self._vocab = arch.vocab_size
         return num_blocks, block_size
@@ -524,13 +525,9 @@ def check_launchable(settings: TorchSettings) -> None:
 
 def make_torch_executor(settings: TorchSettings, build: ExecutorBuild) -> TorchExecutor:
     check_launchable(settings)
-    cfg = build.run_config or {}
-    cfg = dict(cfg) if not isinstance(cfg, dict) else cfg
-    par = dict(cfg.get("parallel") or {})
-    pp = build.cost_model.pp if build.cost_model is not None else int(par.get("pp", 1))
-    split = par.get("layer_split")
-    link = dict(cfg.get("link") or {})
-    shape = link.get("bandwidth") is not None or link.get("latency") is not None
-    return TorchExecutor(settings, pp=pp, run_config=cfg, layer_split=list(split) if split else None,
-                         tracer=build.tracer, runtime=build.runtime, link_bandwidth_Bps=build.link_bandwidth_Bps,
-                         link_latency_s=build.link_latency_s, shape_links=shape, policy=build.policy)
+    rc = build.run_config
+    pp = build.cost_model.pp if build.cost_model is not None else rc.parallel.pp
+    split = rc.parallel.layer_split
+    return TorchExecutor(settings, pp=pp, run_config=rc, layer_split=list(split) if split else None,
+                         tracer=build.tracer, runtime=build.runtime, link_bandwidth_Bps=build.link.bandwidth_Bps,
+                         link_latency_s=build.link.latency_s, shape_links=build.link.explicit, policy=build.policy)

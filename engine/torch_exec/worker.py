@@ -20,8 +20,8 @@ counted as busy.
 Paced links (the run names link.bandwidth / link.latency): a stage's activations are queued at
 its outgoing link and a sender thread sends what the run's policy picks with
 `schedule_transfer` (the policy is rebuilt here from the "module:qualname" and params in
-`StageInit`, imported by name and checked to be an `engine.policy.Policy`; MoLink's `bind_links`
-gets the link), chunk by chunk; a receiver thread reassembles each micro-batch's chunks
+`StageInit`, imported by name and checked to be an `engine.policy.Policy`; the link arrives with
+each `LinkState`), chunk by chunk; a receiver thread reassembles each micro-batch's chunks
 (interleaved: a decode may overtake a prefill's remaining chunks), see transfer.py. A stage
 behind such a link runs the micro-batches whose activations are complete, in launch order among
 them, so micro-batches may finish out of launch order (the driver accepts that then). This is
@@ -106,7 +106,7 @@ class _Stopped(Exception):
     pass
 
 
-def build_policy(class_path: str, params: dict, bandwidth_Bps: float | None, latency_s: float):
+def build_policy(class_path: str, params: dict):
     """The run's policy for `schedule_transfer`, imported by its "module:qualname" (no import of
     `policies` here: the engine stays below the policies)."""
     import importlib
@@ -121,12 +121,7 @@ def build_policy(class_path: str, params: dict, bandwidth_Bps: float | None, lat
         obj = getattr(obj, part)
     if not (isinstance(obj, type) and issubclass(obj, Policy)):
         raise RuntimeError(f"{class_path} is not an engine.policy.Policy")
-    pol = obj.from_config(params)
-    if hasattr(pol, "bind_links"):
-        from engine.torch_exec.transfer import UNPACED_BPS
-
-        pol.bind_links(bandwidth_Bps or UNPACED_BPS, latency_s)
-    return pol
+    return obj.from_config(params)  # the link arrives with each LinkState
 
 
 class _Stage:
@@ -358,7 +353,7 @@ class _Stage:
 
         comm_dev = "cpu" if (self.transfer_via_cpu or self.device == "cpu") else self.device
         if not self.last:
-            policy = build_policy(init.policy_class, init.policy_params, self.bw, self.lat)
+            policy = build_policy(init.policy_class, init.policy_params)
             self.link_out = transfer.LinkSender(self.dist, self.stage, self.stage + 1, policy, self.bw,
                                                 self.lat, self.chunk, comm_dev, self.link_info)
         if not self.first:

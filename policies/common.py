@@ -1,0 +1,110 @@
+"""Building blocks shared by the seed policies, one definition each.
+
+- `idle_decodes(view)`: decoding sequences not in any in-flight micro-batch (the ones a free
+  slot may take), in admission order.
+- `IdleOrder`: longest-idle-first ordering of those, for policies that take only part of them
+  (gLLM, TD-Pipe): picking the sequences that returned longest ago keeps every sequence's TPOT
+  even instead of starving the latest admitted.
+- `add_decode_or_preempt`: a decode that cannot get a KV slot preempts the latest admitted
+  candidate (vLLM's and Sarathi-Serve's recompute rule).
+- `fill_prefills` (Sarathi-Serve: the whole prompt's KV reserved at admission, `max_num_seqs`
+  cap) and `fill_chunked_prefills` (gLLM: KV for the chunk only): partial prompts first, then
+  waiting requests first-come first-served.
+"""
+from __future__ import annotations
+
+from engine.batch import BatchBuilder
+from engine.policy import SchedulerView
+from engine.request import SeqStatus, Sequence
+
+
+def idle_decodes(view: SchedulerView) -> list[Sequence]:
+    """Decoding sequences not in flight, in admission order."""
+    decoding = SeqStatus.DECODING
+    return [s for s in view.running if s.status is decoding and not s.in_flight]
+
+
+class IdleOrder:
+    """Remembers when each decoding sequence last returned from the pipeline."""
+
+    def __init__(self) -> None:
+        self._stamp: dict[int, int] = {}  # seq id -> completion counter when it last returned
+        self._completions = 0
+
+    def on_complete(self, micro_batch, finished) -> None:
+        self._completions += 1
+        for seq in micro_batch.sequences():
+            if seq.status is SeqStatus.DECODING:
+                self._stamp[seq.seq_id] = self._completions
+        for seq in finished:
+            self._stamp.pop(seq.seq_id, None)
+
+    def sort(self, seqs: list) -> None:
+        """In place: longest idle first, then admission order."""
+        seqs.sort(key=lambda s: (self._stamp.get(s.seq_id, -1), s.admit_order))
+
+
+def add_decode_or_preempt(b: BatchBuilder, seq: Sequence, victims: list[Sequence]) -> bool:
+    """Add `seq` as a decode, preempting from the end of `victims` (latest admitted first) until
+    its KV slot fits; if `seq` itself is the last candidate it is preempted. True if added."""
+    while not b.add_decode(seq):
+        victim = None
+        while victims:
+            cand = victims.pop()
+            if cand not in b and not cand.in_flight:
+                victim = cand
+                break
+        if victim is None or victim is seq:
+            if seq not in b:
+                b.preempt(seq)
+            return False
+        b.preempt(victim)
+    return True
+
+
+def fill_prefills(b: BatchBuilder, view: SchedulerView, budget: int, max_num_seqs: int) -> int:
+    """Sarathi's prefill part: continue partial prompts, then admit new requests FCFS while
+    their whole prompt fits in KV and the running set is under `max_num_seqs`. Returns the
+    budget left."""
+    for seq in view.running:
+        if budget <= 0:
+            return 0
+        if seq.status is SeqStatus.PREFILLING and not seq.in_flight and seq not in b:
+            n = min(seq.remaining_prefill, budget)
+            if b.add_prefill(seq, n):
+                budget -= n
+    running = view.num_running - len(b.preempted)
+    for seq in view.waiting:
+        if budget <= 0 or running >= max_num_seqs:
+            break
+        if seq in b:  # preempted in this very batch: recompute later
+            continue
+        n = min(seq.remaining_prefill, budget)
+        if not b.add_prefill(seq, n, reserve_tokens=seq.prefill_target):
+            break  # first-come first-served: do not let later requests jump the queue
+        budget -= n
+        running += 1
+    return budget
+
+
+def fill_chunked_prefills(b: BatchBuilder, view: SchedulerView, budget: int) -> int:
+    """Chunked prefill within `budget` tokens: partial prompts first, then waiting requests FCFS;
+    KV for the chunk only. Returns the budget left."""
+    for seq in view.running:
+        if budget <= 0:
+            return 0
+        if seq.status is SeqStatus.PREFILLING and not seq.in_flight and seq not in b:
+            n = min(seq.remaining_prefill, budget)
+            if not b.add_prefill(seq, n):
+                return budget
+            budget -= n
+    for seq in view.waiting:
+        if budget <= 0:
+            break
+        if seq in b:  # preempted in this very batch
+            continue
+        n = min(seq.remaining_prefill, budget)
+        if not b.add_prefill(seq, n):
+            break  # FCFS: later requests do not jump the queue
+        budget -= n
+    return budget
