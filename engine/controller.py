@@ -161,9 +161,9 @@ class Controller:
                     seq.first_scheduled_s = now
             self.kv.ensure(seq.seq_id, chunk.reserve_tokens)
             seq.in_flight = True
-        append_one = self.kv.append_one
-        for seq in mb.decodes:
-            append_one(seq.seq_id)  # a decoding sequence holds exactly num_computed tokens
+        decodes = mb.decodes
+        self.kv.append_one_each([seq.seq_id for seq in decodes])  # a decode holds exactly num_computed tokens
+        for seq in decodes:
             seq.in_flight = True
         mb.mb_id = self._next_mb_id
         self._next_mb_id += 1
@@ -213,7 +213,7 @@ class Controller:
                 seq.output_token_ids.append(tokens[k])
             k += 1
             seq.num_generated += 1
-            if seq.num_generated >= seq.request.output_len:
+            if seq.num_generated >= seq.output_len:
                 self._emit_finish(seq, now, finished)
             else:
                 seq.status = decoding

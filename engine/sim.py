@@ -22,11 +22,12 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.batch import MicroBatch
 from engine.errors import bad_value
 from engine.executor import EXECUTORS, Completion, Executor, ExecutorBuild, ExecutorSpec
-from engine.policy import LinkState, PendingTransfer, RuntimeFeatures, Transfer
+from engine.policy import LinkState, PendingTransfer, Policy, RuntimeFeatures, Transfer
 from engine.trace import Tracer
 
 STAGE_DONE, LINK_DONE, ARRIVE, PREP_DONE, SAMPLE_DONE, COMPLETE = range(6)
@@ -88,6 +89,14 @@ class SimExecutor(Executor):
         self._blocked_since: list[float | None] = [None] * P  # blocking send: stage held since
         self._stage_tracks = [f"stage{s}" for s in range(P)]
         self._link_tracks = [f"link{s}-{s + 1}" for s in range(P - 1)]
+        # Hot-path state (see `_price`, `_try_send`): the heap and its tie counter used directly,
+        # each in-flight batch's costs computed once at launch, and FIFO sends without building
+        # a LinkState when the scheduler is the default.
+        self._heap = self.events._heap
+        self._counter = self.events._counter
+        self._priced: dict[int, _Priced] = {}
+        self._fifo_sends = transfer_scheduler is None or transfer_scheduler is _fifo
+        self._metadata_s = 0.0 if runtime.structure_aware_transfer else cost_model.coefficients.transfer_metadata_s
 
     # --- Executor interface ----------------------------------------------------------------------
     def now(self) -> float:
@@ -99,6 +108,7 @@ class SimExecutor(Executor):
 
     def launch(self, mb: MicroBatch) -> None:
         self._mbs[mb.mb_id] = mb
+        self._priced[mb.mb_id] = self._price(mb)
         if self.runtime.overlap_input_prep:
             for s in range(self.pipeline_depth):
                 self._prep_queue[s].append(mb.mb_id)
@@ -106,14 +116,14 @@ class SimExecutor(Executor):
         self._arrive(0, mb.mb_id)
 
     def next_completion(self, deadline: float | None = None) -> Completion | None:
-        ev = self.events
+        heap = self._heap
+        pop = heapq.heappop
         while True:
-            t = ev.peek_time()
-            if t is None or (deadline is not None and t > deadline):
+            if not heap or (deadline is not None and heap[0][0] > deadline):
                 if deadline is not None and deadline > self._clock:
                     self._clock = deadline
                 return None
-            t, prio, _, payload = ev.pop()
+            t, prio, _, payload = pop(heap)
             self._clock = t
             if prio == STAGE_DONE:
                 self._on_stage_done(*payload)
@@ -128,7 +138,13 @@ class SimExecutor(Executor):
             else:  # COMPLETE
                 mb_id = payload[0]
                 del self._mbs[mb_id]
+                del self._priced[mb_id]
                 return Completion(mb_id, t)
+
+    def _price(self, mb: MicroBatch) -> _Priced:
+        cost, shape = self.cost, mb.shape
+        return _Priced(cost.stage_compute_all_s(shape),
+                       f"forward:{mb.kind}", cost.prep_s(shape), cost.sample_s(shape), cost.activation_bytes(shape))
 
     # --- stages ------------------------------------------------------------------------------------
     def _arrive(self, stage: int, mb_id: int) -> None:
@@ -141,33 +157,26 @@ class SimExecutor(Executor):
         self._try_start(stage)
 
     def _try_start(self, s: int) -> None:
-        if self._gpu_busy[s] or not self._ready[s]:
+        ready = self._ready[s]
+        if self._gpu_busy[s] or not ready:
             return
-        mb_id = self._ready[s].popleft()
-        mb = self._mbs[mb_id]
-        shape = mb.shape
+        mb_id = ready.popleft()
+        priced = self._priced[mb_id]
         now = self._clock
-        tr = self.tracer
-        track = self._stage_tracks[s]
-        t = now
+        forward = (priced.forward_name, priced.forward[s])
         if self.runtime.overlap_input_prep:
             self._prepared[s].discard(mb_id)
             self._arrived[s].discard(mb_id)
             self._try_prep(s)  # the buffer it used is free for the next batch
+            parts = (forward,)
         else:
-            prep = self.cost.prep_s(shape)
-            tr.span(track, "prepare", t, t + prep, mb_id)
-            t += prep
-        fwd = self.cost.stage_compute_s(s, shape)
-        tr.span(track, f"forward:{mb.kind}", t, t + fwd, mb_id)
-        t += fwd
+            parts = (("prepare", priced.prep), forward)
         if s == self.pipeline_depth - 1 and not self.runtime.cpu_sampling:
-            smp = self.cost.sample_s(shape)
-            tr.span(track, "sample", t, t + smp, mb_id)
-            t += smp
+            parts += (("sample", priced.sample),)
+        t = self.tracer.chain(self._stage_tracks[s], now, parts, mb_id)
         self._gpu_busy[s] = True
         self._running[s] = (now, t, mb_id)
-        self.events.push(t, STAGE_DONE, (s, mb_id))
+        heapq.heappush(self._heap, (t, STAGE_DONE, next(self._counter), (s, mb_id)))
 
     def _on_stage_done(self, s: int, mb_id: int) -> None:
         self._gpu_busy[s] = False
@@ -175,8 +184,9 @@ class SimExecutor(Executor):
         now = self._clock
         mb = self._mbs[mb_id]
         if s < self.pipeline_depth - 1:
-            nbytes = self.cost.activation_bytes(mb.shape)
-            self._inbound[(s + 1, mb_id)] = nbytes
+            nbytes = self._priced[mb_id].nbytes
+            if not self._fifo_sends:  # FIFO sends whole activations: each arrives in one piece
+                self._inbound[(s + 1, mb_id)] = nbytes
             self._link_pending[s].append(PendingTransfer(mb, nbytes, nbytes, now))
             if self.blocking_send:
                 # torch.distributed's send on CPU (gloo) returns only once the data has left:
@@ -203,7 +213,7 @@ class SimExecutor(Executor):
         self._try_start(s)
 
     def _complete_after_return(self, mb_id: int) -> None:
-        self.events.push(self._clock + self.latency, COMPLETE, (mb_id,))
+        heapq.heappush(self._heap, (self._clock + self.latency, COMPLETE, next(self._counter), (mb_id,)))
 
     # --- overlapped preparation ------------------------------------------------------------------
     def _try_prep(self, s: int) -> None:
@@ -211,7 +221,7 @@ class SimExecutor(Executor):
         if self._cpu_busy[s] or not self._prep_queue[s] or waiting_prepared >= 1:
             return
         mb_id = self._prep_queue[s].popleft()
-        prep = self.cost.prep_s(self._mbs[mb_id].shape)
+        prep = self._priced[mb_id].prep
         self._cpu_busy[s] = True
         self.tracer.span(f"{self._stage_tracks[s]}.cpu", "prepare", self._clock, self._clock + prep, mb_id)
         self.events.push(self._clock + prep, PREP_DONE, (s, mb_id))
@@ -230,14 +240,18 @@ class SimExecutor(Executor):
         if self._link_busy[link] or not pending:
             return
         now = self._clock
-        running = self._running[link]
-        info = {"upstream_busy": running is not None,
-                "upstream_start_s": running[0] if running else None,
-                "upstream_end_s": running[1] if running else None}
-        state = LinkState(link, link + 1, self.bandwidth, self.latency, now, info)
-        choice = self.transfer_scheduler(state, pending)
-        item, nbytes = choice.item, int(choice.nbytes)
-        if item not in pending or not 0 < nbytes <= item.remaining_bytes:
+        if self._fifo_sends:  # the default scheduler: the oldest activation, whole
+            item = pending[0]
+            nbytes = item.remaining_bytes
+        else:
+            running = self._running[link]
+            info = {"upstream_busy": running is not None,
+                    "upstream_start_s": running[0] if running else None,
+                    "upstream_end_s": running[1] if running else None}
+            state = LinkState(link, link + 1, self.bandwidth, self.latency, now, info)
+            choice = self.transfer_scheduler(state, pending)
+            item, nbytes = choice.item, int(choice.nbytes)
+        if not 0 < nbytes <= item.remaining_bytes or item not in pending:
             raise RuntimeError(f"schedule_transfer chose {nbytes} bytes of micro-batch {item.mb.mb_id}, "
                                f"which has {item.remaining_bytes} pending on link {link}")
         item.remaining_bytes -= nbytes
@@ -245,14 +259,16 @@ class SimExecutor(Executor):
             pending.remove(item)
         duration = nbytes / self.bandwidth
         if not self.runtime.structure_aware_transfer:
-            duration += self.cost.coefficients.transfer_metadata_s
+            duration += self._metadata_s
         self._link_busy[link] = True
-        self.tracer.span(self._link_tracks[link], "send", now, now + duration, item.mb.mb_id)
-        self.events.push(now + duration, LINK_DONE, (link, item.mb.mb_id, nbytes, item.remaining_bytes == 0))
+        mb_id = item.mb.mb_id
+        self.tracer.span(self._link_tracks[link], "send", now, now + duration, mb_id)
+        heapq.heappush(self._heap, (now + duration, LINK_DONE, next(self._counter),
+                                    (link, mb_id, nbytes, item.remaining_bytes == 0)))
 
     def _on_link_done(self, link: int, mb_id: int, nbytes: int, last: bool) -> None:
         self._link_busy[link] = False
-        self.events.push(self._clock + self.latency, ARRIVE, (link + 1, mb_id, nbytes))
+        heapq.heappush(self._heap, (self._clock + self.latency, ARRIVE, next(self._counter), (link + 1, mb_id, nbytes)))
         if self.blocking_send and last and self._blocked_since[link] is not None:
             # the sending stage (index == link) is released once its activation has left
             self.tracer.span(self._stage_tracks[link], "send", self._blocked_since[link], self._clock, mb_id)
@@ -262,6 +278,9 @@ class SimExecutor(Executor):
         self._try_send(link)
 
     def _on_arrive(self, stage: int, mb_id: int, nbytes: int) -> None:
+        if self._fifo_sends:
+            self._arrive(stage, mb_id)
+            return
         key = (stage, mb_id)
         left = self._inbound[key] - nbytes
         if left > 0:
@@ -273,6 +292,16 @@ class SimExecutor(Executor):
 
 def _fifo(link: LinkState, pending: Seq[PendingTransfer]) -> Transfer:
     return Transfer(pending[0], pending[0].remaining_bytes)
+
+
+class _Priced(NamedTuple):
+    """One micro-batch's costs, computed once at launch instead of once per stage and event."""
+
+    forward: tuple[float, ...]  # GPU time per stage, sampling excluded
+    forward_name: str  # the trace label, "forward:<kind>"
+    prep: float  # input preparation (the same on every stage)
+    sample: float  # GPU sampling on the last stage
+    nbytes: int  # activation bytes per hop
 
 
 @dataclass(frozen=True)
@@ -291,8 +320,12 @@ class SimSettings:
 
 
 def _make_sim(settings: SimSettings, build: ExecutorBuild) -> SimExecutor:
+    # A policy that keeps the base class's FIFO schedule_transfer gets the executor's own FIFO
+    # fast path (no LinkState per send); the choice is the same.
+    custom = getattr(type(build.policy), "schedule_transfer", None) is not Policy.schedule_transfer
     return SimExecutor(build.cost_model, runtime=build.runtime, link_bandwidth_Bps=build.link.bandwidth_Bps,
-                       link_latency_s=build.link.latency_s, transfer_scheduler=build.policy.schedule_transfer,
+                       link_latency_s=build.link.latency_s,
+                       transfer_scheduler=build.policy.schedule_transfer if custom else None,
                        num_cpu_samplers=settings.num_cpu_samplers, tracer=build.tracer,
                        blocking_send=settings.blocking_send)
 

@@ -22,11 +22,32 @@ class Tracer:
              busy: bool = True) -> None:
         """Record one span; `busy=False` for waits, which are traced but not counted as work."""
         if busy:
-            self.busy[track] = self.busy.get(track, 0.0) + (end - start)
-        if len(self.spans) < self.max_spans:
-            self.spans.append((track, name, start, end, mb_id))
+            total = self.busy
+            total[track] = total.get(track, 0.0) + (end - start)
+        spans = self.spans
+        if len(spans) < self.max_spans:
+            spans.append((track, name, start, end, mb_id))
         else:
             self.dropped += 1
+
+    def chain(self, track: str, start: float, parts: tuple[tuple[str, float], ...], mb_id: int = -1) -> float:
+        """Busy spans back to back on one track from `start`, one per (name, duration); returns
+        the end. The same records and sums as one `span` each; one call per stage start in the
+        simulator instead of two or three (its 180k stage starts in the 5,000-request benchmark)."""
+        total = self.busy
+        spans = self.spans
+        busy = total.get(track, 0.0)
+        t = start
+        for name, duration in parts:
+            end = t + duration
+            busy += end - t
+            if len(spans) < self.max_spans:
+                spans.append((track, name, t, end, mb_id))
+            else:
+                self.dropped += 1
+            t = end
+        total[track] = busy
+        return t
 
     def busy_time(self, track: str) -> float:
         return self.busy.get(track, 0.0)

@@ -110,12 +110,16 @@ def _bounds_text(meta: Mapping[str, Any]) -> str:
     if lo and hi:
         left = "[" if lo[0] == "min" else "("
         right = "]" if hi[0] == "max" else ")"
-        return f"in {left}{meta[lo[0]]}, {meta[hi[0]]}{right}"
+        return f"in {left}{_num(meta[lo[0]])}, {_num(meta[hi[0]])}{right}"
     if lo:
-        return f"{lo[1]} {meta[lo[0]]}"
+        return f"{lo[1]} {_num(meta[lo[0]])}"
     if hi:
-        return f"{hi[1]} {meta[hi[0]]}"
+        return f"{hi[1]} {_num(meta[hi[0]])}"
     return ""
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
 
 
 class _Mismatch(Exception):

@@ -33,15 +33,20 @@ class IdleOrder:
 
     def on_complete(self, micro_batch, finished) -> None:
         self._completions += 1
-        for seq in micro_batch.sequences():
-            if seq.status is SeqStatus.DECODING:
-                self._stamp[seq.seq_id] = self._completions
+        stamp, now, decoding = self._stamp, self._completions, SeqStatus.DECODING
+        for chunk in micro_batch.prefills:  # micro_batch.sequences() without building the list
+            if chunk.seq.status is decoding:
+                stamp[chunk.seq.seq_id] = now
+        for seq in micro_batch.decodes:
+            if seq.status is decoding:
+                stamp[seq.seq_id] = now
         for seq in finished:
-            self._stamp.pop(seq.seq_id, None)
+            stamp.pop(seq.seq_id, None)
 
     def sort(self, seqs: list) -> None:
         """In place: longest idle first, then admission order."""
-        seqs.sort(key=lambda s: (self._stamp.get(s.seq_id, -1), s.admit_order))
+        get = self._stamp.get  # bound once: the key runs once per idle decode (1.4M per benchmark run)
+        seqs.sort(key=lambda s: (get(s.seq_id, -1), s.admit_order))
 
 
 def add_decode_or_preempt(b: BatchBuilder, seq: Sequence, victims: list[Sequence]) -> bool:
@@ -62,14 +67,17 @@ def add_decode_or_preempt(b: BatchBuilder, seq: Sequence, victims: list[Sequence
     return True
 
 
-def fill_prefills(b: BatchBuilder, view: SchedulerView, budget: int, max_num_seqs: int) -> int:
+def fill_prefills(b: BatchBuilder, view: SchedulerView, budget: int, max_num_seqs: int,
+                  partial: list[Sequence] | None = None) -> int:
     """Sarathi's prefill part: continue partial prompts, then admit new requests FCFS while
     their whole prompt fits in KV and the running set is under `max_num_seqs`. Returns the
-    budget left."""
-    for seq in view.running:
+    budget left. `partial`: the running prefilling sequences not in flight (admission order)
+    if the caller has them, which spares a scan of the whole running set."""
+    prefilling = SeqStatus.PREFILLING
+    for seq in view.running if partial is None else partial:
         if budget <= 0:
             return 0
-        if seq.status is SeqStatus.PREFILLING and not seq.in_flight and seq not in b:
+        if seq.status is prefilling and not seq.in_flight and seq not in b:
             n = min(seq.remaining_prefill, budget)
             if b.add_prefill(seq, n):
                 budget -= n
@@ -87,13 +95,15 @@ def fill_prefills(b: BatchBuilder, view: SchedulerView, budget: int, max_num_seq
     return budget
 
 
-def fill_chunked_prefills(b: BatchBuilder, view: SchedulerView, budget: int) -> int:
+def fill_chunked_prefills(b: BatchBuilder, view: SchedulerView, budget: int,
+                          partial: list[Sequence] | None = None) -> int:
     """Chunked prefill within `budget` tokens: partial prompts first, then waiting requests FCFS;
-    KV for the chunk only. Returns the budget left."""
-    for seq in view.running:
+    KV for the chunk only. Returns the budget left. `partial`: as for `fill_prefills`."""
+    prefilling = SeqStatus.PREFILLING
+    for seq in view.running if partial is None else partial:
         if budget <= 0:
             return 0
-        if seq.status is SeqStatus.PREFILLING and not seq.in_flight and seq not in b:
+        if seq.status is prefilling and not seq.in_flight and seq not in b:
             n = min(seq.remaining_prefill, budget)
             if not b.add_prefill(seq, n):
                 return budget

@@ -51,7 +51,7 @@ from engine.batch import BatchBuilder
 from engine.errors import bad_value
 from engine.policy import Policy, SchedulerView, register_policy
 from engine.request import SeqStatus, Sequence
-from policies.common import IdleOrder, fill_chunked_prefills, idle_decodes
+from policies.common import IdleOrder, fill_chunked_prefills
 
 RULES = ("paper", "code")
 
@@ -143,6 +143,10 @@ class GllmPolicy(Policy):
     # --- the two budgets from the view -----------------------------------------------------------
     def budgets(self, view: SchedulerView) -> tuple[int, int]:
         """(#P, #D) for the next micro-batch in this state (does not advance the rotation)."""
+        return self._budgets(view, *_split_running(view))
+
+    def _budgets(self, view: SchedulerView, decoding: list[Sequence], idle: list[Sequence],
+                 partial: list[Sequence]) -> tuple[int, int]:
         p = self.params
         inflight_chunk: dict[int, int] = {}
         inflight_seqs = 0
@@ -152,14 +156,11 @@ class GllmPolicy(Policy):
                 inflight_chunk[c.seq.seq_id] = c.num_tokens
         wp = view.waiting_prefill_tokens
         num_waiting = len(view.waiting)
-        rd = idle_decodes = 0
-        for s in view.running:
-            if s.status is SeqStatus.PREFILLING:
-                wp += s.remaining_prefill - inflight_chunk.get(s.seq_id, 0)
-                num_waiting += 1
-            elif s.status is SeqStatus.DECODING:
-                rd += 1
-                idle_decodes += not s.in_flight
+        for s in partial:  # every running prefilling sequence, in flight or not
+            wp += s.remaining_prefill - inflight_chunk.get(s.seq_id, 0)
+        num_waiting += len(partial)
+        rd = len(decoding)
+        idle_decodes = len(idle)
         pb = prefill_budget(p, wp, view.kv_free_fraction, num_waiting_seqs=num_waiting,
                             free_blocks=view.kv_free_blocks, total_blocks=view.kv_total_blocks,
                             block_size=view.block_size)
@@ -181,20 +182,16 @@ class GllmPolicy(Policy):
         return mb
 
     def _compose(self, view: SchedulerView):
-        pb, db = self.budgets(view)
+        decoding, idle, prefilling = _split_running(view)  # one scan of the running set serves all
+        pb, db = self._budgets(view, decoding, idle, prefilling)
         b = view.new_batch()
-        idle = idle_decodes(view)
         if db and idle:
             self._preempt_for(b, idle, min(db, len(idle)))
             self._idle.sort(idle)  # longest idle first
-            for seq in idle:
-                if b.num_decode_seqs >= db:
-                    break
-                if seq not in b and not b.add_decode(seq):
-                    break
+            b.add_decodes(idle, db)  # until #D decodes or the first that does not fit
         if b.preempted:  # the prefill budget sees the KV this batch just freed
             pb = self._prefill_after_preemption(view, b)
-        fill_chunked_prefills(b, view, pb)
+        fill_chunked_prefills(b, view, pb, [s for s in prefilling if not s.in_flight])
         if b.is_empty() and not view.num_inflight:
             # Liveness: below KV_thresh with no decode to run and nothing in flight, no KV will
             # ever be freed; let a little prefill through (partial prompts first) instead of
@@ -216,16 +213,24 @@ class GllmPolicy(Policy):
     def _prefill_after_preemption(self, view: SchedulerView, b: BatchBuilder) -> int:
         """#P with the KV a batch's preemptions free, over the prompts that batch may still take."""
         total = view.kv_total_blocks
-        left = [s for s in view.waiting if s not in b] + [
-            s for s in view.running if s.status is SeqStatus.PREFILLING and not s.in_flight and s not in b]
-        wp = sum(s.remaining_prefill for s in left)
-        return prefill_budget(self.params, wp, b.free_blocks / total, num_waiting_seqs=len(left),
+        partial = [s for s in view.running if s.status is SeqStatus.PREFILLING and not s.in_flight and s not in b]
+        if b.prefills:
+            waiting = [s for s in view.waiting if s not in b]
+            wp = sum(s.remaining_prefill for s in waiting)
+            num_left = len(waiting)
+        else:  # only a prefill puts a waiting sequence in a batch: all wait, and their sum is kept
+            wp = view.waiting_prefill_tokens  # (O(1) instead of a scan of up to 5,000 prompts)
+            num_left = len(view.waiting)
+        wp += sum(s.remaining_prefill for s in partial)
+        return prefill_budget(self.params, wp, b.free_blocks / total, num_waiting_seqs=num_left + len(partial),
                               free_blocks=b.free_blocks, total_blocks=total, block_size=view.block_size)
 
     @staticmethod
     def _preempt_for(b: BatchBuilder, idle: list[Sequence], need: int) -> None:
         """While free blocks < `need` (the decodes about to be added), preempt the most recently
         admitted idle decode sequence."""
+        if b.free_blocks >= need:
+            return  # the common case: no victim needed, so skip the sort (5.8% of a benchmark run in py-spy)
         victims = sorted(idle, key=lambda s: s.admit_order)
         while b.free_blocks < need and victims:
             victim = victims.pop()
@@ -235,3 +240,17 @@ class GllmPolicy(Policy):
 
     def on_complete(self, view: SchedulerView, micro_batch, finished) -> None:
         self._idle.on_complete(micro_batch, finished)
+
+
+def _split_running(view: SchedulerView) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+    """(decoding, idle decoding, prefilling) running sequences in admission order, from list
+    comprehensions, once per micro-batch: the explicit per-sequence loop this replaces was
+    gLLM's costliest function (14% of the 5,000-request benchmark under cProfile)."""
+    running = view.running
+    decoding_status, prefilling_status = SeqStatus.DECODING, SeqStatus.PREFILLING
+    decoding = [s for s in running if s.status is decoding_status]
+    idle = [s for s in decoding if not s.in_flight]
+    # running holds only prefilling and decoding sequences: skip the second scan when all decode
+    prefilling = [s for s in running if s.status is prefilling_status] if len(decoding) < len(running) else []
+    return decoding, idle, prefilling
+

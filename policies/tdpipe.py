@@ -137,6 +137,19 @@ class TdpipeParams:
 
 
 # --------------------------------------------------------------------------- pure pieces
+def _leading_lengths(waiting: list[Sequence], used: int, threshold: float, block_size: int) -> np.ndarray:
+    """prefill_target of the leading waiting sequences, up to and including the first one whose
+    predecessors' prompt blocks (plus `used`) reach `threshold`: no later one can enter the plan.
+    The plan runs once per round of P decode batches; reading all 5,000 waiting prompts each
+    time was 5% of TD-Pipe's benchmark run (py-spy)."""
+    k = 256
+    while True:
+        lengths = np.array([s.request.prompt_len + s.num_generated for s in waiting[:k + 1]])
+        if k + 1 >= len(waiting) or used + int((-(-lengths[:k] // block_size)).sum()) >= threshold:
+            return lengths
+        k *= 4
+
+
 class KVForecast:
     """Predicted KV blocks held at each future decode point by the admitted requests."""
 
@@ -334,6 +347,12 @@ class TdpipePolicy(Policy):
     def remaining_pred(self, seq: Sequence) -> int:
         return max(0, self.pred.get(seq.seq_id, self._fallback) - seq.num_generated)
 
+    def remaining_preds(self, seqs) -> list[int]:
+        """`remaining_pred` of each sequence, in one comprehension (the plan runs it over the whole
+        running set: 1.5M calls in the 5,000-request benchmark)."""
+        get, fallback = self.pred.get, self._fallback
+        return [max(0, get(s.seq_id, fallback) - s.num_generated) for s in seqs]
+
     # --- phase rules -------------------------------------------------------------------------------
     def should_enter_decode(self, view: SchedulerView) -> bool:
         """Prefill -> decode: no prompt waits, or the KV plan is full (forecast or the ablation's
@@ -351,7 +370,7 @@ class TdpipePolicy(Policy):
         P = self.max_inflight(view)  # decode batches per round (P by default)
         cm = view.cost_model
         running = list(view.running)
-        ctx = max(1, round(sum(s.num_computed + 1 for s in running) / len(running))) if running else 1
+        ctx = max(1, round((sum([s.num_computed for s in running]) + len(running)) / len(running))) if running else 1
         b = len(running) // P
         si = spatial_intensity(lambda x: cm.decode_step_s(x, ctx), b, p.b_peak)
         batches = self.plan_prefills(view)
@@ -367,20 +386,21 @@ class TdpipePolicy(Policy):
         waiting = list(view.waiting)
         if not waiting:
             return []
-        lengths = np.array([s.prefill_target for s in waiting])
         used = view.kv_total_blocks - view.kv_free_blocks
+        threshold = (p.kv_capacity if p.switch_kv_ratio is None else p.switch_kv_ratio) * view.kv_total_blocks
+        lengths = _leading_lengths(waiting, used, threshold, view.block_size)
         before = used + np.concatenate([[0], np.cumsum(-(-lengths // view.block_size))[:-1]])
         if p.switch_kv_ratio is not None:
             ok = before < p.switch_kv_ratio * view.kv_total_blocks
             n = len(waiting) if ok.all() else int(np.argmin(ok))
         else:
             # The prompts' own blocks bound how many the forecast can admit: look no further.
-            cap = p.kv_capacity * view.kv_total_blocks
+            cap = threshold
             limit = int(np.searchsorted(before, cap, side="left")) + 1
             fc = KVForecast(self.points, view.block_size)
             run = list(view.running)
-            fc.add([s.total_len for s in run], [self.remaining_pred(s) for s in run])
-            n = fc.admissible(lengths[:limit], [self.remaining_pred(s) for s in waiting[:limit]], cap)
+            fc.add([s.request.prompt_len + s.num_generated for s in run], self.remaining_preds(run))  # total_len
+            n = fc.admissible(lengths[:limit], self.remaining_preds(waiting[:limit]), cap)
         batches, tok, cnt = [], 0, 0
         for x in lengths[:n]:
             tok += int(x)
@@ -414,7 +434,7 @@ class TdpipePolicy(Policy):
         self.stealer.pool.clear()
         self.forecast.reset()
         run = list(view.running)
-        self.forecast.add([s.total_len for s in run], [self.remaining_pred(s) for s in run])
+        self.forecast.add([s.total_len for s in run], self.remaining_preds(run))
 
     def _enter_decode(self, view: SchedulerView) -> None:
         self.phase = "decode"
@@ -481,7 +501,7 @@ class TdpipePolicy(Policy):
         mb = view.finish(b)
         if mb is not None:
             seqs = [c.seq for c in mb.prefills]
-            self.forecast.add([s.prefill_target for s in seqs], [self.remaining_pred(s) for s in seqs])
+            self.forecast.add([s.prefill_target for s in seqs], self.remaining_preds(seqs))
         return mb
 
     def _decode_members(self, view: SchedulerView) -> list[Sequence]:
@@ -507,8 +527,10 @@ class TdpipePolicy(Policy):
         b = view.new_batch()
         b.tags.update(phase="decode", epoch=self.epoch)
         victims = None  # built on the first KV shortage only (the common case never needs it)
-        for seq in members:
-            if seq in b or seq.status is not SeqStatus.DECODING or b.add_decode(seq):
+        members = [s for s in members if s.status is SeqStatus.DECODING]
+        first = b.add_decodes(members, len(members))  # all that fit in one call, the common case
+        for seq in members[first:]:
+            if seq in b or b.add_decode(seq):
                 continue
             if victims is None:
                 victims = sorted(idle_decodes(view),

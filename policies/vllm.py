@@ -102,10 +102,12 @@ class VllmPolicy(Policy):
         b = view.new_batch()
         b.tags["phase"] = "decode"
         victims = list(mine)
-        for seq in mine:
+        decodes = [s for s in mine if s.status is SeqStatus.DECODING]
+        first = b.add_decodes(decodes, self.params.max_num_seqs)  # all that fit in one call, the common case
+        for seq in decodes[first:]:
             if b.num_decode_seqs >= self.params.max_num_seqs:
                 break
-            if seq.status is SeqStatus.DECODING and seq not in b:
+            if seq not in b:
                 add_decode_or_preempt(b, seq, victims)
         return view.finish(b)
 

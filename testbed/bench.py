@@ -3,13 +3,25 @@
 Each measured run is a fresh subprocess so that its peak RSS (ru_maxrss) is its own. The
 reference setting is TD-Pipe's: 5,000 ShareGPT requests offline (prompt + output <= 4,096 tokens,
 Llama-2's context), Llama2-70B on 4 x A100-80GB.
+
+Per policy, two runs of the same config:
+- the simulation alone, in a child that composes the config and calls the runner (no files, no
+  MLflow): `simulate s` (the controller's loop), its peak RSS and micro-batches per second;
+- the same run end to end as a user starts it, `python -m testbed.cli run ...` with MLflow on and
+  the normal outputs (into a temporary output.dir, removed afterwards): `e2e s` is the wall time
+  of that whole process (imports, config, simulation, run folder, plots, MLflow), `e2e RSS` its
+  peak, and `e2e / sim` the ratio of its wall time to the simulate time it reported itself.
 """
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 REFERENCE = ["workload=sharegpt", "workload.arrival=offline", "workload.num_requests=5000", "workload.max_total_len=4096",
              "hardware=a100-80g", "model=llama2-70b", "parallel.pp=4"]
@@ -40,22 +52,56 @@ def measure(overrides: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_sim_bench(policies: list[str], extra: list[str]) -> list[dict]:
+def measure_end_to_end(overrides: list[str]) -> dict:
+    """`testbed run` with MLflow on, as a subprocess: its wall time, peak RSS and the simulate
+    time it recorded in run_info.json (the same run, so the ratio has no run-to-run noise)."""
+    with tempfile.TemporaryDirectory(prefix="testbed-bench-") as tmp:
+        args = [sys.executable, "-m", "testbed.cli", "run", *overrides, "output.mlflow=true",
+                "output.progress=false", f"output.dir={tmp}", "output.run_name=bench"]
+        with open(Path(tmp) / "stderr.txt", "w+") as err:
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err)
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (ru_maxrss)
+            wall = time.perf_counter() - t0
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            if proc.returncode != 0:
+                err.seek(0)
+                raise RuntimeError(f"end-to-end run {overrides} failed:\n{err.read()[-2000:]}")
+        info_path = next(Path(tmp).rglob("run_info.json"), None)
+        simulate = json.loads(info_path.read_text())["simulate_s"] if info_path else float("nan")
+    return {"e2e_s": wall, "e2e_simulate_s": simulate, "e2e_peak_rss_mb": usage.ru_maxrss / 1024}
+
+
+def run_sim_bench(policies: list[str], extra: list[str], end_to_end: bool = True) -> list[dict]:
     from rich.console import Console
     from rich.table import Table
 
     from testbed.overrides import merge
 
-    rows = [measure(merge([f"policy={p}", *REFERENCE], extra)) for p in policies]
+    rows = []
+    for p in policies:
+        overrides = merge([f"policy={p}", *REFERENCE], extra)
+        row = measure(overrides)
+        if end_to_end:
+            row.update(measure_end_to_end(overrides))
+        rows.append(row)
     t = Table(title="simulator benchmark: " + " ".join(REFERENCE + extra))
-    for col in ("policy", "simulate s", "peak RSS MB", "micro-batches", "mb / wall s", "throughput tok/s",
-                "bubble", "TTFT mean s", "TPOT mean s"):
+    cols = ["policy", "simulate s", "peak RSS MB", "micro-batches", "mb / wall s"]
+    if end_to_end:
+        cols += ["e2e s", "e2e / sim", "e2e RSS MB"]
+    for col in cols + ["throughput tok/s", "bubble", "TTFT mean s", "TPOT mean s"]:
         t.add_column(col, justify="right")
     for p, r in zip(policies, rows):
-        t.add_row(p, f"{r['simulate_s']:.2f}", f"{r['peak_rss_mb']:.0f}", str(r["num_microbatches"]),
-                  f"{r['microbatches_per_wall_s']:.0f}", f"{r['throughput_tok_s']:.0f}", f"{r['bubble_ratio']:.3f}",
+        cells = [p, f"{r['simulate_s']:.2f}", f"{r['peak_rss_mb']:.0f}", str(r["num_microbatches"]),
+                 f"{r['microbatches_per_wall_s']:.0f}"]
+        if end_to_end:
+            cells += [f"{r['e2e_s']:.2f}", f"{r['e2e_s'] / r['e2e_simulate_s']:.2f}", f"{r['e2e_peak_rss_mb']:.0f}"]
+        t.add_row(*cells, f"{r['throughput_tok_s']:.0f}", f"{r['bubble_ratio']:.3f}",
                   f"{r['ttft_mean_s']:.1f}", f"{r['tpot_mean_s']:.4f}")
-    Console(width=max(160, Console().width)).print(t)
+    Console(width=max(200, Console().width)).print(t)
+    if end_to_end:
+        Console().print("e2e / sim: wall time of the whole `testbed run` process (MLflow on, normal outputs) "
+                        "over the simulate time that same run reported")
     return rows
 
 

@@ -15,12 +15,27 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from engine.calibration import (calibrated_spec, fit_profile, import_tdpipe, read_profile,
+                                save_hardware_profile, write_profile)
 from engine.errors import ConfigError
+from engine.hardware import HardwareSpec, get_hardware
+from engine.models import ModelSpec
+from engine.policy import make_params
+from engine.request import Request
+from engine.torch_exec.profile import (DEFAULT_GRID, QUICK_GRID, host_memory_gib, max_context, measure_peaks,
+                                       profile_engine)
+from testbed import sweep
+from testbed.config import compose, data_dir, to_container
+from testbed.outputs import write_run_dir
+from testbed.runner import prepare_experiment
+from testbed.tracking import Tracker
+from workloads.base import build_workload
 
 VALIDATE_METRICS = (
     ("throughput_tok_s", "throughput (tok/s)"),
@@ -53,13 +68,6 @@ def _with_default(overrides: list[str], key: str, value: Any) -> list[str]:
 
 # ---- profile ---------------------------------------------------------------------------------
 def cmd_profile(args, console) -> int:
-    from engine.calibration import (calibrated_spec, fit_profile, import_tdpipe, read_profile,
-                                    save_hardware_profile, write_profile)
-    from engine.hardware import get_hardware
-    from engine.models import ModelSpec
-    from engine.policy import make_params
-    from testbed.config import compose, to_container
-
     overrides = list(args.overrides)
     out_dir = Path(args.out) if args.out else profile_dir()
     if args.import_path or args.table:
@@ -94,13 +102,6 @@ def _print_fit(console, name, fit) -> None:
 
 
 def _profile_engine(args, overrides, out_dir: Path, console) -> int:
-    from engine.calibration import ProfileTable, calibrated_spec, fit_profile, save_hardware_profile, write_profile
-    from engine.hardware import HardwareSpec
-    from engine.request import Request
-    from engine.torch_exec.profile import DEFAULT_GRID, QUICK_GRID, host_memory_gib, max_context, measure_peaks, profile_engine
-    from testbed.config import compose, to_container
-    from testbed.runner import prepare_experiment
-
     grid = QUICK_GRID if args.quick else DEFAULT_GRID
     overrides = _with_default(overrides, "executor", "torch")
     overrides = _with_default(overrides, "model", "tiny-llama")
@@ -174,10 +175,17 @@ def format_table(rows: list[dict]) -> str:
 
 
 def cmd_validate(args, console) -> int:
-    from testbed.config import compose, to_container
-    from testbed.outputs import write_run_dir
-    from testbed.runner import prepare_experiment
+    """`testbed validate`: 0, or 130 (Ctrl-C) / 143 (SIGTERM): the torch engine's stages are
+    stopped by the executor's own cleanup, the run directories written so far are kept."""
+    with sweep.signals():
+        try:
+            return _validate(args, console)
+        except KeyboardInterrupt as exc:
+            print(sweep.interrupted_message(exc), file=sys.stderr)
+            return sweep.exit_code(exc)
 
+
+def _validate(args, console) -> int:
     overrides = list(args.overrides)
     hw = _override(overrides, "hardware")
     if hw is None:
@@ -191,9 +199,6 @@ def cmd_validate(args, console) -> int:
     # The real engine on CPU sends with gloo's blocking send: model it (executor.blocking_send).
     blocking = "true" if real_cfg["executor"].get("device", "cpu") == "cpu" else "false"
     sim_cfg = to_container(compose(base + ["executor=sim", f"executor.blocking_send={blocking}"]))
-    from testbed.config import data_dir
-    from workloads.base import build_workload
-
     requests = build_workload(dict(real_cfg["workload"]), data_dir(real_cfg))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     label = f"{real_cfg['policy']['name']}-{real_cfg['workload']['name']}-pp{real_cfg['parallel']['pp']}-{hw}"
@@ -223,9 +228,8 @@ def cmd_validate(args, console) -> int:
 
 
 def _log_validate(real_cfg, sim_cfg, results, rows, out_dir: Path, label: str) -> None:
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric  # lazy: ~2 s to import, and output.mlflow=false never needs it
 
-    from testbed.tracking import Tracker
 
     tr = Tracker(real_cfg, experiment=real_cfg["output"].get("experiment") or "validate")
     parent = tr.start(real_cfg, f"validate-{label}", tags={"testbed.kind": "validate"})
@@ -249,7 +253,7 @@ def _log_validate(real_cfg, sim_cfg, results, rows, out_dir: Path, label: str) -
 def overlay_figure(real, sim, path: Path, num_mbs: int = 24):
     """Per-stage timelines of the first `num_mbs` micro-batches: real (top row of each stage)
     against simulated (bottom row), each from its own first launch; same colour = same mb id."""
-    import matplotlib
+    import matplotlib  # lazy: ~0.5 s to import, only the overlay figure needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -3,7 +3,7 @@
     testbed run policy=gllm workload=azure [key=value ...]
     testbed list [group]
     testbed data sharegpt [--source FILE] [--out FILE]
-    testbed tune | compare | report ...      (testbed/tune.py, compare.py, report.py)
+    testbed tune | compare | report ...      (testbed/tune/, compare.py, report.py)
     testbed bench sim
     testbed bench engine
     testbed predictor train workload=sharegpt
@@ -147,24 +147,17 @@ def cmd_test(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    """Search the policy's hyperparameters with Optuna (see testbed/tune.py)."""
-    from testbed.tune import print_outcome, run_tune
+    """Search the policy's hyperparameters with Optuna (see testbed/tune/)."""
+    from testbed.tune import cli_tune
 
-    outcome = run_tune(args.overrides, _console())
-    print_outcome(outcome)
-    if outcome.interrupted:
-        print("interrupted: run the same command again to resume the study", file=sys.stderr)
-        return 130
-    return 1 if outcome.worker_errors else 0
+    return cli_tune(args.overrides, _console())
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Run a grid (comma lists are axes) and write a comparison table and figures."""
-    from testbed.compare import run_compare
+    from testbed.compare import cli_compare
 
-    out_dir, _ = run_compare(args.overrides, _console())
-    print(out_dir.resolve())
-    return 0
+    return cli_compare(args.overrides, _console())
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -183,7 +176,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Simulator speed and peak memory (figures, never assertions)."""
     from testbed.bench import run_sim_bench
 
-    run_sim_bench(args.policies.split(","), args.overrides)
+    run_sim_bench(args.policies.split(","), args.overrides, end_to_end=not args.no_e2e)
     return 0
 
 
@@ -287,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", metavar="BENCH")
     bs = bsub.add_parser("sim", help="simulator wall time, peak memory and micro-batches per second")
     bs.add_argument("--policies", default="sarathi,vllm", help="comma list (default: sarathi,vllm)")
+    bs.add_argument("--no-e2e", action="store_true",
+                    help="skip the end-to-end `testbed run` (MLflow on) of each policy")
     bs.add_argument("overrides", nargs="*", help="extra overrides for every run")
     bs.set_defaults(func=cmd_bench)
     be = bsub.add_parser("engine", help="real engine: generated tokens/s per policy against HF generate")

@@ -2,6 +2,7 @@
 
     testbed compare policy=sarathi,vllm workload=azure workload.rate=2,4,8
     testbed compare policy=sarathi,vllm parallel.pp=2,4 compare.workers=2 compare.experiment=pp-sweep
+    testbed compare policy=tdpipe parallel.num_microbatches=4,6,8
 
 Any override whose value is a comma list (Hydra's sweep syntax, also `range(2,10,2)` and
 `choice(a,b)`) is an axis; the grid is their product, in the order given. Every grid point is
@@ -10,21 +11,24 @@ cannot be built (e.g. the model does not fit at that depth) or whose run fails b
 status `failed` and its reason; the rest of the grid still runs.
 
 Every point is one MLflow run in experiment `compare.experiment` (default `compare-<UTC time>`),
-nested under one parent run (tag `testbed.kind=compare`) that also gets the table and figures;
-each run carries its axis values as tags `axis.<key>` and the axis list as `testbed.axes`, which is
-how `testbed report` rebuilds the same table later, from any machine sharing the store.
+nested under one parent run (tag `testbed.kind=compare`) that also gets the table (`table.csv`,
+`table.md`) and the figures as artifacts; each run carries its axis values as tags `axis.<key>`
+and the axis list as `testbed.axes`, which is how `testbed report` rebuilds the same table later,
+from any machine sharing the store. The points run through `testbed/sweep.py`.
 
 Output: `<output.dir>/compare/<experiment>/` with `table.csv`, `table.md`, figures
 (`<metric>_vs_<x>.png`, `overview.png`: x = the numeric axis, one line per value of the other
-axes) and `runs/<point>/` (each point's run directory). The table is printed; the last line is
-the directory. `compare.workers=N` runs N points at once in separate processes (spawn).
+axes, titled with the setup and what varies) and `runs/<point>/` (each point's run directory).
+The table is printed at full width; the last line is the directory. `compare.workers=N` runs N
+points at once in separate processes (spawn). Ctrl-C or SIGTERM stops launching points at once,
+writes the table of the points done so far, ends the MLflow runs KILLED and exits 130 / 143.
 """
 from __future__ import annotations
 
 import itertools
 import json
-import math
 import re
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,9 +36,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ConfigError, TestbedError
+import pandas as pd
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
+from engine.errors import ConfigError
+from testbed import sweep
+from testbed.config import compose, to_container
 from testbed.overrides import as_int, check_keys, get_path, split_list, split_prefixed
 from testbed.report import FIGURE_METRICS, print_table, sort_rows, write_comparison
+from testbed.tune.objectives import SCALAR_KEYS, resolve_metric
 
 COMPARE_KEYS = ("workers", "experiment", "x", "metrics")
 
@@ -60,8 +71,6 @@ def parse_settings(raw: Mapping[str, str]) -> CompareSettings:
     if "x" in raw:
         kw["x"] = raw["x"].strip()
     if "metrics" in raw:
-        from testbed.tune import SCALAR_KEYS, resolve_metric
-
         kw["metrics"] = tuple(resolve_metric(m, "metric") for m in split_list(raw["metrics"]))
         assert all(m in SCALAR_KEYS for m in kw["metrics"])
     return CompareSettings(**kw)
@@ -84,9 +93,6 @@ class Point:
 
 def grid(overrides: Sequence[str]) -> tuple[list[str], list[Point]]:
     """Split sweep overrides (axes) from fixed ones and expand the grid. Returns (axis keys, points)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r} is not key=value (e.g. policy=sarathi,vllm, workload.rate=2,4)")
@@ -98,15 +104,15 @@ def grid(overrides: Sequence[str]) -> tuple[list[str], list[Point]]:
     axes: list[tuple[str, list[str]]] = []
     for ov, text in zip(parsed, overrides):
         key = text.partition("=")[0]
-        if ov.is_sweep_override():
-            values = list(ov.sweep_string_iterator())
-            if any(k == key for k, _ in axes):
-                raise ConfigError(f"axis {key} is given twice")
-            if len(set(values)) != len(values):
-                raise ConfigError(f"axis {key} lists a value twice: {text}")
-            axes.append((key, values))
-        else:
+        if not ov.is_sweep_override():
             fixed.append(text)
+            continue
+        values = list(ov.sweep_string_iterator())
+        if any(k == key for k, _ in axes):
+            raise ConfigError(f"axis {key} is given twice")
+        if len(set(values)) != len(values):
+            raise ConfigError(f"axis {key} lists a value twice: {text}")
+        axes.append((key, values))
     points = []
     for i, combo in enumerate(itertools.product(*[v for _, v in axes])):
         pairs = tuple((k.lstrip("+~"), v) for (k, _), v in zip(axes, combo))
@@ -115,7 +121,7 @@ def grid(overrides: Sequence[str]) -> tuple[list[str], list[Point]]:
     return [k.lstrip("+~") for k, _ in axes], points
 
 
-def _axis_value(cfg: Mapping[str, Any], key: str, given: str) -> Any:
+def axis_value(cfg: Mapping[str, Any], key: str, given: str) -> Any:
     """The typed value of an axis at a point: the config's value, or the choice for a group."""
     try:
         value = get_path(cfg, key)
@@ -126,167 +132,124 @@ def _axis_value(cfg: Mapping[str, Any], key: str, given: str) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-# --- one grid point (in this process or a spawned worker) ------------------------------------------
-
-_TRACKERS: dict[tuple[str, str], Any] = {}
-
-
-def run_point(job: dict) -> dict:
-    """Run one grid point as `testbed run` would, logged under the comparison's parent run.
-    Never raises for a user-level failure: that becomes the row's error."""
-    from testbed.outputs import write_run_dir
-    from testbed.runner import prepare_experiment
-
-    cfg = job["cfg"]
-    t0 = time.perf_counter()
-    row: dict[str, Any] = {"point": job["index"], **job["axis_values"], "status": "failed", "error": None,
-                           "run_id": None, "run_dir": None}
-    tracker = None
-    out = cfg.get("output") or {}
-    if out.get("mlflow", True):
-        from testbed.tracking import Tracker, tracking_uri
-
-        key = (tracking_uri(cfg), job["experiment"])
-        if key not in _TRACKERS:
-            _TRACKERS[key] = Tracker(cfg, job["experiment"])
-        tracker = _TRACKERS[key]
-        tags = {"testbed.kind": "point", "testbed.compare": job["experiment"], "testbed.axes": json.dumps(job["axes"]),
-                "compare.point": str(job["index"]),
-                **{f"axis.{k}": str(v) for k, v in job["axis_values"].items()}}
-        row["run_id"] = tracker.start(cfg, job["label"], parent_run_id=job["parent_run_id"], tags=tags)
-    try:
-        prepared = prepare_experiment(cfg)
-        result = prepared.run()
-    except TestbedError as exc:
-        row["error"] = str(exc)
-    except Exception as exc:  # a policy bug at this point: one failed row, not a dead grid
-        row["error"] = f"{type(exc).__name__}: {exc}"
-    else:
-        run_dir = Path(job["run_dir"])
-        write_run_dir(result, run_dir, plots=bool(out.get("plots", True)))
-        row["run_dir"] = str(run_dir)
-        if tracker is not None:
-            tracker.finish(row["run_id"], result, run_dir)
-        row["error"] = result.error
-        row["status"] = "failed" if result.error else "finished"
-        for k, v in result.summary.items():
-            if isinstance(v, list):
-                row.update({f"{k}.stage{i}": float(x) for i, x in enumerate(v)})
-            elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                row[k] = float(v)
-    if row["error"] and tracker is not None and row["status"] == "failed" and row["run_dir"] is None:
-        tracker.fail(row["run_id"], row["error"])
-    row["wall_s"] = time.perf_counter() - t0
-    return row
+def setup_title(cfg: Mapping[str, Any], axes: Sequence[str]) -> str:
+    """The figure title: what every point shares (model, hardware, P, workload) and what varies."""
+    varied = {a.split(".", 1)[0] if a in ("model", "hardware", "workload", "policy") else a for a in axes}
+    wl = cfg.get("workload") or {}
+    parts = []
+    if "policy" not in varied:
+        parts.append(str(cfg["policy"]["name"]))
+    for key in ("model", "hardware"):
+        if key not in varied:
+            parts.append(str((cfg.get(key) or {}).get("name", "?")))
+    if "parallel.pp" not in varied:
+        parts.append(f"P={(cfg.get('parallel') or {}).get('pp')}")
+    if "workload" not in varied:
+        rate = "" if "workload.rate" in varied or wl.get("arrival") == "offline" or wl.get("rate") is None \
+            else f" @ {wl['rate']:g} req/s"
+        n = "" if "workload.num_requests" in varied else f", {wl.get('num_requests')} requests"
+        parts.append(f"{wl.get('name', '?')}{rate}{n}")
+    return " · ".join(parts) + (f" — varying {', '.join(axes)}" if axes else "")
 
 
 # --- the command -------------------------------------------------------------------------------------
 
-def run_compare(overrides: Sequence[str], console: Any = None) -> tuple[Path, Any]:
-    """Validate the whole grid, run it, write and log the comparison. Returns (dir, table)."""
-    import pandas as pd
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    settings: CompareSettings
+    axes: list[str]
+    points: list[Point]
+    cfgs: list[dict]
+    out_dir: Path
+    overrides: list[str]
 
-    from testbed.config import compose, to_container
 
+def plan(overrides: Sequence[str]) -> Plan:
+    """Parse the settings and compose every grid point (every typo surfaces here, exit 2)."""
     raw, rest = split_prefixed(overrides, "compare")
     settings = parse_settings(raw)
     axes, points = grid(rest)
-    cfgs = [to_container(compose(list(p.overrides))) for p in points]  # every typo surfaces here
+    cfgs = [to_container(compose(list(p.overrides))) for p in points]
     if settings.x is not None and settings.x not in axes:
         raise ConfigError(f"compare.x={settings.x!r} is not an axis; axes: {', '.join(axes) or '(none)'}")
     name = settings.experiment or f"compare-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
-    out = cfgs[0].get("output") or {}
-    out_dir = Path(out.get("dir") or "runs") / "compare" / name
+    out_dir = Path((cfgs[0].get("output") or {}).get("dir") or "runs") / "compare" / name
     if (out_dir / "table.csv").exists():
         raise ConfigError(f"comparison {name!r} already exists at {out_dir}; choose another compare.experiment=")
-    tracker = parent = None
-    if out.get("mlflow", True):
-        from testbed.tracking import Tracker
+    return Plan(name, settings, axes, points, cfgs, out_dir, list(rest))
 
-        tracker = Tracker(cfgs[0], name)  # creates the database and the experiment before any worker
-        parent = tracker.client.create_run(tracker.experiment_id, run_name=name, tags={
-            "testbed.kind": "compare", "testbed.axes": json.dumps(axes),
-            "compare.overrides": " ".join(rest)[:5000], "compare.points": str(len(points))}).info.run_id
-    jobs = []
-    for p, cfg in zip(points, cfgs):
-        axis_values = {k: _axis_value(cfg, k, v) for k, v in p.axes}
-        jobs.append({"index": p.index, "cfg": cfg, "label": p.label, "axes": axes, "axis_values": axis_values,
-                     "experiment": name, "parent_run_id": parent, "run_dir": str(out_dir / "runs" / p.dirname)})
+
+def make_jobs(p: Plan, parent_run_id: str | None) -> list[sweep.Job]:
+    return [sweep.Job(index=pt.index, cfg=cfg, label=pt.label, axes=tuple(p.axes),
+                      axis_values={k: axis_value(cfg, k, v) for k, v in pt.axes}, experiment=p.name,
+                      parent_run_id=parent_run_id, run_dir=str(p.out_dir / "runs" / pt.dirname))
+            for pt, cfg in zip(p.points, p.cfgs)]
+
+
+def run_compare(overrides: Sequence[str], console: Any = None) -> tuple[Path, Any]:
+    """Validate the whole grid, run it, write and log the comparison. Returns (dir, table).
+    Interrupted (KeyboardInterrupt, sweep.Terminated): the table so far is written, the runs
+    end KILLED, and the interrupt propagates."""
+    p = plan(overrides)
+    parent = sweep.ParentRun(p.cfgs[0], p.name, p.name, {
+        "testbed.kind": "compare", "testbed.axes": json.dumps(p.axes),
+        "compare.overrides": " ".join(p.overrides)[:5000], "compare.points": str(len(p.points))})
+    jobs = make_jobs(p, parent.run_id)
     if console is not None:
-        sizes = {k: len({v for p in points for kk, v in p.axes if kk == k}) for k in axes}
-        over = ", ".join(f"{k} ({n})" for k, n in sizes.items()) or "no axis"
-        console.print(f"comparison [bold]{name}[/bold]: {len(points)} run(s) over {over}, "
-                      f"{settings.workers} worker(s)", highlight=False)
+        _print_start(console, p)
+    out = p.cfgs[0].get("output") or {}
+    rows: list[dict] = []
     t0 = time.perf_counter()
     try:
-        rows = _run_jobs(jobs, settings.workers, console, bool(out.get("progress", True)))
-    except BaseException:
-        if tracker is not None:
-            tracker.client.set_terminated(parent, "KILLED")
+        sweep.run_jobs(jobs, p.settings.workers, console, bool(out.get("progress", True)), rows)
+    except KeyboardInterrupt as exc:
+        _write(p, rows, time.perf_counter() - t0, parent, plots=False, interrupted=sweep.interrupted_message(exc))
+        parent.end("KILLED")
+        if console is not None:
+            console.print(f"{sweep.interrupted_message(exc)}: the table of the {len(rows)} point(s) done is in "
+                          f"{p.out_dir}", highlight=False, markup=False)
         raise
     wall = time.perf_counter() - t0
-    df = sort_rows(pd.DataFrame(rows).sort_values("point"), ["point"])
-    res = write_comparison(df, axes, out_dir, x=settings.x, figure_metrics=settings.metrics or FIGURE_METRICS,
-                           plots=True)
-    (out_dir / "compare.json").write_text(json.dumps({
-        "experiment": name, "axes": axes, "overrides": list(rest), "points": len(points), "workers": settings.workers,
-        "wall_s": wall, "failed": int((df["status"] != "finished").sum())}, indent=2) + "\n")
-    if tracker is not None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        tracker.client.log_batch(parent, metrics=[Metric("compare.runs", float(len(df)), now, 0),
-                                                  Metric("compare.failed", float((df["status"] != "finished").sum()),
-                                                         now, 0),
-                                                  Metric("compare.wall_s", wall, now, 0)])
-        for path in sorted(out_dir.iterdir()):
-            if path.is_file():
-                tracker.client.log_artifact(parent, str(path))
-        tracker.client.set_terminated(parent, "FINISHED")
+    df = _write(p, rows, wall, parent, plots=True)
+    parent.end("FINISHED")
     if console is not None:
-        print_table(console, df, axes, f"{name} ({len(df)} runs, {wall:.1f} s)")
-    return out_dir, df
+        print_table(console, df, p.axes, f"{p.name} ({len(df)} runs, {wall:.1f} s)")
+    return p.out_dir, df
 
 
-def _run_jobs(jobs: list[dict], workers: int, console: Any, progress_on: bool) -> list[dict]:
-    from contextlib import nullcontext
+def _print_start(console: Any, p: Plan) -> None:
+    sizes = {k: len({v for pt in p.points for kk, v in pt.axes if kk == k}) for k in p.axes}
+    over = ", ".join(f"{k} ({n})" for k, n in sizes.items()) or "no axis"
+    console.print(f"comparison [bold]{p.name}[/bold]: {len(p.points)} run(s) over {over}, "
+                  f"{p.settings.workers} worker(s)", highlight=False)
 
-    progress = task = None
-    if console is not None and progress_on:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        progress = Progress(TextColumn("runs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=console, transient=True)
-        task = progress.add_task("grid", total=len(jobs))
+def _write(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, plots: bool,
+           interrupted: str | None = None) -> pd.DataFrame:
+    """table.csv, table.md, figures and compare.json; the files are logged on the parent run."""
+    df = sort_rows(pd.DataFrame(rows).sort_values("point"), ["point"]) if rows else \
+        pd.DataFrame(columns=["point", *p.axes, "status"])
+    write_comparison(df, p.axes, p.out_dir, x=p.settings.x, figure_metrics=p.settings.metrics or FIGURE_METRICS,
+                     plots=plots, title=setup_title(p.cfgs[0], p.axes))
+    failed = int((df["status"] != "finished").sum())
+    summary = {"experiment": p.name, "axes": p.axes, "overrides": p.overrides, "points": len(p.points),
+               "workers": p.settings.workers, "wall_s": wall, "failed": failed}
+    if interrupted:
+        summary.update(interrupted=interrupted, done=len(rows))
+    (p.out_dir / "compare.json").write_text(json.dumps(summary, indent=2) + "\n")
+    parent.log({"compare.runs": len(df), "compare.failed": failed, "compare.wall_s": wall})
+    parent.log_files(p.out_dir)
+    return df
 
-    def done(row: dict) -> None:
-        if progress is not None:
-            state = "[green]done[/green]" if row["status"] == "finished" else "[red]failed[/red]"
-            tput = row.get("throughput_tok_s")
-            extra = f" throughput {tput:.4g} tok/s" if isinstance(tput, float) and not math.isnan(tput) else ""
-            progress.console.print(f"point {row['point']:>3} {state} {jobs[row['point']]['label']}{extra}",
-                                   highlight=False)
-            progress.advance(task)
 
-    rows: list[dict] = []
-    with progress if progress is not None else nullcontext():
-        if workers <= 1 or len(jobs) <= 1:
-            for job in jobs:
-                rows.append(run_point(job))
-                done(rows[-1])
-        else:
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor, as_completed
-
-            with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
-                futures = {pool.submit(run_point, job): job for job in jobs}
-                for fut in as_completed(futures):
-                    job = futures[fut]
-                    try:
-                        row = fut.result()
-                    except Exception as exc:  # the worker process itself died
-                        row = {"point": job["index"], **job["axis_values"], "status": "failed",
-                               "error": f"worker died: {type(exc).__name__}: {exc}", "run_id": None}
-                    rows.append(row)
-                    done(row)
-    return rows
+def cli_compare(overrides: Sequence[str], console: Any) -> int:
+    """`testbed compare`: 0, or 130 (Ctrl-C) / 143 (SIGTERM) with the partial table written."""
+    with sweep.signals():
+        try:
+            out_dir, _ = run_compare(overrides, console)
+        except KeyboardInterrupt as exc:
+            print(sweep.interrupted_message(exc), file=sys.stderr)
+            return sweep.exit_code(exc)
+    print(out_dir.resolve())
+    return 0

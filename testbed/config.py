@@ -49,7 +49,7 @@ from engine.hardware import HARDWARE, HardwareSpec
 from engine.models import MODELS, ModelSpec
 from engine.policy import POLICIES, make_params
 from engine.settings import SECTIONS, ExecutorChoice, RunConfig
-from engine.typed import build
+from engine.typed import build, coerce
 from workloads.base import WORKLOADS, workload_config
 
 import engine.sim  # noqa: F401  (registers executor=sim)
@@ -247,6 +247,9 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if cfg.get("workload") is not None:
         typed["workload"] = workload_config(_mapping(cfg, "workload"))
     make_params(CostCoefficients, {k: v for k, v in _mapping(cfg, "cost").items() if v is not None}, prefix="cost")
+    for section in ("policy", "workload"):  # every seed feeds numpy, which takes integers >= 0 only
+        if hasattr(typed.get(section), SEED_KEY):
+            coerce(f"{section}.{SEED_KEY}", getattr(typed[section], SEED_KEY), int, {"min": 0})
     return typed
 
 

@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from rich.markup import escape
+from rich.measure import Measurement
+from rich.table import Table
 
 from engine.errors import ConfigError
 
@@ -124,9 +127,10 @@ def choose_x(df: pd.DataFrame, axes: Sequence[str], x: str | None = None) -> str
 
 
 def plot_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: str | None = None,
-                    metrics: Sequence[str] = FIGURE_METRICS, max_series: int = 12) -> list[Path]:
-    """One PNG per metric plus `overview.png` (every metric side by side)."""
-    import matplotlib
+                    metrics: Sequence[str] = FIGURE_METRICS, max_series: int = 12,
+                    title: str | None = None) -> list[Path]:
+    """One PNG per metric plus `overview.png` (every metric side by side, under `title`)."""
+    import matplotlib  # lazy: ~0.5 s to import, and tables without figures never need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -137,7 +141,30 @@ def plot_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: str
         return []
     x = choose_x(df, axes, x)
     others = [a for a in axes if a != x]
+    draw = _line_drawer(ok, others, x, max_series) if x is not None else _bar_drawer(ok, axes)
+    if draw is None:
+        return []
     paths: list[Path] = []
+    stem = f"_vs_{_safe(x)}" if x else ""
+    for metric in metrics:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax, metric)
+        if x is not None and others:
+            ax.legend(title=", ".join(others) if len(others) == 1 else None, fontsize=8)
+        fig.tight_layout()
+        paths.append(_save(plt, fig, out_dir / f"{metric}{stem}.png"))
+    legend = others if x is not None else []
+    paths.append(_save(plt, _overview(plt, draw, metrics, legend, title), out_dir / "overview.png"))
+    return paths
+
+
+def _line_drawer(ok: pd.DataFrame, others: list[str], x: str, max_series: int) -> Any:
+    """x = a numeric axis, one line per value of the other axes (None: too many lines)."""
+    groups: dict[tuple, list] = {}
+    for _, row in ok.iterrows():
+        groups.setdefault(tuple(row[a] for a in others), []).append(row)
+    if len(groups) > max_series:
+        return None
 
     def series_label(key: tuple) -> str:
         if not others:
@@ -146,43 +173,37 @@ def plot_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: str
             return str(key[0])
         return ", ".join(f"{a}={v}" for a, v in zip(others, key))
 
-    if x is not None:
-        groups = {}
-        for _, row in ok.iterrows():
-            groups.setdefault(tuple(row[a] for a in others), []).append(row)
-        if len(groups) > max_series:
-            return []
+    def draw(ax, metric: str) -> None:
+        for key in sorted(groups, key=lambda k: tuple(_sort_key(v) for v in k)):
+            rows = sorted(groups[key], key=lambda r: _sort_key(r[x]))
+            ax.plot([r[x] for r in rows], [r[metric] for r in rows], marker="o", label=series_label(key))
+        ax.set_xlabel(LABELS.get(x, x))
+        ax.set_ylabel(LABELS.get(metric, metric))
+        ax.grid(True, alpha=0.3)
+        if all(float(v).is_integer() for v in ok[x]):  # counts (micro-batches, P): no 4.5 ticks
+            from matplotlib.ticker import MaxNLocator  # lazy, as in plot_comparison
 
-        def draw(ax, metric: str) -> None:
-            for key in sorted(groups, key=lambda k: tuple(_sort_key(v) for v in k)):
-                rows = sorted(groups[key], key=lambda r: _sort_key(r[x]))
-                xs = [r[x] for r in rows]
-                ys = [r[metric] for r in rows]
-                ax.plot(xs, ys, marker="o", label=series_label(key))
-            ax.set_xlabel(LABELS.get(x, x))
-            ax.set_ylabel(LABELS.get(metric, metric))
-            ax.grid(True, alpha=0.3)
-    else:
-        labels = [", ".join(f"{r[a]}" for a in axes) if axes else str(r.get("run_name", i))
-                  for i, (_, r) in enumerate(ok.iterrows())]
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
-        def draw(ax, metric: str) -> None:
-            ax.bar(range(len(ok)), list(ok[metric]), color="C0")
-            ax.set_xticks(range(len(ok)), labels, rotation=30, ha="right", fontsize=8)
-            ax.set_ylabel(LABELS.get(metric, metric))
-            ax.grid(True, axis="y", alpha=0.3)
+    return draw
 
-    stem = f"_vs_{_safe(x)}" if x else ""
-    for metric in metrics:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        draw(ax, metric)
-        if x is not None and others:
-            ax.legend(title=", ".join(others) if len(others) == 1 else None, fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"{metric}{stem}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+
+def _bar_drawer(ok: pd.DataFrame, axes: Sequence[str]) -> Any:
+    """No numeric axis: one bar per run."""
+    labels = [", ".join(f"{r[a]}" for a in axes) if axes else str(r.get("run_name", i))
+              for i, (_, r) in enumerate(ok.iterrows())]
+
+    def draw(ax, metric: str) -> None:
+        ax.bar(range(len(ok)), list(ok[metric]), color="C0")
+        ax.set_xticks(range(len(ok)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(LABELS.get(metric, metric))
+        ax.grid(True, axis="y", alpha=0.3)
+
+    return draw
+
+
+def _overview(plt: Any, draw: Any, metrics: list[str], legend: list[str], title: str | None) -> Any:
+    """Every metric in one figure: the title, one shared legend (over `legend` axes), the panels."""
     ncols = min(3, len(metrics))
     nrows = math.ceil(len(metrics) / ncols)
     fig, axs = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows + 0.6), squeeze=False)
@@ -190,18 +211,28 @@ def plot_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: str
         draw(ax, metric)
     for ax in list(axs.flat)[len(metrics):]:
         ax.set_visible(False)
-    if x is not None and others:
+    top = 1.0  # the panels go below the title and the shared legend, stacked from the top
+    if title:
+        top = _bottom(fig, fig.text(0.5, 0.995, title, ha="center", va="top", fontsize=10))
+    if legend:
         handles, labs = axs[0][0].get_legend_handles_labels()
-        fig.legend(handles, labs, loc="upper center", ncol=min(len(labs), 4), fontsize=8,
-                   title=", ".join(others) if len(others) == 1 else None)
-        fig.tight_layout(rect=(0, 0, 1, 1 - 0.7 / (3.6 * nrows + 0.6) - 0.04 * math.ceil(len(labs) / 4)))
-    else:
-        fig.tight_layout()
-    path = out_dir / "overview.png"
+        top = _bottom(fig, fig.legend(handles, labs, loc="upper center", ncol=min(len(labs), 4), fontsize=8,
+                                      title=", ".join(legend) if len(legend) == 1 else None,
+                                      bbox_to_anchor=(0.5, top)))
+    fig.tight_layout(rect=(0, 0, 1, top))
+    return fig
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    paths.append(path)
-    return paths
+    return path
+
+
+def _bottom(fig: Any, artist: Any) -> float:
+    """The lower edge of a figure-level artist (title, legend) in figure coordinates, less a gap."""
+    box = artist.get_window_extent(fig.canvas.get_renderer()).transformed(fig.transFigure.inverted())
+    return box.y0 - 0.01
 
 
 def _safe(text: str) -> str:
@@ -210,7 +241,7 @@ def _safe(text: str) -> str:
 
 def write_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: str | None = None,
                      metrics: Sequence[str] = TABLE_METRICS, figure_metrics: Sequence[str] = FIGURE_METRICS,
-                     plots: bool = True) -> dict[str, Any]:
+                     plots: bool = True, title: str | None = None) -> dict[str, Any]:
     """table.csv (every column), table.md (the readable columns) and figures."""
     out_dir.mkdir(parents=True, exist_ok=True)
     df = df.copy()
@@ -219,41 +250,54 @@ def write_comparison(df: pd.DataFrame, axes: Sequence[str], out_dir: Path, x: st
     cols = table_columns(df, axes, metrics)
     md = out_dir / "table.md"
     md.write_text(to_markdown(df[[c for c in cols if c != "run_id"]]))
-    figures = plot_comparison(df, axes, out_dir, x, figure_metrics) if plots else []
+    figures = plot_comparison(df, axes, out_dir, x, figure_metrics, title=title) if plots else []
     return {"csv": csv, "markdown": md, "figures": figures, "columns": cols}
 
 
 def print_table(console: Any, df: pd.DataFrame, axes: Sequence[str], title: str,
                 metrics: Sequence[str] = PRINT_METRICS) -> None:
-    """A compact table for the terminal (table.md and table.csv hold every column)."""
-    from rich.table import Table
-
+    """A compact table for the terminal (table.md and table.csv hold every column), never cut
+    to the console's width."""
     t = Table(title=title)
     shown = [c for c in ("point", "trial") if c in df.columns] + list(axes) + ["status"] + \
         [m for m in metrics if m in df.columns]
     for c in shown:
-        t.add_column(c, justify="right" if pd.api.types.is_numeric_dtype(df[c]) else "left")
+        t.add_column(c, justify="right" if pd.api.types.is_numeric_dtype(df[c]) else "left", no_wrap=True)
     for _, row in df.iterrows():
-        cells = [_fmt(row[c]) for c in shown]
+        cells = [escape(_fmt(row[c])) for c in shown]
         if row.get("status") != "finished":
-            cells[shown.index("status")] = f"[red]{_fmt(row.get('status'))}[/red]"
+            cells[shown.index("status")] = f"[red]{escape(_fmt(row.get('status')))}[/red]"
         t.add_row(*cells)
-    console.print(t)
+    print_wide(console, t)
     failed = df[df["status"] != "finished"] if "status" in df.columns else df.iloc[0:0]
     for i, (_, row) in enumerate(failed.iterrows()):
         if i == 10:
             console.print(f"... and {len(failed) - 10} more not finished (see table.md)")
             break
         label = ", ".join(f"{a}={_fmt(row[a])}" for a in axes) or str(row.get("run_name"))
-        console.print(f"[red]{_fmt(row.get('status'))}[/red] {label}: {_fmt(row.get('error'))[:120]}",
-                      highlight=False)
+        console.print(f"[red]{escape(_fmt(row.get('status')))}[/red] {escape(label)}: "
+                      f"{escape(_fmt(row.get('error'))[:120])}", highlight=False)
+
+
+def print_wide(console: Any, table: Any) -> None:
+    """Print a rich table at the width that shows every column whole: on a narrow (or non-tty,
+    80-column) console rich would cut headers and cells to `throu…` (a terminal wraps the long
+    lines instead). `Console.print(width=)` cannot exceed the console's width, so it is widened
+    for this one table."""
+    needed = Measurement.get(console, console.options.update(width=100_000), table).maximum
+    saved = console.width
+    console.width = max(saved, needed)
+    try:
+        console.print(table)
+    finally:
+        console.width = saved
 
 
 # --- from MLflow -----------------------------------------------------------------------------------
 
 def runs_frame(experiments: Sequence[str], tracking_uri: str) -> tuple[pd.DataFrame, list[str]]:
     """One row per result run of the experiments: axes, status, error, metrics, run id."""
-    import mlflow
+    import mlflow  # lazy: ~2 s to import; comparisons from results in hand never need it
     from mlflow.tracking import MlflowClient
 
     _check_store(tracking_uri)
@@ -364,7 +408,7 @@ def build_report(experiments: Sequence[str], tracking_uri: str, out: Path | None
             valid = sorted(c for c in df.columns if c not in ("run_id", "run_name", "error", "status",
                                                              "experiment_id", "trial", *axes))
             raise ConfigError(f"unknown metric {m!r}; valid choices: {', '.join(valid)}")
-    res = write_comparison(df, axes, out_dir, x=x, metrics=table_metrics, figure_metrics=fig_metrics)
+    write_comparison(df, axes, out_dir, x=x, metrics=table_metrics, figure_metrics=fig_metrics)
     (out_dir / "report.json").write_text(json.dumps({"experiments": list(experiments), "tracking_uri": tracking_uri,
                                                      "axes": axes, "runs": len(df)}, indent=2) + "\n")
     if console is not None:

@@ -82,3 +82,63 @@ def test_grid_expansion():
     assert len(points) == 6
     assert points[0].overrides == ("parallel.layer_split=[20,20]", "seed=1", "policy=sarathi", "workload.rate=2")
     assert points[-1].label == "policy=vllm,workload.rate=6"
+
+
+# --- signals: SIGTERM is Ctrl-C, nothing keeps running, nothing stays RUNNING -------------------------
+
+# point 0 finishes at once; the others (30k requests) are still running when the signal comes
+SIGNAL_GRID = ["workload=synthetic", "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2", "output.plots=false",
+               "workload.num_requests=40,30000,30001,30002,30003,30004", "compare.workers=2"]
+
+
+def _signalled_grid(tmp_path: Path, send: str):
+    from signal_helpers import Command, run_states, survivors
+
+    fresh_mlflow_db(tmp_path)
+    cmd = Command("compare", *SIGNAL_GRID, f"output.dir={tmp_path}", "compare.experiment=sig")
+    cmd.wait_for("point   0 done")
+    children = cmd.descendants()
+    assert len(children) >= 2  # the two workers (and multiprocessing's resource tracker)
+    code = cmd.terminate() if send == "TERM" else cmd.interrupt()
+    return code, survivors(children), run_states(tmp_path / "mlflow.db"), cmd
+
+
+@pytest.mark.parametrize("send, exit_code", [("TERM", 143), ("INT", 130)])
+def test_a_signal_stops_the_grid_at_once_and_kills_its_runs(tmp_path, send, exit_code):
+    code, alive, runs, cmd = _signalled_grid(tmp_path, send)
+    assert code == exit_code, "".join(cmd.err)[-2000:]
+    assert alive == []  # no orphaned worker
+    assert "RUNNING" not in {r["status"] for r in runs.values()}, runs
+    parent = [r for r in runs.values() if r["kind"] == "compare"]
+    assert len(parent) == 1 and parent[0]["status"] == "KILLED"
+    points = {r["name"]: r["status"] for r in runs.values() if r["kind"] == "point"}
+    assert points["workload.num_requests=40"] == "FINISHED"
+    assert "KILLED" in points.values()  # the 30k-request point(s) in flight
+    assert len(points) <= 4  # 2 workers: no point was launched after the signal (6 in the grid)
+    # the table of the points done so far
+    table = pd.read_csv(tmp_path / "compare" / "sig" / "table.csv")
+    assert list(table["workload.num_requests"]) == [40] and list(table["status"]) == ["finished"]
+
+
+def test_the_micro_batch_count_is_an_ordinary_axis(tmp_path, capsys):
+    code = main(["compare", *BASE, f"output.dir={tmp_path}", "output.mlflow=false",
+                 "policy=sarathi", "parallel.pp=2", "parallel.num_microbatches=2,3,4", "compare.experiment=mb"])
+    assert code == 0
+    table = pd.read_csv(tmp_path / "compare" / "mb" / "table.csv")
+    assert list(table["parallel.num_microbatches"]) == [2, 3, 4] and (table["status"] == "finished").all()
+
+
+def test_the_printed_table_is_never_cut_to_the_console_width(tmp_path):
+    from rich.console import Console
+
+    from testbed.report import print_table
+
+    console = Console(width=80, record=True, file=open(tmp_path / "out.txt", "w"))
+    df = pd.DataFrame([{"point": 0, "policy": "sarathi", "workload.rate": 2.0, "parallel.num_microbatches": 4,
+                        "status": "finished", "throughput_tok_s": 12345.6, "ttft_p99_s": 0.123456,
+                        "tpot_p99_s": 0.0456, "e2el_mean_s": 3.21, "slo_attainment": 0.987}])
+    print_table(console, df, ["policy", "workload.rate", "parallel.num_microbatches"], "wide")
+    text = console.export_text()
+    for column in ("parallel.num_microbatches", "throughput_tok_s", "slo_attainment", "1.235e+04", "0.987"):
+        assert column in text, text
+    assert "…" not in text

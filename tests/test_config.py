@@ -200,6 +200,7 @@ def _run(args, tmp_path, capsys) -> tuple[int, str]:
     (["parallel.layer_split=abc"], "must be a list of integers"),
     (["parallel.num_microbatches=9"], "parallel.num_microbatches=9"),
     (["workload=synthetic", "workload.seed=-1"], "invalid workload.seed=-1"),
+    (["policy.seed=-1", "policy.rules=code"], "invalid policy.seed=-1: must be an integer >= 0"),
     (["workload=synthetic", "workload.num_requests=1e12"], "workload.num_requests"),
 ])
 def test_bad_override_is_one_error_line(args, needle, tmp_path, capsys):

@@ -25,7 +25,7 @@ from testbed.runner import prepare_experiment  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["workload.num_requests=5", "output.mlflow=false", "output.plots=false", "output.progress=false"]
-FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 

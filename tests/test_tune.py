@@ -10,6 +10,7 @@ import pytest
 from engine.errors import ConfigError
 from mlflow_db import fresh_mlflow_db
 from testbed.cli import main
+from testbed.overrides import merge
 
 # 60 requests arriving at once: the token budget changes throughput, each trial takes ~0.1 s.
 BASE = ["policy=sarathi", "workload=synthetic", "workload.num_requests=60", "workload.arrival=offline",
@@ -17,7 +18,7 @@ BASE = ["policy=sarathi", "workload=synthetic", "workload.num_requests=60", "wor
 
 
 def _tune(tmp_path: Path, *extra: str, capsys=None) -> int:
-    return main(["tune", *BASE, f"output.dir={tmp_path}", *extra])
+    return main(["tune", *merge(BASE, [f"output.dir={tmp_path}"], extra)])  # a key given twice is an error
 
 
 def _study(tmp_path: Path, name: str):
@@ -45,10 +46,13 @@ def test_same_seed_finds_the_same_best_trial(out, capsys):
     # the last lines name the best trial, its value and its parameters
     assert first_lines[-2] == second_lines[-2]
     assert first_lines[-2].startswith(f"best trial {a.best_trial.number}: throughput_tok_s=")
-    assert first_lines[-1] == "best params: " + " ".join(f"policy.{k}={v}" for k, v in a.best_trial.params.items())
-    # trial 0 is the policy's defaults, the baseline the gain is measured against
-    assert a.trials[0].params == {"token_budget": 2048, "max_num_seqs": 128}
+    assert first_lines[-1] == "best params: " + " ".join(f"{k if '.' in k else f'policy.{k}'}={v}"
+                                                          for k, v in a.best_trial.params.items())
+    # trial 0 is the policy's defaults, the baseline the gain is measured against; the micro-batch
+    # count is searched by default and its default (the policy's own choice) is tried as P
+    assert a.trials[0].params == {"token_budget": 2048, "max_num_seqs": 128, "parallel.num_microbatches": 2}
     assert a.trials[0].user_attrs["baseline"] is True
+    assert a.metric_names == ["throughput_tok_s"]  # optuna-dashboard labels its axes with it
     # another seed samples other parameters
     assert _tune(out, "tune.trials=4", "tune.startup_trials=3", "seed=4", "tune.study=third") == 0
     assert [t.params for t in _study(out, "third").trials][1:] != [t.params for t in a.trials][1:4]
@@ -156,14 +160,15 @@ def test_multi_objective_with_a_constraint_reports_the_pareto_front(tmp_path, ca
     (["tune.objective=kv_usage_mean"], "objective 'kv_usage_mean' has no known direction; add tune.direction="),
     (["tune.objective=stage_utilization"], "is a per-stage list"),
     (["tune.direction=up"], "invalid tune.direction 'up'; valid choices: maximize, minimize"),
-    (["tune.trials=0"], "invalid tune.trials='0': must be an integer >= 1"),
+    (["tune.trials=0"], "invalid tune.trials=0: must be an integer >= 1"),
     (["tune.constraints=[slo_attainment=0.9]"], "write metric>=value or metric<=value"),
     (["tune.space.parallel.ppp=1,2"],
-     "unknown config key 'parallel.ppp'; valid keys under 'parallel': layer_split, pp, tp"),
+     "unknown config key 'parallel.ppp'; valid keys under 'parallel': layer_split, num_microbatches, pp, tp"),
     (["tune.space.parallel.pp=4:1"], "low must be < high"),
     (["tune.space.policy.name=vllm,sarathi"], "policy.name cannot be tuned"),
     (["tune.space.parallel.pp=1,2", "parallel.pp=2"], "parallel.pp is both set (parallel.pp=2) and searched"),
-    (["policy=vllm", "policy.max_num_batched_tokens=4096", "policy.max_num_seqs=64"], "nothing to tune"),
+    (["policy=vllm", "policy.max_num_batched_tokens=4096", "policy.max_num_seqs=64",
+      "parallel.num_microbatches=2"], "nothing to tune"),
     (["tune.sampler=cmaes"], "unknown tune.sampler 'cmaes'; valid choices: tpe, nsga2, random"),
 ])
 def test_bad_tune_settings_are_one_clear_line(args, needle, tmp_path, capsys):
@@ -195,3 +200,100 @@ def test_space_specs_and_settings_parse():
     assert [sp.key for sp in st.space] == ["runtime.cpu_sampling", "runtime.overlap_input_prep"]
     with pytest.raises(ConfigError, match="tune.direction has 1 entries for 2"):
         parse_settings({"objective": "throughput,ttft", "direction": "maximize"}, cfg)
+
+
+# --- signals ---------------------------------------------------------------------------------------
+
+# trials of a few seconds each, so some are in flight when the signal comes
+SIGNAL_BASE = [a for a in BASE if not a.startswith(("workload.num_requests", "output.progress"))] + \
+    ["workload.num_requests=3000", "tune.trials=400", "tune.workers=2", "tune.study=sig"]
+
+
+def test_sigterm_ends_the_study_killed_with_no_worker_left(out):
+    from signal_helpers import Command, run_states, survivors
+
+    cmd = Command("tune", *SIGNAL_BASE, f"output.dir={out}")
+    cmd.wait_for(" done ")  # a first trial finished
+    children = cmd.descendants()
+    assert children  # the spawned worker (and multiprocessing's resource tracker)
+    assert cmd.terminate() == 143, "".join(cmd.err)[-2000:]
+    assert survivors(children) == []
+    runs = run_states(out / "mlflow.db")
+    assert "RUNNING" not in {r["status"] for r in runs.values()}, runs
+    assert [r["status"] for r in runs.values() if r["kind"] == "study"] == ["KILLED"]
+    trials = {r["status"] for r in runs.values() if r["kind"] == "trial"}
+    assert "FINISHED" in trials and "KILLED" in trials  # done ones kept, in-flight ones killed
+    study = _study(out, "sig")
+    assert all(t.state.name in ("COMPLETE", "FAIL") for t in study.trials)
+    assert [t.user_attrs.get("fail_reason") for t in study.trials if t.state.name == "FAIL"] == \
+        ["interrupted"] * sum(t.state.name == "FAIL" for t in study.trials)
+    assert (out / "tune" / "sig" / "trials.csv").is_file()  # the partial outputs are written
+
+
+def test_workers_stop_when_the_parent_is_killed(out):
+    from signal_helpers import Command, survivors
+
+    cmd = Command("tune", *SIGNAL_BASE, f"output.dir={out}")
+    cmd.wait_for(" done ")
+    children = cmd.descendants()
+    cmd.kill()  # SIGKILL: no cleanup in the parent at all
+    assert survivors(children) == []
+    study = _study(out, "sig")  # the orphaned worker marked its own trial before leaving
+    running = [t.number for t in study.trials if t.state.name == "RUNNING"]
+    workers = {t.user_attrs.get("worker") for t in study.trials if t.number in running}
+    parent_tag = f":{cmd.proc.pid}"
+    assert all(w.endswith(parent_tag) for w in workers), (running, workers)  # only the parent's own trial
+
+
+def test_two_tunes_started_together_on_a_fresh_folder_both_succeed(tmp_path):
+    """Optuna's tables and MLflow's schema are created on first use; unserialised, the second
+    command died in alembic ("expected to match one row") or on "database is locked"."""
+    from signal_helpers import WAIT_S, Command, run_states
+
+    cmds = [Command("tune", *BASE, f"output.dir={tmp_path}", "tune.trials=2", f"tune.study=s{i}") for i in (1, 2)]
+    codes = [c.proc.wait(timeout=WAIT_S) for c in cmds]
+    assert codes == [0, 0], [("".join(c.err))[-1500:] for c in cmds]
+    for i in (1, 2):
+        assert [t.state.name for t in _study(tmp_path, f"s{i}").trials] == ["COMPLETE", "COMPLETE"]
+    studies = [r for r in run_states(tmp_path / "mlflow.db").values() if r["kind"] == "study"]
+    assert sorted(r["name"] for r in studies) == ["s1", "s2"] and {r["status"] for r in studies} == {"FINISHED"}
+
+
+def test_values_print_with_four_significant_digits():
+    from testbed.tune.objectives import sig4
+
+    assert [sig4(0.17835460015641597), sig4(1999.6), sig4(12345.6), sig4(3), sig4(True), sig4("a")] == \
+        ["0.1784", "2000", "12346", "3", "True", "a"]
+
+
+def test_the_micro_batch_count_is_searched_unless_pinned_or_given_a_space():
+    import optuna
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    from testbed.tune import prepare
+
+    base = [a for a in BASE if not a.startswith("parallel.pp")]
+    space = prepare([*base, "parallel.pp=3"]).space()
+    assert space["parallel.num_microbatches"] == IntDistribution(3, 6)  # [P, 2P]
+    assert set(space) == {"token_budget", "max_num_seqs", "parallel.num_microbatches"}
+    problem = prepare([*base, "parallel.pp=3", "parallel.num_microbatches=4"])
+    assert "parallel.num_microbatches" not in problem.space()  # pinned on the command line
+    assert problem.base_cfg["parallel"]["num_microbatches"] == 4
+    space = prepare([*base, "tune.space.parallel.num_microbatches=4,5,6,8"]).space()
+    assert space["parallel.num_microbatches"] == CategoricalDistribution([4, 5, 6, 8])
+    problem = prepare([*base, "tune.space.parallel.pp=2,4"])  # the range follows the trial's P
+    assert problem.space()["parallel.num_microbatches"] == IntDistribution(4, 8)  # described at the default P=4
+    trial = optuna.trial.FixedTrial({"parallel.pp": 2, "parallel.num_microbatches": 3, "token_budget": 512,
+                                     "max_num_seqs": 64})
+    assert problem.assign(trial)["parallel.num_microbatches"] == 3
+    assert trial.distributions["parallel.num_microbatches"] == IntDistribution(2, 4)
+
+
+def test_trials_run_the_searched_micro_batch_count(tmp_path):
+    code = main(["tune", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", "tune.trials=4",
+                 "tune.space.parallel.num_microbatches=3,4", "tune.study=mb", "policy.token_budget=512",
+                 "policy.max_num_seqs=64"])
+    assert code == 0
+    trials = _study(tmp_path, "mb").trials
+    assert {t.params["parallel.num_microbatches"] for t in trials} <= {3, 4}
+    assert all(set(t.params) == {"parallel.num_microbatches"} for t in trials)

@@ -92,10 +92,25 @@ def test_registry_and_defaults():
     ({"name": "synthetic", "output_dist": "lognormal", "output_sigma": 0}, "workload.output_sigma"),
     ({"name": "synthetic", "input_dist": "lognormal", "input_min": 10**6, "input_max": 10**6 + 1},
      "workload.input_min"),
+    ({"name": "synthetic", "num_requests": 10**12}, "workload.num_requests"),  # would exhaust memory
+    ({"name": "azure", "rate": 1e308}, "workload.rate"),  # overflowed the trace's rescaling
+    ({"name": "synthetic", "seed": -1}, "workload.seed"),  # numpy refuses negative seeds
+    ({"name": "sharegpt", "seed": 1.5}, "workload.seed"),
 ])
 def test_invalid_config_names_the_key(settings, bad_key):
     with pytest.raises(ConfigError, match=bad_key.replace(".", r"\.")):
         workload_config(settings)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"name": "azure", "trace": "chat"}, "invalid workload.trace='chat': must be one of conv, code"),
+    ({"name": "synthetic", "num_requests": None}, "invalid workload.num_requests=None: must be an integer in [1, 10000000]"),
+    ({"name": "sharegpt", "rate": 2e6}, "invalid workload.rate=2000000.0: must be a number <= 1e+06 or null"),
+])
+def test_invalid_config_message_names_the_valid_range(settings, message):
+    with pytest.raises(ConfigError) as err:
+        workload_config(settings)
+    assert str(err.value) == message
 
 
 def test_unknown_key_lists_valid_keys():

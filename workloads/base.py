@@ -98,12 +98,7 @@ def workload_config(name_or_cfg: str | Mapping[str, Any] | Any) -> Any:
     else:
         raise ConfigError(f"workload must be a name or a mapping with a 'name', got {type(name_or_cfg).__name__}")
     spec = WORKLOADS.get(name)
-    valid = [f.name for f in dataclasses.fields(spec.config_cls) if f.name != "name"]
-    unknown = sorted(str(k) for k in settings if k not in valid)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(key(k) for k in unknown)} for workload {name!r}; "
-                          f"valid keys: {', '.join(valid)}")
-    return spec.config_cls(name=name, **settings)
+    return typed.build(spec.config_cls, {**settings, "name": name}, PREFIX)
 
 
 def build_workload(name_or_cfg: str | Mapping[str, Any] | Any, data_dir: str | os.PathLike | None = None

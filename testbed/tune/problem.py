@@ -1,0 +1,182 @@
+"""The problem a study solves: the base config every trial starts from, the settings, the
+parameters pinned on the command line, and how a trial's suggestions become a run config.
+`Problem` is what the parent hands to spawned workers, so it stays plain and picklable.
+
+The default study name carries a hash of `problem_fingerprint` (base config, objectives,
+constraints, space), so re-running the same command resumes and a changed command starts a new
+study; a named study (`tune.study=`) refuses to resume with a different problem and names the
+first difference."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+from engine.policy import POLICIES
+from testbed.config import compose, flatten, to_container
+from testbed.overrides import explicit_keys, get_path, set_path, split_prefixed
+from testbed.tracking import tracking_uri
+from testbed.tune.settings import TuneSettings, parse_settings
+from testbed.tune.space import MICROBATCH_KEY, Recorder, SpaceSpec, SpaceTrial, contains, microbatch_range
+from testbed.tune.storage import sqlite_path
+
+FINGERPRINT_SKIPS = ("output", "data_dir", "check_integrity")  # how a run is stored, not what it computes
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a worker needs (picklable for spawned processes)."""
+
+    base_cfg: dict
+    settings: TuneSettings
+    study: str
+    storage_url: str
+    experiment: str
+    pinned: dict  # policy field -> value held fixed (set on the command line)
+    seed: int
+    parent_run_id: str | None = None
+    out_dir: str = "runs"
+    search_microbatches: bool = False  # the default [P, 2P] search of parallel.num_microbatches
+
+    @property
+    def policy_name(self) -> str:
+        return self.base_cfg["policy"]["name"]
+
+    def policy_overrides(self) -> dict[str, SpaceSpec]:
+        return {s.name: s for s in self.settings.space if s.key.startswith("policy.")}
+
+    def assign(self, trial: Any) -> dict[str, Any]:
+        """Suggest every searched value for this trial: {config key: value}."""
+        proxy = SpaceTrial(trial, self.policy_overrides(), self.pinned)
+        values = POLICIES.get(self.policy_name).search_space(proxy) or {}
+        out = {f"policy.{k}": v for k, v in values.items()}
+        for spec in self.settings.space:
+            if spec.key in out or (spec.key.startswith("policy.") and spec.name in proxy.used):
+                continue
+            out[spec.key] = spec.suggest(trial)
+        if self.search_microbatches:
+            pp = int(out.get("parallel.pp", self.base_cfg["parallel"]["pp"]))
+            out[MICROBATCH_KEY] = trial.suggest_int(MICROBATCH_KEY, *microbatch_range(pp))
+        return out
+
+    def config_for(self, assignments: Mapping[str, Any]) -> dict:
+        cfg = copy.deepcopy(self.base_cfg)
+        for key, value in assignments.items():
+            if key.startswith("policy.") and key[7:] not in cfg["policy"]:
+                valid = ", ".join(sorted(k for k in cfg["policy"] if k != "name"))
+                raise ConfigError(f"policy {self.policy_name!r} search space returned unknown key "
+                                  f"{key!r}; valid keys: {valid}")
+            set_path(cfg, key, value)
+        return cfg
+
+    def defaults(self) -> dict[str, Any]:
+        """The base config's value of every searched name. An unset micro-batch count means the
+        policy's own choice, which is P for every policy but MoLink's extension: P stands for it."""
+        out = {**{k: v for k, v in self.base_cfg["policy"].items() if k != "name"},
+               **{s.key: get_path(self.base_cfg, s.key) for s in self.settings.space
+                  if not s.key.startswith("policy.")}}
+        if self.search_microbatches:
+            out[MICROBATCH_KEY] = get_path(self.base_cfg, MICROBATCH_KEY) or int(self.base_cfg["parallel"]["pp"])
+        elif out.get(MICROBATCH_KEY, 0) is None:
+            out[MICROBATCH_KEY] = int(self.base_cfg["parallel"]["pp"])
+        return out
+
+    def space(self) -> dict[str, Any]:
+        """The effective space {optuna name: distribution}, walked once with a recorder."""
+        rec = Recorder(self.defaults())
+        self.assign(rec)
+        return rec.space
+
+    def baseline_params(self) -> dict[str, Any] | None:
+        """The base config's value of every searched parameter, if each lies in its range."""
+        defaults = self.defaults()
+        params = {}
+        for name, dist in self.space().items():
+            value = defaults.get(name)
+            if not contains(dist, value):
+                return None
+            params[name] = value
+        return params
+
+
+def problem_fingerprint(cfg: Mapping[str, Any], settings: TuneSettings, pinned: Mapping[str, Any],
+                        search_microbatches: bool = False) -> dict:
+    """What defines a study's problem (compared on resume; hashed into the default name)."""
+    base = flatten({k: v for k, v in cfg.items() if k not in FINGERPRINT_SKIPS})
+    space = {s.key: s.text for s in settings.space}
+    if search_microbatches:
+        space[MICROBATCH_KEY] = "P:2P"
+    return {"config": {k: jsonable(v) for k, v in sorted(base.items())},
+            "objectives": list(settings.objectives), "directions": list(settings.directions),
+            "constraints": [c.text for c in settings.constraints],
+            "space": space, "pinned": {k: jsonable(v) for k, v in pinned.items()}}
+
+
+def jsonable(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def short_hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def first_difference(old: Mapping, new: Mapping) -> str:
+    for section in ("objectives", "directions", "constraints", "space", "pinned"):
+        if old.get(section) != new.get(section):
+            return f"tune {section}: {old.get(section)} then, {new.get(section)} now"
+    oc, nc = old.get("config", {}), new.get("config", {})
+    for key in sorted(set(oc) | set(nc)):
+        if oc.get(key, "<absent>") != nc.get(key, "<absent>"):
+            return f"{key}={oc.get(key, '<absent>')} then, {nc.get(key, '<absent>')} now"
+    return "(no difference found)"
+
+
+def fingerprint_of(problem: Problem) -> dict:
+    return problem_fingerprint(problem.base_cfg, problem.settings, problem.pinned, problem.search_microbatches)
+
+
+def prepare(overrides: Sequence[str]) -> Problem:
+    """Parse and validate everything (no study, no MLflow run yet)."""
+    raw, rest = split_prefixed(overrides, "tune")
+    cfg = to_container(compose(rest))
+    settings = parse_settings(raw, cfg)
+    explicit = explicit_keys(rest)
+    pinned = {k[len("policy."):]: get_path(cfg, k) for k in explicit if k.startswith("policy.") and k != "policy.name"}
+    for spec in settings.space:
+        if spec.key in explicit:
+            raise ConfigError(f"{spec.key} is both set ({spec.key}={get_path(cfg, spec.key)}) and searched "
+                              f"(tune.space.{spec.key}); drop one of them")
+    search_mb = MICROBATCH_KEY not in explicit and all(s.key != MICROBATCH_KEY for s in settings.space)
+    out_root = Path((cfg.get("output") or {}).get("dir") or "runs")
+    fp = problem_fingerprint(cfg, settings, pinned, search_mb)
+    study = settings.study or f"{cfg['policy']['name']}-{cfg['workload']['name']}-" \
+                              f"{'+'.join(settings.objectives)}-{short_hash(fp)}"
+    if "/" in study or study.startswith("."):
+        raise ConfigError(f"invalid tune.study={study!r}: no '/' and no leading '.'")
+    storage = settings.storage or f"sqlite:///{(out_root.resolve() / 'optuna.db')}"
+    _check_storage(storage, cfg)
+    problem = Problem(base_cfg=cfg, settings=settings, study=study, storage_url=storage,
+                      experiment=settings.experiment or f"tune-{study}", pinned=pinned,
+                      seed=settings.seed if settings.seed is not None else int(cfg.get("seed") or 0),
+                      out_dir=str(out_root / "tune" / study), search_microbatches=search_mb)
+    if not problem.space():
+        raise ConfigError(f"nothing to tune: policy {cfg['policy']['name']!r} declares no search space"
+                          + (" (or every parameter of it is fixed on the command line)" if pinned else "")
+                          + "; add tune.space.<key>=<values>, e.g. tune.space.parallel.pp=2,4")
+    return problem
+
+
+def _check_storage(storage: str, cfg: Mapping[str, Any]) -> None:
+    path = sqlite_path(storage)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if (cfg.get("output") or {}).get("mlflow", True) and path == sqlite_path(tracking_uri(cfg)):
+        raise ConfigError(f"tune.storage={storage} is the MLflow tracking database; Optuna and MLflow must "
+                          f"not share one (both keep an alembic_version table): use another file")
+

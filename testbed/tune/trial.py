@@ -1,0 +1,176 @@
+"""One trial in one process: suggest, build, run, log to MLflow, tell the study.
+
+A trial whose sampled config is invalid (ConfigError from building the run), whose run fails,
+or whose objective is NaN is told FAILED with its reason in the user attribute `fail_reason`
+(also the `error` tag of its MLflow run), and the study goes on. A trial interrupted by Ctrl-C
+or SIGTERM is marked FAILED with `fail_reason` "interrupted" (it does not count toward
+`tune.trials`) and its MLflow run ends KILLED."""
+from __future__ import annotations
+
+import json
+import math
+import time
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from optuna.trial import TrialState
+
+from engine.errors import TestbedError
+from testbed.config import data_dir
+from testbed.outputs import write_run_dir
+from testbed.runner import prepare_experiment
+from testbed.tracking import Tracker
+from testbed.tune.problem import Problem, jsonable
+from testbed.tune.storage import INTERRUPTED, worker_tag
+from workloads.base import build_workload
+
+TRIAL_SUMMARY_KEYS = ("throughput_tok_s", "ttft_p99_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment",
+                      "num_finished", "num_preemptions")
+
+
+class TrialFailed(Exception):
+    """A trial's failure with its reason (the `fail_reason` attribute); `run_closed` when its
+    MLflow run already ended (a failed or NaN run is logged as such, then the trial fails)."""
+
+    def __init__(self, reason: str, run_closed: bool = False) -> None:
+        super().__init__(reason)
+        self.run_closed = run_closed
+
+
+def open_tracker(problem: Problem) -> Any:
+    """The MLflow tracker of this process, or None with `output.mlflow=false` (then mlflow,
+    ~2 s to import, is never loaded)."""
+    if not (problem.base_cfg.get("output") or {}).get("mlflow", True):
+        return None
+    return Tracker(problem.base_cfg, problem.experiment)
+
+
+class TrialRunner:
+    """Runs trials in one process: suggest, build, run, log to MLflow, tell the study."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.p = problem
+        self.tracker = open_tracker(problem)
+        self._requests: dict[str, list] = {}
+
+    def _requests_for(self, cfg: Mapping[str, Any]):
+        """Build the workload once per process (it is immutable) unless a trial changes it."""
+        key = json.dumps([cfg.get("workload"), data_dir(cfg)], sort_keys=True, default=str)
+        if key not in self._requests:
+            self._requests.clear()
+            self._requests[key] = build_workload(dict(cfg["workload"]), data_dir(cfg))
+        return self._requests[key]
+
+    def run(self, study: Any, trial: Any) -> dict:
+        t0 = time.perf_counter()
+        trial.set_user_attr("worker", worker_tag())
+        event: dict[str, Any] = {"number": trial.number, "worker": worker_tag()}
+        run_id = None
+        try:
+            try:
+                cfg, run_id = self._start(trial, event)
+                values, violations = self._measure(trial, cfg, run_id)
+            except TrialFailed as exc:
+                return self._fail(study, trial, None if exc.run_closed else run_id, str(exc), event, t0)
+            study.tell(trial, values if self.p.settings.multi else values[0])
+            event.update(state="COMPLETE", values=values, feasible=all(v <= 0 for v in violations),
+                         wall_s=time.perf_counter() - t0)
+            return event
+        except KeyboardInterrupt:
+            self._interrupted(study, trial, run_id)
+            raise
+
+    def _start(self, trial: Any, event: dict) -> tuple[dict, str | None]:
+        """The trial's config and its MLflow run (opened before the run, so a crash is recorded)."""
+        p = self.p
+        try:
+            assignments = p.assign(trial)
+            cfg = p.config_for(assignments)
+        except TestbedError as exc:
+            raise TrialFailed(f"invalid config: {exc}") from None
+        event["params"] = {k: jsonable(v) for k, v in assignments.items()}
+        run_id = None
+        if self.tracker is not None:
+            run_id = self.tracker.start(cfg, f"trial-{trial.number:04d}", parent_run_id=p.parent_run_id,
+                                        tags={"testbed.kind": "trial", "optuna.study": p.study,
+                                              "optuna.trial": str(trial.number),
+                                              "optuna.params": json.dumps(trial.params, default=str)})
+            trial.set_user_attr("mlflow_run_id", run_id)
+        return cfg, run_id
+
+    def _measure(self, trial: Any, cfg: dict, run_id: str | None) -> tuple[list[float], list[float]]:
+        """Run the config; (objective values, constraint violations), or TrialFailed."""
+        result = self._simulate(cfg)
+        self._log(trial, cfg, run_id, result)
+        if result.error:
+            raise TrialFailed(f"run failed: {result.error}", run_closed=True)
+        s = result.summary
+        objectives = self.p.settings.objectives
+        values = [float(s[o]) for o in objectives]
+        if any(math.isnan(v) for v in values):
+            bad = [o for o, v in zip(objectives, values) if math.isnan(v)]
+            if self.tracker is not None:
+                self.tracker.client.set_tag(run_id, "optuna.state", "FAIL")
+            raise TrialFailed(f"objective {bad[0]} is NaN ({s['num_finished']} of {s['num_requests']} "
+                              f"requests finished)", run_closed=True)
+        violations = [c.violation(s) for c in self.p.settings.constraints]
+        for c, v in zip(self.p.settings.constraints, violations):
+            trial.set_constraint(c.text, v)
+        # one attribute (one commit): trials.csv expands it into columns
+        trial.set_user_attr("summary", {k: _finite(s.get(k)) for k in TRIAL_SUMMARY_KEYS})
+        return values, violations
+
+    def _simulate(self, cfg: dict):
+        try:
+            prepared = prepare_experiment(cfg, requests=self._requests_for(cfg))
+        except TestbedError as exc:
+            raise TrialFailed(f"invalid config: {exc}") from None
+        except Exception as exc:  # a bug while building: fail the trial, keep where it happened
+            raise TrialFailed(f"build error: {type(exc).__name__}: {exc} ({_where(exc)})") from None
+        try:
+            return prepared.run()
+        except Exception as exc:  # a policy bug for these parameters: a failed trial, not a dead study
+            raise TrialFailed(f"run error: {type(exc).__name__}: {exc} ({_where(exc)})") from None
+
+    def _log(self, trial: Any, cfg: dict, run_id: str | None, result: Any) -> None:
+        run_dir = None
+        if self.p.settings.artifacts:
+            run_dir = write_run_dir(result, Path(self.p.out_dir) / "trials" / f"trial-{trial.number:04d}",
+                                    plots=bool((cfg.get("output") or {}).get("plots", True)))
+        if self.tracker is None:
+            return
+        if self.p.settings.artifacts:
+            self.tracker.finish(run_id, result, run_dir)  # everything, as `testbed run` logs it
+        else:
+            self.tracker.finish(run_id, result, None, steps=False)
+
+    def _fail(self, study, trial, run_id, reason: str, event: dict, t0: float) -> dict:
+        trial.set_user_attr("fail_reason", reason[:2000])
+        if self.tracker is not None and run_id is not None:
+            self.tracker.fail(run_id, reason)
+        study.tell(trial, state=TrialState.FAIL)
+        event.update(state="FAIL", fail_reason=reason, wall_s=time.perf_counter() - t0)
+        return event
+
+    def _interrupted(self, study: Any, trial: Any, run_id: str | None) -> None:
+        trial.set_user_attr(INTERRUPTED, True)
+        trial.set_user_attr("fail_reason", INTERRUPTED)
+        study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+        if self.tracker is not None and run_id is not None:
+            self.tracker.client.set_tag(run_id, "error", INTERRUPTED)
+            self.tracker.client.set_terminated(run_id, "KILLED")
+
+
+def _where(exc: BaseException) -> str:
+    """file:line of the innermost frame, so a failed trial's reason points at the bug."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "?"
+    f = frames[-1]
+    return f"{Path(f.filename).name}:{f.lineno} in {f.name}"
+
+
+def _finite(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
