@@ -5,6 +5,7 @@
     testbed data sharegpt [--source FILE] [--out FILE]
     testbed tune | compare | report ...      (testbed/tune/, compare.py, report.py)
     testbed bench sim
+    testbed bench engine
     testbed predictor train workload=sharegpt
     testbed test [pytest args]
 
@@ -113,6 +114,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from testbed.bench import run_sim_bench
 
     run_sim_bench(args.policies.split(","), args.overrides, end_to_end=not args.no_e2e)
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    """The real engine's tokens/s per policy against Hugging Face generate (testbed/bench_engine.py)."""
+    from testbed.bench_engine import run
+
+    run(args)
     return 0
 
 
@@ -226,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip the end-to-end `testbed run` (MLflow on) of each policy")
     bs.add_argument("overrides", nargs="*", help="extra overrides for every run")
     bs.set_defaults(func=cmd_bench)
+    be = bsub.add_parser("engine", help="real engine: generated tokens/s per policy against HF generate")
+    from testbed.bench_engine import add_arguments as bench_engine_arguments
+
+    bench_engine_arguments(be)
+    be.set_defaults(func=cmd_bench_engine)
     bv = bsub.add_parser("serve", help="replay a workload against an OpenAI-compatible server (TTFT, TPOT, ITL, "
                                        "goodput; requests.csv, summary.json, MLflow)")
     bv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")

@@ -340,12 +340,8 @@ def test_prompt_ids_are_deterministic_and_respect_given_ids():
 
 
 def test_cpu_kv_pool_too_large_is_a_config_error(model_cache):
-    from engine.torch_exec.driver import TorchExecutor
-
-    ex = TorchExecutor(TorchSettings(model_cache_dir=model_cache), pp=2)
-    from engine.torch_exec.checkpoint import read_arch
+    from engine.torch_exec.checkpoint import check_kv_memory, read_arch
 
     arch = read_arch(random_checkpoint(get_model("tiny-llama"), 0, model_cache))
     with pytest.raises(ConfigError, match="kv.num_blocks"):
-        ex._check_kv_memory(arch, 10_000_000, 16)
-    ex.shutdown()
+        check_kv_memory(TorchSettings(model_cache_dir=model_cache), arch, 10_000_000, 16)

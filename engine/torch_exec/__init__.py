@@ -6,8 +6,9 @@ factory are torch-free; stages import torch in their own processes).
 Architecture
 ------------
     driver process: Controller + Policy + TorchExecutor (engine/torch_exec/driver.py)
-        | ZeroMQ ROUTER <-> one DEALER per stage: micro-batch metadata out (same message to every
-        | stage), sampled token ids and per-stage spans back, errors with tracebacks back
+        | ZeroMQ ROUTER (engine/torch_exec/control.py) <-> one DEALER per stage: typed,
+        | authenticated messages (wire.py): micro-batch metadata out (the same to every stage),
+        | sampled token ids and per-stage spans back, errors with tracebacks back
     stage 0 --torch.distributed send/recv (gloo on CPU, NCCL on GPUs)--> stage 1 --> ... stage P-1
         each stage process (engine/torch_exec/worker.py) holds its slice of decoder layers
         (engine/torch_exec/model.py; stage 0 the embedding, the last the final norm, lm_head and
@@ -19,21 +20,28 @@ another host it estimates the offset from the fastest of five ping round trips a
 
 Multi-machine runs (torchrun-style rendezvous)
 -----------------------------------------------
-Set `executor.launch=external`, fixed ports and reachable addresses, and start the stages by hand:
+Set `executor.launch=external`, fixed ports and reachable addresses, the same run secret on every
+host, and start the stages by hand:
 
-    # driver host (runs the controller, binds the control socket on every interface)
+    export TESTBED_STAGE_SECRET=$(python -c "import secrets; print(secrets.token_hex(32))")  # share it
+    # driver host (runs the controller; binds the control socket on every interface)
     testbed run executor=torch executor.launch=external executor.zmq_host=0.0.0.0 \
         executor.zmq_port=5555 executor.master_addr=<stage-0 host> executor.master_port=29500 ...
     # on each stage host s = 0..P-1 (the same checkpoint path must exist on every host)
     python -m engine.torch_exec.worker --driver tcp://<driver host>:5555 --stage <s>
 
-`master_addr`/`master_port` play MASTER_ADDR/MASTER_PORT's role: stage 0 hosts the
-torch.distributed TCP store there and the other stages join it. Control messages are pickles:
-bind the control socket only on a trusted network. The driver cannot watch external processes,
-so a dead external stage is reported by the `stage_timeout_s` hang check (with the stage named),
-and external stages do not notice a dead driver until their next message (end them by hand). With the default
-`launch=spawn` the driver starts the P stages on this machine (torch.multiprocessing, spawn),
-binds everything to 127.0.0.1 and picks free ports.
+(`TESTBED_STAGE_SECRET_FILE=<file holding the hex>` works too.) `master_addr`/`master_port` play
+MASTER_ADDR/MASTER_PORT's role: stage 0 hosts the torch.distributed TCP store there, bound to that
+address only, and the other stages join it. Every control message is a typed msgpack frame
+authenticated with an HMAC of the run secret (engine/torch_exec/wire.py), checked before it is
+parsed; frames without it are dropped and counted, so a port scanner or a stray client cannot
+run code or break the run. Binding a socket off loopback logs a warning naming its port. The
+driver cannot watch external processes, so a dead external stage is reported by the
+`stage_timeout_s` hang check (with the stage named), and external stages do not notice a dead
+driver until their next message (end them by hand). With the default `launch=spawn` the driver
+starts the P stages on this machine (torch.multiprocessing, spawn; the secret is a spawn
+argument), binds everything to 127.0.0.1 and picks free ports; the stages and their CPU samplers
+end when the driver dies, even by SIGKILL (engine/torch_exec/orphan.py).
 
 See `TorchSettings` (engine/torch_exec/settings.py) for every `executor.*` key.
 """

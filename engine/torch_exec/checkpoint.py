@@ -262,3 +262,21 @@ def prompt_ids(request: Any, vocab_size: int, seed: int) -> list[int]:
     rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(request.request_id)])
     low = FIRST_PROMPT_ID if vocab_size > FIRST_PROMPT_ID + 1 else 0
     return rng.integers(low, vocab_size, size=request.prompt_len).tolist()
+
+
+def check_kv_memory(settings, arch: ArchConfig, num_blocks: int, block_size: int) -> None:
+    """Refuse a CPU pool that cannot fit this machine (the cost model sizes KV for GPUs)."""
+    if settings.device != "cpu":
+        return
+    elem = 4 if settings.dtype == "float32" else 2
+    per_layer = 2 * num_blocks * block_size * arch.num_kv_heads * arch.head_dim * elem
+    total = per_layer * arch.num_layers  # all stages share this machine when spawned
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    if settings.launch == "spawn" and total > 0.5 * mem:
+        raise ConfigError(
+            f"the KV cache of {num_blocks} blocks x {block_size} tokens needs {total / 2**30:.1f} GiB on this "
+            f"machine ({mem / 2**30:.1f} GiB RAM): set kv.num_blocks (e.g. kv.num_blocks="
+            f"{max(1, int(0.25 * mem / (per_layer / num_blocks * arch.num_layers)))})")

@@ -4,15 +4,23 @@ It lives in the controller's process and never touches a tensor: `launch(mb)` tu
 micro-batch into plain metadata (per prefill chunk: sequence id, start, token count, whether it
 samples, the controller's block table and the chunk's token ids = prompt ids followed by the
 sequence's generated ids, so recomputation after preemption re-feeds exactly what was there;
-per decode: id, position, block table, last token) and sends the same pickled message to every
-stage over one ZeroMQ ROUTER socket. The last stage answers with the sampled ids; every stage
-ships its spans per micro-batch, which the driver records in the run's Tracer on tracks
+per decode: id, position, block table, last token) and sends the same `Launch` message to every
+stage over one ZeroMQ ROUTER socket. Every frame is a typed msgpack message behind an HMAC of the
+run's secret (engine/torch_exec/wire.py); frames that fail the check -- a port scanner, a stray
+client, a pickle -- are dropped, logged and counted in `dropped_frames`, never decoded further.
+The last stage answers with the sampled ids; every stage ships its spans per micro-batch, which the driver records in the run's Tracer on tracks
 `stage<s>` (and its own `launch` spans on track `driver`).
 
 Completion order: micro-batches complete in launch order, except behind paced links (link.bandwidth
 / link.latency), where the policy's `schedule_transfer` may let a decode activation overtake a
 prefill's remaining chunks: then any micro-batch in flight may complete (the controller keys
-micro-batches by id). The hang diagnosis tracks, per stage, which in-flight micro-batches it finished.
+micro-batches by id). The hang diagnosis tracks, per stage, which in-flight micro-batches it finished;
+a paced link that is still moving bytes (its sender reports `moved_bytes`) counts as progress, so a
+10 kbps link is slow, not hung.
+
+Listening sockets: the control socket binds `executor.zmq_host` (127.0.0.1 unless the user names
+an address; then a warning names the port), and stage 0's torch.distributed store binds
+`executor.master_addr` (also 127.0.0.1 by default).
 
 Failure handling: the driver polls its socket together with every stage process's sentinel,
 so a stage that dies is noticed at once; a stage that reports an exception is named with its
@@ -26,7 +34,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
-import pickle
 import socket
 import time
 import weakref
@@ -34,22 +41,19 @@ from collections import deque
 from typing import Any, Callable
 
 from engine.batch import MicroBatch
-from engine.errors import ConfigError, RunFailedError
+from engine.errors import ConfigError
 from engine.executor import Completion, Executor, ExecutorBuild
 from engine.settings import RunConfig
 from engine.torch_exec.settings import TorchSettings
+from engine.torch_exec import wire
+from engine.torch_exec.control import ControlSocket, free_port, warn_exposed
+from engine.torch_exec.diagnosis import FailureDiagnosis
 from engine.trace import Tracer
 
 STOP_GRACE_S = 5.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class TorchExecutor(Executor):
+class TorchExecutor(FailureDiagnosis, Executor):
     """P stage processes running a real model; see the package docstring for the architecture."""
 
     def __init__(self, settings: TorchSettings, *, pp: int, run_config: RunConfig | None = None,
@@ -82,7 +86,7 @@ class TorchExecutor(Executor):
         self.arch: Any = None
         self.layers: list[tuple[int, int]] = []
         self._procs: list[Any] = []
-        self._ctx = None
+        self._ctl: ControlSocket | None = None
         self._sock = None
         self._poller = None
         self._t0 = time.perf_counter()
@@ -95,8 +99,11 @@ class TorchExecutor(Executor):
         self._failed: str | None = None
         self._started = False
         self._closed = False
-        self.launch_overhead_s = 0.0  # driver time in launch(): metadata + pickling + sends
+        self.launch_overhead_s = 0.0  # driver time in launch(): metadata + encoding + sends
         self.num_launched = 0
+        self._moved: dict[int, int] = {}  # stage -> bytes its paced out-link has moved so far
+        self._secret = (wire.secret_from_env() if settings.launch == "external" else None) or wire.new_secret()
+        self._codec = wire.Codec(self._secret)
         atexit.register(_shutdown_ref, weakref.ref(self))
 
     # --- Executor interface ------------------------------------------------------------------------
@@ -121,14 +128,11 @@ class TorchExecutor(Executor):
     def launch(self, mb: MicroBatch) -> None:
         self._check_failed()
         t = time.perf_counter()
-        meta = self._metadata(mb)
-        sampling = {c.seq.seq_id: c.seq.request.sampling.as_tuple() for c in mb.prefills
-                    if c.seq.request.sampling is not None}
-        if sampling:  # served requests' own sampling, set on the last stage with their prefill
-            meta = (*meta, sampling)
-        msg = pickle.dumps(("mb", mb.mb_id, mb.kind, *meta), protocol=pickle.HIGHEST_PROTOCOL)
+        sampling = [wire.RequestSampling(c.seq.seq_id, *c.seq.request.sampling.as_tuple()) for c in mb.prefills
+                    if c.seq.request.sampling is not None]  # served requests' own, set with their prefill
+        msg = self._codec.encode(wire.Launch(mb.mb_id, mb.kind, *self._metadata(mb), sampling))
         for s in range(self.pipeline_depth):
-            self._sock.send_multipart([self._ident(s), msg])
+            self._ctl.send_raw(self._ident(s), msg)
         if not self._inflight:
             self._last_progress = time.perf_counter()
         self._inflight.append(mb.mb_id)
@@ -174,7 +178,7 @@ class TorchExecutor(Executor):
         if self._sock is not None:
             for s in range(self.pipeline_depth):
                 try:
-                    self._sock.send_multipart([self._ident(s), pickle.dumps(("stop",))], flags=1)  # NOBLOCK
+                    self._ctl.send(self._ident(s), wire.Stop(), nonblocking=True)
                 except Exception:
                     pass
         # after a failure some stage may be hung or blocked on a dead peer: do not wait for it long
@@ -195,17 +199,19 @@ class TorchExecutor(Executor):
                 p.close()
             except Exception:
                 pass
-        if self._sock is not None:
-            self._sock.close(linger=0)
+        if self._ctl is not None:
+            self._ctl.close()
             self._sock = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
 
     def attach(self, kv) -> None:
         """Follow this block manager's tables (what the runner should call before `start()`)."""
         self.kv = kv
         self.block_table = kv.block_table
+
+    @property
+    def dropped_frames(self) -> int:
+        """Frames on the control socket that failed authentication or the schema (dropped)."""
+        return self._ctl.dropped if self._ctl is not None else 0
 
     # --- helpers for tests and tools -----------------------------------------------------------------
     def stage_pids(self) -> list[int]:
@@ -213,12 +219,28 @@ class TorchExecutor(Executor):
 
     # --- start-up -------------------------------------------------------------------------------------
     def _start_workers(self) -> None:
-        import zmq
+        num_blocks, block_size = self._load_model()
+        addr = self._bind_control()
+        if self.settings.launch == "spawn":
+            self._spawn_stages(addr)
+        deadline = time.perf_counter() + self.settings.start_timeout_s
+        hello = self._gather(wire.Hello, deadline)
+        self.stage_info = [{"host": h.host, "pid": h.pid} for h in hello]
+        init = self._init_message(addr, num_blocks, block_size)
+        for s in range(self.pipeline_depth):
+            self._send(s, init)
+        for s, r in enumerate(self._gather(wire.Ready, deadline)):
+            self.stage_info[s].update(load_s=r.load_s, init_s=r.init_s, pid=r.pid, device=r.device)
+        self._clock_offsets(deadline)
+        self._t0 = time.perf_counter()
+        self._last_progress = self._t0
 
-        from engine.torch_exec.checkpoint import model_source, random_checkpoint, read_arch
+    def _load_model(self) -> tuple[int, int]:
+        """The checkpoint (a table model is written once with random weights), its layer split,
+        and the KV pool's size check; returns (num_blocks, block_size)."""
+        from engine.torch_exec.checkpoint import check_kv_memory, model_source, random_checkpoint, read_arch
 
         st = self.settings
-        P = self.pipeline_depth
         model = self.run_config.model
         path, spec = model_source(st, {"model": dataclasses.asdict(model)} if model is not None else {})
         if path is None:
@@ -228,78 +250,74 @@ class TorchExecutor(Executor):
         self.arch = arch = read_arch(path)
         self.layers = self._layer_ranges(arch.num_layers)
         num_blocks, block_size = self.kv.num_blocks, self.kv.block_size
-        self._check_kv_memory(arch, num_blocks, block_size)
+        check_kv_memory(self.settings, arch, num_blocks, block_size)
         seed = st.prompt_seed if st.prompt_seed is not None else self.run_config.seed
         self._prompt_seed = seed
         self._vocab = arch.vocab_size
+        return num_blocks, block_size
 
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if st.zmq_port:
-            self._sock.bind(f"tcp://{st.zmq_host}:{st.zmq_port}")
-            port = st.zmq_port
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{st.zmq_host}")
-        host = "127.0.0.1" if st.zmq_host in ("0.0.0.0", "*") else st.zmq_host
-        addr = f"tcp://{host}:{port}"
+    def _bind_control(self) -> str:
+        import zmq
+
+        st = self.settings
+        self._ctl = ControlSocket(self._codec, st.zmq_host, st.zmq_port)
+        self._sock = self._ctl.sock
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
-        if st.launch == "spawn":
-            import torch.multiprocessing as tmp
+        return self._ctl.address
 
-            from engine.torch_exec.worker import stage_main
+    def _spawn_stages(self, addr: str) -> None:
+        import torch.multiprocessing as tmp
+        import zmq
 
-            mp = tmp.get_context("spawn")
-            # Stages inherit the environment at spawn. Passive OpenMP waits: spinning threads of
-            # P stages (plus the driver) on few cores starve each other (see bench.py's note).
-            saved = os.environ.get("OMP_WAIT_POLICY")
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-            try:
-                for s in range(P):
-                    p = mp.Process(target=stage_main, args=(addr, s, os.getpid()), name=f"pp-stage{s}",
-                                   daemon=True)
-                    p.start()
-                    self._procs.append(p)
-                    self._poller.register(p.sentinel, zmq.POLLIN)
-            finally:
-                if saved is None:
-                    os.environ.pop("OMP_WAIT_POLICY", None)
-        backend = st.backend
-        if backend == "auto":
-            backend = "gloo"
-            if st.device == "cuda":
-                import torch
+        from engine.torch_exec.worker import stage_main
 
-                backend = "nccl" if torch.cuda.device_count() >= P or st.launch == "external" else "gloo"
-        master_port = st.master_port or free_port(st.master_addr if st.launch == "spawn" else "0.0.0.0")
-        deadline = time.perf_counter() + st.start_timeout_s
-        hello = self._gather("hello", deadline)
-        self.stage_info = [{"host": h[2], "pid": h[3]} for h in hello]
-        init = {"pp": P, "path": self.model_path, "arch": arch.to_dict(), "layers": self.layers,
-                "num_blocks": num_blocks, "block_size": block_size, "dtype": st.dtype, "device": st.device,
-                "threads": st.threads_per_stage, "backend": backend, "master_addr": st.master_addr,
-                "master_port": master_port, "stage_timeout_s": st.stage_timeout_s, "sampling": st.sampling,
-                "temperature": st.temperature, "top_k": st.top_k, "top_p": st.top_p,
-                "sample_seed": st.sample_seed, "fault": st.fault,
-                "repetition_penalty": st.repetition_penalty, "presence_penalty": st.presence_penalty,
-                "frequency_penalty": st.frequency_penalty, "num_cpu_samplers": st.num_cpu_samplers,
-                "cpu_sampling": self.runtime.cpu_sampling, "overlap_input_prep": self.runtime.overlap_input_prep,
-                "structure_aware_transfer": self.runtime.structure_aware_transfer,
-                "link_bandwidth_Bps": self.link_bandwidth_Bps, "link_latency_s": self.link_latency_s,
-                "link_chunk_bytes": st.link_chunk_bytes, "driver_addr": addr,
-                "policy": self._policy_spec()}
-        for s in range(P):
-            self._send(s, ("init", init))
-        ready = self._gather("ready", deadline)
-        for s, r in enumerate(ready):
-            self.stage_info[s].update(r[2])
-        self._clock_offsets(deadline)
-        self._t0 = time.perf_counter()
-        self._last_progress = self._t0
+        mp = tmp.get_context("spawn")
+        # Stages inherit the environment at spawn. Passive OpenMP waits: spinning threads of
+        # P stages (plus the driver) on few cores starve each other (see testbed/bench_engine.py).
+        saved = os.environ.get("OMP_WAIT_POLICY")
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        try:
+            for s in range(self.pipeline_depth):
+                # the secret travels as a spawn argument (the pipe to the child), never over a socket
+                p = mp.Process(target=stage_main, args=(addr, s, os.getpid(), self._secret),
+                               name=f"pp-stage{s}", daemon=True)
+                p.start()
+                self._procs.append(p)
+                self._poller.register(p.sentinel, zmq.POLLIN)
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_WAIT_POLICY", None)
+
+    def _backend(self) -> str:
+        st = self.settings
+        if st.backend != "auto":
+            return st.backend
+        if st.device == "cuda":
+            import torch
+
+            if torch.cuda.device_count() >= self.pipeline_depth or st.launch == "external":
+                return "nccl"
+        return "gloo"
+
+    def _init_message(self, addr: str, num_blocks: int, block_size: int) -> wire.StageInit:
+        st, rt = self.settings, self.runtime
+        master_port = st.master_port or free_port(st.master_addr)
+        warn_exposed(f"stage 0's torch.distributed store (executor.master_addr, port {master_port})",
+                     st.master_addr, master_port)
+        sampling = wire.SamplerConfig(st.sampling, st.temperature, st.top_k, st.top_p, st.sample_seed,
+                                      st.repetition_penalty, st.presence_penalty, st.frequency_penalty)
+        policy_class, policy_params = self._policy_spec()
+        return wire.StageInit(
+            pp=self.pipeline_depth, path=self.model_path, arch=self.arch.to_dict(), layers=self.layers,
+            num_blocks=num_blocks, block_size=block_size, dtype=st.dtype, device=st.device,
+            threads=st.threads_per_stage, backend=self._backend(), master_addr=st.master_addr,
+            master_port=master_port, stage_timeout_s=st.stage_timeout_s, fault=st.fault, sampling=sampling,
+            num_cpu_samplers=st.num_cpu_samplers, cpu_sampling=rt.cpu_sampling,
+            overlap_input_prep=rt.overlap_input_prep, structure_aware_transfer=rt.structure_aware_transfer,
+            link_bandwidth_Bps=self.link_bandwidth_Bps, link_latency_s=self.link_latency_s,
+            link_chunk_bytes=st.link_chunk_bytes, driver_addr=addr, policy_class=policy_class,
+            policy_params=policy_params)
 
     def _layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
         from engine.costmodel import split_layers
@@ -311,33 +329,17 @@ class TorchExecutor(Executor):
             first += n
         return out
 
-    def _check_kv_memory(self, arch, num_blocks: int, block_size: int) -> None:
-        """Refuse a CPU pool that cannot fit this machine (the cost model sizes KV for GPUs)."""
-        if self.settings.device != "cpu":
-            return
-        elem = 4 if self.settings.dtype == "float32" else 2
-        per_layer = 2 * num_blocks * block_size * arch.num_kv_heads * arch.head_dim * elem
-        total = per_layer * arch.num_layers  # all stages share this machine when spawned
-        try:
-            mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):
-            return
-        if self.settings.launch == "spawn" and total > 0.5 * mem:
-            raise ConfigError(
-                f"the KV cache of {num_blocks} blocks x {block_size} tokens needs {total / 2**30:.1f} GiB on this "
-                f"machine ({mem / 2**30:.1f} GiB RAM): set kv.num_blocks (e.g. kv.num_blocks="
-                f"{max(1, int(0.25 * mem / (per_layer / num_blocks * arch.num_layers)))})")
-
-    def _gather(self, kind: str, deadline: float) -> list[tuple]:
-        got: dict[int, tuple] = {}
+    def _gather(self, kind: type, deadline: float) -> list:
+        got: dict[int, Any] = {}
         while len(got) < self.pipeline_depth:
             left = deadline - time.perf_counter()
             if left <= 0:
                 missing = [s for s in range(self.pipeline_depth) if s not in got]
-                self._fail(f"stage(s) {missing} did not report {kind!r} within executor.start_timeout_s="
-                           f"{self.settings.start_timeout_s:g} s")
+                self._fail(f"stage(s) {missing} did not report {kind._wire_tag!r} within "
+                           f"executor.start_timeout_s={self.settings.start_timeout_s:g} s")
             for msg in self._poll(left, expect=kind):
-                got[msg[1]] = msg
+                if 0 <= msg.stage < self.pipeline_depth:
+                    got[msg.stage] = msg
         return [got[s] for s in range(self.pipeline_depth)]
 
     def _clock_offsets(self, deadline: float) -> None:
@@ -349,18 +351,18 @@ class TorchExecutor(Executor):
             best = None
             for _ in range(5):
                 a = time.perf_counter()
-                self._send(s, ("ping",))
-                msg = self._poll_one("pong", deadline)
+                self._send(s, wire.Ping())
+                msg = self._poll_one(wire.Pong, deadline)
                 b = time.perf_counter()
                 if best is None or b - a < best[0]:
-                    best = (b - a, msg[2] - (a + b) / 2)
+                    best = (b - a, msg.clock - (a + b) / 2)
             self._offsets[s] = best[1]
 
-    def _poll_one(self, kind: str, deadline: float) -> tuple:
+    def _poll_one(self, kind: type, deadline: float):
         while True:
             left = deadline - time.perf_counter()
             if left <= 0:
-                self._fail(f"no {kind!r} within executor.start_timeout_s")
+                self._fail(f"no {kind._wire_tag!r} within executor.start_timeout_s")
             msgs = self._poll(left, expect=kind)
             if msgs:
                 return msgs[0]
@@ -370,26 +372,18 @@ class TorchExecutor(Executor):
     def _ident(s: int) -> bytes:
         return f"stage{s}".encode()
 
-    def _send(self, s: int, msg: tuple) -> None:
-        self._sock.send_multipart([self._ident(s), pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)])
+    def _send(self, s: int, msg) -> None:
+        self._ctl.send(self._ident(s), msg)
 
-    def _poll(self, timeout_s: float, expect: str | None = None) -> list[tuple]:
+    def _poll(self, timeout_s: float, expect: type | None = None) -> list:
         """Wait up to `timeout_s` for messages; handle spans/done/error; return `expect` messages."""
-        import zmq
-
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000) + 1)))
         out = []
         if self._sock in events:
-            while True:
-                try:
-                    _ident, raw = self._sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                msg = pickle.loads(raw)
-                kind = msg[0]
-                if kind == "error":
-                    self._stage_error(msg[1], msg[2])
-                elif kind == expect:
+            while (msg := self._ctl.recv()) is not None:
+                if isinstance(msg, wire.StageError):
+                    self._stage_error(msg)
+                elif expect is not None and isinstance(msg, expect):
                     out.append(msg)
                 else:
                     self._handle(msg)
@@ -400,45 +394,48 @@ class TorchExecutor(Executor):
     def _pump(self, timeout_s: float) -> None:
         self._poll(timeout_s)
 
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "spans":
-            _, s, mb_id, spans = msg
-            self._record(s, mb_id, spans)
-            if mb_id in self._inflight:
-                self._stage_done[s].add(mb_id)
+    def _handle(self, msg) -> None:
+        if isinstance(msg, wire.Spans):
+            self._record(msg.stage, msg.mb_id, msg.spans)
+            if msg.mb_id in self._inflight and 0 <= msg.stage < self.pipeline_depth:
+                self._stage_done[msg.stage].add(msg.mb_id)
             self._last_progress = time.perf_counter()
-        elif kind == "done":
-            _, s, mb_id, tokens, spans = msg
-            self._record(s, mb_id, spans)
+        elif isinstance(msg, wire.Done):
+            self._record(msg.stage, msg.mb_id, msg.spans)
             self._last_progress = time.perf_counter()
-            self._retire(f"stage {s}", mb_id)
-            self._ready.append(Completion(mb_id, self.now(), tuple(tokens)))
-        elif kind == "link":  # the link scheduler's queueing and transfer spans of stage s's out-link
-            _, s, events = msg
-            off = self._offsets[s] + self._t0
-            for name, a, b, mb_id in events:
-                a = max(a - off, 0.0)
-                self.tracer.span(f"link{s}", name, a, max(b - off, a), mb_id, busy=False)
-        elif kind == "sampled":  # one CPU sampler's share of a micro-batch
-            _, k, mb_id, n, rows, tokens, (a, b) = msg
-            self.tracer.span(f"sampler{k}", "sample", max(a - self._t0, 0.0), max(b - self._t0, 0.0), mb_id)
-            parts = self._parts.setdefault(mb_id, [])
-            parts.append((rows, tokens))
-            if len(parts) == n:
-                del self._parts[mb_id]
-                size = sum(len(r) for r, _ in parts)
-                out = [0] * size
-                for r, t in parts:
-                    for i, tok in zip(r, t):
-                        out[i] = tok
-                self._last_progress = time.perf_counter()
-                self._retire("CPU samplers", mb_id)
-                self._ready.append(Completion(mb_id, self.now(), tuple(out)))
-        elif kind == "pong":
-            pass
-        else:
-            self._fail(f"unexpected message {kind!r} from stage {msg[1] if len(msg) > 1 else '?'}")
+            self._retire(f"stage {msg.stage}", msg.mb_id)
+            self._ready.append(Completion(msg.mb_id, self.now(), tuple(msg.tokens)))
+        elif isinstance(msg, wire.LinkEvents):  # the link scheduler's queueing and transfer spans
+            self._link_events(msg)
+        elif isinstance(msg, wire.Sampled):  # one CPU sampler's share of a micro-batch
+            self._sampled(msg)
+        elif not isinstance(msg, wire.Pong):
+            self._fail(f"unexpected message {msg._wire_tag!r} on the control socket")
+
+    def _link_events(self, msg: wire.LinkEvents) -> None:
+        off = self._offsets[msg.stage] + self._t0
+        for name, a, b, mb_id in msg.events:
+            a = max(a - off, 0.0)
+            self.tracer.span(f"link{msg.stage}", name, a, max(b - off, a), mb_id, busy=False)
+        if msg.moved_bytes > self._moved.get(msg.stage, 0):  # bytes still moving: not hung
+            self._moved[msg.stage] = msg.moved_bytes
+            self._last_progress = time.perf_counter()
+
+    def _sampled(self, msg: wire.Sampled) -> None:
+        self.tracer.span(f"sampler{msg.sampler}", "sample", max(msg.start - self._t0, 0.0),
+                         max(msg.end - self._t0, 0.0), msg.mb_id)
+        parts = self._parts.setdefault(msg.mb_id, [])
+        parts.append((msg.rows, msg.tokens))
+        if len(parts) < msg.num_parts:
+            return
+        del self._parts[msg.mb_id]
+        out = [0] * sum(len(r) for r, _ in parts)
+        for rows, tokens in parts:
+            for i, tok in zip(rows, tokens):
+                out[i] = tok
+        self._last_progress = time.perf_counter()
+        self._retire("CPU samplers", msg.mb_id)
+        self._ready.append(Completion(msg.mb_id, self.now(), tuple(out)))
 
     def _retire(self, who: str, mb_id: int) -> None:
         """A micro-batch completed: in launch order, or -- behind policy-scheduled links -- any in flight."""
@@ -452,12 +449,16 @@ class TorchExecutor(Executor):
         for done in self._stage_done:
             done.discard(mb_id)
 
-    def _policy_spec(self):
-        """(module, class, params) of the run's policy: stages rebuild it for `schedule_transfer`."""
+    def _policy_spec(self) -> tuple[str, dict]:
+        """("module:qualname", params) of the run's policy: stages behind paced links rebuild it
+        for `schedule_transfer` ("" = the default FIFO transfers)."""
         pol = self.policy
         if pol is None or not self.reorder:
-            return None
-        return (type(pol).__module__, type(pol).__qualname__, pol.params)
+            return "", {}
+        params = pol.params
+        values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)} \
+            if dataclasses.is_dataclass(params) else {}
+        return f"{type(pol).__module__}:{type(pol).__qualname__}", values
 
     def _record(self, s: int, mb_id: int, spans: list) -> None:
         off = self._offsets[s] + self._t0
@@ -468,7 +469,7 @@ class TorchExecutor(Executor):
             self.tracer.span(track, name, a, b, mb_id, busy=busy)
 
     # --- metadata --------------------------------------------------------------------------------------
-    def _metadata(self, mb: MicroBatch) -> tuple[list, list]:
+    def _metadata(self, mb: MicroBatch) -> tuple[list[wire.PrefillChunk], list[wire.DecodeRow]]:
         table = self.block_table
         prefills = []
         for c in mb.prefills:
@@ -480,13 +481,14 @@ class TorchExecutor(Executor):
                 toks = prompt[c.start:end]
             else:
                 toks = (prompt + seq.output_token_ids)[c.start:end]
-            prefills.append((seq.seq_id, c.start, c.num_tokens, c.samples, table(seq.seq_id), toks))
+            prefills.append(wire.PrefillChunk(seq.seq_id, c.start, c.num_tokens, bool(c.samples),
+                                              table(seq.seq_id), toks))
         decodes = []
         for seq in mb.decodes:
             pos = seq.num_computed
             prompt = self._prompt(seq.request)
             tok = prompt[pos] if pos < len(prompt) else seq.output_token_ids[pos - len(prompt)]
-            decodes.append((seq.seq_id, pos, table(seq.seq_id), tok))
+            decodes.append(wire.DecodeRow(seq.seq_id, pos, table(seq.seq_id), tok))
         return prefills, decodes
 
     def _prompt(self, request) -> list[int]:
@@ -497,76 +499,34 @@ class TorchExecutor(Executor):
             ids = self._prompts[request.request_id] = prompt_ids(request, self._vocab, self._prompt_seed)
         return ids
 
-    # --- failures ------------------------------------------------------------------------------------
-    def _check_processes(self) -> None:
-        for s, p in enumerate(self._procs):
-            if p.exitcode is not None:
-                # drain a last error message the stage may have sent before dying
-                self._drain_errors()
-                sig = -p.exitcode if p.exitcode < 0 else None
-                how = f"was killed by signal {sig}" if sig else f"exited with code {p.exitcode}"
-                self._fail(f"stage {s} (pid {p.pid}) {how} while the run was in progress")
-
-    def _drain_errors(self) -> None:
-        import zmq
-
-        if self._sock is None:
-            return
-        deadline = time.perf_counter() + 0.2
-        while time.perf_counter() < deadline:
-            if not self._sock.poll(20, zmq.POLLIN):
-                continue
-            _ident, raw = self._sock.recv_multipart()
-            msg = pickle.loads(raw)
-            if msg[0] == "error":
-                self._stage_error(msg[1], msg[2])
-            elif msg[0] in ("spans", "done"):
-                self._handle(msg)
-
-    def _stage_error(self, stage: int, text: str) -> None:
-        """A stage reported an exception. If another stage process died, that death is the root
-        cause (its neighbours' communication then fails): name the dead stage first."""
-        deadline = time.monotonic() + 1.0
-        dead = []
-        while time.monotonic() < deadline:
-            dead = [(s, p) for s, p in enumerate(self._procs) if p.exitcode is not None and s != stage]
-            if dead:
-                break
-            time.sleep(0.05)
-        first = text.strip().splitlines()[0] if text.strip() else "error"
-        if dead:
-            s, p = dead[0]
-            sig = -p.exitcode if p.exitcode < 0 else None
-            how = f"was killed by signal {sig}" if sig else f"exited with code {p.exitcode}"
-            self._fail(f"stage {s} (pid {p.pid}) {how} while the run was in progress; "
-                       f"then stage {stage} failed: {first}")
-        self._fail(f"stage {stage} failed: {text.strip()}")
-
-    def _hang_message(self) -> str:
-        oldest = self._inflight[0]
-        stuck = next((s for s in range(self.pipeline_depth) if oldest not in self._stage_done[s]),
-                     self.pipeline_depth - 1)
-        pid = self.stage_info[stuck].get("pid") if stuck < len(self.stage_info) else "?"
-        return (f"stage {stuck} (pid {pid}) made no progress for executor.stage_timeout_s="
-                f"{self.settings.stage_timeout_s:g} s on micro-batch {oldest} (hung)")
-
-    def _fail(self, message: str) -> None:
-        if self._failed is None:
-            self._failed = message
-        raise RunFailedError(self._failed)
-
-    def _check_failed(self) -> None:
-        if self._failed is not None:
-            raise RunFailedError(self._failed)
-
-
 def _shutdown_ref(ref) -> None:
     ex = ref()
     if ex is not None:
         ex.shutdown()
 
 
+def check_launchable(settings: TorchSettings) -> None:
+    """What can be refused before any process starts (one `error:` line each)."""
+    if settings.device == "cuda" and settings.launch == "spawn":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("executor.device=cuda, but no CUDA device is available here "
+                              "(torch.cuda.is_available() is False); valid choices: cpu")
+    if settings.launch == "external":
+        try:
+            secret = wire.secret_from_env()
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"executor.launch=external: cannot read the stage secret: {exc}") from None
+        if secret is None:
+            raise ConfigError(f"executor.launch=external needs the run's shared secret on the driver and every "
+                              f"stage host: set {wire.SECRET_ENV} (64 hex digits, e.g. from "
+                              f"`python -c 'import secrets; print(secrets.token_hex(32))'`) or "
+                              f"{wire.SECRET_FILE_ENV}")
+
+
 def make_torch_executor(settings: TorchSettings, build: ExecutorBuild) -> TorchExecutor:
+    check_launchable(settings)
     rc = build.run_config
     pp = build.cost_model.pp if build.cost_model is not None else rc.parallel.pp
     split = rc.parallel.layer_split

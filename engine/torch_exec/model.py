@@ -112,6 +112,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rot * sin
 
 
+class _Rows:
+    """What `StageModel.prepare` accumulates over a micro-batch's prefill chunks and decodes."""
+
+    __slots__ = ("row", "new", "positions", "slots", "ids", "sample_rows")
+
+    def __init__(self) -> None:
+        self.row = 0
+        self.new: list[int] = []  # blocks used for the first time (zeroed before the forward)
+        self.positions: list[torch.Tensor] = []
+        self.slots: list[torch.Tensor] = []
+        self.ids: list[int] = []
+        self.sample_rows: list[int] = []
+
+
 class StageModel:
     def __init__(self, arch: ArchConfig, first_layer: int, num_layers: int, first: bool, last: bool,
                  num_blocks: int, block_size: int, dtype: str = "float32", device: str = "cpu") -> None:
@@ -179,72 +193,73 @@ class StageModel:
         Rows are the prefill chunks' tokens in order, then one row per decode; sampled rows are
         each sampling chunk's last row, then every decode row (`sampled_sequences()` order).
         """
-        bs = self.block_size
         dev = self.device
-        zeroed = self._zeroed
-        new: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        ids: list[int] = []
+        acc = _Rows()
+        chunks = self._prefill_rows(prefills, acc)
+        decode_row0 = acc.row
+        dblocks, dmask = self._decode_rows(decodes, acc) if decodes else (None, None)
+        pos_all = torch.cat(acc.positions)
+        freqs = pos_all.to(dev, torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return BatchInputs(
+            num_tokens=acc.row,
+            token_ids=torch.tensor(acc.ids, dtype=torch.long, device=dev) if self.first else None,
+            cos=emb.cos(), sin=emb.sin(), slots=torch.cat(acc.slots).to(dev), chunks=chunks,
+            decode_row0=decode_row0, decode_blocks=dblocks, decode_mask=dmask,
+            sample_rows=torch.tensor(acc.sample_rows, dtype=torch.long, device=dev),
+            new_blocks=torch.tensor(acc.new, dtype=torch.long, device=dev) if acc.new else None)
+
+    def _first_use(self, blk: int, acc: _Rows) -> None:
+        if not self._zeroed[blk]:
+            self._zeroed[blk] = 1
+            acc.new.append(blk)
+
+    def _prefill_rows(self, prefills, acc: _Rows) -> list:
+        """Each prefill chunk's positions, slots and causal mask (None from position 0)."""
+        bs, dev = self.block_size, self.device
         chunks = []
-        sample_rows: list[int] = []
-        row = 0
         for _sid, start, n, samples, table, toks in prefills:
             ctx = start + n
             nb = -(-ctx // bs)
             for blk in table:
-                if not zeroed[blk]:
-                    zeroed[blk] = 1
-                    new.append(blk)
+                self._first_use(blk, acc)
             tbl = torch.tensor(table[:nb], dtype=torch.long)
             p = torch.arange(start, ctx, dtype=torch.long)
-            positions.append(p)
-            slots.append(tbl[p // bs] * bs + p % bs)
-            ids.extend(toks)
-            if start == 0:
-                mask = None
-            else:
-                mask = (torch.arange(ctx)[None, :] <= p[:, None]).to(dev)  # [n, ctx]
-            chunks.append((row, n, ctx, tbl.to(dev), mask))
-            row += n
+            acc.positions.append(p)
+            acc.slots.append(tbl[p // bs] * bs + p % bs)
+            acc.ids.extend(toks)
+            mask = None if start == 0 else (torch.arange(ctx)[None, :] <= p[:, None]).to(dev)  # [n, ctx]
+            chunks.append((acc.row, n, ctx, tbl.to(dev), mask))
+            acc.row += n
             if samples:
-                sample_rows.append(row - 1)
-        decode_row0 = row
-        dblocks = dmask = None
-        if decodes:
-            D = len(decodes)
-            pos_list = [d[1] for d in decodes]
-            maxb = max(p // bs for p in pos_list) + 1
-            flat: list[int] = []
-            dslots: list[int] = []
-            for _sid, p, table, tok in decodes:
-                own = table[:p // bs + 1]
-                last = own[-1]
-                if not zeroed[last]:
-                    zeroed[last] = 1
-                    new.append(last)
-                flat.extend(own)
-                flat.extend([own[0]] * (maxb - len(own)))
-                dslots.append(last * bs + p % bs)
-                ids.append(tok)
-            pos = torch.tensor(pos_list, dtype=torch.long)
-            dblocks = torch.tensor(flat, dtype=torch.long, device=dev)
-            grid = torch.arange(maxb * bs, dtype=torch.long)
-            dmask = (grid[None, :] <= pos[:, None]).view(1, D, 1, maxb * bs).to(dev)
-            positions.append(pos)
-            slots.append(torch.tensor(dslots, dtype=torch.long))
-            sample_rows.extend(range(row, row + D))
-            row += D
-        pos_all = torch.cat(positions)
-        freqs = pos_all.to(dev, torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return BatchInputs(
-            num_tokens=row,
-            token_ids=torch.tensor(ids, dtype=torch.long, device=dev) if self.first else None,
-            cos=emb.cos(), sin=emb.sin(), slots=torch.cat(slots).to(dev), chunks=chunks,
-            decode_row0=decode_row0, decode_blocks=dblocks, decode_mask=dmask,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            new_blocks=torch.tensor(new, dtype=torch.long, device=dev) if new else None)
+                acc.sample_rows.append(acc.row - 1)
+        return chunks
+
+    def _decode_rows(self, decodes, acc: _Rows):
+        """All decodes' block lists (padded to the longest) and context mask, batched."""
+        bs, dev = self.block_size, self.device
+        D = len(decodes)
+        pos_list = [d[1] for d in decodes]
+        maxb = max(p // bs for p in pos_list) + 1
+        flat: list[int] = []
+        dslots: list[int] = []
+        for _sid, p, table, tok in decodes:
+            own = table[:p // bs + 1]
+            last = own[-1]
+            self._first_use(last, acc)
+            flat.extend(own)
+            flat.extend([own[0]] * (maxb - len(own)))
+            dslots.append(last * bs + p % bs)
+            acc.ids.append(tok)
+        pos = torch.tensor(pos_list, dtype=torch.long)
+        dblocks = torch.tensor(flat, dtype=torch.long, device=dev)
+        grid = torch.arange(maxb * bs, dtype=torch.long)
+        dmask = (grid[None, :] <= pos[:, None]).view(1, D, 1, maxb * bs).to(dev)
+        acc.positions.append(pos)
+        acc.slots.append(torch.tensor(dslots, dtype=torch.long))
+        acc.sample_rows.extend(range(acc.row, acc.row + D))
+        acc.row += D
+        return dblocks, dmask
 
     # --- forward ------------------------------------------------------------------------------------
     @torch.inference_mode()

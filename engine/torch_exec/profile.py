@@ -91,26 +91,7 @@ class _Designer:
 def profile_engine(executor, grid: Mapping[str, Sequence[int]], *, block_size: int, repeats: int = 3,
                    warmup: int = 2, inflight: int | None = None, bytes_of: Callable[[ProfileRow], int] | None = None, progress: Callable[[int, int], None] | None = None) -> ProfileTable:
     """Run the designed batches through a started-or-not `TorchExecutor`; returns the median table."""
-    ctx = max_context(grid)
-    per_seq = (ctx + block_size - 1) // block_size + 1
-    pool = int(getattr(getattr(executor, "kv", None), "num_blocks", 0) or per_seq)
-    if pool < per_seq:
-        raise ValueError(f"the KV pool ({pool} blocks) cannot hold one context of {ctx} tokens")
-    tables: dict[int, list[int]] = {}
-    cursor = [0]
-
-    def table(seq_id: int) -> list[int]:
-        # distinct blocks per sequence (round robin over the pool), as in serving: sequences sharing
-        # blocks would read a cache-hot KV and make attention look cheaper than it is
-        got = tables.get(seq_id)
-        if got is None:
-            if cursor[0] + per_seq > pool:
-                cursor[0] = 0
-            got = tables[seq_id] = list(range(cursor[0], cursor[0] + per_seq))
-            cursor[0] += per_seq
-        return got
-
-    executor.block_table = table
+    executor.block_table = _round_robin_tables(executor, max_context(grid), block_size)
     executor.start()
     des = _Designer()
     P = executor.pipeline_depth
@@ -132,32 +113,57 @@ def profile_engine(executor, grid: Mapping[str, Sequence[int]], *, block_size: i
             for _ in mbs:
                 comp = executor.next_completion()
                 assert comp is not None
-            ids = {mb.mb_id for mb in mbs}
-            per: dict[int, dict] = defaultdict(dict)
-            for s in executor.tracer.spans:
-                if s[4] in ids:
-                    per[s[4]][(s[0], s[1].split(":")[0])] = (s[2], s[3])
-            for mb in mbs:
-                by = per[mb.mb_id]
-                for st in range(P):
-                    tr = f"stage{st}"
-                    if (tr, "forward") in by:
-                        a, e = by[(tr, "forward")]
-                        samples[("forward", st, point)].append(e - a)
-                    if (tr, "prepare") in by:
-                        a, e = by[(tr, "prepare")]
-                        samples[("prepare", st, point)].append(e - a)
-                    if st == P - 1 and (tr, "sample") in by:
-                        a, e = by[(tr, "sample")]
-                        samples[("sample", st, point)].append(e - a)
-                    if st < P - 1 and (tr, "send") in by and (f"stage{st + 1}", "recv") in by:
-                        s0, _ = by[(tr, "send")]
-                        r0, r1 = by[(f"stage{st + 1}", "recv")]
-                        samples[("transfer", st, point)].append(max(1e-7, r1 - max(s0, r0)))
+            _collect(executor.tracer.spans, mbs, P, point, samples)
             done += 1
             if progress:
                 progress(done, total)
-    act_bytes = executor_activation_bytes(executor)
+    return _table(samples, executor_activation_bytes(executor), bytes_of)
+
+
+def _round_robin_tables(executor, ctx: int, block_size: int) -> Callable[[int], list[int]]:
+    per_seq = (ctx + block_size - 1) // block_size + 1
+    pool = int(getattr(getattr(executor, "kv", None), "num_blocks", 0) or per_seq)
+    if pool < per_seq:
+        raise ValueError(f"the KV pool ({pool} blocks) cannot hold one context of {ctx} tokens")
+    tables: dict[int, list[int]] = {}
+    cursor = [0]
+
+    def table(seq_id: int) -> list[int]:
+        # distinct blocks per sequence (round robin over the pool), as in serving: sequences sharing
+        # blocks would read a cache-hot KV and make attention look cheaper than it is
+        got = tables.get(seq_id)
+        if got is None:
+            if cursor[0] + per_seq > pool:
+                cursor[0] = 0
+            got = tables[seq_id] = list(range(cursor[0], cursor[0] + per_seq))
+            cursor[0] += per_seq
+        return got
+
+    return table
+
+
+def _collect(spans, mbs, P: int, point: tuple, samples: dict) -> None:
+    """The durations of each micro-batch's forward/prepare/sample/transfer spans, per stage."""
+    ids = {mb.mb_id for mb in mbs}
+    per: dict[int, dict] = defaultdict(dict)
+    for s in spans:
+        if s[4] in ids:
+            per[s[4]][(s[0], s[1].split(":")[0])] = (s[2], s[3])
+    for mb in mbs:
+        by = per[mb.mb_id]
+        for st in range(P):
+            tr = f"stage{st}"
+            for op in ("forward", "prepare") + (("sample",) if st == P - 1 else ()):
+                if (tr, op) in by:
+                    a, e = by[(tr, op)]
+                    samples[(op, st, point)].append(e - a)
+            if st < P - 1 and (tr, "send") in by and (f"stage{st + 1}", "recv") in by:
+                s0, _ = by[(tr, "send")]
+                r0, r1 = by[(f"stage{st + 1}", "recv")]
+                samples[("transfer", st, point)].append(max(1e-7, r1 - max(s0, r0)))
+
+
+def _table(samples: dict, act_bytes: int, bytes_of) -> ProfileTable:
     rows = []
     for (op, st, (kind, b, x, L, c)), ts in samples.items():
         t = statistics.median(ts)

@@ -44,8 +44,7 @@ def send_chunked_paced(dist, t: torch.Tensor, dst: int, chunk_bytes: int, bandwi
     if latency_s:
         time.sleep(latency_s)
     for c in split(t, chunk_bytes):
-        if bandwidth_Bps:
-            time.sleep(c.numel() / bandwidth_Bps)
+        pace(c.numel(), bandwidth_Bps)
         dist.send(c, dst=dst)
 
 
@@ -75,6 +74,22 @@ def recv_chunked(dist, out: torch.Tensor, src: int, chunk_bytes: int) -> torch.T
 
 UNPACED_BPS = 1e15  # what a policy is told of a link with latency but no bandwidth limit (finite: chunk sizes)
 HEADER = 6  # mb_id, offset, nbytes, total_bytes, has_meta, ready_ns
+PACE_SLICE_S = 0.25  # a paced sleep is cut into slices of at most this, each adding to `moved_bytes`
+
+
+def pace(nbytes: int, bandwidth_Bps: float | None, progress=None) -> None:
+    """Occupy the link for nbytes / B, reporting progress (bytes) at least every PACE_SLICE_S:
+    a 10 kbps link moving a 100 KB activation takes 80 s, and the driver's hang check must see that
+    bytes are still moving."""
+    if not bandwidth_Bps:
+        return
+    left = nbytes / bandwidth_Bps
+    while left > 0:
+        dt = min(left, PACE_SLICE_S)
+        time.sleep(dt)
+        left -= dt
+        if progress is not None:
+            progress(dt * bandwidth_Bps)
 
 
 class _MbRef:
@@ -126,6 +141,7 @@ class LinkSender:
         self.pending: list[LinkItem] = []
         self.cv = threading.Condition()
         self.events: list[tuple] = []
+        self.moved_bytes = 0.0  # bytes the paced link has carried so far (progress for the hang check)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="link-send", daemon=True)
         self.thread.start()
@@ -185,11 +201,9 @@ class LinkSender:
         if meta:
             self.dist.send(torch.tensor([len(meta)], dtype=torch.long).to(dev), dst=self.dst)
             self.dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev), dst=self.dst)
-            if self.bw:
-                time.sleep((len(meta) + 8) / self.bw)
+            pace(len(meta) + 8, self.bw, self._progress)
         for c in pieces:
-            if self.bw:
-                time.sleep(c.numel() / self.bw)
+            pace(c.numel(), self.bw, self._progress)
             self.dist.send(c, dst=self.dst)
         t1 = time.perf_counter()
         kind = "decode" if not item.mb.prefills else "prefill"
@@ -202,17 +216,24 @@ class LinkSender:
             self.events.append((f"xfer:{kind}", t0, t1, item.mb.mb_id))
 
 
+    def _progress(self, nbytes: float) -> None:
+        self.moved_bytes += nbytes
+
+
 class LinkReceiver:
     """The receiving end: a thread that reassembles interleaved transfers per micro-batch.
 
     A complete micro-batch's (buffer, ready time, metadata shape) goes to `done[mb_id]`, and its id
-    is pushed through `notify` (a zmq inproc PAIR socket the stage's main loop polls).
+    is pushed through `notify` (a zmq inproc PAIR socket the stage's main loop polls). The metadata
+    blob is an authenticated `TensorMeta` (engine/torch_exec/wire.py), read by `read_meta`.
     """
 
-    def __init__(self, dist, src: int, device: str, chunk_bytes: int, notify_addr: str, zctx) -> None:
+    def __init__(self, dist, src: int, device: str, chunk_bytes: int, notify_addr: str, zctx,
+                 read_meta=None) -> None:
         import threading
 
         self.dist, self.src, self.device, self.chunk = dist, src, device, int(chunk_bytes)
+        self.read_meta = read_meta
         self.notify_addr, self.zctx = notify_addr, zctx
         self.parts: dict[int, list] = {}  # mb id -> [buffer, bytes received, ready, shape]
         self.done: dict[int, tuple] = {}
@@ -222,8 +243,6 @@ class LinkReceiver:
         self.thread.start()
 
     def _run(self) -> None:
-        import pickle
-
         import zmq
 
         out = self.zctx.socket(zmq.PAIR)
@@ -240,7 +259,7 @@ class LinkReceiver:
                     self.dist.recv(size, src=self.src)
                     meta = torch.empty(int(size.cpu()), dtype=torch.uint8, device=self.device)
                     self.dist.recv(meta, src=self.src)
-                    shape = tuple(pickle.loads(meta.cpu().numpy().tobytes())["hidden"][0])
+                    shape = self.read_meta(meta.cpu().numpy().tobytes())
                 st = self.parts.get(mb_id)
                 if st is None:
                     st = self.parts[mb_id] = [torch.empty(total, dtype=torch.uint8, device=self.device), 0, 0, None]

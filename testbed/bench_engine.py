@@ -1,15 +1,18 @@
-"""Benchmark the real engine: each policy on executor=torch against Hugging Face `generate`.
+"""`testbed bench engine`: each policy on executor=torch against Hugging Face `generate`.
 
-    python -m engine.torch_exec.bench                       # the defaults below
-    python -m engine.torch_exec.bench --policies sarathi vllm --num-requests 200 --pp 2 \
+    testbed bench engine                                    # the defaults below
+    testbed bench engine --policies sarathi vllm --num-requests 200 --pp 2 \
         --model tiny-llama --data-dir /work/shared/data --out runs/bench_torch.json
+
+(also `python -m testbed.bench_engine ...`; it lives in testbed/ because it composes run configs
+and workloads, which the engine must not import.)
 
 For each policy: one run of the controller + `TorchExecutor` over the same requests (ShareGPT,
 offline: every request arrives at t=0), reporting generated tokens/s over the run window, the
 per-stage bubble ratio and utilisation (from the stages' own spans), and the controller's own
 cost per micro-batch: wall time inside `policy.schedule` + `Controller._commit` +
 `Controller.complete` (timed by wrapping them), next to the driver's `launch` cost (metadata,
-pickling, ZeroMQ sends) and the time spent waiting on stages.
+encoding, ZeroMQ sends) and the time spent waiting on stages.
 
 The baseline is Hugging Face `generate` on the same checkpoint in this process: static batches of
 `--hf-batch` requests in arrival order, left-padded, greedy, each batch running until its longest
@@ -42,27 +45,11 @@ def _load_avg() -> list[float]:
         return []
 
 
-def run_policy(policy_name: str, requests, args, policy_params: dict, executor: str = "torch") -> dict:
-    import engine.torch_exec  # noqa: F401
-    import policies  # noqa: F401
-    from engine.controller import Controller
-    from engine.executor import EXECUTORS, ExecutorBuild
-    from engine.kv import BlockManager
-    from engine.metrics import SLO, summarize
-    from engine.policy import POLICIES, RuntimeFeatures
-    from engine.trace import Tracer
-    from engine.torch_exec.settings import TorchSettings
-    from engine.settings import Link
-    from testbed.config import compose, run_config, to_container
-    from testbed.runner import build_cost_model
+def _timed_policy(policy_name: str, policy_params: dict, times: dict):
+    """The policy, its `schedule` wrapped to add its wall time to `times`."""
+    from engine.policy import POLICIES
 
-    cfg = to_container(compose([f"model={args.model}", f"parallel.pp={args.pp}", f"policy={policy_name}",
-                                f"output.dir={args.output_dir}"]))
-    if args.layer_split:
-        cfg["parallel"]["layer_split"] = args.layer_split
-    cost = build_cost_model(cfg)
     policy = POLICIES.get(policy_name).from_config(policy_params)
-    times = {"schedule": 0.0, "commit": 0.0, "complete": 0.0, "schedule_calls": 0}
     inner = policy.schedule
 
     def timed_schedule(view):
@@ -74,6 +61,12 @@ def run_policy(policy_name: str, requests, args, policy_params: dict, executor: 
             times["schedule_calls"] += 1
 
     policy.schedule = timed_schedule
+    return policy
+
+
+def _timed_controller(times: dict):
+    """A Controller subclass timing `_commit` and `complete` into `times`."""
+    from engine.controller import Controller
 
     class TimedController(Controller):
         def _commit(self, mb):
@@ -87,36 +80,69 @@ def run_policy(policy_name: str, requests, args, policy_params: dict, executor: 
             times["complete"] += time.perf_counter() - t
             return out
 
+    return TimedController
+
+
+def _executor(executor: str, args, cost, policy, tracer, cfg):
+    import engine.torch_exec  # noqa: F401
+    from engine.executor import EXECUTORS, ExecutorBuild
+    from engine.policy import RuntimeFeatures
+    from engine.settings import Link
+    from engine.torch_exec.settings import TorchSettings
+    from testbed.config import run_config
+
     if executor == "torch":
         settings = TorchSettings(threads_per_stage=args.threads_per_stage, model_cache_dir=args.model_cache_dir,
                                  stage_timeout_s=120.0)
     else:
         settings = EXECUTORS.get(executor).config_cls()
+    return EXECUTORS.get(executor).factory(settings, ExecutorBuild(cost, RuntimeFeatures(), Link(1e9, 0.0), policy,
+                                                                   tracer, run_config(cfg)))
+
+
+def run_policy(policy_name: str, requests, args, policy_params: dict, executor: str = "torch") -> dict:
+    import policies  # noqa: F401
+    from engine.kv import BlockManager
+    from engine.trace import Tracer
+    from testbed.config import compose, to_container
+    from testbed.runner import build_cost_model
+
+    cfg = to_container(compose([f"model={args.model}", f"parallel.pp={args.pp}", f"policy={policy_name}",
+                                f"output.dir={args.output_dir}"]))
+    if args.layer_split:
+        cfg["parallel"]["layer_split"] = args.layer_split
+    cost = build_cost_model(cfg)
+    times = {"schedule": 0.0, "commit": 0.0, "complete": 0.0, "schedule_calls": 0}
+    policy = _timed_policy(policy_name, policy_params, times)
     tracer = Tracer()
-    ex = EXECUTORS.get(executor).factory(settings, ExecutorBuild(cost, RuntimeFeatures(), Link(1e9, 0.0), policy,
-                                                                 tracer, run_config(cfg)))
+    ex = _executor(executor, args, cost, policy, tracer, cfg)
     kv = BlockManager(args.num_blocks, args.block_size)
-    ctrl = TimedController(requests, policy, ex, kv, cost_model=cost)
+    ctrl = _timed_controller(times)(requests, policy, ex, kv, cost_model=cost)
     wall = time.perf_counter()
     try:
         ctrl.run()
     finally:
         ex.shutdown()
     wall = time.perf_counter() - wall
-    stage_tracks = [f"stage{s}" for s in range(args.pp)]
-    s = summarize(ctrl, SLO(), stage_tracks)
+    out = _figures(ctrl, ex, tracer, requests, args, times)
+    out.update(policy=policy_name if executor == "torch" else f"{policy_name} (executor={executor})",
+               params=policy_params, layers=list(cost.layers), wall_s=wall)
+    return out
+
+
+def _figures(ctrl, ex, tracer, requests, args, times: dict) -> dict:
+    from engine.metrics import SLO, summarize
+
+    s = summarize(ctrl, SLO(), [f"stage{s}" for s in range(args.pp)])
     n_mb = max(1, s["num_microbatches"])
     ctrl_s = times["schedule"] + times["commit"] + times["complete"]
-    gen = sum(r.output_len for r in requests)
     span_means = {}
     for track, name, a, b, _ in tracer.spans:
         key = f"{track}/{name.split(':')[0]}"
         tot, cnt = span_means.get(key, (0.0, 0))
         span_means[key] = (tot + (b - a), cnt + 1)
     return {
-        "policy": policy_name if executor == "torch" else f"{policy_name} (executor={executor})",
-        "params": policy_params, "layers": list(cost.layers),
-        "generated_tokens": gen, "duration_s": s["duration_s"], "wall_s": wall,
+        "generated_tokens": sum(r.output_len for r in requests), "duration_s": s["duration_s"],
         "output_tok_s": s["output_throughput_tok_s"], "total_tok_s": s["throughput_tok_s"],
         "stage_bubble_ratio": s["stage_bubble_ratio"], "stage_utilization": s["stage_utilization"],
         "num_microbatches": s["num_microbatches"], "mean_tokens_per_mb": s["mean_tokens_per_microbatch"],
@@ -173,8 +199,8 @@ def run_hf(requests, args, path: str, threads: int) -> dict:
             "duration_s": dt, "output_tok_s": gen / dt, "decode_steps": steps}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The benchmark's options (on its own parser, or on `testbed bench engine`'s)."""
     ap.add_argument("--policies", nargs="+", default=None, help="default: every registered policy")
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--pp", type=int, default=2)
@@ -200,37 +226,31 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model-cache-dir", default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--verbose", action="store_true")
-    args = ap.parse_args(argv)
 
-    import engine.torch_exec  # noqa: F401
-    import policies  # noqa: F401
-    from engine.models import get_model
-    from engine.policy import POLICIES
-    from engine.request import Request
-    from engine.torch_exec.checkpoint import random_checkpoint
-    from workloads.base import build_workload
 
-    names = args.policies or POLICIES.names()
+def _policy_params(args, names: list[str]) -> dict[str, dict]:
     params: dict[str, dict] = {n: {} for n in names}
     for p in args.param:
         key, _, value = p.partition("=")
         pol, _, field = key.partition(".")
         params.setdefault(pol, {})[field] = json.loads(value) if value[:1].isdigit() or value in (
             "true", "false") else value
-    cache = args.model_cache_dir or os.path.join(args.output_dir, "models")
-    args.model_cache_dir = cache
-    path = random_checkpoint(get_model(args.model), 0, cache)
+    return params
+
+
+def _requests(args) -> list:
+    from engine.request import Request
+    from workloads.base import build_workload
+
     wl = {"name": args.workload, "num_requests": args.num_requests, "arrival": "offline"}
     if args.workload == "sharegpt":
         wl["max_input_len"] = args.max_len // 2
     raw = build_workload(wl, args.data_dir)
-    requests = [Request(r.request_id, r.arrival_s, r.prompt_len, min(r.output_len, args.max_len - r.prompt_len))
-                for r in raw]
-    info = {"model": args.model, "checkpoint": path, "pp": args.pp, "threads_per_stage": args.threads_per_stage,
-            "num_requests": len(requests), "prompt_tokens": sum(r.prompt_len for r in requests),
-            "output_tokens": sum(r.output_len for r in requests), "kv_blocks": args.num_blocks,
-            "block_size": args.block_size, "cpu_count": os.cpu_count(), "load_avg_start": _load_avg()}
-    print(json.dumps(info), flush=True)
+    return [Request(r.request_id, r.arrival_s, r.prompt_len, min(r.output_len, args.max_len - r.prompt_len))
+            for r in raw]
+
+
+def _run_policies(names: list[str], requests, args, params: dict) -> list[dict]:
     results = []
     for name in names:
         t = time.perf_counter()
@@ -249,14 +269,45 @@ def main(argv: list[str] | None = None) -> dict:
             print(json.dumps({k: r[k] for k in ("policy", "num_microbatches", "controller_us_per_mb",
                                                 "schedule_us_per_mb", "commit_us_per_mb", "complete_us_per_mb",
                                                 "mean_tokens_per_mb")}), flush=True)
+    return results
+
+
+def _run_baselines(requests, args, path: str) -> list[dict]:
+    results = []
     hf_threads = args.hf_threads if args.hf_threads is not None else [args.pp * args.threads_per_stage]
-    if not args.skip_hf:
-        for th in hf_threads:
-            r = run_hf(requests, args, path, th)
-            r["load_avg"] = _load_avg()
-            results.append(r)
-            print(json.dumps(r), flush=True)
-            print(f"# {r['policy']}: {r['output_tok_s']:.1f} generated tok/s", file=sys.stderr)
+    for th in ([] if args.skip_hf else hf_threads):
+        r = run_hf(requests, args, path, th)
+        r["load_avg"] = _load_avg()
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        print(f"# {r['policy']}: {r['output_tok_s']:.1f} generated tok/s", file=sys.stderr)
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m testbed.bench_engine", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict:
+    import engine.torch_exec  # noqa: F401
+    import policies  # noqa: F401
+    from engine.models import get_model
+    from engine.policy import POLICIES
+    from engine.torch_exec.checkpoint import random_checkpoint
+
+    names = args.policies or POLICIES.names()
+    params = _policy_params(args, names)
+    args.model_cache_dir = args.model_cache_dir or os.path.join(args.output_dir, "models")
+    path = random_checkpoint(get_model(args.model), 0, args.model_cache_dir)
+    requests = _requests(args)
+    info = {"model": args.model, "checkpoint": path, "pp": args.pp, "threads_per_stage": args.threads_per_stage,
+            "num_requests": len(requests), "prompt_tokens": sum(r.prompt_len for r in requests),
+            "output_tokens": sum(r.output_len for r in requests), "kv_blocks": args.num_blocks,
+            "block_size": args.block_size, "cpu_count": os.cpu_count(), "load_avg_start": _load_avg()}
+    print(json.dumps(info), flush=True)
+    results = _run_policies(names, requests, args, params) + _run_baselines(requests, args, path)
     out = {"info": info, "results": results}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

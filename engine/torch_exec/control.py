@@ -1,0 +1,94 @@
+"""The driver's control socket: a ZeroMQ ROUTER that speaks only authenticated wire messages.
+
+Binds `executor.zmq_host` (127.0.0.1 unless the user names an address, with a warning naming the
+port then). Every received frame goes through `wire.Codec.decode` (MAC first, then schema); one
+that fails -- a port scanner, a stray client, a pickle -- is dropped, logged (the first
+`LOGGED_DROPS`) and counted in `dropped`, and never reaches the engine.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+
+from engine.torch_exec import wire
+
+LOGGED_DROPS = 10
+MAX_FRAME_BYTES = 1 << 30  # a stray client cannot make the driver buffer more than this per message
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def warn_exposed(what: str, host: str, port: int | str) -> None:
+    """The one warning for a listening socket the user moved off loopback."""
+    if not is_loopback(host):
+        log.warning("%s listens on %s:%s, not loopback: reachable from other machines "
+                    "(messages still need the run's secret)", what, host, port)
+
+
+class ControlSocket:
+    """ROUTER + codec; `recv()` returns authentic messages only."""
+
+    def __init__(self, codec: wire.Codec, host: str, port: int = 0) -> None:
+        import zmq
+
+        self.codec = codec
+        self.dropped = 0
+        self.ctx = zmq.Context()
+        self.sock = sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        self.port = port
+        warn_exposed(f"the driver's control socket (executor.zmq_host, port {port})", host, port)
+        connect_host = "127.0.0.1" if host in ("0.0.0.0", "*") else host
+        self.address = f"tcp://{connect_host}:{port}"
+
+    def send(self, ident: bytes, msg, nonblocking: bool = False) -> None:
+        import zmq
+
+        self.sock.send_multipart([ident, self.codec.encode(msg)], flags=zmq.NOBLOCK if nonblocking else 0)
+
+    def send_raw(self, ident: bytes, frame: bytes) -> None:
+        """An already encoded message (the same launch goes to every stage)."""
+        self.sock.send_multipart([ident, frame])
+
+    def recv(self):
+        """The next authentic message, None when none is waiting."""
+        import zmq
+
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            try:
+                if len(frames) != 2:
+                    raise wire.WireError(f"{len(frames) - 1} frames; a message is one")
+                return self.codec.decode(frames[1])
+            except wire.WireError as exc:
+                self.dropped += 1
+                if self.dropped <= LOGGED_DROPS:
+                    log.warning("dropped a frame from %r on the control socket: %s", frames[0][:32], exc)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None

@@ -1,0 +1,91 @@
+"""Why a torch run failed: which stage to name, from deaths, error reports and progress.
+
+Mixed into `TorchExecutor` (engine/torch_exec/driver.py), whose state it reads: the stage
+processes, the control socket, the in-flight micro-batches and which stage finished which.
+
+- A stage process that died without a word (a signal, `os._exit`) is the root cause: its
+  neighbours' communication fails next and they report errors that are only consequences.
+- Otherwise the earliest error report (stage clocks mapped onto the driver's) names the stage.
+  A stage that reported its exception exits with `REPORTED_EXIT`, which is not a silent death.
+- No progress for `executor.stage_timeout_s` with work in flight: the first stage that has not
+  finished the oldest micro-batch is hung. Stages report a micro-batch as computed before a
+  send that blocks on the next stage (worker.py), so a stage waiting on a hung successor is
+  not blamed.
+"""
+from __future__ import annotations
+
+import time
+
+from engine.errors import RunFailedError
+from engine.torch_exec import wire
+
+REPORTED_EXIT = 70  # exit code of a stage that reported its exception (EX_SOFTWARE; worker.py)
+
+
+class FailureDiagnosis:
+    """The failure paths of `TorchExecutor` (see the module docstring)."""
+
+    def _check_processes(self) -> None:
+        for s, p in enumerate(self._procs):
+            if p.exitcode is not None:
+                # drain a last error message the stage may have sent before dying
+                self._drain_errors()
+                sig = -p.exitcode if p.exitcode < 0 else None
+                how = f"was killed by signal {sig}" if sig else f"exited with code {p.exitcode}"
+                self._fail(f"stage {s} (pid {p.pid}) {how} while the run was in progress")
+
+    def _drain_errors(self) -> None:
+        for msg in self._drain(0.2):
+            if isinstance(msg, wire.StageError):
+                self._stage_error(msg)
+            elif isinstance(msg, (wire.Spans, wire.Done)):
+                self._handle(msg)
+
+    def _drain(self, seconds: float):
+        """Messages arriving within `seconds` (failure diagnosis only)."""
+        import zmq
+
+        deadline = time.perf_counter() + seconds
+        while self._sock is not None and time.perf_counter() < deadline:
+            if self._sock.poll(20, zmq.POLLIN) and (msg := self._ctl.recv()) is not None:
+                yield msg
+
+    def _stage_error(self, err: wire.StageError) -> None:
+        """A stage reported an exception. Its neighbours' communication then fails too, so the root
+        cause is a stage that died without a word (a signal, os._exit) if there is one, else the
+        earliest report (stage clocks mapped onto the driver's) within a second."""
+        errors = {err.stage: err}
+        silent: list = []
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and not silent:
+            silent = [(s, p) for s, p in enumerate(self._procs)
+                      if p.exitcode not in (None, REPORTED_EXIT) and s not in errors]
+            for msg in self._drain(0.05):
+                if isinstance(msg, wire.StageError):
+                    errors.setdefault(msg.stage, msg)
+        root = min(errors.values(), key=lambda e: e.clock - self._offsets[e.stage])
+        if silent:
+            s, p = silent[0]
+            sig = -p.exitcode if p.exitcode < 0 else None
+            how = f"was killed by signal {sig}" if sig else f"exited with code {p.exitcode}"
+            first = root.text.strip().splitlines()[0] if root.text.strip() else "error"
+            self._fail(f"stage {s} (pid {p.pid}) {how} while the run was in progress; "
+                       f"then stage {root.stage} failed: {first}")
+        self._fail(f"stage {root.stage} failed: {root.text.strip()}")
+
+    def _hang_message(self) -> str:
+        oldest = self._inflight[0]
+        stuck = next((s for s in range(self.pipeline_depth) if oldest not in self._stage_done[s]),
+                     self.pipeline_depth - 1)
+        pid = self.stage_info[stuck].get("pid") if stuck < len(self.stage_info) else "?"
+        return (f"stage {stuck} (pid {pid}) made no progress for executor.stage_timeout_s="
+                f"{self.settings.stage_timeout_s:g} s on micro-batch {oldest} (hung)")
+
+    def _fail(self, message: str) -> None:
+        if self._failed is None:
+            self._failed = message
+        raise RunFailedError(self._failed)
+
+    def _check_failed(self) -> None:
+        if self._failed is not None:
+            raise RunFailedError(self._failed)
