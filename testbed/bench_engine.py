@@ -2,7 +2,7 @@
 
     testbed bench engine                                    # the defaults below
     testbed bench engine --policies sarathi vllm --num-requests 200 --pp 2 \
-        --model tiny-llama --data-dir /work/shared/data --out runs/bench_torch.json
+        --model tiny-llama --out runs/bench_torch.json
 
 (also `python -m testbed.bench_engine ...`; it lives in testbed/ because it composes run configs
 and workloads, which the engine must not import.)
@@ -209,7 +209,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--workload", default="sharegpt", help="sharegpt or synthetic")
     ap.add_argument("--max-len", type=int, default=2048, help="drop requests with prompt + output above this")
-    ap.add_argument("--data-dir", default=os.environ.get("TESTBED_DATA_DIR", "/work/shared/data"))
+    ap.add_argument("--data-dir", default=os.environ.get("TESTBED_DATA_DIR"))
     ap.add_argument("--num-blocks", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--param", action="append", default=[], metavar="POLICY.KEY=VALUE",
