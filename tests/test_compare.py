@@ -2,6 +2,7 @@
 fails is a failed row, not a failed grid; a typo fails before anything runs."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -97,6 +98,10 @@ def _signalled_grid(tmp_path: Path, send: str):
     fresh_mlflow_db(tmp_path)
     cmd = Command("compare", *SIGNAL_GRID, f"output.dir={tmp_path}", "compare.experiment=sig")
     cmd.wait_for("point   0 done")
+    deadline = time.monotonic() + 60  # a 30k-request point has opened its MLflow run (slow on a loaded machine)
+    while time.monotonic() < deadline and not any(
+            r["kind"] == "point" and r["status"] == "RUNNING" for r in run_states(tmp_path / "mlflow.db").values()):
+        time.sleep(0.2)
     children = cmd.descendants()
     assert len(children) >= 2  # the two workers (and multiprocessing's resource tracker)
     code = cmd.terminate() if send == "TERM" else cmd.interrupt()
