@@ -138,13 +138,17 @@ class Controller:
         while self._next_arrival < total and self._arrival_times[self._next_arrival] <= now:
             seq = self.sequences[self.requests[self._next_arrival].request_id]
             self._next_arrival += 1
-            need = self.kv.blocks_for(seq.prompt_len + seq.output_len)
-            if need > self.kv.num_blocks:
-                self._fail(seq, f"needs {need} KV blocks for {seq.prompt_len}+{seq.output_len} tokens, "
-                                f"the whole cache has {self.kv.num_blocks}")
-            else:
-                self.waiting.append(seq)
-                self.waiting_prefill_tokens += seq.remaining_prefill
+            self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """An arrival waits for the policy, or fails at once if it could never fit the whole cache."""
+        need = self.kv.blocks_for(seq.prompt_len + seq.output_len)
+        if need > self.kv.num_blocks:
+            self._fail(seq, f"needs {need} KV blocks for {seq.prompt_len}+{seq.output_len} tokens, "
+                            f"the whole cache has {self.kv.num_blocks}")
+        else:
+            self.waiting.append(seq)
+            self.waiting_prefill_tokens += seq.remaining_prefill
 
     # --- commit and completion -------------------------------------------------------------------
     def _commit(self, mb: MicroBatch) -> None:
@@ -293,13 +297,7 @@ class Controller:
             raise ValueError(f"request id {request.request_id} is already known")
         seq = Sequence(request)
         self.sequences[request.request_id] = seq
-        need = self.kv.blocks_for(seq.prompt_len + seq.output_len)
-        if need > self.kv.num_blocks:
-            self._fail(seq, f"needs {need} KV blocks for {seq.prompt_len}+{seq.output_len} tokens, "
-                            f"the whole cache has {self.kv.num_blocks}")
-        else:
-            self.waiting.append(seq)
-            self.waiting_prefill_tokens += seq.remaining_prefill
+        self._enqueue(seq)
         return seq
 
     def abort(self, seq_id: int, reason: str) -> bool:

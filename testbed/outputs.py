@@ -222,7 +222,7 @@ def write_csv(rows: list[dict], path: Path, float_digits: int | None = None) -> 
         for k in r:
             cols.setdefault(k, None)
     with path.open("w", newline="") as fh:
-        w = csv.writer(fh)
+        w = csv.writer(fh, lineterminator="\n")  # as pandas writes: the same bytes as earlier versions
         w.writerow(cols)
         keys = list(cols)
         for r in rows:
@@ -252,7 +252,7 @@ def write_run_dir(result: RunResult, out_dir: Path, plots: bool = True, trace: s
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(result.config)))
     write_csv(result.requests, out_dir / "requests.csv")
     # 9 digits: 1 us at 1,000 s; exact reprs made the main job's file 3 MB (requests.csv stays exact)
-    write_csv(result.microbatches, out_dir / "microbatches.csv", float_digits=9)
+    write_csv(result.microbatches, out_dir / "microbatches.csv")  # exact: byte-comparable across versions
     mode = trace or (result.config.get("output") or {}).get("trace", "sampled")
     if mode != "off":
         write_trace(result, out_dir / "trace.json")
