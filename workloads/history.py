@@ -124,7 +124,7 @@ def history_for_run(run: Sequence[Request], data_dir=None, mode: str = "auto") -
     else:
         reason = "no data set matches these requests"
     warnings.warn(f"TD-Pipe length predictor: {reason}; training on the run's own requests (leaks)",
-                  stacklevel=2)
+                  stacklevel=3)  # the policy that asked `view.history`
     return History("run (leaks: no data set found)", run)
 
 
