@@ -278,6 +278,8 @@ class BinPredictor(LengthPredictor):
                                f"`testbed predictor train workload=<workload>`")
         try:
             spec = json.loads((path / "model.json").read_text())
+            if not zipfile.is_zipfile(path / "model.npz"):  # np.load would suggest allow_pickle=True
+                raise ValueError("model.npz is not an .npz archive")
             with np.load(path / "model.npz", allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
             model = _rebuild(spec, arrays, cache_dir)
