@@ -278,9 +278,10 @@ class BinPredictor(LengthPredictor):
                                f"`testbed predictor train workload=<workload>`")
         try:
             spec = json.loads((path / "model.json").read_text())
-            if not zipfile.is_zipfile(path / "model.npz"):  # np.load would suggest allow_pickle=True
+            npz = path / "model.npz"
+            if npz.is_file() and not zipfile.is_zipfile(npz):  # np.load would suggest allow_pickle=True
                 raise ValueError("model.npz is not an .npz archive")
-            with np.load(path / "model.npz", allow_pickle=False) as z:
+            with np.load(npz, allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
             model = _rebuild(spec, arrays, cache_dir)
             meta = json.loads((path / "meta.json").read_text())
@@ -289,7 +290,7 @@ class BinPredictor(LengthPredictor):
         except (OSError, ValueError, KeyError, TypeError, IndexError, EOFError, zipfile.BadZipFile,
                 zlib.error) as exc:
             raise TestbedError(f"length model {path} is damaged or not one this version wrote "
-                               f"({type(exc).__name__}: {exc}); {RETRAIN}") from None
+                               f"({type(exc).__name__}: {' '.join(str(exc).split())}); {RETRAIN}") from None
         return model, meta
 
 
@@ -318,7 +319,7 @@ class _Linear:
         return self.classes_[scores.argmax(axis=1)]
 
 
-def expit(X: np.ndarray, out: np.ndarray) -> np.ndarray:
+def _expit(X: np.ndarray, out: np.ndarray) -> np.ndarray:
     from scipy.special import expit as logistic
 
     return logistic(X, out=out)
@@ -333,7 +334,7 @@ def _softmax(X: np.ndarray) -> None:
 # scikit-learn's in-place activations (sklearn/neural_network/_base.py), by MLPClassifier's names.
 _ACTIVATIONS = {"identity": lambda X: None, "relu": lambda X: np.maximum(X, 0, out=X),
                 "tanh": lambda X: np.tanh(X, out=X), "softmax": _softmax,
-                "logistic": lambda X: expit(X, out=X)}
+                "logistic": lambda X: _expit(X, out=X)}
 
 
 class _MLP:
