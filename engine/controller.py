@@ -21,7 +21,7 @@ from engine.batch import BatchBuilder, MicroBatch, shape_of
 from engine.errors import RunFailedError
 from engine.executor import Completion, Executor
 from engine.kv import BlockManager
-from engine.policy import Policy, SchedulerView
+from engine.policy import HistoryProvider, Policy, SchedulerView
 from engine.request import Request, SeqStatus, Sequence
 
 
@@ -45,7 +45,8 @@ class Controller:
     def __init__(self, requests: Seq[Request], policy: Policy, executor: Executor, kv: BlockManager,
                  cost_model=None, *, check_integrity: bool = False, data_dir: str | None = None,
                  progress: Callable[[int, int], None] | None = None, num_microbatches: int | None = None,
-                 link_bandwidth_Bps: float | None = None, link_latency_s: float | None = None) -> None:
+                 link_bandwidth_Bps: float | None = None, link_latency_s: float | None = None,
+                 history: HistoryProvider | None = None) -> None:
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
         ids = [r.request_id for r in self.requests]
         if len(set(ids)) != len(ids):
@@ -67,6 +68,7 @@ class Controller:
         self.inflight: dict[int, MicroBatch] = {}
         self.view = SchedulerView(self)
         self.data_dir = data_dir  # where the workload's data set lives, for policies that learn from history
+        self.history_provider = history  # `view.history`: injected by the runner (engine reads no workload files)
         self._started = False
         self.records: list[MicroBatchRecord] = []
         self.num_finished = 0

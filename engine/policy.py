@@ -13,6 +13,7 @@ Hooks, their defaults, and the process that runs each:
 | `search_space(trial)` (classmethod; duck-typed `trial.suggest_*`, no Optuna import) | `{}` | the tuner |
 | `prepare(ctx)`: before the run is built; may simulate short runs of this setup through `ctx.simulate` and replace `self.params`; returns facts to record | `{}` | driver |
 | `start(view)`: once before the first `schedule` (e.g. fit a predictor on history) | nothing | driver |
+| `view.history(mode, data_dir)` (a view method, not a hook): the workload's data set minus this run's requests, for policies that learn from history (TD-Pipe's length predictor); found by the provider the runner hands to `Controller(history=...)`, so engine/ and policies/ never read workload files | None (no provider) | driver |
 | `schedule(view) -> MicroBatch or None` | required | driver |
 | `on_complete(view, micro_batch, finished)` | nothing | driver |
 | `on_abort(view, seq)`: a served request ended early (its client went away; `testbed serve`); forget its state | nothing | driver |
@@ -50,6 +51,7 @@ longest-idle-first order, Sarathi-style prefill filling, decode-or-preempt) are 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Mapping, Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -58,7 +60,7 @@ from engine import typed
 from engine.batch import BatchBuilder, MicroBatch, shape_of
 from engine.errors import ConfigError
 from engine.registry import Registry
-from engine.request import Sequence
+from engine.request import Request, Sequence
 
 if TYPE_CHECKING:
     from engine.controller import Controller
@@ -132,6 +134,26 @@ class PrepareContext:
 
     pipeline_depth: int
     simulate: Callable[[Mapping[str, Any], int], Mapping[str, Any] | None]
+
+
+@dataclass(frozen=True)
+class History:
+    """Past requests a policy may learn from (`view.history`), and how they were found."""
+
+    source: str  # e.g. "sharegpt-llama3 pairs ... minus the run", "run (leaks: no data set found)"
+    requests: tuple[Request, ...] = ()
+    dataset: str | None = None  # the data set's name, e.g. "sharegpt-llama3"; None: not a data set
+
+
+# (run's requests, data dir or None, mode "auto" | "run") -> History; workloads/history.py has one.
+HistoryProvider = Callable[[Seq[Request], str | None, str], History]
+
+
+def request_key(r: Request) -> str:
+    """What identifies a request for leakage checks (history minus the run, a saved model's
+    training set): its text and its two lengths."""
+    text = r.prompt_text or ""
+    return hashlib.sha1(f"{r.prompt_len}|{r.output_len}|{text}".encode("utf-8", "replace")).hexdigest()[:20]
 
 
 @dataclass(frozen=True)
@@ -293,6 +315,16 @@ class SchedulerView:
     def all_requests(self):
         """Every request of the workload (offline policies such as TD-Pipe may look ahead)."""
         return self._c.requests
+
+    def history(self, mode: str = "auto", data_dir: str | None = None) -> History | None:
+        """Requests of the workload's data set other than this run's, for policies that learn from
+        history (`mode="auto"`), or the run's own requests (`mode="run"`, which leaks). Found by
+        the provider the runner passed to the controller, in `data_dir` (default: the run's
+        `data_dir`); None when the controller was built without one (a hand-made controller)."""
+        provider = self._c.history_provider
+        if provider is None:
+            return None
+        return provider(self._c.requests, data_dir or self._c.data_dir, mode)
 
     # KV cache
     @property

@@ -20,35 +20,36 @@ cache those lengths imply. Three predictors, chosen by `policy.predictor=...`:
     * `length`: prompt-length buckets only, for traces without text (Azure).
     * `auto`: `hash` when the requests carry prompt text, else `length`.
 
-History and leakage. A predictor must never be tested on what it was trained on:
-- `train_predictor(workload_cfg, data_dir, out_dir, seed)` uses every record of the workload's
-  data set that passes its length filters (ShareGPT: the whole pairs file with that tokenizer's
-  counts; Azure: every trace row; synthetic: an independent draw with another seed), splits it
-  60/20/20 (train / validation for model selection / test for the report) and saves the model
-  with the fingerprints of its training requests.
-- `history_for_run(run_requests, ...)` (what the tdpipe policy uses) finds the data set the run
-  was drawn from (by prompt text for ShareGPT, by (prompt, output) length pairs for the Azure
-  traces) and returns it MINUS the run's own requests (a multiset difference on (text, prompt
-  length, output length), so a duplicated pair is removed once per run request). For workloads
-  with no data set behind them (synthetic) it falls back to the run's own requests and says so
-  (`source="run"`), which leaks.
+History and leakage. A predictor must never be tested on what it was trained on. The history
+comes from the workload's data set, which this module never reads (policies/ do not import
+workloads/): workloads/history.py finds it, the runner hands its finder to the controller and
+the tdpipe policy asks `view.history(mode)` (the data set minus the run's own requests).
+- `train_predictor(dataset, records, out_dir, seed)` (what `testbed predictor train` calls with
+  `workloads.history.history_requests`) splits the records 60/20/20 (train / validation for
+  model selection / test for the report) and saves the model with the fingerprints
+  (`request_key`) of its training requests; `load_for_run` refuses it for a run that shares any.
+
+Saved models hold no pickle (loading a pickle can run code): `model.json` (settings, the
+classifier's kind) and `model.npz` (its arrays, read with `allow_pickle=False`); loading
+rebuilds a predictor that gives exactly the bins of the saved one (tests/test_length_predictor.py
+checks it on ShareGPT and Azure). A `model.pkl` of an older version is refused: retrain it.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import pickle
 import warnings
-from collections import Counter
+import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from engine.errors import ConfigError, TestbedError, bad_value
+from engine.policy import request_key
 from engine.request import Request
 
 PREDICTORS = ("oracle", "mean", "bins")
@@ -57,6 +58,11 @@ BIN_PERCENTILES = (25, 50, 75, 99)  # edges of the five bins [P0,P25) ... [P99,i
 GROUP_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 MINILM_MAX_TOKENS = 128  # truncation of prompts for the encoder: 128 tokens costs ~50 ms a prompt on 2 cores
 DEFAULT_DIR = os.path.join("runs", "predictors")
+# The `hash` features' settings (saved with a model, and checked when it is loaded).
+HASHING = {"n_features": 2**18, "ngram_range": [1, 2], "alternate_sign": False, "norm": None, "sublinear_tf": True}
+EMBEDDING_DIM = 384  # all-MiniLM-L6-v2
+MODEL_FORMAT, MODEL_VERSION = "testbed-length-model", 1
+RETRAIN = "retrain it with `testbed predictor train workload=<its workload>`"
 
 
 # --------------------------------------------------------------------------- the interface
@@ -159,10 +165,11 @@ class BinPredictor(LengthPredictor):
         if kind == "hash":
             from sklearn.feature_extraction.text import HashingVectorizer, TfidfTransformer
 
-            vec = HashingVectorizer(n_features=2**18, ngram_range=(1, 2), alternate_sign=False, norm=None)
+            vec = HashingVectorizer(n_features=HASHING["n_features"], ngram_range=tuple(HASHING["ngram_range"]),
+                                    alternate_sign=HASHING["alternate_sign"], norm=HASHING["norm"])
             counts = vec.transform([r.prompt_text for r in requests])
             if fit:
-                self.tfidf = TfidfTransformer(sublinear_tf=True).fit(counts)
+                self.tfidf = TfidfTransformer(sublinear_tf=HASHING["sublinear_tf"]).fit(counts)
             blocks.insert(0, self.tfidf.transform(counts))
         elif kind == "minilm":
             blocks.insert(0, sparse.csr_matrix(encode_minilm([r.prompt_text for r in requests], self.cache_dir)))
@@ -235,40 +242,200 @@ class BinPredictor(LengthPredictor):
 
     # --- persistence -----------------------------------------------------------------------
     def save(self, path: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
-        """Write `model.pkl` (this object without its cache dir) and `meta.json` under `path`."""
+        """Write `model.json` (settings), `model.npz` (arrays) and `meta.json` under `path`: no
+        pickle, so loading a file can build nothing but numbers (see the module docstring)."""
+        if self.model is None:
+            raise RuntimeError("BinPredictor.save before fit")
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        cache_dir, self.cache_dir = self.cache_dir, None
-        try:
-            with open(path / "model.pkl", "wb") as fh:
-                pickle.dump(self, fh)
-        finally:
-            self.cache_dir = cache_dir
-        with open(path / "meta.json", "w") as fh:
-            json.dump(dict(meta), fh, indent=1)
+        arrays = {"edges": self.edges, "bin_means": self.bin_means, "len_edges": self.len_edges}
+        if self.features == "hash":
+            arrays["idf"] = self.tfidf.idf_
+        spec = {"format": MODEL_FORMAT, "version": MODEL_VERSION, "features": self.features, "seed": self.seed,
+                "chosen": self.chosen, "scores": [list(s) for s in self.scores],
+                "hashing": HASHING if self.features == "hash" else None,
+                "classifier": _export_classifier(self.model, arrays)}
+        np.savez_compressed(path / "model.npz", **{k: np.asarray(v) for k, v in arrays.items()})
+        (path / "model.json").write_text(json.dumps(spec, indent=1))
+        (path / "meta.json").write_text(json.dumps(dict(meta), indent=1))
         return path
 
     @staticmethod
+    def is_saved_at(path: str | os.PathLike) -> bool:
+        """Whether `path` holds a saved model (of this version, or an old one `load` refuses)."""
+        return (Path(path) / "model.json").is_file() or (Path(path) / "model.pkl").is_file()
+
+    @staticmethod
     def load(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> tuple[BinPredictor, dict]:
+        """The predictor `save` wrote, and its meta; one TestbedError for an old, missing or
+        damaged model."""
         path = Path(path)
-        with open(path / "model.pkl", "rb") as fh:
-            model = pickle.load(fh)  # noqa: S301 - our own file, written by save()
-        if not isinstance(model, BinPredictor):
-            raise TestbedError(f"{path / 'model.pkl'} does not hold a BinPredictor")
-        model.cache_dir = cache_dir
-        with open(path / "meta.json") as fh:
-            meta = json.load(fh)
+        if not (path / "model.json").is_file():
+            if (path / "model.pkl").is_file():
+                raise TestbedError(f"{path / 'model.pkl'} is a length model saved as a pickle by an older version; "
+                                   f"pickles are no longer loaded (loading one can run code): {RETRAIN}")
+            raise TestbedError(f"no length model in {path} (model.json missing); train one with "
+                               f"`testbed predictor train workload=<workload>`")
+        try:
+            spec = json.loads((path / "model.json").read_text())
+            npz = path / "model.npz"
+            if npz.is_file() and not zipfile.is_zipfile(npz):  # np.load would suggest allow_pickle=True
+                raise ValueError("model.npz is not an .npz archive")
+            with np.load(npz, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+            model = _rebuild(spec, arrays, cache_dir)
+            meta = json.loads((path / "meta.json").read_text())
+            if not isinstance(meta, dict):
+                raise ValueError("meta.json does not hold an object")
+        except (OSError, ValueError, KeyError, TypeError, IndexError, EOFError, zipfile.BadZipFile,
+                zlib.error) as exc:
+            raise TestbedError(f"length model {path} is damaged or not one this version wrote "
+                               f"({type(exc).__name__}: {' '.join(str(exc).split())}); {RETRAIN}") from None
         return model, meta
 
 
 class _Constant:
-    """A classifier that always answers one bin (picklable, unlike a lambda)."""
+    """A classifier that always answers one bin (too little history to learn from)."""
 
     def __init__(self, label: int) -> None:
         self.label = label
 
     def predict(self, X) -> np.ndarray:
         return np.full(X.shape[0], self.label, dtype=np.int64)
+
+
+class _Linear:
+    """A loaded linear classifier (SGDClassifier, LogisticRegression): the bins of scikit-learn's
+    `LinearClassifierMixin.predict` from the same arrays, `classes_[argmax(X @ coef_.T +
+    intercept_)]` (one column: `classes_[score > 0]`)."""
+
+    def __init__(self, coef: np.ndarray, intercept: np.ndarray, classes: np.ndarray) -> None:
+        self.coef_, self.intercept_, self.classes_ = coef, intercept, classes
+
+    def predict(self, X) -> np.ndarray:
+        scores = np.asarray(X @ self.coef_.T) + self.intercept_
+        if scores.shape[1] == 1:
+            return self.classes_[(scores.ravel() > 0).astype(int)]
+        return self.classes_[scores.argmax(axis=1)]
+
+
+def _expit(X: np.ndarray, out: np.ndarray) -> np.ndarray:
+    from scipy.special import expit as logistic
+
+    return logistic(X, out=out)
+
+
+def _softmax(X: np.ndarray) -> None:
+    tmp = X - X.max(axis=1)[:, np.newaxis]
+    np.exp(tmp, out=X)
+    X /= X.sum(axis=1)[:, np.newaxis]
+
+
+# scikit-learn's in-place activations (sklearn/neural_network/_base.py), by MLPClassifier's names.
+_ACTIVATIONS = {"identity": lambda X: None, "relu": lambda X: np.maximum(X, 0, out=X),
+                "tanh": lambda X: np.tanh(X, out=X), "softmax": _softmax,
+                "logistic": lambda X: _expit(X, out=X)}
+
+
+class _MLP:
+    """A loaded MLPClassifier: scikit-learn's forward pass and label decoding on the same arrays."""
+
+    def __init__(self, coefs: list[np.ndarray], intercepts: list[np.ndarray], activation: str,
+                 out_activation: str, classes: np.ndarray) -> None:
+        self.coefs_, self.intercepts_, self.classes_ = coefs, intercepts, classes
+        self.activation, self.out_activation_ = activation, out_activation
+
+    def predict(self, X) -> np.ndarray:
+        a = X
+        for i, (w, b) in enumerate(zip(self.coefs_, self.intercepts_)):
+            a = np.asarray(a @ w)
+            a += b
+            if i < len(self.coefs_) - 1:
+                _ACTIVATIONS[self.activation](a)
+        _ACTIVATIONS[self.out_activation_](a)
+        if a.shape[1] == 1:  # two classes: one logistic output, thresholded at 0.5 (LabelBinarizer)
+            return self.classes_[(a.ravel() > 0.5).astype(int)]
+        return self.classes_.take(a.argmax(axis=1), mode="clip")
+
+
+def _export_classifier(clf: Any, arrays: dict[str, Any]) -> dict[str, Any]:
+    """The classifier's kind and settings (for model.json); its arrays go into `arrays`."""
+    if isinstance(clf, _Constant):
+        return {"kind": "constant", "label": int(clf.label)}
+    arrays["classes"] = np.asarray(clf.classes_, dtype=np.int64)
+    if hasattr(clf, "coefs_"):  # MLPClassifier or _MLP
+        for i, (w, b) in enumerate(zip(clf.coefs_, clf.intercepts_)):
+            arrays[f"mlp_coef_{i}"], arrays[f"mlp_intercept_{i}"] = w, b
+        return {"kind": "mlp", "layers": len(clf.coefs_), "activation": clf.activation,
+                "out_activation": clf.out_activation_}
+    arrays["coef"], arrays["intercept"] = clf.coef_, clf.intercept_
+    return {"kind": "linear"}
+
+
+def _array(arrays: Mapping[str, np.ndarray], key: str, ndim: int, kind: str = "f") -> np.ndarray:
+    """`arrays[key]`, checked to be `ndim`-dimensional of dtype kind `kind` (f: float, i: integer)."""
+    a = arrays[key]
+    if a.ndim != ndim or a.dtype.kind != kind:
+        raise ValueError(f"model.npz: {key} is a {a.ndim}-d {a.dtype} array, expected {ndim}-d of kind {kind!r}")
+    return a
+
+
+def _rebuild(spec: Any, arrays: Mapping[str, np.ndarray], cache_dir) -> BinPredictor:
+    """A BinPredictor from model.json's `spec` and model.npz's `arrays`; ValueError/KeyError when
+    they are not what `save` writes."""
+    if not isinstance(spec, dict) or spec.get("format") != MODEL_FORMAT or spec.get("version") != MODEL_VERSION:
+        raise ValueError(f"model.json is not a {MODEL_FORMAT} version {MODEL_VERSION}")
+    features = spec["features"]
+    if features not in FEATURES[1:]:
+        raise ValueError(f"model.json: features {features!r} is not one of {', '.join(FEATURES[1:])}")
+    m = BinPredictor(features, int(spec["seed"]), cache_dir)
+    m.edges, m.bin_means = _array(arrays, "edges", 1), _array(arrays, "bin_means", 1)
+    m.len_edges = _array(arrays, "len_edges", 1)
+    if m.edges.shape != (len(BIN_PERCENTILES),) or m.bin_means.shape != (len(BIN_PERCENTILES) + 1,):
+        raise ValueError(f"model.npz: {len(m.edges)} bin edges and {len(m.bin_means)} bin means, expected 4 and 5")
+    m.chosen = str(spec["chosen"])
+    m.scores = [(str(label), float(acc), float(bias)) for label, acc, bias in spec["scores"]]
+    width = len(m.len_edges) + 2  # the length block: one-hot buckets + scaled log length
+    if features == "hash":
+        if spec["hashing"] != HASHING:
+            raise ValueError(f"model.json: hashing settings {spec['hashing']} differ from this version's {HASHING}")
+        from sklearn.feature_extraction.text import TfidfTransformer
+
+        idf = _array(arrays, "idf", 1)
+        if idf.shape != (HASHING["n_features"],):
+            raise ValueError(f"model.npz: {len(idf)} idf weights, expected {HASHING['n_features']}")
+        m.tfidf = TfidfTransformer(sublinear_tf=HASHING["sublinear_tf"])
+        m.tfidf.idf_, m.tfidf.n_features_in_ = idf, len(idf)  # only the fitted arrays are set
+        width += HASHING["n_features"]
+    elif features == "minilm":
+        width += EMBEDDING_DIM
+    m.model = _rebuild_classifier(spec["classifier"], arrays, width)
+    return m
+
+
+def _rebuild_classifier(spec: Mapping[str, Any], arrays: Mapping[str, np.ndarray], width: int) -> Any:
+    kind = spec["kind"]
+    if kind == "constant":
+        return _Constant(int(spec["label"]))
+    classes = _array(arrays, "classes", 1, "i")
+    if kind == "linear":
+        coef, intercept = _array(arrays, "coef", 2), _array(arrays, "intercept", 1)
+        rows = 1 if len(classes) == 2 else len(classes)
+        if coef.shape != (rows, width) or intercept.shape != (rows,):
+            raise ValueError(f"model.npz: coef {coef.shape} and intercept {intercept.shape} do not fit "
+                             f"{len(classes)} classes of {width} features")
+        return _Linear(coef, intercept, classes)
+    if kind == "mlp":
+        layers = int(spec["layers"])
+        coefs = [_array(arrays, f"mlp_coef_{i}", 2) for i in range(layers)]
+        intercepts = [_array(arrays, f"mlp_intercept_{i}", 1) for i in range(layers)]
+        ins = [width] + [w.shape[1] for w in coefs[:-1]]
+        if any(w.shape[0] != n or b.shape != (w.shape[1],) for w, b, n in zip(coefs, intercepts, ins)):
+            raise ValueError("model.npz: the MLP's layer shapes do not chain")
+        if spec["activation"] not in _ACTIVATIONS or spec["out_activation"] not in _ACTIVATIONS:
+            raise ValueError(f"model.json: unknown activation {spec['activation']!r} or {spec['out_activation']!r}")
+        return _MLP(coefs, intercepts, spec["activation"], spec["out_activation"], classes)
+    raise ValueError(f"model.json: unknown classifier kind {kind!r} (constant, linear or mlp)")
 
 
 def make_predictor(name: str, features: str = "auto", seed: int = 0,
@@ -316,145 +483,6 @@ def encode_minilm(texts: Sequence[str], cache_dir: str | os.PathLike | None = No
     return np.stack([cache[k] for k in keys])
 
 
-# --------------------------------------------------------------------------- history
-def request_key(r: Request) -> str:
-    """What identifies a request for leakage checks: its text and its two lengths."""
-    text = r.prompt_text or ""
-    return hashlib.sha1(f"{r.prompt_len}|{r.output_len}|{text}".encode("utf-8", "replace")).hexdigest()[:20]
-
-
-def without(history: Sequence[Request], exclude: Sequence[Request]) -> list[Request]:
-    """`history` minus `exclude` as multisets of `request_key`."""
-    drop = Counter(request_key(r) for r in exclude)
-    out = []
-    for r in history:
-        k = request_key(r)
-        if drop[k] > 0:
-            drop[k] -= 1
-        else:
-            out.append(r)
-    return out
-
-
-def _sharegpt_records(data_dir, tokenizer: str, lo: int = 1, hi: int | None = None,
-                      olo: int = 1, ohi: int | None = None) -> list[Request]:
-    from workloads.data import SHAREGPT_PAIRS, resolve_data_file
-    from workloads.sharegpt import TOKENIZERS, load_pairs
-
-    pairs = load_pairs(resolve_data_file(SHAREGPT_PAIRS, None, data_dir))
-    in_col, out_col, extra = TOKENIZERS[tokenizer]
-    inp = pairs.counts[in_col] + extra
-    out = pairs.counts[out_col]
-    ok = (inp >= lo) & (out >= olo)
-    if hi is not None:
-        ok &= inp <= hi
-    if ohi is not None:
-        ok &= out <= ohi
-    return [Request(i, 0.0, int(inp[j]), int(out[j]), pairs.prompts[j]) for i, j in enumerate(np.flatnonzero(ok))]
-
-
-def _azure_records(data_dir, trace: str, lo: int = 1, hi: int | None = None,
-                   olo: int = 1, ohi: int | None = None) -> list[Request]:
-    from workloads.azure import TRACE_FILES, load_trace
-    from workloads.data import resolve_data_file
-
-    _, ctx, gen = load_trace(resolve_data_file(TRACE_FILES[trace], None, data_dir))
-    ok = (ctx >= max(1, lo)) & (gen >= max(1, olo))
-    if hi is not None:
-        ok &= ctx <= hi
-    if ohi is not None:
-        ok &= gen <= ohi
-    return [Request(i, 0.0, int(ctx[j]), int(gen[j])) for i, j in enumerate(np.flatnonzero(ok))]
-
-
-def history_requests(workload_cfg: Mapping[str, Any] | str, data_dir=None) -> tuple[str, list[Request]]:
-    """(name, records) of the data set behind a workload config: every record passing its length
-    filters, whatever its `num_requests`, arrival or `start_s` (see the module docstring)."""
-    from workloads.base import build_workload, workload_config
-
-    cfg = workload_config(workload_cfg)
-    if cfg.name == "sharegpt":
-        if cfg.path is not None:
-            raise ConfigError("train_predictor reads the pairs file through the data dir; workload.path is not supported")
-        recs = _sharegpt_records(data_dir, cfg.tokenizer, cfg.min_input_len, cfg.max_input_len,
-                                 cfg.min_output_len, cfg.max_output_len)
-        return f"sharegpt-{cfg.tokenizer}", recs
-    if cfg.name == "azure":
-        recs = _azure_records(data_dir, cfg.trace, cfg.min_input_len, cfg.max_input_len,
-                              cfg.min_output_len, cfg.max_output_len)
-        return f"azure-{cfg.trace}", recs
-    settings = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
-    settings["seed"] = cfg.seed + 1_000_003  # an independent draw of the same distributions
-    settings["arrival"] = "offline"
-    return cfg.name, build_workload(settings, data_dir)
-
-
-@dataclass
-class History:
-    """What a run's predictor is trained on, and how it was found."""
-
-    source: str  # e.g. "sharegpt-llama3 minus the run", "run (leaks: no data set found)"
-    requests: list[Request] = field(default_factory=list)
-    dataset: str | None = None  # the data set's name as train_predictor names it, e.g. "sharegpt-llama3"
-
-
-def history_for_run(run: Sequence[Request], data_dir=None, mode: str = "auto") -> History:
-    """The data set `run` was drawn from, minus `run` itself (`mode="auto"`), or `run` itself
-    (`mode="run"`). Length filters are approximated by the run's own prompt-length range."""
-    run = list(run)
-    if mode == "run":
-        return History("run (trains on the run's own requests: leaks)", run)
-    if mode != "auto":
-        raise bad_value("policy.history", mode, "must be auto or run")
-    lo, hi = min(r.prompt_len for r in run), max(r.prompt_len for r in run)
-    texts = [r for r in run if r.prompt_text]
-    try:
-        if texts:
-            tok = _sharegpt_tokenizer(texts[:200], data_dir)
-            if tok is not None:
-                recs = _sharegpt_records(data_dir, tok, lo, hi)
-                return History(f"sharegpt-{tok} pairs with prompt length in [{lo}, {hi}], minus the run",
-                               without(recs, run), f"sharegpt-{tok}")
-        else:
-            keys = Counter((r.prompt_len, r.output_len) for r in run)
-            for trace in ("conv", "code"):
-                recs = _azure_records(data_dir, trace)
-                have = Counter((r.prompt_len, r.output_len) for r in recs)
-                matched = sum(min(n, have[k]) for k, n in keys.items())
-                if matched >= 0.99 * len(run):
-                    rest = without(recs, run)
-                    return History(f"azure-{trace} trace rows minus the run", rest, f"azure-{trace}")
-    except TestbedError as exc:  # data not found: fall through to the warning below
-        reason = str(exc)
-    else:
-        reason = "no data set matches these requests"
-    warnings.warn(f"TD-Pipe length predictor: {reason}; training on the run's own requests (leaks)",
-                  stacklevel=2)
-    return History("run (leaks: no data set found)", run)
-
-
-def _sharegpt_tokenizer(sample: Sequence[Request], data_dir) -> str | None:
-    """Which token counts of the pairs file the run's prompt lengths are (None if no match)."""
-    from workloads.data import SHAREGPT_PAIRS, resolve_data_file
-    from workloads.sharegpt import TOKENIZERS, load_pairs
-
-    pairs = load_pairs(resolve_data_file(SHAREGPT_PAIRS, None, data_dir))
-    wanted = {r.prompt_text for r in sample}
-    index: dict[str, list[int]] = {}
-    for j, t in enumerate(pairs.prompts):
-        if t in wanted:
-            index.setdefault(t, []).append(j)  # the same prompt text can occur several times
-    hits = [(r, index[r.prompt_text]) for r in sample if r.prompt_text in index]
-    if len(hits) < 0.9 * len(sample):
-        return None
-    for name, (in_col, out_col, extra) in TOKENIZERS.items():
-        ok = sum(any(r.prompt_len == pairs.counts[in_col][j] + extra and r.output_len == pairs.counts[out_col][j]
-                     for j in js) for r, js in hits)
-        if ok >= 0.99 * len(hits):
-            return name
-    return None
-
-
 # --------------------------------------------------------------------------- evaluation
 def summed_errors(pred: np.ndarray, true: np.ndarray, sizes: Sequence[int] = GROUP_SIZES,
                   draws: int = 200, seed: int = 0) -> dict[int, float]:
@@ -496,22 +524,21 @@ def split_60_20_20(records: Sequence[Request], seed: int) -> tuple[list[Request]
     return pick[:a], pick[a:b], pick[b:]
 
 
-def train_predictor(workload_cfg: Mapping[str, Any] | str, data_dir: str | os.PathLike | None = None,
-                    out_dir: str | os.PathLike = "runs", seed: int = 0, *, features: str = "auto",
-                    name: str | None = None) -> dict[str, Any]:
-    """Train TD-Pipe's bin classifier on a workload's data set and save it.
+def train_predictor(dataset: str, records: Sequence[Request], out_dir: str | os.PathLike = "runs", seed: int = 0,
+                    *, features: str = "auto", name: str | None = None) -> dict[str, Any]:
+    """Train TD-Pipe's bin classifier on the records of a data set and save it.
 
-    Records: every record of the workload's data set passing its length filters (see
-    `history_requests`), split 60/20/20 with `seed` into train / validation (picks the
-    classifier) / test (the report). Saved to `<out_dir>/predictors/<name>/` (`model.pkl`,
-    `meta.json` with the report and the keys of the training requests, so a run can refuse a
-    model trained on its own requests); `name` defaults to `<data set>-<features>`.
+    Records: e.g. `workloads.history.history_requests(workload_cfg, data_dir)` (every record of
+    the workload's data set passing its length filters), split 60/20/20 with `seed` into train /
+    validation (picks the classifier) / test (the report). Saved to `<out_dir>/predictors/<name>/`
+    (`model.json` + `model.npz`, see `BinPredictor.save`; `meta.json` with the report and the
+    keys of the training requests, so a run can refuse a model trained on its own requests);
+    `name` defaults to `<dataset>-<features>`.
 
     Returns a report: `bin_accuracy`, `summed_error` {group size: mean relative error of summed
     predictions over random test groups of 2..512}, the same for the `mean` predictor and the
     `oracle` bins as baselines, sizes, the bin edges and means, and `path`.
     """
-    dataset, records = history_requests(workload_cfg, data_dir)
     if len(records) < 50:
         raise ConfigError(f"only {len(records)} records in {dataset}: too few to train a length predictor")
     train, val, test = split_60_20_20(records, seed)
@@ -553,6 +580,5 @@ def load_for_run(path: str | os.PathLike, run: Sequence[Request],
 
 
 __all__ = ["PREDICTORS", "FEATURES", "LengthPredictor", "OraclePredictor", "MeanPredictor", "BinPredictor",
-           "make_predictor", "encode_minilm", "history_requests", "history_for_run", "History", "without",
-           "request_key", "summed_errors", "evaluate", "split_60_20_20", "train_predictor", "load_for_run",
+           "make_predictor", "encode_minilm", "request_key", "summed_errors", "evaluate", "split_60_20_20", "train_predictor", "load_for_run",
            "output_bins", "bin_of", "DEFAULT_DIR"]

@@ -52,7 +52,7 @@ What `bins` (and `mean`) are trained on, so that a run is never tested on its tr
 2. else `<predictor_dir>/<data set>-<features>` (train_predictor's default name) when it exists
    and was trained on none of this run's requests;
 3. else a fit at start on the run's data set minus the run's own requests
-   (`length_predictor.history_for_run`): ShareGPT runs use the pairs file with the same
+   (`view.history`, found by workloads/history.py): ShareGPT runs use the pairs file with the same
    tokenizer's counts and prompt lengths within the run's range; Azure runs use every row of the
    matching trace; 80% fits, 20% picks the classifier. Workloads with no data set behind them
    (synthetic) fall back to the run's own requests with a warning (`history=run` asks for it).
@@ -60,6 +60,7 @@ What `bins` (and `mean`) are trained on, so that a run is never tested on its tr
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import ConfigError, bad_value
-from engine.policy import Policy, SchedulerView, register_policy
+from engine.policy import History, Policy, SchedulerView, register_policy
 from engine.request import SeqStatus, Sequence
 from policies import length_predictor as lp
 from policies.common import IdleOrder, add_decode_or_preempt, idle_decodes
@@ -292,12 +293,12 @@ class TdpipePolicy(Policy):
         run = [r for r in view.all_requests]
         self.forecast = KVForecast(self.points, view.block_size)
         self.stealer = WorkStealer(self.max_inflight(view), p.work_stealing)
-        predictor, info = self._predictor(run, view.data_dir)
+        predictor, info = self._predictor(run, view)
         self.pred = {r.request_id: int(x) for r, x in zip(run, predictor.predict(run))}
         self._fallback = int(np.median(list(self.pred.values()))) if self.pred else 1
         self.predictor_info = info
 
-    def _predictor(self, run: list, run_data_dir: str | None) -> tuple[lp.LengthPredictor, dict]:
+    def _predictor(self, run: list, view: SchedulerView) -> tuple[lp.LengthPredictor, dict]:
         p = self.params
         cache_dir = f"{p.predictor_dir}/cache"
         if p.predictor == "oracle":
@@ -308,7 +309,12 @@ class TdpipePolicy(Policy):
                            "classifier": model.chosen, "features": model.features}
         if p.predictor_model is not None:
             raise ConfigError(f"policy.predictor_model is for predictor=bins, not {p.predictor!r}")
-        hist = lp.history_for_run(run, p.data_dir or run_data_dir, p.history)
+        hist = view.history(p.history, p.data_dir)
+        if hist is None:  # a controller built by hand, without the runner's history provider
+            if p.history == "auto":
+                warnings.warn("TD-Pipe length predictor: no history provider; training on the run's own "
+                              "requests (leaks)", stacklevel=2)
+            hist = History("run (leaks: no history provider)", tuple(run))
         note = None
         if p.predictor == "bins" and hist.dataset is not None:
             # A model saved by train_predictor for this data set is used when it was not trained
@@ -316,7 +322,7 @@ class TdpipePolicy(Policy):
             feats = p.predictor_features if p.predictor_features != "auto" else (
                 "hash" if all(r.prompt_text for r in run) else "length")
             saved = Path(p.predictor_dir) / f"{hist.dataset}-{feats}"
-            if (saved / "model.pkl").is_file():
+            if lp.BinPredictor.is_saved_at(saved):
                 try:
                     model, meta = lp.load_for_run(saved, run, cache_dir)
                 except ConfigError as exc:

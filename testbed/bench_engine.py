@@ -117,7 +117,9 @@ def run_policy(policy_name: str, requests, args, policy_params: dict, executor: 
     tracer = Tracer()
     ex = _executor(executor, args, cost, policy, tracer, cfg)
     kv = BlockManager(args.num_blocks, args.block_size)
-    ctrl = _timed_controller(times)(requests, policy, ex, kv, cost_model=cost)
+    from workloads.history import history_for_run
+
+    ctrl = _timed_controller(times)(requests, policy, ex, kv, cost_model=cost, history=history_for_run)
     wall = time.perf_counter()
     try:
         ctrl.run()

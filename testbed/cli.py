@@ -129,10 +129,11 @@ def cmd_predictor_train(args: argparse.Namespace) -> int:
     """Train TD-Pipe's output-length classifier on a workload's data set (60/20/20 split)."""
     from policies.length_predictor import train_predictor
     from testbed.config import compose, data_dir, to_container
+    from workloads.history import history_requests
 
     cfg = to_container(compose(args.overrides))
-    rep = train_predictor(cfg["workload"], data_dir(cfg), cfg["output"]["dir"], int(cfg["seed"]),
-                          features=args.features)
+    dataset, records = history_requests(cfg["workload"], data_dir(cfg))
+    rep = train_predictor(dataset, records, cfg["output"]["dir"], int(cfg["seed"]), features=args.features)
     print(f"data set: {rep['dataset']}  features: {rep['features']}  classifier: {rep['classifier']}  "
           f"train/val/test: {rep['num_train']}/{rep['num_val']}/{rep['num_test']}")
     print(f"bin accuracy (test): {rep['bin_accuracy']:.3f}   (paper: 0.52-0.58)")

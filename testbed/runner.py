@@ -26,6 +26,7 @@ from testbed.config import data_dir, run_config
 from testbed.outputs import make_tracer
 from testbed.signals import signal_name
 from workloads.base import build_workload
+from workloads.history import history_for_run
 
 
 @dataclass
@@ -189,7 +190,8 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
     kv = BlockManager(num_blocks, block_size)
     ctrl = Controller(requests, policy, executor, kv, cost_model=cost, check_integrity=rc.check_integrity,
                       data_dir=data_dir(cfg), progress=progress, num_microbatches=num_microbatches,
-                      link_bandwidth_Bps=link.bandwidth_Bps, link_latency_s=link.latency_s)
+                      link_bandwidth_Bps=link.bandwidth_Bps, link_latency_s=link.latency_s,
+                      history=history_for_run)  # `view.history`: the data set minus the run (TD-Pipe)
     check_microbatch_count(ctrl, num_microbatches)
     info = {"build_s": time.perf_counter() - wall0, "kv_num_blocks": num_blocks, "kv_block_size": block_size,
             "layers_per_stage": list(cost.layers), "executor": rc.executor.name, "policy": policy.name,

@@ -140,7 +140,7 @@ def test_predictor_train_prints_accuracy_and_saves_the_model(tmp_path, capsys, s
     assert 0.2 < acc <= 1.0
     assert "256 requests:" in out
     saved = Path(out.strip().splitlines()[-1])
-    assert (saved / "model.pkl").is_file() and (saved / "meta.json").is_file()
+    assert (saved / "model.json").is_file() and (saved / "meta.json").is_file() and not (saved / "model.pkl").exists()
 
 
 def test_bench_sim_prints_figures(capsys):

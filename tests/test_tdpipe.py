@@ -229,8 +229,10 @@ def test_bins_predictor_on_sharegpt_trains_on_history_minus_the_run(shared_data)
 
 def test_a_saved_model_is_used_only_when_disjoint_from_the_run(tmp_path, shared_data):
     from policies.length_predictor import train_predictor
+    from workloads.history import history_requests
 
-    train_predictor({"name": "azure", "trace": "code", "max_input_len": 1000}, shared_data, tmp_path)
+    dataset, records = history_requests({"name": "azure", "trace": "code", "max_input_len": 1000}, shared_data)
+    train_predictor(dataset, records, tmp_path)
     common = ("policy=tdpipe", "workload=azure", "workload.trace=code", "workload.num_requests=60",
               "workload.rate=20", f"policy.predictor_dir={tmp_path}/predictors")
     # long prompts only: none of them in the model's training data -> the saved model is used
