@@ -18,7 +18,7 @@ from engine.trace import Tracer
 from engine.typed import build, coerce, setting
 from testbed.cli import main
 from testbed.config import BASE, compose, run_config, to_container
-from tests.conftest import small_config
+from conftest import small_config
 
 TINY = ["workload.num_requests=5", "output.mlflow=false", "output.plots=false", "output.progress=false"]
 
