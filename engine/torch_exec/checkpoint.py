@@ -37,23 +37,12 @@ FIRST_PROMPT_ID = 3
 
 
 @dataclass(frozen=True)
-class ArchConfig:
-    """What a stage needs from config.json (Llama/Qwen2 decoder)."""
+class ArchConfig(ModelSpec):
+    """The model's one shape description (`ModelSpec`, which the cost model reads too) plus what
+    only a stage's forward needs from config.json: MLP biases, rope scaling, the activation."""
 
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None  # None (default rope), or {"rope_type": "linear"|"llama3", ...}
+    mlp_bias: bool = False
+    rope_scaling: dict | None = None  # None (default rope), or {"rope_type": "linear"|"llama3", ...}
     hidden_act: str = "silu"
 
     def to_dict(self) -> dict:
@@ -88,22 +77,8 @@ def read_arch(path: str | os.PathLike) -> ArchConfig:
     if act != "silu":
         raise ConfigError(f"model checkpoint {str(path)!r}: hidden_act {act!r} is not supported (silu only)")
     spec = ModelSpec.from_hf_config(str(path), cfg)  # the one parser of config.json shapes
-    return ArchConfig(
-        architecture=spec.architecture,
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        intermediate_size=spec.intermediate_size,
-        vocab_size=spec.vocab_size,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        attention_bias=spec.qkv_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        rms_norm_eps=spec.rms_norm_eps,
-        rope_theta=theta,  # transformers 5 keeps it in rope_parameters
-        rope_scaling=scaling,
-    )
+    return ArchConfig(**{**asdict(spec), "rope_theta": theta},  # transformers 5 keeps it in rope_parameters
+                      mlp_bias=bool(cfg.get("mlp_bias", False)), rope_scaling=scaling)
 
 
 # --- tensors ------------------------------------------------------------------------------------
@@ -126,7 +101,7 @@ def stage_tensor_names(arch: ArchConfig, first_layer: int, num_layers: int, firs
         names.append(EMBED)
     for i in range(first_layer, first_layer + num_layers):
         per = list(LAYER_TENSORS)
-        if arch.attention_bias:
+        if arch.qkv_bias:
             per += ATTN_BIASES
         if arch.mlp_bias:
             per += MLP_BIASES
