@@ -51,7 +51,12 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C would be so the same cleanup runs."""
 
 
+_terminated = threading.Event()  # set by SIGTERM: code that re-raises a plain KeyboardInterrupt
+# (Optuna's optimize loop does) must not turn exit 143 into 130
+
+
 def _raise_terminated(signum, frame) -> None:
+    _terminated.set()
     raise Terminated()
 
 
@@ -69,11 +74,11 @@ def signals() -> Iterator[None]:
 
 
 def exit_code(exc: BaseException) -> int:
-    return EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_SIGINT
+    return EXIT_SIGTERM if isinstance(exc, Terminated) or _terminated.is_set() else EXIT_SIGINT
 
 
 def interrupted_message(exc: BaseException) -> str:
-    return "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+    return "terminated (SIGTERM)" if isinstance(exc, Terminated) or _terminated.is_set() else "interrupted"
 
 
 def shield() -> None:
