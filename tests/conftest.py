@@ -14,6 +14,23 @@ os.environ.setdefault("TESTBED_DATA_DIR", str(DEFAULT_DATA))
 os.environ["TESTBED_ALLOW_DOWNLOAD"] = "0"
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """`gpu`-marked tests are skipped where CUDA is absent (CI never needs a GPU)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    try:
+        import torch
+
+        available = torch.cuda.is_available()
+    except ImportError:
+        available = False
+    if not available:
+        skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+        for item in gpu:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     path = Path(os.environ["TESTBED_DATA_DIR"])

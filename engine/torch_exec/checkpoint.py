@@ -243,7 +243,7 @@ def check_kv_memory(settings, arch: ArchConfig, num_blocks: int, block_size: int
     """Refuse a CPU pool that cannot fit this machine (the cost model sizes KV for GPUs)."""
     if settings.device != "cpu":
         return
-    elem = 4 if settings.dtype == "float32" else 2
+    elem = 4 if settings.resolved_dtype == "float32" else 2
     per_layer = 2 * num_blocks * block_size * arch.num_kv_heads * arch.head_dim * elem
     total = per_layer * arch.num_layers  # all stages share this machine when spawned
     try:

@@ -310,7 +310,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         policy_class, policy_params = self._policy_spec()
         return wire.StageInit(
             pp=self.pipeline_depth, path=self.model_path, arch=self.arch.to_dict(), layers=self.layers,
-            num_blocks=num_blocks, block_size=block_size, dtype=st.dtype, device=st.device,
+            num_blocks=num_blocks, block_size=block_size, dtype=st.resolved_dtype, device=st.device,
             threads=st.threads_per_stage, backend=self._backend(), master_addr=st.master_addr,
             master_port=master_port, stage_timeout_s=st.stage_timeout_s, fault=st.fault, sampling=sampling,
             num_cpu_samplers=st.num_cpu_samplers, cpu_sampling=rt.cpu_sampling,

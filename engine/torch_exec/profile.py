@@ -180,7 +180,7 @@ def executor_activation_bytes(executor) -> int:
     """Bytes a stage really sends per token: hidden x element size of the running dtype."""
     arch = getattr(executor, "arch", None)
     hidden = getattr(arch, "hidden_size", None) or 0
-    dtype = executor.settings.dtype
+    dtype = executor.settings.resolved_dtype
     return int(hidden) * {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 

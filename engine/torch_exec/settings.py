@@ -30,7 +30,7 @@ class TorchSettings:
     model_path: str | None = None
     model_seed: int = 0  # random weights of a table model (not the run's seed: sweeping seeds reuses one model)
     model_cache_dir: str | None = None
-    dtype: str = "float32"  # weights, activations and KV cache
+    dtype: str | None = None  # weights, activations and KV cache; None = bfloat16 on cuda, float32 on cpu
     device: str = "cpu"  # cpu | cuda (stage s uses GPU s % device_count)
     threads_per_stage: int = 1  # torch intra-op threads per stage process (CPU)
     backend: str = "auto"  # data plane: auto = gloo on CPU, nccl on CUDA when every stage has its own GPU
@@ -58,10 +58,21 @@ class TorchSettings:
     # testing only: "<kind>:<stage>:<n>" makes stage <stage> fail at its n-th micro-batch,
     # kind = raise (an exception), hang (sleeps), exit (dies without a word)
     fault: str = ""
+    # the KV pool on CUDA when kv.num_blocks is unset: profiled at this many tokens per micro-batch
+    # (None = the policy's token budget, see engine/torch_exec/kv_sizing.py)
+    profile_tokens: int | None = None
+
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype the stages run in: `dtype`, or bfloat16 on CUDA (the tensor cores' format; the
+        issue's H100 floor is measured in bf16) and float32 on CPU (exact greedy parity with HF)."""
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise bad_value("executor.dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise bad_value("executor.dtype", self.dtype, f"must be one of {', '.join(DTYPES)} or null")
         if self.device not in DEVICES:
             raise bad_value("executor.device", self.device, f"must be one of {', '.join(DEVICES)}")
         if self.sampling not in SAMPLING:
@@ -104,6 +115,9 @@ class TorchSettings:
             raise bad_value("executor.model_path", self.model_path, "must be a directory path or null")
         if self.fault:
             parse_fault(self.fault)
+        if self.profile_tokens is not None and (isinstance(self.profile_tokens, bool)
+                                                or not isinstance(self.profile_tokens, int) or self.profile_tokens < 1):
+            raise bad_value("executor.profile_tokens", self.profile_tokens, "must be an integer >= 1 or null")
 
 
 FAULT_KINDS = ("raise", "hang", "exit")
