@@ -26,6 +26,13 @@ class BlockManager:
         self._tables: dict[int, list[int]] = {}
         self._tokens: dict[int, int] = {}
 
+    def resize(self, num_blocks: int) -> None:
+        """Set the capacity before any block is handed out (the torch engine sizes its pool from
+        measured GPU memory when it starts: engine/torch_exec/kv_sizing.py)."""
+        if self._tables:
+            raise RuntimeError("resize() after blocks were allocated")
+        self.__init__(num_blocks, self.block_size)
+
     # --- sizes -----------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -131,6 +131,7 @@ class PreparedRun:
         t0 = t_prep
         try:
             ctrl.start()  # executor workers up, policy preparation (not serving time)
+            self.info["kv_num_blocks"] = ctrl.kv.num_blocks  # measured by the executor, or as configured
             t0 = time.perf_counter()
             ctrl.run()
         except RunFailedError as exc:
@@ -174,7 +175,6 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
     wall0 = time.perf_counter()
     rc = run_config(cfg)
     cost = build_cost_model(cfg, rc)
-    num_blocks, block_size = kv_blocks(rc, cost)
     link = link_settings(rc, cost)
     num_microbatches = rc.parallel.num_microbatches
     policy = build_policy(cfg)
@@ -187,6 +187,9 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
         raise ConfigError("the workload produced no requests; loosen its filters or raise workload.num_requests")
     tracer = make_tracer(dataclasses.asdict(rc.output), rc.executor.name)  # output.trace: sampled (default), full or off
     executor = ex_spec.factory(rc.executor.settings, ExecutorBuild(cost, runtime, link, policy, tracer, rc))
+    # the torch engine on CUDA sizes an unset pool from measured memory when it starts (a placeholder till then)
+    measured = rc.kv.num_blocks is None and getattr(executor, "measure_kv", False)
+    num_blocks, block_size = (1, rc.kv.block_size) if measured else kv_blocks(rc, cost)
     kv = BlockManager(num_blocks, block_size)
     ctrl = Controller(requests, policy, executor, kv, cost_model=cost, check_integrity=rc.check_integrity,
                       data_dir=data_dir(cfg), progress=progress, num_microbatches=num_microbatches,

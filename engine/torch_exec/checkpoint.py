@@ -18,6 +18,7 @@ special tokens), so the same request has the same prompt under every policy and 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -59,9 +60,14 @@ def read_arch(path: str | os.PathLike) -> ArchConfig:
         raise ConfigError(f"model checkpoint {str(path)!r} has no config.json") from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read {cfg_file}: {exc}") from None
+    return arch_from_config(str(path), cfg)
+
+
+def arch_from_config(name: str, cfg: dict) -> ArchConfig:
+    """The ArchConfig of a config.json dict (a checkpoint's, or a table model's `hf_config()`)."""
     arch = cfg.get("model_type")
     if arch not in ARCHITECTURES:
-        raise ConfigError(f"model checkpoint {str(path)!r}: model_type {arch!r} is not supported; "
+        raise ConfigError(f"model checkpoint {name!r}: model_type {arch!r} is not supported; "
                           f"valid choices: {', '.join(ARCHITECTURES)}")
     rope = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
@@ -70,13 +76,13 @@ def read_arch(path: str | os.PathLike) -> ArchConfig:
     scaling = None
     if kind != "default":
         if kind not in ("linear", "llama3"):
-            raise ConfigError(f"model checkpoint {str(path)!r}: rope type {kind!r} is not supported "
+            raise ConfigError(f"model checkpoint {name!r}: rope type {kind!r} is not supported "
                               f"(supported: default, linear, llama3)")
         scaling = {**legacy, **{k: v for k, v in rope.items() if k != "rope_theta"}, "rope_type": kind}
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise ConfigError(f"model checkpoint {str(path)!r}: hidden_act {act!r} is not supported (silu only)")
-    spec = ModelSpec.from_hf_config(str(path), cfg)  # the one parser of config.json shapes
+        raise ConfigError(f"model checkpoint {name!r}: hidden_act {act!r} is not supported (silu only)")
+    spec = ModelSpec.from_hf_config(name, cfg)  # the one parser of config.json shapes
     return ArchConfig(**{**asdict(spec), "rope_theta": theta},  # transformers 5 keeps it in rope_parameters
                       mlp_bias=bool(cfg.get("mlp_bias", False)), rope_scaling=scaling)
 
@@ -130,6 +136,80 @@ def tensor_files(path: str | os.PathLike) -> dict[str, str]:
             for k in fh.keys():
                 out[k] = str(f)
     return out
+
+
+# --- random weights in memory (CUDA) --------------------------------------------------------------
+def spec_arch(spec: ModelSpec) -> ArchConfig:
+    """A table model's ArchConfig, exactly as `read_arch` parses the checkpoint `random_checkpoint`
+    would write for it (the same config.json dict)."""
+    return arch_from_config(spec.name, _hf_config(spec))
+
+
+def tensor_shape(arch: ArchConfig, name: str) -> tuple[int, ...]:
+    """The shape of checkpoint tensor `name` (Hugging Face's Llama/Qwen2 layout, [out, in])."""
+    h, q, kv, inter = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
+        arch.intermediate_size
+    if name in (EMBED, LM_HEAD):
+        return (arch.vocab_size, h)
+    if name == NORM or name.endswith("layernorm.weight"):
+        return (h,)
+    part = name.split(".", 3)[-1]
+    shapes = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+              "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+              "mlp.down_proj.weight": (h, inter), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+              "self_attn.v_proj.bias": (kv,), "mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,),
+              "mlp.down_proj.bias": (h,)}
+    return shapes[part]
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """The generator seed of one tensor: a hash of (model seed, tensor name), so every stage, in
+    any split and any run, draws the same values for the same tensor (Python's `hash` is salted
+    per process; blake2b is not)."""
+    digest = hashlib.blake2b(f"{int(seed)}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def random_tensors(arch: ArchConfig, names: list[str], seed: int, dtype, device) -> dict:
+    """This stage's random weights, built where they will live (no checkpoint on disk).
+
+    As transformers initialises a fresh model: norms 1, biases 0, matrices and the embedding
+    normal(0, RANDOM_INIT_STD) -- drawn in `dtype` on `device` by one generator per tensor seeded
+    by `tensor_seed`. A tied lm_head draws the embedding's values (the same seed and shape).
+    Values depend on the device type (CPU and CUDA generators differ), never on the stage split.
+    On CUDA this is bandwidth-bound: about 2 bytes per parameter written, seconds for 15B."""
+    import torch
+
+    out: dict = {}
+    for name in names:
+        src = EMBED if name == LM_HEAD and arch.tie_word_embeddings else name
+        if src in out:
+            out[name] = out[src]
+            continue
+        shape = tensor_shape(arch, src)
+        if src == NORM or src.endswith("layernorm.weight"):
+            t = torch.ones(shape, dtype=dtype, device=device)
+        elif src.endswith(".bias"):
+            t = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(tensor_seed(seed, src))
+            t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, RANDOM_INIT_STD, generator=gen)
+        out[name] = t
+    return out
+
+
+def check_device_fit(spec: ModelSpec, device_bytes: list[int], elem_bytes: int, utilization: float) -> None:
+    """Refuse a random model whose weights alone exceed the GPUs' utilisation share (one line)."""
+    need = spec.total_params * elem_bytes
+    have = sum(device_bytes) * utilization
+    if need > have:
+        raise ConfigError(
+            f"model {spec.name!r} has {spec.total_params / 1e9:.1f}B parameters ({need / 2**30:.1f} GiB at "
+            f"{elem_bytes} bytes each): it does not fit kv.gpu_memory_utilization={utilization:g} of the "
+            f"{len(device_bytes)} visible GPU(s) ({sum(device_bytes) / 2**30:.1f} GiB); choose a smaller model "
+            f"or give a checkpoint")
 
 
 # --- resolving the run's model -------------------------------------------------------------------

@@ -85,6 +85,10 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self.model_path: str | None = None
         self.arch: Any = None
         self.layers: list[tuple[int, int]] = []
+        # CUDA without kv.num_blocks: the pool is sized from the stages' measured memory at start
+        # (engine/torch_exec/kv_sizing.py); the runner's block manager is resized then
+        self.measure_kv = settings.device == "cuda" and self.run_config.kv.num_blocks is None
+        self.kv_pool = None  # the sizing (kv_sizing.PoolSize) when measured
         self._procs: list[Any] = []
         self._ctl: ControlSocket | None = None
         self._sock = None
@@ -226,9 +230,11 @@ class TorchExecutor(FailureDiagnosis, Executor):
         deadline = time.perf_counter() + self.settings.start_timeout_s
         hello = self._gather(wire.Hello, deadline)
         self.stage_info = [{"host": h.host, "pid": h.pid} for h in hello]
-        init = self._init_message(addr, num_blocks, block_size)
+        init = self._init_message(addr, 0 if self.measure_kv else num_blocks, block_size)
         for s in range(self.pipeline_depth):
             self._send(s, init)
+        if self.measure_kv:
+            self._size_pool(deadline)
         for s, r in enumerate(self._gather(wire.Ready, deadline)):
             self.stage_info[s].update(load_s=r.load_s, init_s=r.init_s, pid=r.pid, device=r.device)
         self._clock_offsets(deadline)
@@ -238,16 +244,21 @@ class TorchExecutor(FailureDiagnosis, Executor):
     def _load_model(self) -> tuple[int, int]:
         """The checkpoint (a table model is written once with random weights), its layer split,
         and the KV pool's size check; returns (num_blocks, block_size)."""
-        from engine.torch_exec.checkpoint import check_kv_memory, model_source, random_checkpoint, read_arch
+        from engine.torch_exec.checkpoint import check_kv_memory, model_source, random_checkpoint, read_arch, spec_arch
 
         st = self.settings
         model = self.run_config.model
         path, spec = model_source(st, {"model": dataclasses.asdict(model)} if model is not None else {})
-        if path is None:
-            cache = st.model_cache_dir or os.path.join(self.run_config.output.dir, "models")
-            path = random_checkpoint(spec, st.model_seed, cache)
-        self.model_path = os.path.abspath(path)
-        self.arch = arch = read_arch(path)
+        if path is None and st.device == "cuda":  # each stage builds its random weights on its GPU
+            self._check_random_fits(spec)
+            self.model_path = ""
+            self.arch = arch = spec_arch(spec)
+        else:
+            if path is None:
+                cache = st.model_cache_dir or os.path.join(self.run_config.output.dir, "models")
+                path = random_checkpoint(spec, st.model_seed, cache)
+            self.model_path = os.path.abspath(path)
+            self.arch = arch = read_arch(path)
         self.layers = self._layer_ranges(arch.num_layers)
         num_blocks, block_size = self.kv.num_blocks, self.kv.block_size
         check_kv_memory(self.settings, arch, num_blocks, block_size)
@@ -255,6 +266,45 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self._prompt_seed = seed
         self._vocab = arch.vocab_size
         return num_blocks, block_size
+
+    def _check_random_fits(self, spec) -> None:
+        """Refuse a random model larger than the spawned stages' GPUs hold (one `error:` line)."""
+        if self.settings.launch != "spawn":
+            return  # the stage hosts' GPUs are not visible from here
+        import torch
+
+        from engine.torch_exec.checkpoint import check_device_fit
+
+        used = min(self.pipeline_depth, torch.cuda.device_count())
+        totals = [torch.cuda.get_device_properties(i).total_memory for i in range(used)]
+        elem = 4 if self.settings.resolved_dtype == "float32" else 2
+        check_device_fit(spec, totals, elem, self.run_config.kv.gpu_memory_utilization)
+
+    def _size_pool(self, deadline: float) -> None:
+        """The KV pool from the stages' measured memory (engine/torch_exec/kv_sizing.py): a first
+        round of probes means every stage has loaded and warmed up; the second, asked for then,
+        reads a quiescent device. The controller's block manager takes the size before any block
+        is handed out."""
+        from engine.settings import MAX_KV_BLOCKS
+        from engine.torch_exec.kv_sizing import StageMemory, pool_size
+
+        self._gather(wire.KvProbe, deadline)
+        for s in range(self.pipeline_depth):
+            self._send(s, wire.KvPool(0))
+        probes = [StageMemory(**dataclasses.asdict(p)) for p in self._gather(wire.KvProbe, deadline)]
+        size = pool_size(probes, self.run_config.kv.gpu_memory_utilization, MAX_KV_BLOCKS)
+        self.kv.resize(size.num_blocks)
+        self.kv_pool = size
+        for s in range(self.pipeline_depth):
+            self._send(s, wire.KvPool(size.num_blocks))
+
+    def _profile_tokens(self) -> int:
+        from engine.torch_exec.kv_sizing import profile_tokens
+
+        params = getattr(self.policy, "params", None)
+        values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)} \
+            if dataclasses.is_dataclass(params) else {}
+        return profile_tokens(self.settings.profile_tokens, values)
 
     def _bind_control(self) -> str:
         import zmq
@@ -291,14 +341,17 @@ class TorchExecutor(FailureDiagnosis, Executor):
 
     def _backend(self) -> str:
         st = self.settings
-        if st.backend != "auto":
-            return st.backend
-        if st.device == "cuda":
-            import torch
+        if st.device != "cuda":
+            return st.backend if st.backend != "auto" else "gloo"
+        from engine.torch_exec.transfer import data_backend
 
-            if torch.cuda.device_count() >= self.pipeline_depth or st.launch == "external":
-                return "nccl"
-        return "gloo"
+        return data_backend(st.backend, st.device, self.pipeline_depth, self._device_count(), st.launch)
+
+    @staticmethod
+    def _device_count() -> int:
+        import torch
+
+        return torch.cuda.device_count()
 
     def _init_message(self, addr: str, num_blocks: int, block_size: int) -> wire.StageInit:
         st, rt = self.settings, self.runtime
@@ -317,7 +370,9 @@ class TorchExecutor(FailureDiagnosis, Executor):
             overlap_input_prep=rt.overlap_input_prep, structure_aware_transfer=rt.structure_aware_transfer,
             link_bandwidth_Bps=self.link_bandwidth_Bps, link_latency_s=self.link_latency_s,
             link_chunk_bytes=st.link_chunk_bytes, driver_addr=addr, policy_class=policy_class,
-            policy_params=policy_params)
+            policy_params=policy_params, model_seed=st.model_seed,
+            kv_utilization=self.run_config.kv.gpu_memory_utilization,
+            profile_tokens=self._profile_tokens() if num_blocks == 0 else 0)
 
     def _layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
         from engine.costmodel import split_layers

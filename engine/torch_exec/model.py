@@ -145,11 +145,18 @@ class StageModel:
         self.norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
         # torch.empty: pages are committed only as blocks are used (CPU), see module docstring
+        self.allocate_kv(num_blocks)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """(Re)allocate the KV pools: a CUDA stage profiles with a small pool, then takes the size
+        the driver derived from measured memory (engine/torch_exec/kv_sizing.py)."""
+        self.k_cache = self.v_cache = []  # release the old pools before allocating the new
         self.num_blocks = num_blocks
+        self.num_slots = num_blocks * self.block_size
         self._zeroed = bytearray(num_blocks)
-        shape = (arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
-        self.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
-        self.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        shape = (self.arch.num_kv_heads, num_blocks, self.block_size, self.arch.head_dim)
+        self.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
 
     # --- weights ----------------------------------------------------------------------------------
     def load(self, path: str) -> None:
@@ -171,6 +178,11 @@ class StageModel:
             with safe_open(f, framework="pt", device="cpu") as fh:
                 for dst, src in pairs:
                     got[dst] = fh.get_tensor(src).to(device=self.device, dtype=self.dtype)
+        self.set_weights(got)
+
+    def set_weights(self, got: dict[str, torch.Tensor]) -> None:
+        """Install this stage's tensors by checkpoint name (from `load`, or built in memory by
+        checkpoint.random_tensors), already on the device in the stage's dtype."""
         self.embed = got.get(EMBED)
         self.norm = got.get(NORM)
         self.lm_head = got.get(LM_HEAD)

@@ -177,10 +177,10 @@ class StageInit:
     """Everything a stage needs, sent once by the driver after every stage said hello."""
 
     pp: int
-    path: str  # the checkpoint directory
+    path: str  # the checkpoint directory; "" = random weights built in memory from `model_seed` (CUDA)
     arch: dict[str, Any]  # ArchConfig's fields
     layers: list[tuple[int, int]]  # per stage: (first layer, number of layers)
-    num_blocks: int
+    num_blocks: int  # 0 = measure: probe memory (KvProbe) and wait for the driver's KvPool
     block_size: int
     dtype: str
     device: str
@@ -201,6 +201,33 @@ class StageInit:
     driver_addr: str
     policy_class: str  # "module:qualname" of the run's policy (schedule_transfer), "" = the default
     policy_params: dict[str, Any]
+    model_seed: int = 0  # random weights when `path` is ""
+    kv_utilization: float = 0.9  # kv.gpu_memory_utilization, when num_blocks is 0
+    profile_tokens: int = 0  # tokens of the warm-up micro-batch, when num_blocks is 0
+
+
+@message("kv_probe")
+@dataclass(frozen=True)
+class KvProbe:
+    """A stage's measured memory after loading its weights and a warm-up forward at the run's
+    largest micro-batch (engine/torch_exec/kv_sizing.py `StageMemory`)."""
+
+    stage: int
+    device_key: str
+    total_bytes: int
+    free_bytes: int
+    peak_bytes: int
+    resident_bytes: int
+    block_bytes: int
+
+
+@message("kv_pool")
+@dataclass(frozen=True)
+class KvPool:
+    """The driver's answer to the probes: allocate `num_blocks` (0 = measure free memory again,
+    now that every stage has loaded)."""
+
+    num_blocks: int
 
 
 @message("ready")

@@ -54,7 +54,7 @@ from engine.torch_exec.diagnosis import REPORTED_EXIT
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
 from engine.torch_exec.wire import SpanRec
 
-CONTROL = (wire.StageInit, wire.Launch, wire.Ping, wire.Stop)  # what the driver may send a stage
+CONTROL = (wire.StageInit, wire.KvPool, wire.Launch, wire.Ping, wire.Stop)  # what the driver may send a stage
 log = logging.getLogger(__name__)
 
 
@@ -286,6 +286,8 @@ class _Stage:
         self.setup_device(init)
         self.setup_fault(init.fault)
         self.load_model(init)
+        if init.num_blocks == 0:
+            self.size_kv(init)
         t_load = time.perf_counter() - t0
         if self.P > 1:
             from engine.torch_exec.rendezvous import join_group
@@ -307,7 +309,9 @@ class _Stage:
             if not torch.cuda.is_available():
                 raise RuntimeError(f"executor.device=cuda, but stage {self.stage} on {socket.gethostname()} "
                                    f"sees no CUDA device")
-            device = f"cuda:{self.stage % torch.cuda.device_count()}"
+            from engine.torch_exec.transfer import stage_device
+
+            device = stage_device(self.stage, torch.cuda.device_count())
             torch.cuda.set_device(device)
         self.device = device
         self.transfer_via_cpu = init.backend == "gloo" and device != "cpu"
@@ -326,10 +330,59 @@ class _Stage:
 
         self.arch = arch = ArchConfig(**init.arch)
         first_layer, n_layers = init.layers[self.stage]
-        self.model = StageModel(arch, first_layer, n_layers, self.first, self.last, init.num_blocks,
+        num_blocks = init.num_blocks
+        if num_blocks == 0:  # measured later: a pool just large enough for the warm-up batch
+            from engine.torch_exec.kv_sizing import warmup_shape
+
+            num_blocks = warmup_shape(init.profile_tokens, init.block_size)[2]
+        self.model = StageModel(arch, first_layer, n_layers, self.first, self.last, num_blocks,
                                 init.block_size, init.dtype, self.device)
-        self.model.load(init.path)
+        if init.path:
+            self.model.load(init.path)
+        else:  # a table model on the GPU: this stage's random tensors, built in place
+            from engine.torch_exec.checkpoint import random_tensors, stage_tensor_names
+
+            names = stage_tensor_names(arch, first_layer, n_layers, self.first, self.last)
+            self.model.set_weights(random_tensors(arch, names, init.model_seed, self.model.dtype, self.device))
         self.hidden = arch.hidden_size
+
+    def size_kv(self, init: wire.StageInit) -> None:
+        """vLLM's profile run: a warm-up forward at the largest micro-batch, then memory probes
+        until the driver names the one pool size for all stages (engine/torch_exec/kv_sizing.py)."""
+        from engine.torch_exec.kv_sizing import block_bytes, warmup_shape
+
+        torch = self.torch
+        prefill, decodes, blocks = warmup_shape(init.profile_tokens, init.block_size)
+        bs = init.block_size
+        nb = -(-prefill // bs)
+        chunk = [wire.PrefillChunk(0, 0, prefill, True, list(range(nb)), [3] * prefill)]
+        rows = [wire.DecodeRow(1 + i, bs - 1, [nb + i], 3) for i in range(decodes)]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        b = self.model.prepare(chunk, rows)
+        hidden = None if self.first else torch.zeros((b.num_tokens, self.hidden), dtype=self.model.dtype,
+                                                      device=self.device)
+        self.model.forward(b, hidden)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del b, hidden
+        self.model.allocate_kv(1)
+        torch.cuda.empty_cache()
+        arch = self.arch
+        per_block = block_bytes(self.model.num_layers, bs, arch.num_kv_heads, arch.head_dim,
+                                self.model.dtype.itemsize)
+        props = torch.cuda.get_device_properties(self.device)
+        key = f"{socket.gethostname()}:{getattr(props, 'uuid', '') or self.device}"
+        while True:
+            free, total = torch.cuda.mem_get_info()
+            self.send(wire.KvProbe(self.stage, key, int(total), int(free), int(peak),
+                                   int(torch.cuda.memory_allocated()), int(per_block)))
+            msg = self.recv(init.stage_timeout_s * 5)
+            if not isinstance(msg, wire.KvPool):
+                raise RuntimeError(f"expected kv_pool, got {msg._wire_tag!r}")
+            if msg.num_blocks > 0:
+                self.model.allocate_kv(msg.num_blocks)
+                return
 
     def setup_runtime(self, init: wire.StageInit) -> None:
         self.overlap = init.overlap_input_prep

@@ -1,0 +1,110 @@
+"""The KV pool's size on CUDA from measured memory, when `kv.num_blocks` is not set.
+
+vLLM sizes its cache with a profile run: load the weights, run one forward at the largest batch
+the scheduler may form, read the peak, and give the KV cache what is left of the utilisation
+share (vLLM's `Worker.determine_num_available_blocks`). The torch engine does the same per stage,
+with two differences that pipeline parallelism on shared GPUs forces:
+
+- One pool size for all stages: the controller's single block manager (engine/kv.py) names the
+  same block ids on every stage, so the driver takes the minimum over devices.
+- Stages that share a GPU split its free memory instead of each claiming 90% of it: the driver
+  groups the stages' probes by the device they report, and on each device requires
+  `num_blocks * sum(block bytes of its stages) <= utilisation * free - sum(activation peaks)`.
+  Every stage then holds `num_blocks` blocks of its own layers (more layers, more bytes), which is
+  the fair split of one pool size.
+
+`free` is read when every stage has loaded its weights and finished its warm-up (the driver asks
+for a second probe after all first probes arrived: a quiescent device), so it already excludes
+all weights, CUDA contexts and other processes; what a stage will need again at run time is its
+activation peak above its resident weights (`peak - resident`, from
+`torch.cuda.max_memory_allocated` around the warm-up). The arithmetic below is pure (no torch):
+tests/test_kv_sizing.py drives it with fake numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from engine.errors import ConfigError
+
+GIB = 1 << 30
+DEFAULT_PROFILE_TOKENS = 8192  # vLLM's default max_num_batched_tokens
+# policy parameters that bound the tokens of one micro-batch (policies/*.py)
+TOKEN_BUDGET_PARAMS = ("max_num_batched_tokens", "token_budget", "max_p", "prefill_tokens")
+PROFILE_DECODES = 256  # decode rows added to the warm-up batch (the largest decode batch we bench)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage's measurements (wire.KvProbe carries them to the driver)."""
+
+    stage: int
+    device_key: str  # which physical GPU (host + UUID): stages with equal keys share it
+    total_bytes: int
+    free_bytes: int  # torch.cuda.mem_get_info()[0] on a quiescent device
+    peak_bytes: int  # max_memory_allocated over the warm-up forward (weights + activations)
+    resident_bytes: int  # memory_allocated after the warm-up (weights, no KV pool)
+    block_bytes: int  # KV bytes of one block over this stage's layers (K and V)
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    num_blocks: int
+    per_device: dict[str, int]  # device key -> blocks that device alone would allow
+    stages_per_device: dict[str, int]
+
+
+def profile_tokens(explicit: int | None, policy_params: Mapping[str, object] | None) -> int:
+    """Tokens of the warm-up micro-batch: `executor.profile_tokens`, else the policy's own token
+    budget (the largest of its budget parameters), else vLLM's default of 8192."""
+    if explicit is not None:
+        return int(explicit)
+    values = [v for k, v in (policy_params or {}).items()
+              if k in TOKEN_BUDGET_PARAMS and isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    return max(values) if values else DEFAULT_PROFILE_TOKENS
+
+
+def warmup_shape(tokens: int, block_size: int) -> tuple[int, int, int]:
+    """(prefill tokens, decode rows, blocks) of the warm-up micro-batch: one prompt chunk plus up
+    to PROFILE_DECODES one-block decodes (the last stage's logits grow with sampled rows)."""
+    tokens = max(int(tokens), 2)
+    decodes = min(PROFILE_DECODES, tokens // 2)
+    prefill = tokens - decodes
+    blocks = -(-prefill // block_size) + decodes
+    return prefill, decodes, blocks
+
+
+def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """K and V of one block over a stage's layers."""
+    return 2 * num_layers * block_size * kv_heads * head_dim * elem_bytes
+
+
+def pool_size(probes: Sequence[StageMemory], utilization: float, max_blocks: int | None = None) -> PoolSize:
+    """The one pool size every stage can hold; raises ConfigError naming the tightest device."""
+    if not probes:
+        raise ValueError("no stage reported its memory")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    groups: dict[str, list[StageMemory]] = {}
+    for p in probes:
+        groups.setdefault(p.device_key, []).append(p)
+    per_device: dict[str, int] = {}
+    for key, group in groups.items():
+        free = min(p.free_bytes for p in group)  # the same device read by each stage: the lowest
+        activations = sum(max(p.peak_bytes - p.resident_bytes, 0) for p in group)
+        budget = utilization * free - activations
+        per_block = sum(p.block_bytes for p in group)
+        per_device[key] = int(budget // per_block) if budget > 0 and per_block > 0 else 0
+    tight = min(per_device, key=per_device.__getitem__)
+    n = per_device[tight]
+    if n < 1:
+        g = groups[tight]
+        raise ConfigError(
+            f"the KV cache does not fit on {tight}: {min(p.free_bytes for p in g) / GIB:.2f} GiB free after "
+            f"the weights of stage(s) {[p.stage for p in g]}, x kv.gpu_memory_utilization={utilization:g}, "
+            f"minus {sum(max(p.peak_bytes - p.resident_bytes, 0) for p in g) / GIB:.2f} GiB of activations "
+            f"leaves no room for one block; raise parallel.pp, lower executor.profile_tokens or use a smaller model")
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    return PoolSize(n, per_device, {k: len(v) for k, v in groups.items()})
+
