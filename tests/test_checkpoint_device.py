@@ -1,0 +1,103 @@
+"""Random table models built in memory (the CUDA path of engine/torch_exec/checkpoint.py), checked
+on CPU with tiny models: the disk checkpoint's names and shapes, deterministic values, one value
+per tensor whatever the stage split, and a split pipeline computing what the whole model does."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from engine.errors import ConfigError  # noqa: E402
+from engine.models import get_model  # noqa: E402
+from engine.torch_exec.checkpoint import (EMBED, LM_HEAD, check_device_fit, random_checkpoint,  # noqa: E402
+                                          random_tensors, read_arch, spec_arch, stage_tensor_names, tensor_files)
+from engine.torch_exec.wire import DecodeRow, PrefillChunk  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("models")
+    return {name: random_checkpoint(get_model(name), 0, cache) for name in ("tiny-llama", "tiny-qwen2")}
+
+
+def _all_names(arch):
+    return stage_tensor_names(arch, 0, arch.num_layers, True, True)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_same_architecture_names_and_shapes_as_the_disk_checkpoint(disk, name):
+    from safetensors import safe_open
+
+    arch = spec_arch(get_model(name))
+    assert dataclasses.replace(read_arch(disk[name]), name=arch.name) == arch
+    files = tensor_files(disk[name])
+    mem = random_tensors(arch, _all_names(arch), 0, torch.float32, "cpu")
+    for n, t in mem.items():
+        src = EMBED if n == LM_HEAD and LM_HEAD not in files else n
+        with safe_open(files[src], framework="pt") as fh:
+            assert tuple(fh.get_slice(src).get_shape()) == tuple(t.shape), n
+    assert set(mem) == set(_all_names(arch))
+
+
+def test_values_are_deterministic_per_seed_and_tensor():
+    arch = spec_arch(get_model("tiny-qwen2"))
+    names = _all_names(arch)
+    a = random_tensors(arch, names, 3, torch.float32, "cpu")
+    b = random_tensors(arch, names, 3, torch.float32, "cpu")
+    c = random_tensors(arch, names, 4, torch.float32, "cpu")
+    assert all(torch.equal(a[n], b[n]) for n in names)
+    w = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(a[w], c[w])
+    assert not torch.equal(a[w], a["model.layers.1.self_attn.q_proj.weight"])
+    assert 0.08 < float(a[w].std()) < 0.12  # normal(0, 0.1), transformers' init at initializer_range 0.1
+    assert torch.equal(a["model.layers.0.input_layernorm.weight"], torch.ones(arch.hidden_size))
+    assert torch.equal(a["model.layers.0.self_attn.k_proj.bias"], torch.zeros(arch.num_kv_heads * arch.head_dim))
+    assert torch.equal(a[LM_HEAD], a[EMBED])  # tied: the last stage draws the embedding's values
+    bf = random_tensors(arch, [w], 3, torch.bfloat16, "cpu")[w]
+    assert bf.dtype == torch.bfloat16
+
+
+def test_a_stage_split_draws_the_same_tensors():
+    arch = spec_arch(get_model("tiny-llama"))
+    whole = random_tensors(arch, _all_names(arch), 0, torch.float32, "cpu")
+    half = arch.num_layers // 2
+    s0 = random_tensors(arch, stage_tensor_names(arch, 0, half, True, False), 0, torch.float32, "cpu")
+    s1 = random_tensors(arch, stage_tensor_names(arch, half, arch.num_layers - half, False, True), 0,
+                        torch.float32, "cpu")
+    assert not set(s0) & set(s1)
+    for n, t in {**s0, **s1}.items():
+        assert torch.equal(t, whole[n]), n
+
+
+def test_in_memory_pipeline_of_two_stages_equals_one_stage():
+    from engine.torch_exec.model import StageModel
+
+    arch = spec_arch(get_model("tiny-llama"))
+    L = arch.num_layers
+
+    def stage(first, n, is_first, is_last):
+        m = StageModel(arch, first, n, is_first, is_last, 16, 4, "float32", "cpu")
+        m.set_weights(random_tensors(arch, stage_tensor_names(arch, first, n, is_first, is_last), 0,
+                                     torch.float32, "cpu"))
+        return m
+
+    prefills = [PrefillChunk(0, 0, 9, True, [0, 1, 2], list(range(5, 14)))]
+    decodes = [DecodeRow(1, 3, [3], 42)]
+    whole = stage(0, L, True, True)
+    logits = whole.forward(whole.prepare(prefills, decodes), None)
+    a, b = stage(0, L // 2, True, False), stage(L // 2, L - L // 2, False, True)
+    h = a.forward(a.prepare(prefills, decodes), None)
+    split = b.forward(b.prepare(prefills, decodes), h)
+    assert logits.shape == (2, arch.vocab_size)
+    torch.testing.assert_close(split, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_larger_than_the_gpus_is_refused_in_one_line():
+    spec = get_model("qwen2.5-7b")
+    check_device_fit(spec, [80 << 30], 2, 0.9)  # ~15 GiB of bf16 weights on an 80 GB GPU
+    with pytest.raises(ConfigError, match="does not fit") as exc:
+        check_device_fit(spec, [12 << 30], 2, 0.9)
+    assert "\n" not in str(exc.value)
