@@ -120,3 +120,25 @@ def test_stage_devices_and_backend():
     assert data_backend("gloo", "cuda", 2, 2) == "gloo"
     with pytest.raises(ConfigError, match="executor.backend=nccl"):
         data_backend("nccl", "cuda", 2, 1)
+
+
+def test_the_warmup_batch_runs_on_a_stage_with_its_pool():
+    torch = pytest.importorskip("torch")
+    from engine.models import get_model
+    from engine.torch_exec.checkpoint import random_tensors, spec_arch, stage_tensor_names
+    from engine.torch_exec.kv_sizing import warmup_batch
+    from engine.torch_exec.model import StageModel
+
+    arch = spec_arch(get_model("tiny-llama"))
+    prefill, decodes, blocks = warmup_shape(96, 16)
+    m = StageModel(arch, 0, 2, False, True, blocks, 16, "float32", "cpu")
+    m.set_weights(random_tensors(arch, stage_tensor_names(arch, 0, 2, False, True), 0, torch.float32, "cpu"))
+    chunk, rows = warmup_batch(96, 16)
+    assert sum(c.num_tokens for c in chunk) + len(rows) == 96
+    used = [b for c in chunk for b in c.block_table] + [b for r in rows for b in r.block_table]
+    assert sorted(used) == list(range(blocks))  # every block of the pool, none twice
+    b = m.prepare(chunk, rows)
+    logits = m.forward(b, torch.zeros((b.num_tokens, arch.hidden_size)))
+    assert logits.shape == (1 + decodes, arch.vocab_size) and torch.isfinite(logits).all()
+    m.allocate_kv(3)
+    assert m.num_blocks == 3

@@ -74,6 +74,18 @@ def warmup_shape(tokens: int, block_size: int) -> tuple[int, int, int]:
     return prefill, decodes, blocks
 
 
+def warmup_batch(tokens: int, block_size: int) -> tuple[list, list]:
+    """(prefill chunks, decode rows) of the warm-up micro-batch, on blocks 0..blocks-1 of a pool
+    of `warmup_shape(...)[2]` blocks: sequence 0's prompt in one chunk, then one-block decodes."""
+    from engine.torch_exec.wire import DecodeRow, PrefillChunk
+
+    prefill, decodes, _ = warmup_shape(tokens, block_size)
+    nb = -(-prefill // block_size)
+    chunk = [PrefillChunk(0, 0, prefill, True, list(range(nb)), [3] * prefill)]
+    rows = [DecodeRow(1 + i, block_size - 1, [nb + i], 3) for i in range(decodes)]
+    return chunk, rows
+
+
 def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int, elem_bytes: int) -> int:
     """K and V of one block over a stage's layers."""
     return 2 * num_layers * block_size * kv_heads * head_dim * elem_bytes

@@ -349,14 +349,11 @@ class _Stage:
     def size_kv(self, init: wire.StageInit) -> None:
         """vLLM's profile run: a warm-up forward at the largest micro-batch, then memory probes
         until the driver names the one pool size for all stages (engine/torch_exec/kv_sizing.py)."""
-        from engine.torch_exec.kv_sizing import block_bytes, warmup_shape
+        from engine.torch_exec.kv_sizing import block_bytes, warmup_batch
 
         torch = self.torch
-        prefill, decodes, blocks = warmup_shape(init.profile_tokens, init.block_size)
         bs = init.block_size
-        nb = -(-prefill // bs)
-        chunk = [wire.PrefillChunk(0, 0, prefill, True, list(range(nb)), [3] * prefill)]
-        rows = [wire.DecodeRow(1 + i, bs - 1, [nb + i], 3) for i in range(decodes)]
+        chunk, rows = warmup_batch(init.profile_tokens, bs)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         b = self.model.prepare(chunk, rows)
