@@ -212,6 +212,15 @@ def check_device_fit(spec: ModelSpec, device_bytes: list[int], elem_bytes: int, 
             f"or give a checkpoint")
 
 
+def check_random_fits(spec: ModelSpec, pp: int, dtype: str, utilization: float) -> None:
+    """`check_device_fit` over the GPUs the P spawned stages use (cuda:0 .. cuda:min(P, count)-1)."""
+    import torch
+
+    used = min(pp, torch.cuda.device_count())
+    totals = [torch.cuda.get_device_properties(i).total_memory for i in range(used)]
+    check_device_fit(spec, totals, 4 if dtype == "float32" else 2, utilization)
+
+
 # --- resolving the run's model -------------------------------------------------------------------
 def model_source(settings: Any, run_config: dict | None) -> tuple[str | None, ModelSpec | None]:
     """(checkpoint path, None) for a checkpoint on disk, or (None, spec) for a table model."""

@@ -244,13 +244,16 @@ class TorchExecutor(FailureDiagnosis, Executor):
     def _load_model(self) -> tuple[int, int]:
         """The checkpoint (a table model is written once with random weights), its layer split,
         and the KV pool's size check; returns (num_blocks, block_size)."""
-        from engine.torch_exec.checkpoint import check_kv_memory, model_source, random_checkpoint, read_arch, spec_arch
+        from engine.torch_exec.checkpoint import (check_kv_memory, check_random_fits, model_source,
+                                                  random_checkpoint, read_arch, spec_arch)
 
         st = self.settings
         model = self.run_config.model
         path, spec = model_source(st, {"model": dataclasses.asdict(model)} if model is not None else {})
         if path is None and st.device == "cuda":  # each stage builds its random weights on its GPU
-            self._check_random_fits(spec)
+            if st.launch == "spawn":  # the GPUs of external stage hosts are not visible here
+                check_random_fits(spec, self.pipeline_depth, st.resolved_dtype,
+                                  self.run_config.kv.gpu_memory_utilization)
             self.model_path = ""
             self.arch = arch = spec_arch(spec)
         else:
@@ -266,19 +269,6 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self._prompt_seed = seed
         self._vocab = arch.vocab_size
         return num_blocks, block_size
-
-    def _check_random_fits(self, spec) -> None:
-        """Refuse a random model larger than the spawned stages' GPUs hold (one `error:` line)."""
-        if self.settings.launch != "spawn":
-            return  # the stage hosts' GPUs are not visible from here
-        import torch
-
-        from engine.torch_exec.checkpoint import check_device_fit
-
-        used = min(self.pipeline_depth, torch.cuda.device_count())
-        totals = [torch.cuda.get_device_properties(i).total_memory for i in range(used)]
-        elem = 4 if self.settings.resolved_dtype == "float32" else 2
-        check_device_fit(spec, totals, elem, self.run_config.kv.gpu_memory_utilization)
 
     def _size_pool(self, deadline: float) -> None:
         """The KV pool from the stages' measured memory (engine/torch_exec/kv_sizing.py): a first
@@ -297,14 +287,6 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self.kv_pool = size
         for s in range(self.pipeline_depth):
             self._send(s, wire.KvPool(size.num_blocks))
-
-    def _profile_tokens(self) -> int:
-        from engine.torch_exec.kv_sizing import profile_tokens
-
-        params = getattr(self.policy, "params", None)
-        values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)} \
-            if dataclasses.is_dataclass(params) else {}
-        return profile_tokens(self.settings.profile_tokens, values)
 
     def _bind_control(self) -> str:
         import zmq
@@ -354,6 +336,8 @@ class TorchExecutor(FailureDiagnosis, Executor):
         return torch.cuda.device_count()
 
     def _init_message(self, addr: str, num_blocks: int, block_size: int) -> wire.StageInit:
+        from engine.torch_exec.kv_sizing import profile_tokens
+
         st, rt = self.settings, self.runtime
         master_port = st.master_port or free_port(st.master_addr)
         warn_exposed(f"stage 0's torch.distributed store (executor.master_addr, port {master_port})",
@@ -372,7 +356,8 @@ class TorchExecutor(FailureDiagnosis, Executor):
             link_chunk_bytes=st.link_chunk_bytes, driver_addr=addr, policy_class=policy_class,
             policy_params=policy_params, model_seed=st.model_seed,
             kv_utilization=self.run_config.kv.gpu_memory_utilization,
-            profile_tokens=self._profile_tokens() if num_blocks == 0 else 0)
+            profile_tokens=profile_tokens(st.profile_tokens, getattr(self.policy, "params", None))
+            if num_blocks == 0 else 0)
 
     def _layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
         from engine.costmodel import split_layers

@@ -22,6 +22,7 @@ tests/test_kv_sizing.py drives it with fake numbers.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -54,12 +55,17 @@ class PoolSize:
     stages_per_device: dict[str, int]
 
 
-def profile_tokens(explicit: int | None, policy_params: Mapping[str, object] | None) -> int:
+def profile_tokens(explicit: int | None, policy_params: object) -> int:
     """Tokens of the warm-up micro-batch: `executor.profile_tokens`, else the policy's own token
-    budget (the largest of its budget parameters), else vLLM's default of 8192."""
+    budget (the largest of its budget parameters; `policy_params` a mapping or the policy's params
+    dataclass), else vLLM's default of 8192."""
     if explicit is not None:
         return int(explicit)
-    values = [v for k, v in (policy_params or {}).items()
+    if dataclasses.is_dataclass(policy_params):
+        policy_params = {f.name: getattr(policy_params, f.name) for f in dataclasses.fields(policy_params)}
+    if not isinstance(policy_params, Mapping):
+        policy_params = {}
+    values = [v for k, v in policy_params.items()
               if k in TOKEN_BUDGET_PARAMS and isinstance(v, int) and not isinstance(v, bool) and v > 0]
     return max(values) if values else DEFAULT_PROFILE_TOKENS
 

@@ -347,33 +347,13 @@ class _Stage:
         self.hidden = arch.hidden_size
 
     def size_kv(self, init: wire.StageInit) -> None:
-        """vLLM's profile run: a warm-up forward at the largest micro-batch, then memory probes
-        until the driver names the one pool size for all stages (engine/torch_exec/kv_sizing.py)."""
-        from engine.torch_exec.kv_sizing import block_bytes, warmup_batch
+        """vLLM's profile run, then probes until the driver names the one pool size of all
+        stages (engine/torch_exec/profile_run.py, kv_sizing.py)."""
+        from engine.torch_exec.profile_run import probe, warm_up
 
-        torch = self.torch
-        bs = init.block_size
-        chunk, rows = warmup_batch(init.profile_tokens, bs)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        b = self.model.prepare(chunk, rows)
-        hidden = None if self.first else torch.zeros((b.num_tokens, self.hidden), dtype=self.model.dtype,
-                                                      device=self.device)
-        self.model.forward(b, hidden)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del b, hidden
-        self.model.allocate_kv(1)
-        torch.cuda.empty_cache()
-        arch = self.arch
-        per_block = block_bytes(self.model.num_layers, bs, arch.num_kv_heads, arch.head_dim,
-                                self.model.dtype.itemsize)
-        props = torch.cuda.get_device_properties(self.device)
-        key = f"{socket.gethostname()}:{getattr(props, 'uuid', '') or self.device}"
+        peak = warm_up(self.model, init.profile_tokens, self.first)
         while True:
-            free, total = torch.cuda.mem_get_info()
-            self.send(wire.KvProbe(self.stage, key, int(total), int(free), int(peak),
-                                   int(torch.cuda.memory_allocated()), int(per_block)))
+            self.send(probe(self.model, self.stage, peak))
             msg = self.recv(init.stage_timeout_s * 5)
             if not isinstance(msg, wire.KvPool):
                 raise RuntimeError(f"expected kv_pool, got {msg._wire_tag!r}")
