@@ -142,3 +142,29 @@ def test_the_warmup_batch_runs_on_a_stage_with_its_pool():
     assert logits.shape == (1 + decodes, arch.vocab_size) and torch.isfinite(logits).all()
     m.allocate_kv(3)
     assert m.num_blocks == 3
+
+
+def test_driver_sizes_the_pool_from_the_second_round_of_probes():
+    """The driver's side of the handshake with fake stages: a first round (everyone loaded), a
+    re-measure request, a second round read on a quiescent device, the block manager resized, the
+    size sent to every stage."""
+    pytest.importorskip("zmq")
+    from engine.torch_exec.driver import TorchExecutor
+
+    ex = TorchExecutor(TorchSettings(device="cuda"), pp=2)
+    assert ex.measure_kv
+    ex.kv = BlockManager(1, 16)
+    rounds = [
+        [wire.KvProbe(s, "h:gpu0", 80 * GIB, 70 * GIB, 9 * GIB, 8 * GIB, 1 << 20) for s in range(2)],
+        [wire.KvProbe(s, "h:gpu0", 80 * GIB, 40 * GIB, 9 * GIB, 8 * GIB, 1 << 20) for s in range(2)],
+    ]
+    sent = []
+    ex._gather = lambda kind, deadline: (kind is wire.KvProbe and rounds.pop(0))
+    ex._send = lambda s, msg: sent.append((s, msg))
+    ex._size_pool(deadline=0.0)
+    want = pool_size([StageMemory(**vars(p)) for p in
+                      [wire.KvProbe(s, "h:gpu0", 80 * GIB, 40 * GIB, 9 * GIB, 8 * GIB, 1 << 20) for s in range(2)]],
+                     0.9).num_blocks
+    assert ex.kv.num_blocks == ex.kv_pool.num_blocks == want
+    assert sent == [(0, wire.KvPool(0)), (1, wire.KvPool(0)), (0, wire.KvPool(want)), (1, wire.KvPool(want))]
+    ex.shutdown()
