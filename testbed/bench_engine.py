@@ -1,8 +1,11 @@
-"""`testbed bench engine`: each policy on executor=torch against Hugging Face `generate`.
+"""`testbed bench engine --compare`: each policy on executor=torch against Hugging Face `generate`.
 
-    testbed bench engine                                    # the defaults below
-    testbed bench engine --policies sarathi vllm --num-requests 200 --pp 2 \
+    testbed bench engine --compare                          # the defaults below
+    testbed bench engine --compare --policies sarathi vllm --num-requests 200 --pp 2 \
         --model tiny-llama --out runs/bench_torch.json
+
+(Without --compare, `testbed bench engine [overrides] [--quick]` measures step times against the
+floor: testbed/bench_engine_grid.py.)
 
 (also `python -m testbed.bench_engine ...`; it lives in testbed/ because it composes run configs
 and workloads, which the engine must not import.)
@@ -111,6 +114,7 @@ def run_policy(policy_name: str, requests, args, policy_params: dict, executor: 
                                 f"output.dir={args.output_dir}"]))
     if args.layer_split:
         cfg["parallel"]["layer_split"] = args.layer_split
+    cfg["kv"]["num_blocks"] = args.num_blocks  # the pool below; never measured (engine/torch_exec/kv_sizing.py)
     cost = build_cost_model(cfg)
     times = {"schedule": 0.0, "commit": 0.0, "complete": 0.0, "schedule_calls": 0}
     policy = _timed_policy(policy_name, policy_params, times)

@@ -118,10 +118,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    """The real engine's tokens/s per policy against Hugging Face generate (testbed/bench_engine.py)."""
-    from testbed.bench_engine import run
+    """The real engine against its floor (testbed/bench_engine_grid.py), or with --compare each
+    policy's tokens/s against Hugging Face generate (testbed/bench_engine.py)."""
+    if args.compare:
+        from testbed.bench_engine import run
 
-    run(args)
+        run(args)
+        return 0
+    from rich.console import Console
+
+    from testbed.bench_engine_grid import run_grid
+
+    run_grid(args, Console())
     return 0
 
 
@@ -236,9 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip the end-to-end `testbed run` (MLflow on) of each policy")
     bs.add_argument("overrides", nargs="*", help="extra overrides for every run")
     bs.set_defaults(func=cmd_bench)
-    be = bsub.add_parser("engine", help="real engine: generated tokens/s per policy against HF generate")
+    be = bsub.add_parser("engine", help="real engine: step times against the floor, end-to-end tok/s "
+                                        "([overrides] [--quick]); --compare: tokens/s per policy against HF generate")
     from testbed.bench_engine import add_arguments as bench_engine_arguments
+    from testbed.bench_engine_grid import add_grid_arguments
 
+    add_grid_arguments(be)
+    be.add_argument("--compare", action="store_true",
+                    help="the policy comparison against HF generate instead (options below)")
     bench_engine_arguments(be)
     be.set_defaults(func=cmd_bench_engine)
     bv = bsub.add_parser("serve", help="replay a workload against an OpenAI-compatible server (TTFT, TPOT, ITL, "

@@ -1,0 +1,55 @@
+"""`testbed bench engine --quick` on CPU with tiny-llama: the grid's tables have their structure and
+every ratio to the floor is a finite positive number (figures are printed, never asserted)."""
+from __future__ import annotations
+
+import argparse
+import io
+import math
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("zmq")
+
+
+def _args(tmp_path, *overrides: str, bandwidth: bool = False) -> argparse.Namespace:
+    from testbed.bench_engine_grid import add_grid_arguments
+
+    ap = argparse.ArgumentParser()
+    add_grid_arguments(ap)
+    argv = [*overrides, f"output.dir={tmp_path}", "--quick", "--json", str(tmp_path / "grid.json")]
+    return ap.parse_args(argv + (["--attention-bandwidth"] if bandwidth else []))
+
+
+def test_quick_grid_on_cpu_prints_floor_ratios(tmp_path):
+    from rich.console import Console
+
+    from testbed.bench_engine_grid import QUICK, grid_points, run_grid
+
+    console = Console(file=io.StringIO(), width=200)
+    out = run_grid(_args(tmp_path, "model=tiny-llama", "parallel.pp=2", bandwidth=True), console)
+    text = console.file.getvalue()
+    assert "x floor" in text and "decode step" in text and "prefill" in text and "end to end" in text
+    assert out["info"]["pp"] == 2 and out["info"]["device"] == "cpu" and out["info"]["dtype"] == "float32"
+    rows = out["rows"]
+    assert [(r["kind"], r["batch"], r["tokens"], r["context"]) for r in rows] == \
+        [(p.kind, p.batch, p.tokens, p.context) for p in grid_points(QUICK)]
+    for r in rows:
+        for key in ("step_s", "forward_s", "linear_floor_s", "attention_floor_s", "x_floor"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert r["step_s"] >= r["forward_s"]  # the step includes every stage's forward
+    e2e = out["end_to_end"]
+    assert e2e["num_finished"] == e2e["num_requests"] == 6
+    assert e2e["total_tok_s"] > e2e["output_tok_s"] > 0 and len(e2e["stage_bubble_ratio"]) == 2
+    bw = out["attention_bandwidth"]
+    assert bw["copy_Bps"] > 0 and (bw["note"] or bw["rows"])  # on CPU: a note instead of the kernel row
+    assert (tmp_path / "grid.json").exists()
+
+
+def test_the_cli_routes_overrides_to_the_grid_and_compare_to_the_policies():
+    from testbed.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "engine", "model=tiny-llama", "parallel.pp=2", "--quick"])
+    assert args.overrides == ["model=tiny-llama", "parallel.pp=2"] and args.quick and not args.compare
+    args = build_parser().parse_args(["bench", "engine", "--compare", "--policies", "sarathi", "--pp", "1"])
+    assert args.compare and args.policies == ["sarathi"] and args.pp == 1
