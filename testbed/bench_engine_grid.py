@@ -88,6 +88,8 @@ def _config(overrides: list[str], quick: bool, grid: dict) -> dict:
 
     cfg = to_container(compose(merge(BASE, QUICK_WORKLOAD if quick else FULL_WORKLOAD, overrides)))
     ex, kv = cfg["executor"], cfg["kv"]
+    if ex.get("profile_tokens") is None:  # a measured pool leaves room for the grid's largest prefill
+        ex["profile_tokens"] = max(grid["prefill_tokens"]) + max(grid["decode_batch"])
     if ex.get("device", "cpu") != "cuda" and kv.get("num_blocks") is None:
         # on CPU the pool is what the grid needs (distinct blocks per sequence), not the hardware table's
         bs = int(kv["block_size"])

@@ -39,6 +39,15 @@ def test_measured_pool_and_bf16_by_default_with_two_stages_on_one_gpu(tmp_path):
     assert all(len(t) == seq.output_len for t, seq in zip(tokens.values(), prep.controller.sequences.values()))
 
 
+def test_two_stages_sharing_a_gpu_give_the_tokens_of_one_stage(tmp_path):
+    """P=2 on one GPU moves hidden states through host memory (gloo): float32 tokens equal P=1's."""
+    _, _, one = _run(tmp_path / "p1", "parallel.pp=1", "executor.dtype=float32", "kv.num_blocks=2048")
+    _, prep, two = _run(tmp_path / "p2", "parallel.pp=2", "executor.dtype=float32", "kv.num_blocks=2048",
+                        "executor.backend=gloo")
+    assert prep.controller.executor.stage_info[1]["device"].startswith("cuda")
+    assert one == two
+
+
 def test_same_greedy_tokens_on_one_gpu_as_on_own_gpus(tmp_path):
     """Stages sharing cuda:0 (gloo via host memory) and each on its own GPU (NCCL) compute the same
     float32 tokens: the transfer path moves the hidden states unchanged."""
