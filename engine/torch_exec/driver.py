@@ -569,6 +569,10 @@ def make_torch_executor(settings: TorchSettings, build: ExecutorBuild) -> TorchE
     check_launchable(settings)
     rc = build.run_config
     pp = build.cost_model.pp if build.cost_model is not None else rc.parallel.pp
+    if settings.device == "cuda" and settings.backend == "nccl" and settings.launch == "spawn":
+        from engine.torch_exec.transfer import data_backend
+
+        data_backend(settings.backend, settings.device, pp, TorchExecutor._device_count())  # refuses shared GPUs
     split = rc.parallel.layer_split
     return TorchExecutor(settings, pp=pp, run_config=rc, layer_split=list(split) if split else None,
                          tracer=build.tracer, runtime=build.runtime, link_bandwidth_Bps=build.link.bandwidth_Bps,
