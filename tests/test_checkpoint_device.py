@@ -101,3 +101,32 @@ def test_a_model_larger_than_the_gpus_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="does not fit") as exc:
         check_device_fit(spec, [12 << 30], 2, 0.9)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("gib, fits", [(80, True), (12, False)])
+def test_driver_builds_table_models_in_memory_on_cuda(monkeypatch, tmp_path, gib, fits):
+    """executor.device=cuda without a checkpoint: no file is written, the stages get path "" and
+    the table model's arch; a model larger than the (faked) GPUs is one error line."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("zmq")
+    from engine.kv import BlockManager
+    from engine.torch_exec.driver import TorchExecutor
+    from engine.torch_exec.settings import TorchSettings
+    from testbed.config import compose, run_config, to_container
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=gib << 30))
+    rc = run_config(to_container(compose(["executor=torch", "model=qwen2.5-7b", f"output.dir={tmp_path}"])))
+    ex = TorchExecutor(TorchSettings(device="cuda"), pp=1, run_config=rc)
+    ex.kv = BlockManager(1, 16)
+    try:
+        if fits:
+            ex._load_model()
+            assert ex.model_path == "" and ex.arch == spec_arch(get_model("qwen2.5-7b"))
+            assert not (tmp_path / "models").exists()
+        else:
+            with pytest.raises(ConfigError, match="does not fit"):
+                ex._load_model()
+    finally:
+        ex.shutdown()

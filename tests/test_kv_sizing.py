@@ -168,3 +168,34 @@ def test_driver_sizes_the_pool_from_the_second_round_of_probes():
     assert ex.kv.num_blocks == ex.kv_pool.num_blocks == want
     assert sent == [(0, wire.KvPool(0)), (1, wire.KvPool(0)), (0, wire.KvPool(want)), (1, wire.KvPool(want))]
     ex.shutdown()
+
+
+def test_profile_run_warms_up_probes_and_releases_the_warmup_pool(monkeypatch):
+    """The stage side on CPU tensors with torch.cuda's memory calls faked: one warm-up forward on
+    a pool sized by warmup_shape, the pool released, a probe with this stage's block bytes."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from engine.models import get_model
+    from engine.torch_exec import profile_run
+    from engine.torch_exec.checkpoint import random_tensors, spec_arch, stage_tensor_names
+    from engine.torch_exec.model import StageModel
+
+    calls = []
+    fake = {"synchronize": lambda *a, **k: calls.append("sync"),
+            "reset_peak_memory_stats": lambda *a, **k: calls.append("reset"),
+            "max_memory_allocated": lambda *a, **k: 9 * GIB, "memory_allocated": lambda *a, **k: 8 * GIB,
+            "empty_cache": lambda: calls.append("empty"), "mem_get_info": lambda *a: (50 * GIB, 80 * GIB),
+            "get_device_properties": lambda d: SimpleNamespace(uuid="GPU-1234")}
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    arch = spec_arch(get_model("tiny-llama"))
+    blocks = warmup_shape(64, 16)[2]
+    m = StageModel(arch, 2, 2, False, True, blocks, 16, "float32", "cpu")
+    m.set_weights(random_tensors(arch, stage_tensor_names(arch, 2, 2, False, True), 0, torch.float32, "cpu"))
+    peak = profile_run.warm_up(m, 64, first=False)
+    assert peak == 9 * GIB and m.num_blocks == 1 and calls[:2] == ["sync", "reset"] and "empty" in calls
+    p = profile_run.probe(m, 1, peak)
+    assert p.stage == 1 and p.device_key.endswith(":GPU-1234")
+    assert (p.total_bytes, p.free_bytes, p.peak_bytes, p.resident_bytes) == (80 * GIB, 50 * GIB, 9 * GIB, 8 * GIB)
+    assert p.block_bytes == block_bytes(2, 16, arch.num_kv_heads, arch.head_dim, 4)
