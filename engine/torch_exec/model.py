@@ -149,7 +149,8 @@ class StageModel:
 
     def allocate_kv(self, num_blocks: int) -> None:
         """(Re)allocate the KV pools: a CUDA stage profiles with a small pool, then takes the size
-        the driver derived from measured memory (engine/torch_exec/kv_sizing.py)."""
+        the driver derived from measured memory (engine/torch_exec/kv_sizing.py). Before any CUDA
+        graph is captured: graphs keep the addresses of the pools they were captured with."""
         self.k_cache = self.v_cache = []  # release the old pools before allocating the new
         self.num_blocks = num_blocks
         self.num_slots = num_blocks * self.block_size

@@ -354,7 +354,7 @@ class _Stage:
         peak = warm_up(self.model, init.profile_tokens, self.first)
         while True:
             self.send(probe(self.model, self.stage, peak))
-            msg = self.recv(init.stage_timeout_s * 5)
+            msg = self.recv(max(600.0, 5 * init.stage_timeout_s))  # the other stages may still be loading
             if not isinstance(msg, wire.KvPool):
                 raise RuntimeError(f"expected kv_pool, got {msg._wire_tag!r}")
             if msg.num_blocks > 0:
