@@ -88,6 +88,11 @@ def _config(overrides: list[str], quick: bool, grid: dict) -> dict:
 
     cfg = to_container(compose(merge(BASE, QUICK_WORKLOAD if quick else FULL_WORKLOAD, overrides)))
     ex, kv = cfg["executor"], cfg["kv"]
+    if ex.get("name") != "torch":
+        from engine.errors import ConfigError
+
+        raise ConfigError(f"testbed bench engine measures the real engine: invalid executor={ex.get('name')}; "
+                          f"valid choices: torch")
     if ex.get("profile_tokens") is None:  # a measured pool leaves room for the grid's largest prefill
         ex["profile_tokens"] = max(grid["prefill_tokens"]) + max(grid["decode_batch"])
     if ex.get("device", "cpu") != "cuda" and kv.get("num_blocks") is None:
@@ -128,12 +133,14 @@ def _floors(cfg: dict, points: list[Point], repeats: int, bandwidth: bool):
     import torch
 
     from engine.torch_exec.checkpoint import model_source, read_arch, spec_arch
+    from engine.torch_exec.driver import check_launchable
     from engine.torch_exec.settings import TorchSettings
     from testbed.bench_engine_floor import Floor, attention_bandwidth, copy_rate
     from testbed.config import run_config
 
     rc = run_config(cfg)
     st: TorchSettings = rc.executor.settings
+    check_launchable(st)  # e.g. executor.device=cuda without CUDA: one error line, before the floor
     path, spec = model_source(st, {"model": asdict(rc.model)})
     arch = read_arch(path) if path else spec_arch(spec)
     device = "cuda:0" if st.device == "cuda" else "cpu"
