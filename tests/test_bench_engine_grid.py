@@ -53,3 +53,13 @@ def test_the_cli_routes_overrides_to_the_grid_and_compare_to_the_policies():
     assert args.overrides == ["model=tiny-llama", "parallel.pp=2"] and args.quick and not args.compare
     args = build_parser().parse_args(["bench", "engine", "--compare", "--policies", "sarathi", "--pp", "1"])
     assert args.compare and args.policies == ["sarathi"] and args.pp == 1
+
+
+@pytest.mark.parametrize("override, words", [("executor=sim", "invalid executor=sim"),
+                                             ("executor.profile_tokens=0", "executor.profile_tokens")])
+def test_bad_input_is_one_error_line(override, words, capsys, tmp_path):
+    from testbed.cli import main
+
+    assert main(["bench", "engine", override, f"output.dir={tmp_path}", "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and words in err and "\n" not in err
