@@ -167,6 +167,7 @@ def build_server(cfg: dict, console=None) -> Server:
         codec_vocab = model.vocab_size
         engine = EngineLoop(ctrl, None, poll_interval_s=settings.poll_interval_s)  # codec set after start
         engine.start()  # stage processes up (torch), clock started (sim)
+        info["kv_num_blocks"] = ctrl.kv.num_blocks  # the torch engine on CUDA measures an unset pool at start
         path = getattr(executor, "model_path", None)
         if getattr(executor, "arch", None) is not None:
             codec_vocab = executor.arch.vocab_size
