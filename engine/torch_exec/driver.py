@@ -18,6 +18,11 @@ micro-batches by id). The hang diagnosis tracks, per stage, which in-flight micr
 a paced link that is still moving bytes (its sender reports `moved_bytes`) counts as progress, so a
 10 kbps link is slow, not hung.
 
+Start-up: Hello from every stage, then one StageInit each, then Ready. On CUDA with
+`kv.num_blocks` unset the StageInit says num_blocks=0 and two rounds of KvProbe / KvPool come
+in between: the stages' measured memory gives one pool size for all (engine/torch_exec/kv_sizing.py),
+which the controller's block manager takes before any block is handed out.
+
 Listening sockets: the control socket binds `executor.zmq_host` (127.0.0.1 unless the user names
 an address; then a warning names the port), and stage 0's torch.distributed store binds
 `executor.master_addr` (also 127.0.0.1 by default).
@@ -355,7 +360,6 @@ class TorchExecutor(FailureDiagnosis, Executor):
             link_bandwidth_Bps=self.link_bandwidth_Bps, link_latency_s=self.link_latency_s,
             link_chunk_bytes=st.link_chunk_bytes, driver_addr=addr, policy_class=policy_class,
             policy_params=policy_params, model_seed=st.model_seed,
-            kv_utilization=self.run_config.kv.gpu_memory_utilization,
             profile_tokens=profile_tokens(st.profile_tokens, getattr(self.policy, "params", None))
             if num_blocks == 0 else 0)
 

@@ -202,7 +202,6 @@ class StageInit:
     policy_class: str  # "module:qualname" of the run's policy (schedule_transfer), "" = the default
     policy_params: dict[str, Any]
     model_seed: int = 0  # random weights when `path` is ""
-    kv_utilization: float = 0.9  # kv.gpu_memory_utilization, when num_blocks is 0
     profile_tokens: int = 0  # tokens of the warm-up micro-batch, when num_blocks is 0
 
 
