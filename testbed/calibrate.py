@@ -17,19 +17,21 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from engine.calibration import (calibrated_spec, fit_profile, import_tdpipe, read_profile,
                                 save_hardware_profile, write_profile)
 from engine.errors import ConfigError
-from engine.hardware import HardwareSpec, get_hardware
+from engine.hardware import (INTRA_BOX_LATENCY_S, PCIE_ALLREDUCE_GBS, PCIE_P2P_GBS, HardwareSpec,
+                             get_hardware)
 from engine.models import ModelSpec
 from engine.policy import make_params
 from engine.request import Request
-from engine.torch_exec.profile import (DEFAULT_GRID, QUICK_GRID, host_memory_gib, max_context, measure_peaks,
-                                       profile_engine)
+from engine.profile_grid import ProfileGrid, get_grid
+from engine.torch_exec.profile import device_memory_gib, device_provenance, measure_peaks, profile_engine
+from engine.torch_exec.timing import is_cuda
 from testbed import sweep
 from testbed.config import compose, data_dir, to_container
 from testbed.outputs import write_run_dir
@@ -83,7 +85,7 @@ def cmd_profile(args, console) -> int:
         else:
             table = read_profile(args.table)
         name = args.name or f"{hw.name}-{model.name}-pp{pp}-cal"
-        fit = fit_profile(table, model, hw, pp, cfg["parallel"].get("layer_split"))
+        fit = fit_profile(table, model, hw, pp, cfg["parallel"].get("layer_split"), classic=True)
         spec = calibrated_spec(hw, name, fit, f"{hw.description}; calibrated from {table.meta.get('source', 'a table')}")
         csv_path = write_profile(table, out_dir / f"{name}.csv")
         yaml_path = save_hardware_profile(spec, out_dir / f"{name}.yaml",
@@ -101,21 +103,33 @@ def _print_fit(console, name, fit) -> None:
         console.print(line)
 
 
+def _grid(args) -> ProfileGrid:
+    name = getattr(args, "grid", None)
+    if name and args.quick and name != "quick":
+        raise ConfigError(f"--quick is --grid quick; it contradicts --grid {name}")
+    return get_grid(name or ("quick" if args.quick else "default"))
+
+
 def _profile_engine(args, overrides, out_dir: Path, console) -> int:
-    grid = QUICK_GRID if args.quick else DEFAULT_GRID
+    grid = _grid(args)
+    explicit_hw = _override(overrides, "hardware")
     overrides = _with_default(overrides, "executor", "torch")
     overrides = _with_default(overrides, "model", "tiny-llama")
     overrides = _with_default(overrides, "parallel.pp", 2)
+    device = _override(overrides, "executor.device") or "cpu"
     bs = int(_override(overrides, "kv.block_size") or 16)
+    cap = 32768 if is_cuda(device) else 8192
     overrides = _with_default(overrides, "kv.num_blocks", min(  # distinct blocks for the largest batch
-        8192, max(max(grid["decode_batch"]) * (max(grid["decode_context"]) // bs + 1),
-                  max(grid["prefill_batch"]) * (max_context(grid) // bs + 1)) + 4))
+        cap, max(grid.max_decodes() * (grid.max_context() // bs + 1),
+                 grid.max_prefills() * (grid.max_context() // bs + 1)) + 4))
     overrides = _with_default(overrides, "output.mlflow", "false")
     cfg = to_container(compose(overrides))
     if cfg["executor"]["name"] != "torch":
         raise ConfigError("testbed profile measures the real engine: use executor=torch")
+    device = str(cfg["executor"].get("device", "cpu"))
     t0 = time.perf_counter()
-    peaks = measure_peaks(threads=int(cfg["executor"].get("threads_per_stage", 1)))
+    peaks = measure_peaks(threads=int(cfg["executor"].get("threads_per_stage", 1)), device=device)
+    provenance = device_provenance(device)
     prepared = prepare_experiment(cfg, requests=[Request(0, 0.0, 1, 1)])
     ex = prepared.controller.executor
     cost = prepared.cost
@@ -124,32 +138,72 @@ def _profile_engine(args, overrides, out_dir: Path, console) -> int:
                                bytes_of=lambda r: cost.activation_bytes(r.shape()))
     finally:
         ex.shutdown()
-    pp = cost.pp
-    model = cost.model
-    name = args.name or f"cpu-{model.name}-pp{pp}"
-    base = HardwareSpec(
-        name=name,
-        description=f"this CPU host, torch engine ({cfg['executor'].get('threads_per_stage', 1)} thread(s)/stage, "
-                    f"{cfg['executor'].get('dtype')}), measured peaks; calibrated by testbed profile",
-        peak_tflops=peaks["peak_flops"] / 1e12, mem_bw_gbs=peaks["mem_bw_Bps"] / 1e9,
-        mem_gib=round(host_memory_gib(), 1), p2p_bw_gbs=1.0, p2p_latency_s=1e-4, allreduce_bw_gbs=1.0,
-        cpu_cores_hint=os.cpu_count())
+    pp, model = cost.pp, cost.model
+    base = _measured_base(args.name, cfg, device, peaks, provenance, model.name, pp,
+                          get_hardware(explicit_hw) if explicit_hw else None)
+    name = base.name
     table.meta.update({"model": model.name, "pp": str(pp), "layers": ",".join(map(str, cost.layers)),
-                       "hardware": name, "source": "testbed profile (torch engine)",
-                       "dtype": str(cfg["executor"].get("dtype")), "repeats": str(args.repeats)})
-    fit = fit_profile(table, model, base, pp, list(cost.layers))
+                       "hardware": name, "source": "testbed profile (torch engine)", "grid": grid.name,
+                       "device": provenance.get("gpu", device), "dtype": str(cfg["executor"].get("dtype")),
+                       "repeats": str(args.repeats), "date_utc": provenance["date_utc"]})
+    fit = fit_profile(table, model, base, pp, list(cost.layers), classic=True)
     spec = calibrated_spec(base, name, fit)
     csv_path = write_profile(table, out_dir / f"{name}.csv")
     yaml_path = save_hardware_profile(spec, out_dir / f"{name}.yaml", {
-        "table": str(csv_path), "model": model.name, "pp": pp, "layers": list(cost.layers),
+        "table": str(csv_path), "command": _command_line(args, grid),
+        **provenance, "model": model.name, "model_shape": model_shape(model), "pp": pp, "layers": list(cost.layers),
+        "dtype": str(cfg["executor"].get("dtype")), "grid": grid.name, "rows": len(table.rows),
+        "peaks_from": "table " + explicit_hw if explicit_hw else "measured",
         "measured_peak_flops": peaks["peak_flops"], "measured_mem_bw_Bps": peaks["mem_bw_Bps"],
-        "fit_errors": fit.errors, "profile_wall_s": round(time.perf_counter() - t0, 2)})
-    console.print(f"profiled {len(table.rows)} rows in {time.perf_counter() - t0:.1f} s "
-                  f"(peak {peaks['peak_flops'] / 1e9:.1f} GFLOP/s, copy {peaks['mem_bw_Bps'] / 1e9:.1f} GB/s)")
+        "measured_gemm_flops": peaks["gemm_flops"], "peak_timer": peaks["timer"],
+        "fitted_terms": sorted(fit.coefficients), "fit_errors": fit.errors,
+        "profile_wall_s": round(time.perf_counter() - t0, 2)})
+    console.print(f"profiled {len(table.rows)} rows ({grid.name} grid) in {time.perf_counter() - t0:.1f} s on "
+                  f"{provenance.get('gpu', device)} (peak {peaks['peak_flops'] / 1e12:.4g} TFLOP/s "
+                  f"{peaks['dtype'].replace('torch.', '')}, copy {peaks['mem_bw_Bps'] / 1e9:.4g} GB/s, "
+                  f"{peaks['timer']} timing)")
     _print_fit(console, name, fit)
     print(csv_path.resolve())
     print(yaml_path.resolve())
     return 0
+
+
+def _command_line(args, grid: ProfileGrid) -> str:
+    """The profile command as run (provenance: a session with the device re-runs it)."""
+    import shlex
+
+    parts = ["testbed", "profile", *args.overrides, "--grid", grid.name, "--repeats", str(args.repeats)]
+    if args.name:
+        parts += ["--name", args.name]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def model_shape(model: ModelSpec) -> dict:
+    """The architecture numbers a profile was measured on (provenance: transfer to other shapes)."""
+    return {k: getattr(model, k) for k in ("architecture", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                                           "head_dim", "intermediate_size", "vocab_size", "dtype_bytes")}
+
+
+def _measured_base(name: str | None, cfg: dict, device: str, peaks: dict, prov: dict, model: str, pp: int,
+                   table_hw: HardwareSpec | None) -> HardwareSpec:
+    """The spec the fit is relative to: a table GPU's datasheet peaks when `hardware=` names one (so
+    the fitted efficiencies compare with the table's defaults), else the measured peaks."""
+    if is_cuda(device):
+        what = (f"{prov.get('gpu')} (driver {prov.get('driver')}, CUDA {prov.get('cuda')}, torch {prov.get('torch')}), "
+                f"torch engine {cfg['executor'].get('dtype')}; calibrated by testbed profile {prov['date_utc']}")
+        name = name or f"gpu-{model}-pp{pp}"
+    else:
+        what = (f"this CPU host, torch engine ({cfg['executor'].get('threads_per_stage', 1)} thread(s)/stage, "
+                f"{cfg['executor'].get('dtype')}), measured peaks; calibrated by testbed profile")
+        name = name or f"cpu-{model}-pp{pp}"
+    if table_hw is not None:
+        return replace(table_hw, name=name, description=f"{what}; peaks of {table_hw.name}", calibration=None)
+    return HardwareSpec(
+        name=name, description=what, peak_tflops=peaks["peak_flops"] / 1e12, mem_bw_gbs=peaks["mem_bw_Bps"] / 1e9,
+        mem_gib=round(device_memory_gib(device), 1), cpu_cores_hint=os.cpu_count(),
+        # links: fitted from the transfer rows when P > 1; otherwise PCIe figures on a GPU (hardware.py)
+        **(dict(p2p_bw_gbs=PCIE_P2P_GBS, p2p_latency_s=INTRA_BOX_LATENCY_S, allreduce_bw_gbs=PCIE_ALLREDUCE_GBS)
+           if is_cuda(device) else dict(p2p_bw_gbs=1.0, p2p_latency_s=1e-4, allreduce_bw_gbs=1.0)))
 
 
 # ---- validate --------------------------------------------------------------------------------

@@ -14,6 +14,23 @@ os.environ.setdefault("TESTBED_DATA_DIR", str(DEFAULT_DATA))
 os.environ["TESTBED_ALLOW_DOWNLOAD"] = "0"
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `gpu` need a CUDA device: skipped (with the reason) where there is none."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu and not _cuda_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+        for item in gpu:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     path = Path(os.environ["TESTBED_DATA_DIR"])
