@@ -5,6 +5,13 @@
         model=qwen2.5-32b hardware=l20-48g parallel.pp=4
     testbed validate policy=sarathi workload=azure workload.num_requests=300 model=tiny-llama \
         parallel.pp=2 hardware=cpu-tiny
+    testbed validate hardware=h100-80g-measured ... policy=sarathi,vllm,gllm,tdpipe parallel.pp=1,2 \
+        --case "sharegpt: workload=sharegpt workload.arrival=offline" \
+        --case "azure-r1: workload=azure workload.rate=1" --case "azure-r2: workload=azure workload.rate=2"
+
+A validate matrix (comma-list axes, as in `testbed compare`, times `--case` bundles) runs each
+point's real and simulated runs in turn and writes `matrix.md/json/csv` (errors of throughput,
+TTFT/TPOT mean and p99, E2EL p99, and whether the issue's targets are met) after every point.
 
 Profiles go to `$TESTBED_PROFILE_DIR` (default `runs/profiles/`): `<name>.csv` (the table) and
 `<name>.yaml` (a HardwareSpec with `calibration`), which `testbed.config` registers at start-up so
@@ -15,9 +22,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shlex
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +43,7 @@ from engine.torch_exec.profile import device_memory_gib, device_provenance, meas
 from engine.torch_exec.timing import is_cuda
 from testbed import sweep
 from testbed.config import compose, data_dir, to_container
+from testbed.overrides import merge
 from testbed.outputs import write_run_dir
 from testbed.runner import prepare_experiment
 from testbed.tracking import Tracker
@@ -170,8 +180,6 @@ def _profile_engine(args, overrides, out_dir: Path, console) -> int:
 
 def _command_line(args, grid: ProfileGrid) -> str:
     """The profile command as run (provenance: a session with the device re-runs it)."""
-    import shlex
-
     parts = ["testbed", "profile", *args.overrides, "--grid", grid.name, "--repeats", str(args.repeats)]
     if args.name:
         parts += ["--name", args.name]
@@ -239,11 +247,46 @@ def cmd_validate(args, console) -> int:
             return sweep.exit_code(exc)
 
 
-def _validate(args, console) -> int:
-    overrides = list(args.overrides)
-    hw = _override(overrides, "hardware")
-    if hw is None:
-        raise ConfigError("testbed validate needs hardware=<calibrated profile> (see testbed profile)")
+@dataclass(frozen=True)
+class ValidateCase:
+    """`--case "NAME: key=value ..."`: a named bundle of overrides (a workload at a rate, say)."""
+
+    name: str
+    overrides: tuple[str, ...]
+
+
+def parse_case(text: str) -> ValidateCase:
+    name, sep, rest = text.partition(":")
+    name = name.strip()
+    try:
+        ovs = tuple(shlex.split(rest))
+    except ValueError:
+        ovs = ()
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name) or not ovs or any("=" not in o for o in ovs):
+        raise ConfigError(f"invalid --case {text!r}: expected 'NAME: key=value ...', e.g. "
+                          "'azure-r2: workload=azure workload.rate=2'")
+    return ValidateCase(name, ovs)
+
+
+def validate_plan(overrides: list[str], cases: list[ValidateCase]) -> list[tuple[str, list[str]]]:
+    """(label, overrides) of every point: each case x the product of the comma-list axes
+    (`policy=sarathi,vllm parallel.pp=1,2`, as in `testbed compare`); a case's keys win."""
+    from testbed.compare import grid
+
+    axes, points = grid(overrides)
+    out = []
+    for case in cases or [ValidateCase("", ())]:
+        for p in points:
+            label = ",".join(x for x in (case.name, p.label if axes else "") if x) or "base"
+            out.append((label, merge(list(p.overrides), list(case.overrides))))
+    names = [label for label, _ in out]
+    if len(set(names)) != len(names):
+        raise ConfigError("two --case entries have the same name")
+    return out
+
+
+def _configs(overrides: list[str]) -> tuple[dict, dict]:
+    """The real (torch) and simulated configs of one point, composed (a typo fails here)."""
     overrides = _with_default(overrides, "model", "tiny-llama")
     overrides = _with_default(overrides, "parallel.pp", 2)
     overrides = _with_default(overrides, "kv.num_blocks", 2048)
@@ -253,11 +296,46 @@ def _validate(args, console) -> int:
     # The real engine on CPU sends with gloo's blocking send: model it (executor.blocking_send).
     blocking = "true" if real_cfg["executor"].get("device", "cpu") == "cpu" else "false"
     sim_cfg = to_container(compose(base + ["executor=sim", f"executor.blocking_send={blocking}"]))
-    requests = build_workload(dict(real_cfg["workload"]), data_dir(real_cfg))
+    return real_cfg, sim_cfg
+
+
+def _validate(args, console) -> int:
+    overrides = list(args.overrides)
+    hw = _override(overrides, "hardware")
+    if hw is None:
+        raise ConfigError("testbed validate needs hardware=<calibrated profile> (see testbed profile)")
+    plan = validate_plan(overrides, [parse_case(c) for c in args.case or []])
+    points = [(label, *_configs(ovs)) for label, ovs in plan]  # every point composes before anything runs
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    label = f"{real_cfg['policy']['name']}-{real_cfg['workload']['name']}-pp{real_cfg['parallel']['pp']}-{hw}"
-    out_dir = Path(args.out) if args.out else Path(real_cfg["output"]["dir"]) / "validate" / f"{stamp}_{label}"
-    console.print(f"validate: {len(requests)} requests, real (torch) then sim (hardware={hw})")
+    if len(points) == 1:
+        _, real_cfg, sim_cfg = points[0]
+        label = f"{real_cfg['policy']['name']}-{real_cfg['workload']['name']}-pp{real_cfg['parallel']['pp']}-{hw}"
+        out_dir = Path(args.out) if args.out else Path(real_cfg["output"]["dir"]) / "validate" / f"{stamp}_{label}"
+        rows = _validate_point(real_cfg, sim_cfg, out_dir, label, console, args.num_mbs)
+        print(format_table(rows))
+        print(out_dir.resolve())
+        return 0
+    top = Path(args.out) if args.out else Path(points[0][1]["output"]["dir"]) / "validate" / f"{stamp}_matrix-{hw}"
+    console.print(f"validate: {len(points)} points (real then sim each), hardware={hw}")
+    summary: list[dict] = []
+    for i, (label, real_cfg, sim_cfg) in enumerate(points):
+        console.print(f"[{i + 1}/{len(points)}] {label}")
+        point_dir = top / (f"{i:03d}_" + re.sub(r"[^A-Za-z0-9_.=+-]+", "_", label)[:120])
+        try:
+            rows = _validate_point(real_cfg, sim_cfg, point_dir, f"{label}-{hw}", console, args.num_mbs)
+            summary.append(matrix_row(label, real_cfg, rows))
+        except ConfigError as exc:
+            summary.append(matrix_row(label, real_cfg, None, str(exc)))
+        _write_matrix(top, summary)  # after every point: an interrupted matrix keeps what it has
+    print(format_matrix(summary))
+    print(top.resolve())
+    return 0 if all(r["status"] == "ok" for r in summary) else 1
+
+
+def _validate_point(real_cfg: dict, sim_cfg: dict, out_dir: Path, label: str, console, num_mbs: int) -> list[dict]:
+    """One real run and one simulated run of the same request list; their error table."""
+    requests = build_workload(dict(real_cfg["workload"]), data_dir(real_cfg))
+    console.print(f"  {len(requests)} requests, real (torch) then sim (hardware={real_cfg['hardware']['name']})")
     results = {}
     for kind, cfg in (("real", real_cfg), ("sim", sim_cfg)):
         t = time.perf_counter()
@@ -268,17 +346,59 @@ def _validate(args, console) -> int:
         results[kind] = res
         console.print(f"  {kind}: {res.summary['num_finished']} finished, {time.perf_counter() - t:.1f} s wall")
     rows = error_table(results["real"].summary, results["sim"].summary)
-    text = format_table(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "errors.md").write_text("```\n" + text + "\n```\n")
+    (out_dir / "errors.md").write_text("```\n" + format_table(rows) + "\n```\n")
     (out_dir / "errors.json").write_text(json.dumps(rows, indent=2))
-    fig = overlay_figure(results["real"], results["sim"], out_dir / "timeline_overlay.png", num_mbs=args.num_mbs)
-    print(text)
+    overlay_figure(results["real"], results["sim"], out_dir / "timeline_overlay.png", num_mbs=num_mbs)
     if real_cfg["output"].get("mlflow", True):
         _log_validate(real_cfg, sim_cfg, results, rows, out_dir, label)
-    print(out_dir.resolve())
-    _ = fig
-    return 0
+    return rows
+
+
+# ---- the matrix table ---------------------------------------------------------------------------
+# The issue's fidelity aims: throughput and mean TPOT within 10%, mean TTFT within 15%.
+TARGETS = {"throughput_tok_s": 0.10, "tpot_mean_s": 0.10, "ttft_mean_s": 0.15}
+MATRIX_METRICS = ("throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_p99_s")
+
+
+def matrix_row(label: str, cfg: dict, rows: list[dict] | None, error: str = "") -> dict:
+    wl = cfg["workload"]
+    out: dict[str, Any] = {"point": label, "policy": cfg["policy"]["name"], "workload": wl["name"],
+                           "arrival": wl.get("arrival"), "rate": wl.get("rate"), "pp": cfg["parallel"]["pp"],
+                           "status": "ok" if rows is not None else f"failed: {error}"}
+    by = {r["metric"]: r for r in rows or []}
+    for m in MATRIX_METRICS:
+        r = by.get(m, {})
+        out.update({f"{m}.real": r.get("real"), f"{m}.sim": r.get("sim"), f"{m}.rel_error": r.get("rel_error")})
+    if rows is not None:
+        out["within_targets"] = all(abs(by[m]["rel_error"]) <= tol for m, tol in TARGETS.items()
+                                    if math.isfinite(by[m]["rel_error"]))
+    return out
+
+
+def format_matrix(summary: list[dict]) -> str:
+    heads = ["throughput", "TTFT mean", "TTFT p99", "TPOT mean", "TPOT p99", "E2EL p99"]
+    width = max([len(r["point"]) for r in summary] + [5]) + 2
+    lines = [f"{'point':<{width}}{'real tok/s':>12}" + "".join(f"{h:>11}" for h in heads) + "  targets",
+             "-" * (width + 12 + 11 * len(heads) + 9)]
+    for r in summary:
+        if r["status"] != "ok":
+            lines.append(f"{r['point']:<{width}}{r['status']}")
+            continue
+        errs = "".join(f"{100 * r[f'{m}.rel_error']:>10.1f}%" for m in MATRIX_METRICS)
+        lines.append(f"{r['point']:<{width}}{r['throughput_tok_s.real']:>12.5g}{errs}  "
+                     f"{'met' if r['within_targets'] else 'missed'}")
+    lines.append("relative error sim vs real; targets: throughput and TPOT mean within 10%, TTFT mean within 15%")
+    return "\n".join(lines)
+
+
+def _write_matrix(top: Path, summary: list[dict]) -> None:
+    import pandas as pd
+
+    top.mkdir(parents=True, exist_ok=True)
+    (top / "matrix.md").write_text("```\n" + format_matrix(summary) + "\n```\n")
+    (top / "matrix.json").write_text(json.dumps(summary, indent=2, default=str))
+    pd.DataFrame(summary).to_csv(top / "matrix.csv", index=False)
 
 
 def _log_validate(real_cfg, sim_cfg, results, rows, out_dir: Path, label: str) -> None:

@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("overrides", nargs="*", help="e.g. policy=sarathi workload=azure hardware=cpu-tiny-llama-pp2")
     va.add_argument("--out", help="output directory (default: <output.dir>/validate/<time>_<label>)")
     va.add_argument("--num-mbs", type=int, default=24, help="micro-batches in the overlay figure")
+    va.add_argument("--case", action="append", metavar="'NAME: key=value ...'",
+                    help="a named bundle of overrides, repeatable: the matrix is cases x comma-list axes "
+                         "(e.g. --case 'azure-r2: workload=azure workload.rate=2' policy=sarathi,vllm)")
     va.set_defaults(func=cmd_validate)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = b.add_subparsers(dest="bench", metavar="BENCH")
