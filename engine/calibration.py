@@ -45,7 +45,7 @@ from engine.models import ModelSpec
 
 __all__ = ["ProfileRow", "ProfileTable", "read_profile", "write_profile", "import_tdpipe", "fit_profile",
            "FitResult", "save_hardware_profile", "load_hardware_profile", "load_profiles_dir",
-           "synthetic_profile"]
+           "synthetic_profile", "fit_forward", "forward_errors", "SHIPPED_PROFILES_DIR"]
 
 COLUMNS = ("op", "stage", "kind", "batch", "tokens", "prefix", "context", "nbytes", "time_s")
 OPS = ("forward", "prepare", "sample", "transfer")
@@ -432,6 +432,9 @@ def synthetic_profile(model: ModelSpec, hardware: HardwareSpec, pp: int, coeffic
 
 # ---- saved hardware profiles ----------------------------------------------------------------
 HW_FIELDS = tuple(f.name for f in fields(HardwareSpec))
+# Profiles shipped with the repository (a measured GPU: `testbed profile ... --out engine/hardware_profiles`),
+# registered at start-up before the user's $TESTBED_PROFILE_DIR (docs/calibration.md#on-a-gpu-machine).
+SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent / "hardware_profiles"
 
 
 def save_hardware_profile(spec: HardwareSpec, path: str | Path, extra: dict | None = None) -> Path:

@@ -160,7 +160,7 @@ def _profile_engine(args, overrides, out_dir: Path, console) -> int:
     spec = calibrated_spec(base, name, fit)
     csv_path = write_profile(table, out_dir / f"{name}.csv")
     yaml_path = save_hardware_profile(spec, out_dir / f"{name}.yaml", {
-        "table": str(csv_path), "command": _command_line(args, grid),
+        "table": csv_path.name, "command": _command_line(args, grid),  # the table lies next to the YAML
         **provenance, "model": model.name, "model_shape": model_shape(model), "pp": pp, "layers": list(cost.layers),
         "dtype": str(cfg["executor"].get("dtype")), "grid": grid.name, "rows": len(table.rows),
         "peaks_from": "table " + explicit_hw if explicit_hw else "measured",

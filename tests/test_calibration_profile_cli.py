@@ -52,3 +52,21 @@ def test_profile_cli_bad_grid(args, message, capsys):
     assert main(["profile", *args, "model=tiny-llama"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [message]
+
+
+def test_shipped_profiles_are_registered_at_start_up(tmp_path, monkeypatch):
+    import engine.calibration as calibration
+    from engine.calibration import calibrated_spec, FitResult, save_hardware_profile
+    from engine.hardware import HARDWARE, get_hardware
+    from testbed.config import load_saved_profiles
+
+    spec = calibrated_spec(get_hardware("h100-80g"), "h100-shipped-test",
+                           FitResult({"kv_read_efficiency": 0.4, "decode_overhead_ratio": 0.2}))
+    save_hardware_profile(spec, tmp_path / "shipped" / "h100-shipped-test.yaml", {"gpu": "test"})
+    monkeypatch.setattr(calibration, "SHIPPED_PROFILES_DIR", tmp_path / "shipped")
+    monkeypatch.setenv("TESTBED_PROFILE_DIR", str(tmp_path / "user"))
+    try:
+        assert "h100-shipped-test" in load_saved_profiles()
+        assert get_hardware("h100-shipped-test").calibration["kv_read_efficiency"] == 0.4
+    finally:
+        HARDWARE.pop("h100-shipped-test", None)
