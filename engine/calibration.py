@@ -252,7 +252,7 @@ class FitResult:
         if self.p2p_bw_gbs is not None:
             out.append(f"  p2p_bw_gbs = {self.p2p_bw_gbs:.6g}   p2p_latency_s = {self.p2p_latency_s:.6g}")
         for op, e in self.errors.items():
-            out.append(f"  fit error {op:<9} n={e['n']:<4.0f} median |rel| {100 * e['median_abs_rel']:.1f}%  "
+            out.append(f"  fit error {op:<15} n={e['n']:<4.0f} median |rel| {100 * e['median_abs_rel']:.1f}%  "
                        f"max {100 * e['max_abs_rel']:.1f}%")
         return out
 

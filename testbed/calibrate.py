@@ -138,8 +138,6 @@ def _profile_engine(args, overrides, out_dir: Path, console) -> int:
         raise ConfigError("testbed profile measures the real engine: use executor=torch")
     device = str(cfg["executor"].get("device", "cpu"))
     t0 = time.perf_counter()
-    peaks = measure_peaks(threads=int(cfg["executor"].get("threads_per_stage", 1)), device=device)
-    provenance = device_provenance(device)
     prepared = prepare_experiment(cfg, requests=[Request(0, 0.0, 1, 1)])
     ex = prepared.controller.executor
     cost = prepared.cost
@@ -148,6 +146,9 @@ def _profile_engine(args, overrides, out_dir: Path, console) -> int:
                                bytes_of=lambda r: cost.activation_bytes(r.shape()))
     finally:
         ex.shutdown()
+    # after the stages are gone: the device is idle, and the driver opens no CUDA context before them
+    peaks = measure_peaks(threads=int(cfg["executor"].get("threads_per_stage", 1)), device=device)
+    provenance = device_provenance(device)
     pp, model = cost.pp, cost.model
     base = _measured_base(args.name, cfg, device, peaks, provenance, model.name, pp,
                           get_hardware(explicit_hw) if explicit_hw else None)
