@@ -54,6 +54,7 @@ CLASSIC_FORWARD_PARAMS = ("linear_efficiency", "attention_efficiency", "memory_e
                           "per_layer_overhead_s")
 GPU_FORWARD_PARAMS = ("kv_read_efficiency", "linear_half_tokens", "attention_half_context", "decode_overhead_ratio")
 FORWARD_PARAMS = CLASSIC_FORWARD_PARAMS + GPU_FORWARD_PARAMS
+FORWARD_TARGET = (0.10, 0.30)  # median and max |relative error| of the forward fit a GPU profile should reach
 # log-space bounds and the start used when the base value is neutral (0)
 _BOUNDS = {"linear_half_tokens": (1e-3, 1e5), "attention_half_context": (1e-3, 1e6),
            "decode_overhead_ratio": (1e-4, 100.0)}
@@ -252,8 +253,13 @@ class FitResult:
         if self.p2p_bw_gbs is not None:
             out.append(f"  p2p_bw_gbs = {self.p2p_bw_gbs:.6g}   p2p_latency_s = {self.p2p_latency_s:.6g}")
         for op, e in self.errors.items():
-            out.append(f"  fit error {op:<15} n={e['n']:<4.0f} median |rel| {100 * e['median_abs_rel']:.1f}%  "
-                       f"max {100 * e['max_abs_rel']:.1f}%")
+            line = (f"  fit error {op:<15} n={e['n']:<4.0f} median |rel| {100 * e['median_abs_rel']:.1f}%  "
+                    f"max {100 * e['max_abs_rel']:.1f}%")
+            if op.startswith("forward"):  # issue 12's aim for a GPU profile
+                met = e["median_abs_rel"] <= FORWARD_TARGET[0] and e["max_abs_rel"] <= FORWARD_TARGET[1]
+                line += f"  (aim <= {100 * FORWARD_TARGET[0]:.0f}% / {100 * FORWARD_TARGET[1]:.0f}%: " \
+                        f"{'met' if met else 'missed'})"
+            out.append(line)
         return out
 
 

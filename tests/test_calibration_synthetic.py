@@ -42,7 +42,9 @@ def test_classic_model_fails_the_same_bound(fitted):
     assert err["median_abs_rel"] > 0.10 or err["max_abs_rel"] > 0.30
     # fit_profile(classic=True) reports the same comparison on the fitted table
     assert new.errors["forward_classic"]["median_abs_rel"] > new.errors["forward"]["median_abs_rel"]
-    assert any("forward_classic" in line for line in new.summary_lines())
+    lines = new.summary_lines()
+    assert any(line.startswith("  fit error forward ") and line.endswith("met)") for line in lines)
+    assert any("forward_classic" in line and line.endswith("missed)") for line in lines)
 
 
 def test_fitted_terms_point_the_right_way(fitted):
