@@ -70,3 +70,38 @@ def test_shipped_profiles_are_registered_at_start_up(tmp_path, monkeypatch):
         assert get_hardware("h100-shipped-test").calibration["kv_read_efficiency"] == 0.4
     finally:
         HARDWARE.pop("h100-shipped-test", None)
+
+
+def test_fit_base_is_a_table_gpu_when_named():
+    """hardware=<table GPU>: the fit is relative to its datasheet peaks (efficiencies comparable with
+    the defaults); otherwise to the measured peaks."""
+    from engine.hardware import get_hardware
+    from testbed.calibrate import _measured_base
+
+    cfg = {"executor": {"dtype": "bfloat16", "threads_per_stage": 1}}
+    peaks = {"peak_flops": 7.0e14, "mem_bw_Bps": 2.9e12}
+    prov = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "550.00", "cuda": "12.4", "torch": "2.x",
+            "date_utc": "2026-11-22T00:00:00Z"}
+    table = _measured_base("h100-80g-measured", cfg, "cpu", peaks, prov, "qwen2.5-7b", 1, get_hardware("h100-80g"))
+    assert (table.name, table.peak_tflops, table.mem_bw_gbs) == ("h100-80g-measured", 989.0, 3350.0)
+    assert table.calibration is None and "peaks of h100-80g" in table.description
+    measured = _measured_base(None, cfg, "cpu", peaks, prov, "qwen2.5-7b", 1, None)
+    assert measured.name == "cpu-qwen2.5-7b-pp1" and measured.peak_tflops == pytest.approx(700.0)
+    assert measured.mem_bw_gbs == pytest.approx(2900.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pp", [1, 2])
+def test_profile_on_cuda_records_gpu_provenance(tmp_path, pp):
+    """On the device: CUDA-event spans, GPU peaks and provenance (P=2: both stages on one GPU)."""
+    from testbed.cli import main
+
+    name = f"gpu-test-pp{pp}"
+    assert main(["profile", "--grid", "quick", "--repeats", "1", "--name", name, "--out", str(tmp_path),
+                 "executor=torch", "executor.device=cuda", "executor.dtype=bfloat16", "model=tiny-llama",
+                 f"parallel.pp={pp}", "policy=vllm", f"executor.model_cache_dir={tmp_path / 'models'}"]) == 0
+    prof = yaml.safe_load((tmp_path / f"{name}.yaml").read_text())["profile"]
+    assert prof["peak_timer"] == "cuda-event" and prof["gpu"] and prof["driver"] and prof["cuda"]
+    assert prof["measured_peak_flops"] > 1e13  # a GPU's bf16 GEMM, not the host's fp32
+    table = read_profile(tmp_path / f"{name}.csv")
+    assert all(r.time_s > 0 for r in table.rows) and table.meta["device"] == prof["gpu"]
