@@ -13,16 +13,20 @@ of repetitions):
   last stage, sampling excluded). `stage` is 0-based, or `max` for the slowest stage (what
   TD-Pipe's tables hold). kind=prefill: `batch` prompts, each a chunk of `tokens` tokens after
   `prefix` cached tokens, each sampling; kind=decode: `batch` decodes each attending `context`
-  tokens (the new one included); kind=mixed is not used by the fitter.
+  tokens (the new one included); kind=mixed: one chunk of `tokens` after `prefix` (sampling) with
+  `batch` decodes at `context` (the designs: engine/profile_grid.py).
 - op=prepare: CPU input preparation of the batch described as above (`prep_s`).
 - op=sample: sampling on the last stage (`sample_s`).
 - op=transfer: one stage-to-stage hop of `nbytes` bytes (latency + nbytes / bandwidth).
 
 Fit (`fit_profile`): forward rows by nonlinear least squares on relative errors of
-`CostModel.stage_compute_s` over the efficiencies and the two fixed overheads (log-parameters,
-bounded, a weak pull towards the defaults keeps unidentifiable ones put); prepare/sample/transfer
-rows by non-negative linear least squares. Only coefficients that the table constrains are
-returned; the rest stay at the defaults when the profile is used.
+`CostModel.stage_compute_s` over the efficiencies, the two fixed overheads and (when the table
+has decode rows) the GPU terms: KV-read efficiency, GEMM efficiency by M, attention efficiency by
+context, decode-step (CUDA-graph) overhead ratio (log-parameters, bounded, a weak pull towards
+the start keeps unidentifiable ones put); prepare/sample/transfer rows by non-negative linear
+least squares. Only coefficients that the table constrains are returned; the rest stay at the
+defaults when the profile is used. `classic=True` also fits the five classic terms alone and
+reports that model's error (`forward_classic`): what the GPU terms buy on this table.
 """
 from __future__ import annotations
 
@@ -41,13 +45,20 @@ from engine.models import ModelSpec
 
 __all__ = ["ProfileRow", "ProfileTable", "read_profile", "write_profile", "import_tdpipe", "fit_profile",
            "FitResult", "save_hardware_profile", "load_hardware_profile", "load_profiles_dir",
-           "synthetic_profile"]
+           "synthetic_profile", "fit_forward", "forward_errors", "SHIPPED_PROFILES_DIR"]
 
 COLUMNS = ("op", "stage", "kind", "batch", "tokens", "prefix", "context", "nbytes", "time_s")
 OPS = ("forward", "prepare", "sample", "transfer")
 KINDS = ("prefill", "decode", "mixed", "")
-FORWARD_PARAMS = ("linear_efficiency", "attention_efficiency", "memory_efficiency", "stage_overhead_s",
-                  "per_layer_overhead_s")
+CLASSIC_FORWARD_PARAMS = ("linear_efficiency", "attention_efficiency", "memory_efficiency", "stage_overhead_s",
+                          "per_layer_overhead_s")
+GPU_FORWARD_PARAMS = ("kv_read_efficiency", "linear_half_tokens", "attention_half_context", "decode_overhead_ratio")
+FORWARD_PARAMS = CLASSIC_FORWARD_PARAMS + GPU_FORWARD_PARAMS
+FORWARD_TARGET = (0.10, 0.30)  # median and max |relative error| of the forward fit a GPU profile should reach
+# log-space bounds and the start used when the base value is neutral (0)
+_BOUNDS = {"linear_half_tokens": (1e-3, 1e5), "attention_half_context": (1e-3, 1e6),
+           "decode_overhead_ratio": (1e-4, 100.0)}
+_NEUTRAL_START = {"linear_half_tokens": 32.0, "attention_half_context": 32.0}
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 
@@ -68,6 +79,8 @@ class ProfileRow:
             return BatchShape.from_parts([(self.prefix, self.tokens, True)] * self.batch)
         if self.kind == "decode":
             return BatchShape.decode(self.batch, self.context)
+        if self.kind == "mixed":
+            return BatchShape.from_parts([(self.prefix, self.tokens, True)], [self.context] * self.batch)
         raise ValueError(f"no batch shape for kind {self.kind!r}")
 
 
@@ -92,14 +105,14 @@ def _int(value: str, name: str, where: str, minimum: int = 0) -> int:
 
 def _check_row(row: ProfileRow, where: str) -> None:
     if row.op in ("forward", "prepare", "sample"):
-        if row.kind not in ("prefill", "decode"):
-            raise ConfigError(f"{where}: op={row.op} needs kind=prefill or kind=decode, got {row.kind!r}")
+        if row.kind not in ("prefill", "decode", "mixed"):
+            raise ConfigError(f"{where}: op={row.op} needs kind=prefill, decode or mixed, got {row.kind!r}")
         if row.batch < 1:
             raise ConfigError(f"{where}: batch must be >= 1")
-        if row.kind == "prefill" and row.tokens < 1:
-            raise ConfigError(f"{where}: a prefill row needs tokens >= 1")
-        if row.kind == "decode" and row.context < 1:
-            raise ConfigError(f"{where}: a decode row needs context >= 1")
+        if row.kind in ("prefill", "mixed") and row.tokens < 1:
+            raise ConfigError(f"{where}: a {row.kind} row needs tokens >= 1")
+        if row.kind in ("decode", "mixed") and row.context < 1:
+            raise ConfigError(f"{where}: a {row.kind} row needs context >= 1")
     if not (math.isfinite(row.time_s) and row.time_s > 0):
         raise ConfigError(f"{where}: time_s={row.time_s!r} must be a positive number of seconds")
 
@@ -240,8 +253,13 @@ class FitResult:
         if self.p2p_bw_gbs is not None:
             out.append(f"  p2p_bw_gbs = {self.p2p_bw_gbs:.6g}   p2p_latency_s = {self.p2p_latency_s:.6g}")
         for op, e in self.errors.items():
-            out.append(f"  fit error {op:<9} n={e['n']:<4.0f} median |rel| {100 * e['median_abs_rel']:.1f}%  "
-                       f"max {100 * e['max_abs_rel']:.1f}%")
+            line = (f"  fit error {op:<15} n={e['n']:<4.0f} median |rel| {100 * e['median_abs_rel']:.1f}%  "
+                    f"max {100 * e['max_abs_rel']:.1f}%")
+            if op.startswith("forward"):  # issue 12's aim for a GPU profile
+                met = e["median_abs_rel"] <= FORWARD_TARGET[0] and e["max_abs_rel"] <= FORWARD_TARGET[1]
+                line += f"  (aim <= {100 * FORWARD_TARGET[0]:.0f}% / {100 * FORWARD_TARGET[1]:.0f}%: " \
+                        f"{'met' if met else 'missed'})"
+            out.append(line)
         return out
 
 
@@ -280,52 +298,90 @@ def _nnls(cols: list[list[float]], y: list[float], relative: bool = True) -> lis
     return [float(v) for v in x / scale]
 
 
-def fit_profile(table: ProfileTable, model: ModelSpec, hardware: HardwareSpec, pp: int,
-                layers: Sequence[int] | None = None, base: dict | None = None,
-                forward_params: Sequence[str] | None = None) -> FitResult:
-    """Fit the coefficients the table constrains. `base`: starting/default coefficient values.
-    `forward_params`: which forward coefficients to fit (default: all five when the table has
-    decode and prefill rows, else those a prefill-only table constrains)."""
+def _log_bounds(name: str) -> tuple[float, float]:
+    if name in _BOUNDS:
+        lo, hi = _BOUNDS[name]
+    elif name.endswith("efficiency"):
+        lo, hi = 1e-5, 1.0
+    else:  # seconds
+        lo, hi = 1e-9, 1.0
+    return math.log(lo), math.log(hi)
+
+
+def _start(name: str, base_vals: dict) -> float:
+    v = base_vals[name]
+    if v > 0:
+        return v
+    if name == "kv_read_efficiency":  # 0 = memory_efficiency
+        return base_vals["memory_efficiency"]
+    return _NEUTRAL_START.get(name, 1e-9)
+
+
+def forward_errors(rows: Sequence[ProfileRow], model: ModelSpec, hardware: HardwareSpec, pp: int,
+                   layers: Sequence[int] | None, values: dict) -> dict[str, float]:
+    """Median and max |relative error| of the cost model with `values` on forward `rows`."""
+    cost = _cost(model, hardware, pp, layers, dict(asdict(CostCoefficients()), **values))
+    return _err_stats(_forward_pred(cost, rows, [r.shape() for r in rows]), [r.time_s for r in rows])
+
+
+def fit_forward(fwd: Sequence[ProfileRow], model: ModelSpec, hardware: HardwareSpec, pp: int,
+                layers: Sequence[int] | None, base_vals: dict, names: Sequence[str]
+                ) -> tuple[dict[str, float], dict[str, float]]:
+    """Bounded least squares on relative errors of `stage_compute_s` over `names` (log-space)."""
     import numpy as np
     from scipy.optimize import least_squares
 
+    names = list(names)
+    shapes = [r.shape() for r in fwd]
+    meas = np.array([r.time_s for r in fwd])
+    bounds = [_log_bounds(n) for n in names]
+    lo = np.array([b[0] for b in bounds])
+    hi = np.array([b[1] for b in bounds])
+    x0 = np.clip(np.log([_start(n, base_vals) for n in names]), lo + 1e-9, hi - 1e-9)
+    prior_w = 1e-3
+
+    def values(x) -> dict:
+        return dict(base_vals, **{n: float(math.exp(v)) for n, v in zip(names, x)})
+
+    def resid(x):
+        pred = np.array(_forward_pred(_cost(model, hardware, pp, layers, values(x)), fwd, shapes))
+        return np.concatenate([pred / meas - 1.0, prior_w * (x - x0)])
+
+    best = None
+    starts = [x0]
+    for k in range(4):  # a few starts: the max() in the roofline makes the surface piecewise
+        starts.append(np.clip(x0 + np.log(10.0) * np.array([(-1) ** (k + i) * (0.5 + 0.5 * (k % 2))
+                                                             for i in range(len(names))]), lo + 1e-9, hi - 1e-9))
+    for s in starts:
+        res = least_squares(resid, s, bounds=(lo, hi), x_scale=1.0, max_nfev=400)
+        if best is None or res.cost < best.cost:
+            best = res
+    fitted = {n: float(math.exp(v)) for n, v in zip(names, best.x)}
+    vals = values(best.x)
+    return fitted, _err_stats(_forward_pred(_cost(model, hardware, pp, layers, vals), fwd, shapes), list(meas))
+
+
+def fit_profile(table: ProfileTable, model: ModelSpec, hardware: HardwareSpec, pp: int,
+                layers: Sequence[int] | None = None, base: dict | None = None,
+                forward_params: Sequence[str] | None = None, classic: bool = False) -> FitResult:
+    """Fit the coefficients the table constrains. `base`: starting/default coefficient values.
+    `forward_params`: which forward coefficients to fit (default: all nine when the table has
+    decode rows, else those a prefill-only table constrains). `classic`: also fit the five
+    classic terms alone and report their error as `forward_classic`."""
     base_vals = asdict(CostCoefficients(**(base or {})))
     fitted: dict[str, float] = {}
     errors: dict[str, dict[str, float]] = {}
-    fwd = [r for r in table.select("forward") if r.kind in ("prefill", "decode")]
+    fwd = [r for r in table.select("forward") if r.kind in ("prefill", "decode", "mixed")]
     if fwd:
         if forward_params is None:
             kinds = {r.kind for r in fwd}
             forward_params = FORWARD_PARAMS if "decode" in kinds else (
                 "linear_efficiency", "attention_efficiency", "stage_overhead_s")
-        names = list(forward_params)
-        shapes = [r.shape() for r in fwd]
-        meas = np.array([r.time_s for r in fwd])
-        x0 = np.log([max(base_vals[n], 1e-9) for n in names])
-        lo = np.array([math.log(1e-5) if n.endswith("efficiency") else math.log(1e-9) for n in names])
-        hi = np.array([0.0 if n.endswith("efficiency") else math.log(1.0) for n in names])
-        x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
-        prior_w = 1e-3
-
-        def resid(x):
-            vals = dict(base_vals)
-            vals.update({n: float(math.exp(v)) for n, v in zip(names, x)})
-            pred = np.array(_forward_pred(_cost(model, hardware, pp, layers, vals), fwd, shapes))
-            return np.concatenate([pred / meas - 1.0, prior_w * (x - x0)])
-
-        best = None
-        starts = [x0]
-        for k in range(4):  # a few starts: the max() in the roofline makes the surface piecewise
-            starts.append(np.clip(x0 + np.log(10.0) * np.array([(-1) ** (k + i) * (0.5 + 0.5 * (k % 2))
-                                                                 for i in range(len(names))]), lo + 1e-9, hi - 1e-9))
-        for s in starts:
-            res = least_squares(resid, s, bounds=(lo, hi), x_scale=1.0, max_nfev=400)
-            if best is None or res.cost < best.cost:
-                best = res
-        fitted.update({n: float(math.exp(v)) for n, v in zip(names, best.x)})
-        vals = dict(base_vals, **fitted)
-        errors["forward"] = _err_stats(_forward_pred(_cost(model, hardware, pp, layers, vals), fwd, shapes),
-                                       list(meas))
+        got, errors["forward"] = fit_forward(fwd, model, hardware, pp, layers, base_vals, forward_params)
+        fitted.update(got)
+        if classic:
+            names = [n for n in forward_params if n in CLASSIC_FORWARD_PARAMS]
+            errors["forward_classic"] = fit_forward(fwd, model, hardware, pp, layers, base_vals, names)[1]
     prep = [r for r in table.rows if r.op == "prepare"]
     if prep:
         shapes = [r.shape() for r in prep]
@@ -382,6 +438,9 @@ def synthetic_profile(model: ModelSpec, hardware: HardwareSpec, pp: int, coeffic
 
 # ---- saved hardware profiles ----------------------------------------------------------------
 HW_FIELDS = tuple(f.name for f in fields(HardwareSpec))
+# Profiles shipped with the repository (a measured GPU: `testbed profile ... --out engine/hardware_profiles`),
+# registered at start-up before the user's $TESTBED_PROFILE_DIR (docs/calibration.md#on-a-gpu-machine).
+SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent / "hardware_profiles"
 
 
 def save_hardware_profile(spec: HardwareSpec, path: str | Path, extra: dict | None = None) -> Path:

@@ -11,6 +11,10 @@ Roofline per operator group, for the layers a stage holds (docs/calibration.md):
   the `num_sampled` rows only (vLLM computes logits only where a token is sampled).
 - tensor parallelism divides compute and weights by tp and adds 2 ring all-reduces per layer.
 - fixed CPU/launch overheads: `stage_overhead_s` + `per_layer_overhead_s` * layers.
+- GPU terms (docs/calibration.md#gpu-terms), neutral by default: KV reads at their own
+  `kv_read_efficiency`; GEMM efficiency rising with M (`linear_half_tokens`); attention efficiency
+  rising with context (`attention_half_context`); a decode-only step's fixed overhead scaled by
+  `decode_overhead_ratio` (a CUDA-graph replay instead of eager launches).
 Sampling, CPU input preparation and transfers are separate methods because the simulator places
 them on different resources (SiPipe moves sampling to CPUs and overlaps input preparation).
 
@@ -125,13 +129,35 @@ class CostCoefficients:
     # Tensors of [tokens, hidden] sent stage to stage. 1 = hidden states only (MoLink's 13,312 B
     # per token for LLaMA-30B); vLLM also ships the residual (2).
     activation_copies: int = 1
+    # ---- GPU terms (docs/calibration.md#gpu-terms). Each default is neutral: the model is then
+    # exactly the one above, so every existing config simulates byte-identically.
+    # Fraction of peak bandwidth reached by attention's KV reads. Paged-attention gathers reach
+    # less per byte than weight-streaming GEMMs (and the CPU engine's gather far less); 0 = the
+    # same as memory_efficiency.
+    kv_read_efficiency: float = 0.0
+    # GEMM efficiency as a function of M (tokens): linear_efficiency * M / (M + linear_half_tokens).
+    # Small-M GEMMs run well below peak (tile quantisation, too few thread blocks to fill the SMs):
+    # the compute time becomes (M + linear_half_tokens) x the per-token time. 0 = flat.
+    linear_half_tokens: float = 0.0
+    # Attention efficiency as a function of the mean context per sequence (or per prefill chunk):
+    # time x (1 + attention_half_context / context), i.e. efficiency x ctx / (ctx + half). Short
+    # contexts leave the attention kernel's blocks under-occupied. 0 = flat.
+    attention_half_context: float = 0.0
+    # Fixed overhead of a decode-only step as a fraction of the eager one (stage_overhead_s +
+    # per_layer_overhead_s x layers): a decode-only step can replay a CUDA graph, whose launch
+    # costs one replay instead of ~10 kernel launches per layer. 1 = eager (no graphs).
+    decode_overhead_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"invalid cost.{f.name}={value!r}: must be a finite number")
-            if f.name.endswith("_efficiency"):
+            if f.name == "kv_read_efficiency":
+                if not 0.0 <= value <= 1.0:
+                    raise ConfigError(f"invalid cost.{f.name}={value!r}: must be in (0, 1], or 0 for "
+                                      "memory_efficiency")
+            elif f.name.endswith("_efficiency"):
                 if not 0.0 < value <= 1.0:
                     raise ConfigError(f"invalid cost.{f.name}={value!r}: must be in (0, 1]")
             elif value < 0:
@@ -290,7 +316,11 @@ class CostModel:
         self._lin_w = (lin_params + model.norm_params_per_layer) * db / mem_rate
         self._lin_a = act_bytes_per_token / mem_rate
         self._attn_c = 4.0 * heads_gpu * hd / attn_rate
-        self._kv_r = self.kv_bytes_per_token_per_layer_gpu / mem_rate
+        kv_rate = hardware.mem_bw_Bps * c.kv_read_efficiency if c.kv_read_efficiency else mem_rate
+        self._kv_r = self.kv_bytes_per_token_per_layer_gpu / kv_rate
+        # GPU terms (neutral at their defaults: + 0.0 and no branch taken).
+        self._m_half = float(c.linear_half_tokens)  # GEMM compute ~ (M + m_half)
+        self._attn_half = float(c.attention_half_context)  # attention time x (1 + half / context)
         self._qo = (2 * heads_gpu * hd * db + self.kv_bytes_per_token_per_layer_gpu) / mem_rate
         if tp > 1:  # two all-reduces of [tokens, hidden] per layer (after attention and MLP)
             self._ar_tok = 2.0 * ring * h * db / ar_bw
@@ -299,10 +329,12 @@ class CostModel:
             self._ar_tok = self._ar_fix = 0.0
 
         # Per stage: (layers, fixed s, embedding s/token, lm_head s/row compute, lm_head weight
-        # read s, lm_head s/row memory, logits gather s/row, logits gather fixed s).
+        # read s, lm_head s/row memory, logits gather s/row, logits gather fixed s, GEMM M offset).
         consts = []
+        decode_fixed = []  # the fixed part of a decode-only step (CUDA-graph replay)
         for s, n in enumerate(self.layers):
             fixed = c.stage_overhead_s + c.per_layer_overhead_s * n
+            decode_fixed.append(fixed * c.decode_overhead_ratio - fixed)
             emb = 0.0
             if s == 0:
                 emb = 2.0 * h * db / mem_rate  # gather: read a row, write it
@@ -317,8 +349,14 @@ class CostModel:
                 if tp > 1:  # logits gathered to rank 0
                     lm_g = (tp - 1) / tp * vocab * db / ar_bw
                     lm_gf = (tp - 1) * hardware.p2p_latency_s
-            consts.append((n, fixed, emb, lm_c, lm_w, lm_r, lm_g, lm_gf))
+            consts.append((n, fixed, emb, lm_c, lm_w, lm_r, lm_g, lm_gf, self._m_half))
         self._stage_consts: tuple[tuple, ...] = tuple(consts)
+        if self._m_half or self._attn_half:
+            self._layer_s = self._layer_s_terms  # type: ignore[method-assign]
+        # Decode-only steps use these; the same tuple unless decode_overhead_ratio != 1.
+        self._decode_consts: tuple[tuple, ...] = self._stage_consts
+        if c.decode_overhead_ratio != 1.0:
+            self._decode_consts = tuple((k[0], k[1] + d) + k[2:] for k, d in zip(consts, decode_fixed))
         self._vocab = vocab
         self._act_bytes_per_token = c.activation_copies * h * db
 
@@ -335,7 +373,8 @@ class CostModel:
         tokens = shape.num_prefill_tokens + shape.num_decode_seqs
         if not tokens:
             return 0.0
-        return self._stage_total(self._stage_consts[stage], self._layer_s(shape, tokens), tokens, shape)
+        consts = self._stage_consts if shape.num_prefill_tokens else self._decode_consts
+        return self._stage_total(consts[stage], self._layer_s(shape, tokens), tokens, shape)
 
     def stage_compute_all_s(self, shape: BatchShape) -> tuple[float, ...]:
         """`stage_compute_s` of every stage (the same floats): the per-layer time is priced once
@@ -346,10 +385,14 @@ class CostModel:
             return (0.0,) * self.pp
         layer = self._layer_s(shape, tokens)
         total = self._stage_total
-        return tuple([total(consts, layer, tokens, shape) for consts in self._stage_consts])
+        stages = self._stage_consts if shape.num_prefill_tokens else self._decode_consts
+        return tuple([total(consts, layer, tokens, shape) for consts in stages])
 
     def _layer_s(self, shape: BatchShape, tokens: int) -> float:
-        """One decoder layer's time for `shape` (`tokens` > 0), all-reduces included."""
+        """One decoder layer's time for `shape` (`tokens` > 0), all-reduces included. The classic
+        model; `_layer_s_terms` replaces it per instance when a GEMM-by-M or attention-by-context
+        term is set (two variants rather than branches: 0.63 -> 0.69 us a call with the branches,
+        micro-benchmark on the shared 2-core machine)."""
         n_pre = shape.num_prefill_tokens
         n_dec = shape.num_decode_seqs
         # Linear layers.
@@ -370,17 +413,45 @@ class CostModel:
             layer += tokens * self._ar_tok + self._ar_fix
         return layer
 
+    def _layer_s_terms(self, shape: BatchShape, tokens: int) -> float:
+        """`_layer_s` with GEMM efficiency M / (M + m_half) (compute ~ M + m_half) and attention
+        time x (1 + half / mean context)."""
+        n_pre = shape.num_prefill_tokens
+        n_dec = shape.num_decode_seqs
+        comp = (tokens + self._m_half) * self._lin_c
+        mem = self._lin_w + tokens * self._lin_a
+        layer = comp if comp > mem else mem
+        half = self._attn_half
+        if n_pre:
+            comp = shape.prefill_attention_pairs * self._attn_c
+            mem = shape.prefill_context_sum * self._kv_r + n_pre * self._qo
+            attn = comp if comp > mem else mem
+            if half:  # by the mean context of a chunk
+                attn *= 1.0 + half * (shape.num_seqs - n_dec) / shape.prefill_context_sum
+            layer += attn
+        if n_dec:
+            ctx = shape.decode_context_sum
+            comp = ctx * self._attn_c
+            mem = ctx * self._kv_r + n_dec * self._qo
+            attn = comp if comp > mem else mem
+            if half:  # by the mean context of a decode
+                attn *= 1.0 + half * n_dec / ctx
+            layer += attn
+        if self._ar_tok:
+            layer += tokens * self._ar_tok + self._ar_fix
+        return layer
+
     @staticmethod
     def _stage_total(consts: tuple, layer: float, tokens: int, shape: BatchShape) -> float:
         """A stage's time from the per-layer time: its layers, fixed costs, embedding, LM head."""
-        n, fixed, emb, lm_c, lm_w, lm_r, lm_g, lm_gf = consts
+        n, fixed, emb, lm_c, lm_w, lm_r, lm_g, lm_gf, m_half = consts
         total = n * layer + fixed
         if emb:
             total += tokens * emb
         if lm_w:
             rows = shape.num_sampled
             if rows:
-                comp = rows * lm_c
+                comp = (rows + m_half) * lm_c
                 mem = lm_w + rows * lm_r
                 total += (comp if comp > mem else mem) + rows * lm_g + lm_gf
         return total

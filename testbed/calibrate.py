@@ -5,6 +5,13 @@
         model=qwen2.5-32b hardware=l20-48g parallel.pp=4
     testbed validate policy=sarathi workload=azure workload.num_requests=300 model=tiny-llama \
         parallel.pp=2 hardware=cpu-tiny
+    testbed validate hardware=h100-80g-measured ... policy=sarathi,vllm,gllm,tdpipe parallel.pp=1,2 \
+        --case "sharegpt: workload=sharegpt workload.arrival=offline" \
+        --case "azure-r1: workload=azure workload.rate=1" --case "azure-r2: workload=azure workload.rate=2"
+
+A validate matrix (comma-list axes, as in `testbed compare`, times `--case` bundles) runs each
+point's real and simulated runs in turn and writes `matrix.md/json/csv` (errors of throughput,
+TTFT/TPOT mean and p99, E2EL p99, and whether the issue's targets are met) after every point.
 
 Profiles go to `$TESTBED_PROFILE_DIR` (default `runs/profiles/`): `<name>.csv` (the table) and
 `<name>.yaml` (a HardwareSpec with `calibration`), which `testbed.config` registers at start-up so
@@ -15,23 +22,28 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from engine.calibration import (calibrated_spec, fit_profile, import_tdpipe, read_profile,
                                 save_hardware_profile, write_profile)
 from engine.errors import ConfigError
-from engine.hardware import HardwareSpec, get_hardware
+from engine.hardware import (INTRA_BOX_LATENCY_S, PCIE_ALLREDUCE_GBS, PCIE_P2P_GBS, HardwareSpec,
+                             get_hardware)
 from engine.models import ModelSpec
 from engine.policy import make_params
 from engine.request import Request
-from engine.torch_exec.profile import (DEFAULT_GRID, QUICK_GRID, host_memory_gib, max_context, measure_peaks,
-                                       profile_engine)
+from engine.profile_grid import ProfileGrid, get_grid
+from engine.torch_exec.profile import device_memory_gib, device_provenance, measure_peaks, profile_engine
+from engine.torch_exec.timing import is_cuda
 from testbed import sweep
 from testbed.config import compose, data_dir, to_container
+from testbed.overrides import merge
 from testbed.outputs import write_run_dir
 from testbed.runner import prepare_experiment
 from testbed.tracking import Tracker
@@ -83,7 +95,7 @@ def cmd_profile(args, console) -> int:
         else:
             table = read_profile(args.table)
         name = args.name or f"{hw.name}-{model.name}-pp{pp}-cal"
-        fit = fit_profile(table, model, hw, pp, cfg["parallel"].get("layer_split"))
+        fit = fit_profile(table, model, hw, pp, cfg["parallel"].get("layer_split"), classic=True)
         spec = calibrated_spec(hw, name, fit, f"{hw.description}; calibrated from {table.meta.get('source', 'a table')}")
         csv_path = write_profile(table, out_dir / f"{name}.csv")
         yaml_path = save_hardware_profile(spec, out_dir / f"{name}.yaml",
@@ -101,21 +113,31 @@ def _print_fit(console, name, fit) -> None:
         console.print(line)
 
 
+def _grid(args) -> ProfileGrid:
+    name = getattr(args, "grid", None)
+    if name and args.quick and name != "quick":
+        raise ConfigError(f"--quick is --grid quick; it contradicts --grid {name}")
+    return get_grid(name or ("quick" if args.quick else "default"))
+
+
 def _profile_engine(args, overrides, out_dir: Path, console) -> int:
-    grid = QUICK_GRID if args.quick else DEFAULT_GRID
+    grid = _grid(args)
+    explicit_hw = _override(overrides, "hardware")
     overrides = _with_default(overrides, "executor", "torch")
     overrides = _with_default(overrides, "model", "tiny-llama")
     overrides = _with_default(overrides, "parallel.pp", 2)
+    device = _override(overrides, "executor.device") or "cpu"
     bs = int(_override(overrides, "kv.block_size") or 16)
+    cap = 32768 if is_cuda(device) else 8192
     overrides = _with_default(overrides, "kv.num_blocks", min(  # distinct blocks for the largest batch
-        8192, max(max(grid["decode_batch"]) * (max(grid["decode_context"]) // bs + 1),
-                  max(grid["prefill_batch"]) * (max_context(grid) // bs + 1)) + 4))
+        cap, max(grid.max_decodes() * (grid.max_context() // bs + 1),
+                 grid.max_prefills() * (grid.max_context() // bs + 1)) + 4))
     overrides = _with_default(overrides, "output.mlflow", "false")
     cfg = to_container(compose(overrides))
     if cfg["executor"]["name"] != "torch":
         raise ConfigError("testbed profile measures the real engine: use executor=torch")
+    device = str(cfg["executor"].get("device", "cpu"))
     t0 = time.perf_counter()
-    peaks = measure_peaks(threads=int(cfg["executor"].get("threads_per_stage", 1)))
     prepared = prepare_experiment(cfg, requests=[Request(0, 0.0, 1, 1)])
     ex = prepared.controller.executor
     cost = prepared.cost
@@ -124,32 +146,73 @@ def _profile_engine(args, overrides, out_dir: Path, console) -> int:
                                bytes_of=lambda r: cost.activation_bytes(r.shape()))
     finally:
         ex.shutdown()
-    pp = cost.pp
-    model = cost.model
-    name = args.name or f"cpu-{model.name}-pp{pp}"
-    base = HardwareSpec(
-        name=name,
-        description=f"this CPU host, torch engine ({cfg['executor'].get('threads_per_stage', 1)} thread(s)/stage, "
-                    f"{cfg['executor'].get('dtype')}), measured peaks; calibrated by testbed profile",
-        peak_tflops=peaks["peak_flops"] / 1e12, mem_bw_gbs=peaks["mem_bw_Bps"] / 1e9,
-        mem_gib=round(host_memory_gib(), 1), p2p_bw_gbs=1.0, p2p_latency_s=1e-4, allreduce_bw_gbs=1.0,
-        cpu_cores_hint=os.cpu_count())
+    # after the stages are gone: the device is idle, and the driver opens no CUDA context before them
+    peaks = measure_peaks(threads=int(cfg["executor"].get("threads_per_stage", 1)), device=device)
+    provenance = device_provenance(device)
+    pp, model = cost.pp, cost.model
+    base = _measured_base(args.name, cfg, device, peaks, provenance, model.name, pp,
+                          get_hardware(explicit_hw) if explicit_hw else None)
+    name = base.name
     table.meta.update({"model": model.name, "pp": str(pp), "layers": ",".join(map(str, cost.layers)),
-                       "hardware": name, "source": "testbed profile (torch engine)",
-                       "dtype": str(cfg["executor"].get("dtype")), "repeats": str(args.repeats)})
-    fit = fit_profile(table, model, base, pp, list(cost.layers))
+                       "hardware": name, "source": "testbed profile (torch engine)", "grid": grid.name,
+                       "device": provenance.get("gpu", device), "dtype": str(cfg["executor"].get("dtype")),
+                       "repeats": str(args.repeats), "date_utc": provenance["date_utc"]})
+    fit = fit_profile(table, model, base, pp, list(cost.layers), classic=True)
     spec = calibrated_spec(base, name, fit)
     csv_path = write_profile(table, out_dir / f"{name}.csv")
     yaml_path = save_hardware_profile(spec, out_dir / f"{name}.yaml", {
-        "table": str(csv_path), "model": model.name, "pp": pp, "layers": list(cost.layers),
+        "table": csv_path.name, "command": _command_line(args, grid),  # the table lies next to the YAML
+        **provenance, "model": model.name, "model_shape": model_shape(model), "pp": pp, "layers": list(cost.layers),
+        "dtype": str(cfg["executor"].get("dtype")), "grid": grid.name, "rows": len(table.rows),
+        "peaks_from": "table " + explicit_hw if explicit_hw else "measured",
         "measured_peak_flops": peaks["peak_flops"], "measured_mem_bw_Bps": peaks["mem_bw_Bps"],
-        "fit_errors": fit.errors, "profile_wall_s": round(time.perf_counter() - t0, 2)})
-    console.print(f"profiled {len(table.rows)} rows in {time.perf_counter() - t0:.1f} s "
-                  f"(peak {peaks['peak_flops'] / 1e9:.1f} GFLOP/s, copy {peaks['mem_bw_Bps'] / 1e9:.1f} GB/s)")
+        "measured_gemm_flops": peaks["gemm_flops"], "peak_timer": peaks["timer"],
+        "fitted_terms": sorted(fit.coefficients), "fit_errors": fit.errors,
+        "profile_wall_s": round(time.perf_counter() - t0, 2)})
+    console.print(f"profiled {len(table.rows)} rows ({grid.name} grid) in {time.perf_counter() - t0:.1f} s on "
+                  f"{provenance.get('gpu', device)} (peak {peaks['peak_flops'] / 1e12:.4g} TFLOP/s "
+                  f"{peaks['dtype'].replace('torch.', '')}, copy {peaks['mem_bw_Bps'] / 1e9:.4g} GB/s, "
+                  f"{peaks['timer']} timing)")
     _print_fit(console, name, fit)
     print(csv_path.resolve())
     print(yaml_path.resolve())
     return 0
+
+
+def _command_line(args, grid: ProfileGrid) -> str:
+    """The profile command as run (provenance: a session with the device re-runs it)."""
+    parts = ["testbed", "profile", *args.overrides, "--grid", grid.name, "--repeats", str(args.repeats)]
+    if args.name:
+        parts += ["--name", args.name]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def model_shape(model: ModelSpec) -> dict:
+    """The architecture numbers a profile was measured on (provenance: transfer to other shapes)."""
+    return {k: getattr(model, k) for k in ("architecture", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                                           "head_dim", "intermediate_size", "vocab_size", "dtype_bytes")}
+
+
+def _measured_base(name: str | None, cfg: dict, device: str, peaks: dict, prov: dict, model: str, pp: int,
+                   table_hw: HardwareSpec | None) -> HardwareSpec:
+    """The spec the fit is relative to: a table GPU's datasheet peaks when `hardware=` names one (so
+    the fitted efficiencies compare with the table's defaults), else the measured peaks."""
+    if is_cuda(device):
+        what = (f"{prov.get('gpu')} (driver {prov.get('driver')}, CUDA {prov.get('cuda')}, torch {prov.get('torch')}), "
+                f"torch engine {cfg['executor'].get('dtype')}; calibrated by testbed profile {prov['date_utc']}")
+        name = name or f"gpu-{model}-pp{pp}"
+    else:
+        what = (f"this CPU host, torch engine ({cfg['executor'].get('threads_per_stage', 1)} thread(s)/stage, "
+                f"{cfg['executor'].get('dtype')}), measured peaks; calibrated by testbed profile")
+        name = name or f"cpu-{model}-pp{pp}"
+    if table_hw is not None:
+        return replace(table_hw, name=name, description=f"{what}; peaks of {table_hw.name}", calibration=None)
+    return HardwareSpec(
+        name=name, description=what, peak_tflops=peaks["peak_flops"] / 1e12, mem_bw_gbs=peaks["mem_bw_Bps"] / 1e9,
+        mem_gib=round(device_memory_gib(device), 1), cpu_cores_hint=os.cpu_count(),
+        # links: fitted from the transfer rows when P > 1; otherwise PCIe figures on a GPU (hardware.py)
+        **(dict(p2p_bw_gbs=PCIE_P2P_GBS, p2p_latency_s=INTRA_BOX_LATENCY_S, allreduce_bw_gbs=PCIE_ALLREDUCE_GBS)
+           if is_cuda(device) else dict(p2p_bw_gbs=1.0, p2p_latency_s=1e-4, allreduce_bw_gbs=1.0)))
 
 
 # ---- validate --------------------------------------------------------------------------------
@@ -185,11 +248,46 @@ def cmd_validate(args, console) -> int:
             return sweep.exit_code(exc)
 
 
-def _validate(args, console) -> int:
-    overrides = list(args.overrides)
-    hw = _override(overrides, "hardware")
-    if hw is None:
-        raise ConfigError("testbed validate needs hardware=<calibrated profile> (see testbed profile)")
+@dataclass(frozen=True)
+class ValidateCase:
+    """`--case "NAME: key=value ..."`: a named bundle of overrides (a workload at a rate, say)."""
+
+    name: str
+    overrides: tuple[str, ...]
+
+
+def parse_case(text: str) -> ValidateCase:
+    name, sep, rest = text.partition(":")
+    name = name.strip()
+    try:
+        ovs = tuple(shlex.split(rest))
+    except ValueError:
+        ovs = ()
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name) or not ovs or any("=" not in o for o in ovs):
+        raise ConfigError(f"invalid --case {text!r}: expected 'NAME: key=value ...', e.g. "
+                          "'azure-r2: workload=azure workload.rate=2'")
+    return ValidateCase(name, ovs)
+
+
+def validate_plan(overrides: list[str], cases: list[ValidateCase]) -> list[tuple[str, list[str]]]:
+    """(label, overrides) of every point: each case x the product of the comma-list axes
+    (`policy=sarathi,vllm parallel.pp=1,2`, as in `testbed compare`); a case's keys win."""
+    from testbed.compare import grid
+
+    axes, points = grid(overrides)
+    out = []
+    for case in cases or [ValidateCase("", ())]:
+        for p in points:
+            label = ",".join(x for x in (case.name, p.label if axes else "") if x) or "base"
+            out.append((label, merge(list(p.overrides), list(case.overrides))))
+    names = [label for label, _ in out]
+    if len(set(names)) != len(names):
+        raise ConfigError("two --case entries have the same name")
+    return out
+
+
+def _configs(overrides: list[str]) -> tuple[dict, dict]:
+    """The real (torch) and simulated configs of one point, composed (a typo fails here)."""
     overrides = _with_default(overrides, "model", "tiny-llama")
     overrides = _with_default(overrides, "parallel.pp", 2)
     overrides = _with_default(overrides, "kv.num_blocks", 2048)
@@ -199,11 +297,46 @@ def _validate(args, console) -> int:
     # The real engine on CPU sends with gloo's blocking send: model it (executor.blocking_send).
     blocking = "true" if real_cfg["executor"].get("device", "cpu") == "cpu" else "false"
     sim_cfg = to_container(compose(base + ["executor=sim", f"executor.blocking_send={blocking}"]))
-    requests = build_workload(dict(real_cfg["workload"]), data_dir(real_cfg))
+    return real_cfg, sim_cfg
+
+
+def _validate(args, console) -> int:
+    overrides = list(args.overrides)
+    hw = _override(overrides, "hardware")
+    if hw is None:
+        raise ConfigError("testbed validate needs hardware=<calibrated profile> (see testbed profile)")
+    plan = validate_plan(overrides, [parse_case(c) for c in args.case or []])
+    points = [(label, *_configs(ovs)) for label, ovs in plan]  # every point composes before anything runs
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    label = f"{real_cfg['policy']['name']}-{real_cfg['workload']['name']}-pp{real_cfg['parallel']['pp']}-{hw}"
-    out_dir = Path(args.out) if args.out else Path(real_cfg["output"]["dir"]) / "validate" / f"{stamp}_{label}"
-    console.print(f"validate: {len(requests)} requests, real (torch) then sim (hardware={hw})")
+    if len(points) == 1:
+        _, real_cfg, sim_cfg = points[0]
+        label = f"{real_cfg['policy']['name']}-{real_cfg['workload']['name']}-pp{real_cfg['parallel']['pp']}-{hw}"
+        out_dir = Path(args.out) if args.out else Path(real_cfg["output"]["dir"]) / "validate" / f"{stamp}_{label}"
+        rows = _validate_point(real_cfg, sim_cfg, out_dir, label, console, args.num_mbs)
+        print(format_table(rows))
+        print(out_dir.resolve())
+        return 0
+    top = Path(args.out) if args.out else Path(points[0][1]["output"]["dir"]) / "validate" / f"{stamp}_matrix-{hw}"
+    console.print(f"validate: {len(points)} points (real then sim each), hardware={hw}")
+    summary: list[dict] = []
+    for i, (label, real_cfg, sim_cfg) in enumerate(points):
+        console.print(f"[{i + 1}/{len(points)}] {label}")
+        point_dir = top / (f"{i:03d}_" + re.sub(r"[^A-Za-z0-9_.=+-]+", "_", label)[:120])
+        try:
+            rows = _validate_point(real_cfg, sim_cfg, point_dir, f"{label}-{hw}", console, args.num_mbs)
+            summary.append(matrix_row(label, real_cfg, rows))
+        except ConfigError as exc:
+            summary.append(matrix_row(label, real_cfg, None, str(exc)))
+        _write_matrix(top, summary)  # after every point: an interrupted matrix keeps what it has
+    print(format_matrix(summary))
+    print(top.resolve())
+    return 0 if all(r["status"] == "ok" for r in summary) else 1
+
+
+def _validate_point(real_cfg: dict, sim_cfg: dict, out_dir: Path, label: str, console, num_mbs: int) -> list[dict]:
+    """One real run and one simulated run of the same request list; their error table."""
+    requests = build_workload(dict(real_cfg["workload"]), data_dir(real_cfg))
+    console.print(f"  {len(requests)} requests, real (torch) then sim (hardware={real_cfg['hardware']['name']})")
     results = {}
     for kind, cfg in (("real", real_cfg), ("sim", sim_cfg)):
         t = time.perf_counter()
@@ -214,17 +347,59 @@ def _validate(args, console) -> int:
         results[kind] = res
         console.print(f"  {kind}: {res.summary['num_finished']} finished, {time.perf_counter() - t:.1f} s wall")
     rows = error_table(results["real"].summary, results["sim"].summary)
-    text = format_table(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "errors.md").write_text("```\n" + text + "\n```\n")
+    (out_dir / "errors.md").write_text("```\n" + format_table(rows) + "\n```\n")
     (out_dir / "errors.json").write_text(json.dumps(rows, indent=2))
-    fig = overlay_figure(results["real"], results["sim"], out_dir / "timeline_overlay.png", num_mbs=args.num_mbs)
-    print(text)
+    overlay_figure(results["real"], results["sim"], out_dir / "timeline_overlay.png", num_mbs=num_mbs)
     if real_cfg["output"].get("mlflow", True):
         _log_validate(real_cfg, sim_cfg, results, rows, out_dir, label)
-    print(out_dir.resolve())
-    _ = fig
-    return 0
+    return rows
+
+
+# ---- the matrix table ---------------------------------------------------------------------------
+# The issue's fidelity aims: throughput and mean TPOT within 10%, mean TTFT within 15%.
+TARGETS = {"throughput_tok_s": 0.10, "tpot_mean_s": 0.10, "ttft_mean_s": 0.15}
+MATRIX_METRICS = ("throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_p99_s")
+
+
+def matrix_row(label: str, cfg: dict, rows: list[dict] | None, error: str = "") -> dict:
+    wl = cfg["workload"]
+    out: dict[str, Any] = {"point": label, "policy": cfg["policy"]["name"], "workload": wl["name"],
+                           "arrival": wl.get("arrival"), "rate": wl.get("rate"), "pp": cfg["parallel"]["pp"],
+                           "status": "ok" if rows is not None else f"failed: {error}"}
+    by = {r["metric"]: r for r in rows or []}
+    for m in MATRIX_METRICS:
+        r = by.get(m, {})
+        out.update({f"{m}.real": r.get("real"), f"{m}.sim": r.get("sim"), f"{m}.rel_error": r.get("rel_error")})
+    if rows is not None:
+        out["within_targets"] = all(abs(by[m]["rel_error"]) <= tol for m, tol in TARGETS.items()
+                                    if math.isfinite(by[m]["rel_error"]))
+    return out
+
+
+def format_matrix(summary: list[dict]) -> str:
+    heads = ["throughput", "TTFT mean", "TTFT p99", "TPOT mean", "TPOT p99", "E2EL p99"]
+    width = max([len(r["point"]) for r in summary] + [5]) + 2
+    lines = [f"{'point':<{width}}{'real tok/s':>12}" + "".join(f"{h:>11}" for h in heads) + "  targets",
+             "-" * (width + 12 + 11 * len(heads) + 9)]
+    for r in summary:
+        if r["status"] != "ok":
+            lines.append(f"{r['point']:<{width}}{r['status']}")
+            continue
+        errs = "".join(f"{100 * r[f'{m}.rel_error']:>10.1f}%" for m in MATRIX_METRICS)
+        lines.append(f"{r['point']:<{width}}{r['throughput_tok_s.real']:>12.5g}{errs}  "
+                     f"{'met' if r['within_targets'] else 'missed'}")
+    lines.append("relative error sim vs real; targets: throughput and TPOT mean within 10%, TTFT mean within 15%")
+    return "\n".join(lines)
+
+
+def _write_matrix(top: Path, summary: list[dict]) -> None:
+    import pandas as pd
+
+    top.mkdir(parents=True, exist_ok=True)
+    (top / "matrix.md").write_text("```\n" + format_matrix(summary) + "\n```\n")
+    (top / "matrix.json").write_text(json.dumps(summary, indent=2, default=str))
+    pd.DataFrame(summary).to_csv(top / "matrix.csv", index=False)
 
 
 def _log_validate(real_cfg, sim_cfg, results, rows, out_dir: Path, label: str) -> None:

@@ -222,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "save hardware profile <name> (hardware=<name>)")
     pf.add_argument("overrides", nargs="*", help="e.g. executor=torch model=tiny-llama parallel.pp=2")
     pf.add_argument("--name", help="hardware profile name (default: cpu-<model>-pp<P>)")
-    pf.add_argument("--quick", action="store_true", help="a small grid (about 10 s)")
+    pf.add_argument("--quick", action="store_true", help="a small grid (about 10 s; = --grid quick)")
+    pf.add_argument("--grid", help="designed batches: quick, default (CPU), serving (GPU: decode 1-256 x "
+                                   "context 64-4096, prefill 16-4096, mixed), serving-cpu (the same design, CPU-sized)")
     pf.add_argument("--repeats", type=int, default=3, help="timed launches per designed batch (median; default 3)")
     pf.add_argument("--import", dest="import_path", help="import a TD-Pipe 'Total Length,Execute Time' CSV")
     pf.add_argument("--time-unit", choices=["s", "ms", "us"], help="time unit of the imported table")
@@ -235,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("overrides", nargs="*", help="e.g. policy=sarathi workload=azure hardware=cpu-tiny-llama-pp2")
     va.add_argument("--out", help="output directory (default: <output.dir>/validate/<time>_<label>)")
     va.add_argument("--num-mbs", type=int, default=24, help="micro-batches in the overlay figure")
+    va.add_argument("--case", action="append", metavar="'NAME: key=value ...'",
+                    help="a named bundle of overrides, repeatable: the matrix is cases x comma-list axes "
+                         "(e.g. --case 'azure-r2: workload=azure workload.rate=2' policy=sarathi,vllm)")
     va.set_defaults(func=cmd_validate)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = b.add_subparsers(dest="bench", metavar="BENCH")

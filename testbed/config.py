@@ -105,10 +105,12 @@ BASE = {
 
 def load_saved_profiles() -> list[str]:
     """Register the calibrated hardware profiles saved by `testbed profile` ($TESTBED_PROFILE_DIR,
-    default runs/profiles/*.yaml) so that `hardware=<name>` finds them."""
-    from engine.calibration import load_profiles_dir
+    default runs/profiles/*.yaml), after those shipped in engine/hardware_profiles/, so that
+    `hardware=<name>` finds them."""
+    from engine.calibration import SHIPPED_PROFILES_DIR, load_profiles_dir
 
-    return load_profiles_dir(os.environ.get("TESTBED_PROFILE_DIR") or "runs/profiles", on_error=_skip_profile)
+    shipped = load_profiles_dir(SHIPPED_PROFILES_DIR, on_error=_skip_profile)
+    return shipped + load_profiles_dir(os.environ.get("TESTBED_PROFILE_DIR") or "runs/profiles", on_error=_skip_profile)
 
 
 _WARNED: set[str] = set()

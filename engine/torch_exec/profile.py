@@ -18,53 +18,26 @@ What is measured and how (`profile_engine`):
 KV contents do not matter for timing, but cache locality does: every sequence gets its own blocks,
 round robin over the pool (`kv.num_blocks`; `testbed profile` sizes it for the largest batch).
 
-Also `measure_peaks()`: a quick single-thread GEMM and copy measurement that gives the nominal
-peak FLOP/s and memory bandwidth of a calibrated CPU `HardwareSpec`.
+Spans are timed by the stages themselves (timing.py): wall clock on CPU, CUDA events on a GPU.
+Also `measure_peaks(device=...)`: the executor's device peaks, on the GPU when it is one (bf16
+GEMMs at several shapes, a large device-to-device copy, CUDA events), on the host otherwise;
+`device_provenance()`: GPU name, driver, torch and CUDA versions, date, for the saved profile.
 """
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engine.batch import MicroBatch, PrefillChunk
 from engine.calibration import ProfileRow, ProfileTable
+from engine.profile_grid import GRIDS, ProfileGrid, design, max_context
 from engine.request import Request, Sequence as Seq
+from engine.torch_exec.timing import WallTimer, is_cuda, timer_for
 
-DEFAULT_GRID = {
-    "prefill_tokens": (8, 32, 128, 256, 512),
-    "prefill_batch": (1, 4),
-    "prefill_prefix": (0, 512),
-    "decode_batch": (1, 4, 16, 64, 128),
-    "decode_context": (16, 256, 1024),
-}
-QUICK_GRID = {
-    "prefill_tokens": (16, 128, 384),
-    "prefill_batch": (1,),
-    "prefill_prefix": (0, 256),
-    "decode_batch": (1, 16, 64),
-    "decode_context": (32, 512),
-}
-
-
-def design(grid: Mapping[str, Sequence[int]]) -> list[tuple[str, int, int, int, int]]:
-    """(kind, batch, tokens, prefix, context) of every designed batch."""
-    out = []
-    for b in grid["prefill_batch"]:
-        for x in grid["prefill_tokens"]:
-            for L in grid["prefill_prefix"]:
-                if b * x <= 2048:
-                    out.append(("prefill", b, x, L, 0))
-    for b in grid["decode_batch"]:
-        for c in grid["decode_context"]:
-            out.append(("decode", b, 0, 0, c))
-    return out
-
-
-def max_context(grid: Mapping[str, Sequence[int]]) -> int:
-    return max(max(grid["prefill_tokens"]) + max(grid["prefill_prefix"]), max(grid["decode_context"]))
+DEFAULT_GRID = GRIDS["default"]
+QUICK_GRID = GRIDS["quick"]
 
 
 class _Designer:
@@ -75,15 +48,15 @@ class _Designer:
     def batch(self, kind: str, b: int, x: int, L: int, c: int) -> MicroBatch:
         self.mb_id += 1
         prefills, decodes = [], []
-        for _ in range(b):
+        for _ in range(b if kind == "prefill" else 1 if kind == "mixed" else 0):
             self.next_id += 1
-            if kind == "prefill":
-                seq = Seq(Request(self.next_id, 0.0, L + x, 1))
-                prefills.append(PrefillChunk(seq, L, x, True))
-            else:
-                seq = Seq(Request(self.next_id, 0.0, c, 1))
-                seq.num_computed = c - 1  # the new token is at position c-1, attending c tokens
-                decodes.append(seq)
+            seq = Seq(Request(self.next_id, 0.0, L + x, 1))
+            prefills.append(PrefillChunk(seq, L, x, True))
+        for _ in range(b if kind in ("decode", "mixed") else 0):
+            self.next_id += 1
+            seq = Seq(Request(self.next_id, 0.0, c, 1))
+            seq.num_computed = c - 1  # the new token is at position c-1, attending c tokens
+            decodes.append(seq)
         mb = MicroBatch(self.mb_id, tuple(prefills), tuple(decodes))
         return mb
 
@@ -169,7 +142,7 @@ def _table(samples: dict, act_bytes: int, bytes_of) -> ProfileTable:
         t = statistics.median(ts)
         nbytes = 0
         if op == "transfer":
-            nbytes = (b * x if kind == "prefill" else b) * act_bytes
+            nbytes = {"prefill": b * x, "decode": b, "mixed": x + b}[kind] * act_bytes
             if bytes_of is not None:  # the simulator's own byte count, so the fitted bandwidth matches it
                 nbytes = bytes_of(ProfileRow(op, st, kind, b, x, L, c, 0, 1.0))
         rows.append(ProfileRow(op, st, kind, b, x, L, c, nbytes, max(t, 1e-7)))
@@ -184,35 +157,114 @@ def executor_activation_bytes(executor) -> int:
     return int(hidden) * {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
-def measure_peaks(threads: int = 1, repeats: int = 5) -> dict[str, float]:
-    """Best-of-`repeats` single-process GEMM FLOP/s (fp32, 1024^2) and copy bandwidth (64 MiB)."""
+# bf16 GEMM shapes (M, N, K) timed on a GPU: square, an MLP-like up-projection, a small-M one
+GPU_GEMM_SHAPES = ((8192, 8192, 8192), (4096, 4096, 4096), (4096, 14336, 4096), (256, 8192, 8192))
+GPU_COPY_BYTES = 2 ** 31  # device-to-device copy for HBM bandwidth: far beyond any cache
+CPU_GEMM_SHAPES = ((1024, 1024, 1024),)
+CPU_COPY_BYTES = 2 ** 26
+
+
+def _best_s(fn: Callable[[], Any], timer, repeats: int) -> float:
+    """Best of `repeats` timed calls after one untimed call (first-touch, lazy inits)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        mark = timer.start()
+        fn()
+        a, e = timer.stop(mark)
+        best = min(best, e - a)
+    return max(best, 1e-9)
+
+
+def device_peaks(torch, device: str, dtype, gemm_shapes: Sequence[tuple[int, int, int]], copy_bytes: int,
+                 timer, repeats: int = 5) -> dict[str, Any]:
+    """Peak GEMM FLOP/s (best shape) and copy bandwidth (read + write) on `device`, timed by `timer`."""
+    gemm: dict[str, float] = {}
+    for m, n, k in gemm_shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        gemm[f"{m}x{n}x{k}"] = 2.0 * m * n * k / _best_s(lambda: torch.mm(a, b), timer, repeats)
+    elem = torch.empty((), dtype=dtype).element_size()
+    src = torch.empty(copy_bytes // elem, device=device, dtype=dtype).fill_(1.0)
+    dst = torch.empty_like(src)
+    bw = 2.0 * src.numel() * elem / _best_s(lambda: dst.copy_(src), timer, repeats)
+    return {"peak_flops": max(gemm.values()), "mem_bw_Bps": bw, "gemm_flops": gemm, "dtype": str(dtype),
+            "device": device, "timer": getattr(timer, "kind", type(timer).__name__), "copy_bytes": copy_bytes}
+
+
+def measure_peaks(threads: int = 1, repeats: int = 5, device: str = "cpu") -> dict[str, Any]:
+    """The executor's device peaks: on CPU a single-thread fp32 1024^3 GEMM and a 64 MiB copy
+    (wall clock); on CUDA bf16 GEMMs at `GPU_GEMM_SHAPES` and a 2 GiB device-to-device copy,
+    timed with CUDA events (the issue: `testbed profile` on an H100 used to report the host CPU's
+    142.8 GFLOP/s and 14.7 GB/s). Raises RuntimeError when `device` is CUDA and none is there."""
     import torch
 
+    if is_cuda(device):
+        timer = timer_for(device)  # raises without CUDA
+        with torch.cuda.device(torch.device(device)):
+            out = device_peaks(torch, device, torch.bfloat16, GPU_GEMM_SHAPES, GPU_COPY_BYTES, timer, repeats)
+            torch.cuda.empty_cache()
+        return out
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        n = 1024
-        a = torch.randn(n, n)
-        b = torch.randn(n, n)
-        torch.mm(a, b)
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - t)
-        flops = 2 * n ** 3 / best
-        src = torch.empty(16 * 2 ** 20, dtype=torch.float32).fill_(1.0)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        best_c = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            dst.copy_(src)
-            best_c = min(best_c, time.perf_counter() - t)
-        bw = 2 * src.numel() * 4 / best_c  # read + write
+        return device_peaks(torch, "cpu", torch.float32, CPU_GEMM_SHAPES, CPU_COPY_BYTES, WallTimer(), repeats)
     finally:
         torch.set_num_threads(old)
-    return {"peak_flops": flops, "mem_bw_Bps": bw}
+
+
+def _driver_version() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return out.strip().splitlines()[0] if out.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_provenance(device: str) -> dict[str, Any]:
+    """Where a profile was measured: device name, driver, torch/CUDA versions, date (UTC)."""
+    import datetime
+    import os
+    import platform
+
+    import torch
+
+    info: dict[str, Any] = {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                            "device": device, "torch": torch.__version__, "python": platform.python_version(),
+                            "host_cpu": _cpu_name(), "host_cpus": os.cpu_count()}
+    if is_cuda(device):
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {device!r}: CUDA is not available on this machine")
+        dev = torch.device(device)
+        props = torch.cuda.get_device_properties(dev)
+        info.update(gpu=torch.cuda.get_device_name(dev), gpu_memory_gib=round(props.total_memory / 2 ** 30, 2),
+                    compute_capability=f"{props.major}.{props.minor}", sm_count=props.multi_processor_count,
+                    cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), driver=_driver_version())
+    return info
+
+
+def device_memory_gib(device: str) -> float:
+    """Memory of the executor's device: the GPU's on CUDA, the host's on CPU."""
+    if is_cuda(device):
+        import torch
+
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory / 2 ** 30
+    return host_memory_gib()
 
 
 def host_memory_gib() -> float:
@@ -224,5 +276,5 @@ def host_memory_gib() -> float:
         return 16.0
 
 
-__all__ = ["DEFAULT_GRID", "QUICK_GRID", "design", "profile_engine", "measure_peaks", "host_memory_gib"]
-_ = Any
+__all__ = ["DEFAULT_GRID", "QUICK_GRID", "GRIDS", "ProfileGrid", "design", "max_context", "profile_engine",
+           "measure_peaks", "device_peaks", "device_provenance", "device_memory_gib", "host_memory_gib"]

@@ -13,7 +13,8 @@ stage > 0 receives the previous stage's hidden states (`recv`), runs its layers 
 then either posts an asynchronous send to stage s+1 (`send`; a send still pending from the
 previous micro-batch is awaited first, `send_wait`) or, on the last stage, samples (`sample`)
 and returns the token ids. Spans carry this process's `time.perf_counter()` (CLOCK_MONOTONIC on
-Linux, shared by every process of one machine); the driver maps them onto the run's clock.
+Linux, shared by every process of one machine); the driver maps them onto the run's clock. On a
+GPU, prepare/recv/forward/sample end at their CUDA events' elapsed time (timing.py).
 `wait`, `recv` and `send_wait` are idle time (the stage waits on someone else) and are not
 counted as busy.
 
@@ -52,6 +53,7 @@ from collections import deque
 from engine.torch_exec import wire
 from engine.torch_exec.diagnosis import REPORTED_EXIT
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
+from engine.torch_exec.timing import timer_for
 from engine.torch_exec.wire import SpanRec
 
 CONTROL = (wire.StageInit, wire.KvPool, wire.Launch, wire.Ping, wire.Stop)  # what the driver may send a stage
@@ -444,8 +446,9 @@ class _Stage:
             self.prepared[ahead.mb_id] = self.prep_pool.submit(self.model.prepare, ahead.prefills, ahead.decodes)
         hidden = None
         if not self.first:
+            mark = timer_for(self.device).start()
             hidden = self.receive_hidden(msg.mb_id, b)
-            t2 = time.perf_counter()
+            t2 = timer_for(self.device).stop(mark)[1]
             spans.append(SpanRec("recv", t1, t2, False))
             t1 = t2
         out, t2 = self.forward(msg, b, hidden, t1, spans)
@@ -465,8 +468,9 @@ class _Stage:
             if t1 - t > 20e-6:
                 spans.append(SpanRec("prepare_wait", t, t1, False))
             return b, t1
+        mark = timer_for(self.device).start()
         b = self.model.prepare(msg.prefills, msg.decodes)
-        t1 = time.perf_counter()
+        t1 = timer_for(self.device).stop(mark)[1]
         spans.append(SpanRec("prepare", t, t1, True))
         return b, t1
 
@@ -509,10 +513,9 @@ class _Stage:
         self.fwd_start = t1
         if not msg.prefills:
             self.decode_starts.append(t1)
+        mark = timer_for(self.device).start()
         out = self.model.forward(b, hidden)
-        if self.device != "cpu":
-            self.torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        t2 = timer_for(self.device).stop(mark)[1]  # CUDA events on a GPU (timing.py)
         self.fwd_start = None
         prev = self.fwd_ema.get(kind)
         self.fwd_ema[kind] = (t2 - t1) if prev is None else 0.7 * prev + 0.3 * (t2 - t1)
@@ -567,8 +570,9 @@ class _Stage:
             self.sampler.set_params(wire.sampling_params(msg.sampling))
         for p in prefills:
             self.sampler.observe_prefill(p.seq_id, p.start, p.token_ids)
+        mark = timer_for(self.device).start()
         tokens = self.sampler.sample(out, keys)
-        spans.append(SpanRec("sample", t2, time.perf_counter(), True))
+        spans.append(SpanRec("sample", t2, timer_for(self.device).stop(mark)[1], True))
         self.send(wire.Done(self.stage, msg.mb_id, [int(t) for t in tokens], spans))
 
     def misbehave(self, kind: str) -> None:
