@@ -317,7 +317,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
             overlap_input_prep=rt.overlap_input_prep, structure_aware_transfer=rt.structure_aware_transfer,
             link_bandwidth_Bps=self.link_bandwidth_Bps, link_latency_s=self.link_latency_s,
             link_chunk_bytes=st.link_chunk_bytes, driver_addr=addr, policy_class=policy_class,
-            policy_params=policy_params)
+            policy_params=policy_params, attention=st.attention, cuda_graphs=st.cuda_graphs)
 
     def _layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
         from engine.costmodel import split_layers

@@ -135,6 +135,12 @@ if HAVE_TRITON:
         tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
+def interpreted() -> bool:
+    """Whether this process's kernels run under Triton's interpreter (TRITON_INTERPRET=1 when
+    this module was imported): the only way they run on CPU tensors."""
+    return HAVE_TRITON and not isinstance(_paged_attn_kernel, triton.runtime.JITFunction)
+
+
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (max(n, 1) - 1).bit_length())
 

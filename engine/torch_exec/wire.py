@@ -201,6 +201,8 @@ class StageInit:
     driver_addr: str
     policy_class: str  # "module:qualname" of the run's policy (schedule_transfer), "" = the default
     policy_params: dict[str, Any]
+    attention: str = "auto"  # executor.attention: auto | torch | triton
+    cuda_graphs: bool = True  # executor.cuda_graphs
 
 
 @message("ready")
