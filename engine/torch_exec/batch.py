@@ -74,18 +74,20 @@ def host_batch(prefills, decodes, block_size: int) -> HostBatch:
     return HostBatch(ids, pos, slots, rows, qs, ctx, tbl, P, int(qlen.max()) if S else 0)
 
 
-def pad_rows(b: HostBatch, rows: int, width: int) -> HostBatch:
-    """A decode-only batch padded to `rows` sequences and `width` table columns (CUDA graphs)."""
+def pad_rows(b: HostBatch, rows: int) -> HostBatch:
+    """A decode-only batch padded to `rows` sequences (a CUDA-graph bucket): a padding row has
+    token 0 at position 0, slot -1 and context 0, and a table row of block 0 (never read)."""
     n = b.num_seqs
-    assert b.num_prefills == 0 and b.max_query_len == 1 and rows >= n and width >= b.block_tables.shape[1]
+    if b.num_prefills or b.max_query_len != 1 or rows < n:
+        raise ValueError(f"only a decode-only batch of at most {rows} sequences pads to {rows} rows")
 
     def grow(a, fill):
         out = np.full(rows, fill, np.int64)
         out[:n] = a
         return out
 
-    tbl = np.zeros((rows, width), np.int64)
-    tbl[:n, :b.block_tables.shape[1]] = b.block_tables
+    tbl = np.zeros((rows, b.block_tables.shape[1]), np.int64)
+    tbl[:n] = b.block_tables
     return replace(b, token_ids=grow(b.token_ids, 0), positions=grow(b.positions, 0), slots=grow(b.slots, -1),
                    sample_rows=np.arange(rows, dtype=np.int64), query_start=np.arange(rows + 1, dtype=np.int64),
                    context_lens=grow(b.context_lens, 0), block_tables=tbl)
