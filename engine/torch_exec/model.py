@@ -50,6 +50,7 @@ from engine.torch_exec.checkpoint import ArchConfig, EMBED, LM_HEAD, NORM, stage
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION = ("auto", "torch", "triton")
+ROPE_TABLE = 32768  # positions with precomputed cos/sin (32 MB for head_dim 128); later ones are computed
 
 
 def resolve_attention(name: str, device: torch.device) -> str:
@@ -171,6 +172,11 @@ class StageModel:
         self.device = torch.device(device)
         self.scale = arch.head_dim ** -0.5
         self.inv_freq = inv_freq(arch).to(self.device)
+        # cos/sin of positions up to the model's maximum (at most ROPE_TABLE), computed as
+        # `_rope_rows` does; a micro-batch gathers its rows (2 ops instead of 5: the elementwise
+        # ops took 0.18 ms of a 0.3 ms prepare for 640 rows of tiny-llama on CPU, measured)
+        table = min(arch.max_position_embeddings or 0, ROPE_TABLE)
+        self.rope_cos, self.rope_sin = self._rope_rows(torch.arange(table, device=self.device))
         self.layers: list[Layer] = []
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
@@ -246,10 +252,12 @@ class StageModel:
         if rows:
             hb = pad_rows(hb, rows)
         t = self._to_device(hb)
-        freqs = t["positions"].to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        if len(hb.positions) and hb.positions.max() < len(self.rope_cos):
+            cos, sin = self.rope_cos[t["positions"]], self.rope_sin[t["positions"]]
+        else:
+            cos, sin = self._rope_rows(t["positions"])
         b = BatchInputs(num_tokens=num_tokens, token_ids=t["token_ids"] if self.first else None,
-                        cos=emb.cos(), sin=emb.sin(), slots=t["slots"], sample_rows=t["sample_rows"],
+                        cos=cos, sin=sin, slots=t["slots"], sample_rows=t["sample_rows"],
                         chunks=[], decode_row0=int(hb.query_start[hb.num_prefills]), decode_blocks=None,
                         decode_mask=None, graph_rows=rows)
         if self.attention == "triton":
@@ -258,6 +266,12 @@ class StageModel:
         else:
             self._torch_path_inputs(hb, b)
         return b
+
+    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos/sin [T, head_dim] float32 of `positions`, as transformers computes them."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
 
     def _to_device(self, hb: HostBatch) -> dict[str, torch.Tensor]:
         """hb's arrays as tensors: views of numpy on CPU; on CUDA one pinned int64 buffer, copied
