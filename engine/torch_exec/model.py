@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,14 +68,17 @@ def resolve_attention(name: str, device: torch.device) -> str:
         return "triton" if pa.HAVE_TRITON else "torch"
     if name == "triton":
         if device.type == "cpu":
-            os.environ.setdefault("TRITON_INTERPRET", "1")
+            if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError("executor.attention=triton on CPU runs Triton's interpreter, which must be "
+                                   "chosen before triton is imported: set TRITON_INTERPRET=1 at start")
+            os.environ["TRITON_INTERPRET"] = "1"
         from engine.torch_exec import paged_attention as pa
 
         if not pa.HAVE_TRITON:
             raise RuntimeError("executor.attention=triton, but triton does not import here")
         if device.type == "cpu" and not pa.interpreted():
-            raise RuntimeError("executor.attention=triton on CPU needs Triton's interpreter, but the kernels "
-                               "were compiled for a GPU in this process (set TRITON_INTERPRET=1 before start)")
+            raise RuntimeError("executor.attention=triton on CPU: the kernels were compiled for a GPU in this "
+                               "process (set TRITON_INTERPRET=1 before triton is first imported)")
     return name
 
 
