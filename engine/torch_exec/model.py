@@ -257,7 +257,7 @@ class StageModel:
             hb = pad_rows(hb, rows)
         t = self._to_device(hb)
         if len(hb.positions) and hb.positions.max() < len(self.rope_cos):
-            cos, sin = self.rope_cos[t["positions"]], self.rope_sin[t["positions"]]
+            cos, sin = self.rope_cos.index_select(0, t["positions"]), self.rope_sin.index_select(0, t["positions"])
         else:
             cos, sin = self._rope_rows(t["positions"])
         b = BatchInputs(num_tokens=num_tokens, token_ids=t["token_ids"] if self.first else None,
@@ -360,11 +360,11 @@ class StageModel:
 
     def _paged(self, b: BatchInputs, q, k, v, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         """The triton path: one launch writes the new K/V into their slots, one attends."""
-        from engine.torch_exec.paged_attention import paged_attention, write_kv
+        from engine.torch_exec import paged_attention as pa  # already imported by resolve_attention
 
-        write_kv(k, v, kc, vc, b.slots)
-        return paged_attention(q, kc, vc, b.block_tables, b.query_start, b.context_lens, self.scale,
-                               b.max_query_len)
+        pa.write_kv(k, v, kc, vc, b.slots)
+        return pa.paged_attention(q, kc, vc, b.block_tables, b.query_start, b.context_lens, self.scale,
+                                  b.max_query_len)
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """[kvh, nb, bs, d] by block ids [B] -> [kvh, B * bs, d] (contiguous).
