@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
 
 from engine.torch_exec.paged_attention import (  # noqa: E402
-    kv_bytes_read, paged_attention, reference_paged_attention, write_kv)
+    kv_bytes_read, measure_bandwidth, paged_attention, reference_paged_attention, write_kv)
 
 DEV = "cpu"
 
@@ -227,3 +227,16 @@ def test_engine_with_triton_attention_matches_hf(tiny_ckpts, full):
         assert ctrl.num_preemptions > 0
     ref = te._hf_greedy(tiny_ckpts["tiny-llama"], requests)
     assert {r.request_id: ctrl.sequences[r.request_id].output_token_ids for r in requests} == ref
+
+
+def test_measure_bandwidth_runs_on_cpu():
+    m = measure_bandwidth(2, 9, kv_heads=1, group=2, head_dim=16, block_size=4, dtype=torch.float32, device="cpu",
+                          iters=1)
+    assert m["bytes"] == 2 * 2 * 9 * 1 * 16 * 4 and m["seconds"] > 0 and m["GBps"] > 0
+
+
+@pytest.mark.gpu
+def test_measure_bandwidth_on_cuda():
+    m = measure_bandwidth(128, 512)
+    print(f"decode 128 x 512, qwen2.5-7b attention shape, bf16: {m['seconds'] * 1e6:.1f} us, {m['GBps']:.0f} GB/s")
+    assert m["GBps"] > 0

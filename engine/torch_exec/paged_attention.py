@@ -238,3 +238,44 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         sc = sc.masked_fill(torch.arange(ctx, device=q.device)[None, :] > qpos[:, None], float("-inf"))
         out[r0:r1] = torch.matmul(sc.softmax(-1), v).transpose(0, 1).to(q.dtype)
     return out
+
+
+def measure_bandwidth(num_seqs: int, context_len: int, query_len: int = 1, *, kv_heads: int = 4, group: int = 7,
+                      head_dim: int = 128, block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
+                      device: str = "cuda", iters: int = 20) -> dict:
+    """One `paged_attention` launch over `num_seqs` chunks of `query_len` queries at the end of
+    `context_len` keys (decodes by default; qwen2.5-7b's attention shape), blocks shuffled across
+    the pool: {"seconds", "bytes" (K/V read, `kv_bytes_read`), "GBps"}, for comparing with the
+    device's HBM copy rate (testbed bench engine)."""
+    nb = -(-context_len // block_size)
+    g = torch.Generator().manual_seed(0)
+    tables = torch.randperm(num_seqs * nb, generator=g).view(num_seqs, nb).to(device=device, dtype=torch.int32)
+    k_cache = torch.randn(kv_heads, num_seqs * nb, block_size, head_dim, generator=g).to(device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(num_seqs * query_len, kv_heads * group, head_dim, device=device, dtype=dtype)
+    qs = torch.arange(0, num_seqs * query_len + 1, query_len, device=device, dtype=torch.int32)
+    ctx = torch.full((num_seqs,), context_len, device=device, dtype=torch.int32)
+    out = torch.empty_like(q)
+
+    def call():
+        paged_attention(q, k_cache, v_cache, tables, qs, ctx, head_dim ** -0.5, query_len, out=out)
+
+    call()  # compile
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            call()
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3 / iters
+    else:
+        import time
+
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        seconds = (time.perf_counter() - t0) / iters
+    nbytes = kv_bytes_read(k_cache, ctx, qs, group)
+    return {"seconds": seconds, "bytes": nbytes, "GBps": nbytes / seconds / 1e9}
