@@ -513,6 +513,12 @@ def check_launchable(settings: TorchSettings) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("executor.device=cuda, but no CUDA device is available here "
                               "(torch.cuda.is_available() is False); valid choices: cpu")
+    if settings.attention == "triton":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("executor.attention=triton, but triton is not installed here; "
+                              "valid choices: auto, torch")
     if settings.launch == "external":
         try:
             secret = wire.secret_from_env()
