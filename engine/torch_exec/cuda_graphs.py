@@ -17,8 +17,11 @@ of n sequences replays the smallest bucket >= n:
   graphs that replay in turn may share a pool), after an eager warm-up on a side stream that
   compiles the Triton kernels outside the capture. Mixed and prefill micro-batches run eagerly.
 
-The outputs of a replay live in the graph's pool and are overwritten by the next replay: `replay`
-returns a copy of the real rows (an activation may still be in flight to the next stage).
+A graph ends at the last layer's hidden states (all buckets' outputs together: 16 MB for
+qwen2.5-7b's shape); the last stage's final norm and lm_head run after the replay on the real
+rows only, so no bucket holds a [rows, vocab] float32 output (1.3 GB over the 20 buckets for a
+152k vocabulary). The outputs of a replay are overwritten by the next replay: `replay` returns a
+copy of the real rows (an activation may still be in flight to the next stage).
 """
 from __future__ import annotations
 
@@ -100,11 +103,11 @@ class CudaGraphRunner:
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(side):  # warm-up: Triton compiles its kernels outside the capture
-            self.model.forward_eager(b, hidden)
+            self.model.forward_eager(b, hidden, head=False)
         torch.cuda.current_stream(self.model.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model.forward_eager(b, hidden)
+            out = self.model.forward_eager(b, hidden, head=False)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[rows] = (graph, out)
@@ -115,7 +118,18 @@ class CudaGraphRunner:
         self.load(b, hidden)
         graph.replay()
         self.replays += 1
-        return out[:b.num_tokens].clone()
+        return self._finish(out[:b.num_tokens])
+
+    def run_eagerly(self, b, hidden: torch.Tensor | None) -> torch.Tensor:
+        """What `replay` computes, through the same buffers but without a graph (CPU tests)."""
+        self.load(b, hidden)
+        rows = b.graph_rows
+        out = self.model.forward_eager(self.static_batch(rows), None if self.hidden is None else self.hidden[:rows],
+                                       head=False)
+        return self._finish(out[:b.num_tokens])
+
+    def _finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(x) if self.model.last else x.clone()
 
     def load(self, b, hidden: torch.Tensor | None) -> None:
         """Copy the padded batch into the static buffers (what a replay reads)."""

@@ -322,10 +322,11 @@ class StageModel:
             return self.graphs.replay(b, hidden)
         return self.forward_eager(b, hidden)
 
-    def forward_eager(self, b: BatchInputs, hidden: torch.Tensor | None) -> torch.Tensor:
-        """The forward itself (what a CUDA graph captures): on the triton path it launches a fixed
-        sequence of kernels whose shapes depend only on the row count, and never reads a device
-        value back to the host."""
+    def forward_eager(self, b: BatchInputs, hidden: torch.Tensor | None, head: bool = True) -> torch.Tensor:
+        """The forward itself (what a CUDA graph captures, with head=False: the last stage's logits
+        are computed after the replay, so no bucket keeps a [rows, vocab] output alive): on the
+        triton path it launches a fixed sequence of kernels whose shapes depend only on the row
+        count, and never reads a device value back to the host."""
         a = self.arch
         if b.new_blocks is not None:
             for kc, vc in zip(self.k_cache, self.v_cache):
@@ -353,9 +354,13 @@ class StageModel:
             x = x + F.linear(o.reshape(T, a.num_heads * d), L.wo)
             h = rms_norm(x, L.ln2, a.rms_norm_eps)
             x = x + F.linear(F.silu(F.linear(h, L.w_gate, L.b_gate)) * F.linear(h, L.w_up, L.b_up), L.w_down, L.b_down)
-        if not self.last:
+        if not self.last or not head:
             return x
-        h = rms_norm(x.index_select(0, b.sample_rows), self.norm, a.rms_norm_eps)
+        return self.logits(x.index_select(0, b.sample_rows))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The last stage's head: final norm and lm_head of the sampled rows, float32."""
+        h = rms_norm(x, self.norm, self.arch.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
     def _paged(self, b: BatchInputs, q, k, v, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
