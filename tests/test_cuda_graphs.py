@@ -135,6 +135,7 @@ def test_static_buffers_give_the_unpadded_rows(tiny, split):
     g = torch.Generator().manual_seed(0)
     # fill a few sequences' KV with a prefill first (contexts 9..30 over shuffled tables)
     tables = {i: list(range(8 * i + 7, 8 * i - 1, -1)) for i in range(7)}
+    tables[0] = [0] + tables[0][:-1]  # slot 0 holds a real key: a padding row writing there would show
     lens = [9, 30, 14, 3, 22, 17, 5]
     pre = [(i, 0, n, True, tables[i], torch.randint(3, 32000, (n,), generator=g).tolist()) for i, n in enumerate(lens)]
     hp = None if split[2] else torch.randn(sum(lens), m.arch.hidden_size, generator=g)

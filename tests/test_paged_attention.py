@@ -65,6 +65,7 @@ MIXED = [(9, 9), (13, 5), (1, 1), (7, 1), (16, 1), (21, 3)]  # prefill from 0, p
     ([(5, 1), (12, 1), (4, 1), (33, 1)], {"group": 4, "kvh": 1}),  # decode-only, MQA-like
     ([(40, 24)], {"group": 1, "kvh": 3, "d": 32, "bs": 8}),  # long chunk, several row tiles, no GQA
     ([(3, 3), (70, 2)], {"group": 3, "kvh": 2, "d": 8, "bs": 16}),  # group 3, d < 16, partial blocks
+    ([(100, 70), (5, 1)], {"group": 2, "kvh": 2, "d": 16, "bs": 8, "num_blocks": 32}),  # 3 row tiles of 64
 ])
 def test_kernel_matches_reference(chunks, kw):
     got, ref = run_both(chunks, **kw)
