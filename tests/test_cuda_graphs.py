@@ -76,8 +76,12 @@ def test_host_batch_matches_a_per_token_build(seed):
     pre, dec = _random_rows(rng, rng.randrange(0, 4), rng.randrange(0 if seed else 1, 9), bs)
     if not pre and not dec:
         dec = _random_rows(rng, 0, 1, bs)[1]
-    hb = host_batch(pre, dec, bs)
+    group = rng.choice([1, 3, 7])
+    hb = host_batch(pre, dec, bs, group)
     ids, pos, slots, rows, qs, ctx, tables = _naive(pre, dec, bs)
+    bm = 16 if max(np.diff(qs)) * group <= 16 else 64
+    tiles = [(s, i) for s in range(len(ctx)) for i in range(-(-(qs[s + 1] - qs[s]) * group // bm))]
+    assert list(zip(hb.tile_seq.tolist(), hb.tile_idx.tolist())) == tiles
     assert hb.token_ids.tolist() == ids and hb.positions.tolist() == pos and hb.slots.tolist() == slots
     assert hb.sample_rows.tolist() == rows and hb.query_start.tolist() == qs and hb.context_lens.tolist() == ctx
     assert hb.num_prefills == len(pre) and hb.max_query_len == max(np.diff(qs))
@@ -95,6 +99,7 @@ def test_padding_and_eligibility():
     assert p.slots.tolist()[:5] == hb.slots.tolist() and p.slots.tolist()[5:] == [-1] * 3
     assert p.context_lens.tolist()[5:] == [0] * 3 and p.query_start.tolist() == list(range(9))
     assert p.sample_rows.tolist() == list(range(8)) and p.block_tables.shape == (8, hb.block_tables.shape[1])
+    assert p.tile_seq.tolist() == list(range(8)) and p.tile_idx.tolist() == [0] * 8
     with pytest.raises(ValueError):
         pad_rows(host_batch(pre, dec, 4), 8)
 

@@ -7,7 +7,7 @@ vLLM and nano-vllm do, a stage captures its forward once per bucket size (`GRAPH
 of n sequences replays the smallest bucket >= n:
 
 - static input buffers (token ids or incoming hidden states, RoPE cos/sin, slots, context
-  lengths, block tables, query offsets 0..B) sized for the largest bucket; each bucket's graph
+  lengths, block tables; query offsets 0..B and one kernel row tile per row, constant) sized for the largest bucket; each bucket's graph
   reads their first B rows. `prepare` pads the batch on the host (`batch.pad_rows`: slot -1,
   context 0, so padding neither writes nor reads the KV pools) and `replay` copies it into the
   buffers: a few device-to-device copies, then one graph launch;
@@ -70,6 +70,8 @@ class CudaGraphRunner:
         self.query_start = torch.arange(B + 1, dtype=long, device=dev)
         self.sample_rows = torch.arange(B, dtype=long, device=dev)
         self.block_tables = torch.zeros(B, self.width, dtype=long, device=dev)
+        self.tile_seq = torch.arange(B, dtype=long, device=dev)  # one row tile per decode (batch.pad_rows)
+        self.tile_idx = torch.zeros(B, dtype=long, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.replays = 0
@@ -87,7 +89,7 @@ class CudaGraphRunner:
             cos=self.cos[:rows], sin=self.sin[:rows], slots=self.slots[:rows], sample_rows=self.sample_rows[:rows],
             chunks=[], decode_row0=0, decode_blocks=None, decode_mask=None,
             block_tables=self.block_tables[:rows], query_start=self.query_start[:rows + 1],
-            context_lens=self.context_lens[:rows], max_query_len=1)
+            context_lens=self.context_lens[:rows], max_query_len=1, tiles=(self.tile_seq[:rows], self.tile_idx[:rows]))
 
     @torch.inference_mode()
     def capture_all(self) -> None:

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.torch_exec.batch import HostBatch, host_batch, pack, packed_size, pad_rows
+from engine.torch_exec.batch import ARRAYS, HostBatch, host_batch, pack, packed_size, pad_rows
 from engine.torch_exec.checkpoint import ArchConfig, EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,6 +144,7 @@ class BatchInputs:
     query_start: torch.Tensor | None = None  # [S + 1]
     context_lens: torch.Tensor | None = None  # [S]
     max_query_len: int = 0
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # (sequence, tile index) per kernel program
     graph_rows: int = 0  # > 0: a decode-only batch padded to this CUDA-graph bucket (rows past num_tokens)
 
 
@@ -250,7 +251,7 @@ class StageModel:
         Rows are the prefill chunks' tokens in order, then one row per decode; sampled rows are
         each sampling chunk's last row, then every decode row (`sampled_sequences()` order).
         The indices are built by numpy (batch.py) and reach the device in one copy."""
-        hb = host_batch(prefills, decodes, self.block_size)
+        hb = host_batch(prefills, decodes, self.block_size, self.arch.num_heads // self.arch.num_kv_heads)
         num_tokens = hb.num_tokens
         rows = self.graphs.rows_for(hb) if self.graphs is not None else 0
         if rows:
@@ -266,7 +267,7 @@ class StageModel:
                         decode_mask=None, graph_rows=rows)
         if self.attention == "triton":
             b.block_tables, b.query_start, b.context_lens = t["block_tables"], t["query_start"], t["context_lens"]
-            b.max_query_len = hb.max_query_len
+            b.max_query_len, b.tiles = hb.max_query_len, (t["tile_seq"], t["tile_idx"])
         else:
             self._torch_path_inputs(hb, b)
         return b
@@ -281,8 +282,7 @@ class StageModel:
         """hb's arrays as tensors: views of numpy on CPU; on CUDA one pinned int64 buffer, copied
         once (non-blocking; the caching host allocator keeps the buffer until the copy is done)."""
         if self.device.type == "cpu":
-            return {name: torch.from_numpy(getattr(hb, name)) for name in ("token_ids", "positions", "slots",
-                    "sample_rows", "query_start", "context_lens", "block_tables")}
+            return {name: torch.from_numpy(getattr(hb, name)) for name in ARRAYS}
         host = torch.empty(packed_size(hb), dtype=torch.int64, pin_memory=True)
         _, layout = pack(hb, host.numpy())
         dev = host.to(self.device, non_blocking=True)
@@ -369,7 +369,7 @@ class StageModel:
 
         pa.write_kv(k, v, kc, vc, b.slots)
         return pa.paged_attention(q, kc, vc, b.block_tables, b.query_start, b.context_lens, self.scale,
-                                  b.max_query_len)
+                                  b.max_query_len, tiles=b.tiles)
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """[kvh, nb, bs, d] by block ids [B] -> [kvh, B * bs, d] (contiguous).

@@ -7,8 +7,9 @@ in `q [T, heads, head_dim]`: a prefill chunk is `n` queries at the end of a cont
 `context_lens[s]` keys (its cached prefix plus itself), a decode is a chunk of one. Query i of a
 chunk sees keys `<= context_len - n + i` (causal with the chunk's offset).
 
-`paged_attention` covers the whole micro-batch in one launch, grid `(row tiles, S, kv_heads)`.
-A program owns BLOCK_M rows of one sequence and one KV head; rows are (query, head of the GQA
+`paged_attention` covers the whole micro-batch in one launch, grid `(row tiles, kv_heads)`, the
+row tiles of every chunk listed by the host (`batch.row_tiles`: a decode beside a 2,048-token
+chunk gets one program, not the chunk's 224). A program owns BLOCK_M rows of one sequence and one KV head; rows are (query, head of the GQA
 group) pairs, query-major, so a decode's group of heads shares each K/V tile it loads (one
 program per sequence x KV head covers the group, as vLLM's paged decode kernel does) and a
 prefill tile holds BLOCK_M / group queries. Keys are read BLOCK_N at a time straight from the
@@ -16,7 +17,7 @@ pools through the block table (a gathered load, no copy), masked past the contex
 diagonal, with the online softmax of FlashAttention-2 (Dao 2023) in float32. Masked loads never
 touch slots past the context, so pools need no zeroing on this path. Tile sizes: BLOCK_N = 64
 keys, BLOCK_M = 64 rows for prefill-sized chunks and 16 (tl.dot's minimum) when the longest
-chunk's rows fit in 16, i.e. decode-only batches (`pick_blocks`).
+chunk's rows fit in 16, i.e. decode-only batches (`batch.pick_block_m`).
 
 Rows of a padded decode (CUDA-graph buckets) have context 0: their output is 0, and
 `write_kv` skips negative slots, so padding neither reads nor writes the pools.
@@ -29,6 +30,8 @@ import math
 
 import torch
 
+from engine.torch_exec.batch import pick_block_m, row_tiles
+
 try:  # triton ships with CUDA builds of torch; CPU-only installs may lack it
     import triton
     import triton.language as tl
@@ -40,15 +43,13 @@ HAVE_TRITON = triton is not None
 LOG2E = 1.4426950408889634
 
 
-def pick_blocks(max_rows: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for a micro-batch whose longest chunk has `max_rows` rows (queries x group)."""
-    return (16 if max_rows <= 16 else 64), 64
+BLOCK_N = 64  # keys per loop step
 
 
 if HAVE_TRITON:
     @triton.jit
     def _paged_attn_kernel(
-            q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, qstart_ptr, ctx_ptr,
+            q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, qstart_ptr, ctx_ptr, tile_seq_ptr, tile_idx_ptr,
             sm_scale_log2,
             stride_qt, stride_qh,
             stride_kh, stride_kb, stride_ks,
@@ -58,9 +59,9 @@ if HAVE_TRITON:
             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             IEEE: tl.constexpr):
-        tile = tl.program_id(0)
-        seq = tl.program_id(1)
-        kvh = tl.program_id(2)
+        seq = tl.load(tile_seq_ptr + tl.program_id(0))
+        tile = tl.load(tile_idx_ptr + tl.program_id(0))
+        kvh = tl.program_id(1)
         q0 = tl.load(qstart_ptr + seq)
         q_len = tl.load(qstart_ptr + seq + 1) - q0
         ctx = tl.load(ctx_ptr + seq)
@@ -147,14 +148,17 @@ def _pow2(n: int, least: int = 16) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start: torch.Tensor, context_lens: torch.Tensor, scale: float, max_query_len: int,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """out[T, H, d] = softmax(q k^T * scale, causal with each chunk's offset) v, for every chunk.
 
     q [T, H, d]; k_cache / v_cache [kv_heads, num_blocks, block_size, d] (last dim contiguous);
     block_tables [S, max_blocks] int32; query_start [S + 1] int32 (rows of chunk s:
     query_start[s]:query_start[s + 1]); context_lens [S] int32 (keys of chunk s, its own
-    queries included). `max_query_len` (a host int, the longest chunk) sizes the grid, so
-    nothing here reads a device value back to the host."""
+    queries included). `max_query_len` (a host int, the longest chunk) picks the row tile and
+    `tiles` = (sequence, tile index) of each program (`batch.row_tiles`, built with the batch's
+    other indices), so nothing here reads a device value back to the host; without `tiles`
+    they are derived from `query_start` here, at the cost of a copy to the host (tests)."""
     T, H, d = q.shape
     kvh, _nb, bs, _ = k_cache.shape
     group = H // kvh
@@ -164,17 +168,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if T == 0 or S == 0:
         return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and out.stride(-1) == 1
-    block_m, block_n = pick_blocks(max_query_len * group)
-    grid = (triton.cdiv(max_query_len * group, block_m), S, kvh)
-    _paged_attn_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start, context_lens,
+    block_m = pick_block_m(max_query_len * group)
+    if tiles is None:
+        tiles = tuple(torch.from_numpy(a).to(q.device)
+                      for a in row_tiles(query_start.cpu().numpy(), group, block_m))
+    _paged_attn_kernel[(tiles[0].shape[0], kvh)](
+        q, k_cache, v_cache, out, block_tables, query_start, context_lens, tiles[0], tiles[1],
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=_pow2(d),
         # Triton's CPU interpreter multiplies bfloat16 dot operands as raw bits (triton 3.9):
         # on CPU the operands are widened to float32 (after p is rounded to V's dtype, as on GPU)
         IEEE=q.dtype == torch.float32 or q.device.type == "cpu",
@@ -203,7 +209,7 @@ def kv_bytes_read(k_cache: torch.Tensor, context_lens, query_start, group: int) 
     ctx = torch.as_tensor(context_lens, dtype=torch.long).cpu()
     qs = torch.as_tensor(query_start, dtype=torch.long).cpu()
     q_len = qs[1:] - qs[:-1]
-    block_m, _ = pick_blocks(int(q_len.max()) * group if len(q_len) else 1)
+    block_m = pick_block_m(int(q_len.max()) * group if len(q_len) else 1)
     tiles = (q_len * group + block_m - 1) // block_m
     # tile i of a chunk reads keys up to its last query (causal); summed in closed form per tile
     total = 0
