@@ -159,6 +159,55 @@ def test_static_buffers_give_the_unpadded_rows(tiny, split):
         assert b.graph_rows == 0  # no graphs were captured: prepare leaves batches unpadded
 
 
+class _FakeGraph:
+    """Stands in for a CUDA graph on CPU: replay re-runs the captured function into its output."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+def _cpu_runner(m, sizes):
+    from engine.torch_exec.cuda_graphs import CudaGraphRunner
+
+    class CpuRunner(CudaGraphRunner):
+        def _sync(self):
+            pass
+
+        def _warm_up(self, fn):
+            fn()
+
+        def _record(self, fn):
+            out = fn()
+            return _FakeGraph(fn, out), out
+
+    r = CpuRunner(m, sizes=sizes)
+    r.capture_all()
+    return r
+
+
+def test_runner_plumbing_gives_the_eager_tokens(tiny):
+    """capture_all / prepare's padding / replay / the head after it, with CPU stand-ins for the
+    CUDA graph calls: P=2, chunked prefill, decode batches of 1-4 in buckets (1, 2, 4) -- the
+    same greedy tokens as without graphs."""
+    from engine.kv import BlockManager
+    from test_torch_model import _generate
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (7, 3, 25, 14)]
+    plain = [_model(tiny, (0, 3, True, False)), _model(tiny, (3, 5, False, True))]
+    graphed = [_model(tiny, (0, 3, True, False)), _model(tiny, (3, 5, False, True))]
+    for m in graphed:
+        m.graphs = _cpu_runner(m, (1, 2, 4))
+    want = _generate(plain, prompts, 5, chunk=8, kv=BlockManager(64, 4))
+    got = _generate(graphed, prompts, 5, chunk=8, kv=BlockManager(64, 4))
+    assert all(m.graphs.replays > 0 for m in graphed)
+    assert got == want
+
+
 def _padded(m, dec, rows):
     """What `prepare` builds when a graph of `rows` rows exists."""
     class _Graphs:
@@ -175,20 +224,41 @@ def _padded(m, dec, rows):
 # --- on the GPU --------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graph_replay_gives_the_eager_tokens(tiny, dtype):
+def test_graph_replay_equals_the_same_batch_run_eagerly(tiny, dtype):
+    """Bit for bit: a replay and the eager forward over the same padded buffers (same shapes, same
+    kernels), for buckets 1, 4 and 8, after a prefill filled the KV."""
+    m = _model(tiny, device="cuda", dtype=dtype)
+    m.configure(cuda_graphs=True)
+    assert m.graphs is not None and set(m.graphs.graphs) == set(GRAPH_SIZES)
+    g = torch.Generator().manual_seed(0)
+    tables = {i: list(range(8 * i, 8 * i + 8)) for i in range(7)}
+    lens = [9, 30, 14, 3, 22, 17, 5]
+    pre = [(i, 0, n, True, tables[i], torch.randint(3, 32000, (n,), generator=g).tolist()) for i, n in enumerate(lens)]
+    m.forward(m.prepare(pre, []), None)
+    for batch in ([2], [3, 0, 5], range(7)):
+        b = m.prepare([], [(i, lens[i], tables[i], 11 + i) for i in batch])
+        assert b.graph_rows == bucket(len(batch))
+        replayed = m.forward(b, None)
+        eager = m.graphs.run_eagerly(b, None)
+        assert torch.equal(replayed, eager)
+    assert m.graphs.replays == 3
+
+
+@pytest.mark.gpu
+def test_graph_replay_gives_the_eager_tokens(tiny):
+    """float32 generation (chunked prefill, decodes of 1-5 sequences): graphs on and off agree."""
     from engine.kv import BlockManager
     from test_torch_model import _generate
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (7, 3, 25, 14, 40)]
-    eager = _model(tiny, device="cuda", dtype=dtype)
+    eager = _model(tiny, device="cuda")
     eager.configure(cuda_graphs=False)
-    graphed = _model(tiny, device="cuda", dtype=dtype)
+    graphed = _model(tiny, device="cuda")
     graphed.configure(cuda_graphs=True)
-    assert graphed.graphs is not None and set(graphed.graphs.graphs) == set(GRAPH_SIZES)
     a = _generate([eager], prompts, 12, chunk=8, kv=BlockManager(64, 4))
     b = _generate([graphed], prompts, 12, chunk=8, kv=BlockManager(64, 4))
-    assert graphed.graphs.replays > 0
+    assert graphed.graphs.replays > 0 and eager.graphs is None
     assert a == b
 
 

@@ -94,25 +94,35 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every bucket, largest first (the buffers hold padding: nothing touches the pools)."""
-        torch.cuda.synchronize(self.model.device)
+        self._sync()
         for rows in reversed(self.sizes):
-            self._capture(rows)
+            b = self.static_batch(rows)
+            hidden = None if self.hidden is None else self.hidden[:rows]
+            fn = lambda b=b, hidden=hidden: self.model.forward_eager(b, hidden, head=False)  # noqa: E731
+            self._warm_up(fn)
+            self.graphs[rows] = self._record(fn)
+        self._sync()
+
+    # the CUDA calls, apart so that a CPU test can stand in for them
+    def _sync(self) -> None:
         torch.cuda.synchronize(self.model.device)
 
-    def _capture(self, rows: int) -> None:
-        b = self.static_batch(rows)
-        hidden = None if self.hidden is None else self.hidden[:rows]
-        side = torch.cuda.Stream(self.model.device)
-        side.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(side):  # warm-up: Triton compiles its kernels outside the capture
-            self.model.forward_eager(b, hidden, head=False)
-        torch.cuda.current_stream(self.model.device).wait_stream(side)
+    def _warm_up(self, fn) -> None:
+        """One eager run on a side stream: Triton compiles its kernels outside the capture."""
+        dev = self.model.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(dev).wait_stream(side)
+
+    def _record(self, fn):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model.forward_eager(b, hidden, head=False)
+            out = fn()
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[rows] = (graph, out)
+        return graph, out
 
     def replay(self, b, hidden: torch.Tensor | None) -> torch.Tensor:
         """Run the padded decode-only batch `b` (its `graph_rows` rows, `num_tokens` of them real)."""
