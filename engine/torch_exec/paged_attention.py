@@ -9,8 +9,8 @@ chunk sees keys `<= context_len - n + i` (causal with the chunk's offset).
 
 `paged_attention` covers the whole micro-batch in one launch, grid `(row tiles, kv_heads)`, the
 row tiles of every chunk listed by the host (`batch.row_tiles`: a decode beside a 2,048-token
-chunk gets one program, not the chunk's 224). A program owns BLOCK_M rows of one sequence and one KV head; rows are (query, head of the GQA
-group) pairs, query-major, so a decode's group of heads shares each K/V tile it loads (one
+chunk gets one program, not the chunk's 224). A program owns BLOCK_M rows of one sequence and
+one KV head; rows are (query, head of the GQA group) pairs, query-major, so a decode's group of heads shares each K/V tile it loads (one
 program per sequence x KV head covers the group, as vLLM's paged decode kernel does) and a
 prefill tile holds BLOCK_M / group queries. Keys are read BLOCK_N at a time straight from the
 pools through the block table (a gathered load, no copy), masked past the context and above the
@@ -41,8 +41,6 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 HAVE_TRITON = triton is not None
 LOG2E = 1.4426950408889634
-
-
 BLOCK_N = 64  # keys per loop step
 
 
@@ -153,9 +151,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """out[T, H, d] = softmax(q k^T * scale, causal with each chunk's offset) v, for every chunk.
 
     q [T, H, d]; k_cache / v_cache [kv_heads, num_blocks, block_size, d] (last dim contiguous);
-    block_tables [S, max_blocks] int32; query_start [S + 1] int32 (rows of chunk s:
-    query_start[s]:query_start[s + 1]); context_lens [S] int32 (keys of chunk s, its own
-    queries included). `max_query_len` (a host int, the longest chunk) picks the row tile and
+    block_tables [S, max_blocks]; query_start [S + 1] (rows of chunk s:
+    query_start[s]:query_start[s + 1]); context_lens [S] (keys of chunk s, its own queries
+    included); index tensors int32 or int64 (the model passes int64, one packed copy). `max_query_len` (a host int, the longest chunk) picks the row tile and
     `tiles` = (sequence, tile index) of each program (`batch.row_tiles`, built with the batch's
     other indices), so nothing here reads a device value back to the host; without `tiles`
     they are derived from `query_start` here, at the cost of a copy to the host (tests)."""
@@ -169,6 +167,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and out.stride(-1) == 1
     block_m = pick_block_m(max_query_len * group)
+    # Triton's CPU interpreter multiplies bfloat16 dot operands as raw bits (triton 3.9): on CPU
+    # the operands are widened to float32 (after p is rounded to V's dtype, as on GPU)
+    ieee = q.dtype == torch.float32 or q.device.type == "cpu"
     if tiles is None:
         tiles = tuple(torch.from_numpy(a).to(q.device)
                       for a in row_tiles(query_start.cpu().numpy(), group, block_m))
@@ -181,10 +182,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=_pow2(d),
-        # Triton's CPU interpreter multiplies bfloat16 dot operands as raw bits (triton 3.9):
-        # on CPU the operands are widened to float32 (after p is rounded to V's dtype, as on GPU)
-        IEEE=q.dtype == torch.float32 or q.device.type == "cpu",
-        num_warps=4, num_stages=2)
+        IEEE=ieee,
+        # float32 K/V tiles of head_dim 128 take 32 KB each: one stage keeps a float32 launch
+        # within the shared memory of GPUs smaller than the H100
+        num_warps=4, num_stages=1 if q.dtype == torch.float32 else 2)
     return out
 
 
