@@ -1,5 +1,5 @@
 """CUDA graphs for decode-only micro-batches (engine/torch_exec/cuda_graphs.py) and the vectorised
-batch indices they pad (engine/torch_exec/batch.py).
+batch indices they pad (engine/torch_exec/inputs.py).
 
 On CPU: the bucketing and padding functions, the numpy index builder against a per-token
 reference, and the graph runner's static buffers driven eagerly (padding rows and stale buffer
@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine.torch_exec.batch import host_batch, pad_rows  # noqa: E402
+from engine.torch_exec.inputs import host_batch, pad_rows  # noqa: E402
 from engine.torch_exec.cuda_graphs import GRAPH_SIZES, bucket, graph_rows, graph_width  # noqa: E402
 
 

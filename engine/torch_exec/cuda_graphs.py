@@ -8,7 +8,7 @@ of n sequences replays the smallest bucket >= n:
 
 - static input buffers (token ids or incoming hidden states, RoPE cos/sin, slots, context
   lengths, block tables; query offsets 0..B and one kernel row tile per row, constant) sized for the largest bucket; each bucket's graph
-  reads their first B rows. `prepare` pads the batch on the host (`batch.pad_rows`: slot -1,
+  reads their first B rows. `prepare` pads the batch on the host (`inputs.pad_rows`: slot -1,
   context 0, so padding neither writes nor reads the KV pools) and `replay` copies it into the
   buffers: a few device-to-device copies, then one graph launch;
 - the block-table buffer has `graph_width` columns (the model's longest context in blocks);
@@ -45,7 +45,7 @@ def graph_width(max_position: int | None, block_size: int, num_blocks: int) -> i
 
 
 def graph_rows(hb, width: int, sizes: tuple[int, ...] = GRAPH_SIZES) -> int:
-    """Rows of the bucket a host batch (batch.HostBatch) replays, 0 when it must run eagerly:
+    """Rows of the bucket a host batch (inputs.HostBatch) replays, 0 when it must run eagerly:
     a prefill chunk in it, more sequences than the largest bucket, or a table wider than `width`."""
     if hb.num_prefills or hb.max_query_len != 1 or hb.block_tables.shape[1] > width:
         return 0
@@ -70,7 +70,7 @@ class CudaGraphRunner:
         self.query_start = torch.arange(B + 1, dtype=long, device=dev)
         self.sample_rows = torch.arange(B, dtype=long, device=dev)
         self.block_tables = torch.zeros(B, self.width, dtype=long, device=dev)
-        self.tile_seq = torch.arange(B, dtype=long, device=dev)  # one row tile per decode (batch.pad_rows)
+        self.tile_seq = torch.arange(B, dtype=long, device=dev)  # one row tile per decode (inputs.pad_rows)
         self.tile_idx = torch.zeros(B, dtype=long, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None

@@ -32,7 +32,7 @@ That is the `torch` attention path (the default on CPU). The `triton` path (the 
 the block tables (engine/torch_exec/paged_attention.py), and one launch writing the new K/V; its
 forward has no Python loop over sequences and no host synchronisation, so decode-only micro-batches
 can be replayed from CUDA graphs (engine/torch_exec/cuda_graphs.py). Both paths take their
-indices from `host_batch` (engine/torch_exec/batch.py: numpy, nothing per token), which cross to
+indices from `host_batch` (engine/torch_exec/inputs.py: numpy, nothing per token), which cross to
 the GPU in one copy from pinned memory.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.torch_exec.batch import ARRAYS, HostBatch, host_batch, pack, packed_size, pad_rows
+from engine.torch_exec.inputs import ARRAYS, HostBatch, host_batch, pack, packed_size, pad_rows
 from engine.torch_exec.checkpoint import ArchConfig, EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -250,7 +250,7 @@ class StageModel:
         decodes:  [(seq_id, position, block_table, token_id)]
         Rows are the prefill chunks' tokens in order, then one row per decode; sampled rows are
         each sampling chunk's last row, then every decode row (`sampled_sequences()` order).
-        The indices are built by numpy (batch.py) and reach the device in one copy."""
+        The indices are built by numpy (inputs.py) and reach the device in one copy."""
         hb = host_batch(prefills, decodes, self.block_size, self.arch.num_heads // self.arch.num_kv_heads)
         num_tokens = hb.num_tokens
         rows = self.graphs.rows_for(hb) if self.graphs is not None else 0

@@ -8,7 +8,7 @@ in `q [T, heads, head_dim]`: a prefill chunk is `n` queries at the end of a cont
 chunk sees keys `<= context_len - n + i` (causal with the chunk's offset).
 
 `paged_attention` covers the whole micro-batch in one launch, grid `(row tiles, kv_heads)`, the
-row tiles of every chunk listed by the host (`batch.row_tiles`: a decode beside a 2,048-token
+row tiles of every chunk listed by the host (`inputs.row_tiles`: a decode beside a 2,048-token
 chunk gets one program, not the chunk's 224). A program owns BLOCK_M rows of one sequence and
 one KV head; rows are (query, head of the GQA group) pairs, query-major, so a decode's group of heads shares each K/V tile it loads (one
 program per sequence x KV head covers the group, as vLLM's paged decode kernel does) and a
@@ -17,7 +17,7 @@ pools through the block table (a gathered load, no copy), masked past the contex
 diagonal, with the online softmax of FlashAttention-2 (Dao 2023) in float32. Masked loads never
 touch slots past the context, so pools need no zeroing on this path. Tile sizes: BLOCK_N = 64
 keys, BLOCK_M = 64 rows for prefill-sized chunks and 16 (tl.dot's minimum) when the longest
-chunk's rows fit in 16, i.e. decode-only batches (`batch.pick_block_m`).
+chunk's rows fit in 16, i.e. decode-only batches (`inputs.pick_block_m`).
 
 Rows of a padded decode (CUDA-graph buckets) have context 0: their output is 0, and
 `write_kv` skips negative slots, so padding neither reads nor writes the pools.
@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from engine.torch_exec.batch import pick_block_m, row_tiles
+from engine.torch_exec.inputs import pick_block_m, row_tiles
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs may lack it
     import triton
@@ -154,7 +154,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_tables [S, max_blocks]; query_start [S + 1] (rows of chunk s:
     query_start[s]:query_start[s + 1]); context_lens [S] (keys of chunk s, its own queries
     included); index tensors int32 or int64 (the model passes int64, one packed copy). `max_query_len` (a host int, the longest chunk) picks the row tile and
-    `tiles` = (sequence, tile index) of each program (`batch.row_tiles`, built with the batch's
+    `tiles` = (sequence, tile index) of each program (`inputs.row_tiles`, built with the batch's
     other indices), so nothing here reads a device value back to the host; without `tiles`
     they are derived from `query_start` here, at the cost of a copy to the host (tests)."""
     T, H, d = q.shape
