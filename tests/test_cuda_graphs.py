@@ -117,7 +117,10 @@ def tiny(tmp_path_factory):
     return random_checkpoint(get_model("tiny-llama"), 0, tmp_path_factory.mktemp("models"))
 
 
-def _model(path, split=(0, 8, True, True), device="cpu", attention="triton", dtype="float32"):
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels under Triton's interpreter
+
+
+def _model(path, split=(0, 8, True, True), device=DEV, attention="triton", dtype="float32"):
     from engine.torch_exec.checkpoint import read_arch
     from engine.torch_exec.model import StageModel
 
@@ -143,11 +146,11 @@ def test_static_buffers_give_the_unpadded_rows(tiny, split):
     tables[0] = [0] + tables[0][:-1]  # slot 0 holds a real key: a padding row writing there would show
     lens = [9, 30, 14, 3, 22, 17, 5]
     pre = [(i, 0, n, True, tables[i], torch.randint(3, 32000, (n,), generator=g).tolist()) for i, n in enumerate(lens)]
-    hp = None if split[2] else torch.randn(sum(lens), m.arch.hidden_size, generator=g)
+    hp = None if split[2] else torch.randn(sum(lens), m.arch.hidden_size, generator=g).to(DEV)
     m.forward(m.prepare(pre, []), hp)
     for batch in (range(7), [3, 0, 5]):  # bucket 8, then bucket 4 over stale buffers
         dec = [(i, lens[i], tables[i], 11 + i) for i in batch]
-        hd = None if split[2] else torch.randn(len(dec), m.arch.hidden_size, generator=g)
+        hd = None if split[2] else torch.randn(len(dec), m.arch.hidden_size, generator=g).to(DEV)
         want = m.forward(m.prepare([], dec), hd)
         hb = host_batch([], dec, 4)
         rows = graph_rows(hb, runner.width, runner.sizes)
