@@ -243,3 +243,20 @@ def test_measure_bandwidth_on_cuda():
     m = measure_bandwidth(128, 512)
     print(f"decode 128 x 512, qwen2.5-7b attention shape, bf16: {m['seconds'] * 1e6:.1f} us, {m['GBps']:.0f} GB/s")
     assert m["GBps"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pp", [1, 2])
+def test_engine_on_cuda_matches_hf(tiny_ckpts, pp):
+    """executor.device=cuda in float32 with the defaults there (triton attention, CUDA graphs):
+    HF's greedy tokens, with chunked prefill and a forced preemption."""
+    pytest.importorskip("zmq")
+    import test_torch_engine as te
+
+    requests = te._requests()
+    cache = os.path.dirname(tiny_ckpts["tiny-llama"])
+    ctrl, _ex = te._run_pipeline(requests, pp=pp, model="tiny-llama", cache=cache, num_blocks=24,
+                                 policy_params={"token_budget": 16, "max_num_seqs": 8}, device="cuda")
+    assert ctrl.num_finished == len(requests) and ctrl.num_preemptions > 0
+    ref = te._hf_greedy(tiny_ckpts["tiny-llama"], requests)
+    assert {r.request_id: ctrl.sequences[r.request_id].output_token_ids for r in requests} == ref
