@@ -12,6 +12,10 @@ DEFAULT_DATA = REPO.parent / "shared" / "data"
 
 os.environ.setdefault("TESTBED_DATA_DIR", str(DEFAULT_DATA))
 os.environ["TESTBED_ALLOW_DOWNLOAD"] = "0"
+# Without a GPU the Triton kernels (engine/torch_exec/paged_attention.py) run under Triton's
+# interpreter, which must be chosen before triton is first imported (transformers imports it)
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -50,3 +54,20 @@ def small_config(*overrides: str, out_dir: Path | None = None) -> dict:
     if out_dir is not None:
         base.append(f"output.dir={out_dir}")
     return to_container(compose(merge(base, overrides)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests are skipped where CUDA is absent (CI); run them on a machine with a GPU."""
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    try:
+        import torch
+
+        have_cuda = torch.cuda.is_available()
+    except ImportError:
+        have_cuda = False
+    if not have_cuda:
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in gpu:
+            item.add_marker(skip)

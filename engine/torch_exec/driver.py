@@ -361,7 +361,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
             link_chunk_bytes=st.link_chunk_bytes, driver_addr=addr, policy_class=policy_class,
             policy_params=policy_params, model_seed=st.model_seed,
             profile_tokens=profile_tokens(st.profile_tokens, getattr(self.policy, "params", None))
-            if num_blocks == 0 else 0)
+            if num_blocks == 0 else 0, attention=st.attention, cuda_graphs=st.cuda_graphs)
 
     def _layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
         from engine.costmodel import split_layers
@@ -557,6 +557,12 @@ def check_launchable(settings: TorchSettings) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("executor.device=cuda, but no CUDA device is available here "
                               "(torch.cuda.is_available() is False); valid choices: cpu")
+    if settings.attention == "triton":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("executor.attention=triton, but triton is not installed here; "
+                              "valid choices: auto, torch")
     if settings.launch == "external":
         try:
             secret = wire.secret_from_env()

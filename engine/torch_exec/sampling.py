@@ -1,5 +1,8 @@
 """Token sampling on the last stage: greedy, or temperature / top-k / top-p with a seed.
 
+Sampling runs where the logits are (the GPU on CUDA) and returns the batch's token ids through one
+device-to-host copy; penalty state lives on the host and its batch columns move to the logits.
+
 Random sampling gives every (request, position) its own generator, seeded from
 (`sample_seed`, request id, position), so a request's tokens do not depend on which other
 requests shared its micro-batch, on the policy or on the pipeline depth. Filters apply in
@@ -39,8 +42,9 @@ def sample(logits: torch.Tensor, keys: list[tuple[int, int]], *, method: str = "
     g = torch.Generator(device=logits.device)
     for i, (seq_id, pos) in enumerate(keys):
         g.manual_seed(row_seed(seed, seq_id, pos))
-        out.append(int(torch.multinomial(probs[i], 1, generator=g)))
-    return out
+        out.append(torch.multinomial(probs[i], 1, generator=g))
+    # one device-to-host copy for the whole batch (the draws stay on the logits' device)
+    return torch.cat(out).tolist() if out else []
 
 
 def apply_penalties(logits: torch.Tensor, counts_vm: torch.Tensor, seen_vm: torch.Tensor, *,
@@ -109,8 +113,9 @@ class Sampler:
             for sid, _ in keys:
                 if sid not in self.seen:
                     self.observe_prefill(sid, 0, ())
-            counts = torch.stack([self.counts[s] for s, _ in keys], dim=1)
-            seen = torch.stack([self.seen[s] for s, _ in keys], dim=1)
+            # per-sequence state stays on the host; the batch's columns go to the logits' device
+            counts = torch.stack([self.counts[s] for s, _ in keys], dim=1).to(logits.device)
+            seen = torch.stack([self.seen[s] for s, _ in keys], dim=1).to(logits.device)
             logits = logits.float().clone()
             apply_penalties(logits, counts, seen, repetition=self.rep, presence=self.pres, frequency=self.freq)
         tokens = sample(logits, keys, **self.kw)
@@ -129,8 +134,8 @@ class Sampler:
             if sid not in self.seen:
                 self.observe_prefill(sid, 0, ())
             row = row.float().clone()
-            apply_penalties(row, self.counts[sid][:, None], self.seen[sid][:, None], repetition=rep,
-                            presence=pres, frequency=freq)
+            apply_penalties(row, self.counts[sid][:, None].to(row.device), self.seen[sid][:, None].to(row.device),
+                            repetition=rep, presence=pres, frequency=freq)
         method = "greedy" if temperature == 0 else "random"
         row_key = (0, pos) if seed is not None else key
         tok = sample(row, [row_key], method=method, temperature=temperature or 1.0, top_k=top_k, top_p=top_p,

@@ -8,12 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import bad_value
+from engine.typed import setting
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 SAMPLING = ("greedy", "random")
 LAUNCH = ("spawn", "external")
 BACKENDS = ("auto", "gloo", "nccl")
+ATTENTION = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class TorchSettings:
     device: str = "cpu"  # cpu | cuda (stage s uses GPU s % device_count)
     threads_per_stage: int = 1  # torch intra-op threads per stage process (CPU)
     backend: str = "auto"  # data plane: auto = gloo on CPU, nccl on CUDA when every stage has its own GPU
+    # attention over the paged KV cache (docs/real-engine.md): auto = the Triton kernel on CUDA when triton
+    # imports, torch elsewhere; triton on CPU runs under Triton's interpreter (tests only: slow)
+    attention: str = setting("auto", choices=ATTENTION)
+    cuda_graphs: bool = True  # decode-only micro-batches replay CUDA graphs (CUDA + Triton attention; else ignored)
     # sampling (on the last stage)
     sampling: str = "greedy"  # greedy | random
     temperature: float = 1.0  # random only; 0 means greedy

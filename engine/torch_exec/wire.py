@@ -203,6 +203,8 @@ class StageInit:
     policy_params: dict[str, Any]
     model_seed: int = 0  # random weights when `path` is ""
     profile_tokens: int = 0  # tokens of the warm-up micro-batch, when num_blocks is 0
+    attention: str = "auto"  # executor.attention: auto | torch | triton
+    cuda_graphs: bool = True  # executor.cuda_graphs
 
 
 @message("kv_probe")

@@ -338,7 +338,7 @@ class _Stage:
 
             num_blocks = warmup_shape(init.profile_tokens, init.block_size)[2]
         self.model = StageModel(arch, first_layer, n_layers, self.first, self.last, num_blocks,
-                                init.block_size, init.dtype, self.device)
+                                init.block_size, init.dtype, self.device, attention=init.attention)
         if init.path:
             self.model.load(init.path)
         else:  # a table model on the GPU: this stage's random tensors, built in place
@@ -364,6 +364,7 @@ class _Stage:
                 return
 
     def setup_runtime(self, init: wire.StageInit) -> None:
+        self.model.configure(init.attention, init.cuda_graphs)  # attention path; CUDA graphs captured here
         self.overlap = init.overlap_input_prep
         self.prepared: dict[int, object] = {}  # mb id -> future of its prepared inputs (<= 2 buffers)
         self.aware = init.structure_aware_transfer
