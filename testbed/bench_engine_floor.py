@@ -157,32 +157,15 @@ def copy_rate(device: str, nbytes: int) -> float:
 def attention_bandwidth(arch, dtype: str, device: str, batch: int, context: int, block_size: int,
                         repeats: int = 5) -> tuple[float, int, float] | str:
     """(kernel seconds, K/V bytes read, bytes/s) of one layer's paged attention for `batch` decodes
-    at `context`, blocks shuffled over the pool; or a note saying why it was not measured."""
-    try:
-        from engine.torch_exec import paged_attention as pa
-    except ImportError:
-        return "engine/torch_exec/paged_attention.py is not in this checkout"
-    if not getattr(pa, "HAVE_TRITON", False):
+    at `context` with the model's heads, blocks shuffled over the pool
+    (engine/torch_exec/paged_attention.py `measure_bandwidth`); or a note saying why not measured."""
+    from engine.torch_exec import paged_attention as pa
+
+    if not pa.HAVE_TRITON:
         return "triton does not import here"
     if torch.device(device).type != "cuda":
         return "the Triton kernel runs on CPU only under Triton's interpreter (not a speed)"
-    dev, dt = torch.device(device), DTYPES[dtype]
-    a = arch
-    per_seq = -(-context // block_size)
-    nb = batch * per_seq
-    k = torch.randn(a.num_kv_heads, nb, block_size, a.head_dim, dtype=dt, device=dev)
-    v = torch.randn_like(k)
-    g = torch.Generator().manual_seed(0)
-    tables = torch.randperm(nb, generator=g).view(batch, per_seq).to(dev, torch.int32)
-    q = torch.randn(batch, a.num_heads, a.head_dim, dtype=dt, device=dev)
-    query_start = torch.arange(batch + 1, dtype=torch.int32, device=dev)
-    ctx = torch.full((batch,), context, dtype=torch.int32, device=dev)
-    try:
-        def run():
-            pa.paged_attention(q, k, v, tables, query_start, ctx, a.head_dim ** -0.5, 1)
-
-        t = timed(run, dev, repeats, warmup=2)
-        nbytes = pa.kv_bytes_read(k, ctx, query_start, a.num_heads // a.num_kv_heads)
-    except (TypeError, AttributeError) as exc:  # the kernel's signature moved on
-        return f"paged_attention's interface differs from the one this bench knows ({exc})"
-    return t, int(nbytes), nbytes / t
+    got = pa.measure_bandwidth(batch, context, kv_heads=arch.num_kv_heads,
+                               group=arch.num_heads // arch.num_kv_heads, head_dim=arch.head_dim,
+                               block_size=block_size, dtype=DTYPES[dtype], device=device, iters=repeats)
+    return got["seconds"], int(got["bytes"]), got["bytes"] / got["seconds"]
