@@ -64,6 +64,8 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add, attrgetter, sub
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,9 @@ from engine.policy import History, Policy, SchedulerView, register_policy
 from engine.request import SeqStatus, Sequence
 from policies import length_predictor as lp
 from policies.common import IdleOrder, add_decode_or_preempt, idle_decodes
+
+_seq_id, _num_generated, _num_computed = attrgetter("seq_id"), attrgetter("num_generated"), attrgetter("num_computed")
+_prompt_len = attrgetter("request.prompt_len")
 
 PAPER_POINTS = tuple(range(32, 1025, 32))  # the paper: every 32 decode steps up to 1024
 CODE_POINTS = (5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # the public code
@@ -168,7 +173,25 @@ class KVForecast:
 
     def add(self, lengths, remaining) -> None:
         if len(lengths):
-            self.usage += self.contributions(lengths, remaining).sum(axis=0)
+            self.usage += self.summed(lengths, remaining)
+
+    def summed(self, lengths, remaining) -> np.ndarray:
+        """`contributions(...).sum(axis=0)`, the same integers. When every point is a multiple of
+        the block size (the paper's points, 16-token blocks) blocks(L + f) = blocks(L) + f / bs,
+        so a point's sum is over the requests with remaining >= f: a suffix of them sorted by
+        remaining, read off suffix sums in O(n log n + points) instead of an (n, points) matrix
+        (the plan's forecast of the running set was 11% of TD-Pipe's benchmark run, py-spy)."""
+        bs = self.block_size
+        if not bool((self.points % bs == 0).all()):
+            return self.contributions(lengths, remaining).sum(axis=0)
+        L = np.asarray(lengths, dtype=np.int64)
+        R = np.asarray(remaining, dtype=np.int64)
+        order = np.argsort(R, kind="stable")
+        blocks = (-(-L // bs))[order]
+        suffix = np.zeros(len(blocks) + 1, dtype=np.int64)
+        suffix[:-1] = np.cumsum(blocks[::-1])[::-1]  # suffix[k] = blocks of the k-th smallest remaining onwards
+        start = np.searchsorted(R[order], self.points, side="left")  # first request with remaining >= f
+        return suffix[start] + (len(blocks) - start) * (self.points // bs)
 
     def reset(self) -> None:
         self.usage[:] = 0
@@ -357,7 +380,8 @@ class TdpipePolicy(Policy):
         """`remaining_pred` of each sequence, in one comprehension (the plan runs it over the whole
         running set: 1.5M calls in the 5,000-request benchmark)."""
         get, fallback = self.pred.get, self._fallback
-        return [max(0, get(s.seq_id, fallback) - s.num_generated) for s in seqs]
+        left = map(sub, map(get, map(_seq_id, seqs), repeat(fallback)), map(_num_generated, seqs))
+        return list(map(max, repeat(0), left))  # C-level maps: ~2x the comprehension's speed
 
     # --- phase rules -------------------------------------------------------------------------------
     def should_enter_decode(self, view: SchedulerView) -> bool:
@@ -376,7 +400,7 @@ class TdpipePolicy(Policy):
         P = self.max_inflight(view)  # decode batches per round (P by default)
         cm = view.cost_model
         running = list(view.running)
-        ctx = max(1, round((sum([s.num_computed for s in running]) + len(running)) / len(running))) if running else 1
+        ctx = max(1, round((sum(map(_num_computed, running)) + len(running)) / len(running))) if running else 1
         b = len(running) // P
         si = spatial_intensity(lambda x: cm.decode_step_s(x, ctx), b, p.b_peak)
         batches = self.plan_prefills(view)
@@ -405,7 +429,7 @@ class TdpipePolicy(Policy):
             limit = int(np.searchsorted(before, cap, side="left")) + 1
             fc = KVForecast(self.points, view.block_size)
             run = list(view.running)
-            fc.add([s.request.prompt_len + s.num_generated for s in run], self.remaining_preds(run))  # total_len
+            fc.add(list(map(add, map(_prompt_len, run), map(_num_generated, run))), self.remaining_preds(run))  # total_len
             n = fc.admissible(lengths[:limit], self.remaining_preds(waiting[:limit]), cap)
         batches, tok, cnt = [], 0, 0
         for x in lengths[:n]:
