@@ -219,18 +219,21 @@ class Controller:
                     seq.output_token_ids.append(tokens[k])
                 k += 1
                 self._emit_token(seq, now, finished)
-        decoding = SeqStatus.DECODING
-        for seq in mb.decodes:  # the hot path: inlined _emit_token for a sequence past its first token
+        # The hot path: _emit_token inlined for sequences past their first token (a decode stays
+        # DECODING while in flight: nothing preempts or drops an in-flight sequence).
+        if tokens is not None:
+            for seq in mb.decodes:
+                seq.output_token_ids.append(tokens[k])
+                k += 1
+        else:
+            k += len(mb.decodes)
+        for seq in mb.decodes:
             seq.in_flight = False
             seq.num_computed += 1
-            if tokens is not None:
-                seq.output_token_ids.append(tokens[k])
-            k += 1
-            seq.num_generated += 1
-            if seq.num_generated >= seq.output_len:
+            n = seq.num_generated + 1
+            seq.num_generated = n
+            if n >= seq.output_len:
                 self._emit_finish(seq, now, finished)
-            else:
-                seq.status = decoding
         if tokens is not None and k != len(tokens):
             raise RuntimeError(f"micro-batch {mb.mb_id}: {len(tokens)} tokens returned for {k} samplers")
         self.records.append(MicroBatchRecord(
@@ -252,6 +255,9 @@ class Controller:
         scan = [s for s in self.running.values() if s.status is SeqStatus.PREFILLING]
         assert list(self.prefilling.values()) == scan, "controller's prefilling index is stale"
         assert self.num_decoding == len(self.running) - len(scan), "controller's decoding count is stale"
+        for s in self.running.values():  # what BatchBuilder's decode fast path relies on
+            if s.status is SeqStatus.DECODING and not s.in_flight:
+                assert self.kv.num_tokens(s.seq_id) == s.num_computed, f"{s!r} holds {self.kv.num_tokens(s.seq_id)} tokens"
 
     def _emit_token(self, seq: Sequence, now: float, finished: list[Sequence]) -> None:
         seq.num_generated += 1
