@@ -331,19 +331,15 @@ class SimExecutor(Executor):
 _LAUNCH = 6  # a launch sorts after every event of its instant (the controller launches between pops)
 
 
-def _parent(key: tuple) -> tuple:
-    """An event key cut to (time, priority, push index): keys stay flat instead of chaining the
-    whole run's history, and two events agreeing that far are not known to differ anyway."""
-    return (key[0], key[1], key[3])
-
-
 class _FifoPipeline:
     """A micro-batch's whole timeline at launch, when every stage and link serves in launch order.
 
     Each server keeps when it is next free and the heap key `(time, priority, parent, index)`
     of the event that frees it: the event loop's key with the insertion counter replaced by the
     key of the event that pushed it and the push's index within that event, so same-time ties
-    resolve as the heap's counter did. A stage starts at `max(arrival, free)`, on the arrival
+    resolve as the heap's counter did. The parent is cut to (time, priority, push index): keys
+    stay flat instead of chaining the run's whole history, and two events that agree that far
+    are not told apart anyway. A stage starts at `max(arrival, free)`, on the arrival
     when it is idle then (a stage's STAGE_DONE pops before an ARRIVE of the same instant) and
     on the previous batch's STAGE_DONE otherwise; a link likewise, where a same-instant
     LINK_DONE pops after the STAGE_DONE. Kept spans wait in a heap under their trigger's key
@@ -369,55 +365,54 @@ class _FifoPipeline:
         self.launches += 1
         last = len(self.stage_free) - 1
         keep = self.tracer.keeps(mb_id)
+        busy = self.tracer.busy
+        stage_free, stage_key, link_free, link_key = self.stage_free, self.stage_key, self.link_free, self.link_key
+        send_s = priced.nbytes / self.bandwidth
+        if self.metadata_s is not None:
+            send_s += self.metadata_s
         arrive, arrive_key = now, (now, _LAUNCH, (), self.launches)
         for s in range(last + 1):
-            if self.stage_free[s] > arrive:  # busy: starts when the previous batch's forward ends
-                start, trigger, index = self.stage_free[s], self.stage_key[s], 1
+            if stage_free[s] > arrive:  # busy: starts when the previous batch's forward ends
+                start, trigger, index = stage_free[s], stage_key[s], 1
             else:
                 start, trigger, index = arrive, arrive_key, 0
-            end = self._stage(s, start, priced, s == last, keep and (trigger, index), mb_id)
-            key = (end, STAGE_DONE, _parent(trigger), index)
-            self.stage_free[s], self.stage_key[s] = end, key
+            end = self._stage(s, start, priced, s == last, (trigger, index) if keep else None, mb_id)
+            stage_free[s] = end
+            stage_key[s] = key = (end, STAGE_DONE, (trigger[0], trigger[1], trigger[3]), index)
             if s == last:
                 self.done.append((end + self.latency, mb_id))
                 return
-            if self.link_free[s] >= end:  # busy: sends when the previous activation has left
-                start, trigger, index = self.link_free[s], self.link_key[s], 1
+            if link_free[s] >= end:  # busy: sends when the previous activation has left
+                start, trigger, index = link_free[s], link_key[s], 1
             else:
                 start, trigger, index = end, key, 0
-            duration = priced.nbytes / self.bandwidth
-            if self.metadata_s is not None:
-                duration += self.metadata_s
-            sent = start + duration
+            sent = start + send_s
             track = self.link_tracks[s]
-            busy = self.tracer.busy
             busy[track] = busy.get(track, 0.0) + (sent - start)
             if keep:
                 heapq.heappush(self.spans, (trigger, index, [(track, "send", start, sent, mb_id)]))
-            self.link_key[s] = link_key = (sent, LINK_DONE, _parent(trigger), index)
-            self.link_free[s] = sent
-            arrive, arrive_key = sent + self.latency, (sent + self.latency, ARRIVE, _parent(link_key), 0)
+            link_free[s] = sent
+            link_key[s] = (sent, LINK_DONE, (trigger[0], trigger[1], trigger[3]), index)
+            arrive = sent + self.latency
+            arrive_key = (arrive, ARRIVE, (sent, LINK_DONE, index), 0)  # the LINK_DONE's key, cut
 
-    def _stage(self, s: int, start: float, priced: _Priced, last: bool, order, mb_id: int) -> float:
-        """`Tracer.chain` of the stage's parts (same sums in the same order); returns the end."""
-        parts = (("prepare", priced.prep), (priced.forward_name, priced.forward[s]))
-        if last:
-            parts += (("sample", priced.sample),)
+    def _stage(self, s: int, start: float, priced: _Priced, last: bool, order: tuple | None, mb_id: int) -> float:
+        """`Tracer.chain` of the stage's parts (the same sums in the same order); returns the end."""
         track = self.stage_tracks[s]
         busy = self.tracer.busy
-        total = busy.get(track, 0.0)
-        t = start
-        kept = []
-        for name, duration in parts:
-            end = t + duration
-            total += end - t
-            if order:
-                kept.append((track, name, t, end, mb_id))
-            t = end
+        prepared = start + priced.prep
+        end = prepared + priced.forward[s]
+        total = busy.get(track, 0.0) + (prepared - start) + (end - prepared)
+        if last:
+            sampled = end + priced.sample
+            total += sampled - end
         busy[track] = total
-        if order:
+        if order is not None:
+            kept = [(track, "prepare", start, prepared, mb_id), (track, priced.forward_name, prepared, end, mb_id)]
+            if last:
+                kept.append((track, "sample", end, sampled, mb_id))
             heapq.heappush(self.spans, (order[0], order[1], kept))
-        return t
+        return sampled if last else end
 
     def next_done(self, deadline: float | None) -> tuple[float, int] | None:
         done = self.done
