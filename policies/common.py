@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 from engine.batch import BatchBuilder
 from engine.policy import SchedulerView
 from engine.request import SeqStatus, Sequence
@@ -28,45 +30,44 @@ class IdleOrder:
     """Remembers when each decoding sequence last returned from the pipeline.
 
     The order is (completion counter when it last returned, admission order), -1 for a sequence
-    that never returned; it is kept as one int per sequence, `counter << 40 | admit_order`, so
-    that `sort` runs on a C-level key (the dict's own lookup) instead of a Python lambda building
-    a tuple per idle decode: the lambda, the sort and the stamping were 20% of gLLM's 5,000-request
-    benchmark (py-spy). A sequence's admission order cannot change while it decodes (only a
-    preemption and a new admission change it, and it is stamped again when it decodes again)."""
+    that never returned. `sort` runs two stable sorts on C-level keys (admission order, then
+    the counter, read by the stamp dict's own lookup) instead of one on a Python lambda building a
+    tuple per idle decode: the lambda, the sort and the stamping were 20% of gLLM's
+    5,000-request benchmark (py-spy). Stamps are keyed by the sequence itself and hold the
+    shared counter object, so stamping a returned batch allocates nothing."""
 
     def __init__(self) -> None:
-        self._key = _IdleKeys()  # sequence -> counter << 40 | admit_order
+        self._stamp = _Stamps()  # sequence -> completion counter when it last returned
         self._completions = 0
 
     def on_complete(self, micro_batch, finished) -> None:
         self._completions += 1
-        key, now, decoding = self._key, self._completions << _ADMIT_BITS, SeqStatus.DECODING
+        stamp, now, decoding = self._stamp, self._completions, SeqStatus.DECODING
         for chunk in micro_batch.prefills:  # micro_batch.sequences() without building the list
-            seq = chunk.seq
-            if seq.status is decoding:
-                key[seq] = now + seq.admit_order
+            if chunk.seq.status is decoding:
+                stamp[chunk.seq] = now
         for seq in micro_batch.decodes:
             if seq.status is decoding:
-                key[seq] = now + seq.admit_order
+                stamp[seq] = now
         for seq in finished:
-            key.pop(seq, None)
+            stamp.pop(seq, None)
 
     def sort(self, seqs: list) -> None:
         """In place: longest idle first, then admission order."""
-        seqs.sort(key=self._key.__getitem__)
+        seqs.sort(key=_admit_order)
+        seqs.sort(key=self._stamp.__getitem__)  # stable: ties keep admission order
 
 
-_ADMIT_BITS = 40  # admission orders below 2**40 (a trillion admissions) keep the two parts apart
+_admit_order = attrgetter("admit_order")
 
 
-class _IdleKeys(dict):
-    """`IdleOrder`'s keys; a sequence that never returned sorts by admission order alone (its
-    counter -1, below every completion's)."""
+class _Stamps(dict):
+    """`IdleOrder`'s stamps; a sequence that never returned reads -1 (before every completion)."""
 
     __slots__ = ()
 
     def __missing__(self, seq: Sequence) -> int:
-        return seq.admit_order
+        return -1
 
 
 def add_decode_or_preempt(b: BatchBuilder, seq: Sequence, victims: list[Sequence]) -> bool:
