@@ -10,7 +10,6 @@ in one place (`Controller._commit`), applying exactly the accounting the builder
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from engine.costmodel import BatchShape
@@ -21,7 +20,6 @@ if TYPE_CHECKING:
 
 
 _DECODING = SeqStatus.DECODING  # a module constant: the enum attribute lookup showed in profiles
-_num_computed = attrgetter("num_computed")
 
 
 class PolicyContractError(RuntimeError):
@@ -147,7 +145,12 @@ class BatchBuilder:
         The decode loop of every policy, in one call: per token it is the hot path of a run
         (1.4M decodes in the 5,000-request benchmark); inlined here it costs 0.12 us of CPU a
         token instead of 0.18 us through `add_decode` in a policy's loop (128 decodes,
-        micro-benchmark on the shared 2-core machine)."""
+        micro-benchmark on the shared 2-core machine). A fresh batch whose first `limit` decodes
+        all fit takes them in one validating pass and two bulk calls (`_add_fresh_decodes`)."""
+        if not self._members:
+            taken = self._add_fresh_decodes(seqs, limit)
+            if taken >= 0:
+                return taken
         decodes = self.decodes
         members = self._members
         tables = self._tables
@@ -175,6 +178,37 @@ class BatchBuilder:
             n += 1
         self.free_blocks = free
         return len(seqs)
+
+    def _add_fresh_decodes(self, seqs: list[Sequence] | tuple[Sequence, ...], limit: int) -> int:
+        """`add_decodes` on a batch with no member yet when every decode up to `limit` is valid,
+        distinct and fits: the same result, at 0.10 us a decode instead of 0.18 us (128 decodes,
+        micro-benchmark under load 3). Returns -1, with nothing changed, in any other case.
+
+        A decoding sequence outside any in-flight batch holds exactly `num_computed` tokens in a
+        table of `blocks_for(num_computed)` blocks (the controller checks it in integrity mode),
+        so its next token needs a new block exactly when `num_computed` is a multiple of the block
+        size: no table lookup."""
+        room = limit - len(self.decodes)
+        if room <= 0:
+            return -1
+        head = seqs if len(seqs) <= room else seqs[:room]
+        bs = self._block_size
+        need = 0
+        for seq in head:
+            if seq.in_flight or seq.status is not _DECODING:
+                return -1  # the general loop raises the contract error at the right sequence
+            if not seq.num_computed % bs:
+                need += 1
+        if need > self.free_blocks:
+            return -1
+        members = self._members
+        members.update([s.seq_id for s in head])  # a comprehension: faster than an attrgetter map
+        if len(members) != len(head):  # a sequence twice: the general loop skips the repeats
+            members.clear()
+            return -1
+        self.decodes.extend(head)
+        self.free_blocks -= need
+        return len(head)
 
     def add_prefill(self, seq: Sequence, num_tokens: int, reserve_tokens: int = 0) -> bool:
         """Add a chunk of `num_tokens` prompt tokens; `reserve_tokens` reserves KV beyond it
@@ -234,7 +268,8 @@ def shape_of(prefills: list[PrefillChunk] | tuple[PrefillChunk, ...],
         pairs += x * prefix + x * (x + 1) // 2
         ctx += prefix + x
         sampled += c.samples
-    dctx = sum(map(_num_computed, decodes)) + len(decodes)  # the same integer, without a Python loop
+    dctx = sum([s.num_computed for s in decodes]) + len(decodes)  # a list comprehension: 19 us per 1,000
+    # decodes, an attrgetter map 33 us (Python 3.11's specialised attribute loads)
     return BatchShape(
         num_prefill_tokens=ptok,
         num_decode_seqs=len(decodes),

@@ -65,6 +65,10 @@ class Controller:
         self.sequences: dict[int, Sequence] = {r.request_id: Sequence(r) for r in self.requests}
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
+        # The running set by status, kept at every transition so policies need not scan it per
+        # micro-batch (`view.prefilling`, `view.num_decoding`): prefilling ones in admission order.
+        self.prefilling: dict[int, Sequence] = {}
+        self.num_decoding = 0
         self.inflight: dict[int, MicroBatch] = {}
         self.view = SchedulerView(self)
         self.data_dir = data_dir  # where the workload's data set lives, for policies that learn from history
@@ -165,6 +169,7 @@ class Controller:
                 seq.admit_order = self._admit_counter
                 self._admit_counter += 1
                 self.running[seq.seq_id] = seq
+                self.prefilling[seq.seq_id] = seq
                 if seq.first_scheduled_s is None:
                     seq.first_scheduled_s = now
             self.kv.ensure(seq.seq_id, chunk.reserve_tokens)
@@ -184,12 +189,13 @@ class Controller:
             self.first_launch_s = now
         if self.check_integrity:
             self.kv.check_integrity()
+            self._check_status_index()
 
     def apply_preemptions(self, victims: Seq[Sequence]) -> None:
         """Free each victim's KV and queue it first for recomputation (vLLM's recompute mode)."""
         for seq in reversed(victims):  # appendleft in reverse keeps the policy's order at the front
             self.kv.free(seq.seq_id)
-            del self.running[seq.seq_id]
+            self._leave_running(seq)
             seq.status = SeqStatus.PREEMPTED
             seq.num_computed = 0
             seq.num_preemptions += 1
@@ -213,18 +219,21 @@ class Controller:
                     seq.output_token_ids.append(tokens[k])
                 k += 1
                 self._emit_token(seq, now, finished)
-        decoding = SeqStatus.DECODING
-        for seq in mb.decodes:  # the hot path: inlined _emit_token for a sequence past its first token
+        # The hot path: _emit_token inlined for sequences past their first token (a decode stays
+        # DECODING while in flight: nothing preempts or drops an in-flight sequence).
+        if tokens is not None:
+            for seq in mb.decodes:
+                seq.output_token_ids.append(tokens[k])
+                k += 1
+        else:
+            k += len(mb.decodes)
+        for seq in mb.decodes:
             seq.in_flight = False
             seq.num_computed += 1
-            if tokens is not None:
-                seq.output_token_ids.append(tokens[k])
-            k += 1
-            seq.num_generated += 1
-            if seq.num_generated >= seq.output_len:
+            n = seq.num_generated + 1
+            seq.num_generated = n
+            if n >= seq.output_len:
                 self._emit_finish(seq, now, finished)
-            else:
-                seq.status = decoding
         if tokens is not None and k != len(tokens):
             raise RuntimeError(f"micro-batch {mb.mb_id}: {len(tokens)} tokens returned for {k} samplers")
         self.records.append(MicroBatchRecord(
@@ -238,7 +247,17 @@ class Controller:
         if self.check_integrity:
             self.kv.check_integrity()
             assert self.waiting_prefill_tokens == sum(q.remaining_prefill for q in self.waiting)
+            self._check_status_index()
         return finished
+
+    def _check_status_index(self) -> None:
+        """`prefilling` and `num_decoding` agree with a scan of the running set (integrity mode)."""
+        scan = [s for s in self.running.values() if s.status is SeqStatus.PREFILLING]
+        assert list(self.prefilling.values()) == scan, "controller's prefilling index is stale"
+        assert self.num_decoding == len(self.running) - len(scan), "controller's decoding count is stale"
+        for s in self.running.values():  # what BatchBuilder's decode fast path relies on
+            if s.status is SeqStatus.DECODING and not s.in_flight:
+                assert self.kv.num_tokens(s.seq_id) == s.num_computed, f"{s!r} holds {self.kv.num_tokens(s.seq_id)} tokens"
 
     def _emit_token(self, seq: Sequence, now: float, finished: list[Sequence]) -> None:
         seq.num_generated += 1
@@ -246,16 +265,26 @@ class Controller:
             seq.first_token_s = now
         if seq.num_generated >= seq.output_len:
             self._emit_finish(seq, now, finished)
-        else:
+        elif seq.status is not SeqStatus.DECODING:  # its prompt is done: PREFILLING -> DECODING
             seq.status = SeqStatus.DECODING
+            del self.prefilling[seq.seq_id]
+            self.num_decoding += 1
 
     def _emit_finish(self, seq: Sequence, now: float, finished: list[Sequence]) -> None:
+        self._leave_running(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_s = now
         self.kv.free(seq.seq_id)
-        del self.running[seq.seq_id]
         self.num_finished += 1
         finished.append(seq)
+
+    def _leave_running(self, seq: Sequence) -> None:
+        """Take `seq` off the running set and its status index (before its status changes)."""
+        del self.running[seq.seq_id]
+        if seq.status is SeqStatus.DECODING:
+            self.num_decoding -= 1
+        else:
+            del self.prefilling[seq.seq_id]
 
     # --- failure -----------------------------------------------------------------------------------
     def _fail(self, seq: Sequence, reason: str) -> None:
@@ -270,7 +299,7 @@ class Controller:
             if not seq.is_done:
                 if seq.seq_id in self.running:
                     self.kv.free(seq.seq_id)
-                    del self.running[seq.seq_id]
+                    self._leave_running(seq)
                 seq.in_flight = False
                 self._fail(seq, reason)
                 n += 1
@@ -357,7 +386,7 @@ class Controller:
             self.waiting_prefill_tokens -= seq.remaining_prefill
         if seq.seq_id in self.running:
             self.kv.free(seq.seq_id)
-            del self.running[seq.seq_id]
+            self._leave_running(seq)
         self._fail(seq, reason)
         seq.finish_s = self.executor.now()
         self.policy.on_abort(self.view, seq)

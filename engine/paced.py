@@ -67,9 +67,8 @@ class PacedExecutor(Executor):
     def _catch_up(self, t: float) -> None:
         """Apply every simulator event up to time `t`, keeping the completions found; the
         simulator's clock stays at the last event applied."""
-        events = self.inner.events
         while True:
-            te = events.peek_time()
+            te = self.inner.peek_time()
             if te is None or te > t:
                 return
             c = self.inner.next_completion(te)
@@ -100,7 +99,7 @@ class PacedExecutor(Executor):
         while True:
             if self._ready:
                 return self._ready.popleft()
-            target = self.inner.events.peek_time()
+            target = self.inner.peek_time()
             if target is None or (deadline is not None and target > deadline):
                 if deadline is None:
                     return None

@@ -14,6 +14,7 @@ Hooks, their defaults, and the process that runs each:
 | `prepare(ctx)`: before the run is built; may simulate short runs of this setup through `ctx.simulate` and replace `self.params`; returns facts to record | `{}` | driver |
 | `start(view)`: once before the first `schedule` (e.g. fit a predictor on history) | nothing | driver |
 | `view.history(mode, data_dir)` (a view method, not a hook): the workload's data set minus this run's requests, for policies that learn from history (TD-Pipe's length predictor); found by the provider the runner hands to `Controller(history=...)`, so engine/ and policies/ never read workload files | None (no provider) | driver |
+| `view.prefilling`, `view.num_decoding` (view members, not hooks): the running sequences still prefilling (admission order) and the count of those past their prompt, kept by the controller at every status change, so a policy need not scan `view.running` per micro-batch (O(running) per batch: Sarathi's 45k batches over up to 128 sequences) | always there (a live view: read, never mutate) | driver |
 | `schedule(view) -> MicroBatch or None` | required | driver |
 | `on_complete(view, micro_batch, finished)` | nothing | driver |
 | `on_abort(view, seq)`: a served request ended early (its client went away; `testbed serve`); forget its state | nothing | driver |
@@ -289,6 +290,19 @@ class SchedulerView:
     @property
     def num_running(self) -> int:
         return len(self._c.running)
+
+    @property
+    def prefilling(self):
+        """The running sequences still prefilling their prompt (in flight or not), in admission
+        order: kept by the controller at every status change, so a policy that wants its partial
+        prompts need not scan the whole running set per micro-batch."""
+        return self._c.prefilling.values()
+
+    @property
+    def num_decoding(self) -> int:
+        """Running sequences past their prompt (in flight or not): `num_running` minus the
+        prefilling ones, O(1)."""
+        return self._c.num_decoding
 
     @property
     def inflight(self) -> tuple[MicroBatch, ...]:

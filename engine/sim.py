@@ -14,11 +14,21 @@ What one micro-batch does, stage s = 0..P-1:
   `latency` later; which pending activation (or chunk of one) a link sends is the policy's
   `schedule_transfer` choice; without `structure_aware_transfer` every send pays the cost model's
   per-hop metadata rounds. Token ids return to the driver after one link latency.
+
+The common case needs no events at all: with FIFO sends, GPU sampling, serial input preparation
+and asynchronous sends every stage and link serves micro-batches in launch order, so one batch's
+whole timeline follows at launch from when each server is next free (`_FifoPipeline`, the same
+float operations in the same order per stage and link). The controller and policies see only
+completions and the clock, which come out the same; the tracer gets the same busy sums and the
+same spans in the order the event loop would have recorded them (buffered and released by their
+trigger event's heap key). Sarathi's 45k micro-batches of the 5,000-request benchmark simulated
+in 1.9 s instead of 3.8 s this way (shared 2-core machine, load ~1).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
@@ -60,7 +70,8 @@ class SimExecutor(Executor):
     def __init__(self, cost_model, *, runtime: RuntimeFeatures = RuntimeFeatures(),
                  link_bandwidth_Bps: float, link_latency_s: float,
                  transfer_scheduler: Callable[[LinkState, Seq[PendingTransfer]], Transfer] | None = None,
-                 num_cpu_samplers: int = 4, tracer: Tracer | None = None, blocking_send: bool = False) -> None:
+                 num_cpu_samplers: int = 4, tracer: Tracer | None = None, blocking_send: bool = False,
+                 event_driven: bool = False) -> None:
         self.cost = cost_model
         self.pipeline_depth = P = cost_model.pp
         self.runtime = runtime
@@ -97,6 +108,11 @@ class SimExecutor(Executor):
         self._priced: dict[int, _Priced] = {}
         self._fifo_sends = transfer_scheduler is None or transfer_scheduler is _fifo
         self._metadata_s = 0.0 if runtime.structure_aware_transfer else cost_model.coefficients.transfer_metadata_s
+        # No events where every server is FIFO (see the module doc); `event_driven=True` forces the
+        # event loop (tests compare the two).
+        fifo_only = not (runtime.overlap_input_prep or runtime.cpu_sampling or blocking_send) and self._fifo_sends
+        plain_tracer = type(self.tracer).span is Tracer.span and type(self.tracer).chain is Tracer.chain
+        self._fifo = _FifoPipeline(self) if fifo_only and plain_tracer and not event_driven else None
 
     # --- Executor interface ----------------------------------------------------------------------
     def now(self) -> float:
@@ -106,7 +122,17 @@ class SimExecutor(Executor):
         if t > self._clock:
             self._clock = t
 
+    def peek_time(self) -> float | None:
+        """When the next pending event happens (None: nothing in flight); the paced executor
+        (engine/paced.py) sleeps until then. Without per-stage events that is the next completion."""
+        if self._fifo is not None:
+            return self._fifo.done[0][0] if self._fifo.done else None
+        return self.events.peek_time()
+
     def launch(self, mb: MicroBatch) -> None:
+        if self._fifo is not None:
+            self._fifo.launch(mb.mb_id, self._price(mb), self._clock)
+            return
         self._mbs[mb.mb_id] = mb
         self._priced[mb.mb_id] = self._price(mb)
         if self.runtime.overlap_input_prep:
@@ -116,6 +142,14 @@ class SimExecutor(Executor):
         self._arrive(0, mb.mb_id)
 
     def next_completion(self, deadline: float | None = None) -> Completion | None:
+        if self._fifo is not None:
+            done = self._fifo.next_done(deadline)
+            if done is None:
+                if deadline is not None and deadline > self._clock:
+                    self._clock = deadline
+                return None
+            self._clock = done[0]
+            return Completion(done[1], done[0])
         heap = self._heap
         pop = heapq.heappop
         while True:
@@ -140,6 +174,10 @@ class SimExecutor(Executor):
                 del self._mbs[mb_id]
                 del self._priced[mb_id]
                 return Completion(mb_id, t)
+
+    def shutdown(self) -> None:
+        if self._fifo is not None:  # spans of batches still in flight, as the event loop had them so far
+            self._fifo.release_spans(math.inf)
 
     def _price(self, mb: MicroBatch) -> _Priced:
         cost, shape = self.cost, mb.shape
@@ -288,6 +326,113 @@ class SimExecutor(Executor):
             return
         del self._inbound[key]
         self._arrive(stage, mb_id)
+
+
+_LAUNCH = 6  # a launch sorts after every event of its instant (the controller launches between pops)
+
+
+class _FifoPipeline:
+    """A micro-batch's whole timeline at launch, when every stage and link serves in launch order.
+
+    Each server keeps when it is next free and the heap key `(time, priority, parent, index)`
+    of the event that frees it: the event loop's key with the insertion counter replaced by the
+    key of the event that pushed it and the push's index within that event, so same-time ties
+    resolve as the heap's counter did. The parent is cut to (time, priority, push index): keys
+    stay flat instead of chaining the run's whole history, and two events that agree that far
+    are not told apart anyway. A stage starts at `max(arrival, free)`, on the arrival
+    when it is idle then (a stage's STAGE_DONE pops before an ARRIVE of the same instant) and
+    on the previous batch's STAGE_DONE otherwise; a link likewise, where a same-instant
+    LINK_DONE pops after the STAGE_DONE. Kept spans wait in a heap under their trigger's key
+    and join the tracer once the clock has passed it: every later launch's spans sort after."""
+
+    def __init__(self, ex: SimExecutor) -> None:
+        P = ex.pipeline_depth
+        self.tracer = ex.tracer
+        self.latency = ex.latency
+        self.bandwidth = ex.bandwidth
+        self.metadata_s = None if ex.runtime.structure_aware_transfer else ex._metadata_s
+        self.stage_tracks = ex._stage_tracks
+        self.link_tracks = ex._link_tracks
+        self.stage_free = [-math.inf] * P
+        self.stage_key: list[tuple] = [()] * P  # key of the STAGE_DONE that frees the stage
+        self.link_free = [-math.inf] * max(0, P - 1)
+        self.link_key: list[tuple] = [()] * max(0, P - 1)
+        self.done: deque[tuple[float, int]] = deque()  # (completion time, mb id), in time order
+        self.spans: list[tuple] = []  # heap of (trigger key, span index, spans)
+        self.launches = 0
+
+    def launch(self, mb_id: int, priced: _Priced, now: float) -> None:
+        self.launches += 1
+        last = len(self.stage_free) - 1
+        keep = self.tracer.keeps(mb_id)
+        busy = self.tracer.busy
+        stage_free, stage_key, link_free, link_key = self.stage_free, self.stage_key, self.link_free, self.link_key
+        send_s = priced.nbytes / self.bandwidth
+        if self.metadata_s is not None:
+            send_s += self.metadata_s
+        arrive, arrive_key = now, (now, _LAUNCH, (), self.launches)
+        for s in range(last + 1):
+            if stage_free[s] > arrive:  # busy: starts when the previous batch's forward ends
+                start, trigger, index = stage_free[s], stage_key[s], 1
+            else:
+                start, trigger, index = arrive, arrive_key, 0
+            end = self._stage(s, start, priced, s == last, (trigger, index) if keep else None, mb_id)
+            stage_free[s] = end
+            stage_key[s] = key = (end, STAGE_DONE, (trigger[0], trigger[1], trigger[3]), index)
+            if s == last:
+                self.done.append((end + self.latency, mb_id))
+                return
+            if link_free[s] >= end:  # busy: sends when the previous activation has left
+                start, trigger, index = link_free[s], link_key[s], 1
+            else:
+                start, trigger, index = end, key, 0
+            sent = start + send_s
+            track = self.link_tracks[s]
+            busy[track] = busy.get(track, 0.0) + (sent - start)
+            if keep:
+                heapq.heappush(self.spans, (trigger, index, [(track, "send", start, sent, mb_id)]))
+            link_free[s] = sent
+            link_key[s] = (sent, LINK_DONE, (trigger[0], trigger[1], trigger[3]), index)
+            arrive = sent + self.latency
+            arrive_key = (arrive, ARRIVE, (sent, LINK_DONE, index), 0)  # the LINK_DONE's key, cut
+
+    def _stage(self, s: int, start: float, priced: _Priced, last: bool, order: tuple | None, mb_id: int) -> float:
+        """`Tracer.chain` of the stage's parts (the same sums in the same order); returns the end."""
+        track = self.stage_tracks[s]
+        busy = self.tracer.busy
+        prepared = start + priced.prep
+        end = prepared + priced.forward[s]
+        total = busy.get(track, 0.0) + (prepared - start) + (end - prepared)
+        if last:
+            sampled = end + priced.sample
+            total += sampled - end
+        busy[track] = total
+        if order is not None:
+            kept = [(track, "prepare", start, prepared, mb_id), (track, priced.forward_name, prepared, end, mb_id)]
+            if last:
+                kept.append((track, "sample", end, sampled, mb_id))
+            heapq.heappush(self.spans, (order[0], order[1], kept))
+        return sampled if last else end
+
+    def next_done(self, deadline: float | None) -> tuple[float, int] | None:
+        done = self.done
+        if not done or (deadline is not None and done[0][0] > deadline):
+            return None
+        t, mb_id = done.popleft()
+        if self.spans:
+            self.release_spans(t if done else math.inf)
+        return t, mb_id
+
+    def release_spans(self, until: float) -> None:
+        """Move buffered spans triggered at or before `until` to the tracer, in trigger order."""
+        heap, tracer = self.spans, self.tracer
+        spans, cap = tracer.spans, tracer.max_spans
+        while heap and heap[0][0][0] <= until:
+            for span in heapq.heappop(heap)[2]:
+                if len(spans) < cap:
+                    spans.append(span)
+                else:
+                    tracer.dropped += 1
 
 
 def _fifo(link: LinkState, pending: Seq[PendingTransfer]) -> Transfer:

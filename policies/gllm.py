@@ -145,7 +145,7 @@ class GllmPolicy(Policy):
         """(#P, #D) for the next micro-batch in this state (does not advance the rotation)."""
         return self._budgets(view, *_split_running(view))
 
-    def _budgets(self, view: SchedulerView, decoding: list[Sequence], idle: list[Sequence],
+    def _budgets(self, view: SchedulerView, num_decoding: int, idle: list[Sequence],
                  partial: list[Sequence]) -> tuple[int, int]:
         p = self.params
         inflight_chunk: dict[int, int] = {}
@@ -159,7 +159,7 @@ class GllmPolicy(Policy):
         for s in partial:  # every running prefilling sequence, in flight or not
             wp += s.remaining_prefill - inflight_chunk.get(s.seq_id, 0)
         num_waiting += len(partial)
-        rd = len(decoding)
+        rd = num_decoding
         idle_decodes = len(idle)
         pb = prefill_budget(p, wp, view.kv_free_fraction, num_waiting_seqs=num_waiting,
                             free_blocks=view.kv_free_blocks, total_blocks=view.kv_total_blocks,
@@ -182,8 +182,8 @@ class GllmPolicy(Policy):
         return mb
 
     def _compose(self, view: SchedulerView):
-        decoding, idle, prefilling = _split_running(view)  # one scan of the running set serves all
-        pb, db = self._budgets(view, decoding, idle, prefilling)
+        num_decoding, idle, prefilling = _split_running(view)  # one scan of the running set serves all
+        pb, db = self._budgets(view, num_decoding, idle, prefilling)
         b = view.new_batch()
         if db and idle:
             self._preempt_for(b, idle, min(db, len(idle)))
@@ -242,15 +242,12 @@ class GllmPolicy(Policy):
         self._idle.on_complete(micro_batch, finished)
 
 
-def _split_running(view: SchedulerView) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
-    """(decoding, idle decoding, prefilling) running sequences in admission order, from list
-    comprehensions, once per micro-batch: the explicit per-sequence loop this replaces was
-    gLLM's costliest function (14% of the 5,000-request benchmark under cProfile)."""
-    running = view.running
-    decoding_status, prefilling_status = SeqStatus.DECODING, SeqStatus.PREFILLING
-    decoding = [s for s in running if s.status is decoding_status]
-    idle = [s for s in decoding if not s.in_flight]
-    # running holds only prefilling and decoding sequences: skip the second scan when all decode
-    prefilling = [s for s in running if s.status is prefilling_status] if len(decoding) < len(running) else []
-    return decoding, idle, prefilling
+def _split_running(view: SchedulerView) -> tuple[int, list[Sequence], list[Sequence]]:
+    """(number decoding, idle decoding, prefilling) running sequences, the lists in admission
+    order, once per micro-batch: one scan of the running set for the idle decodes; the count and
+    the prefilling ones are the controller's (`view.num_decoding`, `view.prefilling`). Three
+    comprehensions over the running set before (12% of the 5,000-request benchmark, py-spy)."""
+    decoding = SeqStatus.DECODING
+    idle = [s for s in view.running if not s.in_flight and s.status is decoding]
+    return view.num_decoding, idle, list(view.prefilling)
 

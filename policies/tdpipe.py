@@ -64,6 +64,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,7 @@ from engine.request import SeqStatus, Sequence
 from policies import length_predictor as lp
 from policies.common import IdleOrder, add_decode_or_preempt, idle_decodes
 
+_DECODING = SeqStatus.DECODING  # `SeqStatus.DECODING` in a comprehension is two lookups per sequence
 PAPER_POINTS = tuple(range(32, 1025, 32))  # the paper: every 32 decode steps up to 1024
 CODE_POINTS = (5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # the public code
 
@@ -168,7 +170,25 @@ class KVForecast:
 
     def add(self, lengths, remaining) -> None:
         if len(lengths):
-            self.usage += self.contributions(lengths, remaining).sum(axis=0)
+            self.usage += self.summed(lengths, remaining)
+
+    def summed(self, lengths, remaining) -> np.ndarray:
+        """`contributions(...).sum(axis=0)`, the same integers. When every point is a multiple of
+        the block size (the paper's points, 16-token blocks) blocks(L + f) = blocks(L) + f / bs,
+        so a point's sum is over the requests with remaining >= f: a suffix of them sorted by
+        remaining, read off suffix sums in O(n log n + points) instead of an (n, points) matrix
+        (the plan's forecast of the running set was 11% of TD-Pipe's benchmark run, py-spy)."""
+        bs = self.block_size
+        if not bool((self.points % bs == 0).all()):
+            return self.contributions(lengths, remaining).sum(axis=0)
+        L = np.asarray(lengths, dtype=np.int64)
+        R = np.asarray(remaining, dtype=np.int64)
+        order = np.argsort(R, kind="stable")
+        blocks = (-(-L // bs))[order]
+        suffix = np.zeros(len(blocks) + 1, dtype=np.int64)
+        suffix[:-1] = np.cumsum(blocks[::-1])[::-1]  # suffix[k] = blocks of the k-th smallest remaining onwards
+        start = np.searchsorted(R[order], self.points, side="left")  # first request with remaining >= f
+        return suffix[start] + (len(blocks) - start) * (self.points // bs)
 
     def reset(self) -> None:
         self.usage[:] = 0
@@ -266,6 +286,7 @@ class TdpipePolicy(Policy):
         self.points = parse_points(self.params.future_points)
         self.pred: dict[int, int] = {}
         self._fallback = 1
+        self._pred_table: tuple[dict, np.ndarray] | None = None  # (pred it was built from, id -> prediction)
         self.predictor_info: dict[str, Any] = {}
         self.phase = "prefill"
         self.epoch = 0  # decode phases started
@@ -353,11 +374,30 @@ class TdpipePolicy(Policy):
     def remaining_pred(self, seq: Sequence) -> int:
         return max(0, self.pred.get(seq.seq_id, self._fallback) - seq.num_generated)
 
-    def remaining_preds(self, seqs) -> list[int]:
-        """`remaining_pred` of each sequence, in one comprehension (the plan runs it over the whole
-        running set: 1.5M calls in the 5,000-request benchmark)."""
-        get, fallback = self.pred.get, self._fallback
-        return [max(0, get(s.seq_id, fallback) - s.num_generated) for s in seqs]
+    def remaining_preds(self, seqs) -> np.ndarray:
+        """`remaining_pred` of each sequence, as int64 (the plan runs it over the whole running
+        set: 1.5M sequences in the 5,000-request benchmark): predictions gathered from an
+        id-indexed table, 47 us per 1,000 sequences instead of 177 us as a comprehension."""
+        ids = np.array([s.seq_id for s in seqs], dtype=np.int64)
+        generated = np.array([s.num_generated for s in seqs], dtype=np.int64)
+        table = self._prediction_table()
+        if len(ids) and 0 <= ids.min() and ids.max() < len(table):
+            pred = table[ids]
+        else:  # ids outside the run's requests (served ones): the dict, with its fallback
+            get, fallback = self.pred.get, self._fallback
+            pred = np.fromiter(map(get, ids.tolist(), repeat(fallback)), dtype=np.int64, count=len(ids))
+        return np.maximum(pred - generated, 0)
+
+    def _prediction_table(self) -> np.ndarray:
+        """`pred` as an array indexed by request id, the fallback where no request has the id
+        (empty if an id is negative: every lookup then goes through the dict)."""
+        if self._pred_table is None or self._pred_table[0] is not self.pred:
+            ok = bool(self.pred) and min(self.pred) >= 0
+            table = np.full(max(self.pred) + 1 if ok else 0, self._fallback, dtype=np.int64)
+            if ok:
+                table[list(self.pred)] = list(self.pred.values())
+            self._pred_table = (self.pred, table)
+        return self._pred_table[1]
 
     # --- phase rules -------------------------------------------------------------------------------
     def should_enter_decode(self, view: SchedulerView) -> bool:
@@ -513,13 +553,13 @@ class TdpipePolicy(Policy):
     def _decode_members(self, view: SchedulerView) -> list[Sequence]:
         P = self.max_inflight(view)  # decode batches per round (P by default)
         if self.params.steal_rule == "even":
-            total = sum(1 for s in view.running if s.status is SeqStatus.DECODING)
+            total = view.num_decoding  # kept by the controller
             k = self._decode_batches % P
             return self._idle_decodes(view)[:max(1, total // P + (k < total % P))]  # >= 1: fewer than P left
         ws = self.stealer
-        ws.pool = [s for s in ws.pool if s.status is SeqStatus.DECODING and not s.in_flight]
+        ws.pool = [s for s in ws.pool if s.status is _DECODING and not s.in_flight]
         while self._pending:
-            members = [s for s in self._pending.popleft() if s.status is SeqStatus.DECODING and not s.in_flight]
+            members = [s for s in self._pending.popleft() if s.status is _DECODING and not s.in_flight]
             if members:
                 return members
         if self._initial:
@@ -533,7 +573,7 @@ class TdpipePolicy(Policy):
         b = view.new_batch()
         b.tags.update(phase="decode", epoch=self.epoch)
         victims = None  # built on the first KV shortage only (the common case never needs it)
-        members = [s for s in members if s.status is SeqStatus.DECODING]
+        members = [s for s in members if s.status is _DECODING]
         first = b.add_decodes(members, len(members))  # all that fit in one call, the common case
         for seq in members[first:]:
             if seq in b or b.add_decode(seq):
@@ -552,7 +592,7 @@ class TdpipePolicy(Policy):
         if self.phase != "decode":
             return
         self._phase_finished += len(finished)
-        alive = [s for s in micro_batch.sequences() if s.status is SeqStatus.DECODING]
+        alive = [s for s in micro_batch.sequences() if s.status is _DECODING]
         if self.params.steal_rule == "even":
             return
         if micro_batch.tags.get("phase") == "decode" and micro_batch.tags.get("epoch") == self.epoch:

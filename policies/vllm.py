@@ -76,7 +76,9 @@ class VllmPolicy(Policy):
     def _schedule_engine(self, view: SchedulerView, ve: int):
         p = self.params
         if p.virtual_engines:
-            mine = [s for s in self._members.setdefault(ve, {}).values() if s.is_running]
+            decoding, prefilling = SeqStatus.DECODING, SeqStatus.PREFILLING  # `is_running`, inlined
+            mine = [s for s in self._members.setdefault(ve, {}).values()
+                    if (st := s.status) is decoding or st is prefilling]
         else:
             mine = [s for s in view.running if not s.in_flight]
         mb = self._prefill_batch(view, ve, len(mine) if p.virtual_engines else view.num_running)
@@ -101,9 +103,10 @@ class VllmPolicy(Policy):
     def _decode_batch(self, view: SchedulerView, mine: list[Sequence]) -> MicroBatch | None:
         b = view.new_batch()
         b.tags["phase"] = "decode"
-        victims = list(mine)
-        decodes = [s for s in mine if s.status is SeqStatus.DECODING]
+        decoding = SeqStatus.DECODING
+        decodes = [s for s in mine if s.status is decoding]
         first = b.add_decodes(decodes, self.params.max_num_seqs)  # all that fit in one call, the common case
+        victims = list(mine) if first < len(decodes) else []  # preemption candidates: the slow path only
         for seq in decodes[first:]:
             if b.num_decode_seqs >= self.params.max_num_seqs:
                 break

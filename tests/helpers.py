@@ -56,6 +56,7 @@ def make_state(policy, *, pp=2, num_blocks=1000, block_size=16, decoding=(), pre
         s.status, s.num_generated, s.num_computed = SeqStatus.DECODING, gen, prompt + gen - 1
         s.admit_order = ctrl._admit_counter; ctrl._admit_counter += 1
         ctrl.running[s.seq_id] = s
+        ctrl.num_decoding += 1
         ctrl.kv.allocate(s.seq_id, s.num_computed)
     for prompt, out, computed in prefilling:
         s = seqs[i]; i += 1
@@ -63,6 +64,7 @@ def make_state(policy, *, pp=2, num_blocks=1000, block_size=16, decoding=(), pre
         s.status, s.num_computed = SeqStatus.PREFILLING, computed
         s.admit_order = ctrl._admit_counter; ctrl._admit_counter += 1
         ctrl.running[s.seq_id] = s
+        ctrl.prefilling[s.seq_id] = s
         ctrl.kv.allocate(s.seq_id, prompt)
     ctrl.waiting_prefill_tokens = sum(s.remaining_prefill for s in ctrl.waiting)
     return ctrl, seqs

@@ -6,6 +6,8 @@ new policy gets these checks for free:
   P = 1..4, with the block manager's integrity checked after every commit and completion;
 - no double scheduling: no sequence is in two in-flight micro-batches, and no more micro-batches
   are in flight than the policy's `max_inflight` (checked at every launch);
+- the view's status index: `view.prefilling` and `view.num_decoding` agree with a scan of
+  `view.running` at every launch;
 - determinism: the same config gives identical per-request and per-micro-batch tables;
 - liveness under forced preemption: a harness preempts a running sequence behind the policy's
   back every few completions, and the run still finishes every request;
@@ -21,6 +23,7 @@ import pytest
 import policies  # noqa: F401  (registers the seed policies)
 import toy_policy  # noqa: F401  (registers toy_fcfs, a policy written against the contract only)
 from engine.policy import POLICIES
+from engine.request import SeqStatus
 from testbed.runner import prepare_experiment
 from conftest import small_config
 
@@ -49,6 +52,9 @@ class Watch:
             assert not ids & seen, f"sequences {sorted(ids & seen)} in two in-flight micro-batches"
             seen |= ids
         assert len(ctrl.inflight) <= ctrl.policy.max_inflight(ctrl.view)
+        view = ctrl.view
+        assert list(view.prefilling) == [s for s in view.running if s.status is SeqStatus.PREFILLING]
+        assert view.num_decoding == sum(s.status is SeqStatus.DECODING for s in view.running)
         self.max_inflight_seen = max(self.max_inflight_seen, len(ctrl.inflight))
         self.launches += 1
         self._launch(mb)

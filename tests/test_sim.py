@@ -112,3 +112,45 @@ def test_blocking_send_holds_the_sending_stage_until_the_activation_has_left():
     send_s = cost.activation_bytes(mbs[0].shape) / 1e8 + cost.coefficients.transfer_metadata_s
     # blocking: the second forward on stage 0 waits for the first activation to leave
     assert starts[True] - starts[False] == pytest.approx(send_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("policy=sarathi", "parallel.pp=4"),
+    ("policy=gllm", "parallel.pp=3", "link.bandwidth=1Gbps"),  # links busy: sends queue behind sends
+    ("policy=vllm", "parallel.pp=1", "runtime.structure_aware_transfer=true"),
+])
+def test_launch_time_timeline_equals_the_event_loop(monkeypatch, overrides):
+    # FIFO servers everywhere: the executor computes each batch's timeline at launch instead of
+    # stepping through events; results, busy sums and every span (in order) must not change.
+    import engine.sim as sim
+    launched = []
+    real = sim._FifoPipeline.launch
+    monkeypatch.setattr(sim._FifoPipeline, "launch", lambda self, *a: (launched.append(a[0]), real(self, *a)))
+    cfg = small_config(*overrides, "output.trace=full", "workload.arrival=offline")
+    fast = run_experiment(cfg)
+    assert launched, "the launch-time path was not taken"
+    monkeypatch.setattr(sim, "_FifoPipeline", lambda ex: None)  # force the event loop
+    slow = run_experiment(cfg)
+    assert fast.summary == slow.summary and fast.requests == slow.requests
+    assert fast.tracer.busy == slow.tracer.busy
+    assert len(fast.tracer.spans) > 100 and fast.tracer.spans == slow.tracer.spans
+
+
+def test_launch_time_timeline_keeps_same_time_ties_in_event_order():
+    # Two batches launched at the same instant on an idle pipeline: the second waits on every
+    # stage; completions come back in launch order, after their last stage plus the return latency.
+    cost = CostModel(get_model("llama2-13b"), get_hardware("a100-80g"), pp=3)
+    ex = SimExecutor(cost, link_bandwidth_Bps=10e9, link_latency_s=1e-3)
+    assert ex._fifo is not None
+    mbs = []
+    for i in range(2):
+        chunk = PrefillChunk(Sequence(Request(i, 0.0, 500, 10)), 0, 500, True)
+        mbs.append(MicroBatch(i, (chunk,), (), shape=shape_of([chunk], [])))
+        ex.launch(mbs[-1])
+    first, second = ex.next_completion(), ex.next_completion()
+    assert (first.mb_id, second.mb_id) == (0, 1) and first.time_s < second.time_s
+    assert ex.next_completion() is None
+    last = [s for s in ex.tracer.spans if s[0] == "stage2"]
+    assert second.time_s == pytest.approx(last[-1][3] + 1e-3, rel=1e-12)
+    starts = [s for s in ex.tracer.spans if s[0] == "stage0" and s[1] == "prepare"]
+    assert starts[1][2] == next(s[3] for s in ex.tracer.spans if s[0] == "stage0" and s[4] == 0 and s[1].startswith("forward"))

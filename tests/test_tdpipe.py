@@ -1,5 +1,6 @@
 """TD-Pipe: work stealing (the paper's worked example), the KV forecast, both phase-switch rules
 and their ablations on hand-built states, and end-to-end runs where every request finishes once."""
+import numpy as np
 import pytest
 from conftest import small_config
 from helpers import make_state
@@ -244,3 +245,17 @@ def test_a_saved_model_is_used_only_when_disjoint_from_the_run(tmp_path, shared_
     run.controller.policy.start(run.controller.view)
     info = run.controller.policy.predictor_info
     assert "model" not in info and "not used" in info["note"] and "minus the run" in info["history"]
+
+
+@pytest.mark.parametrize("points,block_size", [(PAPER_POINTS, 16), (CODE_POINTS, 16), (PAPER_POINTS, 12)])
+def test_forecast_sum_equals_the_summed_matrix(points, block_size):
+    # `summed` takes a suffix-sum shortcut when every point is a multiple of the block size; it
+    # must give the very integers of the (requests, points) matrix summed over requests.
+    rng = np.random.default_rng(7)
+    fc = KVForecast(points, block_size)
+    for n in (1, 3, 400):
+        lengths, remaining = rng.integers(1, 5000, n), rng.integers(0, 1500, n)
+        expected = fc.contributions(lengths, remaining).sum(axis=0)
+        assert fc.summed(lengths, remaining).tolist() == expected.tolist()
+    fc.add([100, 37], [2000, 0])
+    assert fc.usage.tolist() == fc.contributions([100, 37], [2000, 0]).sum(axis=0).tolist()
