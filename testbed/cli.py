@@ -34,9 +34,15 @@ def _console():
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from testbed.run_command import run_command
+    from testbed.sidecar import Background
 
-    return run_command(args.overrides, _console(), t_start=T_START)
+    bg = Background.from_command_line(args.overrides)  # before the imports below (testbed/sidecar.py)
+    try:
+        from testbed.run_command import run_command
+    except BaseException:
+        bg.close()
+        raise
+    return run_command(args.overrides, _console(), t_start=T_START, bg=bg)
 
 
 def cmd_list(args: argparse.Namespace) -> int:

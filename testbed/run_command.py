@@ -4,7 +4,7 @@ Order matters for the first-hour experience:
 1. every user mistake and unusable destination (output.dir a file, an unreachable tracking
    server, a run name that escapes output.dir) is one `error:` line before anything runs;
 2. two background processes (testbed/sidecar.py) import MLflow and matplotlib and open the
-   tracking run while the simulation runs, so on the 5,000-request benchmark the end-to-end time
+   tracking run while the config is composed and the simulation runs, so on the 5,000-request benchmark the end-to-end time
    stays close to the simulation's instead of adding ~13 s after it;
 3. Ctrl-C and SIGTERM stop the run, and the requests so far are still written (unfinished ones
    reported failed) and logged as a KILLED MLflow run; exit code 130 / 143.
@@ -23,26 +23,31 @@ from rich.markup import escape
 from testbed.outputs import (OutputSettings, display_name, folder_name, plot_data, prepare_output_dir,
                              reserve_run_dir, write_run_dir)
 from testbed.runner import RunInterrupted, RunResult
+from testbed.sidecar import Background
 from testbed.signals import EXIT_CODES
 
 OVERLOAD_MARGIN = 1.10  # offered load above 110% of what was served counts as overload
 
 
-def run_command(overrides: Sequence[str], console, t_start: float | None = None) -> int:
-    from testbed.config import compose, flatten, to_container
-    from testbed.runner import prepare_experiment
-
+def run_command(overrides: Sequence[str], console, t_start: float | None = None,
+                bg: Background | None = None) -> int:
+    """`bg`: background processes the caller started before importing this module (testbed/cli.py),
+    else they start here, still before the config is composed."""
     t_start = time.perf_counter() if t_start is None else t_start
-    cfg = to_container(compose(overrides))
-    out = OutputSettings.from_config(cfg)
-    base = prepare_output_dir(out.dir)
-    if out.mlflow:
-        from testbed.tracking import artifact_root, check_tracking_uri, tracking_uri
-
-        uri = tracking_uri(cfg)
-        check_tracking_uri(uri)
-    bg = Background(out)
+    bg = Background.from_command_line(overrides) if bg is None else bg
     try:
+        from testbed.config import compose, flatten, to_container
+        from testbed.runner import prepare_experiment
+
+        cfg = to_container(compose(overrides))
+        out = OutputSettings.from_config(cfg)
+        base = prepare_output_dir(out.dir)
+        if out.mlflow:
+            from testbed.tracking import artifact_root, check_tracking_uri, tracking_uri
+
+            uri = tracking_uri(cfg)
+            check_tracking_uri(uri)
+        bg.fit(mlflow=out.mlflow, plots=out.plots)
         progress, bar = _progress(console, enabled=out.progress)
         prepared = prepare_experiment(cfg, progress=bar)
         run_dir = reserve_run_dir(base, folder_name(cfg))
@@ -71,23 +76,6 @@ def source_name(overrides: Sequence[str]) -> str:
     """MLflow's Source column shows the text after the last '/': the command without output.* paths."""
     keep = [ov for ov in overrides if not ov.lstrip("+~").startswith(("output.", "data_dir"))]
     return " ".join(["testbed run", *keep])
-
-
-class Background:
-    """Two background processes (testbed/sidecar.py), started before the run: one for MLflow
-    (import, store, run; ~170 MB), one for the figures (matplotlib; ~70 MB). Apart, each stays
-    under 250 MB; together they took 259 MB."""
-
-    def __init__(self, out: OutputSettings) -> None:
-        from testbed.sidecar import Sidecar
-
-        self.tracker = Sidecar(mlflow=True, plots=False) if out.mlflow else None
-        self.figures = Sidecar(mlflow=False, plots=True) if out.plots else None
-
-    def close(self) -> None:
-        for p in (self.tracker, self.figures):
-            if p is not None:
-                p.close()
 
 
 def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: Background, stopped: str | None,
