@@ -57,10 +57,6 @@ class FloorTime:
     linear_s: float
     attention_s: float
 
-    @property
-    def total_s(self) -> float:
-        return self.linear_s + self.attention_s
-
 
 class Floor:
     """Random weights of `arch`'s shapes on `device` and the floor timings of batch shapes."""

@@ -55,19 +55,3 @@ def small_config(*overrides: str, out_dir: Path | None = None) -> dict:
         base.append(f"output.dir={out_dir}")
     return to_container(compose(merge(base, overrides)))
 
-
-def pytest_collection_modifyitems(config, items):
-    """`gpu` tests are skipped where CUDA is absent (CI); run them on a machine with a GPU."""
-    gpu = [item for item in items if "gpu" in item.keywords]
-    if not gpu:
-        return
-    try:
-        import torch
-
-        have_cuda = torch.cuda.is_available()
-    except ImportError:
-        have_cuda = False
-    if not have_cuda:
-        skip = pytest.mark.skip(reason="needs a CUDA device")
-        for item in gpu:
-            item.add_marker(skip)

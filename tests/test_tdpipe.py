@@ -9,8 +9,8 @@ from engine.errors import ConfigError
 from engine.executor import Completion
 from engine.policy import POLICIES, make_params
 from engine.request import SeqStatus
-from policies.tdpipe import (CODE_POINTS, PAPER_POINTS, KVForecast, TdpipeParams, TdpipePolicy, WorkStealer,
-                             parse_points, spatial_intensity, temporal_intensity)
+from policies.tdpipe import TdpipeParams, TdpipePolicy, WorkStealer, spatial_intensity, temporal_intensity
+from policies.tdpipe_forecast import CODE_POINTS, PAPER_POINTS, KVForecast, parse_points
 from testbed.runner import prepare_experiment, run_experiment
 
 
