@@ -119,7 +119,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Simulator speed and peak memory (figures, never assertions)."""
     from testbed.bench import run_sim_bench
 
-    run_sim_bench(args.policies.split(","), args.overrides, end_to_end=not args.no_e2e)
+    run_sim_bench(args.policies.split(","), args.overrides, end_to_end=not args.no_e2e, setting=args.setting)
     return 0
 
 
@@ -252,7 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bsub.add_parser("sim", help="simulator wall time, peak memory and micro-batches per second")
     bs.add_argument("--policies", default="sarathi,vllm", help="comma list (default: sarathi,vllm)")
     bs.add_argument("--no-e2e", action="store_true",
-                    help="skip the end-to-end `testbed run` (MLflow on) of each policy")
+                    help="skip the end-to-end `testbed run` (MLflow on, then off) of each policy")
+    bs.add_argument("--setting", choices=["reference", "main"], default="reference",
+                    help="reference: TD-Pipe's 5,000 ShareGPT requests on Llama2-70B, PP=4 (default); "
+                         "main: workload=azure as the main job runs it")
     bs.add_argument("overrides", nargs="*", help="extra overrides for every run")
     bs.set_defaults(func=cmd_bench)
     be = bsub.add_parser("engine", help="real engine: step times against the floor, end-to-end tok/s "

@@ -147,4 +147,12 @@ def test_bench_sim_prints_figures(capsys):
     code = main(["bench", "sim", "--policies", "vllm", "workload.num_requests=80", "model=llama2-13b"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "simulator benchmark" in out and "vllm" in out and "peak RSS MB" in out
+    assert "simulator benchmark (reference)" in out and "vllm" in out and "peak RSS MB" in out
+    assert "bare e2e s" in out and "workload=sharegpt" in out
+
+
+def test_bench_sim_main_setting_is_the_main_jobs_workload(capsys):
+    code = main(["bench", "sim", "--setting", "main", "--no-e2e", "--policies", "vllm",
+                 "workload.num_requests=60", "model=llama2-13b"])
+    out = capsys.readouterr().out
+    assert code == 0 and "simulator benchmark (main): workload=azure" in " ".join(out.split())
