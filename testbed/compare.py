@@ -11,8 +11,10 @@ cannot be built (e.g. the model does not fit at that depth) or whose run fails b
 status `failed` and its reason; the rest of the grid still runs.
 
 Every point is one MLflow run in experiment `compare.experiment` (default `compare-<UTC time>`),
-nested under one parent run (tag `testbed.kind=compare`) that also gets the table (`table.csv`,
-`table.md`) and the figures as artifacts; each run carries its axis values as tags `axis.<key>`
+beside one summary run (tag `testbed.kind=compare`; the points link to it with the tag
+`testbed.parent_run`, not by nesting, so MLflow's run list and charts show every point without a
+click) that gets the table (`table.csv`, `table.md`) and the figures as artifacts; each run
+carries its axis values as tags `axis.<key>`
 and the axis list as `testbed.axes`, which is how `testbed report` rebuilds the same table later,
 from any machine sharing the store. The points run through `testbed/sweep.py`.
 
@@ -238,7 +240,7 @@ def _write(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, plot
     if interrupted:
         summary.update(interrupted=interrupted, done=len(rows))
     (p.out_dir / "compare.json").write_text(json.dumps(summary, indent=2) + "\n")
-    parent.log({"compare.runs": len(df), "compare.failed": failed, "compare.wall_s": wall})
+    parent.log({}, tags={"compare.runs": len(df), "compare.failed": failed, "compare.wall_s": f"{wall:.1f}"})
     parent.log_files(p.out_dir)
     return df
 

@@ -1,11 +1,17 @@
 """One sweep runner for `testbed compare` and `testbed reproduce`: grid points as jobs, worker
-processes, the parent MLflow run with one nested run per point, and how a sweep ends (FINISHED,
-or KILLED on Ctrl-C / SIGTERM with every nested run that was still going).
+processes, the sweep's summary MLflow run beside one run per point, and how a sweep ends
+(FINISHED, or KILLED on Ctrl-C / SIGTERM with every point run that was still going).
+
+The point runs are not nested under the summary run (no `mlflow.parentRunId`): MLflow's UI shows
+nested runs collapsed under their parent, so the experiment page of a comparison showed one row
+and its chart view charted the summary run alone. They link to it with the tag
+`testbed.parent_run` instead, and the summary run holds the table, the figures and its counts as
+tags (`compare.runs`, `compare.failed`, `compare.wall_s`), so every chart compares the points.
 
 Signals. SIGTERM (what `timeout`, schedulers and `kill` send) takes the Ctrl-C path: inside
 `signals()` it raises `Terminated`, a KeyboardInterrupt, so every `except KeyboardInterrupt`
 cleanup runs; `exit_code` turns it into 143 (Ctrl-C: 130). The sweep then stops launching points
-at once, terminates its workers, ends the nested and parent runs KILLED and leaves the caller to
+at once, terminates its workers, ends the point and summary runs KILLED and leaves the caller to
 flush the table of the points done so far.
 
 Workers are spawned processes (`compare.workers=N`, `--workers N`) pulling point indices from a
@@ -127,6 +133,7 @@ class Job:
 
 
 _TRACKERS: dict[tuple[str, str], Any] = {}
+PARENT_TAG = "testbed.parent_run"  # a point run's link to its sweep's summary run (not MLflow nesting)
 
 
 def _tracker(cfg: Mapping[str, Any], experiment: str) -> Any:
@@ -144,11 +151,13 @@ def _open_point_run(job: Job) -> tuple[Any, str | None]:
     tracker = _tracker(job.cfg, job.experiment)
     tags = {"testbed.kind": "point", "testbed.compare": job.experiment, "testbed.axes": json.dumps(list(job.axes)),
             "compare.point": str(job.index), **{f"axis.{k}": str(v) for k, v in job.axis_values.items()}}
-    return tracker, tracker.start(job.cfg, job.label, parent_run_id=job.parent_run_id, tags=tags)
+    if job.parent_run_id:
+        tags[PARENT_TAG] = job.parent_run_id
+    return tracker, tracker.start(job.cfg, job.label, tags=tags)
 
 
 def run_point(job: Job) -> dict:
-    """Run one grid point as `testbed run` would, logged under the sweep's parent run. Never
+    """Run one grid point as `testbed run` would, logged beside the sweep's summary run. Never
     raises for a user-level failure (that becomes the row's error); an interrupt ends the
     point's run KILLED and propagates."""
     t0 = time.perf_counter()
@@ -197,9 +206,9 @@ def failed_row(job: Job, error: str) -> dict:
 # --- the parent run -----------------------------------------------------------------------------------
 
 class ParentRun:
-    """The sweep's parent MLflow run (none with `output.mlflow=false`): created before any
+    """The sweep's summary MLflow run (none with `output.mlflow=false`): created before any
     worker starts (which also creates the database and the experiment), ended FINISHED, or
-    KILLED together with every nested run still RUNNING."""
+    KILLED together with every point run (tag `testbed.parent_run`) still RUNNING."""
 
     def __init__(self, cfg: Mapping[str, Any], experiment: str, run_name: str, tags: Mapping[str, str]) -> None:
         self.tracker = self.run_id = None
@@ -238,7 +247,7 @@ class ParentRun:
     def _kill_children(self) -> None:
         client = self.tracker.client
         runs = client.search_runs([self.tracker.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{self.run_id}' "
+                                  filter_string=f"tags.`{PARENT_TAG}` = '{self.run_id}' "
                                                 f"and attributes.status = 'RUNNING'")
         for run in runs:
             client.set_tag(run.info.run_id, "error", "interrupted")

@@ -77,5 +77,5 @@ def run_states(db: Path) -> dict[str, dict]:
         for r in client.search_runs([exp.experiment_id]):
             out[r.info.run_id] = {"name": r.info.run_name, "status": r.info.status,
                                   "kind": r.data.tags.get("testbed.kind"),
-                                  "parent": r.data.tags.get("mlflow.parentRunId")}
+                                  "parent": r.data.tags.get("mlflow.parentRunId") or r.data.tags.get("testbed.parent_run")}
     return out

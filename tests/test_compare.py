@@ -43,7 +43,8 @@ def test_grid_rows_match_their_mlflow_runs(tmp_path, capsys):
     assert len(parent) == 1 and len(runs) == 5
     for _, row in table.iterrows():
         run = runs[row["run_id"]]
-        assert run.data.tags["mlflow.parentRunId"] == parent[0].info.run_id
+        assert run.data.tags["testbed.parent_run"] == parent[0].info.run_id
+        assert "mlflow.parentRunId" not in run.data.tags  # not nested: MLflow's UI would collapse it
         assert run.data.params["policy.name"] == row["policy"]
         assert run.data.params["parallel.pp"] == str(row["parallel.pp"])
         assert run.data.tags["axis.parallel.pp"] == str(row["parallel.pp"])
@@ -147,3 +148,22 @@ def test_the_printed_table_is_never_cut_to_the_console_width(tmp_path):
     for column in ("parallel.num_microbatches", "throughput_tok_s", "slo_attainment", "1.235e+04", "0.987"):
         assert column in text, text
     assert "…" not in text
+
+
+def test_a_killed_sweep_kills_its_own_running_points_only(tmp_path):
+    """The summary run finds its points by the `testbed.parent_run` tag (they are not nested)."""
+    from conftest import small_config
+
+    from testbed import sweep
+
+    fresh_mlflow_db(tmp_path)
+    cfg = small_config(out_dir=tmp_path)
+    cfg["output"]["mlflow"] = True
+    summary = sweep.ParentRun(cfg, "kc", "kc", {"testbed.kind": "compare"})
+    tracker = sweep._tracker(cfg, "kc")
+    point = tracker.start(cfg, "p0", tags={sweep.PARENT_TAG: summary.run_id})
+    unrelated = tracker.start(cfg, "another sweep's point", tags={sweep.PARENT_TAG: "someone-else"})
+    summary.end("KILLED")
+    status = {rid: tracker.client.get_run(rid).info.status for rid in (summary.run_id, point, unrelated)}
+    assert status == {summary.run_id: "KILLED", point: "KILLED", unrelated: "RUNNING"}
+    assert tracker.client.get_run(point).data.tags["error"] == "interrupted"

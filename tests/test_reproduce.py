@@ -64,7 +64,8 @@ def test_every_study_runs_quick_and_writes_its_report(study, tmp_path, capsys):
     assert len(parents) == 1
     info = json.loads((report.parent / "reproduce.json").read_text())
     assert info["state"] == "done" and len(runs) == 1 + info["runs"]
-    assert all(r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id for r in runs if r not in parents)
+    assert all(r.data.tags.get("testbed.parent_run") == parents[0].info.run_id
+               and "mlflow.parentRunId" not in r.data.tags for r in runs if r not in parents)
     assert {a.path for a in client.list_artifacts(parents[0].info.run_id)} >= {"report.md", "table.csv", "figures"}
     if study == "tdpipe-scaling":  # 1 GPU: neither model fits; a row "does not fit", like the paper, not a crash
         import pandas as pd

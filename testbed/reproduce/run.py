@@ -213,10 +213,10 @@ def _write_results(run: StudyRun, job_rows: list[dict], wall: float, user: list[
 
 
 def _log(parent: sweep.ParentRun, outcome: StudyOutcome, job_rows: list[dict]) -> None:
-    metrics = {"compare.runs": len(job_rows), "compare.wall_s": outcome.wall_s,
-               "compare.failed": sum(r.get("status") != "finished" for r in job_rows)}
-    metrics.update({f"claim.{c.claim.id}": c.measured for c in outcome.claims if c.measured is not None})
-    parent.log(metrics, tags={f"claim.{c.claim.id}": c.verdict.label for c in outcome.claims})
+    counts = {"compare.runs": len(job_rows), "compare.wall_s": f"{outcome.wall_s:.1f}",
+              "compare.failed": sum(r.get("status") != "finished" for r in job_rows)}
+    metrics = {f"claim.{c.claim.id}": c.measured for c in outcome.claims if c.measured is not None}
+    parent.log(metrics, tags={**counts, **{f"claim.{c.claim.id}": c.verdict.label for c in outcome.claims}})
     parent.log_files(outcome.out_dir, subdirs=("figures",))
     parent.end("FINISHED")
 
