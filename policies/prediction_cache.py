@@ -8,9 +8,10 @@ the same setting reads them back instead: no scikit-learn import, no fit.
 
 The key covers everything the predictions depend on: the predictor, its features and seed, the
 history's and the run's request fingerprints (`engine.policy.request_key`, in order), the source
-of `policies/length_predictor.py` and this module, and the versions of numpy, SciPy and
-scikit-learn. A hit therefore gives the same predictions, bit for bit, as a fit would
-(tests/test_prediction_cache.py runs both and compares the results).
+of `policies/length_predictor.py` and this module, and the versions of numpy, SciPy,
+scikit-learn, torch and the MiniLM weights' package. A hit therefore gives the same
+predictions, bit for bit, as a fit would (tests/test_prediction_cache.py runs both and compares
+the results).
 
 Files are `<dir>/<key>.npz` with two arrays, read with `allow_pickle=False`: `predictions`
 (int64, one per run request, in order) and `info` (the JSON of `predictor_info`). A file that
@@ -44,17 +45,22 @@ def _version(dist: str) -> str:
         return "absent"
 
 
-def cache_key(settings: Sequence[Any], history: Sequence[Request], run: Sequence[Request]) -> str:
-    """sha256 over the predictor `settings` (e.g. predictor, features, seed), the two request
-    lists' fingerprints, this code and the libraries that fit."""
+def fingerprints(requests: Sequence[Request]) -> tuple[str, ...]:
+    """`request_key` of each request, in order: what the key (and TD-Pipe's in-process memo) hash."""
+    return tuple(request_key(r) for r in requests)
+
+
+def cache_key(settings: Sequence[Any], history: Sequence[str], run: Sequence[str]) -> str:
+    """sha256 over the predictor `settings` (e.g. predictor, features, seed), the history's and
+    the run's `fingerprints`, this code and the libraries that fit."""
     h = hashlib.sha256(FORMAT.encode())
     h.update(json.dumps([list(map(str, settings)), [_version(d) for d in _LIBRARIES]]).encode())
     here = Path(__file__).resolve().parent
     for name in _SOURCES:
         h.update((here / name).read_bytes())
-    for label, requests in (("history", history), ("run", run)):
-        h.update(f"|{label}:{len(requests)}|".encode())
-        h.update("\n".join(request_key(r) for r in requests).encode())
+    for label, keys in (("history", history), ("run", run)):
+        h.update(f"|{label}:{len(keys)}|".encode())
+        h.update("\n".join(keys).encode())
     return h.hexdigest()
 
 
@@ -88,4 +94,4 @@ def store(directory: str | os.PathLike, key: str, predictions: np.ndarray, info:
         return None
 
 
-__all__ = ["cache_key", "load", "store", "FORMAT"]
+__all__ = ["cache_key", "fingerprints", "load", "store", "FORMAT"]

@@ -287,20 +287,20 @@ class TdpipePolicy(Policy):
         info = {"predictor": p.predictor, "history": hist.source, "history_size": len(hist.requests)}
         if note:
             info["note"] = note
-        return self._fitted_predictions(run, hist, info)
+        return self._fitted_predictions(run, hist, info, cache_dir)
 
-    def _fitted_predictions(self, run: list, hist: History, info: dict) -> tuple[np.ndarray, dict]:
+    def _fitted_predictions(self, run: list, hist: History, info: dict, cache_dir: str) -> tuple[np.ndarray, dict]:
         """Fit on `hist` and predict `run`; read back from / written to the prediction cache
         (policies/prediction_cache.py: a hit skips scikit-learn, 2.5 s and ~190 MB here)."""
         p = self.params
-        cache_dir = f"{p.predictor_dir}/cache"
+        settings = (p.predictor, p.predictor_features, p.seed)
+        hist_keys = prediction_cache.fingerprints(hist.requests)
         if p.prediction_cache:
-            key = prediction_cache.cache_key((p.predictor, p.predictor_features, p.seed), hist.requests, run)
+            key = prediction_cache.cache_key(settings, hist_keys, prediction_cache.fingerprints(run))
             hit = prediction_cache.load(f"{cache_dir}/predictions", key, len(run))
             if hit is not None:
                 return hit[0], {**hit[1], "predictions": "cache"}
-        key_in_process = (p.predictor, p.predictor_features, p.seed,
-                          hash(tuple(lp.request_key(r) for r in hist.requests)))
+        key_in_process = (*settings, hash(hist_keys))
         model = _FITTED.get(key_in_process)
         if model is None:
             model = lp.make_predictor(p.predictor, p.predictor_features, p.seed, cache_dir)

@@ -203,7 +203,7 @@ def failed_row(job: Job, error: str) -> dict:
     return {"point": job.index, **job.axis_values, "status": "failed", "error": error, "run_id": None}
 
 
-# --- the parent run -----------------------------------------------------------------------------------
+# --- the summary run ----------------------------------------------------------------------------------
 
 class ParentRun:
     """The sweep's summary MLflow run (none with `output.mlflow=false`): created before any

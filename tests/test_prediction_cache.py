@@ -56,18 +56,22 @@ def _req(i, text="a prompt", out=10):
     return Request(request_id=i, arrival_s=0.0, prompt_len=8 + i, output_len=out, prompt_text=text)
 
 
+def _key(settings, hist, run):
+    return prediction_cache.cache_key(settings, prediction_cache.fingerprints(hist), prediction_cache.fingerprints(run))
+
+
 def test_the_key_covers_settings_history_and_run():
     hist, run = [_req(i) for i in range(5)], [_req(i) for i in range(5, 8)]
-    base = prediction_cache.cache_key(("bins", "auto", 0), hist, run)
-    assert base == prediction_cache.cache_key(("bins", "auto", 0), list(hist), list(run))
-    others = [prediction_cache.cache_key(("bins", "auto", 1), hist, run),
-              prediction_cache.cache_key(("bins", "length", 0), hist, run),
-              prediction_cache.cache_key(("bins", "auto", 0), hist[:-1], run),
-              prediction_cache.cache_key(("bins", "auto", 0), hist, run[::-1]),
-              prediction_cache.cache_key(("bins", "auto", 0), hist, [*run[:-1], _req(7, out=11)]),
-              prediction_cache.cache_key(("bins", "auto", 0), hist, [*run[:-1], _req(7, text="other")]),
+    base = _key(("bins", "auto", 0), hist, run)
+    assert base == _key(("bins", "auto", 0), [_req(i) for i in range(5)], list(run))
+    others = [_key(("bins", "auto", 1), hist, run),
+              _key(("bins", "length", 0), hist, run),
+              _key(("bins", "auto", 0), hist[:-1], run),
+              _key(("bins", "auto", 0), hist, run[::-1]),
+              _key(("bins", "auto", 0), hist, [*run[:-1], _req(7, out=11)]),
+              _key(("bins", "auto", 0), hist, [*run[:-1], _req(7, text="other")]),
               # a request moved from the history to the run is a different input
-              prediction_cache.cache_key(("bins", "auto", 0), hist[:-1], [hist[-1], *run])]
+              _key(("bins", "auto", 0), hist[:-1], [hist[-1], *run])]
     assert base not in others and len(set(others)) == len(others)
 
 
