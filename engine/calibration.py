@@ -48,7 +48,15 @@ __all__ = ["ProfileRow", "ProfileTable", "read_profile", "write_profile", "impor
            "synthetic_profile", "fit_forward", "forward_errors", "SHIPPED_PROFILES_DIR"]
 
 COLUMNS = ("op", "stage", "kind", "batch", "tokens", "prefix", "context", "nbytes", "time_s")
-OPS = ("forward", "prepare", "sample", "transfer")
+# Optional columns of operator-level rows (engine/gpu_tables.py, engine/kernel_fit.py): the
+# tensor-parallel degree of the measurement and the link a collective ran on.
+EXTRA_COLUMNS = ("tp", "link")
+# Operator-level rows: one kernel of one decoder layer on one GPU (tokens = M), attention calls
+# (attn_decode: batch x context; attn_prefill: a chunk of tokens after prefix), NCCL collectives by
+# nbytes, and the host's per-iteration scheduling.
+TOKEN_OPS = ("gemm_qkv", "gemm_o", "gemm_up", "gemm_down", "norm", "rope", "act", "add", "emb")
+OPERATOR_OPS = TOKEN_OPS + ("attn_decode", "attn_prefill", "send_recv", "all_reduce", "schedule")
+OPS = ("forward", "prepare", "sample", "transfer") + OPERATOR_OPS
 KINDS = ("prefill", "decode", "mixed", "")
 CLASSIC_FORWARD_PARAMS = ("linear_efficiency", "attention_efficiency", "memory_efficiency", "stage_overhead_s",
                           "per_layer_overhead_s")
@@ -73,6 +81,8 @@ class ProfileRow:
     context: int = 0
     nbytes: int = 0
     time_s: float = 0.0
+    tp: int = 1
+    link: str = ""
 
     def shape(self) -> BatchShape:
         if self.kind == "prefill":
@@ -104,7 +114,17 @@ def _int(value: str, name: str, where: str, minimum: int = 0) -> int:
 
 
 def _check_row(row: ProfileRow, where: str) -> None:
-    if row.op in ("forward", "prepare", "sample"):
+    if row.op in TOKEN_OPS and row.tokens < 1:
+        raise ConfigError(f"{where}: op={row.op} needs tokens >= 1")
+    if row.op == "attn_decode" and (row.batch < 1 or row.context < 1):
+        raise ConfigError(f"{where}: op=attn_decode needs batch >= 1 and context >= 1")
+    if row.op == "attn_prefill" and row.tokens < 1:
+        raise ConfigError(f"{where}: op=attn_prefill needs tokens >= 1")
+    if row.op in ("send_recv", "all_reduce") and row.nbytes < 1:
+        raise ConfigError(f"{where}: op={row.op} needs nbytes >= 1")
+    if row.tp < 1:
+        raise ConfigError(f"{where}: tp must be >= 1")
+    if row.op in ("forward", "prepare", "sample", "schedule"):
         if row.kind not in ("prefill", "decode", "mixed"):
             raise ConfigError(f"{where}: op={row.op} needs kind=prefill, decode or mixed, got {row.kind!r}")
         if row.batch < 1:
@@ -147,7 +167,7 @@ def parse_profile(text: str, name: str = "profile") -> ProfileTable:
         if header is None:
             header = cells
             missing = [c for c in ("op", "time_s") if c not in header]
-            unknown = [c for c in header if c not in COLUMNS]
+            unknown = [c for c in header if c not in COLUMNS + EXTRA_COLUMNS]
             if missing or unknown:
                 raise ConfigError(f"{where}: bad header {','.join(header)!r}; expected columns "
                                   f"{','.join(COLUMNS)} (op and time_s required)"
@@ -169,7 +189,8 @@ def parse_profile(text: str, name: str = "profile") -> ProfileTable:
         except ValueError:
             raise ConfigError(f"{where}: column time_s={rec['time_s']!r} is not a number") from None
         row = ProfileRow(op, stage, kind, *(_int(rec.get(c, "0") or "0", c, where)
-                                            for c in ("batch", "tokens", "prefix", "context", "nbytes")), t)
+                                            for c in ("batch", "tokens", "prefix", "context", "nbytes")), t,
+                         _int(rec.get("tp", "1") or "1", "tp", where, 1), rec.get("link", ""))
         _check_row(row, where)
         rows.append(row)
     if header is None or not rows:
@@ -184,10 +205,12 @@ def write_profile(table: ProfileTable, path: str | Path) -> Path:
     for k, v in table.meta.items():
         buf.write(f"# {k}={v}\n")
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(COLUMNS)
+    extra = any(r.tp != 1 or r.link for r in table.rows)  # operator rows; forward-only tables keep 9 columns
+    w.writerow(COLUMNS + EXTRA_COLUMNS if extra else COLUMNS)
     for r in table.rows:
-        w.writerow([r.op, "max" if r.stage is None else r.stage, r.kind, r.batch, r.tokens, r.prefix,
-                    r.context, r.nbytes, f"{r.time_s:.9g}"])
+        cells = [r.op, "max" if r.stage is None else r.stage, r.kind, r.batch, r.tokens, r.prefix,
+                 r.context, r.nbytes, f"{r.time_s:.9g}"]
+        w.writerow(cells + [r.tp, r.link] if extra else cells)
     path.write_text(buf.getvalue())
     return path
 

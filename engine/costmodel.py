@@ -359,6 +359,35 @@ class CostModel:
             self._decode_consts = tuple((k[0], k[1] + d) + k[2:] for k, d in zip(consts, decode_fixed))
         self._vocab = vocab
         self._act_bytes_per_token = c.activation_copies * h * db
+        self.kernels = None  # a KernelPricer when the hardware profile has fitted kernels
+        if hardware.kernels is not None:
+            self._use_kernels(consts, decode_fixed)
+
+    def _use_kernels(self, consts: list[tuple], decode_fixed: list[float]) -> None:
+        """Price operators with the hardware profile's fitted kernels (engine/kernels.py) instead of
+        the roofline; the stage layout, fixed overheads, sampling, CPU and transfer costs are as above."""
+        from engine.kernels import KernelCoefficients, KernelPricer, LayerKernels, LayerShape
+
+        m, hw, tp, db, pp = self.model, self.hardware, self.tp, self.dtype_bytes, self.pp
+        shape = LayerShape(hidden=m.hidden_size, q_heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                           intermediate=m.intermediate_size, vocab=m.vocab_size, tp=tp, dtype_bytes=db)
+        kernels = LayerKernels(shape, KernelCoefficients.from_mapping(hw.kernels), hw.peak_flops, hw.mem_bw_Bps,
+                               hw.sm_count)
+        ar_lat = hw.p2p_latency_s if hw.allreduce_latency_s is None else hw.allreduce_latency_s
+        ar_tok = ar_fix = gather_row = gather_fix = 0.0
+        if tp > 1:  # two ring all-reduces of [tokens, hidden] per layer; logits gathered to rank 0
+            ar_tok = 2.0 * 2.0 * (tp - 1) / tp * m.hidden_size * db / hw.allreduce_bw_Bps
+            ar_fix = 2.0 * 2 * (tp - 1) * ar_lat
+            gather_row = (tp - 1) / tp * m.vocab_size * db / hw.allreduce_bw_Bps
+            gather_fix = (tp - 1) * ar_lat
+        pricer = KernelPricer(kernels, ar_tok, ar_fix, (m.hidden_size, m.vocab_size // tp), gather_row, gather_fix)
+        self.kernels = pricer
+        self._layer_s = pricer.layer_s  # type: ignore[method-assign]
+        self._stage_total = pricer.stage_total  # type: ignore[method-assign]
+        stages = [(k[0], k[1], s == 0, s == pp - 1) for s, k in enumerate(consts)]
+        self._stage_consts = tuple(stages)
+        self._decode_consts = tuple((k[0], k[1] + d, *k[2:]) for k, d in zip(stages, decode_fixed)) \
+            if self.coefficients.decode_overhead_ratio != 1.0 else self._stage_consts
 
     def __repr__(self) -> str:
         return (
@@ -440,6 +469,28 @@ class CostModel:
         if self._ar_tok:
             layer += tokens * self._ar_tok + self._ar_fix
         return layer
+
+    def layer_parts_s(self, shape: BatchShape) -> tuple[float, float, float, float]:
+        """One layer's (linear part, tensor-parallel all-reduces, decode attention, prefill
+        attention) for `shape`: the operator families `testbed calibrate tables` compares with
+        measured kernels. The linear part holds the GEMMs and the elementwise ops."""
+        tokens = shape.num_tokens
+        allreduce = tokens * self._ar_tok + self._ar_fix if self._ar_tok else 0.0
+        if self.kernels is not None:
+            k = self.kernels.k
+            dec = k.decode_s(shape.num_decode_seqs, shape.decode_context_sum)
+            pre = k.prefill_s(shape.num_prefill_tokens, shape.num_seqs - shape.num_decode_seqs,
+                              shape.prefill_attention_pairs, shape.prefill_context_sum)
+            return float(k.token_part_s(tokens)), allreduce, dec, pre
+        linear = max((tokens + self._m_half) * self._lin_c, self._lin_w + tokens * self._lin_a)
+        dec = pre = 0.0
+        if shape.num_decode_seqs:
+            ctx = shape.decode_context_sum
+            dec = max(ctx * self._attn_c, ctx * self._kv_r + shape.num_decode_seqs * self._qo)
+        if shape.num_prefill_tokens:
+            pre = max(shape.prefill_attention_pairs * self._attn_c,
+                      shape.prefill_context_sum * self._kv_r + shape.num_prefill_tokens * self._qo)
+        return linear, allreduce, dec, pre
 
     @staticmethod
     def _stage_total(consts: tuple, layer: float, tokens: int, shape: BatchShape) -> float:

@@ -59,6 +59,17 @@ class HardwareSpec:
     # Fitted CostCoefficients of a calibrated profile (`testbed profile`); None for table GPUs,
     # whose coefficients are the cost model's defaults. `cost.<field>=` still overrides either.
     calibration: dict | None = None
+    # Fitted operator-level kernel coefficients (engine/kernels.KernelCoefficients as a mapping):
+    # when set, the cost model prices each operator with them instead of the roofline
+    # (docs/calibration.md#measured-kernels). `sm_count` is the GPU's streaming multiprocessors
+    # (decode attention runs in waves of them).
+    kernels: dict | None = None
+    sm_count: int | None = None
+    # Per-hop latency of an all-reduce ring step; None = p2p_latency_s (the roofline's assumption).
+    allreduce_latency_s: float | None = None
+    # Which profile this is, recorded with every run (summary.json, MLflow): e.g. "roofline-1", or
+    # the fitted tables' source commit and fit date.
+    version: str = "roofline-1"
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -72,6 +83,13 @@ class HardwareSpec:
         lat = self.p2p_latency_s
         if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not (math.isfinite(lat) and lat >= 0):
             raise ConfigError(f"invalid hardware {self.name}.p2p_latency_s={lat!r}: must be >= 0 seconds")
+        if self.kernels is not None:
+            from engine.kernels import KernelCoefficients
+
+            KernelCoefficients.from_mapping(self.kernels)  # validates
+        if self.sm_count is not None and (isinstance(self.sm_count, bool) or not isinstance(self.sm_count, int)
+                                          or self.sm_count < 1):
+            raise ConfigError(f"invalid hardware {self.name}.sm_count={self.sm_count!r}: must be a positive integer")
         if self.cpu_cores_hint is not None and (
             isinstance(self.cpu_cores_hint, bool) or not isinstance(self.cpu_cores_hint, int) or self.cpu_cores_hint < 1
         ):
@@ -131,27 +149,41 @@ def register_hardware(spec: HardwareSpec) -> HardwareSpec:
 
 
 def get_hardware(name: str) -> HardwareSpec:
+    """A registered profile by name. The fitted profiles shipped in engine/hardware_profiles/ (the
+    defaults `a100-80g`, `h100-80g`, ...) are registered on first use."""
+    if isinstance(name, str) and name not in HARDWARE:
+        register_shipped()
     try:
         return HARDWARE[name]
     except (KeyError, TypeError):
         raise unknown_choice("hardware", name, HARDWARE) from None
 
 
+def register_shipped() -> list[str]:
+    """Register the shipped fitted profiles (once; later calls find them registered)."""
+    from engine.calibration import SHIPPED_PROFILES_DIR, load_profiles_dir
+
+    return load_profiles_dir(SHIPPED_PROFILES_DIR)
+
+
 for _spec in (
     # A100 SXM4 80GB: 312 TFLOPS dense fp16, 2,039 GB/s HBM2e (the PCIe card: 1,935 GB/s).
-    _pcie("a100-80g", "NVIDIA A100 80GB, PCIe links as in TD-Pipe", 312.0, 2039.0, 80.0),
+    _pcie("a100-80g-roofline", "NVIDIA A100 80GB, PCIe links as in TD-Pipe; hand-set roofline", 312.0, 2039.0, 80.0),
     # A100 40GB: 312 TFLOPS, 1,555 GB/s HBM2.
-    _pcie("a100-40g", "NVIDIA A100 40GB, PCIe links", 312.0, 1555.0, 40.0),
+    _pcie("a100-40g-roofline", "NVIDIA A100 40GB, PCIe links; hand-set roofline", 312.0, 1555.0, 40.0),
     # A800 80GB: the China-market A100 (same compute and HBM; only NVLink is capped).
-    _pcie("a800-80g", "NVIDIA A800 80GB, PCIe links", 312.0, 2039.0, 80.0),
+    _pcie("a800-80g-roofline", "NVIDIA A800 80GB, PCIe links; hand-set roofline", 312.0, 2039.0, 80.0),
     # L20 48GB: 119.5 TFLOPS dense fp16, 864 GB/s GDDR6 (TD-Pipe's 4x L20, PCIe only).
-    _pcie("l20-48g", "NVIDIA L20 48GB, PCIe links as in TD-Pipe", 119.5, 864.0, 48.0),
+    _pcie("l20-48g-roofline", "NVIDIA L20 48GB, PCIe links as in TD-Pipe; hand-set roofline", 119.5, 864.0, 48.0),
     # RTX 4090 24GB: ~165 TFLOPS dense fp16 with fp32 accumulate, 1,008 GB/s GDDR6X; no P2P.
-    _pcie("rtx4090", "NVIDIA GeForce RTX 4090 24GB, PCIe (no P2P, staged via host)", 165.0, 1008.0, 24.0),
+    _pcie("rtx4090-roofline", "NVIDIA GeForce RTX 4090 24GB, PCIe (no P2P, staged via host); hand-set roofline",
+          165.0, 1008.0, 24.0),
+    # A40 48GB: 149.7 TFLOPS dense fp16 tensor, 696 GB/s GDDR6, 84 SMs (the published A40 tables).
+    _pcie("a40-48g-roofline", "NVIDIA A40 48GB, PCIe links; hand-set roofline", 149.7, 696.0, 48.0),
     # H100 SXM5 80GB: 989 TFLOPS dense fp16, 3,350 GB/s HBM3; NVLink 4 inside the box (SiPipe).
     HardwareSpec(
-        name="h100-80g",
-        description="NVIDIA H100 SXM 80GB, NVLink 4 inside the box (SiPipe's 8x H100)",
+        name="h100-80g-roofline",
+        description="NVIDIA H100 SXM 80GB, NVLink 4 inside the box (SiPipe's 8x H100); hand-set roofline",
         peak_tflops=989.0,
         mem_bw_gbs=3350.0,
         mem_gib=80.0,

@@ -179,6 +179,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return run(args, _console())
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit the cost model to published GPU kernel tables (or report a profile's error)."""
+    from testbed.calibrate_report import cli_calibrate
+
+    return cli_calibrate(args, _console())
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """OpenAI-compatible server over the engine (testbed/serve/)."""
     from testbed.serve.main import cli_serve
@@ -247,6 +254,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a named bundle of overrides, repeatable: the matrix is cases x comma-list axes "
                          "(e.g. --case 'azure-r2: workload=azure workload.rate=2' policy=sarathi,vllm)")
     va.set_defaults(func=cmd_validate)
+    ca = sub.add_parser("calibrate", help="fit the cost model to measured GPU kernel tables and report its error")
+    casub = ca.add_subparsers(dest="calibrate", metavar="SOURCE")
+    ct = casub.add_parser("tables", help="the published A100/H100/A40 kernel tables (gpu-op-profiles/ in the data "
+                                         "directory): fit, then errors by operator family on held-out models")
+    ct.add_argument("dir", nargs="?", help="the tables' folder (default: the data-directory rule)")
+    ct.add_argument("--device", default="all", help="a100, h100, a40 or all (default; comma lists allowed)")
+    ct.add_argument("--holdout", help="comma list of models held out of the fit (default: every model but "
+                                      "Llama-2-7b-hf and Llama-2-70b-hf)")
+    ct.add_argument("--profile", help="instead: report a profile measured on your own GPU (testbed profile's CSV) "
+                                      "against --hardware")
+    ct.add_argument("--hardware", help="hardware profile to judge --profile against (default: its metadata)")
+    ct.add_argument("--save", help="write the fitted hardware profiles to this folder (the shipped defaults: "
+                                   "engine/hardware_profiles)")
+    ct.add_argument("--out", help="report folder (default: runs/calibrate/tables-<time>)")
+    ct.add_argument("--json", action="store_true", help="print the headline errors as JSON")
+    ct.set_defaults(func=cmd_calibrate)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = b.add_subparsers(dest="bench", metavar="BENCH")
     bs = bsub.add_parser("sim", help="simulator wall time, peak memory and micro-batches per second")

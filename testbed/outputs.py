@@ -245,6 +245,9 @@ def write_run_dir(result: RunResult, out_dir: Path, plots: bool = True, trace: s
 
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {k: _clean(v) for k, v in result.summary.items()}
+    hardware = result.config.get("hardware") or {}
+    # which cost profile priced the run (docs/calibration.md#measured-kernels): name and version
+    summary |= {"hardware_profile": hardware.get("name"), "hardware_version": hardware.get("version")}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     info = dict(result.info)
     info["error"] = result.error

@@ -100,6 +100,7 @@ def run_tags(cfg: Mapping[str, Any], command: str | None = None) -> dict[str, st
             "executor": str((cfg.get("executor") or {}).get("name", "sim")),
             "model": str((cfg.get("model") or {}).get("name")),
             "hardware": str((cfg.get("hardware") or {}).get("name")),
+            "hardware_version": str((cfg.get("hardware") or {}).get("version")),
             "pp": str((cfg.get("parallel") or {}).get("pp"))}
     if wl.get("rate") is not None and wl.get("arrival", "poisson") != "offline":
         tags["rate"] = str(wl["rate"])

@@ -1,0 +1,326 @@
+"""Operator-level GPU costs fitted to measured kernel times (docs/calibration.md#measured-kernels).
+
+The roofline of engine/costmodel.py prices a layer with six hand-set efficiencies. Checked against
+the published per-operator CUDA kernel times of the Vidur profiling tables (Agrawal et al., MLSys
+2024; A100, H100, A40), it is optimistic and unevenly so: GEMMs just past a tile step cost up to
+twice a smooth roofline, decode attention has a per-call floor of 10-20 us and reads KV at a rate
+that falls with the query heads per KV head, and causal prefill attention runs at 0.1-0.25 of the
+dense peak. This module prices each operator of one decoder layer with the terms those
+measurements demand; each term's docstring (on `KernelCoefficients`) names the residual it
+removes. `engine/kernel_fit.py` fits the coefficients; `CostModel` uses them when the hardware
+profile carries them (`HardwareSpec.kernels`).
+
+Torch-free, plain float arithmetic: `CostModel` precomputes what depends only on the token count
+into a table, so the simulator's hot path stays a lookup plus a few multiplications.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+
+from engine.errors import ConfigError
+
+__all__ = ["KernelCoefficients", "LayerShape", "LayerKernels", "GEMMS", "ELEMENTWISE"]
+
+# The four GEMMs of a decoder layer and the elementwise ops, by the names of the profile rows.
+GEMMS = ("gemm_qkv", "gemm_o", "gemm_up", "gemm_down")
+ELEMENTWISE = ("norm", "rope", "act", "add")
+
+
+@dataclass(frozen=True)
+class KernelCoefficients:
+    """Fitted per device. Times in seconds; efficiencies are fractions of the datasheet peak.
+
+    GEMMs (QKV, O, gate+up, down; and the lm_head): time = floor + max(compute, memory), with
+    compute = 2 * M_q * N * K / (peak * gemm_compute_efficiency), M_q the token count rounded up to
+    `gemm_token_quantum` (cuBLAS tiles the token dimension: on A100 a GEMM of 129-256 tokens costs
+    what 256 tokens cost, the step the smooth roofline misses by up to 2x), and memory = weights +
+    activations / (bandwidth * gemm_memory_efficiency) (1-8 token GEMMs stream their weights at
+    ~0.77 of A100's peak bandwidth). The floor is the shortest GEMM kernel (~5 us).
+    """
+
+    gemm_compute_efficiency: float = 0.73
+    gemm_memory_efficiency: float = 0.77
+    gemm_floor_s: float = 5e-6
+    gemm_token_quantum: int = 64
+    # Elementwise ops (RMSNorm x2, rotary, SiLU x mul, residual add, embedding gather): bandwidth
+    # bound with a launch floor. Measured norms reach a third of peak bandwidth (fp32 accumulation,
+    # two passes), so they are not free as the roofline's activation traffic assumed.
+    # One efficiency per op: on A100 a residual add streams at ~0.9 of peak bandwidth while an
+    # RMSNorm reaches ~0.3 (one shared efficiency left add 80% and norm 30% off, median).
+    norm_efficiency: float = 0.35
+    rope_efficiency: float = 0.4
+    act_efficiency: float = 0.6
+    add_efficiency: float = 0.9
+    emb_efficiency: float = 0.5
+    elementwise_floor_s: float = 2e-6
+    # Decode attention: floor + KV bytes / (bandwidth * efficiency(g)), g = query heads per KV head.
+    # The floor is the A100's 10-20 us for one short sequence (-73% to -94% without it). The
+    # efficiency points (g, fraction) are interpolated in log2(g): 0.87 at g=1, ~0.7 at 8 and
+    # 0.3-0.4 at 16 on the published A100 rows, where the roofline assumed 0.8 for every g.
+    decode_floor_s: float = 12e-6
+    decode_kv_efficiency: tuple[tuple[float, float], ...] = ((1.0, 0.85), (8.0, 0.75), (16.0, 0.4))
+    # Once a decode batch has more (sequence, KV head) blocks than the GPU holds at once
+    # (`decode_waves` resident blocks per SM x sm_count), the kernel runs in whole waves: on the A100
+    # table the time jumps 1.46x from batch 54 to 55 with 4 KV heads (216 -> 220 blocks, 2 x 108
+    # SMs). 0 = no wave term.
+    decode_waves: int = 2
+    # Prefill attention (causal, one chunk of x new tokens after a cached prefix of L):
+    # floor + 4 * heads * head_dim * pairs / (peak * efficiency(x, L)), pairs = x*L + x(x+1)/2, with
+    # efficiency = prefill_efficiency * k / (k + prefill_half_keys), k = L + x/2 the mean keys a
+    # query attends: short chunks with no prefix leave the kernel's blocks short of work (measured
+    # 0.13 of A100's peak at 1,024 tokens, 0.19 at 4,096; the roofline assumed 0.5).
+    prefill_floor_s: float = 12e-6
+    prefill_efficiency: float = 0.25
+    prefill_half_keys: float = 500.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "decode_kv_efficiency":
+                _check_points(value)
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be a finite number")
+            if f.name.endswith("_efficiency") and not 0.0 < value <= 1.0:
+                raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be in (0, 1]")
+            if value < 0:
+                raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be >= 0")
+        if not isinstance(self.decode_waves, int):
+            raise ConfigError(f"invalid kernels.decode_waves={self.decode_waves!r}: must be an integer >= 0")
+        if not isinstance(self.gemm_token_quantum, int) or self.gemm_token_quantum < 1:
+            raise ConfigError(f"invalid kernels.gemm_token_quantum={self.gemm_token_quantum!r}: must be an integer >= 1")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping) -> KernelCoefficients:
+        """From a profile's `kernels:` mapping (YAML lists become tuples)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown kernels keys {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        data = dict(values)
+        if "decode_kv_efficiency" in data:
+            data["decode_kv_efficiency"] = tuple(tuple(float(v) for v in p) for p in data["decode_kv_efficiency"])
+        for key in ("gemm_token_quantum", "decode_waves"):
+            if key in data:
+                data[key] = int(data[key])
+        return cls(**data)
+
+    def to_mapping(self) -> dict:
+        data = asdict(self)
+        data["decode_kv_efficiency"] = [list(p) for p in self.decode_kv_efficiency]
+        return data
+
+    def decode_efficiency(self, gqa: float) -> float:
+        """KV read efficiency at `gqa` query heads per KV head: linear in log2(g) between the fitted
+        points, flat beyond them."""
+        pts = self.decode_kv_efficiency
+        if gqa <= pts[0][0]:
+            return pts[0][1]
+        for (g0, e0), (g1, e1) in zip(pts, pts[1:]):
+            if gqa <= g1:
+                w = math.log2(gqa / g0) / math.log2(g1 / g0)
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
+
+
+def _check_points(points: object) -> None:
+    ok = isinstance(points, tuple) and len(points) >= 1 and all(
+        isinstance(p, tuple) and len(p) == 2 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in p)
+        for p in points)
+    if not ok or any(g < 1 or not 0 < e <= 1 for g, e in points) or any(
+            a[0] >= b[0] for a, b in zip(points, points[1:])):
+        raise ConfigError(f"invalid kernels.decode_kv_efficiency={points!r}: needs (gqa >= 1, efficiency in (0, 1]) "
+                          "points with increasing gqa")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The shape of one decoder layer on one GPU of a tensor-parallel group (what a table row or
+    a `ModelSpec` describes)."""
+
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int = 32000
+    gated: bool = True
+    tp: int = 1
+    dtype_bytes: int = 2
+
+    @property
+    def q_heads_gpu(self) -> int:
+        return self.q_heads // self.tp
+
+    @property
+    def kv_heads_gpu(self) -> int:
+        return max(1, self.kv_heads // self.tp)
+
+    @property
+    def gqa(self) -> float:
+        return self.q_heads / self.kv_heads
+
+    def gemm_dims(self) -> dict[str, tuple[int, int]]:
+        """(K, N) of each GEMM on one GPU: column-parallel QKV and gate+up, row-parallel O and down."""
+        h, hd, tp = self.hidden, self.head_dim, self.tp
+        up = (2 if self.gated else 1) * self.intermediate // tp
+        return {"gemm_qkv": (h, (self.q_heads_gpu + 2 * self.kv_heads_gpu) * hd),
+                "gemm_o": (self.q_heads_gpu * hd, h), "gemm_up": (h, up), "gemm_down": (self.intermediate // tp, h)}
+
+    def elementwise_bytes(self) -> dict[str, float]:
+        """Bytes per token moved by each elementwise op (read + write)."""
+        h, db = self.hidden, self.dtype_bytes
+        return {"norm": 2.0 * h * db, "rope": 2.0 * (self.q_heads_gpu + self.kv_heads_gpu) * self.head_dim * db,
+                "act": 3.0 * self.intermediate // self.tp * db if self.gated else 2.0 * self.intermediate // self.tp * db,
+                "add": 3.0 * h * db, "emb": 2.0 * h * db}
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K and V of one token, this GPU's KV heads."""
+        return 2.0 * self.kv_heads_gpu * self.head_dim * self.dtype_bytes
+
+
+# How often each elementwise op runs per layer (two RMSNorms; the table's other ops once).
+ELEMENTWISE_PER_LAYER = {"norm": 2, "rope": 1, "act": 1, "add": 1}
+
+
+class LayerKernels:
+    """Kernel times of one layer shape on one GPU with fitted coefficients.
+
+    Token-count ops (GEMMs, elementwise) are numpy-vectorised: the fit evaluates ~100k table rows
+    at once and `CostModel` tabulates them once per token count. Attention is scalar Python: the
+    simulator calls it per micro-batch, where numpy's per-call overhead would dominate."""
+
+    def __init__(self, shape: LayerShape, coefficients: KernelCoefficients, peak_flops: float, mem_bw_Bps: float,
+                 sm_count: int | None) -> None:
+        self.shape, self.c = shape, coefficients
+        self.peak, self.bw = peak_flops, mem_bw_Bps
+        self._dims = shape.gemm_dims()
+        self._ew = shape.elementwise_bytes()
+        c = coefficients
+        self._units_cap = (sm_count or 0) * c.decode_waves
+        self._dec_rate = mem_bw_Bps * c.decode_efficiency(shape.gqa)
+        self._pre_flops_per_pair = 4.0 * shape.q_heads_gpu * shape.head_dim
+
+    # ---- token-count ops (numpy arrays or scalars) ------------------------------------------
+    def gemm_s(self, m, k: int, n: int):
+        """floor + max(compute on the token count rounded up to the tile quantum, weight and
+        activation traffic)."""
+        import numpy as np
+
+        c, db = self.c, self.shape.dtype_bytes
+        q = c.gemm_token_quantum
+        mq = np.ceil(np.asarray(m, dtype=float) / q) * q
+        comp = 2.0 * mq * n * k / (self.peak * c.gemm_compute_efficiency)
+        mem = (k * n + np.asarray(m, dtype=float) * (k + n)) * db / (self.bw * c.gemm_memory_efficiency)
+        return c.gemm_floor_s + np.maximum(comp, mem)
+
+    def op_s(self, op: str, m):
+        """A GEMM or an elementwise op (`GEMMS`, `ELEMENTWISE`, or `emb`) on `m` tokens."""
+        import numpy as np
+
+        if op in self._dims:
+            k, n = self._dims[op]
+            return self.gemm_s(m, k, n)
+        return self.c.elementwise_floor_s + np.asarray(m, dtype=float) * self._ew[op] / (
+            self.bw * getattr(self.c, f"{op}_efficiency"))
+
+    def token_part_s(self, m):
+        """Everything in a layer that depends only on the token count: the four GEMMs and the
+        elementwise ops (all-reduces are the link's, added by the cost model)."""
+        total = sum(self.op_s(op, m) for op in GEMMS)
+        return total + sum(n * self.op_s(op, m) for op, n in ELEMENTWISE_PER_LAYER.items())
+
+    # ---- attention (scalar) -------------------------------------------------------------------
+    def decode_s(self, num_seqs: int, context_sum: int) -> float:
+        """One decode-attention call over `num_seqs` sequences attending `context_sum` KV tokens."""
+        if not num_seqs:
+            return 0.0
+        kv = context_sum * self.shape.kv_bytes_per_token
+        cap = self._units_cap
+        if cap:
+            units = num_seqs * self.shape.kv_heads_gpu
+            if units > cap:  # whole waves of `cap` blocks, each streaming one (sequence, KV head)
+                kv *= (-(-units // cap) * cap) / units
+        return self.c.decode_floor_s + kv / self._dec_rate
+
+    def prefill_s(self, tokens: int, chunks: int, pairs: float, context_sum: int) -> float:
+        """One prefill-attention call over `chunks` chunks of `tokens` new tokens in all, with
+        `pairs` causal query-key pairs and `context_sum` KV tokens (prefixes + chunks)."""
+        if not tokens:
+            return 0.0
+        c = self.c
+        keys = (context_sum - tokens / 2.0) / chunks  # the mean over chunks of L + x/2
+        eff = c.prefill_efficiency * keys / (keys + c.prefill_half_keys)
+        return c.prefill_floor_s + self._pre_flops_per_pair * pairs / (self.peak * eff)
+
+
+class KernelPricer:
+    """`CostModel`'s per-layer and per-stage pricing when the hardware profile has fitted kernels.
+
+    What depends only on the token count (the GEMMs, elementwise ops and the tensor-parallel
+    all-reduces) is tabulated once per token count, so a micro-batch costs one list lookup, the two
+    attention calls and a few multiplications: the same order of work as the roofline.
+    """
+
+    def __init__(self, kernels: LayerKernels, allreduce_s_per_token: float, allreduce_fixed_s: float,
+                 lm_head_dims: tuple[int, int], lm_gather_s_per_row: float, lm_gather_fixed_s: float) -> None:
+        self.k = kernels
+        self._ar_tok, self._ar_fix = allreduce_s_per_token, allreduce_fixed_s
+        self._lm_dims = lm_head_dims
+        self._lm_gather = (lm_gather_s_per_row, lm_gather_fixed_s)
+        self._tok: list[float] = [0.0]  # token part + all-reduces, by token count
+        self._emb: list[float] = [0.0]
+        self._lm: dict[int, float] = {}
+
+    def _extend(self, m: int) -> None:
+        import numpy as np
+
+        start, stop = len(self._tok), max(m + 1, 2 * len(self._tok))
+        ms = np.arange(start, stop, dtype=float)
+        part = self.k.token_part_s(ms) + (ms * self._ar_tok + self._ar_fix if self._ar_tok else 0.0)
+        self._tok += [float(v) for v in part]
+        self._emb += [float(v) for v in self.k.op_s("emb", ms)]
+
+    def token_s(self, m: int) -> float:
+        if m >= len(self._tok):
+            self._extend(m)
+        return self._tok[m]
+
+    def layer_s(self, shape, tokens: int) -> float:
+        """One layer's time for a `BatchShape` with `tokens` > 0 (decodes and prefill chunks are
+        separate attention calls, as in the serving engines the tables were measured on)."""
+        if tokens >= len(self._tok):
+            self._extend(tokens)
+        layer = self._tok[tokens]
+        n_dec = shape.num_decode_seqs
+        if n_dec:
+            layer += self.k.decode_s(n_dec, shape.decode_context_sum)
+        n_pre = shape.num_prefill_tokens
+        if n_pre:
+            layer += self.k.prefill_s(n_pre, shape.num_seqs - n_dec, shape.prefill_attention_pairs,
+                                      shape.prefill_context_sum)
+        return layer
+
+    def lm_head_s(self, rows: int) -> float:
+        t = self._lm.get(rows)
+        if t is None:
+            k, n = self._lm_dims
+            per_row, fixed = self._lm_gather
+            t = self._lm[rows] = float(self.k.gemm_s(rows, k, n)) + rows * per_row + fixed
+        return t
+
+    def stage_total(self, consts: tuple, layer: float, tokens: int, shape) -> float:
+        """A stage's time: its layers, fixed cost, the embedding gather on the first stage and the
+        lm_head GEMM (sampled rows only) on the last."""
+        n, fixed, first, last = consts[:4]
+        total = n * layer + fixed
+        if first:
+            if tokens >= len(self._emb):
+                self._extend(tokens)
+            total += self._emb[tokens]
+        if last and shape.num_sampled:
+            total += self.lm_head_s(shape.num_sampled)
+        return total

@@ -1,0 +1,387 @@
+"""`testbed calibrate tables`: fit the cost model to published GPU kernel tables and report its error.
+
+Reads `gpu-op-profiles/` through the data-directory rule (engine/gpu_tables.py), fits the
+operator-level kernel coefficients, links and host costs per device (engine/kernel_fit.py), and
+reports median / p90 / max error and bias by operator family and by token / context bucket, for
+the fitted profile and for the hand-set roofline it replaces, on held-out models (compute) and
+held-out grid points (attention). `--save DIR` writes the fitted hardware profiles (the shipped
+defaults are regenerated with `--save engine/hardware_profiles`); `--profile CSV` reports the
+same families for a profile measured on the user's own GPU against a hardware profile.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from engine.calibration import ProfileRow, ProfileTable, read_profile
+from engine.costmodel import BatchShape, CostModel
+from engine.errors import ConfigError
+from engine.gpu_tables import DEVICES, PublishedTables, read_published
+from engine.hardware import HardwareSpec, get_hardware
+from engine.kernel_fit import (DEFAULT_FIT_MODELS, LINEAR_OPS, Device, KernelFit, attention_split, fit_kernels,
+                               gqa_points_from, layer_shape, link_features)
+from engine.kernels import KernelCoefficients, LayerShape
+from engine.models import ModelSpec
+
+# The device each table was measured on, and the names its fit is shipped under.
+DEVICE_HARDWARE = {"a100": "a100-80g", "h100": "h100-80g", "a40": "a40-48g"}
+TOKEN_BUCKETS = [0, 16, 128, 512, 2048, 4096, 1 << 20]
+KV_BUCKETS = [0, 4096, 65536, 524288, 1 << 40]
+FAMILY_ORDER = ["linear", "gemm", "elementwise", "decode", "prefill", "layer", "send_recv", "all_reduce", "host"]
+TARGETS = {"linear": "median <= 5%, p90 <= 12%", "decode": "median <= 10%", "prefill": "median <= 15%",
+           "layer": "median <= 8%", "send_recv": ">= 1 MiB: <= 10%"}
+
+
+def device_spec(device: str) -> HardwareSpec:
+    """The datasheet peaks of a table's device: its hand-set roofline entry (the "default" the
+    report compares with)."""
+    return get_hardware(f"{DEVICE_HARDWARE[device]}-roofline")
+
+
+SM_COUNTS = {"a100": 108, "h100": 132, "a40": 84}
+
+
+def as_device(device: str) -> Device:
+    hw = device_spec(device)
+    return Device(device, hw.peak_flops, hw.mem_bw_Bps, SM_COUNTS[device])
+
+
+def spec_model(shape: LayerShape) -> ModelSpec:
+    """A one-layer model of a table's shape (the cost model's unit)."""
+    return ModelSpec(name="table-shape", architecture="llama", num_layers=1, hidden_size=shape.hidden,
+                     num_heads=shape.q_heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                     intermediate_size=max(1, shape.intermediate), vocab_size=max(1, shape.vocab))
+
+
+def _cost(hw: HardwareSpec, shape: LayerShape) -> CostModel:
+    return CostModel(spec_model(shape), hw, pp=1, tp=shape.tp)
+
+
+def fitted_spec(base: HardwareSpec, name: str, fit: KernelFit, description: str, version: str) -> HardwareSpec:
+    return replace(base, name=name, description=description, kernels=fit.coefficients.to_mapping(),
+                   sm_count=fit.device.sm_count, version=version, calibration=host_calibration(fit))
+
+
+def host_calibration(fit: KernelFit) -> dict | None:
+    """The host tables' per-iteration costs as cost-model coefficients: input preparation = the
+    scheduler + prepare_inputs (both run on the CPU before a step), sampling per sequence spread
+    over a 32k vocabulary (the host tables' models). Kernel floors are priced per operator now, so
+    the roofline's per-layer launch overhead goes to 0."""
+    cal: dict = {"per_layer_overhead_s": 0.0}
+    if fit.host is not None:
+        h = fit.host
+        cal.update(prep_fixed_s=h.prepare_fixed_s + h.schedule_fixed_s,
+                   prep_per_seq_s=h.prepare_per_seq_s + h.schedule_per_seq_s,
+                   sample_fixed_s=h.sample_fixed_s, sample_per_token_vocab_s=h.sample_per_seq_s / 32000.0)
+    return cal
+
+
+# ---- error rows ---------------------------------------------------------------------------------
+def _bucket(value: float, edges: list[int]) -> str:
+    i = int(np.searchsorted(edges, value, side="left"))
+    i = min(max(i, 1), len(edges) - 1)
+    return f"{edges[i - 1] + 1}-{edges[i]}" if edges[i] < 1 << 20 else f">{edges[i - 1]}"
+
+
+def linear_rows(tables: PublishedTables, fitted: HardwareSpec, default: HardwareSpec) -> list[dict]:
+    """Per (model, tp, tokens): the layer's linear part (sum of its measured ops) and per op."""
+    out = []
+    for model, table in tables.compute.items():
+        held = model not in DEFAULT_FIT_MODELS
+        by: dict[tuple[int, int], dict[str, list[float]]] = {}
+        for r in table.rows:
+            by.setdefault((r.tp, r.tokens), {}).setdefault(r.op, []).append(r.time_s)
+        for tp in sorted({tp for tp, _ in by}):
+            shape = layer_shape(table.meta, tp)
+            fit_cm, def_cm = _cost(fitted, shape), _cost(default, shape)
+            ks = fit_cm.kernels.k
+            for (t, m), ops in by.items():
+                if t != tp or m > 4096 or not all(op in ops for op in LINEAR_OPS):
+                    continue
+                repeats = len(ops["gemm_qkv"])  # a few token counts appear twice in the tables
+                meas = sum(sum(ops[op]) for op in LINEAR_OPS) / repeats
+                sh = BatchShape.decode(m, 1)
+                out.append(dict(family="linear", model=model, tp=tp, x=m, bucket=_bucket(m, TOKEN_BUCKETS),
+                                measured=meas, fitted=fit_cm.layer_parts_s(sh)[0], default=def_cm.layer_parts_s(sh)[0],
+                                held=held))
+                for op in LINEAR_OPS:
+                    fam = "gemm" if op.startswith("gemm") else "elementwise"
+                    out.append(dict(family=fam, model=model, tp=tp, x=m, bucket=op, measured=ops[op][0],
+                                    fitted=float(ks.op_s(op, m)), default=np.nan, held=held))
+    return out
+
+
+def attention_rows(tables: PublishedTables, fitted: HardwareSpec, default: HardwareSpec) -> list[dict]:
+    out = []
+    for table in tables.attention:
+        fit_rows, held_rows = attention_split(table)
+        for held, rows in ((False, fit_rows), (True, held_rows)):
+            for r in rows:
+                shape = layer_shape(table.meta, r.tp)
+                fit_cm, def_cm = _cost(fitted, shape), _cost(default, shape)
+                if r.op == "attn_decode":
+                    sh, i, fam, x = BatchShape.decode(r.batch, r.context), 2, "decode", r.batch * r.context
+                    bucket = _bucket(x, KV_BUCKETS)
+                else:
+                    sh, i, fam, x = BatchShape.from_parts([(r.prefix, r.tokens, True)]), 3, "prefill", r.tokens
+                    bucket = _bucket(x, TOKEN_BUCKETS)
+                out.append(dict(family=fam, model=table.meta["model"], tp=r.tp, x=x, bucket=bucket, measured=r.time_s,
+                                fitted=fit_cm.layer_parts_s(sh)[i], default=def_cm.layer_parts_s(sh)[i], held=held))
+    return out
+
+
+def layer_rows(tables: PublishedTables, fitted: HardwareSpec, default: HardwareSpec) -> list[dict]:
+    """A whole decoder layer where one model's linear ops and an attention table share a shape:
+    measured linear part + measured attention against the same sum predicted (held-out attention
+    rows; the model is held out when it is not a fit model)."""
+    out = []
+    for table in tables.attention:
+        meta = table.meta
+        for model, ctable in tables.compute.items():
+            cm = ctable.meta
+            if (cm["hidden"], cm["q_heads"], cm["kv_heads"]) != (meta["hidden"], meta["q_heads"], meta["kv_heads"]):
+                continue
+            lin: dict = {}
+            for r in ctable.rows:
+                if r.op in LINEAR_OPS:
+                    lin.setdefault((r.tp, r.tokens), {}).setdefault(r.op, []).append(r.time_s)
+            lin = {k: sum(sum(v) for v in ops.values()) / len(ops["gemm_qkv"]) for k, ops in lin.items()
+                   if "gemm_qkv" in ops}
+            shape_meta = {**meta, "intermediate": cm["intermediate"], "vocab": cm["vocab"], "gated": cm["gated"]}
+            for r in attention_split(table)[1]:
+                m = r.batch if r.op == "attn_decode" else r.tokens
+                if (r.tp, m) not in lin:
+                    continue
+                shape = layer_shape(shape_meta, r.tp)
+                sh = BatchShape.decode(r.batch, r.context) if r.op == "attn_decode" else \
+                    BatchShape.from_parts([(r.prefix, r.tokens, True)])
+                fit_p, def_p = _cost(fitted, shape).layer_parts_s(sh), _cost(default, shape).layer_parts_s(sh)
+                out.append(dict(family="layer", model=model, tp=r.tp, x=m, bucket=r.op.removeprefix("attn_"),
+                                measured=lin[(r.tp, m)] + r.time_s, fitted=fit_p[0] + fit_p[2] + fit_p[3],
+                                default=def_p[0] + def_p[2] + def_p[3],
+                                held=model not in DEFAULT_FIT_MODELS))
+    return out
+
+
+def link_rows(tables: PublishedTables, fit: KernelFit, default: HardwareSpec) -> list[dict]:
+    out = []
+    for name, table in tables.network.items():
+        for r in table.rows:
+            lf = fit.links[f"{name}/{r.link}"]
+            lat_mult, wire = link_features(r)
+            bw = default.allreduce_bw_Bps if r.op == "all_reduce" else default.p2p_bw_Bps
+            out.append(dict(family=r.op, model=f"{name.split('/')[0]}/{r.link}", tp=r.tp, x=r.nbytes,
+                            bucket=">=1MiB" if r.nbytes >= 1 << 20 else "<1MiB", measured=r.time_s,
+                            fitted=lat_mult * lf.latency_s + wire / lf.bw_Bps,
+                            default=lat_mult * default.p2p_latency_s + wire / bw, held=False))
+    return out
+
+
+def host_rows(tables: PublishedTables, fit: KernelFit) -> list[dict]:
+    h = fit.host
+    if h is None:
+        return []
+    line = {"prepare": (h.prepare_fixed_s, h.prepare_per_seq_s), "sample": (h.sample_fixed_s, h.sample_per_seq_s),
+            "schedule": (h.schedule_fixed_s, h.schedule_per_seq_s)}
+    return [dict(family="host", model=t.meta["model"], tp=r.tp, x=r.batch, bucket=r.op, measured=r.time_s,
+                 fitted=line[r.op][0] + line[r.op][1] * r.batch, default=np.nan, held=False)
+            for t in tables.host for r in t.rows]
+
+
+def error_frame(tables: PublishedTables, fit: KernelFit, fitted: HardwareSpec, default: HardwareSpec) -> pd.DataFrame:
+    rows = (linear_rows(tables, fitted, default) + attention_rows(tables, fitted, default)
+            + layer_rows(tables, fitted, default) + link_rows(tables, fit, default) + host_rows(tables, fit))
+    df = pd.DataFrame(rows)
+    df["err_fitted"] = df.fitted / df.measured - 1.0
+    df["err_default"] = df.default / df.measured - 1.0
+    return df
+
+
+def summarise(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    def stats(g: pd.DataFrame) -> pd.Series:
+        out: dict = {"rows": len(g)}
+        for which in ("fitted", "default"):
+            e = g[f"err_{which}"].dropna()
+            a = e.abs()
+            out |= {f"{which}_median": a.median(), f"{which}_p90": a.quantile(0.9), f"{which}_max": a.max(),
+                    f"{which}_bias": e.median()}  # NaN when there is no prediction (no roofline per op)
+        return pd.Series(out)
+
+    return df.groupby(by, sort=False).apply(stats, include_groups=False).reset_index()
+
+
+def headline(df: pd.DataFrame) -> pd.DataFrame:
+    """The issue's targets: held-out rows per family (send/recv: >= 1 MiB)."""
+    parts = []
+    for fam in FAMILY_ORDER:
+        sel = df[df.family == fam]
+        if fam in ("linear", "gemm", "elementwise", "decode", "prefill", "layer"):
+            sel = sel[sel.held]
+        if fam == "send_recv":
+            sel = sel[sel.x >= 1 << 20]
+        if len(sel):
+            parts.append(sel.assign(family=fam))
+    if not parts:
+        return pd.DataFrame()
+    out = summarise(pd.concat(parts), ["family"])
+    out["target"] = out.family.map(TARGETS).fillna("")
+    return out
+
+
+# ---- fitting every device, the shipped profiles ---------------------------------------------
+SOURCE = "Vidur profiling tables (microsoft/vidur @7d47513, MIT; Agrawal et al., MLSys 2024)"
+# Table-less GPUs: datasheet peaks with the A100's fitted efficiencies (and SM counts).
+A100_FITTED_KIN = {"a100-40g": 108, "a800-80g": 108, "l20-48g": 92, "rtx4090": 128}
+
+
+def fit_device(tables: PublishedTables, fit_models, reference: KernelFit | None) -> KernelFit:
+    """One device's fit. Without attention rows (A40) the attention terms are `reference`'s; with
+    too few GQA ratios (H100: only the 405B shape, g=16) the others follow `reference`'s
+    dependence on g."""
+    base = reference.coefficients if reference is not None else None
+    fit = fit_kernels(list(tables.compute.values()), tables.attention, tables.network, tables.host,
+                      as_device(tables.device), fit_models=fit_models, base=base)
+    if reference is not None and tables.attention:
+        points = gqa_points_from(reference.coefficients, fit.coefficients)
+        if points != fit.coefficients.decode_kv_efficiency:
+            fit.coefficients = replace(fit.coefficients, decode_kv_efficiency=points)
+            measured = sorted({layer_shape(t.meta, 1).gqa for t in tables.attention})
+            others = [g for g, _ in points if g not in measured]
+            fit.notes.append(f"decode KV efficiency measured only at g={', '.join(f'{g:g}' for g in measured)}; "
+                             f"g={', '.join(f'{g:g}' for g in others)} follow {reference.device.name}'s dependence on g")
+    elif reference is not None:
+        fit.notes.append(f"attention terms are {reference.device.name}'s fit (no attention table for {tables.device})")
+    return fit
+
+
+def _link_fields(fit: KernelFit, setup: str) -> dict:
+    """p2p (send/recv inside one node) and all-reduce (inside one node) of a fitted setup."""
+    out: dict = {}
+    sr = fit.links.get(f"{setup}/send_recv/node")
+    ar = fit.links.get(f"{setup}/all_reduce/node")
+    if sr is not None:
+        out |= {"p2p_bw_gbs": sr.bw_Bps / 1e9, "p2p_latency_s": sr.latency_s}
+    if ar is not None:
+        out |= {"allreduce_bw_gbs": ar.bw_Bps / 1e9, "allreduce_latency_s": ar.latency_s}
+    elif sr is not None:
+        out |= {"allreduce_bw_gbs": sr.bw_Bps / 1e9, "allreduce_latency_s": sr.latency_s}
+    return out
+
+
+def shipped_specs(fits: dict[str, KernelFit], date: str) -> list[tuple[HardwareSpec, dict]]:
+    """The hardware profiles shipped as defaults, each with its provenance."""
+    version = f"vidur-7d47513-fit-{date}"
+    out = []
+
+    def add(base: HardwareSpec, name: str, fit: KernelFit, how: str, links: dict, extra_notes: list[str]):
+        spec = replace(fitted_spec(base, name, fit, f"{base.description.split(';')[0]}; {how}", version), **links)
+        notes = fit.notes + extra_notes
+        out.append((spec, {"source": SOURCE, "device_tables": fit.device.name, "rows_used": fit.rows_used,
+                           "fit_models": list(DEFAULT_FIT_MODELS), "date": date, "version": version,
+                           "command": "testbed calibrate tables --save engine/hardware_profiles", "notes": notes}))
+
+    if "a100" in fits:
+        a = fits["a100"]
+        add(get_hardware("a100-80g-roofline"), "a100-80g", a, "kernels fitted to A100 tables", {},
+            ["links: TD-Pipe's measured PCIe (20.8 GB/s p2p, 14.7 GB/s all-reduce), not the tables' NVLink"])
+        for name, sms in A100_FITTED_KIN.items():
+            base = get_hardware(f"{name}-roofline")
+            add(base, name, replace(a, device=replace(a.device, sm_count=sms)),
+                "datasheet peaks with A100-fitted efficiencies (no table for this GPU)", {},
+                [f"no measured table for {name}: A100-fitted efficiencies on its datasheet peaks"])
+    if "h100" in fits:
+        h = fits["h100"]
+        host = [] if h.host else ["host costs: none measured on H100 hosts; A100 host fit used"]
+        hfit = replace(h, host=h.host or (fits["a100"].host if "a100" in fits else None))
+        add(get_hardware("h100-80g-roofline"), "h100-80g", hfit, "kernels fitted to H100 tables",
+            _link_fields(h, "h100_dgx"), host + ["links: h100_dgx inside one node (NVSwitch)"])
+    if "a40" in fits:
+        f = fits["a40"]
+        add(get_hardware("a40-48g-roofline"), "a40-48g", f, "kernels fitted to A40 tables", _link_fields(f, "a40_pairwise_nvlink"),
+            ["links: a40_pairwise_nvlink inside one node; all-reduce from send/recv (no all-reduce table)"])
+    return out
+
+
+# ---- the command ------------------------------------------------------------------------------
+def tables_dir(arg: str | None) -> Path:
+    """DIR, else the data-directory rule (data_dir= / $TESTBED_DATA_DIR / ../shared/data / cache)."""
+    if arg:
+        return Path(arg)
+    from workloads.data import DataNotFoundError, resolve_data_file
+
+    try:
+        return resolve_data_file("gpu-op-profiles/README.md").parent
+    except DataNotFoundError as exc:
+        raise ConfigError(f"no published GPU tables found: {exc}") from None
+
+
+def run_tables(directory: Path, devices: list[str], fit_models, out_dir: Path, save: Path | None, console) -> dict:
+    """Fit every device (A100 first: the others borrow from it), write the report, return it."""
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    order = [d for d in ("a100", "h100", "a40") if d in devices or (d == "a100" and devices != ["a100"])]
+    fits, frames = {}, []
+    for device in order:
+        tables = read_published(directory, device)
+        fit = fit_device(tables, fit_models, fits.get("a100"))
+        fits[device] = fit
+        if device not in devices:
+            continue
+        default = device_spec(device)
+        fitted = fitted_spec(default, f"{DEVICE_HARDWARE[device]}-fit", fit, "fit", "fit")
+        frames.append(error_frame(tables, fit, fitted, default).assign(device=device))
+        console.print(f"[bold]{device}[/]: {tables.num_rows:,} rows read, fitted in the same pass; "
+                      + ("; ".join(fit.notes) or "no extrapolation"))
+    df = pd.concat(frames, ignore_index=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = write_report(df, fits, out_dir)
+    if save is not None:
+        for spec, provenance in shipped_specs(fits, date):
+            provenance["errors"] = [
+                {k: (round(float(v), 4) if isinstance(v, float) else v) for k, v in row.items()
+                 if k in ("family", "fitted_median", "fitted_p90", "fitted_max", "fitted_bias", "default_median",
+                          "default_bias") and not (isinstance(v, float) and v != v)} | {"rows": int(row["rows"])}
+                for row in report["headline"].get(provenance["device_tables"], [])]
+            from engine.calibration import save_hardware_profile
+
+            save_hardware_profile(spec, save / f"{spec.name}.yaml", extra=provenance)
+            console.print(f"saved hardware profile {spec.name} -> {save / (spec.name + '.yaml')}")
+    return report
+
+
+def markdown_table(df: pd.DataFrame) -> str:
+    """A pipe table; error fractions as percentages."""
+    def cell(col: str, v) -> str:
+        if isinstance(v, float):
+            return "" if np.isnan(v) else (f"{100 * v:+.1f}%" if col.endswith("bias") else f"{100 * v:.1f}%")
+        return str(v)
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(c, v) for c, v in zip(df.columns, row)) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def write_report(df: pd.DataFrame, fits: dict[str, KernelFit], out_dir: Path) -> dict:
+    head = {d: headline(g).to_dict("records") for d, g in df.groupby("device", sort=False)}
+    buckets = summarise(df[df.held | df.family.isin(["send_recv", "all_reduce", "host"])],
+                        ["device", "family", "bucket"]).round(4)
+    models = summarise(df[df.family == "linear"], ["device", "model", "held"]).round(4)
+    buckets.to_csv(out_dir / "errors_by_bucket.csv", index=False)
+    models.to_csv(out_dir / "errors_by_model.csv", index=False)
+    coeffs = {d: f.coefficients.to_mapping() for d, f in fits.items()}
+    report = {"headline": head, "coefficients": coeffs,
+              "links": {d: {k: vars(v) for k, v in f.links.items()} for d, f in fits.items()},
+              "notes": {d: f.notes for d, f in fits.items()}}
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1, default=float))
+    md = [f"# Cost model vs published GPU kernel tables\n"]
+    for d, rows in head.items():
+        md.append(f"\n## {d} (held-out rows; fitted vs roofline)\n")
+        md.append(markdown_table(pd.DataFrame(rows)))
+    (out_dir / "report.md").write_text("\n".join(md) + "\n")
+    from testbed.calibrate_figures import error_figures
+
+    error_figures(df, out_dir)
+    return report
