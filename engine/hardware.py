@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.errors import ConfigError, unknown_choice
 
@@ -149,21 +150,27 @@ def register_hardware(spec: HardwareSpec) -> HardwareSpec:
 
 
 def get_hardware(name: str) -> HardwareSpec:
-    """A registered profile by name. The fitted profiles shipped in engine/hardware_profiles/ (the
-    defaults `a100-80g`, `h100-80g`, ...) are registered on first use."""
-    if isinstance(name, str) and name not in HARDWARE:
-        register_shipped()
     try:
         return HARDWARE[name]
     except (KeyError, TypeError):
         raise unknown_choice("hardware", name, HARDWARE) from None
 
 
-def register_shipped() -> list[str]:
-    """Register the shipped fitted profiles (once; later calls find them registered)."""
-    from engine.calibration import SHIPPED_PROFILES_DIR, load_profiles_dir
+SHIPPED_DIR = Path(__file__).resolve().parent / "hardware_profiles"
 
-    return load_profiles_dir(SHIPPED_PROFILES_DIR)
+
+def register_shipped(directory: Path = SHIPPED_DIR) -> list[str]:
+    """Register the fitted profiles shipped in engine/hardware_profiles/ (the defaults `a100-80g`,
+    `h100-80g`, `a40-48g`, ...; written by `testbed calibrate tables --save`). Their `profile:`
+    block is provenance, not a field."""
+    import yaml
+
+    names = []
+    for path in sorted(directory.glob("*.yaml")):
+        data = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        data.pop("profile", None)
+        names.append(register_hardware(HardwareSpec(**data)).name)
+    return names
 
 
 for _spec in (
@@ -194,3 +201,4 @@ for _spec in (
 ):
     register_hardware(_spec)
 del _spec
+register_shipped()

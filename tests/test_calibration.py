@@ -22,7 +22,7 @@ TRUE = dict(linear_efficiency=0.6, attention_efficiency=0.3, memory_efficiency=0
 
 
 def test_fit_recovers_known_coefficients():
-    model, hw = get_model("qwen2.5-32b"), get_hardware("l20-48g")
+    model, hw = get_model("qwen2.5-32b"), get_hardware("l20-48g-roofline")
     table = synthetic_profile(model, hw, 3, TRUE)
     fit = fit_profile(table, model, hw, 3)
     for k in ("linear_efficiency", "attention_efficiency", "memory_efficiency"):
@@ -40,7 +40,7 @@ def test_fit_recovers_known_coefficients():
 
 
 def test_profile_table_round_trip(tmp_path):
-    model, hw = get_model("tiny-llama"), get_hardware("a100-80g")
+    model, hw = get_model("tiny-llama"), get_hardware("a100-80g-roofline")
     table = synthetic_profile(model, hw, 2, TRUE)
     p = write_profile(table, tmp_path / "p.csv")
     back = read_profile(p)
@@ -87,7 +87,7 @@ def _tdpipe_csv(path: Path, cost: CostModel, unit_scale: float) -> None:
 
 
 def test_tdpipe_import_round_trip_and_profile_selectable(tmp_path, monkeypatch):
-    model, hw = get_model("qwen2.5-32b"), get_hardware("l20-48g")
+    model, hw = get_model("qwen2.5-32b"), get_hardware("l20-48g-roofline")
     truth = dict(linear_efficiency=0.55, attention_efficiency=0.35, stage_overhead_s=1e-3)
     cost = CostModel(model, hw, 4, coefficients=CostCoefficients(**truth))
     src = tmp_path / "tdpipe.csv"
@@ -126,7 +126,7 @@ def test_tdpipe_import_round_trip_and_profile_selectable(tmp_path, monkeypatch):
 def test_profile_dir_loading_and_duplicates(tmp_path):
     from engine.calibration import load_profiles_dir
 
-    hw = get_hardware("a100-80g")
+    hw = get_hardware("a100-80g-roofline")
     spec = calibrated_spec(hw, "a100-cal-dup-test", fit_profile(
         synthetic_profile(get_model("tiny-llama"), hw, 2, TRUE), get_model("tiny-llama"), hw, 2))
     save_hardware_profile(spec, tmp_path / "a.yaml")
@@ -168,7 +168,7 @@ def test_small_real_profile_run(tmp_path):
     assert len(read_profile(p).rows) == len(table.rows)
     from dataclasses import replace
 
-    hw = replace(get_hardware("a100-80g"), name="cpu-test", peak_tflops=0.05, mem_bw_gbs=10.0)
+    hw = replace(get_hardware("a100-80g-roofline"), name="cpu-test", peak_tflops=0.05, mem_bw_gbs=10.0)
     fit = fit_profile(table, get_model("tiny-llama"), hw, 2, list(cost.layers))
     assert all(math.isfinite(v) and v >= 0 for v in fit.coefficients.values())
     assert fit.p2p_bw_gbs > 0
@@ -201,7 +201,7 @@ def test_validate_error_table_and_overlay(tmp_path):
 def test_cli_profile_import(tmp_path):
     from testbed.cli import main
 
-    model, hw = get_model("qwen2.5-32b"), get_hardware("l20-48g")
+    model, hw = get_model("qwen2.5-32b"), get_hardware("l20-48g-roofline")
     src = tmp_path / "td.csv"
     _tdpipe_csv(src, CostModel(model, hw, 4), 1.0)
     assert main(["profile", "--import", str(src), "model=qwen2.5-32b", "hardware=l20-48g", "parallel.pp=4",

@@ -13,7 +13,7 @@ from engine.models import MODELS, ModelSpec, get_model, register_model
 from engine.units import parse_bandwidth, parse_duration
 
 
-def cm(model: str = "llama2-70b", hw: str = "a100-80g", pp: int = 4, **kw) -> CostModel:
+def cm(model: str = "llama2-70b", hw: str = "a100-80g-roofline", pp: int = 4, **kw) -> CostModel:
     return CostModel(get_model(model), get_hardware(hw), pp=pp, **kw)
 
 
@@ -72,11 +72,11 @@ def test_model_registry_errors():
 
 # --- hardware ----------------------------------------------------------------------------
 def test_hardware_table():
-    assert {"a100-80g", "a100-40g", "a800-80g", "l20-48g", "h100-80g", "rtx4090"} <= set(HARDWARE)
-    a = get_hardware("a100-80g")
+    assert {"a100-80g-roofline", "a100-40g-roofline", "a800-80g-roofline", "l20-48g-roofline", "h100-80g-roofline", "rtx4090-roofline"} <= set(HARDWARE)
+    a = get_hardware("a100-80g-roofline")
     assert (a.peak_tflops, a.mem_bw_gbs, a.mem_gib) == (312.0, 2039.0, 80.0)
     assert a.p2p_bw_gbs == 20.8 and a.allreduce_bw_gbs == 14.7  # TD-Pipe's PCIe
-    assert get_hardware("l20-48g").peak_tflops == 119.5
+    assert get_hardware("l20-48g-roofline").peak_tflops == 119.5
     with pytest.raises(ConfigError, match="unknown hardware 'v100'.*a100-80g"):
         get_hardware("v100")
     with pytest.raises(ConfigError, match="duplicate hardware"):
@@ -86,7 +86,7 @@ def test_hardware_table():
 
 
 def test_register_calibrated_hardware_is_usable():
-    spec = dataclasses.replace(get_hardware("l20-48g"), name="l20-48g-test-calibrated", peak_tflops=100.0)
+    spec = dataclasses.replace(get_hardware("l20-48g-roofline"), name="l20-48g-test-calibrated", peak_tflops=100.0)
     register_hardware(spec)
     try:
         assert get_hardware("l20-48g-test-calibrated").peak_tflops == 100.0
@@ -251,7 +251,7 @@ def test_tensor_parallel_halves_linear_time_and_adds_allreduce():
     prefill = BatchShape.prefill(2048, samples=False)  # compute-bound GEMMs dominate
     t1, t2 = one.stage_compute_s(1, prefill), two.stage_compute_s(1, prefill)
     # The same tp=2 model on an (imaginary) infinitely fast interconnect: compute halves.
-    fast = dataclasses.replace(get_hardware("a100-80g"), name="fast", allreduce_bw_gbs=1e12, p2p_latency_s=0.0)
+    fast = dataclasses.replace(get_hardware("a100-80g-roofline"), name="fast", allreduce_bw_gbs=1e12, p2p_latency_s=0.0)
     t2_free = CostModel(get_model("llama2-70b"), fast, pp=4, tp=2).stage_compute_s(1, prefill)
     assert 0.5 * t1 < t2_free < 0.55 * t1
     # On PCIe the all-reduces eat a large part of the gain (why TD-Pipe prefers PP on PCIe).
@@ -302,8 +302,8 @@ def test_weight_bytes_per_stage():
     assert sum(w) == model.total_params * 2
     assert w[0] > w[1] == w[2] and w[3] > w[1]
     tied = get_model("tiny-qwen2")
-    one = CostModel(tied, get_hardware("a100-80g"), pp=1).weight_bytes_per_stage()
-    two = CostModel(tied, get_hardware("a100-80g"), pp=2).weight_bytes_per_stage()
+    one = CostModel(tied, get_hardware("a100-80g-roofline"), pp=1).weight_bytes_per_stage()
+    two = CostModel(tied, get_hardware("a100-80g-roofline"), pp=2).weight_bytes_per_stage()
     assert one[0] == tied.total_params * 2
     assert sum(two) == (tied.total_params + tied.lm_head_params) * 2  # last stage's own copy
 
@@ -328,12 +328,12 @@ def test_kv_capacity_with_tp_counts_per_gpu_shards():
 
 
 def test_impossible_fit_names_model_hardware_and_fix():
-    m = CostModel(get_model("llama2-70b"), get_hardware("rtx4090"), pp=1)
+    m = CostModel(get_model("llama2-70b"), get_hardware("rtx4090-roofline"), pp=1)
     with pytest.raises(ImpossibleFitError) as err:
         m.kv_capacity_tokens()
     message = str(err.value)
     assert "\n" not in message
-    for needle in ("llama2-70b", "rtx4090", "pp=1", "tp=1", "stage 0", "GiB", "parallel.pp", "bigger GPU"):
+    for needle in ("llama2-70b", "rtx4090-roofline", "pp=1", "tp=1", "stage 0", "GiB", "parallel.pp", "bigger GPU"):
         assert needle in message
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         cm().kv_capacity_tokens(1.5)
@@ -352,7 +352,7 @@ class TestAbsoluteNumbers:
         assert 0.225 < t < 0.35
 
     def test_sampling_share_on_h100(self):
-        m = cm("llama-3.1-70b", "h100-80g", pp=8)
+        m = cm("llama-3.1-70b", "h100-80g-roofline", pp=8)
         shape = BatchShape.decode(512, 800)
         mid, last = m.stage_compute_s(3, shape), m.stage_compute_s(7, shape) + m.sample_s(shape)
         assert 1.15 < last / mid < 1.45  # SiPipe: the last stage does 22-40% more work

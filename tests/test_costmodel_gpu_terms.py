@@ -16,7 +16,7 @@ SHAPES = [
 
 
 def _cost(pp: int = 2, **kw) -> CostModel:
-    return CostModel(get_model("qwen2.5-7b"), get_hardware("h100-80g"), pp, coefficients=CostCoefficients(**kw))
+    return CostModel(get_model("qwen2.5-7b"), get_hardware("h100-80g-roofline"), pp, coefficients=CostCoefficients(**kw))
 
 
 def _times(cost: CostModel) -> list[float]:
