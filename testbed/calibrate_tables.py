@@ -18,14 +18,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from engine.calibration import ProfileRow, ProfileTable, read_profile
 from engine.costmodel import BatchShape, CostModel
 from engine.errors import ConfigError
-from engine.gpu_tables import DEVICES, PublishedTables, read_published
+from engine.gpu_tables import PublishedTables, read_published
 from engine.hardware import HardwareSpec, get_hardware
 from engine.kernel_fit import (DEFAULT_FIT_MODELS, LINEAR_OPS, Device, KernelFit, attention_split, fit_kernels,
                                gqa_points_from, layer_shape, link_features)
-from engine.kernels import KernelCoefficients, LayerShape
+from engine.kernels import LayerShape
 from engine.models import ModelSpec
 
 # The device each table was measured on, and the names its fit is shipped under.
@@ -229,6 +228,7 @@ def headline(df: pd.DataFrame) -> pd.DataFrame:
     if not parts:
         return pd.DataFrame()
     out = summarise(pd.concat(parts), ["family"])
+    out["rows"] = out["rows"].astype(int)
     out["target"] = out.family.map(TARGETS).fillna("")
     return out
 
@@ -376,7 +376,7 @@ def write_report(df: pd.DataFrame, fits: dict[str, KernelFit], out_dir: Path) ->
               "links": {d: {k: vars(v) for k, v in f.links.items()} for d, f in fits.items()},
               "notes": {d: f.notes for d, f in fits.items()}}
     (out_dir / "report.json").write_text(json.dumps(report, indent=1, default=float))
-    md = [f"# Cost model vs published GPU kernel tables\n"]
+    md = ["# Cost model vs published GPU kernel tables\n"]
     for d, rows in head.items():
         md.append(f"\n## {d} (held-out rows; fitted vs roofline)\n")
         md.append(markdown_table(pd.DataFrame(rows)))

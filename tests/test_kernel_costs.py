@@ -273,3 +273,18 @@ def test_summary_names_the_cost_profile(tmp_path):
     assert summary["hardware_profile"] == "a100-80g"
     assert summary["hardware_version"] == get_hardware("a100-80g").version
     assert math.isfinite(summary["tpot_mean_s"])
+
+
+@pytest.mark.parametrize("hw", ["a100-80g", "h100-80g"])
+def test_inlined_attention_of_the_hot_path_equals_the_kernel_definitions(hw):
+    cost = CostModel(get_model("llama2-70b"), get_hardware(hw), pp=4, tp=2)
+    lk = cost.kernels.k
+    for prefills, decodes in (([(0, 700, True)], []), ([(1024, 256, False), (0, 64, True)], [300] * 130),
+                              ([], [17] * 5), ([], [4000] * 200)):
+        shape = BatchShape.from_parts(prefills, decodes)
+        chunks = len(prefills)
+        expected = (float(lk.token_part_s(shape.num_tokens)) + cost.kernels._ar_tok * shape.num_tokens
+                    + cost.kernels._ar_fix + lk.decode_s(shape.num_decode_seqs, shape.decode_context_sum)
+                    + lk.prefill_s(shape.num_prefill_tokens, chunks, shape.prefill_attention_pairs,
+                                   shape.prefill_context_sum))
+        assert cost.kernels.layer_s(shape, shape.num_tokens) == pytest.approx(expected, rel=1e-12)
