@@ -218,3 +218,36 @@ def read_published(data_dir: str | Path, device: str) -> PublishedTables:
     if not out.compute:
         raise ConfigError(f"no compute tables for {device} under {root / 'compute' / device}")
     return out
+
+
+def tables_from_profile(table: ProfileTable, device: str) -> PublishedTables:
+    """A user's own operator-level profile (testbed's CSV with `gemm_*`, `norm`, ..., `attn_*`,
+    `send_recv`, `all_reduce`, `prepare`/`sample`/`schedule` rows and the layer shape in its
+    `# hidden=... q_heads=... kv_heads=... intermediate=... vocab=...` metadata) as the tables of
+    one device, so the published tables' fit and report apply to it unchanged."""
+    from engine.calibration import TOKEN_OPS
+
+    missing = [k for k in ("hidden", "q_heads", "kv_heads") if k not in table.meta]
+    if missing:
+        raise ConfigError(f"an operator-level profile needs its layer shape in the metadata; missing "
+                          f"{', '.join('# ' + k + '=...' for k in missing)}")
+    meta = {"model": table.meta.get("model", "profile"), "device": device, "gated": "true", "intermediate": "0",
+            "vocab": "0", **table.meta}
+    out = PublishedTables(device)
+
+    def part(ops) -> ProfileTable:
+        return ProfileTable([r for r in table.rows if r.op in ops], dict(meta))
+    compute = part(TOKEN_OPS)
+    if compute.rows:
+        out.compute[meta["model"]] = compute
+    attention = part(("attn_decode", "attn_prefill"))
+    if attention.rows:
+        out.attention.append(attention)
+    for collective in ("send_recv", "all_reduce"):
+        rows = part((collective,))
+        if rows.rows:
+            out.network[f"profile/{collective}"] = rows
+    host = part(("prepare", "sample", "schedule"))
+    if host.rows:
+        out.host.append(host)
+    return out

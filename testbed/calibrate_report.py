@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from engine.calibration import ProfileTable, read_profile
+from engine.calibration import OPERATOR_OPS, ProfileTable, read_profile
 from engine.costmodel import CostModel
 from engine.errors import ConfigError
 from engine.gpu_tables import DEVICES
@@ -51,7 +51,10 @@ def cli_calibrate(args, console) -> int:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"runs/calibrate/tables-{stamp}")
     if args.profile:
-        df = profile_errors(read_profile(args.profile), args.hardware)
+        table = read_profile(args.profile)
+        if any(r.op in OPERATOR_OPS for r in table.rows):
+            return _operator_profile(table, args, out, console)
+        df = profile_errors(table, args.hardware)
         out.mkdir(parents=True, exist_ok=True)
         table = summarise_profile(df)
         table.to_csv(out / "profile_errors.csv", index=False)
@@ -70,6 +73,45 @@ def cli_calibrate(args, console) -> int:
             print(f"\n{device}: held-out error by family (fitted = the shipped profile; default = the roofline)")
             print(table.to_string(index=False, na_rep="", float_format=lambda v: f"{100 * v:.1f}%"))
     console.print(f"report: {out / 'report.md'} (figures: linear.png, attention.png)")
+    return 0
+
+
+def _operator_profile(table: ProfileTable, args, out: Path, console) -> int:
+    """Fit kernel coefficients to a user's operator-level profile (the published tables' fit,
+    unchanged) and report its error by family; `--save DIR` writes it as hardware profile
+    `<--hardware>-fit` (peaks from --hardware)."""
+    from dataclasses import replace as _replace
+
+    from engine.gpu_tables import tables_from_profile
+    from engine.kernel_fit import Device
+    from testbed.calibrate_tables import error_frame, fitted_spec, summarise
+
+    if not args.hardware:
+        raise ConfigError("--profile with operator rows needs --hardware (the GPU whose datasheet peaks the "
+                          "efficiencies are fractions of), e.g. --hardware a100-80g-roofline")
+    base = get_hardware(args.hardware)
+    tables = tables_from_profile(table, base.name)
+    from engine.kernel_fit import fit_kernels
+
+    device = Device(base.name, base.peak_flops, base.mem_bw_Bps, base.sm_count)
+    model = next(iter(tables.compute), table.meta.get("model", "profile"))
+    fit = fit_kernels(list(tables.compute.values()), tables.attention, tables.network, tables.host, device,
+                      fit_models=(model,), base=None)
+    name = f"{base.name.removesuffix('-roofline')}-fit"
+    fitted = fitted_spec(base, name, fit, f"{base.description.split(';')[0]}; kernels fitted to {args.profile}",
+                         f"profile-{_dt.date.today().isoformat()}")
+    df = error_frame(tables, fit, fitted, _replace(base, kernels=None))
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarise(df, ["family"]).astype({"rows": int})
+    summary.to_csv(out / "profile_errors.csv", index=False)
+    print(summary.to_string(index=False, na_rep="", float_format=lambda v: f"{100 * v:.1f}%"))
+    if args.save:
+        from engine.calibration import save_hardware_profile
+
+        path = save_hardware_profile(fitted, Path(args.save) / f"{name}.yaml",
+                                     extra={"source": str(args.profile), "notes": fit.notes})
+        console.print(f"saved hardware profile {name} -> {path}")
+    console.print(f"report: {out}")
     return 0
 
 

@@ -288,3 +288,25 @@ def test_inlined_attention_of_the_hot_path_equals_the_kernel_definitions(hw):
                     + lk.prefill_s(shape.num_prefill_tokens, chunks, shape.prefill_attention_pairs,
                                    shape.prefill_context_sum))
         assert cost.kernels.layer_s(shape, shape.num_tokens) == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_users_operator_profile_goes_through_the_same_fit(tables_dir, tmp_path, capsys):
+    """One fitting path: the published tables' rows of one model, written in testbed's own CSV as a
+    user's GPU profile would be, fit to the same coefficients and are reported by family."""
+    from engine.calibration import ProfileTable, load_hardware_profile
+    from testbed.cli import main
+
+    t = read_published(tables_dir.parent, "a100")
+    compute = t.compute["Llama-2-70b-hf"]
+    meta = {k: compute.meta[k] for k in ("hidden", "q_heads", "kv_heads", "intermediate", "vocab")}
+    profile = write_profile(ProfileTable(compute.rows + t.attention[0].rows, {"model": "my-70b", **meta}),
+                            tmp_path / "mine.csv")
+    assert main(["calibrate", "tables", "--profile", str(profile), "--hardware", "a100-80g-roofline",
+                 "--out", str(tmp_path / "r"), "--save", str(tmp_path / "p")]) == 0
+    printed = capsys.readouterr().out
+    assert "linear" in printed and "decode" in printed and "prefill" in printed
+    spec = load_hardware_profile(tmp_path / "p" / "a100-80g-fit.yaml")
+    c = KernelCoefficients.from_mapping(spec.kernels)
+    assert c.gemm_token_quantum == 64 and c.gemm_compute_efficiency == pytest.approx(0.68, rel=0.03)
+    assert main(["calibrate", "tables", "--profile", str(profile)]) == 2
+    assert "needs --hardware" in capsys.readouterr().err
