@@ -310,3 +310,11 @@ def test_a_users_operator_profile_goes_through_the_same_fit(tables_dir, tmp_path
     assert c.gemm_token_quantum == 64 and c.gemm_compute_efficiency == pytest.approx(0.68, rel=0.03)
     assert main(["calibrate", "tables", "--profile", str(profile)]) == 2
     assert "needs --hardware" in capsys.readouterr().err
+
+
+def test_mlflow_tags_name_the_cost_profile_version():
+    from testbed.tracking import run_tags
+
+    cfg = {"policy": {"name": "gllm"}, "hardware": {"name": "h100-80g", "version": get_hardware("h100-80g").version}}
+    tags = run_tags(cfg)
+    assert tags["hardware"] == "h100-80g" and tags["hardware_version"].startswith("vidur-7d47513-fit-")
