@@ -155,6 +155,7 @@ class CapacityFeed(sweep.Feed):
         value = metrics[self.p.settings.metric]
         passed = self.p.settings.passes(value, pt.target)
         rate = row["workload.rate"]
+        row["window_s"] = row.get("num_requests", math.nan) / rate  # how long the arrivals lasted, roughly
         search.record(rate, value, passed, **metrics, run_id=row.get("run_id"), run_dir=row.get("run_dir"))
         row.update({"capacity.value": value, "capacity.passed": passed, "capacity.phase": search.probes[-1].phase,
                     "capacity.metrics": metrics})

@@ -17,11 +17,12 @@ from testbed.capacity.search import RateSearch
 from testbed.report import print_table, print_wide, to_markdown, write_comparison
 
 JUDGED = ("slo_attainment", "ttft_p99_s", "tpot_p99_s")  # what a probe is judged on (after the warm-up)
-TABLE_METRICS = ("capacity_req_s", "output_tok_s", *JUDGED, "probes", "search", "bracket_lo", "bracket_hi",
+TABLE_METRICS = ("capacity_req_s", "output_tok_s", *JUDGED, "probes", "search", "window_s", "bracket_lo", "bracket_hi",
                  "max_passed_req_s", "gpus", "capacity_per_gpu", "cost_per_gpu_hour", "req_per_dollar", "rates")
 PRINT_METRICS = ("capacity_req_s", "output_tok_s", *JUDGED, "probes", "search")
 RANK_AXES = ("hardware", "parallel.pp", "parallel.tp", "model")  # deployment axes: a ranking is written
-RANK_COLUMNS = ("gpus", "status", "capacity_req_s", "capacity_per_gpu", "cost_per_gpu_hour", "req_per_dollar")
+RANK_COLUMNS = ("gpus", "status", "search", "capacity_req_s", "capacity_per_gpu", "cost_per_gpu_hour", "req_per_dollar")
+SHORT_WINDOW_S = 30.0  # a capacity probe whose arrivals span less than this measured a burst, not a rate
 
 
 def judged(row: Mapping[str, Any], slo: Mapping[str, Any], warmup_s: float) -> dict:
@@ -54,13 +55,14 @@ def point_row(pt: Any, search: RateSearch, probe_rows: list[dict], error: str | 
                            "violations": "; ".join(out.violations) or None}
     if error:
         row["status"] = "does not fit" if "does not fit" in error else "failed"
+        row["search"] = f"stopped: probe {len(probe_rows) - 1} failed"
     elif out.capacity is None:
         row["status"] = out.status
     at = next((r for r in probe_rows if r.get("workload.rate") == out.capacity and r.get("capacity.passed")), None)
     if out.capacity is not None and at is not None:
         row.update(capacity_req_s=out.capacity, output_tok_s=at.get("output_throughput_tok_s"),
                    throughput_tok_s=at.get("throughput_tok_s"), run_id=at.get("run_id"), run_dir=at.get("run_dir"),
-                   capacity_per_gpu=out.capacity / gpus,
+                   capacity_per_gpu=out.capacity / gpus, window_s=at.get("window_s"),
                    req_per_dollar=out.capacity * 3600 / (gpus * price) if price else None,
                    **{k: at["capacity.metrics"][k] for k in at["capacity.metrics"]})
     return row
@@ -156,8 +158,15 @@ def show(console: Any, p: Any, df: pd.DataFrame, ranked: pd.DataFrame | None, wa
     for _, r in df[df.get("search", pd.Series(dtype=str)) == "non-monotone"].iterrows():
         console.print(f"[yellow]non-monotone[/yellow] point {r['point']}: {r['violations']}; probes {r['rates']}",
                       highlight=False)
+    if "window_s" in df:
+        for _, r in df[df["window_s"] < SHORT_WINDOW_S].iterrows():
+            console.print(f"[yellow]warning[/yellow]: point {r['point']}: the arrivals of its capacity probe span "
+                          f"only {r['window_s']:.3g} s, closer to a burst than a sustained rate; a longer "
+                          f"capacity.duration_s= (seconds of arrivals per probe) measures the latter", highlight=False)
     if ranked is not None:
         from rich.table import Table
+
+        ranked = ranked.drop(columns=["error"], errors="ignore")
 
         t = Table(title="deployment ranking (capacity per GPU; requests per dollar where priced)")
         for c in ranked.columns:
