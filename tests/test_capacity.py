@@ -147,3 +147,38 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: ") and "\n" not in err and message in err, err
     assert not (tmp_path / "capacity").exists()
+
+
+SERVER = ["executor=sim", "model=llama2-13b", "hardware=rtx4090", "parallel.pp=2", "policy=sarathi",
+          "serve.time_scale=10", "output.mlflow=false", "output.plots=false"]
+
+
+def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
+    """`--base-url` against `testbed serve executor=sim` (10x its simulated clock): the same search,
+    each probe a `testbed bench serve` run logged beside the summary run."""
+    pytest.importorskip("fastapi")
+    from mlflow.tracking import MlflowClient
+    from serve_helpers import cli_server
+
+    fresh_mlflow_db(tmp_path)
+    with cli_server(tmp_path / "server", *SERVER) as (url, outcome):
+        code = main(["capacity", "--base-url", url, "--time-scale", "10", "workload=synthetic",
+                     "output.progress=false", f"output.dir={tmp_path}", "capacity.precision=0.1",
+                     "capacity.duration_s=10", "capacity.start=2", "capacity.max_probes=6", "capacity.experiment=live"])
+    assert code == 0 and outcome["code"] == 0, outcome["err"][-2000:]
+    out_dir = tmp_path / "capacity" / "live"
+    table, probes = pd.read_csv(out_dir / "table.csv"), pd.read_csv(out_dir / "probes.csv")
+    assert len(table) == 1 and table["probes"][0] == len(probes) <= 6
+    assert (probes["status"] == "finished").all()
+    for _, p in probes.iterrows():  # each probe sent rate x 10 s of requests, and judged what came back
+        assert len(pd.read_csv(Path(p["run_dir"]) / "requests.csv")) == math.ceil(p["workload.rate"] * 10)
+        assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8)
+    if table["status"][0] == "finished":
+        assert probes.set_index("workload.rate").loc[table["capacity_req_s"][0], "capacity.passed"]
+    client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("live").experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("testbed.kind") == "capacity")
+    assert parent.data.tags["capacity.base_url"] == url
+    served = [r for r in runs if r.data.tags.get("mode") == "bench-serve"]
+    assert sorted(r.info.run_id for r in served) == sorted(probes["run_id"])
+    assert all(r.data.tags["testbed.parent_run"] == parent.info.run_id and r.info.status == "FINISHED" for r in served)

@@ -54,9 +54,10 @@ class LiveOptions:
         s = p.settings
         rate = feed.searches[0].start
         per = (s.warmup_s + s.duration_s) if s.duration_s else p.cfg0["workload"]["num_requests"] / rate
-        minutes = feed.planned() * (per + DRAIN_S) / self.time_scale / 60
+        total = feed.planned() * (per + DRAIN_S) / self.time_scale
+        took = f"{total / 60:.0f} min" if total >= 120 else f"{total:.0f} s"
         console.print(f"against {self.base_url}: each probe sends for ~{per:.0f} server-seconds (at "
-                      f"{rate:g} req/s) + the drain; ~{feed.planned()} probes = roughly {minutes:.0f} min at "
+                      f"{rate:g} req/s) + the drain; ~{feed.planned()} probes = roughly {took} at "
                       f"--time-scale {self.time_scale:g}", highlight=False)
 
 
