@@ -182,3 +182,32 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
     served = [r for r in runs if r.data.tags.get("mode") == "bench-serve"]
     assert sorted(r.info.run_id for r in served) == sorted(probes["run_id"])
     assert all(r.data.tags["testbed.parent_run"] == parent.info.run_id and r.info.status == "FINISHED" for r in served)
+
+
+def test_the_gllm_capacity_study_compares_capacities_with_the_verdict_rules(tmp_path, capsys):
+    import json
+
+    code = main(["reproduce", "gllm-capacity", "--quick", f"output.dir={tmp_path}", "output.mlflow=false",
+                 "output.progress=false", "capacity.duration_s=10", "capacity.max_probes=6"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    out_dir = tmp_path / "reproduce" / "gllm-capacity-quick"
+    claims = {c["id"]: c for c in json.loads((out_dir / "claims.json").read_text())}
+    assert set(claims) == {"capacity-vs-separate-batching", "capacity-vs-sarathi"}
+    table = pd.read_csv(out_dir / "table.csv").set_index("system")
+    assert set(table.index) == {"gLLM", "vLLM-SB", "Sarathi-2048"}
+    for cid, base in (("capacity-vs-separate-batching", "vLLM-SB"), ("capacity-vs-sarathi", "Sarathi-2048")):
+        c = claims[cid]
+        if table.loc["gLLM", "status"] == table.loc[base, "status"] == "finished":
+            assert c["measured"] == pytest.approx(table.loc["gLLM", "capacity_req_s"] / table.loc[base, "capacity_req_s"])
+            assert c["verdict"] in ("direction", "none")  # a direction-only claim: judged on direction
+        else:
+            assert c["verdict"] == "n/a"
+    probes = pd.read_csv(out_dir / "capacity" / "probes.csv")
+    assert (probes.groupby("point").size() <= 6).all()
+    assert "capacity/capacity.png" in (out_dir / "report.md").read_text()
+
+
+def test_capacity_keys_are_refused_by_a_study_that_is_not_a_capacity_study(tmp_path, capsys):
+    code = main(["reproduce", "gllm-rates", "--quick", f"output.dir={tmp_path}", "capacity.precision=0.1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: capacity.* keys apply to capacity studies") and "\n" not in err

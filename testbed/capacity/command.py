@@ -205,26 +205,49 @@ def run_capacity(overrides: Sequence[str], console: Any = None, live: Any = None
         "testbed.kind": "capacity", "testbed.axes": json.dumps(p.axes), "capacity.overrides": " ".join(p.overrides)[:5000],
         "capacity.points": str(len(p.points)), "capacity.criterion": p.settings.criterion,
         **({"capacity.base_url": live.base_url} if live is not None else {})})
-    feed = live.feed(p, parent) if live is not None else CapacityFeed(p, parent)
-    if console is not None:
-        _print_start(console, p, feed)
-    out = p.cfg0.get("output") or {}
-    t0 = time.perf_counter()
     try:
-        sweep.run_jobs([], p.settings.workers, console, bool(out.get("progress", True)), [], feed=feed)
+        df, ranking, wall = run_searches(p, parent, console)
     except KeyboardInterrupt as exc:
-        results.write(p, feed, time.perf_counter() - t0, parent, interrupted=sweep.interrupted_message(exc))
         parent.end("KILLED")
         if console is not None:
             console.print(f"{sweep.interrupted_message(exc)}: the probes done so far are in {p.out_dir}",
                           highlight=False, markup=False)
         raise
-    wall = time.perf_counter() - t0
-    df, ranking = results.write(p, feed, wall, parent)
     parent.end("FINISHED")
     if console is not None:
         results.show(console, p, df, ranking, wall)
     return p.out_dir, df
+
+
+def run_searches(p: Plan, parent: sweep.ParentRun, console: Any = None) -> tuple[Any, Any, float]:
+    """Every point's search through the sweep runner; the results written (also when
+    interrupted, then the interrupt propagates). Returns (table, ranking or None, wall seconds)."""
+    feed = p.live.feed(p, parent) if p.live is not None else CapacityFeed(p, parent)
+    if console is not None:
+        _print_start(console, p, feed)
+    t0 = time.perf_counter()
+    try:
+        sweep.run_jobs([], p.settings.workers, console, bool((p.cfg0.get("output") or {}).get("progress", True)), [],
+                       feed=feed)
+    except KeyboardInterrupt as exc:
+        results.write(p, feed, time.perf_counter() - t0, parent, interrupted=sweep.interrupted_message(exc))
+        raise
+    wall = time.perf_counter() - t0
+    df, ranking = results.write(p, feed, wall, parent)
+    return df, ranking, wall
+
+
+def plan_for_jobs(jobs: Sequence[sweep.Job], axes: list[str], settings: CapacitySettings, name: str,
+                  out_dir: Path) -> Plan:
+    """A search plan over points composed elsewhere (`testbed reproduce`'s capacity studies):
+    each job is a point; its probes never draw per-run plots."""
+    points = []
+    for job in jobs:
+        cfg = copy.deepcopy(job.cfg)
+        cfg.setdefault("output", {})["plots"] = False
+        points.append(PointSpec(job.index, job.label, Path(job.run_dir).name, cfg, (), dict(job.axis_values),
+                                settings.resolved_target(cfg["slo"])))
+    return Plan(name, settings, list(axes), points, out_dir, [])
 
 
 def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
@@ -233,13 +256,18 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
     over = ", ".join(f"{k} ({n})" for k, n in sizes.items()) or "no axis"
     targets = sorted({pt.target for pt in p.points})
     what = f"{s.criterion}: {', '.join(s.describe(t) for t in targets)}"
-    probe = (f"{s.duration_s:g} s" + (f" + {s.warmup_s:g} s warm-up" if s.warmup_s else "") + " of arrivals"
-             if s.duration_s else f"{p.cfg0['workload'].get('num_requests')} requests")
     console.print(f"capacity [bold]{p.name}[/bold]: {len(p.points)} point(s) over {over}; {what}; precision "
-                  f"{s.precision:.0%}; each probe {probe}; ~{feed.planned()} probes planned; "
+                  f"{s.precision:.0%}; each probe {probe_text(p)}; ~{feed.planned()} probes planned; "
                   f"{s.workers} worker(s)", highlight=False)
     if p.live is not None:
         p.live.print_estimate(console, p, feed)
+
+
+def probe_text(p: Plan) -> str:
+    s = p.settings
+    if s.duration_s:
+        return f"{s.duration_s:g} s" + (f" + {s.warmup_s:g} s warm-up" if s.warmup_s else "") + " of arrivals"
+    return f"{p.cfg0['workload'].get('num_requests')} requests" + (f" ({s.warmup_s:g} s warm-up)" if s.warmup_s else "")
 
 
 def cli_capacity(overrides: Sequence[str], console: Any, live: Any = None) -> int:
