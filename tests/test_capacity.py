@@ -211,3 +211,33 @@ def test_capacity_keys_are_refused_by_a_study_that_is_not_a_capacity_study(tmp_p
     code = main(["reproduce", "gllm-rates", "--quick", f"output.dir={tmp_path}", "capacity.precision=0.1"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: capacity.* keys apply to capacity studies") and "\n" not in err
+
+
+@pytest.mark.parametrize("send, exit_code", [("TERM", 143)])
+def test_a_signal_ends_the_search_and_kills_its_runs(tmp_path, send, exit_code):
+    """Point 0's probes are quick; point 1's first probe (30k requests) is still running when SIGTERM comes."""
+    import time
+
+    from signal_helpers import Command, run_states, survivors
+
+    fresh_mlflow_db(tmp_path)
+    cmd = Command("capacity", "workload=synthetic", "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2",
+                  "workload.num_requests=40,30000", "capacity.workers=2", f"output.dir={tmp_path}",
+                  "capacity.experiment=sig")
+    cmd.wait_for("point   0 probe  0")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            r["kind"] == "probe" and r["status"] == "RUNNING" and r["name"].startswith("workload.num_requests=30000")
+            for r in run_states(tmp_path / "mlflow.db").values()):
+        time.sleep(0.2)
+    children = cmd.descendants()
+    code = cmd.terminate()
+    assert code == exit_code, "".join(cmd.err)[-2000:]
+    assert survivors(children) == []
+    runs = run_states(tmp_path / "mlflow.db")
+    assert "RUNNING" not in {r["status"] for r in runs.values()}, runs
+    assert [r["status"] for r in runs.values() if r["kind"] == "capacity"] == ["KILLED"]
+    assert "KILLED" in {r["status"] for r in runs.values() if r["kind"] == "probe"}
+    probes = pd.read_csv(tmp_path / "capacity" / "sig" / "probes.csv")  # what was done, written
+    assert (probes["point"] == 0).any()
+    assert "interrupted" in (tmp_path / "capacity" / "sig" / "capacity.json").read_text()
