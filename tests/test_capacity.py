@@ -241,3 +241,18 @@ def test_a_signal_ends_the_search_and_kills_its_runs(tmp_path, send, exit_code):
     probes = pd.read_csv(tmp_path / "capacity" / "sig" / "probes.csv")  # what was done, written
     assert (probes["point"] == 0).any()
     assert "interrupted" in (tmp_path / "capacity" / "sig" / "capacity.json").read_text()
+
+
+def test_the_warm_up_is_sent_but_not_judged(tmp_path, capsys):
+    code = main(["capacity", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", "parallel.pp=2",
+                 "policy=sarathi", "capacity.warmup_s=5", "capacity.max_probes=4", "capacity.experiment=warm",
+                 "slo.ttft_s=2"])
+    assert code == 0
+    probes = pd.read_csv(tmp_path / "capacity" / "warm" / "probes.csv")
+    for _, p in probes.iterrows():
+        req = pd.read_csv(Path(p["run_dir"]) / "requests.csv")
+        assert len(req) == math.ceil(p["workload.rate"] * 15)  # 5 s warm-up + 10 s judged
+        judged = req[req["arrival_s"] >= 5]
+        ok = (judged["status"] == "finished") & (judged["ttft_s"] <= 2) & (judged["tpot_s"].isna() | (judged["tpot_s"] <= 0.2))
+        assert p["slo_attainment"] == pytest.approx(ok.sum() / len(judged))
+        assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8)
