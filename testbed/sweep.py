@@ -278,6 +278,8 @@ class Feed:
     returns the jobs a finished row leads to, `planned` the running estimate of the total shown by
     the progress bar, and `run` how a job runs in this process (its workers always use `run_point`)."""
 
+    unit = "runs"  # what the progress bar counts
+
     def __init__(self, jobs: Sequence[Job] = ()) -> None:
         self.jobs = list(jobs)
 
@@ -308,7 +310,7 @@ def run_jobs(jobs: Sequence[Job], workers: int, console: Any, progress_on: bool,
     feed = feed or Feed(jobs)
     first = feed.initial()
     known = {job.index: job for job in first}
-    progress = _progress(console, feed.planned()) if console is not None and progress_on else None
+    progress = _progress(console, feed.planned(), feed.unit) if console is not None and progress_on else None
 
     def done(row: dict) -> list[Job]:
         rows.append(row)
@@ -329,8 +331,8 @@ def run_jobs(jobs: Sequence[Job], workers: int, console: Any, progress_on: bool,
     return rows
 
 
-def _progress(console: Any, total: int) -> Progress:
-    progress = Progress(TextColumn("runs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+def _progress(console: Any, total: int, unit: str = "runs") -> Progress:
+    progress = Progress(TextColumn(unit), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=True)
     progress.add_task("grid", total=total)
     return progress

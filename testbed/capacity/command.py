@@ -123,6 +123,8 @@ class CapacityFeed(sweep.Feed):
     """One RateSearch per point; a finished probe is judged here (in the parent) and queues the
     point's next probe. Probe rows are collected per point for the table."""
 
+    unit = "probes"
+
     def __init__(self, p: Plan, parent: sweep.ParentRun) -> None:
         super().__init__()
         self.p = p
