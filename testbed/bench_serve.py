@@ -242,8 +242,9 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
                                             api_key=api_key))
     except BaseException as exc:
         if tracker is not None:  # Ctrl-C / SIGTERM: KILLED, as every interrupted run
-            tracker.fail(run_id, "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}",
-                         status="KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+            stopped = isinstance(exc, KeyboardInterrupt)
+            tracker.fail(run_id, "interrupted" if stopped else f"{type(exc).__name__}: {exc}",
+                         status="KILLED" if stopped else "FAILED")
         raise
     rows = request_rows(outcomes, time_scale)
     summary = summarize(rows, slo)

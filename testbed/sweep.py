@@ -14,8 +14,10 @@ cleanup runs; `exit_code` turns it into 143 (Ctrl-C: 130). The sweep then stops 
 at once, terminates its workers, ends the point and summary runs KILLED and leaves the caller to
 flush the table of the points done so far.
 
-Workers are spawned processes (`compare.workers=N`, `--workers N`) pulling point indices from a
-queue; each asks the kernel to SIGTERM it when its parent dies (Linux `PR_SET_PDEATHSIG`) and
+What runs is a `Feed`: a fixed list of jobs (compare, reproduce), or jobs that follow from the
+rows already in (`testbed capacity`: a search's next probe). Workers are spawned processes
+(`compare.workers=N`, `--workers N`, `capacity.workers=N`) pulling jobs from a queue until handed
+None; each asks the kernel to SIGTERM it when its parent dies (Linux `PR_SET_PDEATHSIG`) and
 also polls `os.getppid()` every 0.5 s, so a SIGKILLed parent leaves no orphan running points. A
 worker that dies (OOM, signal) fails its point with the exit code and is replaced.
 """
@@ -31,9 +33,9 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,7 +241,8 @@ class ParentRun:
         from mlflow.entities import Metric, RunTag  # mlflow is loaded already (the tracker)
 
         now = int(time.time() * 1000)
-        self.tracker.client.log_batch(run_id or self.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+        self.tracker.client.log_batch(run_id or self.run_id,
+                                      metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
                                       tags=[RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()])
 
     def log_files(self, folder: Path, subdirs: Sequence[str] = ()) -> None:

@@ -198,7 +198,8 @@ def test_the_gllm_capacity_study_compares_capacities_with_the_verdict_rules(tmp_
     for cid, base in (("capacity-vs-separate-batching", "vLLM-SB"), ("capacity-vs-sarathi", "Sarathi-2048")):
         c = claims[cid]
         if table.loc["gLLM", "status"] == table.loc[base, "status"] == "finished":
-            assert c["measured"] == pytest.approx(table.loc["gLLM", "capacity_req_s"] / table.loc[base, "capacity_req_s"])
+            ratio = table.loc["gLLM", "capacity_req_s"] / table.loc[base, "capacity_req_s"]
+            assert c["measured"] == pytest.approx(ratio)
             assert c["verdict"] in ("direction", "none")  # a direction-only claim: judged on direction
         else:
             assert c["verdict"] == "n/a"
@@ -253,6 +254,7 @@ def test_the_warm_up_is_sent_but_not_judged(tmp_path, capsys):
         req = pd.read_csv(Path(p["run_dir"]) / "requests.csv")
         assert len(req) == math.ceil(p["workload.rate"] * 15)  # 5 s warm-up + 10 s judged
         judged = req[req["arrival_s"] >= 5]
-        ok = (judged["status"] == "finished") & (judged["ttft_s"] <= 2) & (judged["tpot_s"].isna() | (judged["tpot_s"] <= 0.2))
+        ok = (judged["status"] == "finished") & (judged["ttft_s"] <= 2) & \
+            (judged["tpot_s"].isna() | (judged["tpot_s"] <= 0.2))
         assert p["slo_attainment"] == pytest.approx(ok.sum() / len(judged))
         assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8)

@@ -193,7 +193,8 @@ def probe_job(p: Plan, pt: PointSpec, rate: float, k: int, index: int, parent_ru
         cfg["workload"]["num_requests"] = max(2, math.ceil(rate * (s.warmup_s + s.duration_s)))
     return sweep.Job(index=index, cfg=cfg, label=f"{pt.label} @ {rate:g} req/s", axes=(*p.axes, "workload.rate"),
                      axis_values={**pt.axis_values, "workload.rate": rate}, experiment=p.name,
-                     parent_run_id=parent_run_id, run_dir=str(p.out_dir / "runs" / pt.dirname / f"{k:02d}_rate={rate:g}"),
+                     parent_run_id=parent_run_id,
+                     run_dir=str(p.out_dir / "runs" / pt.dirname / f"{k:02d}_rate={rate:g}"),
                      tags={"testbed.kind": "probe", "capacity.point": pt.index, "capacity.probe": k})
 
 
@@ -204,7 +205,8 @@ def run_capacity(overrides: Sequence[str], console: Any = None, live: Any = None
     the results so far are written, the runs end KILLED, and the interrupt propagates."""
     p = plan(overrides, live)
     parent = sweep.ParentRun(p.cfg0, p.name, p.name, {
-        "testbed.kind": "capacity", "testbed.axes": json.dumps(p.axes), "capacity.overrides": " ".join(p.overrides)[:5000],
+        "testbed.kind": "capacity", "testbed.axes": json.dumps(p.axes),
+        "capacity.overrides": " ".join(p.overrides)[:5000],
         "capacity.points": str(len(p.points)), "capacity.criterion": p.settings.criterion,
         **({"capacity.base_url": live.base_url} if live is not None else {})})
     try:

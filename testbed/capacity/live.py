@@ -41,8 +41,9 @@ class LiveOptions:
         for ov in overrides:
             key = ov.partition("=")[0].lstrip("+~")
             if key.split(".", 1)[0] not in LIVE_KEYS:
+                valid = ", ".join(k + ".*" if k in ("workload", "slo", "output") else k for k in LIVE_KEYS)
                 raise ConfigError(f"{ov}: with --base-url the server's own policy, model and hardware are measured; "
-                                  f"valid keys: {', '.join(k + '.*' if k in ('workload', 'slo', 'output') else k for k in LIVE_KEYS)}")
+                                  f"valid keys: {valid}")
         if settings.workers > 1:
             raise ConfigError(f"invalid capacity.workers={settings.workers} with --base-url: the probes of one "
                               f"server run one at a time (capacity.workers=1)")
@@ -64,10 +65,10 @@ class LiveOptions:
 def options(args: argparse.Namespace) -> LiveOptions | None:
     """The client options of `testbed capacity`; None without --base-url (they must not be set then)."""
     if not args.base_url:
-        given = [flag for flag, value, default in (("--endpoint", args.endpoint, "completions"),
-                                                    ("--model", args.model, None), ("--time-scale", args.time_scale, 1.0),
-                                                    ("--max-concurrency", args.max_concurrency, None),
-                                                    ("--label", args.label, "served")) if value != default]
+        defaults = (("--endpoint", args.endpoint, "completions"), ("--model", args.model, None),
+                    ("--time-scale", args.time_scale, 1.0), ("--max-concurrency", args.max_concurrency, None),
+                    ("--label", args.label, "served"))
+        given = [flag for flag, value, default in defaults if value != default]
         if given:
             raise ConfigError(f"{given[0]} is an option of a live search; add --base-url URL")
         return None

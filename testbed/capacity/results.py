@@ -80,8 +80,8 @@ def probe_table(feed: Any, axes: list[str]) -> pd.DataFrame:
     for point, probes in feed.probe_rows.items():
         for k, r in enumerate(probes):
             metrics = r.get("capacity.metrics") or {}
-            rows.append({"point": point, "probe": k, **{a: r.get(a) for a in axes}, "workload.rate": r.get("workload.rate"),
-                         **{c: metrics.get(c, r.get(c)) for c in keep}})
+            rows.append({"point": point, "probe": k, **{a: r.get(a) for a in axes},
+                         "workload.rate": r.get("workload.rate"), **{c: metrics.get(c, r.get(c)) for c in keep}})
     return pd.DataFrame(rows)
 
 
