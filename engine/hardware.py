@@ -71,6 +71,9 @@ class HardwareSpec:
     # Which profile this is, recorded with every run (summary.json, MLflow): e.g. "roofline-1", or
     # the fitted tables' source commit and fit date.
     version: str = "roofline-1"
+    # USD per GPU-hour, set by the user (`hardware.cost_per_gpu_hour=`, `capacity.price.<name>=`, or a
+    # profile file); None: unknown. Only `testbed capacity` reads it (requests per dollar).
+    cost_per_gpu_hour: float | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -97,6 +100,11 @@ class HardwareSpec:
             raise ConfigError(
                 f"invalid hardware {self.name}.cpu_cores_hint={self.cpu_cores_hint!r}: must be a positive integer or None"
             )
+        price = self.cost_per_gpu_hour
+        if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float))
+                                  or not (math.isfinite(price) and price > 0)):
+            raise ConfigError(f"invalid hardware {self.name}.cost_per_gpu_hour={price!r}: must be a price > 0 "
+                              f"(USD per GPU-hour) or null")
 
     # SI conveniences used by the cost model (computed once there, not per call).
     @property

@@ -207,9 +207,11 @@ def summarize(rows: list[dict], slo: SLO) -> dict:
 
 def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "completions", model: str | None = None,
                     time_scale: float = 1.0, vocab: int = DEFAULT_VOCAB, max_concurrency: int | None = None,
-                    api_key: str | None = None, label: str = "served", requests: list[Request] | None = None):
-    """Build the workload from the config overrides, replay it, write the run dir, log to MLflow.
-    Returns (RunResult, run_dir)."""
+                    api_key: str | None = None, label: str = "served", requests: list[Request] | None = None,
+                    tags: dict | None = None, experiment: str | None = None, run_dir: Path | None = None):
+    """Build the workload from the config overrides, replay it, write the run dir, log to MLflow
+    (extra `tags`, `experiment`: for `testbed capacity`, whose probes these are). Returns
+    (RunResult, run_dir); the MLflow run id is `info["run_id"]`."""
     from testbed.config import compose, data_dir, to_container
     from testbed.outputs import run_name, write_run_dir
     from testbed.runner import RunResult
@@ -230,16 +232,19 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
     if cfg["output"].get("mlflow", True):
         from testbed.tracking import Tracker
 
-        tracker = Tracker(cfg)
-        run_id = tracker.start(cfg, name, tags={"mode": "bench-serve", "policy": label, "base_url": base_url})
+        tracker = Tracker(cfg, experiment)
+        run_id = tracker.start(cfg, name, tags={"mode": "bench-serve", "policy": label, "base_url": base_url,
+                                                **(tags or {})})
     try:
         t_wall = time.perf_counter()
         outcomes, wall = asyncio.run(replay(base_url, requests, endpoint=endpoint, model=model, time_scale=time_scale,
                                             vocab=vocab, seed=int(cfg.get("seed", 0)), max_concurrency=max_concurrency,
                                             api_key=api_key))
     except BaseException as exc:
-        if tracker is not None:
-            tracker.fail(run_id, f"{type(exc).__name__}: {exc}")
+        if tracker is not None:  # Ctrl-C / SIGTERM: KILLED, as every interrupted run
+            stopped = isinstance(exc, KeyboardInterrupt)
+            tracker.fail(run_id, "interrupted" if stopped else f"{type(exc).__name__}: {exc}",
+                         status="KILLED" if stopped else "FAILED")
         raise
     rows = request_rows(outcomes, time_scale)
     summary = summarize(rows, slo)
@@ -247,17 +252,29 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
         del r["_itl"]
     errors = [r["fail_reason"] for r in rows if r["fail_reason"]]
     info = {"mode": "bench-serve", "base_url": base_url, "endpoint": endpoint, "time_scale": time_scale,
-            "wall_s": time.perf_counter() - t_wall, "replay_wall_s": wall, "policy": label, "executor": "served"}
+            "wall_s": time.perf_counter() - t_wall, "replay_wall_s": wall, "policy": label, "executor": "served",
+            "run_id": run_id}
     if errors:
         info["failures"] = f"{len(errors)} of {len(rows)} requests failed; first: {errors[0]}"
     # the run failed only if nothing was served (429s under overload are a result, not a failure)
     result = RunResult(config=cfg, summary=summary, requests=rows, microbatches=[], tracer=Tracer(0),
                        stage_tracks=[], info=info, error=info["failures"] if len(errors) == len(rows) else None)
-    run_dir = Path(cfg["output"]["dir"]) / name
+    run_dir = Path(run_dir) if run_dir is not None else Path(cfg["output"]["dir"]) / name
     write_run_dir(result, run_dir, plots=False)
     if tracker is not None:
         tracker.finish(run_id, result, run_dir, steps=False)
     return result, run_dir
+
+
+def add_client_arguments(parser, required: bool) -> None:
+    """The client options of `testbed bench serve`, shared by `testbed capacity --base-url`."""
+    parser.add_argument("--base-url", required=required, help="e.g. http://127.0.0.1:8000")
+    parser.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    parser.add_argument("--model", help="model id to send (default: the server's first /v1/models entry)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="the server's clock speed (serve.time_scale)")
+    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB, help="range of derived prompt token ids")
+    parser.add_argument("--max-concurrency", type=int, help="requests in flight at most (default: unbounded)")
+    parser.add_argument("--label", default="served", help="the run's policy tag in MLflow (default: served)")
 
 
 def cli_bench_serve(args, console) -> int:

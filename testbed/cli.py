@@ -103,6 +103,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return cli_compare(args.overrides, _console())
 
 
+def cmd_capacity(args: argparse.Namespace) -> int:
+    """The highest request rate per grid point under an SLO (testbed/capacity/), or of a live server."""
+    from testbed.capacity import cli_capacity
+    from testbed.capacity.live import options
+
+    return cli_capacity(args.overrides, _console(), options(args))
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """Rebuild tables and figures of experiments from the MLflow tracking store."""
     from testbed.overrides import split_list
@@ -215,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("compare", help="run a grid of experiments (comma lists are axes) and compare them")
     cp.add_argument("overrides", nargs="*", help="run overrides (policy=sarathi,vllm workload.rate=2,4) plus compare.*")
     cp.set_defaults(func=cmd_compare)
+    ca = sub.add_parser("capacity", help="the highest request rate each grid point sustains under an SLO "
+                                         "(capacity.criterion=, capacity.target=; --base-url: a live server)")
+    ca.add_argument("overrides", nargs="*", help="run overrides (comma lists are axes) plus capacity.* keys")
+    from testbed.bench_serve import add_client_arguments
+
+    add_client_arguments(ca, required=False)
+    ca.set_defaults(func=cmd_capacity)
     rp = sub.add_parser("report", help="rebuild comparison tables and figures from MLflow runs")
     rp.add_argument("experiments", nargs="+", help="MLflow experiment name(s); several are combined")
     rp.add_argument("--tracking-uri", default="sqlite:///runs/mlflow.db",
@@ -293,13 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.set_defaults(func=cmd_bench_engine)
     bv = bsub.add_parser("serve", help="replay a workload against an OpenAI-compatible server (TTFT, TPOT, ITL, "
                                        "goodput; requests.csv, summary.json, MLflow)")
-    bv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    bv.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
-    bv.add_argument("--model", help="model id to send (default: the server's first /v1/models entry)")
-    bv.add_argument("--time-scale", type=float, default=1.0, help="the server's clock speed (serve.time_scale)")
-    bv.add_argument("--vocab-size", type=int, default=32000, help="range of derived prompt token ids")
-    bv.add_argument("--max-concurrency", type=int, help="requests in flight at most (default: unbounded)")
-    bv.add_argument("--label", default="served", help="the run's policy tag in MLflow (default: served)")
+    from testbed.bench_serve import add_client_arguments
+
+    add_client_arguments(bv, required=True)
     bv.add_argument("overrides", nargs="*", help="workload and output overrides, e.g. workload=azure")
     bv.set_defaults(func=cmd_bench_serve)
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the engine (executor=torch, or "

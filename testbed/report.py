@@ -39,7 +39,7 @@ LABELS = {"throughput_tok_s": "throughput (tok/s)", "output_throughput_tok_s": "
           "tpot_p99_s": "TPOT p99 (s)", "e2el_mean_s": "E2E latency mean (s)", "e2el_p99_s": "E2E latency p99 (s)",
           "slo_attainment": "SLO attainment", "bubble_ratio": "bubble ratio", "num_preemptions": "preemptions",
           "workload.rate": "request rate (req/s)"}
-CONTAINER_KINDS = ("study", "compare")  # parent runs, not results
+CONTAINER_KINDS = ("study", "compare", "capacity")  # parent runs, not results
 IGNORED_PARAMS = ("output.", "data_dir", "check_integrity")
 
 

@@ -14,8 +14,10 @@ cleanup runs; `exit_code` turns it into 143 (Ctrl-C: 130). The sweep then stops 
 at once, terminates its workers, ends the point and summary runs KILLED and leaves the caller to
 flush the table of the points done so far.
 
-Workers are spawned processes (`compare.workers=N`, `--workers N`) pulling point indices from a
-queue; each asks the kernel to SIGTERM it when its parent dies (Linux `PR_SET_PDEATHSIG`) and
+What runs is a `Feed`: a fixed list of jobs (compare, reproduce), or jobs that follow from the
+rows already in (`testbed capacity`: a search's next probe). Workers are spawned processes
+(`compare.workers=N`, `--workers N`, `capacity.workers=N`) pulling jobs from a queue until handed
+None; each asks the kernel to SIGTERM it when its parent dies (Linux `PR_SET_PDEATHSIG`) and
 also polls `os.getppid()` every 0.5 s, so a SIGKILLed parent leaves no orphan running points. A
 worker that dies (OOM, signal) fails its point with the exit code and is replaced.
 """
@@ -31,9 +33,10 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +133,7 @@ class Job:
     experiment: str
     parent_run_id: str | None
     run_dir: str
+    tags: dict = field(default_factory=dict)  # extra tags of its MLflow run (e.g. capacity.point / capacity.probe)
 
 
 _TRACKERS: dict[tuple[str, str], Any] = {}
@@ -149,11 +153,17 @@ def _open_point_run(job: Job) -> tuple[Any, str | None]:
     if not (job.cfg.get("output") or {}).get("mlflow", True):
         return None, None
     tracker = _tracker(job.cfg, job.experiment)
+    return tracker, tracker.start(job.cfg, job.label, tags=point_tags(job))
+
+
+def point_tags(job: Job) -> dict[str, str]:
+    """The tags of a point's MLflow run: its axes, its link to the summary run, the job's own."""
     tags = {"testbed.kind": "point", "testbed.compare": job.experiment, "testbed.axes": json.dumps(list(job.axes)),
             "compare.point": str(job.index), **{f"axis.{k}": str(v) for k, v in job.axis_values.items()}}
     if job.parent_run_id:
         tags[PARENT_TAG] = job.parent_run_id
-    return tracker, tracker.start(job.cfg, job.label, tags=tags)
+    tags.update({k: str(v) for k, v in job.tags.items()})
+    return tags
 
 
 def run_point(job: Job) -> dict:
@@ -190,6 +200,12 @@ def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
     row["run_dir"] = str(run_dir)
     if tracker is not None:
         tracker.finish(row["run_id"], result, run_dir)
+    fill_row(row, result)
+
+
+def fill_row(row: dict, result: Any) -> None:
+    """A point's row from its RunResult: status, error and the summary's numbers (per-stage lists
+    as `<key>.stage<i>`)."""
     row["error"] = result.error
     row["status"] = "failed" if result.error else "finished"
     for k, v in result.summary.items():
@@ -217,13 +233,16 @@ class ParentRun:
             self.run_id = self.tracker.client.create_run(self.tracker.experiment_id, run_name=run_name,
                                                          tags=dict(tags)).info.run_id
 
-    def log(self, metrics: Mapping[str, float], tags: Mapping[str, str] | None = None) -> None:
+    def log(self, metrics: Mapping[str, float], tags: Mapping[str, str] | None = None,
+            run_id: str | None = None) -> None:
+        """Metrics and tags on the summary run (or on `run_id`, one of its point runs)."""
         if self.tracker is None:
             return
         from mlflow.entities import Metric, RunTag  # mlflow is loaded already (the tracker)
 
         now = int(time.time() * 1000)
-        self.tracker.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+        self.tracker.client.log_batch(run_id or self.run_id,
+                                      metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
                                       tags=[RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()])
 
     def log_files(self, folder: Path, subdirs: Sequence[str] = ()) -> None:
@@ -256,88 +275,134 @@ class ParentRun:
 
 # --- running the jobs ---------------------------------------------------------------------------------
 
-def run_jobs(jobs: Sequence[Job], workers: int, console: Any, progress_on: bool, rows: list[dict]) -> list[dict]:
-    """Run every job (in this process, or in `workers` spawned processes), appending each row
-    to `rows` as it arrives, so an interrupted caller still holds the points done so far."""
-    progress = _progress(console, len(jobs)) if console is not None and progress_on else None
+class Feed:
+    """What a sweep runs. This base class is a fixed list (compare, reproduce); `testbed capacity`
+    subclasses it, because a search's next probe follows from the last one's result: `follow`
+    returns the jobs a finished row leads to, `planned` the running estimate of the total shown by
+    the progress bar, and `run` how a job runs in this process (its workers always use `run_point`)."""
 
-    def done(row: dict) -> None:
+    unit = "runs"  # what the progress bar counts
+
+    def __init__(self, jobs: Sequence[Job] = ()) -> None:
+        self.jobs = list(jobs)
+
+    def initial(self) -> list[Job]:
+        return self.jobs
+
+    def follow(self, row: dict) -> list[Job]:
+        return []
+
+    def planned(self) -> int:
+        return len(self.jobs)
+
+    def run(self, job: Job) -> dict:
+        return run_point(job)
+
+    def describe(self, row: dict, job: Job) -> str:
+        state = "[green]done[/green]" if row["status"] == "finished" else "[red]failed[/red]"
+        tput = row.get("throughput_tok_s")
+        extra = f" throughput {tput:.4g} tok/s" if isinstance(tput, float) and not math.isnan(tput) else ""
+        return f"point {row['point']:>3} {state} {job.label}{extra}"
+
+
+def run_jobs(jobs: Sequence[Job], workers: int, console: Any, progress_on: bool, rows: list[dict],
+             feed: Feed | None = None) -> list[dict]:
+    """Run every job (in this process, or in `workers` spawned processes), appending each row
+    to `rows` as it arrives, so an interrupted caller still holds the points done so far. With a
+    `feed`, its jobs run instead, and each finished row may queue further jobs."""
+    feed = feed or Feed(jobs)
+    first = feed.initial()
+    known = {job.index: job for job in first}
+    progress = _progress(console, feed.planned(), feed.unit) if console is not None and progress_on else None
+
+    def done(row: dict) -> list[Job]:
         rows.append(row)
+        new = feed.follow(row)
+        known.update({job.index: job for job in new})
         if progress is not None:
-            _print_row(progress, row, jobs[row["point"]].label)
+            progress.console.print(feed.describe(row, known[row["point"]]), highlight=False)
+            progress.update(progress.task_ids[0], advance=1, total=max(feed.planned(), len(rows)))
+        return new
 
     with progress if progress is not None else nullcontext():
-        if workers <= 1 or len(jobs) <= 1:
-            for job in jobs:
-                done(run_point(job))
+        if workers <= 1 or len(first) <= 1:
+            pending = deque(first)
+            while pending:
+                pending.extend(done(feed.run(pending.popleft())))
         else:
-            WorkerPool(jobs, min(workers, len(jobs))).run(done)
+            WorkerPool(first, min(workers, len(first))).run(done)
     return rows
 
 
-def _progress(console: Any, total: int) -> Progress:
-    progress = Progress(TextColumn("runs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+def _progress(console: Any, total: int, unit: str = "runs") -> Progress:
+    progress = Progress(TextColumn(unit), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=True)
     progress.add_task("grid", total=total)
     return progress
 
 
-def _print_row(progress: Progress, row: dict, label: str) -> None:
-    state = "[green]done[/green]" if row["status"] == "finished" else "[red]failed[/red]"
-    tput = row.get("throughput_tok_s")
-    extra = f" throughput {tput:.4g} tok/s" if isinstance(tput, float) and not math.isnan(tput) else ""
-    progress.console.print(f"point {row['point']:>3} {state} {label}{extra}", highlight=False)
-    progress.advance(progress.task_ids[0])
-
-
-def _worker_main(jobs: Sequence[Job], tasks: Any, results: Any) -> None:
-    """A spawned worker: run points from the queue until it is empty."""
+def _worker_main(tasks: Any, results: Any) -> None:
+    """A spawned worker: run the jobs from the queue until it hands over None."""
     orphan_guard()
     try:
         while True:
             try:
-                index = tasks.get(timeout=1.0)
+                job = tasks.get(timeout=1.0)
             except queue_mod.Empty:
+                continue
+            if job is None:
                 return
-            results.put(("start", index, os.getpid()))
-            results.put(("row", index, run_point(jobs[index])))
+            results.put(("start", job.index, os.getpid()))
+            results.put(("row", job.index, run_point(job)))
     except KeyboardInterrupt:
         sys.exit(EXIT_SIGINT)
 
 
 class WorkerPool:
-    """`n` spawned workers over one task queue. Unlike a ProcessPoolExecutor, stopping it does
-    not wait for the queued points: `stop()` terminates the workers at once."""
+    """`n` spawned workers over one task queue of jobs; a finished row may submit more (`done`
+    returns them). Unlike a ProcessPoolExecutor, stopping it does not wait for the queued jobs:
+    `stop()` terminates the workers at once."""
 
     def __init__(self, jobs: Sequence[Job], n: int) -> None:
-        self.jobs = list(jobs)
+        self.jobs = {job.index: job for job in jobs}
         self.ctx = mp.get_context("spawn")
         self.tasks = self.ctx.Queue()
         self.results = self.ctx.Queue()
         self.n = n
         self.procs: list[Any] = []
-        self.holding: dict[int, int] = {}  # pid -> point index
+        self.holding: dict[int, int] = {}  # pid -> job index
         self.finished: set[int] = set()
 
     def _spawn(self) -> None:
         # not daemonic: a torch point starts stage processes of its own; `stop` and the orphan guard end it
-        p = self.ctx.Process(target=_worker_main, args=(self.jobs, self.tasks, self.results), daemon=False,
+        p = self.ctx.Process(target=_worker_main, args=(self.tasks, self.results), daemon=False,
                              name=f"sweep-worker-{len(self.procs)}")
         p.start()
         self.procs.append(p)
 
-    def run(self, done: Callable[[dict], None]) -> None:
-        for job in self.jobs:
-            self.tasks.put(job.index)
+    def submit(self, job: Job) -> None:
+        self.jobs[job.index] = job
+        self.tasks.put(job)
+
+    def run(self, done: Callable[[dict], Sequence[Job] | None]) -> None:
+        for job in list(self.jobs.values()):
+            self.tasks.put(job)
         try:
             for _ in range(self.n):
                 self._spawn()
             while len(self.finished) < len(self.jobs):
                 self._step(done)
+            for _ in self.procs:
+                self.tasks.put(None)
         finally:
             self.stop()
 
-    def _step(self, done: Callable[[dict], None]) -> None:
+    def _finish(self, done: Callable[[dict], Sequence[Job] | None], index: int, row: dict) -> None:
+        self.finished.add(index)
+        for job in done(row) or ():
+            self.submit(job)
+
+    def _step(self, done: Callable[[dict], Sequence[Job] | None]) -> None:
         try:
             kind, index, payload = self.results.get(timeout=PARENT_POLL_S)
         except queue_mod.Empty:
@@ -346,33 +411,32 @@ class WorkerPool:
         if kind == "start":
             self.holding[payload] = index
         elif index not in self.finished:
-            self.finished.add(index)
             self.holding = {pid: i for pid, i in self.holding.items() if i != index}
-            done(payload)
+            self._finish(done, index, payload)
 
-    def _reap(self, done: Callable[[dict], None]) -> None:
-        """Workers that died: fail the point each held, replace it while points remain."""
+    def _reap(self, done: Callable[[dict], Sequence[Job] | None]) -> None:
+        """Workers that died: fail the job each held, replace it while jobs remain."""
         for p in [p for p in self.procs if not p.is_alive() and p.exitcode not in (None, 0)]:
             self.procs.remove(p)
             index = self.holding.pop(p.pid, None)
             if index is not None and index not in self.finished:
-                self.finished.add(index)
-                done(failed_row(self.jobs[index], f"worker died with exit code {p.exitcode}"))
+                self._finish(done, index, failed_row(self.jobs[index], f"worker died with exit code {p.exitcode}"))
             if len(self.finished) < len(self.jobs):
                 self._spawn()
-        if not any(p.is_alive() for p in self.procs):  # queue empty, every worker gone
-            for job in self.jobs:
-                if job.index not in self.finished:
-                    self.finished.add(job.index)
-                    done(failed_row(job, "lost: its worker ended without a result"))
+        if not any(p.is_alive() for p in self.procs):  # every worker gone
+            for index, job in list(self.jobs.items()):
+                if index not in self.finished:
+                    self._finish(done, index, failed_row(job, "lost: its worker ended without a result"))
 
     def stop(self) -> None:
         """Terminate every worker still running (each ends its point's run KILLED), then kill
-        the ones that do not exit within WORKER_STOP_S."""
+        the ones that do not exit within WORKER_STOP_S. Idle workers handed None exit by themselves."""
+        deadline = time.monotonic() + WORKER_STOP_S
         for p in self.procs:
+            if p.is_alive() and p.exitcode is None:
+                p.join(timeout=0.05)
             if p.is_alive():
                 p.terminate()
-        deadline = time.monotonic() + WORKER_STOP_S
         for p in self.procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():

@@ -3,16 +3,9 @@ package and by `testbed bench serve`: the consistency check against `testbed run
 requests, /metrics, MLflow."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
@@ -22,6 +15,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from engine.torch_exec.driver import free_port  # noqa: E402
+from serve_helpers import cli_server  # noqa: E402
 from testbed.config import compose, to_container  # noqa: E402
 
 SIM = ["executor=sim", "model=llama2-70b", "hardware=a100-80g", "parallel.pp=4", "policy=gllm",
@@ -45,36 +39,8 @@ def _client(srv):
     return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
 
 
-@contextlib.contextmanager
 def _cli_server(tmp_path, *extra):
-    """`testbed serve` in its own process (as a user runs it: the client here does not share its
-    interpreter lock); yields (base URL, outcome), and on exit sends SIGTERM and fills `outcome`
-    with the exit code, stderr and the run directory the server printed."""
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "serve", *SIM, f"serve.port={port}",
-                             f"output.dir={tmp_path}", *extra], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    outcome = {}
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        yield url, outcome
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-        outcome.update(code=proc.returncode, err=err, run_dir=Path(out.strip().splitlines()[-1]))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    return cli_server(tmp_path, *SIM, *extra)
 
 
 def test_bench_serve_reproduces_testbed_run(tmp_path):

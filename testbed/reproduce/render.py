@@ -140,7 +140,7 @@ RULES = ("Rules (computed by `testbed.reproduce.verdict`): a claim's effect is v
          "alone: \"reproduced in direction only\"; else \"not reproduced\". A bound (\"within 2%\") is "
          "reproduced when the value is within the bound + 25%. \"up to\" claims take the best group "
          "(max or min), ranges the geometric mean over groups.")
-RESULT_METRICS = ("throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_mean_s",
+RESULT_METRICS = ("capacity_req_s", "search", "rates", "throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_mean_s",
                   "slo_attainment", "utilization_mean", "num_preemptions")
 
 

@@ -11,7 +11,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,13 @@ from engine.errors import ConfigError
 from testbed import sweep
 from testbed.compare import axis_value, grid
 from testbed.config import compose, to_container
+from testbed.overrides import split_prefixed
 from testbed.report import write_comparison
 from testbed.reproduce.claims import ClaimResult, evaluate_safely
 from testbed.reproduce.planning import (Planned, config_value, derived_columns, identity, key_of, plan, study_axes,
                                         system_label)
 from testbed.reproduce.render import print_claims, render_report, write_figures
-from testbed.reproduce.studies import Study, check_requirements, describe_studies, list_studies, load_study
+from testbed.reproduce.studies import FigureSpec, Study, check_requirements, describe_studies, list_studies, load_study
 
 MARKER = "reproduce.json"  # written in every study directory; only such a directory is replaced
 
@@ -58,6 +59,7 @@ class StudyRun:
     dup_of: list[int] = field(default_factory=list)  # for each point: index of the job that runs it
     point_meta: list[dict] = field(default_factory=list)
     axes: list[str] = field(default_factory=list)
+    capacity: Any = None  # CapacitySettings: a capacity study (each point a `testbed capacity` search)
 
     @property
     def cfg0(self) -> dict:
@@ -75,12 +77,42 @@ def prepare_study(name: str, quick: bool, overrides: Sequence[str], workers: int
     if quick and not any(key_of(u) == "output.plots" for u in user):
         user.append("output.plots=false")  # per-run timeline plots: ~1 s each, not needed for a smoke test
     planned, notes = plan(study, quick, user)
+    capacity = _capacity_settings(study, planned, workers)
     points = [(p, pt, to_container(compose(list(pt.overrides)))) for p in planned for pt in grid(p.overrides)[1]]
     tag = f"{study.name}-quick" if quick else study.name
     out_dir = Path((points[0][2].get("output") or {}).get("dir") or "runs") / "reproduce" / tag
-    run = StudyRun(study, quick, tag, experiment or f"reproduce-{tag}", out_dir, notes, points)
+    run = StudyRun(study, quick, tag, experiment or f"reproduce-{tag}", out_dir, notes, points, capacity=capacity)
     _make_jobs(run, study_axes(planned))
     return run
+
+
+def _capacity_settings(study: Study, planned: list[Planned], workers: int) -> Any:
+    """A capacity study sets `capacity.*` keys in its `base` (the user may change them): they are
+    split off every point's overrides and searched per point, as `testbed capacity` does."""
+    from testbed.capacity.settings import parse
+
+    raws = []
+    for p in planned:
+        raw, p.overrides = split_prefixed(p.overrides, "capacity")
+        raws.append(raw)
+    if not any(raws):
+        return None
+    if not any(key_of(ov).startswith("capacity.") for ov in study.base):
+        raise ConfigError(f"capacity.* keys apply to capacity studies (a study whose base sets them); "
+                          f"study {study.name} is not one")
+    if any(r != raws[0] for r in raws):
+        raise ConfigError(f"study {study.name}: its parts or grids set different capacity.* keys; one search "
+                          f"setting per study")
+    return replace(parse(raws[0]), workers=workers)
+
+
+def _capacity_rows(run: StudyRun, parent: sweep.ParentRun, workers: int, console: Any) -> list[dict]:
+    """One row per distinct point: its capacity (testbed/capacity/), the search's files under capacity/."""
+    from testbed.capacity.command import plan_for_jobs, run_searches
+
+    p = plan_for_jobs(run.jobs, run.axes, run.capacity, run.experiment, run.out_dir / "capacity")
+    df, _, _ = run_searches(p, parent, console)
+    return df.to_dict("records")
 
 
 def _make_jobs(run: StudyRun, axes_keys: list[str]) -> None:
@@ -157,8 +189,11 @@ def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), 
     job_rows: list[dict] = []
     t0 = time.perf_counter()
     try:
-        sweep.run_jobs(run.jobs, workers, console, bool((run.cfg0.get("output") or {}).get("progress", True)),
-                       job_rows)
+        if run.capacity is not None:
+            job_rows.extend(_capacity_rows(run, parent, workers, console))
+        else:
+            sweep.run_jobs(run.jobs, workers, console, bool((run.cfg0.get("output") or {}).get("progress", True)),
+                           job_rows)
     except KeyboardInterrupt as exc:
         _flush_partial(run, job_rows, time.perf_counter() - t0, sweep.interrupted_message(exc))
         parent.end("KILLED")
@@ -202,6 +237,10 @@ def _write_results(run: StudyRun, job_rows: list[dict], wall: float, user: list[
     claims = [evaluate_safely(c, rows) for c in run.study.claims]
     df = pd.DataFrame(rows)
     figures = write_figures(run.study, df, run.out_dir)
+    search_png = run.out_dir / "capacity" / "capacity.png"
+    if run.capacity is not None and search_png.exists():
+        figures.append((FigureSpec("search", f"{run.capacity.metric} against the request rate per point "
+                                             f"(stars: capacity; o passed, x failed)", None, (), ()), [search_png]))
     write_comparison(df, run.axes, run.out_dir, plots=False)
     (run.out_dir / "claims.json").write_text(json.dumps([c.as_dict() for c in claims], indent=2, default=str) + "\n")
     report = run.out_dir / "report.md"

@@ -1,0 +1,288 @@
+"""`testbed capacity`: per grid point, the highest request rate that meets an SLO criterion.
+
+    testbed capacity policy=gllm,vllm,sarathi workload=azure workload.num_requests=200
+    testbed capacity hardware=a100-80g,h100-80g parallel.pp=2,4 model=llama2-70b capacity.price.a100-80g=1.8
+    testbed capacity --base-url http://127.0.0.1:8000 workload=azure capacity.duration_s=60
+
+The grid is `testbed compare`'s (comma lists are axes, `compare.grid`); every point runs its own
+search (testbed/capacity/search.py) whose probes are ordinary runs at `workload.rate=<r>`, through
+the shared sweep runner (testbed/sweep.py): `capacity.workers` processes, one MLflow run per probe
+(tags `capacity.point`, `capacity.probe`) beside one summary run (tag `testbed.kind=capacity`),
+Ctrl-C / SIGTERM ending the runs KILLED with the results so far written (exit 130 / 143). The
+searches of different points run side by side; one point's probes run one after another, since
+each depends on the last. With `--base-url` the probe is `testbed bench serve` against that server
+(testbed/capacity/live.py), one probe at a time.
+
+Output: `<output.dir>/capacity/<experiment>/` with `table.csv` / `table.md` (one row per point),
+`probes.csv` (every probe), `capacity.json`, `capacity.png` (the criterion against the rate per
+point, capacity marked), `ranking.csv` / `ranking.md` when hardware, P, TP or the model is an axis,
+and `runs/<point>/<probe>/` (each probe's run directory). The last line printed is the directory.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+from testbed import sweep
+from testbed.capacity import results
+from testbed.capacity.search import RateSearch
+from testbed.capacity.settings import CapacitySettings, check_prices, parse
+from testbed.compare import Point, axis_value, grid
+from testbed.config import compose, to_container
+from testbed.overrides import explicit_keys, merge, split_prefixed
+
+
+@dataclass(frozen=True)
+class PointSpec:
+    """One grid point to search: its composed config and the columns it keeps."""
+
+    index: int
+    label: str
+    dirname: str
+    cfg: dict
+    overrides: tuple[str, ...]
+    axis_values: dict
+    target: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    settings: CapacitySettings
+    axes: list[str]
+    points: list[PointSpec]
+    out_dir: Path
+    overrides: list[str]
+    live: Any = None  # testbed.capacity.live.LiveOptions with --base-url
+
+    @property
+    def cfg0(self) -> dict:
+        return self.points[0].cfg
+
+
+def plan(overrides: Sequence[str], live: Any = None) -> Plan:
+    """Parse the settings and compose every point (every mistake surfaces here, exit 2)."""
+    raw, rest = split_prefixed(overrides, "capacity")
+    settings = parse(raw)
+    if live is not None:
+        live.check(rest, settings)
+    axes, points = grid(rest)
+    if "workload.rate" in axes:
+        raise ConfigError("workload.rate is what `testbed capacity` searches: give one start with capacity.start=, "
+                          "not a list")
+    user = explicit_keys(rest)
+    specs = [_point_spec(pt, settings, user) for pt in points]
+    check_prices(settings, sorted({s.cfg["hardware"]["name"] for s in specs}))
+    specs = [_priced(s, settings, user) for s in specs]
+    name = settings.experiment or f"capacity-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+    out_dir = Path((specs[0].cfg.get("output") or {}).get("dir") or "runs") / "capacity" / name
+    if (out_dir / "table.csv").exists():
+        raise ConfigError(f"capacity search {name!r} already exists at {out_dir}; choose another capacity.experiment=")
+    return Plan(name, settings, axes, specs, out_dir, list(rest), live)
+
+
+def _point_spec(pt: Point, settings: CapacitySettings, user: set[str]) -> PointSpec:
+    ovs = list(pt.overrides)
+    if "output.plots" not in user:
+        ovs.append("output.plots=false")  # per-probe timeline plots: ~1 s each, not what a search is for
+    cfg = to_container(compose(ovs))
+    wl = cfg["workload"]
+    if wl.get("arrival") == "offline":
+        raise ConfigError(f"workload.arrival=offline has no request rate to search (point {pt.label}); "
+                          f"valid choices: poisson, gamma")
+    return PointSpec(pt.index, pt.label, pt.dirname, cfg, tuple(ovs),
+                     {k: axis_value(cfg, k, v) for k, v in pt.axes}, settings.resolved_target(cfg["slo"]))
+
+
+def _priced(spec: PointSpec, settings: CapacitySettings, user: set[str]) -> PointSpec:
+    """`capacity.price.<hw>=` sets that hardware entry's `cost_per_gpu_hour` at its points."""
+    price = dict(settings.prices).get(spec.cfg["hardware"]["name"])
+    if price is None:
+        return spec
+    ovs = merge(spec.overrides, [f"hardware.cost_per_gpu_hour={price}"])
+    return PointSpec(spec.index, spec.label, spec.dirname, to_container(compose(ovs)), tuple(ovs),
+                     spec.axis_values, spec.target)
+
+
+# --- the searches as a sweep feed -----------------------------------------------------------------
+
+def start_rate(cfg: dict, settings: CapacitySettings) -> float:
+    return settings.start or cfg["workload"].get("rate") or 1.0
+
+
+class CapacityFeed(sweep.Feed):
+    """One RateSearch per point; a finished probe is judged here (in the parent) and queues the
+    point's next probe. Probe rows are collected per point for the table."""
+
+    unit = "probes"
+
+    def __init__(self, p: Plan, parent: sweep.ParentRun) -> None:
+        super().__init__()
+        self.p = p
+        self.parent = parent
+        self.searches = [RateSearch(p.settings, start_rate(pt.cfg, p.settings)) for pt in p.points]
+        self.errors: dict[int, str] = {}  # point -> why its search stopped (a probe's run failed)
+        self.owner: dict[int, int] = {}  # job index -> point
+        self.probe_rows: dict[int, list[dict]] = {pt.index: [] for pt in p.points}
+
+    def initial(self) -> list[sweep.Job]:
+        return [job for pt in self.p.points if (job := self._next(pt)) is not None]
+
+    def _next(self, pt: PointSpec) -> sweep.Job | None:
+        rate = self.searches[pt.index].next_rate()
+        if rate is None:
+            return None
+        job = probe_job(self.p, pt, rate, len(self.searches[pt.index].probes), len(self.owner),
+                        self.parent.run_id)
+        self.owner[job.index] = pt.index
+        return job
+
+    def follow(self, row: dict) -> list[sweep.Job]:
+        pt = self.p.points[self.owner[row["point"]]]
+        if row.get("status") != "finished":
+            self.errors[pt.index] = str(row.get("error") or "the probe failed")
+            self.probe_rows[pt.index].append(row)
+            return []
+        search = self.searches[pt.index]
+        metrics = results.judged(row, pt.cfg["slo"], self.p.settings.warmup_s)
+        value = metrics[self.p.settings.metric]
+        passed = self.p.settings.passes(value, pt.target)
+        rate = row["workload.rate"]
+        row["window_s"] = row.get("num_requests", math.nan) / rate  # how long the arrivals lasted, roughly
+        search.record(rate, value, passed, **metrics, run_id=row.get("run_id"), run_dir=row.get("run_dir"))
+        row.update({"capacity.value": value, "capacity.passed": passed, "capacity.phase": search.probes[-1].phase,
+                    "capacity.metrics": metrics})
+        self.probe_rows[pt.index].append(row)
+        if row.get("run_id"):
+            self.parent.log({"capacity.value": value, "capacity.passed": float(passed)},
+                            {"capacity.phase": search.probes[-1].phase}, run_id=row["run_id"])
+        job = self._next(pt)
+        return [job] if job is not None else []
+
+    def planned(self) -> int:
+        return sum(len(s.probes) if pt.index in self.errors else s.planned()
+                   for pt, s in zip(self.p.points, self.searches))
+
+    def describe(self, row: dict, job: sweep.Job) -> str:
+        point = self.owner[row["point"]]
+        rate = row.get("workload.rate")
+        if row.get("status") != "finished":
+            return f"point {point:>3} [red]failed[/red] {job.label}: {str(row.get('error'))[:100]}"
+        verdict = "[green]pass[/green]" if row["capacity.passed"] else "[red]fail[/red]"
+        return (f"point {point:>3} probe {job.tags['capacity.probe']:>2} rate {rate:<8g} {verdict} "
+                f"{self.p.settings.metric} {row['capacity.value']:.4g} ({row['capacity.phase']}) "
+                f"{self.p.points[point].label}")
+
+
+def probe_job(p: Plan, pt: PointSpec, rate: float, k: int, index: int, parent_run_id: str | None) -> sweep.Job:
+    """Probe k of a point: its config with `workload.rate` (and, with capacity.duration_s, the
+    number of requests sent over warm-up + duration) set."""
+    cfg = copy.deepcopy(pt.cfg)
+    cfg["workload"]["rate"] = rate
+    s = p.settings
+    if s.duration_s is not None:
+        cfg["workload"]["num_requests"] = max(2, math.ceil(rate * (s.warmup_s + s.duration_s)))
+    return sweep.Job(index=index, cfg=cfg, label=f"{pt.label} @ {rate:g} req/s", axes=(*p.axes, "workload.rate"),
+                     axis_values={**pt.axis_values, "workload.rate": rate}, experiment=p.name,
+                     parent_run_id=parent_run_id,
+                     run_dir=str(p.out_dir / "runs" / pt.dirname / f"{k:02d}_rate={rate:g}"),
+                     tags={"testbed.kind": "probe", "capacity.point": pt.index, "capacity.probe": k})
+
+
+# --- the command ------------------------------------------------------------------------------------
+
+def run_capacity(overrides: Sequence[str], console: Any = None, live: Any = None) -> tuple[Path, Any]:
+    """Plan, search every point, write and log the results. Returns (dir, table). Interrupted:
+    the results so far are written, the runs end KILLED, and the interrupt propagates."""
+    p = plan(overrides, live)
+    parent = sweep.ParentRun(p.cfg0, p.name, p.name, {
+        "testbed.kind": "capacity", "testbed.axes": json.dumps(p.axes),
+        "capacity.overrides": " ".join(p.overrides)[:5000],
+        "capacity.points": str(len(p.points)), "capacity.criterion": p.settings.criterion,
+        **({"capacity.base_url": live.base_url} if live is not None else {})})
+    try:
+        df, ranking, wall = run_searches(p, parent, console)
+    except KeyboardInterrupt as exc:
+        parent.end("KILLED")
+        if console is not None:
+            console.print(f"{sweep.interrupted_message(exc)}: the probes done so far are in {p.out_dir}",
+                          highlight=False, markup=False)
+        raise
+    parent.end("FINISHED")
+    if console is not None:
+        results.show(console, p, df, ranking, wall)
+    return p.out_dir, df
+
+
+def run_searches(p: Plan, parent: sweep.ParentRun, console: Any = None) -> tuple[Any, Any, float]:
+    """Every point's search through the sweep runner; the results written (also when
+    interrupted, then the interrupt propagates). Returns (table, ranking or None, wall seconds)."""
+    feed = p.live.feed(p, parent) if p.live is not None else CapacityFeed(p, parent)
+    if console is not None:
+        _print_start(console, p, feed)
+    t0 = time.perf_counter()
+    try:
+        sweep.run_jobs([], p.settings.workers, console, bool((p.cfg0.get("output") or {}).get("progress", True)), [],
+                       feed=feed)
+    except KeyboardInterrupt as exc:
+        results.write(p, feed, time.perf_counter() - t0, parent, interrupted=sweep.interrupted_message(exc))
+        raise
+    wall = time.perf_counter() - t0
+    df, ranking = results.write(p, feed, wall, parent)
+    return df, ranking, wall
+
+
+def plan_for_jobs(jobs: Sequence[sweep.Job], axes: list[str], settings: CapacitySettings, name: str,
+                  out_dir: Path) -> Plan:
+    """A search plan over points composed elsewhere (`testbed reproduce`'s capacity studies):
+    each job is a point; its probes never draw per-run plots."""
+    points = []
+    for job in jobs:
+        cfg = copy.deepcopy(job.cfg)
+        cfg.setdefault("output", {})["plots"] = False
+        points.append(PointSpec(job.index, job.label, Path(job.run_dir).name, cfg, (), dict(job.axis_values),
+                                settings.resolved_target(cfg["slo"])))
+    return Plan(name, settings, list(axes), points, out_dir, [])
+
+
+def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
+    s = p.settings
+    sizes = {k: len({str(v) for pt in p.points for kk, v in pt.axis_values.items() if kk == k}) for k in p.axes}
+    over = ", ".join(f"{k} ({n})" for k, n in sizes.items()) or "no axis"
+    targets = sorted({pt.target for pt in p.points})
+    what = f"{s.criterion}: {', '.join(s.describe(t) for t in targets)}"
+    console.print(f"capacity [bold]{p.name}[/bold]: {len(p.points)} point(s) over {over}; {what}; precision "
+                  f"{s.precision:.0%}; each probe {probe_text(p)}; ~{feed.planned()} probes planned; "
+                  f"{s.workers} worker(s)", highlight=False)
+    if p.live is not None:
+        p.live.print_estimate(console, p, feed)
+
+
+def probe_text(p: Plan) -> str:
+    s = p.settings
+    if s.duration_s:
+        return f"{s.duration_s:g} s" + (f" + {s.warmup_s:g} s warm-up" if s.warmup_s else "") + " of arrivals"
+    return f"{p.cfg0['workload'].get('num_requests')} requests" + (f" ({s.warmup_s:g} s warm-up)" if s.warmup_s else "")
+
+
+def cli_capacity(overrides: Sequence[str], console: Any, live: Any = None) -> int:
+    """`testbed capacity`: 0, or 130 (Ctrl-C) / 143 (SIGTERM) with the results so far written."""
+    with sweep.signals():
+        try:
+            out_dir, _ = run_capacity(overrides, console, live)
+        except KeyboardInterrupt as exc:
+            print(sweep.interrupted_message(exc), file=sys.stderr)
+            return sweep.exit_code(exc)
+    print(out_dir.resolve())
+    return 0
+
+

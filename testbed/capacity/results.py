@@ -1,0 +1,177 @@
+"""What a capacity search leaves: one row per point (capacity, the SLO metrics at capacity, the
+bracket, every probed rate), the probes, the deployment ranking, capacity.json, the figure, and
+the summary MLflow run's tags and files."""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from testbed import sweep
+from testbed.capacity.search import RateSearch
+from testbed.report import print_table, print_wide, to_markdown, write_comparison
+
+JUDGED = ("slo_attainment", "ttft_p99_s", "tpot_p99_s")  # what a probe is judged on (after the warm-up)
+TABLE_METRICS = ("capacity_req_s", "output_tok_s", *JUDGED, "probes", "search", "window_s", "bracket_lo", "bracket_hi",
+                 "max_passed_req_s", "gpus", "capacity_per_gpu", "cost_per_gpu_hour", "req_per_dollar", "rates")
+PRINT_METRICS = ("capacity_req_s", "output_tok_s", *JUDGED, "probes", "search")
+RANK_AXES = ("hardware", "parallel.pp", "parallel.tp", "model")  # deployment axes: a ranking is written
+RANK_COLUMNS = ("gpus", "status", "search", "capacity_req_s", "capacity_per_gpu", "cost_per_gpu_hour", "req_per_dollar")
+SHORT_WINDOW_S = 30.0  # a capacity probe whose arrivals span less than this measured a burst, not a rate
+
+
+def judged(row: Mapping[str, Any], slo: Mapping[str, Any], warmup_s: float) -> dict:
+    """The criterion metrics of a probe: its summary's (the definitions of `testbed run`), or,
+    with a warm-up, the same recomputed from requests.csv over the requests arriving after it."""
+    if not warmup_s:
+        return {k: float(row.get(k, math.nan)) for k in JUDGED}
+    req = pd.read_csv(Path(row["run_dir"]) / "requests.csv")
+    req = req[req["arrival_s"] >= warmup_s]
+    fin = req[req["status"] == "finished"]
+    ttft, tpot = fin["ttft_s"].to_numpy(float), fin["tpot_s"].dropna().to_numpy(float)
+    ok = ((fin["ttft_s"] <= slo["ttft_s"]) & (fin["tpot_s"].isna() | (fin["tpot_s"] <= slo["tpot_s"]))).sum()
+    return {"slo_attainment": float(ok / len(req)) if len(req) else 0.0,
+            "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft.size else math.nan,
+            "tpot_p99_s": float(np.percentile(tpot, 99)) if tpot.size else math.nan}
+
+
+# --- rows ----------------------------------------------------------------------------------------------
+
+def point_row(pt: Any, search: RateSearch, probe_rows: list[dict], error: str | None) -> dict:
+    """One point's row. The capacity is a probed rate that passed (never interpolated); its SLO
+    metrics and throughput are that probe's."""
+    out = search.outcome()
+    gpus = int(pt.cfg["parallel"]["pp"]) * int(pt.cfg["parallel"].get("tp") or 1)
+    price = (pt.cfg.get("hardware") or {}).get("cost_per_gpu_hour")
+    row: dict[str, Any] = {"point": pt.index, **pt.axis_values, "status": "finished", "error": error,
+                           "probes": len(probe_rows), "search": out.status, "target": pt.target, "gpus": gpus,
+                           "cost_per_gpu_hour": price, "bracket_lo": out.lo, "bracket_hi": out.hi,
+                           "max_passed_req_s": out.max_passed, "rates": rates_text(search),
+                           "violations": "; ".join(out.violations) or None}
+    if error:
+        row["status"] = "does not fit" if "does not fit" in error else "failed"
+        row["search"] = f"stopped: probe {len(probe_rows) - 1} failed"
+    elif out.capacity is None:
+        row["status"] = out.status
+    at = next((r for r in probe_rows if r.get("workload.rate") == out.capacity and r.get("capacity.passed")), None)
+    if out.capacity is not None and at is not None:
+        row.update(capacity_req_s=out.capacity, output_tok_s=at.get("output_throughput_tok_s"),
+                   throughput_tok_s=at.get("throughput_tok_s"), run_id=at.get("run_id"), run_dir=at.get("run_dir"),
+                   capacity_per_gpu=out.capacity / gpus, window_s=at.get("window_s"),
+                   req_per_dollar=out.capacity * 3600 / (gpus * price) if price else None,
+                   **{k: at["capacity.metrics"][k] for k in at["capacity.metrics"]})
+    return row
+
+
+def rates_text(search: RateSearch) -> str:
+    """Every probed rate in order, '+' passed, '-' failed: '1.5+ 3+ 6- 4.24- ...'."""
+    return " ".join(f"{p.rate:g}{'+' if p.passed else '-'}" for p in search.probes)
+
+
+def probe_table(feed: Any, axes: list[str]) -> pd.DataFrame:
+    keep = ("status", "error", "capacity.phase", "capacity.passed", "capacity.value", *JUDGED,
+            "output_throughput_tok_s", "throughput_tok_s", "num_finished", "num_failed", "run_id", "run_dir")
+    rows = []
+    for point, probes in feed.probe_rows.items():
+        for k, r in enumerate(probes):
+            metrics = r.get("capacity.metrics") or {}
+            rows.append({"point": point, "probe": k, **{a: r.get(a) for a in axes},
+                         "workload.rate": r.get("workload.rate"), **{c: metrics.get(c, r.get(c)) for c in keep}})
+    return pd.DataFrame(rows)
+
+
+def ranking(df: pd.DataFrame, axes: list[str]) -> pd.DataFrame | None:
+    """Deployments by capacity per GPU (and by requests per dollar where priced); the points
+    without a capacity (e.g. 'does not fit') last, saying why."""
+    if not any(a in RANK_AXES for a in axes) or df.empty:
+        return None
+    cols = ["point", *axes, *[c for c in RANK_COLUMNS if c in df.columns]]
+    ranked = df[df["status"] == "finished"].sort_values("capacity_per_gpu", ascending=False)[cols].copy()
+    ranked.insert(0, "rank", range(1, len(ranked) + 1))
+    if "req_per_dollar" in ranked and ranked["req_per_dollar"].notna().any():
+        ranked["rank_by_cost"] = ranked["req_per_dollar"].rank(ascending=False, method="min")
+    rest = df[df["status"] != "finished"][cols + (["error"] if "error" in df.columns else [])]
+    return pd.concat([ranked, rest], ignore_index=True)
+
+
+# --- writing and showing ----------------------------------------------------------------------------------
+
+def collect(p: Any, feed: Any) -> pd.DataFrame:
+    rows = [point_row(pt, feed.searches[pt.index], feed.probe_rows[pt.index], feed.errors.get(pt.index))
+            for pt in p.points if feed.probe_rows[pt.index]]
+    return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["point", *p.axes, "status"])
+
+
+def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
+          interrupted: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """table.csv/.md, probes.csv, ranking.csv/.md, capacity.json, capacity.png; logged on the summary run."""
+    from testbed.capacity.figure import plot_search
+
+    df = collect(p, feed)
+    write_comparison(df, p.axes, p.out_dir, metrics=TABLE_METRICS, plots=False)
+    probe_table(feed, p.axes).to_csv(p.out_dir / "probes.csv", index=False)
+    ranked = ranking(df, p.axes)
+    if ranked is not None:
+        ranked.to_csv(p.out_dir / "ranking.csv", index=False)
+        (p.out_dir / "ranking.md").write_text(to_markdown(ranked))
+    if not interrupted:
+        plot_search(p, feed, p.out_dir / "capacity.png")
+    summary = {"experiment": p.name, "axes": p.axes, "overrides": p.overrides, "settings": _settings(p),
+               "points": [_point_json(pt, feed) for pt in p.points], "wall_s": wall,
+               "base_url": p.live.base_url if p.live is not None else None}
+    if interrupted:
+        summary["interrupted"] = interrupted
+    (p.out_dir / "capacity.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    found = df[df["status"] == "finished"] if "status" in df else df
+    parent.log({f"capacity.point{int(r['point'])}": r["capacity_req_s"] for _, r in found.iterrows()},
+               tags={"capacity.probes": sum(len(s.probes) for s in feed.searches), "capacity.wall_s": f"{wall:.1f}",
+                     "compare.runs": len(df), "compare.failed": int((df["status"] != "finished").sum())})
+    parent.log_files(p.out_dir)
+    return df, ranked
+
+
+def _settings(p: Any) -> dict:
+    from dataclasses import asdict
+
+    return asdict(p.settings)
+
+
+def _point_json(pt: Any, feed: Any) -> dict:
+    search = feed.searches[pt.index]
+    out = search.outcome()
+    return {"point": pt.index, "label": pt.label, "axes": pt.axis_values, "target": pt.target,
+            "error": feed.errors.get(pt.index), "capacity_req_s": out.capacity, "bracket": [out.lo, out.hi],
+            "search": out.status, "monotone": out.monotone, "violations": out.violations,
+            "probes": [{"rate": pr.rate, "passed": pr.passed, "value": pr.value, "phase": pr.phase,
+                        **{k: v for k, v in pr.metrics.items()}} for pr in search.probes]}
+
+
+def show(console: Any, p: Any, df: pd.DataFrame, ranked: pd.DataFrame | None, wall: float) -> None:
+    probes = int(df["probes"].sum()) if "probes" in df else 0
+    print_table(console, df, p.axes, f"{p.name}: capacity per point ({probes} probes, {wall:.1f} s)",
+                metrics=PRINT_METRICS)
+    for _, r in df[df.get("search", pd.Series(dtype=str)) == "non-monotone"].iterrows():
+        console.print(f"[yellow]non-monotone[/yellow] point {r['point']}: {r['violations']}; probes {r['rates']}",
+                      highlight=False)
+    if "window_s" in df:
+        for _, r in df[df["window_s"] < SHORT_WINDOW_S].iterrows():
+            console.print(f"[yellow]warning[/yellow]: point {r['point']}: the arrivals of its capacity probe span "
+                          f"only {r['window_s']:.3g} s, closer to a burst than a sustained rate; a longer "
+                          f"capacity.duration_s= (seconds of arrivals per probe) measures the latter", highlight=False)
+    if ranked is not None:
+        from rich.table import Table
+
+        ranked = ranked.drop(columns=["error"], errors="ignore")
+
+        t = Table(title="deployment ranking (capacity per GPU; requests per dollar where priced)")
+        for c in ranked.columns:
+            t.add_column(str(c), no_wrap=True)
+        for _, r in ranked.iterrows():
+            t.add_row(*["" if v is None or (isinstance(v, float) and math.isnan(v)) else
+                        (f"{v:.4g}" if isinstance(v, float) else str(v)) for v in r])
+        print_wide(console, t)

@@ -1,0 +1,106 @@
+"""`capacity.*` overrides -> `CapacitySettings`, and how one probe is judged against them.
+
+The keys are split off before `compose` (like `compare.*`): how a search is run does not change
+what a probe computes. The SLO itself is the run config's `slo.ttft_s` / `slo.tpot_s` (defaults:
+gLLM's Azure SLO, 4 s and 0.2 s, for every workload), so a probe's `slo_attainment` is the same
+number `testbed run` prints.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from engine.errors import ConfigError
+from engine.typed import setting
+from testbed.overrides import check_keys, parse_settings, scalar
+from workloads.arrivals import MAX_RATE
+
+CRITERIA = ("attainment", "tpot_p99", "ttft_p99")
+# criterion -> (the probe's metric, True when higher is better, the slo.* key of its default target)
+CRITERION_METRIC = {"attainment": ("slo_attainment", True, None), "tpot_p99": ("tpot_p99_s", False, "tpot_s"),
+                    "ttft_p99": ("ttft_p99_s", False, "ttft_s")}
+DEFAULT_ATTAINMENT = 0.8  # gLLM's "80% SLO attainment"
+PRICE_PREFIX = "price."  # capacity.price.<hardware>=<USD per GPU-hour>
+
+
+@dataclass(frozen=True)
+class CapacitySettings:
+    """One search per grid point: bracket (x`growth` from `start`), then bisect until the bracket
+    is within `precision` (relative), then `confirm` probe(s) above the bracket to catch a
+    non-monotone curve. `duration_s` / `warmup_s` size each probe in (server) seconds."""
+
+    criterion: str = setting("attainment", choices=CRITERIA)
+    target: float | None = setting(None, gt=0)  # None: 0.8 attainment, or slo.tpot_s / slo.ttft_s
+    precision: float = setting(0.02, min=0.002, lt=1)  # stop when (hi - lo) / lo <= precision
+    start: float | None = setting(None, gt=0, max=MAX_RATE)  # None: the workload's rate (else 1 req/s)
+    growth: float = setting(2.0, gt=1, max=100)  # bracketing factor
+    min_rate: float = setting(0.01, gt=0, max=MAX_RATE)
+    max_rate: float = setting(1000.0, gt=0, max=MAX_RATE)
+    max_probes: int = setting(20, min=2, max=200)  # per point
+    confirm: int = setting(1, min=0, max=5)  # probes above the bracket after it converged
+    duration_s: float | None = setting(None, gt=0)  # None: the workload's num_requests; else rate x (warm-up + this)
+    warmup_s: float = setting(0.0, min=0)  # requests arriving earlier are sent but not judged
+    workers: int = setting(1, min=1)
+    experiment: str | None = None  # MLflow experiment and folder; None: capacity-<UTC time>
+    prices: tuple[tuple[str, float], ...] = ()  # (hardware, USD per GPU-hour) from capacity.price.<hw>=
+
+    def __post_init__(self) -> None:
+        if self.min_rate >= self.max_rate:
+            raise ConfigError(f"invalid capacity.min_rate={self.min_rate:g}: must be below capacity.max_rate="
+                              f"{self.max_rate:g}")
+        if self.criterion == "attainment" and self.target is not None and self.target > 1:
+            raise ConfigError(f"invalid capacity.target={self.target:g}: an attainment is a fraction in (0, 1]")
+        if self.experiment is not None and (not self.experiment.strip() or "/" in self.experiment
+                                            or self.experiment.startswith(".")):
+            raise ConfigError(f"invalid capacity.experiment={self.experiment!r}: a name without '/'")
+
+    @property
+    def metric(self) -> str:
+        return CRITERION_METRIC[self.criterion][0]
+
+    @property
+    def higher_is_better(self) -> bool:
+        return CRITERION_METRIC[self.criterion][1]
+
+    def resolved_target(self, slo: Mapping[str, Any]) -> float:
+        if self.target is not None:
+            return self.target
+        key = CRITERION_METRIC[self.criterion][2]
+        return DEFAULT_ATTAINMENT if key is None else float(slo[key])
+
+    def describe(self, target: float) -> str:
+        op = ">=" if self.higher_is_better else "<="
+        return f"{self.metric} {op} {target:g}"
+
+    def passes(self, value: float, target: float) -> bool:
+        if value is None or math.isnan(value):
+            return False
+        return value >= target if self.higher_is_better else value <= target
+
+
+KEYS = tuple(f for f in CapacitySettings.__dataclass_fields__ if f != "prices")
+
+
+def parse(raw: Mapping[str, str]) -> CapacitySettings:
+    """`capacity.*` strings -> settings; `capacity.price.<hardware>=<usd>` -> `prices`."""
+    check_keys(raw, KEYS, "capacity", prefixes=(PRICE_PREFIX,))
+    prices = tuple((k[len(PRICE_PREFIX):], _price(k, v)) for k, v in raw.items() if k.startswith(PRICE_PREFIX))
+    plain = {k: v for k, v in raw.items() if not k.startswith(PRICE_PREFIX)}
+    return replace(parse_settings(CapacitySettings, plain, "capacity"), prices=prices)
+
+
+def _price(key: str, raw: str) -> float:
+    value = scalar(raw)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"invalid capacity.{key}={raw!r}: must be a price > 0 (USD per GPU-hour)")
+    return float(value)
+
+
+def check_prices(settings: CapacitySettings, hardware: Sequence[str]) -> None:
+    """A price for a hardware the grid does not use is a typo, not a no-op."""
+    for name, _ in settings.prices:
+        if name not in hardware:
+            raise ConfigError(f"capacity.price.{name}: hardware {name!r} is not in this grid; "
+                              f"valid choices: {', '.join(sorted(set(hardware)))}")

@@ -1,0 +1,48 @@
+"""`testbed serve` started by a test in its own process, as a user runs it."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from engine.torch_exec.driver import free_port
+
+
+@contextlib.contextmanager
+def cli_server(tmp_path, *args):
+    """`testbed serve <args>` in its own process (as a user runs it: the client here does not share its
+    interpreter lock); yields (base URL, outcome), and on exit sends SIGTERM and fills `outcome`
+    with the exit code, stderr and the run directory the server printed."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "serve", *args, f"serve.port={port}",
+                             f"output.dir={tmp_path}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outcome = {}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        yield url, outcome
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        outcome.update(code=proc.returncode, err=err, run_dir=Path(out.strip().splitlines()[-1]))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+

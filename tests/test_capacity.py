@@ -1,0 +1,260 @@
+"""`testbed capacity`: the search finds the knee of a synthetic monotone criterion within the
+precision, reports only rates it ran, reports a non-monotone point; the command's table agrees
+with its probes and their MLflow runs; a deployment grid is ranked with the points that do not
+fit as rows; bad input is one `error:` line. No simulated number is asserted."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from mlflow_db import fresh_mlflow_db
+from testbed.capacity.search import RateSearch
+from testbed.capacity.settings import CapacitySettings
+from testbed.cli import main
+
+# llama2-13b does not fit one 24 GiB RTX 4090 (pp=1) but fits two (pp=2)
+# 10 s of arrivals per probe (the request count grows with the rate), a 10% precision: few, small probes
+BASE = ["workload=synthetic", "model=llama2-13b", "hardware=rtx4090", "output.progress=false",
+        "capacity.precision=0.1", "capacity.duration_s=10", "capacity.start=2"]
+
+
+def drive(search: RateSearch, passes) -> RateSearch:
+    """Run a search against a synthetic criterion: passes(rate) -> bool."""
+    while (rate := search.next_rate()) is not None:
+        ok = passes(rate)
+        search.record(rate, 1.0 if ok else 0.0, ok)
+    return search
+
+
+@pytest.mark.parametrize("knee", [0.013, 0.37, 1.5, 3.3, 17.0, 420.0])
+@pytest.mark.parametrize("start", [0.1, 1.5, 50.0])
+@pytest.mark.parametrize("precision", [0.02, 0.1])
+def test_the_search_returns_the_knee_within_the_precision(knee, start, precision):
+    s = CapacitySettings(precision=precision)
+    search = drive(RateSearch(s, start), lambda r: r <= knee)
+    out = search.outcome()
+    assert out.status == "converged" and out.monotone
+    assert out.capacity <= knee < out.hi
+    assert (out.hi - out.capacity) / out.capacity <= precision + 1e-9
+    ran = {p.rate: p.passed for p in search.probes}
+    assert ran[out.capacity] is True and ran[out.hi] is False  # both were run: capacity passed, the next above failed
+    assert not any(r > out.capacity and ok for r, ok in ran.items())
+    assert len(search.probes) <= s.max_probes
+
+
+def test_the_search_stops_at_its_limits():
+    s = CapacitySettings(min_rate=0.5, max_rate=8.0)
+    low = drive(RateSearch(s, 2.0), lambda r: False).outcome()
+    assert low.capacity is None and low.status == "fails at min_rate 0.5"
+    high = drive(RateSearch(s, 2.0), lambda r: True).outcome()
+    assert high.capacity == 8.0 and high.hi is None and high.status == "passes at max_rate 8"
+    short = drive(RateSearch(CapacitySettings(max_probes=3, precision=0.002), 1.0), lambda r: r < 1.7)
+    assert len(short.probes) == 3 and short.outcome().status == "probe limit"
+
+
+def test_non_monotone_attainment_is_reported_and_the_capacity_stays_conservative():
+    # passes up to 2, fails on (2, 2.2), passes again on [2.2, 2.6): the confirmation probe lands in it
+    s = CapacitySettings(precision=0.05, confirm=2)
+    search = drive(RateSearch(s, 1.0), lambda r: r <= 2.0 or 2.05 <= r < 2.6)
+    out = search.outcome()
+    ran = {p.rate: p.passed for p in search.probes}
+    assert [p.phase for p in search.probes][-2:] == ["confirm", "confirm"]
+    assert ran[out.capacity] and not ran[out.hi] and out.capacity < out.hi
+    if out.monotone:  # the confirmations may miss a narrow window: then nothing above hi passed
+        assert not any(ok for r, ok in ran.items() if r > out.hi)
+    # a hand-made history: a pass above a failure is reported, never smoothed over
+    manual = RateSearch(s, 1.0)
+    for rate, ok in [(1.0, True), (2.0, False), (3.0, True), (1.5, True), (1.7, False)]:
+        manual.record(rate, float(ok), ok)
+    out = manual.outcome()
+    assert out.status == "non-monotone" and not out.monotone
+    assert out.capacity == 1.5 and out.hi == 1.7 and out.max_passed == 3.0
+    assert "passed at 3 above a failure at 2" in out.violations
+
+
+def test_capacity_table_agrees_with_its_probes_and_their_mlflow_runs(tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    fresh_mlflow_db(tmp_path)
+    code = main(["capacity", *BASE, f"output.dir={tmp_path}", "policy=sarathi", "parallel.pp=1,2",
+                 "capacity.experiment=cap", "capacity.price.rtx4090=0.4", "capacity.max_probes=8"])
+    assert code == 0
+    out_dir = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    table = pd.read_csv(out_dir / "table.csv")
+    probes = pd.read_csv(out_dir / "probes.csv")
+    assert list(table["parallel.pp"]) == [1, 2]
+    unfit, fit = table.iloc[0], table.iloc[1]
+    assert unfit["status"] == "does not fit" and math.isnan(unfit["capacity_req_s"])
+    assert fit["status"] == "finished" and fit["probes"] == (probes["point"] == 1).sum()
+    mine = probes[probes["point"] == 1].set_index("workload.rate")
+    cap, hi = fit["capacity_req_s"], fit["bracket_hi"]
+    assert bool(mine.loc[cap, "capacity.passed"]) and not bool(mine.loc[hi, "capacity.passed"])
+    assert not mine[(mine.index > cap) & (mine.index < hi)].shape[0]
+    for key in ("slo_attainment", "ttft_p99_s", "tpot_p99_s"):
+        assert fit[key] == pytest.approx(mine.loc[cap, key], rel=1e-12)
+    assert fit["output_tok_s"] == pytest.approx(mine.loc[cap, "output_throughput_tok_s"], rel=1e-12)
+    assert fit["capacity_per_gpu"] == pytest.approx(cap / 2)
+    assert fit["req_per_dollar"] == pytest.approx(cap * 3600 / (2 * 0.4))
+    # the ranking (P is an axis): the point that fits first, the one that does not as a row saying so
+    ranking = pd.read_csv(out_dir / "ranking.csv")
+    assert list(ranking["point"]) == [1, 0] and list(ranking["status"]) == ["finished", "does not fit"]
+    assert (out_dir / "capacity.png").stat().st_size > 0 and (out_dir / "table.md").exists()
+
+    client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("cap").experiment_id])
+    parent = [r for r in runs if r.data.tags.get("testbed.kind") == "capacity"]
+    assert len(parent) == 1 and parent[0].info.status == "FINISHED"
+    assert {"table.csv", "probes.csv", "capacity.png", "ranking.csv"} <= \
+        {a.path for a in client.list_artifacts(parent[0].info.run_id)}
+    by_id = {r.info.run_id: r for r in runs}
+    for _, p in probes.iterrows():
+        run = by_id[p["run_id"]]
+        assert run.data.tags["testbed.parent_run"] == parent[0].info.run_id
+        assert run.data.tags["capacity.point"] == str(p["point"]) and run.data.tags["capacity.probe"] == str(p["probe"])
+        assert float(run.data.params["workload.rate"]) == p["workload.rate"]
+        if p["status"] == "finished":
+            assert run.data.metrics["slo_attainment"] == pytest.approx(p["slo_attainment"], rel=1e-12)
+            assert run.data.metrics["capacity.passed"] == float(p["capacity.passed"])
+
+
+def test_two_workers_search_points_side_by_side(tmp_path, capsys):
+    code = main(["capacity", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", "parallel.pp=2",
+                 "policy=sarathi,vllm", "capacity.workers=2", "capacity.experiment=w2", "capacity.max_probes=6"])
+    assert code == 0
+    table = pd.read_csv(tmp_path / "capacity" / "w2" / "table.csv")
+    probes = pd.read_csv(tmp_path / "capacity" / "w2" / "probes.csv")
+    assert list(table["policy"]) == ["sarathi", "vllm"]
+    assert list(table["probes"]) == [int((probes["point"] == i).sum()) for i in (0, 1)]
+    assert not (tmp_path / "capacity" / "w2" / "ranking.csv").exists()  # policy alone is no deployment axis
+
+
+@pytest.mark.parametrize("args, message", [
+    (["capacity.criterion=p50"], "invalid capacity.criterion='p50'"),
+    (["capacity.target=2"], "invalid capacity.target=2: an attainment is a fraction"),
+    (["capacity.wrokers=2"], "unknown capacity key 'capacity.wrokers'; valid keys:"),
+    (["workload.rate=1,2"], "workload.rate is what `testbed capacity` searches"),
+    (["capacity.price.a100-80g=2"], "capacity.price.a100-80g: hardware 'a100-80g' is not in this grid"),
+    (["capacity.price.rtx4090=free"], "invalid capacity.price.rtx4090='free'"),
+    (["workload.arrival=offline"], "workload.arrival=offline has no request rate to search"),
+    (["--time-scale", "10"], "--time-scale is an option of a live search; add --base-url URL"),
+    (["--base-url", "http://127.0.0.1:9"], "model=llama2-13b: with --base-url the server's own policy, model"),
+])
+def test_bad_input_is_one_error_line(tmp_path, capsys, args, message):
+    code = main(["capacity", *BASE, f"output.dir={tmp_path}", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "\n" not in err and message in err, err
+    assert not (tmp_path / "capacity").exists()
+
+
+SERVER = ["executor=sim", "model=llama2-13b", "hardware=rtx4090", "parallel.pp=2", "policy=sarathi",
+          "serve.time_scale=10", "output.mlflow=false", "output.plots=false"]
+
+
+def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
+    """`--base-url` against `testbed serve executor=sim` (10x its simulated clock): the same search,
+    each probe a `testbed bench serve` run logged beside the summary run."""
+    pytest.importorskip("fastapi")
+    from mlflow.tracking import MlflowClient
+    from serve_helpers import cli_server
+
+    fresh_mlflow_db(tmp_path)
+    with cli_server(tmp_path / "server", *SERVER) as (url, outcome):
+        code = main(["capacity", "--base-url", url, "--time-scale", "10", "workload=synthetic",
+                     "output.progress=false", f"output.dir={tmp_path}", "capacity.precision=0.1",
+                     "capacity.duration_s=10", "capacity.start=2", "capacity.max_probes=6", "capacity.experiment=live"])
+    assert code == 0 and outcome["code"] == 0, outcome["err"][-2000:]
+    out_dir = tmp_path / "capacity" / "live"
+    table, probes = pd.read_csv(out_dir / "table.csv"), pd.read_csv(out_dir / "probes.csv")
+    assert len(table) == 1 and table["probes"][0] == len(probes) <= 6
+    assert (probes["status"] == "finished").all()
+    for _, p in probes.iterrows():  # each probe sent rate x 10 s of requests, and judged what came back
+        assert len(pd.read_csv(Path(p["run_dir"]) / "requests.csv")) == math.ceil(p["workload.rate"] * 10)
+        assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8)
+    if table["status"][0] == "finished":
+        assert probes.set_index("workload.rate").loc[table["capacity_req_s"][0], "capacity.passed"]
+    client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("live").experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("testbed.kind") == "capacity")
+    assert parent.data.tags["capacity.base_url"] == url
+    served = [r for r in runs if r.data.tags.get("mode") == "bench-serve"]
+    assert sorted(r.info.run_id for r in served) == sorted(probes["run_id"])
+    assert all(r.data.tags["testbed.parent_run"] == parent.info.run_id and r.info.status == "FINISHED" for r in served)
+
+
+def test_the_gllm_capacity_study_compares_capacities_with_the_verdict_rules(tmp_path, capsys):
+    import json
+
+    code = main(["reproduce", "gllm-capacity", "--quick", f"output.dir={tmp_path}", "output.mlflow=false",
+                 "output.progress=false", "capacity.duration_s=10", "capacity.max_probes=6"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    out_dir = tmp_path / "reproduce" / "gllm-capacity-quick"
+    claims = {c["id"]: c for c in json.loads((out_dir / "claims.json").read_text())}
+    assert set(claims) == {"capacity-vs-separate-batching", "capacity-vs-sarathi"}
+    table = pd.read_csv(out_dir / "table.csv").set_index("system")
+    assert set(table.index) == {"gLLM", "vLLM-SB", "Sarathi-2048"}
+    for cid, base in (("capacity-vs-separate-batching", "vLLM-SB"), ("capacity-vs-sarathi", "Sarathi-2048")):
+        c = claims[cid]
+        if table.loc["gLLM", "status"] == table.loc[base, "status"] == "finished":
+            ratio = table.loc["gLLM", "capacity_req_s"] / table.loc[base, "capacity_req_s"]
+            assert c["measured"] == pytest.approx(ratio)
+            assert c["verdict"] in ("direction", "none")  # a direction-only claim: judged on direction
+        else:
+            assert c["verdict"] == "n/a"
+    probes = pd.read_csv(out_dir / "capacity" / "probes.csv")
+    assert (probes.groupby("point").size() <= 6).all()
+    assert "capacity/capacity.png" in (out_dir / "report.md").read_text()
+
+
+def test_capacity_keys_are_refused_by_a_study_that_is_not_a_capacity_study(tmp_path, capsys):
+    code = main(["reproduce", "gllm-rates", "--quick", f"output.dir={tmp_path}", "capacity.precision=0.1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: capacity.* keys apply to capacity studies") and "\n" not in err
+
+
+@pytest.mark.parametrize("send, exit_code", [("TERM", 143)])
+def test_a_signal_ends_the_search_and_kills_its_runs(tmp_path, send, exit_code):
+    """Point 0's probes are quick; point 1's first probe (30k requests) is still running when SIGTERM comes."""
+    import time
+
+    from signal_helpers import Command, run_states, survivors
+
+    fresh_mlflow_db(tmp_path)
+    cmd = Command("capacity", "workload=synthetic", "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2",
+                  "workload.num_requests=40,30000", "capacity.workers=2", f"output.dir={tmp_path}",
+                  "capacity.experiment=sig")
+    cmd.wait_for("point   0 probe  0")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            r["kind"] == "probe" and r["status"] == "RUNNING" and r["name"].startswith("workload.num_requests=30000")
+            for r in run_states(tmp_path / "mlflow.db").values()):
+        time.sleep(0.2)
+    children = cmd.descendants()
+    code = cmd.terminate()
+    assert code == exit_code, "".join(cmd.err)[-2000:]
+    assert survivors(children) == []
+    runs = run_states(tmp_path / "mlflow.db")
+    assert "RUNNING" not in {r["status"] for r in runs.values()}, runs
+    assert [r["status"] for r in runs.values() if r["kind"] == "capacity"] == ["KILLED"]
+    assert "KILLED" in {r["status"] for r in runs.values() if r["kind"] == "probe"}
+    probes = pd.read_csv(tmp_path / "capacity" / "sig" / "probes.csv")  # what was done, written
+    assert (probes["point"] == 0).any()
+    assert "interrupted" in (tmp_path / "capacity" / "sig" / "capacity.json").read_text()
+
+
+def test_the_warm_up_is_sent_but_not_judged(tmp_path, capsys):
+    code = main(["capacity", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", "parallel.pp=2",
+                 "policy=sarathi", "capacity.warmup_s=5", "capacity.max_probes=4", "capacity.experiment=warm",
+                 "slo.ttft_s=2"])
+    assert code == 0
+    probes = pd.read_csv(tmp_path / "capacity" / "warm" / "probes.csv")
+    for _, p in probes.iterrows():
+        req = pd.read_csv(Path(p["run_dir"]) / "requests.csv")
+        assert len(req) == math.ceil(p["workload.rate"] * 15)  # 5 s warm-up + 10 s judged
+        judged = req[req["arrival_s"] >= 5]
+        ok = (judged["status"] == "finished") & (judged["ttft_s"] <= 2) & \
+            (judged["tpot_s"].isna() | (judged["tpot_s"] <= 0.2))
+        assert p["slo_attainment"] == pytest.approx(ok.sum() / len(judged))
+        assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8)
