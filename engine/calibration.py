@@ -287,7 +287,9 @@ class FitResult:
 
 
 def _cost(model: ModelSpec, hw: HardwareSpec, pp: int, layers: Sequence[int] | None, values: dict) -> CostModel:
-    return CostModel(model, hw, pp, layer_split=list(layers) if layers else None,
+    """The roofline form whose coefficients a stage-level (forward) profile fits: a base profile's
+    fitted kernels (engine/kernels.py) would ignore them, so they are set aside here."""
+    return CostModel(model, replace(hw, kernels=None) if hw.kernels is not None else hw, pp, layer_split=list(layers) if layers else None,
                      coefficients=CostCoefficients(**values))
 
 
@@ -550,8 +552,12 @@ def load_profiles_dir(directory: str | Path, on_error: Callable[[Path, ConfigErr
 
 
 def calibrated_spec(base: HardwareSpec, name: str, fit: FitResult, description: str | None = None) -> HardwareSpec:
-    """`base` with the fitted links and coefficients, under `name`."""
-    kw: dict[str, Any] = {"name": name, "calibration": dict(fit.coefficients)}
+    """`base` with the fitted links and coefficients, under `name`: the roofline form (no kernel
+    coefficients; operator-level profiles are fitted by `testbed calibrate tables --profile`)."""
+    import datetime as _dt
+
+    kw: dict[str, Any] = {"name": name, "calibration": dict(fit.coefficients), "kernels": None,
+                          "version": f"profile-{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}"}
     if description:
         kw["description"] = description
     if fit.p2p_bw_gbs is not None:

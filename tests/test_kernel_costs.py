@@ -318,3 +318,17 @@ def test_mlflow_tags_name_the_cost_profile_version():
     cfg = {"policy": {"name": "gllm"}, "hardware": {"name": "h100-80g", "version": get_hardware("h100-80g").version}}
     tags = run_tags(cfg)
     assert tags["hardware"] == "h100-80g" and tags["hardware_version"].startswith("vidur-7d47513-fit-")
+
+
+def test_a_stage_profile_fitted_on_a_fitted_base_fits_the_roofline_form():
+    """`testbed profile` fits the roofline's coefficients to stage times; on a base whose kernels
+    are fitted, the saved profile must drop them (they would ignore the fit) and say what it is."""
+    from engine.calibration import calibrated_spec, fit_profile, synthetic_profile
+
+    base, model = get_hardware("a100-80g"), get_model("tiny-llama")
+    truth = {"linear_efficiency": 0.6, "memory_efficiency": 0.7}
+    table = synthetic_profile(model, replace(base, kernels=None), 2, truth)
+    fit = fit_profile(table, model, base, 2)
+    assert fit.coefficients["memory_efficiency"] == pytest.approx(0.7, rel=0.02)
+    spec = calibrated_spec(base, "a100-cal-test", fit)
+    assert spec.kernels is None and spec.version.startswith("profile-")
