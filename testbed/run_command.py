@@ -99,6 +99,8 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
         errors += bg.tracker.finish(run_dir=str(run_dir), metrics=run_metrics(result), tags=tags, status=status)
     for e in errors:
         console.print(f"[red]error:[/red] {escape(e)}")
+    for w in (bg.tracker.warnings if bg.tracker is not None else []):
+        console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True)
     if bg.tracker is not None and bg.tracker.experiment_id is not None:
         from testbed.tracking import tracking_uri
 

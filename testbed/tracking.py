@@ -264,6 +264,12 @@ class Tracker:
             self.client.log_artifact(run_id, str(path))
         self.client.set_terminated(run_id, status)
 
+    def running_run_with_tag(self, key: str, value: str) -> str | None:
+        """The id of this experiment's RUNNING run whose tag `key` is `value` (None if none)."""
+        runs = self.client.search_runs([self.experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                       max_results=1000)
+        return next((r.info.run_id for r in runs if r.data.tags.get(key) == value), None)
+
     def fail(self, run_id: str, error: BaseException | str, status: str = "FAILED") -> None:
         self.client.set_tag(run_id, "error", str(error)[:5000])
         self.client.set_terminated(run_id, status)
@@ -272,3 +278,20 @@ class Tracker:
 def _param_value(v: Any) -> str:
     s = "null" if v is None else str(v)
     return s if len(s) <= 6000 else s[:5997] + "..."
+
+
+def record_run_end(start: Mapping[str, Any], run_id: str | None, run_dir: str | None, metrics: list,
+                   tags: Mapping[str, str], status: str) -> tuple[str, str]:
+    """`testbed run`'s fallback when its MLflow background process died or stopped answering:
+    record the run's end from the main process, so the run never stays RUNNING. `start` is what
+    the background process was asked to open; the run is found by id, else by its
+    `testbed.run_dir` tag, else opened here. Returns (run id, experiment id)."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # bounded, like the background process
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    tracker = Tracker(None, start["experiment"], uri=start["uri"], artifact_location=start.get("artifact_location"))
+    if run_id is None:
+        run_id = tracker.running_run_with_tag("testbed.run_dir", str((start.get("tags") or {}).get("testbed.run_dir")))
+    if run_id is None:
+        run_id = tracker.start_flat(start.get("params") or {}, start["run_name"], start.get("tags") or {})
+    tracker.finish_flat(run_id, metrics, tags, small_artifacts(Path(run_dir) if run_dir else None), status)
+    return run_id, tracker.experiment_id
