@@ -154,10 +154,13 @@ def small_artifacts(run_dir: Path | None) -> list[Path]:
 
 
 def _seed_sqlite_store(uri: str) -> None:
-    """A new SQLite store starts as a copy of an empty, migrated one kept in the cache
-    (`<cache>/mlflow/empty-<mlflow version>.db`): MLflow's migrations take ~7 s, a copy
-    milliseconds. The first store on a machine is migrated in place and becomes that copy.
-    Called under the store's file lock."""
+    """A new SQLite store appears complete or not at all. It starts as a copy of an empty,
+    migrated one kept in the cache (`<cache>/mlflow/empty-<mlflow version>.db`): MLflow's
+    migrations take ~7 s, a copy milliseconds. Without that copy the store is migrated in a
+    temporary file beside it, renamed into place when done (and saved as the copy): migrated in
+    place, a kill during the first migrations left a half-made store that failed every later run
+    with "duplicate column name". Called under the store's file lock, so any temporary file left
+    beside it belongs to a process that was killed, and is removed."""
     if not uri.startswith("sqlite:///"):
         return
     import shutil
@@ -168,21 +171,36 @@ def _seed_sqlite_store(uri: str) -> None:
     db = Path(uri[len("sqlite:///"):])
     if db.exists() and db.stat().st_size > 0:
         return
+    for stale in db.parent.glob(f"{db.name}.*.creating*"):
+        stale.unlink(missing_ok=True)
     template = cache_dir() / "mlflow" / f"empty-{mlflow.__version__}.db"
+    tmp = db.with_name(f"{db.name}.{os.getpid()}.creating")
     try:
-        if template.is_file():
-            tmp = db.with_name(db.name + ".tmp")
-            shutil.copyfile(template, tmp)
-            os.replace(tmp, db)
-            return
-        from mlflow.tracking import MlflowClient
+        shutil.copyfile(template, tmp)
+    except OSError:  # no copy yet (or no cache): migrate one
+        _migrate(tmp)
+        _save_template(tmp, template)
+    os.replace(tmp, db)
 
-        MlflowClient(uri).search_experiments()  # creates and migrates
+
+def _migrate(path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    path.unlink(missing_ok=True)
+    MlflowClient(f"sqlite:///{path}").search_experiments()  # creates and migrates
+
+
+def _save_template(db: Path, template: Path) -> None:
+    """Keep a migrated empty store in the cache for the next new store (skipped if the cache
+    cannot be written)."""
+    import shutil
+
+    try:
         template.parent.mkdir(parents=True, exist_ok=True)
         tmp = template.with_name(f"{template.name}.{os.getpid()}.tmp")
         shutil.copyfile(db, tmp)
         os.replace(tmp, template)
-    except OSError:  # no cache (read-only home): MLflow migrates the store itself
+    except OSError:
         pass
 
 

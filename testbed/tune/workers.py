@@ -156,8 +156,9 @@ def run_workers(problem: Problem, display: Any) -> tuple[int, list[str]]:
         own = worker_loop(problem, 0, lock, display.event, ready)
         for p in procs:  # the others finish the trials they hold, then find the target reached
             p.join()
-    except sweep.Terminated:
-        _pass_on(procs)  # only this process was told
+    except KeyboardInterrupt as exc:  # SIGTERM inside a trial arrives as RunInterrupted, not Terminated
+        if sweep.exit_code(exc) == sweep.EXIT_SIGTERM:
+            _pass_on(procs)  # only this process was told (Ctrl-C reached the whole group)
         raise
     finally:
         start.set()
