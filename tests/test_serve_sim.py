@@ -46,9 +46,9 @@ def _client(srv):
 
 
 @contextlib.contextmanager
-def _cli_server(tmp_path, *extra):
+def _cli_server(tmp_path, *extra, stop=signal.SIGTERM):
     """`testbed serve` in its own process (as a user runs it: the client here does not share its
-    interpreter lock); yields (base URL, outcome), and on exit sends SIGTERM and fills `outcome`
+    interpreter lock); yields (base URL, outcome), and on exit sends `stop` and fills `outcome`
     with the exit code, stderr and the run directory the server printed."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -69,7 +69,7 @@ def _cli_server(tmp_path, *extra):
             assert time.monotonic() < deadline
             time.sleep(0.2)
         yield url, outcome
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         out, err = proc.communicate(timeout=60)
         outcome.update(code=proc.returncode, err=err, run_dir=Path(out.strip().splitlines()[-1]))
     finally:
@@ -168,6 +168,21 @@ def test_cli_serve_sigterm_drains_and_ends_the_mlflow_run(tmp_path):
     assert len([c for c in [first, *chunks] if c.choices and c.choices[0].text]) == 12
     assert outcome["code"] == 0, outcome["err"]
     assert "Traceback" not in outcome["err"]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name("testbed").experiment_id])[0]
+    assert run.info.status == "FINISHED" and run.data.metrics["num_finished"] == 1
+    assert (outcome["run_dir"] / "summary.json").exists()
+
+
+def test_cli_serve_sighup_ends_the_mlflow_run(tmp_path):
+    """SIGHUP (a closed terminal) killed the server outright: no run folder, its MLflow run left
+    RUNNING (issue 25, item 4). It now stops as on SIGTERM."""
+    from mlflow.tracking import MlflowClient
+
+    with _cli_server(tmp_path, stop=signal.SIGHUP) as (url, outcome):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(model="llama2-70b", prompt=[7] * 8, max_tokens=4).choices[0].text
+    assert outcome["code"] == 0, outcome["err"]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name("testbed").experiment_id])[0]
     assert run.info.status == "FINISHED" and run.data.metrics["num_finished"] == 1
