@@ -168,8 +168,10 @@ class Sidecar:
 
     def _record_here(self, run_dir: str | None, metrics: list, tags: dict, status: str) -> list[str]:
         """The process is gone: record the run's end from this process (figures: only say so)."""
-        if not self.with_mlflow or self.start_msg is None:
+        if not self.with_mlflow:
             return [f"figures failed: {self.lost}"]
+        if self.start_msg is None:  # no run was asked for: nothing to record
+            return [f"MLflow logging failed: {self.lost}"]
         from testbed.tracking import record_run_end
 
         try:
