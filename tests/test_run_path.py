@@ -219,7 +219,9 @@ def test_sigterm_stops_a_torch_run_and_its_stages(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 143, err
-    assert not [p for p in stages if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    from signal_helpers import survivors
+
+    assert survivors(stages) == []  # given time to notice: multiprocessing's resource tracker exits just after
     summary = json.loads((Path(out.strip().splitlines()[-1]) / "summary.json").read_text())
     assert summary["num_finished"] + summary["num_failed"] == 400
     from mlflow.tracking import MlflowClient
