@@ -14,16 +14,11 @@ short frame, a wrong MAC, malformed msgpack, an unknown tag, a missing/extra fie
 raises `WireError`, and the receiver drops the frame (the driver counts them in
 `TorchExecutor.dropped_frames`).
 
-Binding (a signed body alone could be replayed: one replayed `done` or `hello` killed a run,
-replayed `spans` pushed a stage's utilisation to 1.51). The MAC also covers who sent the frame
-(`driver`, `stage<i>`, `sampler<k>`), to whom (`driver`, a name, or the groups `stages` and
-`samplers`: the direction), the run it belongs to (16 random hex digits the driver picks per
-run) and the sender's counter, which rises by one per frame. A receiver refuses a frame for
-another receiver or another run, and any counter it has seen from that sender (or one more than
-`REPLAY_WINDOW` below the highest: frames of different threads may interleave). External
-stages learn the run from the driver's first frame (their `hello` carries no run yet); the driver
-accepts an unbound frame only for `hello`, and binds each sender name to the first connection
-that spoke for it authentically (testbed's control socket: engine/torch_exec/control.py).
+Binding: the MAC also covers the run, the sender (`driver`, `stage<i>`, `sampler<k>`), the
+receiver (a name or the group `stages`/`samplers`: the direction) and the sender's counter, so a
+frame cannot be replayed, redirected or reused in another run (engine/torch_exec/binding.py).
+External stages learn the run from the driver's first frame; the driver takes a run-less frame
+only for their `hello`, and binds each sender name to one connection (control.py).
 
 The secret: 32 random bytes from `secrets.token_bytes`, made by the driver for each run and given
 to spawned stages as a spawn argument (never over a socket). External stages
@@ -50,16 +45,13 @@ from typing import Any, Callable, NamedTuple
 
 import msgpack
 
+from engine.torch_exec.binding import (REPLAY_WINDOW, Window, WireError,  # noqa: F401 (re-exported)
+                                       check_binding, new_run_id, receiver_names)
+
 SECRET_ENV = "TESTBED_STAGE_SECRET"
 SECRET_FILE_ENV = "TESTBED_STAGE_SECRET_FILE"
 MAC_BYTES = 32
 SECRET_BYTES = 32
-REPLAY_WINDOW = 1 << 16  # counters this far below a sender's highest are refused outright
-GROUPS = {"stage": "stages", "sampler": "samplers"}  # name prefix -> the group it also answers to
-
-
-class WireError(ValueError):
-    """A frame that is not an authentic, well-formed message (dropped by the receiver)."""
 
 
 def new_secret() -> bytes:
@@ -561,32 +553,6 @@ def _to_plain(msg) -> dict:
 
 
 # --- the codec ------------------------------------------------------------------------------------------
-def new_run_id() -> str:
-    return secrets.token_hex(8)
-
-
-def _group(name: str) -> str | None:
-    return next((g for prefix, g in GROUPS.items() if name.startswith(prefix) and name[len(prefix):].isdigit()), None)
-
-
-class _Window:
-    """The counters seen from one sender: a frame is fresh if its counter is new and not more
-    than REPLAY_WINDOW below the highest seen."""
-
-    def __init__(self) -> None:
-        self.high = 0
-        self.seen: set[int] = set()
-
-    def fresh(self, n: int) -> bool:
-        return n > self.high - REPLAY_WINDOW and n not in self.seen
-
-    def add(self, n: int) -> None:
-        self.seen.add(n)
-        self.high = max(self.high, n)
-        if len(self.seen) > 2 * REPLAY_WINDOW:
-            self.seen = {c for c in self.seen if c > self.high - REPLAY_WINDOW}
-
-
 class Codec:
     """Encode/decode messages under one run's secret, as `me` in run `run`.
 
@@ -599,7 +565,7 @@ class Codec:
             raise ValueError("the wire secret must be at least 16 bytes")
         self._secret = secret
         self.me, self.run, self.unbound = me, run, unbound
-        self._names = {me, _group(me)} - {None}
+        self._names = receiver_names(me)
         self._counter = itertools.count(1)
         self._lock = threading.Lock()
         self._windows: dict[str, _Window] = {}
@@ -640,12 +606,13 @@ class Codec:
         cls = MESSAGES.get(obj[0])
         if cls is None:
             raise WireError(f"unknown message tag {obj[0][:40]!r}")
-        run, sender, n = self._check_binding(obj[2], cls)
+        run, sender, n = check_binding(obj[2], self._names, self.run, self.me,
+                                       run_optional=issubclass(cls, self.unbound))
         msg = _decoder(cls)(obj[1], obj[0])
         if expect is not None and not isinstance(msg, expect):
             raise WireError(f"unexpected message {obj[0]!r} here")
         with self._lock:
-            window = self._windows.setdefault(sender, _Window())
+            window = self._windows.setdefault(sender, Window())
             if not window.fresh(n):
                 raise WireError(f"replayed frame (counter {n} from {sender!r} already seen)")
             window.add(n)
@@ -653,16 +620,3 @@ class Codec:
                 self.run = run  # an external stage learns its run from the driver's first frame
         self.last_sender = sender
         return msg
-
-    def _check_binding(self, binding, cls: type) -> tuple[str, str, int]:
-        if (type(binding) is not list or len(binding) != 4 or not all(type(x) is str for x in binding[:3])
-                or type(binding[3]) is not int):
-            raise WireError("a binding is [run, sender, receiver, counter]")
-        run, sender, to, n = binding
-        if to not in self._names:
-            raise WireError(f"frame for {to[:40]!r}, not for {self.me!r} (wrong direction)")
-        if self.run and run != self.run and not (run == "" and issubclass(cls, self.unbound)):
-            raise WireError("frame of another run")
-        if n < 1:
-            raise WireError("counter must be positive")
-        return run, sender, n
