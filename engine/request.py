@@ -17,6 +17,7 @@ with `num_generated`.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -46,6 +47,9 @@ class Request:
             raise ValueError(f"request {self.request_id}: arrival_s must be >= 0, got {self.arrival_s}")
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """One request's sampling, as an OpenAI-compatible client asks for it (vLLM's definitions).
@@ -61,6 +65,22 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+
+    def problem(self) -> str | None:
+        """Why the stage processes cannot take this sampling (None when they can): integers they
+        cannot pack as int64 (`seed` >= 2^64 stopped the engine), non-finite or non-positive
+        values. The HTTP API checks its narrower ranges first; this guards every other caller."""
+        for name in ("seed", "top_k"):
+            v = getattr(self, name)
+            if v is not None and not INT64_MIN <= v <= INT64_MAX:
+                return f"{name}={v} is outside [-2^63, 2^63-1]"
+        floats = ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        bad = next((n for n in floats if not math.isfinite(getattr(self, n))), None)
+        if bad is not None:
+            return f"{bad}={getattr(self, bad)} is not a finite number"
+        if self.temperature < 0 or self.repetition_penalty <= 0 or not 0 < self.top_p <= 1:
+            return "temperature must be >= 0, repetition_penalty > 0 and top_p in (0, 1]"
+        return None
 
     def as_tuple(self) -> tuple:
         """Plain values for the stage processes' control messages."""

@@ -6,14 +6,14 @@ Order matters for the first-hour experience:
 2. two background processes (testbed/sidecar.py) import MLflow and matplotlib and open the
    tracking run while the config is composed and the simulation runs, so on the 5,000-request benchmark the end-to-end time
    stays close to the simulation's instead of adding ~13 s after it;
-3. Ctrl-C and SIGTERM stop the run, and the requests so far are still written (unfinished ones
-   reported failed) and logged as a KILLED MLflow run; exit code 130 / 143.
+3. Ctrl-C, SIGTERM and SIGHUP stop the run, and the requests so far are still written (unfinished
+   ones reported failed) and logged as a KILLED MLflow run; exit code 130 / 143 / 129. Signals
+   after the first are ignored: they must not cut the save short (testbed/signals.py).
 """
 from __future__ import annotations
 
 import os
 import resource
-import signal
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,7 +24,7 @@ from testbed.outputs import (OutputSettings, display_name, folder_name, plot_dat
                              reserve_run_dir, write_run_dir)
 from testbed.runner import RunInterrupted, RunResult
 from testbed.sidecar import Background
-from testbed.signals import EXIT_CODES
+from testbed.signals import EXIT_CODES, one_stop, saving
 
 OVERLOAD_MARGIN = 1.10  # offered load above 110% of what was served counts as overload
 
@@ -35,6 +35,11 @@ def run_command(overrides: Sequence[str], console, t_start: float | None = None,
     else they start here, still before the config is composed."""
     t_start = time.perf_counter() if t_start is None else t_start
     bg = Background.from_command_line(overrides) if bg is None else bg
+    with one_stop():  # the first signal stops the run; later ones cannot interrupt the save
+        return _run(overrides, console, t_start, bg)
+
+
+def _run(overrides: Sequence[str], console, t_start: float, bg: Background) -> int:
     try:
         from testbed.config import compose, flatten, to_container
         from testbed.runner import prepare_experiment
@@ -68,7 +73,7 @@ def run_command(overrides: Sequence[str], console, t_start: float | None = None,
     except BaseException:
         bg.close()  # an opened run is marked KILLED by its process when its input closes
         raise
-    with _signals_ignored():  # flushing takes about a second; a second Ctrl-C must not lose it
+    with saving():  # flushing takes about a second; a signal now must not lose it
         return _finish(console, result, run_dir, out, bg, stopped, t_start)
 
 
@@ -99,6 +104,8 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
         errors += bg.tracker.finish(run_dir=str(run_dir), metrics=run_metrics(result), tags=tags, status=status)
     for e in errors:
         console.print(f"[red]error:[/red] {escape(e)}")
+    for w in (bg.tracker.warnings if bg.tracker is not None else []):
+        console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True)
     if bg.tracker is not None and bg.tracker.experiment_id is not None:
         from testbed.tracking import tracking_uri
 
@@ -126,15 +133,6 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
     if stopped:
         return EXIT_CODES.get(stopped, 130)
     return 1 if (result.error or errors) else 0
-
-
-class _signals_ignored:
-    def __enter__(self):
-        self._old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 def _param(v: Any) -> Any:

@@ -7,7 +7,10 @@ and figures after the simulation. A thread would share the interpreter lock with
 a second process uses the second core, and its memory (mlflow ~170 MB) is not added to the
 simulation's peak.
 
-Protocol: JSON lines on stdin/stdout (never pickle), one reply per request, in order:
+Protocol: JSON lines on stdin and a reply pipe (never pickle), one reply per request, in order.
+The replies go to the process's original stdout, which it moves to a private descriptor first
+thing; its fd 1 then points at stderr, so nothing MLflow or a library prints ("View run ...")
+can reach the reply channel (it did, and `testbed run` died on a JSONDecodeError):
 
     {"op": "start", "uri", "experiment", "artifact_location", "run_name", "tags", "params"}
         -> {"ok": true, "run_id": ..., "experiment_id": ...} | {"ok": false, "error": ...}
@@ -19,18 +22,36 @@ Protocol: JSON lines on stdin/stdout (never pickle), one reply per request, in o
 
 The process ignores Ctrl-C (it is in its own session) and marks a started run KILLED when its
 stdin closes without a `finish`, which is what happens when `testbed run` is killed outright.
+
+It is not trusted to answer: every reply is awaited at most `reply_timeout_s()` seconds (a
+stopped process made `testbed run` wait forever); a process that is gone or silent is killed and
+the run's end (metrics, tags, files, status) is recorded from the main process instead
+(`testbed.tracking.record_run_end`), so its MLflow run never stays RUNNING.
 """
 from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+
+DEFAULT_REPLY_TIMEOUT_S = 300.0  # the first store's migrations took ~7 s, an HTTP store's artifacts more
+
+
+def reply_timeout_s() -> float:
+    """How long one reply is awaited (`TESTBED_BACKGROUND_TIMEOUT_S` overrides the default)."""
+    try:
+        return max(0.1, float(os.environ.get("TESTBED_BACKGROUND_TIMEOUT_S", DEFAULT_REPLY_TIMEOUT_S)))
+    except ValueError:
+        return DEFAULT_REPLY_TIMEOUT_S
 
 
 class Sidecar:
@@ -55,6 +76,20 @@ class Sidecar:
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self.start_error: str | None = None
+        self.warnings: list[str] = []
+        self.start_msg: dict | None = None  # what `start` asked for: the main process's fallback needs it
+        self.lost: str | None = None  # why the process stopped answering, once it did
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read_lines, name="sidecar-replies", daemon=True).start()
+
+    def _read_lines(self) -> None:
+        """Replies, read by a thread so that awaiting one can time out; None at end of file."""
+        try:
+            for line in self.proc.stdout:
+                self._lines.put(line)
+        except (OSError, ValueError):
+            pass
+        self._lines.put(None)
 
     def _send(self, msg: dict) -> None:
         try:
@@ -65,17 +100,43 @@ class Sidecar:
             pass  # the reply read reports the process's own error
 
     def _reply(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
+        """The next reply; after a silence of `reply_timeout_s()`, an exit or an unreadable line,
+        the process is killed and `lost` says why."""
+        if self.lost is None:
+            timeout = reply_timeout_s()
+            try:
+                line = self._lines.get(timeout=timeout)
+            except queue.Empty:
+                line, why = None, f"background process did not answer within {timeout:g} s; stopped it"
+            else:
+                why = None if line is None else ""
+            if line:
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    why = f"background process sent an unreadable reply {line[:80]!r}; stopped it"
+            self.lost = why or self._exit_reason()
+            self._kill()
+        return {"ok": False, "error": self.lost}
+
+    def _exit_reason(self) -> str:
+        try:
+            self.proc.wait(timeout=reply_timeout_s())
+        except subprocess.TimeoutExpired:
+            return "background process closed its replies but did not exit; stopped it"
+        self._stderr.seek(0)
+        tail = self._stderr.read().strip().splitlines()
+        return tail[-1] if tail else f"background process exited with code {self.proc.returncode}"
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
             self.proc.wait()
-            self._stderr.seek(0)
-            tail = self._stderr.read().strip().splitlines()
-            return {"ok": False, "error": (tail[-1] if tail else f"exited with code {self.proc.returncode}")}
-        return json.loads(line)
 
     def start(self, **msg: Any) -> None:
         """Open the MLflow run (asynchronously: the reply is read by `finish`)."""
         self.started = True
+        self.start_msg = dict(msg)
         self._send({"op": "start", **msg})
 
     def render(self, run_dir: str, data: dict) -> None:
@@ -90,6 +151,8 @@ class Sidecar:
         for op in list(self._ops):
             rep = self._reply()
             self.timings[op] = rep.get("t")
+            if self.lost is not None:
+                break
             if op == "start" and rep.get("ok"):
                 self.run_id, self.experiment_id = rep["run_id"], rep.get("experiment_id")
             elif op == "start":
@@ -99,7 +162,25 @@ class Sidecar:
                 errors.append(f"{'figures' if op == 'plots' else 'MLflow logging'} failed: {rep['error']}")
         self._ops.clear()
         self.close()
+        if self.lost is not None:
+            errors += self._record_here(run_dir, metrics, tags, status)
         return errors
+
+    def _record_here(self, run_dir: str | None, metrics: list, tags: dict, status: str) -> list[str]:
+        """The process is gone: record the run's end from this process (figures: only say so)."""
+        if not self.with_mlflow:
+            return [f"figures failed: {self.lost}"]
+        if self.start_msg is None:  # no run was asked for: nothing to record
+            return [f"MLflow logging failed: {self.lost}"]
+        from testbed.tracking import record_run_end
+
+        try:
+            self.run_id, self.experiment_id = record_run_end(self.start_msg, self.run_id, run_dir, metrics, tags, status)
+        except Exception as exc:  # noqa: BLE001 - one line for the user, never a traceback
+            return [f"MLflow run not recorded: {self.lost}; recording it here failed too: "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"]
+        self.warnings.append(f"MLflow: {self.lost}; the run was recorded from the main process")
+        return []
 
     def close(self) -> None:
         """Stop the process; a started, unfinished run is marked KILLED by it on stdin EOF (so
@@ -111,10 +192,9 @@ class Sidecar:
         except OSError:
             pass
         try:
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=reply_timeout_s())
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self._kill()
         self._stderr.close()
 
 
@@ -157,9 +237,21 @@ class Background:
 
 # --- the background process -------------------------------------------------------------------------
 
+def _reply_channel():
+    """The original stdout, moved to a private descriptor; fd 1 (and `sys.stdout`) now write to
+    stderr, where MLflow's "View run ..." lines cannot corrupt a reply."""
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    return os.fdopen(fd, "w")
+
+
 def _serve(mlflow: bool, plots: bool) -> None:
     t0 = time.monotonic()
+    replies = _reply_channel()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "SIGHUP"):  # a closed terminal: `testbed run` itself ends the run
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     import logging
 
     for name in ("mlflow", "alembic"):
@@ -200,8 +292,8 @@ def _serve(mlflow: bool, plots: bool) -> None:
         except Exception as exc:  # reported by `testbed run` as one line
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:500]}
         reply["t"] = round(time.monotonic() - t0, 3)  # when it was done, on the sidecar's clock
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
     if tracker is not None and run_id is not None and not finished:
         tracker.fail(run_id, "testbed run ended without finishing (killed)", status="KILLED")
     sys.stdout.flush()

@@ -1,16 +1,29 @@
-"""SIGTERM handled like Ctrl-C: what `timeout`, batch schedulers and `kill` send must end a run as
-cleanly as Ctrl-C does (partial results written, MLflow run KILLED), with exit code 143."""
+"""SIGTERM and SIGHUP handled like Ctrl-C: what `timeout`, batch schedulers, `kill` and a closed
+terminal send must end a run as cleanly as Ctrl-C does (partial results written, MLflow run
+KILLED), with exit code 143 (SIGTERM) or 129 (SIGHUP).
+
+One stop is enough: once a signal has started the stop, the results are being saved, and a
+second Ctrl-C or SIGTERM (people press twice; schedulers follow up within a second) must not cut
+that save short (it left an empty run folder). `one_stop()` gives that for `testbed run`;
+`saving()` guards any block that writes results."""
 from __future__ import annotations
 
 import signal
 from contextlib import contextmanager
+from typing import Iterator
 
-EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+ALL_SIGNALS = (signal.SIGINT, *STOP_SIGNALS)
 
 
 class Terminated(KeyboardInterrupt):
-    """Raised by the SIGTERM handler in the main thread; a KeyboardInterrupt, so every place that
-    stops cleanly on Ctrl-C stops cleanly on SIGTERM."""
+    """Raised by the SIGTERM/SIGHUP handler in the main thread; a KeyboardInterrupt, so every place
+    that stops cleanly on Ctrl-C stops cleanly on these. `signal`: the signal's name."""
+
+    def __init__(self, name: str = "SIGTERM") -> None:
+        super().__init__(name)
+        self.signal = name
 
 
 def signal_name(exc: BaseException) -> str:
@@ -21,18 +34,63 @@ def signal_name(exc: BaseException) -> str:
 
 
 def _raise_terminated(signum, frame):
-    raise Terminated()
+    raise Terminated(signal.Signals(signum).name)
+
+
+def _install(handler, signums=STOP_SIGNALS) -> dict | None:
+    """Install `handler` for `signums`; the previous handlers, or None outside the main thread."""
+    try:
+        return {s: signal.signal(s, handler) for s in signums}
+    except ValueError:  # not the main thread
+        return None
+
+
+def _restore(old: dict | None) -> None:
+    for s, h in (old or {}).items():
+        signal.signal(s, h)
 
 
 @contextmanager
-def sigterm_as_interrupt():
-    """Within the block, SIGTERM raises `Terminated` in the main thread (no-op elsewhere)."""
-    try:
-        old = signal.signal(signal.SIGTERM, _raise_terminated)
-    except ValueError:  # not the main thread
-        yield
-        return
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise `Terminated` in the main thread (no-op elsewhere)."""
+    old = _install(_raise_terminated)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        _restore(old)
+
+
+def _ignore(signum, frame) -> None:
+    """Ignores a signal. A Python handler, not SIG_IGN: a signal already pending when the handler
+    becomes SIG_IGN makes Python raise "OSError: Signal 15 ignored due to race condition"."""
+
+
+def _first_stop(signum, frame):
+    """The first of SIGINT/SIGTERM/SIGHUP: ignore every later one, then stop."""
+    for s in ALL_SIGNALS:
+        signal.signal(s, _ignore)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt()
+    raise Terminated(signal.Signals(signum).name)
+
+
+@contextmanager
+def one_stop() -> Iterator[None]:
+    """Within the block the first Ctrl-C, SIGTERM or SIGHUP stops the work (KeyboardInterrupt or
+    `Terminated`) and every later one is ignored until the block ends: the stop's cleanup and the
+    save of the partial results run to the end."""
+    old = _install(_first_stop, ALL_SIGNALS)
+    try:
+        yield
+    finally:
+        _restore(old)
+
+
+@contextmanager
+def saving() -> Iterator[None]:
+    """Within the block Ctrl-C, SIGTERM and SIGHUP are ignored (results are being written)."""
+    old = _install(_ignore, ALL_SIGNALS)
+    try:
+        yield
+    finally:
+        _restore(old)

@@ -43,6 +43,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from engine.errors import TestbedError
+from testbed import signals as signals_mod
 from testbed.outputs import write_run_dir
 from testbed.runner import prepare_experiment
 from testbed.tracking import Tracker, tracking_uri
@@ -56,52 +57,67 @@ PR_SET_PDEATHSIG = 1
 
 # --- signals -----------------------------------------------------------------------------------------
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C would be so the same cleanup runs."""
+class Terminated(signals_mod.Terminated):
+    """SIGTERM or SIGHUP, raised where Ctrl-C would be so the same cleanup runs."""
 
 
-_terminated = threading.Event()  # set by SIGTERM: code that re-raises a plain KeyboardInterrupt
+_terminated = threading.Event()  # set by SIGTERM/SIGHUP: code that re-raises a plain KeyboardInterrupt
 # (Optuna's optimize loop does) must not turn exit 143 into 130
+_stop_name = ["SIGTERM"]  # which of the two it was
 
 
 def _raise_terminated(signum, frame) -> None:
+    _stop_name[0] = signal.Signals(signum).name
     _terminated.set()
-    raise Terminated()
+    raise Terminated(_stop_name[0])
 
 
 @contextmanager
 def signals() -> Iterator[None]:
-    """SIGTERM raises `Terminated` in the main thread while the block runs."""
+    """SIGTERM and SIGHUP raise `Terminated` in the main thread while the block runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {s: signal.signal(s, _raise_terminated) for s in signals_mod.STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def stop_signal(exc: BaseException) -> str | None:
+    """"SIGTERM" or "SIGHUP" when one of them caused `exc` (a run's RunInterrupted names it),
+    None for Ctrl-C."""
+    name = getattr(exc, "signal", None)
+    if name in ("SIGTERM", "SIGHUP"):
+        return name
+    return _stop_name[0] if _terminated.is_set() else None
 
 
 def exit_code(exc: BaseException) -> int:
-    return EXIT_SIGTERM if isinstance(exc, Terminated) or _terminated.is_set() else EXIT_SIGINT
+    name = stop_signal(exc)
+    return signals_mod.EXIT_CODES.get(name, EXIT_SIGTERM) if name else EXIT_SIGINT
 
 
 def interrupted_message(exc: BaseException) -> str:
-    return "terminated (SIGTERM)" if isinstance(exc, Terminated) or _terminated.is_set() else "interrupted"
+    name = stop_signal(exc)
+    return f"terminated ({name})" if name else "interrupted"
 
 
 def shield() -> None:
-    """In a worker that is cleaning up after an interrupt: ignore further SIGINT/SIGTERM, so a
-    second signal cannot cut the MLflow call that ends its run (the parent SIGKILLs stragglers)."""
+    """In a worker that is cleaning up after an interrupt: ignore further signals, so a second
+    one cannot cut the MLflow call that ends its run (the parent SIGKILLs stragglers)."""
     if mp.parent_process() is not None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for s in signals_mod.ALL_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
 
 def orphan_guard() -> None:
     """Call first in a worker process: SIGTERM raises `Terminated`, and the worker gets SIGTERM
     when its parent dies (pdeathsig on Linux, else the parent-pid poll of a daemon thread)."""
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    for s in signals_mod.STOP_SIGNALS:
+        signal.signal(s, _raise_terminated)
     parent = os.getppid()
     if sys.platform.startswith("linux"):
         try:

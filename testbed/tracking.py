@@ -155,10 +155,13 @@ def small_artifacts(run_dir: Path | None) -> list[Path]:
 
 
 def _seed_sqlite_store(uri: str) -> None:
-    """A new SQLite store starts as a copy of an empty, migrated one kept in the cache
-    (`<cache>/mlflow/empty-<mlflow version>.db`): MLflow's migrations take ~7 s, a copy
-    milliseconds. The first store on a machine is migrated in place and becomes that copy.
-    Called under the store's file lock."""
+    """A new SQLite store appears complete or not at all. It starts as a copy of an empty,
+    migrated one kept in the cache (`<cache>/mlflow/empty-<mlflow version>.db`): MLflow's
+    migrations take ~7 s, a copy milliseconds. Without that copy the store is migrated in a
+    temporary file beside it, renamed into place when done (and saved as the copy): migrated in
+    place, a kill during the first migrations left a half-made store that failed every later run
+    with "duplicate column name". Called under the store's file lock, so any temporary file left
+    beside it belongs to a process that was killed, and is removed."""
     if not uri.startswith("sqlite:///"):
         return
     import shutil
@@ -169,21 +172,36 @@ def _seed_sqlite_store(uri: str) -> None:
     db = Path(uri[len("sqlite:///"):])
     if db.exists() and db.stat().st_size > 0:
         return
+    for stale in db.parent.glob(f"{db.name}.*.creating*"):
+        stale.unlink(missing_ok=True)
     template = cache_dir() / "mlflow" / f"empty-{mlflow.__version__}.db"
+    tmp = db.with_name(f"{db.name}.{os.getpid()}.creating")
     try:
-        if template.is_file():
-            tmp = db.with_name(db.name + ".tmp")
-            shutil.copyfile(template, tmp)
-            os.replace(tmp, db)
-            return
-        from mlflow.tracking import MlflowClient
+        shutil.copyfile(template, tmp)
+    except OSError:  # no copy yet (or no cache): migrate one
+        _migrate(tmp)
+        _save_template(tmp, template)
+    os.replace(tmp, db)
 
-        MlflowClient(uri).search_experiments()  # creates and migrates
+
+def _migrate(path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    path.unlink(missing_ok=True)
+    MlflowClient(f"sqlite:///{path}").search_experiments()  # creates and migrates
+
+
+def _save_template(db: Path, template: Path) -> None:
+    """Keep a migrated empty store in the cache for the next new store (skipped if the cache
+    cannot be written)."""
+    import shutil
+
+    try:
         template.parent.mkdir(parents=True, exist_ok=True)
         tmp = template.with_name(f"{template.name}.{os.getpid()}.tmp")
         shutil.copyfile(db, tmp)
         os.replace(tmp, template)
-    except OSError:  # no cache (read-only home): MLflow migrates the store itself
+    except OSError:
         pass
 
 
@@ -265,6 +283,12 @@ class Tracker:
             self.client.log_artifact(run_id, str(path))
         self.client.set_terminated(run_id, status)
 
+    def running_run_with_tag(self, key: str, value: str) -> str | None:
+        """The id of this experiment's RUNNING run whose tag `key` is `value` (None if none)."""
+        runs = self.client.search_runs([self.experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                       max_results=1000)
+        return next((r.info.run_id for r in runs if r.data.tags.get(key) == value), None)
+
     def fail(self, run_id: str, error: BaseException | str, status: str = "FAILED") -> None:
         self.client.set_tag(run_id, "error", str(error)[:5000])
         self.client.set_terminated(run_id, status)
@@ -273,3 +297,20 @@ class Tracker:
 def _param_value(v: Any) -> str:
     s = "null" if v is None else str(v)
     return s if len(s) <= 6000 else s[:5997] + "..."
+
+
+def record_run_end(start: Mapping[str, Any], run_id: str | None, run_dir: str | None, metrics: list,
+                   tags: Mapping[str, str], status: str) -> tuple[str, str]:
+    """`testbed run`'s fallback when its MLflow background process died or stopped answering:
+    record the run's end from the main process, so the run never stays RUNNING. `start` is what
+    the background process was asked to open; the run is found by id, else by its
+    `testbed.run_dir` tag, else opened here. Returns (run id, experiment id)."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # bounded, like the background process
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    tracker = Tracker(None, start["experiment"], uri=start["uri"], artifact_location=start.get("artifact_location"))
+    if run_id is None:
+        run_id = tracker.running_run_with_tag("testbed.run_dir", str((start.get("tags") or {}).get("testbed.run_dir")))
+    if run_id is None:
+        run_id = tracker.start_flat(start.get("params") or {}, start["run_name"], start.get("tags") or {})
+    tracker.finish_flat(run_id, metrics, tags, small_artifacts(Path(run_dir) if run_dir else None), status)
+    return run_id, tracker.experiment_id

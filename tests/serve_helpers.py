@@ -15,9 +15,9 @@ from engine.torch_exec.driver import free_port
 
 
 @contextlib.contextmanager
-def cli_server(tmp_path, *args):
+def cli_server(tmp_path, *args, stop=signal.SIGTERM):
     """`testbed serve <args>` in its own process (as a user runs it: the client here does not share its
-    interpreter lock); yields (base URL, outcome), and on exit sends SIGTERM and fills `outcome`
+    interpreter lock); yields (base URL, outcome), and on exit sends `stop` and fills `outcome`
     with the exit code, stderr and the run directory the server printed."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -38,7 +38,7 @@ def cli_server(tmp_path, *args):
             assert time.monotonic() < deadline
             time.sleep(0.2)
         yield url, outcome
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         out, err = proc.communicate(timeout=60)
         outcome.update(code=proc.returncode, err=err, run_dir=Path(out.strip().splitlines()[-1]))
     finally:

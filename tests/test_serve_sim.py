@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import threading
 
 import pytest
@@ -39,8 +40,8 @@ def _client(srv):
     return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
 
 
-def _cli_server(tmp_path, *extra):
-    return cli_server(tmp_path, *SIM, *extra)
+def _cli_server(tmp_path, *extra, stop=signal.SIGTERM):
+    return cli_server(tmp_path, *SIM, *extra, stop=stop)
 
 
 def test_bench_serve_reproduces_testbed_run(tmp_path):
@@ -134,6 +135,21 @@ def test_cli_serve_sigterm_drains_and_ends_the_mlflow_run(tmp_path):
     assert len([c for c in [first, *chunks] if c.choices and c.choices[0].text]) == 12
     assert outcome["code"] == 0, outcome["err"]
     assert "Traceback" not in outcome["err"]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name("testbed").experiment_id])[0]
+    assert run.info.status == "FINISHED" and run.data.metrics["num_finished"] == 1
+    assert (outcome["run_dir"] / "summary.json").exists()
+
+
+def test_cli_serve_sighup_ends_the_mlflow_run(tmp_path):
+    """SIGHUP (a closed terminal) killed the server outright: no run folder, its MLflow run left
+    RUNNING (issue 25, item 4). It now stops as on SIGTERM."""
+    from mlflow.tracking import MlflowClient
+
+    with _cli_server(tmp_path, stop=signal.SIGHUP) as (url, outcome):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(model="llama2-70b", prompt=[7] * 8, max_tokens=4).choices[0].text
+    assert outcome["code"] == 0, outcome["err"]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name("testbed").experiment_id])[0]
     assert run.info.status == "FINISHED" and run.data.metrics["num_finished"] == 1

@@ -163,12 +163,60 @@ def test_non_stream_disconnect_aborts(server):
     ({"prompt": [1, 2], "stop": [""]}, "stop"),
     ({"prompt": "", "max_tokens": 2}, "empty"),
     ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options"),
+    # issue 25 item 1: each of these stopped the engine for every client (the field and its range named)
+    ({"prompt": [1, 2], "seed": 2 ** 64}, "seed: Input should be less than or equal to 9223372036854775807"),
+    ({"prompt": [1, 2], "seed": -2 ** 63 - 1}, "seed: Input should be greater than or equal to -9223372036854775808"),
+    ({"prompt": [1, 2], "top_k": 2 ** 64}, "top_k: Input should be less than or equal to 2147483647"),
+    ({"prompt": [1, 2], "temperature": 1e-45}, "0 (greedy) or [0.01, 2]"),
+    ({"prompt": [1, 2], "repetition_penalty": 1e-300}, "repetition_penalty: Input should be greater than or equal to 0.01"),
 ])
 def test_bad_requests_get_openai_400(server, body, words):
     r = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, **body}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and words in err["message"]
+
+
+@pytest.mark.parametrize("sampling, outcome", [
+    (dict(seed=2 ** 64), "error"),  # the stages cannot pack it: this request fails, alone
+    (dict(temperature=1e-45, seed=3), "length"),  # inf/NaN probabilities: now sampled safely
+    (dict(temperature=1.0, repetition_penalty=1e-300, seed=3), "length"),
+])
+def test_a_request_past_the_api_checks_cannot_stop_the_engine(server, client, sampling, outcome):
+    """Past the HTTP checks (any other caller of the engine loop), one request's sampling made the
+    stage's sampler raise or the control plane fail to pack it: the engine thread died, every
+    later request got 503 and the stage's traceback reached the client (issue 25, item 1)."""
+    import asyncio
+
+    from engine.request import SamplingParams
+    from testbed.serve.protocol import GenerateSpec
+
+    loop = asyncio.new_event_loop()
+    try:
+        gen = server.engine.submit(GenerateSpec((5, 6, 7), 4, SamplingParams(**sampling)), loop)
+
+        async def end():
+            while (ev := await gen.queue.get())[0] != "end":
+                pass
+            return ev
+
+        ev = loop.run_until_complete(asyncio.wait_for(end(), 120))
+    finally:
+        loop.close()
+    assert ev[1] == outcome, ev
+    assert "Traceback" not in str(ev[4])
+    assert server.engine.dead is None
+    assert _greedy(client, [1, 2], 2).usage.completion_tokens == 2  # still serving
+
+
+def test_error_text_for_clients_has_no_traceback():
+    from testbed.serve.protocol import public_message
+
+    stage = ('stage 1 failed: Traceback (most recent call last):\n  File "/srv/engine/torch_exec/worker.py", '
+             'line 9, in run\n    tok = sample(x)\n    ^^^^^^\nRuntimeError: probability tensor contains inf')
+    msg = public_message(stage)
+    assert msg == "stage 1 failed: RuntimeError: probability tensor contains inf"
+    assert "Traceback" not in msg and "/srv/" not in msg
 
 
 def test_malformed_bodies_unknown_model_and_routes(server, client):

@@ -230,6 +230,23 @@ def test_sigterm_ends_the_study_killed_with_no_worker_left(out):
     assert (out / "tune" / "sig" / "trials.csv").is_file()  # the partial outputs are written
 
 
+def test_sigterm_reaches_the_other_worker_at_once(out):
+    """SIGTERM inside a trial arrived as RunInterrupted, not the Terminated that was passed on to
+    the workers, so worker 1 went on starting trials until the parent's 30 s stop timeout
+    (issue 25, item 6). After the signal, no worker starts a trial (each of the two may start
+    one it asked for just before the signal reached it)."""
+    from datetime import datetime
+
+    from signal_helpers import Command
+
+    cmd = Command("tune", *SIGNAL_BASE, f"output.dir={out}")
+    cmd.wait_for(" done ")
+    sent = datetime.now()  # Optuna's datetime_start is local time, like this
+    assert cmd.terminate() == 143, "".join(cmd.err)[-2000:]
+    late = [t.number for t in _study(out, "sig").trials if t.datetime_start > sent]
+    assert len(late) <= 2, f"trials started after SIGTERM: {late}"
+
+
 def test_workers_stop_when_the_parent_is_killed(out):
     from signal_helpers import Command, survivors
 

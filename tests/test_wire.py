@@ -53,9 +53,12 @@ def test_every_message_round_trips(msg):
     assert codec.decode(codec.encode(msg)) == msg
 
 
-def _signed(body_obj) -> bytes:
-    """A frame with a valid MAC around an arbitrary msgpack body (what an insider could send)."""
+def _signed(body_obj, binding=("", "stage1", "peer", 1)) -> bytes:
+    """A frame with a valid MAC around an arbitrary msgpack body (what an insider could send);
+    a [tag, fields] body gets `binding` appended."""
     codec = wire.Codec(SECRET)
+    if isinstance(body_obj, list) and len(body_obj) == 2:
+        body_obj = [*body_obj, list(binding)]
     body = msgpack.packb(body_obj, use_bin_type=True)
     return codec._mac(body) + body
 
@@ -77,12 +80,103 @@ def _signed(body_obj) -> bytes:
     (_signed(["mb", {"sampling": [], "mb_id": 1, "kind": "d", "prefills": [[1, 0, 2, 1, [3], [4, 5]]], "decodes": []}]),
      "expected bool"),
     (_signed(["mb", {"sampling": [], "mb_id": 1, "kind": "d", "prefills": [], "decodes": {"a": 1}}]), "expected array"),
-    (_signed({"tag": "ping"}), "[tag, fields]"),
+    (_signed({"tag": "ping"}), "[tag, fields"),
     (_signed(["ping", {}])[:-1] + b"\xc1", "bad MAC"),
 ])
 def test_codec_rejects(frame, why):
     with pytest.raises(wire.WireError, match=why.replace("[", r"\[")):
         wire.Codec(SECRET).decode(frame)
+
+
+def test_a_replayed_frame_is_refused():
+    """The MAC covered the body only: one replayed `done` or `hello` killed a run and replayed
+    `spans` pushed a stage's utilisation to 1.51 (issue 25, item 3)."""
+    sender, receiver = wire.Codec(SECRET), wire.Codec(SECRET)
+    frame = sender.encode(wire.Pong(1, 2.0))
+    assert receiver.decode(frame) == wire.Pong(1, 2.0)
+    with pytest.raises(wire.WireError, match="replayed"):
+        receiver.decode(frame)
+    later = sender.encode(wire.Pong(1, 3.0))
+    assert receiver.decode(later) == wire.Pong(1, 3.0)
+    with pytest.raises(wire.WireError, match="replayed"):
+        receiver.decode(frame)  # an old frame stays refused
+
+
+def test_frames_are_bound_to_run_and_direction():
+    stage = wire.Codec(SECRET, me="stage1", run="r1")
+    to_driver = stage.encode(wire.Done(1, 7, [3], []))
+    with pytest.raises(wire.WireError, match="another run"):
+        wire.Codec(SECRET, me="driver", run="r2").decode(to_driver)
+    with pytest.raises(wire.WireError, match="wrong direction"):
+        wire.Codec(SECRET, me="stage0", run="r1").decode(to_driver)  # a stage's frame replayed to a stage
+    driver = wire.Codec(SECRET, me="driver", run="r1")
+    assert driver.decode(to_driver).mb_id == 7 and driver.last_sender == "stage1"
+    launch = driver.encode(wire.Stop())  # to every stage
+    assert wire.Codec(SECRET, me="stage0", run="r1").decode(launch) == wire.Stop()
+    with pytest.raises(wire.WireError, match="wrong direction"):
+        wire.Codec(SECRET, me="driver", run="r1").decode(launch)  # reflected back to a driver
+    with pytest.raises(wire.WireError, match="another run"):  # a hello of no run only where allowed
+        driver.decode(wire.Codec(SECRET, me="stage0").encode(wire.Hello(0, "h", 1)))
+    external = wire.Codec(SECRET, me="driver", run="r1", unbound=(wire.Hello,))
+    assert external.decode(wire.Codec(SECRET, me="stage0").encode(wire.Hello(0, "h", 1))).stage == 0
+    learner = wire.Codec(SECRET, me="stage0")  # an external stage learns its run from the driver
+    learner.decode(driver.encode(wire.Stop()))
+    assert learner.run == "r1"
+
+
+def _dealer(ctx, addr: str, identity: bytes | None = None):
+    import zmq
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(addr)
+    return sock
+
+
+def _recv(ctl, timeout_s: float = 30.0, until=None):
+    """The next authentic message on `ctl` (None when `until()` became true first)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        msg = ctl.recv()
+        if msg is not None:
+            return msg
+        if until is not None and until():
+            return None
+        ctl.sock.poll(100)
+    raise AssertionError("nothing arrived")
+
+
+def test_a_squatter_cannot_take_a_stage_identity_and_big_frames_are_refused():
+    """A local process connecting first as `stage1` (ZeroMQ identity) took the stage's place;
+    unauthenticated 700 MB frames were buffered whole (driver 249 MB -> 3.6 GB) (issue 25, item 3)."""
+    import zmq
+
+    from engine.torch_exec.control import MAX_FRAME_BYTES, ControlSocket
+
+    ctl = ControlSocket(wire.Codec(SECRET, me="driver", run="r1"), "127.0.0.1")
+    ctx = zmq.Context()
+    try:
+        squatter = _dealer(ctx, ctl.address, b"stage1")
+        squatter.send(b"x" * (MAX_FRAME_BYTES + 1))  # refused from its header, never delivered
+        real = _dealer(ctx, ctl.address)
+        stage = wire.Codec(SECRET, me="stage1", run="r1")
+        real.send(stage.encode(wire.Hello(1, "h", 1)))
+        assert _recv(ctl) == wire.Hello(1, "h", 1)
+        assert ctl.dropped == 0  # the big frame was not even read
+        ctl.send("stage1", wire.Ping())
+        assert real.poll(30000) and stage.decode(real.recv()) == wire.Ping()  # the real stage got it
+        other = _dealer(ctx, ctl.address)
+        other.send(stage.encode(wire.Pong(1, 1.0)))  # an authentic frame of stage 1's from elsewhere
+        assert _recv(ctl, until=lambda: ctl.dropped == 1) is None  # dropped: stage1 speaks from `real`
+        real.send(stage.encode(wire.Pong(1, 2.0)))
+        assert _recv(ctl) == wire.Pong(1, 2.0)
+    finally:
+        ctx.destroy(linger=0)
+        ctl.close()
 
 
 def test_codec_rejects_unexpected_type_and_malformed_signed_body():

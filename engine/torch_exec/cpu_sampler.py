@@ -29,11 +29,12 @@ class SamplerPool:
     """The stage side: n sampler processes and the channel that feeds them."""
 
     def __init__(self, n: int, driver_addr: str, secret: bytes, vocab: int, sampling: wire.SamplerConfig,
-                 timeout_s: float) -> None:
+                 timeout_s: float, me: str = "stage0", run: str = "") -> None:
         import zmq
 
         self.n = n
-        self.codec = wire.Codec(secret)
+        self.run = run
+        self.codec = wire.Codec(secret, me=me, run=run)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -50,7 +51,7 @@ class SamplerPool:
 
         mp = tmp.get_context("spawn")
         pr = mp.Process(target=sampler_main, args=(driver_addr, channel, k, self.n, secret, vocab, sampling,
-                                                   os.getpid()), daemon=True, name=f"pp-sampler{k}")
+                                                   os.getpid(), self.run), daemon=True, name=f"pp-sampler{k}")
         cur = _mp.current_process()._config  # stage processes are daemons; samplers die with them
         was = cur.get("daemon")
         cur["daemon"] = False
@@ -94,12 +95,12 @@ class SamplerPool:
             job = wire.SampleJob(mb_id, n, rows, [wire.SampleKey(*keys[i]) for i in rows],
                                  [wire.PrefillTokens(*p) for p in prefills if p[0] % n == k], "float32",
                                  list(part.shape), [r for r in sampling or () if r.seq_id % n == k])
-            self.sock.send_multipart([self.idents[k], self.codec.encode(job), part], copy=False)
+            self.sock.send_multipart([self.idents[k], self.codec.encode(job, to=f"sampler{k}"), part], copy=False)
 
     def close(self) -> None:
-        for ident in getattr(self, "idents", []):
+        for k, ident in enumerate(getattr(self, "idents", [])):
             try:
-                self.sock.send_multipart([ident, self.codec.encode(wire.Stop()), b""])
+                self.sock.send_multipart([ident, self.codec.encode(wire.Stop(), to=f"sampler{k}"), b""])
             except Exception:
                 pass
         for pr in self.procs:
@@ -122,7 +123,7 @@ def _job_logits(job: wire.SampleJob, data: bytes):
 
 
 def sampler_main(driver_addr: str, channel: str, k: int, n: int, secret: bytes, vocab: int,
-                 sampling: wire.SamplerConfig, parent_pid: int | None = None) -> None:
+                 sampling: wire.SamplerConfig, parent_pid: int | None = None, run: str = "") -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
     import torch
@@ -131,18 +132,17 @@ def sampler_main(driver_addr: str, channel: str, k: int, n: int, secret: bytes, 
     from engine.torch_exec.sampling import Sampler
 
     torch.set_num_threads(1)
-    codec = wire.Codec(secret)
+    codec = wire.Codec(secret, me=f"sampler{k}", run=run)
     ctx = zmq.Context()
     jobs = ctx.socket(zmq.DEALER)
     jobs.setsockopt(zmq.LINGER, 0)
     jobs.connect(channel)
-    out = ctx.socket(zmq.DEALER)
-    out.setsockopt(zmq.IDENTITY, f"sampler{k}-{os.getpid()}".encode())
+    out = ctx.socket(zmq.DEALER)  # no chosen identity (see engine/torch_exec/control.py)
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(driver_addr)
     s = Sampler(vocab, **sampling.kwargs())
     try:
-        jobs.send(codec.encode(wire.SamplerHello(k, os.getpid())))
+        jobs.send(codec.encode(wire.SamplerHello(k, os.getpid()), to="stages"))
         while True:
             if not jobs.poll(int(IDLE_POLL_S * 1000)):
                 if parent_gone(parent_pid):

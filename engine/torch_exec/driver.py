@@ -112,7 +112,10 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self.num_launched = 0
         self._moved: dict[int, int] = {}  # stage -> bytes its paced out-link has moved so far
         self._secret = (wire.secret_from_env() if settings.launch == "external" else None) or wire.new_secret()
-        self._codec = wire.Codec(self._secret)
+        self._run_id = wire.new_run_id()
+        # external stages say hello before they know the run; spawned ones are told it at spawn
+        self._codec = wire.Codec(self._secret, me="driver", run=self._run_id,
+                                 unbound=(wire.Hello,) if settings.launch == "external" else ())
         atexit.register(_shutdown_ref, weakref.ref(self))
 
     # --- Executor interface ------------------------------------------------------------------------
@@ -317,7 +320,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         try:
             for s in range(self.pipeline_depth):
                 # the secret travels as a spawn argument (the pipe to the child), never over a socket
-                p = mp.Process(target=stage_main, args=(addr, s, os.getpid(), self._secret),
+                p = mp.Process(target=stage_main, args=(addr, s, os.getpid(), self._secret, self._run_id),
                                name=f"pp-stage{s}", daemon=True)
                 p.start()
                 self._procs.append(p)
@@ -413,8 +416,9 @@ class TorchExecutor(FailureDiagnosis, Executor):
 
     # --- messages --------------------------------------------------------------------------------------
     @staticmethod
-    def _ident(s: int) -> bytes:
-        return f"stage{s}".encode()
+    def _ident(s: int) -> str:
+        """Stage s's sender name; the control socket knows its connection once it said hello."""
+        return f"stage{s}"
 
     def _send(self, s: int, msg) -> None:
         self._ctl.send(self._ident(s), msg)

@@ -8,12 +8,18 @@ Random sampling gives every (request, position) its own generator, seeded from
 requests shared its micro-batch, on the policy or on the pipeline depth. Filters apply in
 vLLM's order: temperature, then top-k, then top-p (the smallest set of tokens whose
 probability reaches p, always keeping the most likely one).
+
+Numerically safe for any finite setting: a temperature is at least `MIN_TEMPERATURE`, logits
+made infinite or NaN by a tiny temperature or penalty (temperature 1e-45, repetition penalty
+1e-300 made the probabilities inf/NaN and `multinomial` raised, killing the stage) are clamped,
+and a row whose probabilities are still unusable falls back to greedy.
 """
 from __future__ import annotations
 
 import torch
 
 _MASK64 = (1 << 63) - 1
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy in effect; the division stays finite
 
 
 def row_seed(sample_seed: int, seq_id: int, position: int) -> int:
@@ -25,7 +31,8 @@ def sample(logits: torch.Tensor, keys: list[tuple[int, int]], *, method: str = "
     """logits [S, vocab] float32; keys[i] = (seq_id, position of the sampled token)."""
     if method == "greedy" or temperature == 0:
         return logits.argmax(dim=-1).tolist()
-    x = logits / temperature
+    logits = _finite(logits.float())
+    x = _finite(logits / max(temperature, MIN_TEMPERATURE))
     if 0 < top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -38,13 +45,23 @@ def sample(logits: torch.Tensor, keys: list[tuple[int, int]], *, method: str = "
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
     probs = x.softmax(dim=-1)
+    usable = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
     out = []
     g = torch.Generator(device=logits.device)
     for i, (seq_id, pos) in enumerate(keys):
+        if not usable[i]:  # nothing left to draw from: the most likely token
+            out.append(logits[i].argmax().reshape(1))
+            continue
         g.manual_seed(row_seed(seed, seq_id, pos))
         out.append(torch.multinomial(probs[i], 1, generator=g))
     # one device-to-host copy for the whole batch (the draws stay on the logits' device)
     return torch.cat(out).tolist() if out else []
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf (never drawn), +inf -> the largest finite value (softmax stays defined)."""
+    big = torch.finfo(x.dtype).max
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=big, neginf=float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, counts_vm: torch.Tensor, seen_vm: torch.Tensor, *,

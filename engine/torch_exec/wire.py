@@ -3,7 +3,8 @@
 Every frame on a socket of the torch engine (the driver's ZeroMQ ROUTER, a stage's DEALER, the
 last stage's sampler channel, the metadata blob on the torch.distributed data plane) is
 
-    HMAC-SHA256(secret, body) [32 bytes] || body,   body = msgpack [tag, {field: value}]
+    HMAC-SHA256(secret, body) [32 bytes] || body,
+    body = msgpack [tag, {field: value}, [run, sender, receiver, counter]]
 
 The receiver checks the MAC first (`hmac.compare_digest`) and only then parses the body, with
 msgpack (which builds only None, bools, numbers, str, bytes, lists and dicts -- never an arbitrary
@@ -12,6 +13,12 @@ the dataclass's fields and every value is checked against its annotation. Anythi
 short frame, a wrong MAC, malformed msgpack, an unknown tag, a missing/extra field, a wrong type --
 raises `WireError`, and the receiver drops the frame (the driver counts them in
 `TorchExecutor.dropped_frames`).
+
+Binding: the MAC also covers the run, the sender (`driver`, `stage<i>`, `sampler<k>`), the
+receiver (a name or the group `stages`/`samplers`: the direction) and the sender's counter, so a
+frame cannot be replayed, redirected or reused in another run (engine/torch_exec/binding.py).
+External stages learn the run from the driver's first frame; the driver takes a run-less frame
+only for their `hello`, and binds each sender name to one connection (control.py).
 
 The secret: 32 random bytes from `secrets.token_bytes`, made by the driver for each run and given
 to spawned stages as a spawn argument (never over a socket). External stages
@@ -27,8 +34,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import itertools
 import os
 import secrets
+import threading
 import types
 import typing
 from dataclasses import dataclass
@@ -36,14 +45,13 @@ from typing import Any, Callable, NamedTuple
 
 import msgpack
 
+from engine.torch_exec.binding import (REPLAY_WINDOW, Window, WireError,  # noqa: F401 (re-exported)
+                                       check_binding, new_run_id, receiver_names)
+
 SECRET_ENV = "TESTBED_STAGE_SECRET"
 SECRET_FILE_ENV = "TESTBED_STAGE_SECRET_FILE"
 MAC_BYTES = 32
 SECRET_BYTES = 32
-
-
-class WireError(ValueError):
-    """A frame that is not an authentic, well-formed message (dropped by the receiver)."""
 
 
 def new_secret() -> bytes:
@@ -546,25 +554,43 @@ def _to_plain(msg) -> dict:
 
 # --- the codec ------------------------------------------------------------------------------------------
 class Codec:
-    """Encode/decode messages under one run's secret."""
+    """Encode/decode messages under one run's secret, as `me` in run `run`.
 
-    def __init__(self, secret: bytes) -> None:
+    `run` "" (an external stage before the driver's first frame) adopts the run of the first
+    authentic frame; `unbound` names the message types accepted without a run (the driver's
+    `Hello` from external stages)."""
+
+    def __init__(self, secret: bytes, me: str = "peer", run: str = "", unbound: tuple[type, ...] = ()) -> None:
         if not isinstance(secret, bytes) or len(secret) < 16:
             raise ValueError("the wire secret must be at least 16 bytes")
         self._secret = secret
+        self.me, self.run, self.unbound = me, run, unbound
+        self._names = receiver_names(me)
+        self._counter = itertools.count(1)
+        self._lock = threading.Lock()
+        self._windows: dict[str, _Window] = {}
+        self.last_sender: str | None = None
 
     def _mac(self, body: bytes) -> bytes:
         return hmac.new(self._secret, body, hashlib.sha256).digest()
 
-    def encode(self, msg) -> bytes:
+    def _default_to(self) -> str:
+        return {"driver": "stages", "peer": "peer"}.get(self.me, "driver")
+
+    def encode(self, msg, to: str | None = None) -> bytes:
+        """`msg` signed from `me` to `to` (default: the driver's peers are the stages, everyone
+        else's the driver)."""
         tag = getattr(type(msg), "_wire_tag", None)
         if tag is None:
             raise TypeError(f"{type(msg).__name__} is not a wire message")
-        body = msgpack.packb([tag, _to_plain(msg)], use_bin_type=True)
+        with self._lock:
+            n = next(self._counter)
+        body = msgpack.packb([tag, _to_plain(msg), [self.run, self.me, to or self._default_to(), n]],
+                             use_bin_type=True)
         return self._mac(body) + body
 
     def decode(self, frame: bytes, expect: type | tuple[type, ...] | None = None):
-        """The message in `frame`: the MAC first, then the schema; raises WireError."""
+        """The message in `frame`: the MAC first, then the binding, then the schema; raises WireError."""
         if not isinstance(frame, (bytes, bytearray, memoryview)) or len(frame) <= MAC_BYTES:
             raise WireError("frame too short to carry a MAC")
         frame = bytes(frame)
@@ -575,12 +601,22 @@ class Codec:
             obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
         except Exception as exc:  # msgpack raises several types; all mean "malformed"
             raise WireError(f"malformed msgpack: {type(exc).__name__}") from None
-        if type(obj) is not list or len(obj) != 2 or type(obj[0]) is not str:
-            raise WireError("a message is [tag, fields]")
+        if type(obj) is not list or len(obj) != 3 or type(obj[0]) is not str:
+            raise WireError("a message is [tag, fields, binding]")
         cls = MESSAGES.get(obj[0])
         if cls is None:
             raise WireError(f"unknown message tag {obj[0][:40]!r}")
+        run, sender, n = check_binding(obj[2], self._names, self.run, self.me,
+                                       run_optional=issubclass(cls, self.unbound))
         msg = _decoder(cls)(obj[1], obj[0])
         if expect is not None and not isinstance(msg, expect):
             raise WireError(f"unexpected message {obj[0]!r} here")
+        with self._lock:
+            window = self._windows.setdefault(sender, Window())
+            if not window.fresh(n):
+                raise WireError(f"replayed frame (counter {n} from {sender!r} already seen)")
+            window.add(n)
+            if not self.run and run:
+                self.run = run  # an external stage learns its run from the driver's first frame
+        self.last_sender = sender
         return msg

@@ -60,7 +60,8 @@ CONTROL = (wire.StageInit, wire.KvPool, wire.Launch, wire.Ping, wire.Stop)  # wh
 log = logging.getLogger(__name__)
 
 
-def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secret: bytes | None = None) -> None:
+def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secret: bytes | None = None,
+               run: str = "") -> None:
     """Entry point of a stage process (spawned by the driver, or run by hand)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
@@ -70,10 +71,9 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
                          f"to the driver's")
     import zmq
 
-    codec = wire.Codec(secret)
+    codec = wire.Codec(secret, me=f"stage{stage}", run=run)  # run "": external, learnt from the driver
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"stage{stage}".encode())
+    sock = ctx.socket(zmq.DEALER)  # no chosen identity: the driver binds "stage<i>" to this connection
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(driver_addr)
     code = 0
@@ -408,7 +408,8 @@ class _Stage:
             from engine.torch_exec.cpu_sampler import SamplerPool
 
             self.samplers = SamplerPool(init.num_cpu_samplers, init.driver_addr, self.secret,
-                                        self.arch.vocab_size, init.sampling, timeout_s=120.0)
+                                        self.arch.vocab_size, init.sampling, timeout_s=120.0,
+                                        me=self.codec.me, run=self.codec.run)
 
     def link_info(self, now: float) -> dict:
         """What the sending stage knows for the policy's idle-time prediction (LinkState.info)."""
@@ -426,7 +427,7 @@ class _Stage:
 
     # --- data-plane metadata (vLLM-style tensor-dict sends) ---------------------------------------------
     def meta_blob(self, payload) -> bytes:
-        return self.codec.encode(wire.TensorMeta(list(payload.shape), str(payload.dtype)))
+        return self.codec.encode(wire.TensorMeta(list(payload.shape), str(payload.dtype)), to="stages")
 
     def read_meta(self, blob: bytes) -> tuple[int, ...]:
         try:

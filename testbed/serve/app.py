@@ -27,7 +27,7 @@ from testbed.serve.codec import Codec
 from testbed.serve.engine_loop import EngineLoop, Generation
 from testbed.serve.metrics import ServeMetrics
 from testbed.serve.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, GenerateSpec, _Sampling,
-                                    single_prompt)
+                                    public_message, single_prompt)
 from testbed.serve.settings import ServeSettings
 
 DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often the connection is checked
@@ -71,7 +71,7 @@ class ServeState:
     def admit(self) -> None:
         if self.engine.dead is not None:
             self.metrics.on_reject(503)
-            raise ApiError(503, f"the engine failed: {self.engine.dead}", type_="service_unavailable")
+            raise ApiError(503, f"the engine failed: {public_message(self.engine.dead)}", type_="service_unavailable")
         if self.open >= self.settings.max_queue:
             self.metrics.on_reject(429)
             raise ApiError(429, f"the server holds serve.max_queue={self.settings.max_queue} requests; retry later",
@@ -176,7 +176,7 @@ async def _collect(state: ServeState, request: Request, gen: Generation, reply: 
             parts.append(ev[1])
             continue
         if ev[1] == "error":
-            raise ApiError(500, f"the request failed: {ev[4]}", type_="server_error")
+            raise ApiError(500, f"the request failed: {public_message(ev[4])}", type_="server_error")
         return JSONResponse(reply.full("".join(parts), ev[1], _usage(ev)))
 
 
@@ -191,7 +191,7 @@ async def _stream(state: ServeState, gen: Generation, reply: _Reply, include_usa
                     yield _sse(reply.chunk(ev[1]))
                 continue
             if ev[1] == "error":
-                yield _sse(ApiError(500, f"the request failed: {ev[4]}", type_="server_error").body())
+                yield _sse(ApiError(500, f"the request failed: {public_message(ev[4])}", type_="server_error").body())
             else:
                 yield _sse(reply.chunk(None if reply.chat else "", finish=ev[1]))
                 if include_usage:
@@ -227,13 +227,13 @@ def build_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(_req, exc: Exception):
-        return JSONResponse(ApiError(500, f"{type(exc).__name__}: {exc}", type_="server_error").body(),
+        return JSONResponse(ApiError(500, public_message(f"{type(exc).__name__}: {exc}"), type_="server_error").body(),
                             status_code=500)
 
     @app.get("/health")
     async def health():
         if state.engine.dead is not None:
-            return JSONResponse({"status": "failed", "error": state.engine.dead}, status_code=503)
+            return JSONResponse({"status": "failed", "error": public_message(state.engine.dead)}, status_code=503)
         return {"status": "ok"}
 
     kv = state.engine.ctrl.kv

@@ -14,6 +14,11 @@ Waiting for work: the paced simulator is woken at once by a new arrival (`PacedE
 the real engine's executor blocks on its sockets, so the thread waits at most
 `serve.poll_interval_s` (5 ms) before it looks at the inbox again while a pipeline slot is free.
 
+One request cannot stop the loop: a request whose sampling the stages cannot take
+(`SamplingParams.problem`) or whose submission raises ends with an error alone, and a step that
+raises anything but a dead stage fails the requests it held (their KV freed) while the loop goes
+on serving; only stages that are gone make the engine dead (503).
+
 Text: the whole reply is decoded again after each token (simple and exact for any tokenizer;
 the fallback codec of codec.py appends instead), and the text that could still become a stop
 string, or ends in an incomplete UTF-8 character, is held back until it cannot.
@@ -146,11 +151,12 @@ class EngineLoop:
                     break
                 try:
                     mb = ctrl.step(self.interval, inspect=self._inspect)
-                except RunFailedError as exc:
-                    ctrl.fail_unfinished(f"run failed: {exc}")  # frees every KV block (a stall already did)
-                    self._fail_open(str(exc))
+                except Exception as exc:  # noqa: BLE001 - fail what the step held, keep serving
+                    error = str(exc) if isinstance(exc, RunFailedError) else f"{type(exc).__name__}: {exc}"
+                    ctrl.fail_unfinished(f"run failed: {error}")  # frees every KV block (a stall already did)
+                    self._fail_open(error)
                     if getattr(ctrl.executor, "_failed", None):  # the real engine's stages are gone
-                        self.dead = str(exc)
+                        self.dead = error
                         return
                     continue
                 if mb is not None:
@@ -177,15 +183,7 @@ class EngineLoop:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "submit":
-            gen: Generation = item[1]
-            spec = gen.spec
-            req = Request(gen.request_id, self.arrival(), len(spec.prompt_ids), spec.max_tokens,
-                          prompt_token_ids=spec.prompt_ids, sampling=spec.sampling)
-            gen.seq = self.ctrl.submit(req)
-            if gen.seq.is_done:  # could never fit the KV cache (the HTTP side checks this first)
-                self._end(gen, "error", gen.seq.fail_reason)
-            else:
-                self.gens[gen.request_id] = gen
+            self._submit(item[1])
         elif kind == "abort":
             gen, reason = item[1], item[2]
             if self.gens.pop(gen.request_id, None) is not None:
@@ -193,6 +191,24 @@ class EngineLoop:
                 gen.ended = True
                 if self.metrics is not None:
                     self.metrics.on_abort()
+
+    def _submit(self, gen: Generation) -> None:
+        spec = gen.spec
+        problem = spec.sampling.problem() if spec.sampling is not None else None
+        if problem is not None:  # the stages could not take it: this request fails, not the engine
+            self._end(gen, "error", f"invalid sampling: {problem}")
+            return
+        try:
+            req = Request(gen.request_id, self.arrival(), len(spec.prompt_ids), spec.max_tokens,
+                          prompt_token_ids=spec.prompt_ids, sampling=spec.sampling)
+            gen.seq = self.ctrl.submit(req)
+        except Exception as exc:  # noqa: BLE001 - one bad request ends alone
+            self._end(gen, "error", f"invalid request: {type(exc).__name__}: {exc}")
+            return
+        if gen.seq.is_done:  # could never fit the KV cache (the HTTP side checks this first)
+            self._end(gen, "error", gen.seq.fail_reason)
+        else:
+            self.gens[gen.request_id] = gen
 
     def _inspect(self, mb: MicroBatch, completion: Completion) -> None:
         tokens = completion.token_ids

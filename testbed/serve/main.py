@@ -9,7 +9,8 @@ over the same pieces and driven online by the engine thread (engine_loop.py). Un
 One MLflow run per server (when `output.mlflow`): opened at start, and at shutdown given the
 summary of every request served (the same `summary.json`/`requests.csv` as `testbed run`, under
 `<output.dir>/<run name>`), then closed FINISHED, KILLED when requests had to be aborted at
-shutdown, FAILED when the engine failed. uvicorn catches SIGTERM and Ctrl-C: it stops accepting,
+shutdown, FAILED when the engine failed. uvicorn catches SIGTERM and Ctrl-C (SIGHUP is turned
+into SIGTERM): it stops accepting,
 lets open requests finish for `serve.drain_timeout_s`, then the engine thread aborts what is left
 and the stage processes are stopped.
 """
@@ -70,11 +71,14 @@ class Server:
 
     def serve_forever(self, console=None) -> RunResult:
         """Serve until SIGTERM or Ctrl-C (uvicorn's handlers), then shut down."""
+        from testbed.signals import saving
+
         srv = self._uvicorn_server()
         try:
             srv.run()
         finally:
-            result = self.shutdown()
+            with saving():  # a second signal must not cut the save of the results and the MLflow run
+                result = self.shutdown()
         return result
 
     def start_background(self, timeout_s: float = 30.0) -> str:
@@ -227,7 +231,11 @@ def cli_serve(overrides: list[str], console) -> int:
     def _term(signum, frame):
         raise _Terminated()
 
+    def _hangup(signum, frame):  # a closed terminal: stop as on SIGTERM (uvicorn's graceful path)
+        signal.raise_signal(signal.SIGTERM)
+
     signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGHUP, _hangup)
     info = server.info
     console.print(f"serving {info['model_name']!r} ({info['executor']}, policy {info['policy']}, "
                   f"P={server.ctrl.pipeline_depth}, KV {info['kv_num_blocks']} blocks x {info['kv_block_size']}, "
@@ -235,7 +243,10 @@ def cli_serve(overrides: list[str], console) -> int:
     try:
         result = server.serve_forever(console)
     except (KeyboardInterrupt, _Terminated):
-        result = server.shutdown()
+        from testbed.signals import saving
+
+        with saving():
+            result = server.shutdown()
     s = result.summary
     console.print(f"served {s['num_finished']} requests ({s['num_failed']} failed or aborted)")
     print(Path(server.info["run_dir"]).resolve())

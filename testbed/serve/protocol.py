@@ -6,15 +6,24 @@ ignored, as vLLM does. The sampling fields follow the OpenAI API plus vLLM's ext
 benchmark clients send (`top_k`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`).
 Refused with a 400 because the engine does not implement them: `n > 1`, `best_of > 1`,
 `logprobs`, `echo`, and several prompts in one request.
+
+Every sampling number has a range, named in the 400 (one request with `seed` >= 2^64 or a
+`temperature` of 1e-45 stopped the real engine for every client): `seed` a signed 64-bit
+integer, `top_k` up to 2^31-1, `temperature` 0 (greedy) or in [0.01, 2] (vLLM's floor),
+`repetition_penalty` in [0.01, 100]. Error messages never carry a traceback (`public_message`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.request import SamplingParams
+from engine.request import INT64_MAX, INT64_MIN, SamplingParams
+
+MIN_TEMPERATURE = 0.01  # vLLM's floor for a non-zero temperature: below it the draws overflow
+MAX_TOP_K = (1 << 31) - 1
+PENALTY_RANGE = (0.01, 100.0)
 
 
 class ApiError(Exception):
@@ -41,11 +50,11 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # vLLM: -1 or 0 = off
-    seed: int | None = None
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # vLLM: -1 or 0 = off
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     ignore_eos: bool = False
@@ -54,6 +63,13 @@ class _Sampling(BaseModel):
     logprobs: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if 0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"temperature={v} is outside the valid range: 0 (greedy) or [{MIN_TEMPERATURE}, 2]")
+        return v
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -119,6 +135,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def public_message(text: str | None, limit: int = 500) -> str:
+    """An error's text fit for a client: no traceback (a stage's error carried its Python
+    traceback with the server's file paths), only the exception line, at most `limit` characters."""
+    text = (text or "").strip()
+    if "Traceback (most recent call last)" in text:
+        head, _, tb = text.partition("Traceback (most recent call last)")
+        lines = [ln.strip() for ln in tb.splitlines() if ln.strip()]
+        last = next((ln for ln in reversed(lines) if not ln.startswith(("File ", "^", "~"))), "")
+        text = ": ".join(x for x in (head.strip().rstrip(":"), last) if x)
+    text = " ".join(ln.strip() for ln in text.splitlines() if not ln.strip().startswith('File "'))
+    return text[:limit] or "internal error"
 
 
 def single_prompt(prompt) -> str | list[int]:

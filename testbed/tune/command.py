@@ -18,6 +18,7 @@ from optuna.trial import TrialState
 
 from engine.errors import ConfigError
 from testbed import sweep
+from testbed.signals import EXIT_CODES
 from testbed.tune.display import Display, pareto_indices, print_start, values_text
 from testbed.tune.figures import trials_frame, write_study_figures
 from testbed.tune.objectives import sig4
@@ -222,11 +223,13 @@ def _config_params(params: dict) -> str:
 
 
 def cli_tune(overrides: Sequence[str], console: Any) -> int:
-    """`testbed tune`: 0, 1 when a worker failed, 130 (Ctrl-C) / 143 (SIGTERM) when interrupted."""
+    """`testbed tune`: 0, 1 when a worker failed, 130 (Ctrl-C) / 143 (SIGTERM) / 129 (SIGHUP) when
+    interrupted."""
     outcome = run_tune(overrides, console)
     print_outcome(outcome)
     if outcome.interrupted:
-        what = "terminated (SIGTERM)" if outcome.exit_code == sweep.EXIT_SIGTERM else "interrupted"
+        names = {code: name for name, code in EXIT_CODES.items() if name != "SIGINT"}
+        what = f"terminated ({names[outcome.exit_code]})" if outcome.exit_code in names else "interrupted"
         print(f"{what}: run the same command again to resume the study", file=sys.stderr)
         return outcome.exit_code or sweep.EXIT_SIGINT
     return 1 if outcome.worker_errors else 0

@@ -6,8 +6,9 @@ shared by the local workers makes "count the trials, then ask for one" atomic, s
 run more than `tune.trials` trials and never share a trial number. On 2 cores with N=2 and
 SQLite this measured close to 2x the trials per minute of one worker.
 
-Stopping. Ctrl-C reaches every process of the group; SIGTERM reaches the parent only, which
-passes it on as SIGINT. Either way each worker marks its running trial interrupted. A worker
+Stopping. Ctrl-C reaches every process of the group; SIGTERM (or SIGHUP) reaches the parent
+only, which passes it on as SIGINT, whatever form it arrived in (inside a trial it is the run's
+`RunInterrupted`). Either way each worker marks its running trial interrupted. A worker
 also stops when its parent dies, SIGKILL included (`sweep.orphan_guard`: pdeathsig plus a
 parent-pid poll), and checks the parent pid before asking for each trial."""
 from __future__ import annotations
@@ -156,8 +157,9 @@ def run_workers(problem: Problem, display: Any) -> tuple[int, list[str]]:
         own = worker_loop(problem, 0, lock, display.event, ready)
         for p in procs:  # the others finish the trials they hold, then find the target reached
             p.join()
-    except sweep.Terminated:
-        _pass_on(procs)  # only this process was told
+    except KeyboardInterrupt as exc:  # SIGTERM inside a trial arrives as RunInterrupted, not Terminated
+        if sweep.stop_signal(exc):
+            _pass_on(procs)  # only this process was told (Ctrl-C reached the whole group)
         raise
     finally:
         start.set()
