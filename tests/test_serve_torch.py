@@ -182,7 +182,7 @@ def test_malformed_bodies_unknown_model_and_routes(server, client):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="n=3"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=3)
-    assert httpx.get(server.base_url + "/v1/nothing").json()["error"]["code"] == 404
+    assert httpx.get(server.base_url + "/v1/nothing").json()["error"]["code"] == "not_found"
     assert _greedy(client, [1, 2], 2).usage.completion_tokens == 2  # still serving
 
 

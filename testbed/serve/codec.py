@@ -8,7 +8,7 @@ the client sets `ignore_eos`).
 Fallback (tokenizer-less random checkpoints such as `model=tiny-llama`, and `executor=sim`):
 - output token id `t` renders as the text `" t"` (a space, then the decimal id), so a reply is
   the readable list of ids the model sampled: `" 17 30512 8"`;
-- a text prompt made only of whitespace-separated integers is read back as those ids (so a reply
+- a text prompt made only of whitespace-separated ASCII decimal integers is read back as those ids (so a reply
   can be fed back as a prompt); any other text is encoded as its UTF-8 bytes, one id per byte;
 - chat messages are joined as `"<role>: <content>\n"` lines followed by `"assistant:"`;
 - there is no EOS: a request ends at `max_tokens` or a stop string.
@@ -31,7 +31,7 @@ class Codec:
 
     def encode(self, text: str) -> list[int]:
         parts = text.split()
-        if parts and all(p.isdigit() for p in parts):
+        if parts and all(p.isascii() and p.isdigit() for p in parts):  # not "²" or "٣": text
             return [int(p) for p in parts]
         return list(text.encode("utf-8"))
 

@@ -62,9 +62,12 @@ class Server:
     def _uvicorn_server(self):
         import uvicorn
 
-        config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port,
-                                log_level=self.settings.log_level, timeout_graceful_shutdown=self.settings.drain_timeout_s,
-                                lifespan="off", access_log=False)
+        from testbed.serve.limits import guarded_protocol
+
+        st = self.settings
+        config = uvicorn.Config(self.app, host=st.host, port=st.port, log_level=st.log_level,
+                                timeout_graceful_shutdown=st.drain_timeout_s, lifespan="off", access_log=False,
+                                http=guarded_protocol(st.header_timeout_s), timeout_keep_alive=st.keep_alive_s)
         self._uvicorn = uvicorn.Server(config)
         return self._uvicorn
 
