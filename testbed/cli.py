@@ -100,7 +100,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Run a grid (comma lists are axes) and write a comparison table and figures."""
     from testbed.compare import cli_compare
 
-    return cli_compare(args.overrides, _console())
+    return cli_compare(args.overrides, _console(), yes=args.yes)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.set_defaults(func=cmd_tune)
     cp = sub.add_parser("compare", help="run a grid of experiments (comma lists are axes) and compare them")
     cp.add_argument("overrides", nargs="*", help="run overrides (policy=sarathi,vllm workload.rate=2,4) plus compare.*")
+    cp.add_argument("--yes", action="store_true", help="run a grid of more than 1,000 points (refused without)")
     cp.set_defaults(func=cmd_compare)
     rp = sub.add_parser("report", help="rebuild comparison tables and figures from MLflow runs")
     rp.add_argument("experiments", nargs="+", help="MLflow experiment name(s); several are combined")

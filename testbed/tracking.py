@@ -51,21 +51,24 @@ def artifact_root(cfg: Mapping[str, Any]) -> str:
     return (Path(str(out.get("dir") or "runs")).expanduser().resolve() / "mlartifacts").as_uri()
 
 
-def check_tracking_uri(uri: str, timeout_s: float = 3.0) -> None:
+def check_tracking_uri(uri: str, timeout_s: float = 3.0, key: str = "output.tracking_uri") -> None:
     """Refuse a tracking URI that cannot work before anything runs: an unknown scheme, a SQLite
     file in a folder that cannot be written, or an http(s) server that does not answer within
     `timeout_s` (MLflow itself retries for minutes before failing)."""
     from urllib.parse import urlsplit
 
+    from testbed.redact import redact
+
+    shown = redact(uri)
     scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else ""
     if scheme not in URI_SCHEMES:
-        raise ConfigError(f"invalid output.tracking_uri={uri!r}: unknown scheme {scheme or '(none)'!r}; "
+        raise ConfigError(f"invalid {key}={shown!r}: unknown scheme {scheme or '(none)'!r}; "
                           f"valid schemes: {', '.join(URI_SCHEMES)}")
     if scheme == "sqlite":
         path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
         folder = Path(path).expanduser().parent if path else None
         if folder is None or not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise ConfigError(f"invalid output.tracking_uri={uri!r}: folder {folder} is not a writable directory")
+            raise ConfigError(f"invalid {key}={shown!r}: folder {folder} is not a writable directory")
     elif scheme in ("http", "https"):
         import socket
 
@@ -73,12 +76,12 @@ def check_tracking_uri(uri: str, timeout_s: float = 3.0) -> None:
         host = parts.hostname
         port = parts.port or (443 if scheme == "https" else 80)
         if not host:
-            raise ConfigError(f"invalid output.tracking_uri={uri!r}: no host")
+            raise ConfigError(f"invalid {key}={shown!r}: no host")
         try:
             socket.create_connection((host, port), timeout=timeout_s).close()
         except OSError as exc:
-            raise ConfigError(f"MLflow tracking server {uri} is not reachable ({exc.strerror or exc}); "
-                              f"start it (mlflow server) or set output.tracking_uri / output.mlflow=false") from None
+            raise ConfigError(f"MLflow tracking server {shown} is not reachable ({exc.strerror or exc}); "
+                              f"start it (mlflow server) or set {key} / output.mlflow=false") from None
 
 
 def _lock_for(uri: str):
@@ -260,8 +263,13 @@ class Tracker:
         tag_list = [RunTag(k, str(v)) for k, v in tags.items()]
         for i in range(0, max(len(ms), 1), 1000):
             self.client.log_batch(run_id, metrics=ms[i:i + 1000], tags=tag_list if i == 0 else [])
-        for path in artifacts:
-            self.client.log_artifact(run_id, str(path))
+        try:
+            for path in artifacts:
+                self.client.log_artifact(run_id, str(path))
+        except Exception as exc:  # e.g. a full disk under the artifact store: the run still ends, FAILED
+            self.client.set_tag(run_id, "artifact_error", f"{type(exc).__name__}: {exc}"[:5000])
+            self.client.set_terminated(run_id, "FAILED")
+            raise
         self.client.set_terminated(run_id, status)
 
     def fail(self, run_id: str, error: BaseException | str, status: str = "FAILED") -> None:

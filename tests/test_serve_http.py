@@ -105,3 +105,34 @@ def test_limits_are_validated():
         ServeSettings(max_body_bytes=10)
     with pytest.raises(ConfigError, match="serve.header_timeout_s"):
         ServeSettings(header_timeout_s=0)
+
+
+def test_requests_cut_at_shutdown_make_the_mlflow_run_killed(tmp_path):
+    """docs/serving.md: KILLED when requests had to be aborted at shutdown (they were recorded
+    FINISHED: uvicorn cancels the open handlers first, so none looked open any more)."""
+    import threading
+
+    from mlflow.tracking import MlflowClient
+
+    srv = _server(tmp_path, "serve.time_scale=1", "serve.drain_timeout_s=0.5", mlflow=True)
+    first = threading.Event()
+
+    def stream():
+        body = {"prompt": [1] * 16, "max_tokens": 5000, "stream": True}
+        try:
+            with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=60) as r:
+                for _ in r.iter_lines():
+                    first.set()
+        except httpx.HTTPError:
+            pass
+        first.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(60)
+    srv.shutdown()
+    reader.join(60)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name("testbed").experiment_id])[0]
+    assert run.info.status == "KILLED"
+    assert run.data.metrics["num_finished"] == 0

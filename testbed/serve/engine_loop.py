@@ -102,6 +102,10 @@ class EngineLoop:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.gens: dict[int, Generation] = {}
         self.dead: str | None = None  # the engine failed: the server answers 503
+        # set when the server starts to shut down: requests aborted from then on were cut by the
+        # shutdown (uvicorn cancels their handlers, which abort them), so the run is KILLED
+        self.draining = False
+        self.aborted_at_shutdown = 0
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._touched: list[Generation] = []
@@ -191,6 +195,7 @@ class EngineLoop:
             if self.gens.pop(gen.request_id, None) is not None:
                 self.ctrl.abort(gen.request_id, f"aborted: {reason}")
                 gen.ended = True
+                self.aborted_at_shutdown += self.draining
                 if self.metrics is not None:
                     self.metrics.on_abort()
 
@@ -242,4 +247,5 @@ class EngineLoop:
         for gen in list(self.gens.values()):
             self.gens.pop(gen.request_id)
             self._end(gen, "abort", reason)
+            self.aborted_at_shutdown += 1
         self.ctrl.fail_unfinished(f"aborted: {reason}")

@@ -68,7 +68,7 @@ class Server:
         config = uvicorn.Config(self.app, host=st.host, port=st.port, log_level=st.log_level,
                                 timeout_graceful_shutdown=st.drain_timeout_s, lifespan="off", access_log=False,
                                 http=guarded_protocol(st.header_timeout_s), timeout_keep_alive=st.keep_alive_s)
-        self._uvicorn = uvicorn.Server(config)
+        self._uvicorn = _Uvicorn(config, self.engine)
         return self._uvicorn
 
     def serve_forever(self, console=None) -> RunResult:
@@ -101,13 +101,13 @@ class Server:
             self._uvicorn.should_exit = True
             self._thread.join(self.settings.drain_timeout_s + 5)
         engine = self.engine
-        aborted = engine.num_open
+        engine.draining = True
         try:
             engine.stop()
         finally:
             self.ctrl.executor.shutdown()
         self.result = self._result(engine.dead)
-        self._close_tracking(aborted)
+        self._close_tracking(engine.aborted_at_shutdown)
         return self.result
 
     def _result(self, error: str | None) -> RunResult:
@@ -129,6 +129,26 @@ class Server:
             self.tracker.finish(self.run_id, self.result, run_dir)
             if aborted and not self.result.error:
                 self.tracker.client.set_terminated(self.run_id, "KILLED")
+
+
+def _Uvicorn(config, engine):
+    """uvicorn's server, imported here (importing this package stays cheap)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server that tells the engine when its graceful shutdown begins (SIGTERM,
+        Ctrl-C or `should_exit`), so that requests it then cancels count as cut, not as clients
+        that went away."""
+
+        def __init__(self, config, engine) -> None:
+            super().__init__(config)
+            self.engine = engine
+
+        async def shutdown(self, sockets=None) -> None:
+            self.engine.draining = True
+            await super().shutdown(sockets=sockets)
+
+    return _Server(config, engine)
 
 
 def build_server(cfg: dict, console=None) -> Server:
