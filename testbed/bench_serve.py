@@ -225,7 +225,7 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
     slo = SLO(**cfg["slo"])
     if requests is None:
         requests = build_workload(cfg["workload"], data_dir(cfg))
-    name = run_name(cfg).replace(f"_{cfg['policy']['name']}_", f"_{label}_", 1)
+    name = run_name(cfg, who=label)  # not the policy: the server ran its own
     tracker = run_id = None
     if cfg["output"].get("mlflow", True):
         from testbed.tracking import Tracker

@@ -27,10 +27,21 @@ from engine.errors import TestbedError
 EXIT_USER_ERROR = 2
 
 
-def _console():
+PIPED_WIDTH = 200  # columns for tables when output goes to a file or pipe (text is never wrapped there)
+
+
+def _console(stderr: bool = True):
+    """rich's console; off a terminal (a pipe, a file, CI) rich would wrap every line at 80
+    columns, breaking paths, URLs and copied commands: there text is not wrapped at all and
+    tables get PIPED_WIDTH columns (`COLUMNS=` still wins)."""
+    import os
+
     from rich.console import Console
 
-    return Console(stderr=True)
+    console = Console(stderr=stderr)
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return console
+    return Console(stderr=stderr, soft_wrap=True, width=PIPED_WIDTH)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -131,11 +142,9 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
         run(args)
         return 0
-    from rich.console import Console
-
     from testbed.bench_engine_grid import run_grid
 
-    run_grid(args, Console())
+    run_grid(args, _console(stderr=False))
     return 0
 
 

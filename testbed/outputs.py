@@ -174,13 +174,17 @@ def _short(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def folder_name(cfg: Mapping[str, Any]) -> str:
-    """`output.run_name`, else `<policy>_<workload>_<UTC time>` (sortable, no spaces)."""
+def folder_name(cfg: Mapping[str, Any], who: str | None = None, what: str | None = None) -> str:
+    """`output.run_name`, else the one pattern of every command's run folder,
+    `<who>_<what>_<UTC time>` (no spaces; sorts by who, then what, then time): who ran (the
+    policy; `bench serve`: its --label, since it did not run the server's policy) and on what
+    (the workload; `serve`: `serve-<executor>`)."""
     name = (cfg.get("output") or {}).get("run_name")
     if name:
         return check_run_name(str(name))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return f"{cfg['policy']['name']}_{cfg['workload']['name']}_{stamp}"
+    parts = (who or str(cfg["policy"]["name"]), what or str(cfg["workload"]["name"]))
+    return "_".join(re.sub(r"[^A-Za-z0-9.=+-]+", "-", p) for p in parts) + f"_{stamp}"
 
 
 run_name = folder_name  # older name, used by callers outside `testbed run`

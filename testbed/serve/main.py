@@ -177,8 +177,7 @@ def build_server(cfg: dict, console=None) -> Server:
                       link_latency_s=stub.link_latency_s)
     model = prepared.cost.model
     name = settings.model_name or str(cfg["model"].get("name") or model.name)
-    stamp = run_name(cfg) if (cfg.get("output") or {}).get("run_name") else \
-        f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}_{prepared.info['policy']}_serve-{ex_name}"
+    stamp = run_name(cfg, who=prepared.info["policy"], what=f"serve-{ex_name}")
     info = dict(prepared.info, run_name=stamp, time_scale=settings.time_scale, model_name=name)
     tracker = run_id = None
     if cfg["output"].get("mlflow", True):
