@@ -212,6 +212,7 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
     jobs = make_jobs(p, parent.run_id)
     if console is not None:
         _print_start(console, p)
+        parent.print_link(console)
     out = p.cfgs[0].get("output") or {}
     rows: list[dict] = []
     t0 = time.perf_counter()

@@ -339,7 +339,8 @@ def runs_frame(experiments: Sequence[str], tracking_uri: str) -> tuple[pd.DataFr
         if row["status"] == "finished" and r.get("tags.optuna.state") == "FAIL":
             row["status"] = "failed"
         for col in raw.columns:
-            if col.startswith("metrics.") and not col.startswith(("metrics.step.", "metrics.best.")):
+            if col.startswith("metrics.") and not col.startswith(("metrics.step.", "metrics.best.",
+                                                                  "metrics.headline/")):  # copies
                 row[col[len("metrics."):]] = r[col]
         err = r.get("tags.error")
         row["error"] = err if isinstance(err, str) else None

@@ -104,13 +104,10 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
     for e in errors if not unwritten else ():  # a full disk fails these too: its one line says it
         console.print(f"[red]error:[/red] {escape(e)}")
     if bg.tracker is not None and bg.tracker.experiment_id is not None:
-        from testbed.tracking import tracking_uri
+        from testbed.tracking import chart_link, tracking_uri
 
-        from testbed.redact import redact
-
-        console.print(f"[dim]MLflow: mlflow ui --backend-store-uri {escape(redact(tracking_uri(result.config)))}, then "
-                      f"http://127.0.0.1:5000/#/experiments/{bg.tracker.experiment_id}?workflowType=machine_learning"
-                      f"[/dim]", highlight=False, soft_wrap=True)
+        console.print(chart_link(tracking_uri(result.config), bg.tracker.experiment_id), highlight=False,
+                      soft_wrap=True, markup=False)
     if stopped:
         console.print(f"[yellow]interrupted ({stopped}):[/yellow] {result.summary['num_finished']} of "
                       f"{result.summary['num_requests']} requests finished; the others are reported failed")

@@ -217,6 +217,11 @@ class ParentRun:
             self.run_id = self.tracker.client.create_run(self.tracker.experiment_id, run_name=run_name,
                                                          tags=dict(tags)).info.run_id
 
+    def print_link(self, console: Any) -> None:
+        """The experiment's chart view (tracking.chart_link), as soon as the experiment exists."""
+        if self.tracker is not None and console is not None:
+            console.print(self.tracker.link, highlight=False, soft_wrap=True, markup=False)
+
     def log(self, metrics: Mapping[str, float], tags: Mapping[str, str] | None = None) -> None:
         if self.tracker is None:
             return

@@ -54,3 +54,28 @@ def test_run_folders_follow_one_pattern(tmp_path):
     assert folder_name(cfg, who="served").startswith("served_synthetic_")  # bench serve: its label
     assert folder_name(cfg, who="gllm", what="serve-sim").startswith("gllm_serve-sim_")
     assert folder_name(cfg, who="my label/x").startswith("my-label-x_synthetic_")
+
+
+def test_run_prints_its_experiments_chart_view_with_the_headline_first(tmp_path, capsys):
+    """Issue 25, item 11: the link opens MLflow's chart view of this run's experiment, whose
+    first section (MLflow puts named sections before "Model metrics") holds the headline."""
+    from mlflow.tracking import MlflowClient
+
+    from mlflow_db import fresh_mlflow_db
+    from testbed.cli import main
+    from testbed.tracking import HEADLINE_METRICS
+
+    uri = fresh_mlflow_db(tmp_path)
+    assert main(["run", f"output.dir={tmp_path}", "output.plots=false", "output.progress=false", "workload=synthetic",
+                 "workload.num_requests=20"]) == 0
+    err = capsys.readouterr().err
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("testbed")
+    link = [ln for ln in err.splitlines() if ln.startswith("MLflow charts:")]
+    assert len(link) == 1 and link[0].endswith(
+        f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
+        f"&compareRunsMode=CHART"), err
+    assert f"--backend-store-uri {uri}" in link[0]
+    metrics = client.search_runs([exp.experiment_id])[0].data.metrics
+    assert {k for k in metrics if "/" in k} == {f"headline/{m}" for m in HEADLINE_METRICS}
+    assert all(metrics[f"headline/{m}"] == metrics[m] for m in HEADLINE_METRICS)

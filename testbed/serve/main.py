@@ -254,6 +254,8 @@ def cli_serve(overrides: list[str], console) -> int:
     console.print(f"serving {info['model_name']!r} ({info['executor']}, policy {info['policy']}, "
                   f"P={server.ctrl.pipeline_depth}, KV {info['kv_num_blocks']} blocks x {info['kv_block_size']}, "
                   f"text: {info['codec']}) on http://{st.host}:{st.port}  (Ctrl-C to stop)")
+    if server.tracker is not None:
+        console.print(server.tracker.link, highlight=False, soft_wrap=True, markup=False)
     try:
         result = server.serve_forever(console)
     except (KeyboardInterrupt, _Terminated):
