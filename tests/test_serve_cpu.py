@@ -49,3 +49,32 @@ def test_cpu_pool_arithmetic():
     assert cpu_pool_blocks(1 << 20, 64 * GIB, max_blocks=100) == 100
     with pytest.raises(ConfigError, match="kv.num_blocks"):
         cpu_pool_blocks(1 << 30, 1 * GIB)
+
+
+def test_an_outside_client_with_the_checkpoints_tokenizer_counts_the_servers_tokens(server):
+    """Issue 25, item 12: the random checkpoint ships tokenizer.json; a client that loads it (as
+    aiperf and guidellm do) counts exactly the prompt and completion tokens the server reports."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    folder = Path(server.ctrl.executor.model_path)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))  # the client's own copy, not the server's codec
+    assert server.info["codec"] == "random-tokenizer"
+    prompts = ["The quick brown fox jumps over 17 lazy dogs", "  ünïcødé ² text\twith 30512 tabs  ", "5 6 7 8 9"]
+    for i, prompt in enumerate(prompts):
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 1.0, "seed": i, "ignore_eos": True}
+        r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120).json()
+        assert r["usage"]["prompt_tokens"] == len(tok.encode(prompt).ids), prompt
+        text = r["choices"][0]["text"]
+        assert len(tok.encode(text).ids) == r["usage"]["completion_tokens"] == 12, text
+    chat = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=chat, timeout=120) as r:
+        import json
+
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    usage = events[-1]["usage"]
+    assert len(tok.encode(text).ids) == usage["completion_tokens"] == 5
+    assert usage["prompt_tokens"] == len(tok.encode("user: Hello there\nassistant:").ids) == 4

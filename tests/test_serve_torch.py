@@ -120,7 +120,7 @@ def test_stop_strings_stop_token_ids_and_seeds(client):
     r = _greedy(client, [40, 41, 42], 8, extra_body={"stop_token_ids": [ids[k]]})
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == k + 1
     assert r.choices[0].text.split() == [str(t) for t in ids[:k]]
-    full = "".join(f" {t}" for t in ids)
+    full = " ".join(str(t) for t in ids)  # the random checkpoint's tokenizer: "17 30512 8"
     stop = f" {ids[k]} {ids[k + 1]}" if k + 1 < 8 else f" {ids[k]}"
     r = _greedy(client, [40, 41, 42], 8, stop=[stop])
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[:full.find(stop)]
