@@ -25,6 +25,18 @@ def server(tmp_path_factory):
     srv.shutdown()
 
 
+def test_the_server_warms_up_before_it_listens_then_forgets_the_warm_up(server):
+    """Issue 25, item 12: /health answers once the engine has served its warm-up requests
+    (serve.warmup_requests=4), which the run's results do not count."""
+    from engine.metrics import microbatch_rows, request_rows
+
+    ctrl = server.ctrl
+    assert ctrl.executor.num_launched >= 4  # prefill and decode micro-batches ran before any client
+    assert request_rows(ctrl) == [] and microbatch_rows(ctrl) == []
+    assert ctrl.num_finished == 0 and ctrl.executor.tracer.busy == {} and ctrl.kv.num_used == 0
+    assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+
+
 def test_cpu_pool_is_sized_from_available_memory(server):
     from engine.settings import MAX_KV_BLOCKS
     from engine.torch_exec.kv_sizing import CPU_KV_CAP_BYTES, block_bytes, cpu_pool_for

@@ -124,6 +124,14 @@ class EngineLoop:
     def abort(self, gen: Generation, reason: str) -> None:
         self._post(("abort", gen, reason))
 
+    def reset_statistics(self, timeout_s: float = 60.0) -> None:
+        """Forget the requests served so far (after the warm-up), on the engine thread, which
+        owns the controller; waits until done."""
+        done = threading.Event()
+        self._post(("reset", done))
+        if not done.wait(timeout_s):
+            raise RuntimeError("the engine thread did not reset its statistics")
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """End the loop; requests still open are aborted (their KV freed) and told so."""
         self._stop.set()
@@ -190,6 +198,10 @@ class EngineLoop:
                 self._end(gen, "error", gen.seq.fail_reason)
             else:
                 self.gens[gen.request_id] = gen
+        elif kind == "reset":
+            if not (self.gens or self.ctrl.waiting or self.ctrl.running or self.ctrl.inflight):
+                self.ctrl.reset_statistics()
+            item[1].set()
         elif kind == "abort":
             gen, reason = item[1], item[2]
             if self.gens.pop(gen.request_id, None) is not None:

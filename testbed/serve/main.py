@@ -196,6 +196,10 @@ def build_server(cfg: dict, console=None) -> Server:
         codec = load_codec(path, codec_vocab)
         engine.codec = codec
         engine.incremental = codec.name == "fallback"
+        if ex_name != "sim":  # before the socket listens: /health means warm (testbed/serve/warmup.py)
+            from testbed.serve.warmup import warm_up
+
+            warm_up(engine, settings.warmup_requests, codec_vocab, model.max_position_embeddings)
         metrics = ServeMetrics(ctrl, name)
         engine.metrics = metrics
         context = model.max_position_embeddings if ex_name != "sim" else None

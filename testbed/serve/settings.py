@@ -37,12 +37,16 @@ class ServeSettings:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
+    warmup_requests: int = 4  # executor=torch: served and forgotten before the server listens (0 = none)
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise bad_value("serve.port", self.port, "must be a port number (0 = pick a free one)")
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise bad_value("serve.max_queue", self.max_queue, "must be an integer >= 1")
+        if isinstance(self.warmup_requests, bool) or not isinstance(self.warmup_requests, int) \
+                or self.warmup_requests < 0:
+            raise bad_value("serve.warmup_requests", self.warmup_requests, "must be an integer >= 0 (0 = no warm-up)")
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
                 or self.max_body_bytes < 1024:
             raise bad_value("serve.max_body_bytes", self.max_body_bytes, "must be an integer >= 1024")
