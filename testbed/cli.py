@@ -97,6 +97,11 @@ def cmd_test(pytest_args: list[str]) -> int:
     args = [str(Path(a).resolve()) + (a[len(a.split("::")[0]):] if "::" in a else "")
             if not a.startswith("-") and Path(a.split("::")[0]).exists() else a for a in pytest_args]
     os.chdir(root)
+    # pyproject's addopts already says -q: a second -q (-qq) would drop the pass/fail summary line.
+    # Progress as counts ([ 123/788]) rather than percentages.
+    args = [a for a in args if a != "-q"]
+    if not any(a.startswith("console_output_style") for a in args):
+        args = ["-o", "console_output_style=count", *args]
     return int(pytest.main(args))
 
 

@@ -79,3 +79,12 @@ def test_run_prints_its_experiments_chart_view_with_the_headline_first(tmp_path,
     metrics = client.search_runs([exp.experiment_id])[0].data.metrics
     assert {k for k in metrics if "/" in k} == {f"headline/{m}" for m in HEADLINE_METRICS}
     assert all(metrics[f"headline/{m}"] == metrics[m] for m in HEADLINE_METRICS)
+
+
+def test_test_command_keeps_its_summary_with_q_and_counts_as_it_goes():
+    """Issue 25, item 15: `./tb test -q` printed dots only (-q twice with pyproject's addopts)."""
+    proc = subprocess.run([sys.executable, "-m", "testbed.cli", "test", "-q", "tests/test_kv.py", "-p",
+                           "no:cacheprovider"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert "passed" in lines[-1] and "/4]" in proc.stdout, proc.stdout
