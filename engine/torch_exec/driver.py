@@ -271,22 +271,12 @@ class TorchExecutor(FailureDiagnosis, Executor):
             self.model_path = os.path.abspath(path)
             self.arch = arch = read_arch(path)
         self.layers = self._layer_ranges(arch.num_layers)
-        if st.device == "cpu" and st.launch == "spawn" and self.run_config.kv.num_blocks is None:
-            self._size_cpu_pool(arch, st.resolved_dtype)  # the cost model's default is sized for GPUs
         num_blocks, block_size = self.kv.num_blocks, self.kv.block_size
         check_kv_memory(self.settings, arch, num_blocks, block_size)
         seed = st.prompt_seed if st.prompt_seed is not None else self.run_config.seed
         self._prompt_seed = seed
         self._vocab = arch.vocab_size
         return num_blocks, block_size
-
-    def _size_cpu_pool(self, arch, dtype: str) -> None:
-        from engine.settings import MAX_KV_BLOCKS
-        from engine.torch_exec.kv_sizing import cpu_pool_for
-
-        n = cpu_pool_for(arch, self.kv.block_size, dtype, MAX_KV_BLOCKS)
-        if n is not None:
-            self.kv.resize(n)
 
     def _size_pool(self, deadline: float) -> None:
         """The KV pool from the stages' measured memory (engine/torch_exec/kv_sizing.py): a first
