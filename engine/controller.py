@@ -345,6 +345,21 @@ class Controller:
             self._drop(seq, reason)
         return True
 
+    def reset_statistics(self) -> None:
+        """Forget every request and micro-batch so far, as if the run started now: a server's
+        warm-up requests (testbed/serve/warmup.py) must not count in its results. Only between
+        requests: nothing waiting, running or in flight."""
+        if self.waiting or self.running or self.inflight:
+            raise RuntimeError("reset_statistics() while requests are in progress")
+        self.sequences = {r.request_id: s for r, s in ((s.request, s) for s in self.sequences.values())
+                          if r in self.requests}  # an offline run's own requests stay
+        self.records = []
+        self.num_finished = self.num_failed = self.num_preemptions = 0
+        self._active_since = self.first_launch_s = self.last_complete_s = None
+        self.active_time = 0.0
+        tracer = self.executor.tracer
+        tracer.spans, tracer.busy, tracer.dropped = [], {}, 0
+
     def finish_early(self, seq: Sequence) -> None:
         """Make the token that `seq`'s in-flight micro-batch samples its last (EOS or a stop string,
         seen by the caller between `next_completion` and `complete`). The request then reads as if

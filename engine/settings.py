@@ -55,6 +55,9 @@ class KVSettings:
         check(self, "kv")
 
 
+MAX_LINK_LATENCY_S = 3600.0
+
+
 @dataclass(frozen=True)
 class Link:
     """A resolved stage-to-stage link: both numbers known, and whether the run named it."""
@@ -69,8 +72,10 @@ class LinkSettings:
     """`link.*`: null = the hardware's link (see the module docstring). Values with units are parsed
     by engine/units.py: `bandwidth` to bytes/s ("1Gbps", "20.8GB/s"), `latency` to seconds ("30us")."""
 
-    bandwidth: float | None = setting(None, parse=parse_bandwidth)
-    latency: float | None = setting(None, parse=parse_duration)
+    # at least 1 kB/s: slower, one activation transfer takes longer than any run (1e-300 gave inf)
+    bandwidth: float | None = setting(None, parse=parse_bandwidth, min=1e3)
+    # at most an hour: beyond that simulated times lose their precision (1e308 s gave inf and NaN)
+    latency: float | None = setting(None, parse=parse_duration, max=MAX_LINK_LATENCY_S)
 
     def __post_init__(self) -> None:
         check(self, "link")

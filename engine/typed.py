@@ -194,7 +194,11 @@ def coerce(key: str, value: Any, hint: Any, meta: Mapping[str, Any] | None = Non
     """`value` checked and converted for a field of type `hint` with `meta` (see `setting`)."""
     meta = meta or {}
     if value is not None and "parse" in meta:
-        return meta["parse"](value, key)
+        out = meta["parse"](value, key)
+        bounds = {k: v for k, v in meta.items() if k in ("min", "max", "gt", "lt")}
+        if bounds and isinstance(out, (int, float)):  # "2h" parses to 7200 s: the bounds apply to that
+            _check_meta(key, value, out, float, bounds)
+        return out
     try:
         out = _coerce_union(value, hint)
     except _Mismatch:

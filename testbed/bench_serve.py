@@ -227,7 +227,7 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
     slo = SLO(**cfg["slo"])
     if requests is None:
         requests = build_workload(cfg["workload"], data_dir(cfg))
-    name = run_name(cfg).replace(f"_{cfg['policy']['name']}_", f"_{label}_", 1)
+    name = run_name(cfg, who=label)  # not the policy: the server ran its own
     tracker = run_id = None
     if cfg["output"].get("mlflow", True):
         from testbed.tracking import Tracker
@@ -263,6 +263,7 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
     write_run_dir(result, run_dir, plots=False)
     if tracker is not None:
         tracker.finish(run_id, result, run_dir, steps=False)
+        result.info["mlflow_link"] = tracker.link
     return result, run_dir
 
 
@@ -297,5 +298,7 @@ def cli_bench_serve(args, console) -> int:
     console.print(t)
     if result.info.get("failures"):
         console.print(f"[yellow]{result.info['failures']}[/yellow]")
+    if result.info.get("mlflow_link"):
+        console.print(result.info["mlflow_link"], highlight=False, soft_wrap=True, markup=False)
     print(run_dir.resolve())
     return 1 if result.error else 0

@@ -80,6 +80,9 @@ def _with_default(overrides: list[str], key: str, value: Any) -> list[str]:
 
 # ---- profile ---------------------------------------------------------------------------------
 def cmd_profile(args, console) -> int:
+    if args.repeats < 1:  # 0 timed nothing and saved an empty profile
+        raise ConfigError(f"invalid --repeats={args.repeats}: must be an integer >= 1 (timed launches per "
+                          f"designed batch; default 3)")
     overrides = list(args.overrides)
     out_dir = Path(args.out) if args.out else profile_dir()
     if args.import_path or args.table:

@@ -27,10 +27,21 @@ from engine.errors import TestbedError
 EXIT_USER_ERROR = 2
 
 
-def _console():
+PIPED_WIDTH = 200  # columns for tables when output goes to a file or pipe (text is never wrapped there)
+
+
+def _console(stderr: bool = True):
+    """rich's console; off a terminal (a pipe, a file, CI) rich would wrap every line at 80
+    columns, breaking paths, URLs and copied commands: there text is not wrapped at all and
+    tables get PIPED_WIDTH columns (`COLUMNS=` still wins)."""
+    import os
+
     from rich.console import Console
 
-    return Console(stderr=True)
+    console = Console(stderr=stderr)
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return console
+    return Console(stderr=stderr, soft_wrap=True, width=PIPED_WIDTH)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -86,6 +97,11 @@ def cmd_test(pytest_args: list[str]) -> int:
     args = [str(Path(a).resolve()) + (a[len(a.split("::")[0]):] if "::" in a else "")
             if not a.startswith("-") and Path(a.split("::")[0]).exists() else a for a in pytest_args]
     os.chdir(root)
+    # pyproject's addopts already says -q: a second -q (-qq) would drop the pass/fail summary line.
+    # Progress as counts ([ 123/788]) rather than percentages.
+    args = [a for a in args if a != "-q"]
+    if not any(a.startswith("console_output_style") for a in args):
+        args = ["-o", "console_output_style=count", *args]
     return int(pytest.main(args))
 
 
@@ -100,7 +116,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Run a grid (comma lists are axes) and write a comparison table and figures."""
     from testbed.compare import cli_compare
 
-    return cli_compare(args.overrides, _console())
+    return cli_compare(args.overrides, _console(), yes=args.yes)
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
@@ -139,11 +155,9 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
         run(args)
         return 0
-    from rich.console import Console
-
     from testbed.bench_engine_grid import run_grid
 
-    run_grid(args, Console())
+    run_grid(args, _console(stderr=False))
     return 0
 
 
@@ -222,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.set_defaults(func=cmd_tune)
     cp = sub.add_parser("compare", help="run a grid of experiments (comma lists are axes) and compare them")
     cp.add_argument("overrides", nargs="*", help="run overrides (policy=sarathi,vllm workload.rate=2,4) plus compare.*")
+    cp.add_argument("--yes", action="store_true", help="run a grid of more than 1,000 points (refused without)")
     cp.set_defaults(func=cmd_compare)
     ca = sub.add_parser("capacity", help="the highest request rate each grid point sustains under an SLO "
                                          "(capacity.criterion=, capacity.target=; --base-url: a live server)")

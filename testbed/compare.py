@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import sys
 import time
@@ -50,6 +51,9 @@ from testbed.report import FIGURE_METRICS, print_table, sort_rows, write_compari
 from testbed.tune.objectives import SCALAR_KEYS, resolve_metric
 
 COMPARE_KEYS = ("workers", "experiment", "x", "metrics")
+# grids larger than this need --yes: composing alone takes ~4 ms a point (200,000 points: 12 minutes
+# of silence before the first run), and each point is a run and an MLflow run
+CONFIRM_POINTS = 1000
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,9 @@ class Point:
         return f"{self.index:03d}_" + re.sub(r"[^A-Za-z0-9_.=+-]+", "_", self.label)[:120]
 
 
-def grid(overrides: Sequence[str]) -> tuple[list[str], list[Point]]:
-    """Split sweep overrides (axes) from fixed ones and expand the grid. Returns (axis keys, points)."""
+def grid(overrides: Sequence[str], confirmed: bool = True) -> tuple[list[str], list[Point]]:
+    """Split sweep overrides (axes) from fixed ones and expand the grid. Returns (axis keys, points).
+    Unless `confirmed`, a grid of more than CONFIRM_POINTS points is refused before it is built."""
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r} is not key=value (e.g. policy=sarathi,vllm, workload.rate=2,4)")
@@ -115,6 +120,11 @@ def grid(overrides: Sequence[str]) -> tuple[list[str], list[Point]]:
         if len(set(values)) != len(values):
             raise ConfigError(f"axis {key} lists a value twice: {text}")
         axes.append((key, values))
+    size = math.prod(len(v) for _, v in axes)
+    if size > CONFIRM_POINTS and not confirmed:
+        shape = " x ".join(f"{k} ({len(v):,})" for k, v in axes)
+        raise ConfigError(f"the grid has {size:,} points ({shape}), each a run and an MLflow run; "
+                          f"add --yes to run them all, or shorten an axis (up to {CONFIRM_POINTS:,} run without --yes)")
     points = []
     for i, combo in enumerate(itertools.product(*[v for _, v in axes])):
         pairs = tuple((k.lstrip("+~"), v) for (k, _), v in zip(axes, combo))
@@ -167,11 +177,13 @@ class Plan:
     overrides: list[str]
 
 
-def plan(overrides: Sequence[str]) -> Plan:
+def plan(overrides: Sequence[str], confirmed: bool = True, console: Any = None) -> Plan:
     """Parse the settings and compose every grid point (every typo surfaces here, exit 2)."""
     raw, rest = split_prefixed(overrides, "compare")
     settings = parse_settings(raw)
-    axes, points = grid(rest)
+    axes, points = grid(rest, confirmed)
+    if console is not None and len(points) > CONFIRM_POINTS:
+        console.print(f"composing and checking {len(points):,} grid points first ...", highlight=False)
     cfgs = [to_container(compose(list(p.overrides))) for p in points]
     if settings.x is not None and settings.x not in axes:
         raise ConfigError(f"compare.x={settings.x!r} is not an axis; axes: {', '.join(axes) or '(none)'}")
@@ -189,17 +201,18 @@ def make_jobs(p: Plan, parent_run_id: str | None) -> list[sweep.Job]:
             for pt, cfg in zip(p.points, p.cfgs)]
 
 
-def run_compare(overrides: Sequence[str], console: Any = None) -> tuple[Path, Any]:
+def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool = True) -> tuple[Path, Any]:
     """Validate the whole grid, run it, write and log the comparison. Returns (dir, table).
     Interrupted (KeyboardInterrupt, sweep.Terminated): the table so far is written, the runs
     end KILLED, and the interrupt propagates."""
-    p = plan(overrides)
+    p = plan(overrides, confirmed, console)
     parent = sweep.ParentRun(p.cfgs[0], p.name, p.name, {
         "testbed.kind": "compare", "testbed.axes": json.dumps(p.axes),
         "compare.overrides": " ".join(p.overrides)[:5000], "compare.points": str(len(p.points))})
     jobs = make_jobs(p, parent.run_id)
     if console is not None:
         _print_start(console, p)
+        parent.print_link(console)
     out = p.cfgs[0].get("output") or {}
     rows: list[dict] = []
     t0 = time.perf_counter()
@@ -245,11 +258,12 @@ def _write(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, plot
     return df
 
 
-def cli_compare(overrides: Sequence[str], console: Any) -> int:
-    """`testbed compare`: 0, or 130 (Ctrl-C) / 143 (SIGTERM) with the partial table written."""
+def cli_compare(overrides: Sequence[str], console: Any, yes: bool = False) -> int:
+    """`testbed compare`: 0, or 130 (Ctrl-C) / 143 (SIGTERM) with the partial table written;
+    a grid over CONFIRM_POINTS points needs `yes` (--yes)."""
     with sweep.signals():
         try:
-            out_dir, _ = run_compare(overrides, console)
+            out_dir, _ = run_compare(overrides, console, confirmed=yes)
         except KeyboardInterrupt as exc:
             print(sweep.interrupted_message(exc), file=sys.stderr)
             return sweep.exit_code(exc)

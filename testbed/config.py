@@ -300,14 +300,16 @@ def _mapping(cfg: Mapping[str, Any], name: str) -> dict:
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1}: the MLflow params of a run."""
+    """{'a': {'b': 1}} -> {'a.b': 1}: the MLflow params of a run (URI passwords as `***`)."""
+    from testbed.redact import redact
+
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, Mapping):
             out.update(flatten(v, key + "."))
         else:
-            out[key] = v
+            out[key] = redact(v)
     return out
 
 

@@ -21,6 +21,7 @@ writes, not for imports (measured: pandas+matplotlib imports cost ~1.5 s of a 6 
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -31,8 +32,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from engine.errors import ConfigError, bad_value
+from engine.errors import ConfigError, TestbedError, bad_value
 from engine.trace import Tracer
+from testbed.redact import redacted
 
 if TYPE_CHECKING:
     from testbed.runner import RunResult
@@ -44,6 +46,7 @@ SAMPLE_PERIOD = 1024  # ... out of every this many
 SAMPLE_MAX_WINDOWS = 12  # written: at most this many windows, evenly spread over the run
 MAX_PLOT_POINTS = 2000  # points of the KV figure and of MLflow's step series
 TIMELINE_MICROBATCHES = 40
+MAX_RUN_NAME_BYTES = 200  # file systems allow 255 bytes per name; MLflow's run-name limit is 250 characters
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,14 @@ def check_run_name(name: str) -> str:
     if bad:
         raise bad_value("output.run_name", name, "must be a plain folder name inside output.dir "
                                                  "(no '/', not '.' or '..')")
+    if len(name.encode("utf-8", "surrogateescape")) > MAX_RUN_NAME_BYTES:  # leaves room for a '-2' suffix
+        raise bad_value("output.run_name", _ellipsis(name), f"is {len(name.encode('utf-8', 'surrogateescape'))} "
+                        f"bytes long; a folder name may have at most {MAX_RUN_NAME_BYTES}")
     return name
+
+
+def _ellipsis(text: str, keep: int = 40) -> str:
+    return text if len(text) <= keep else f"{text[:keep]}... ({len(text)} characters)" 
 
 
 class SampledTracer(Tracer):
@@ -164,13 +174,17 @@ def _short(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def folder_name(cfg: Mapping[str, Any]) -> str:
-    """`output.run_name`, else `<policy>_<workload>_<UTC time>` (sortable, no spaces)."""
+def folder_name(cfg: Mapping[str, Any], who: str | None = None, what: str | None = None) -> str:
+    """`output.run_name`, else the one pattern of every command's run folder,
+    `<who>_<what>_<UTC time>` (no spaces; sorts by who, then what, then time): who ran (the
+    policy; `bench serve`: its --label, since it did not run the server's policy) and on what
+    (the workload; `serve`: `serve-<executor>`)."""
     name = (cfg.get("output") or {}).get("run_name")
     if name:
         return check_run_name(str(name))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return f"{cfg['policy']['name']}_{cfg['workload']['name']}_{stamp}"
+    parts = (who or str(cfg["policy"]["name"]), what or str(cfg["workload"]["name"]))
+    return "_".join(re.sub(r"[^A-Za-z0-9.=+-]+", "-", p) for p in parts) + f"_{stamp}"
 
 
 run_name = folder_name  # older name, used by callers outside `testbed run`
@@ -214,6 +228,31 @@ def _clean(value):
     return value
 
 
+class OutputWriteError(TestbedError):
+    """The run folder could not be written (a full disk, a quota, a read-only mount)."""
+
+
+@contextlib.contextmanager
+def _atomic_open(path: Path):
+    """Write `path` whole or not at all: into `<name>.part`, renamed over `path` once complete, so a
+    full disk never leaves a truncated file behind (the partial one is removed)."""
+    part = path.with_name(path.name + ".part")
+    try:
+        with part.open("w", newline="") as fh:
+            yield fh
+        os.replace(part, path)
+    except BaseException as exc:
+        part.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # a failed write() names no file
+            exc.filename = str(path)
+        raise
+
+
+def _write_text(path: Path, text: str) -> None:
+    with _atomic_open(path) as fh:
+        fh.write(text)
+
+
 def write_csv(rows: list[dict], path: Path, float_digits: int | None = None) -> None:
     """Rows as CSV (columns in first-seen order; NaN and None as empty cells, as pandas writes).
     `float_digits` rounds floats to that many significant digits (default: exact repr)."""
@@ -221,7 +260,7 @@ def write_csv(rows: list[dict], path: Path, float_digits: int | None = None) -> 
     for r in rows:
         for k in r:
             cols.setdefault(k, None)
-    with path.open("w", newline="") as fh:
+    with _atomic_open(path) as fh:
         w = csv.writer(fh, lineterminator="\n")  # as pandas writes: the same bytes as earlier versions
         w.writerow(cols)
         keys = list(cols)
@@ -240,7 +279,22 @@ def _cell(v, digits: int | None):
 
 
 def write_run_dir(result: RunResult, out_dir: Path, plots: bool = True, trace: str | None = None) -> Path:
-    """Write the run folder. `trace` defaults to the run's `output.trace` (sampled)."""
+    """Write the run folder (each file whole or not at all). `trace` defaults to the run's
+    `output.trace` (sampled). A file that cannot be written raises OutputWriteError naming it."""
+    try:
+        _write_files(result, out_dir, trace)
+    except OSError as exc:
+        where = exc.filename or out_dir
+        raise OutputWriteError(f"cannot write the run folder {out_dir}: {exc.strerror or exc} ({where}); "
+                               f"free space there or choose another output.dir") from None
+    if plots:
+        from testbed.plots import render_plots
+
+        render_plots(plot_data(result), out_dir)
+    return out_dir
+
+
+def _write_files(result: RunResult, out_dir: Path, trace: str | None) -> None:
     from omegaconf import OmegaConf
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -248,22 +302,17 @@ def write_run_dir(result: RunResult, out_dir: Path, plots: bool = True, trace: s
     hardware = result.config.get("hardware") or {}
     # which cost profile priced the run (docs/calibration.md#measured-kernels): name and version
     summary |= {"hardware_profile": hardware.get("name"), "hardware_version": hardware.get("version")}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    info = dict(result.info)
+    _write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    info = redacted(dict(result.info))
     info["error"] = result.error
-    (out_dir / "run_info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
-    (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(result.config)))
+    _write_text(out_dir / "run_info.json", json.dumps(info, indent=2, default=str) + "\n")
+    _write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(redacted(result.config))))
     write_csv(result.requests, out_dir / "requests.csv")
     # 9 digits: 1 us at 1,000 s; exact reprs made the main job's file 3 MB (requests.csv stays exact)
     write_csv(result.microbatches, out_dir / "microbatches.csv")  # exact: byte-comparable across versions
     mode = trace or (result.config.get("output") or {}).get("trace", "sampled")
     if mode != "off":
         write_trace(result, out_dir / "trace.json")
-    if plots:
-        from testbed.plots import render_plots
-
-        render_plots(plot_data(result), out_dir)
-    return out_dir
 
 
 def trace_tracks(result: RunResult) -> list[str]:
@@ -276,7 +325,7 @@ def write_trace(result: RunResult, path: Path) -> None:
     line instead of built as one list of dicts: 3x faster and without a second copy in memory."""
     tracer = result.tracer
     tids = {t: i for i, t in enumerate(trace_tracks(result))}
-    with path.open("w") as fh:
+    with _atomic_open(path) as fh:
         fh.write('{"traceEvents": [\n')
         first = True
         for t, tid in tids.items():

@@ -28,6 +28,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from engine.errors import ConfigError
+from testbed.redact import redact
 
 TABLE_METRICS = ("throughput_tok_s", "output_throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s",
                  "tpot_p99_s", "e2el_mean_s", "e2el_p99_s", "slo_attainment", "bubble_ratio", "num_preemptions",
@@ -338,7 +339,8 @@ def runs_frame(experiments: Sequence[str], tracking_uri: str) -> tuple[pd.DataFr
         if row["status"] == "finished" and r.get("tags.optuna.state") == "FAIL":
             row["status"] = "failed"
         for col in raw.columns:
-            if col.startswith("metrics.") and not col.startswith(("metrics.step.", "metrics.best.")):
+            if col.startswith("metrics.") and not col.startswith(("metrics.step.", "metrics.best.",
+                                                                  "metrics.headline/")):  # copies
                 row[col[len("metrics."):]] = r[col]
         err = r.get("tags.error")
         row["error"] = err if isinstance(err, str) else None
@@ -352,7 +354,11 @@ def runs_frame(experiments: Sequence[str], tracking_uri: str) -> tuple[pd.DataFr
 
 
 def _check_store(uri: str) -> None:
-    """Refuse to *create* an empty SQLite store (MLflow would, taking ~7 s, then find nothing)."""
+    """Refuse a URI MLflow cannot open (one line, not its traceback), and refuse to *create* an
+    empty SQLite store (MLflow would, taking ~7 s, then find nothing)."""
+    from testbed.tracking import check_tracking_uri
+
+    check_tracking_uri(uri, key="--tracking-uri")
     if uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
         if not path.is_file():
@@ -409,7 +415,7 @@ def build_report(experiments: Sequence[str], tracking_uri: str, out: Path | None
                                                              "experiment_id", "trial", *axes))
             raise ConfigError(f"unknown metric {m!r}; valid choices: {', '.join(valid)}")
     write_comparison(df, axes, out_dir, x=x, metrics=table_metrics, figure_metrics=fig_metrics)
-    (out_dir / "report.json").write_text(json.dumps({"experiments": list(experiments), "tracking_uri": tracking_uri,
+    (out_dir / "report.json").write_text(json.dumps({"experiments": list(experiments), "tracking_uri": redact(tracking_uri),
                                                      "axes": axes, "runs": len(df)}, indent=2) + "\n")
     if console is not None:
         print_table(console, df, axes, f"{name}: {len(df)} runs",

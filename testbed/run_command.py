@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 from rich.markup import escape
 
-from testbed.outputs import (OutputSettings, display_name, folder_name, plot_data, prepare_output_dir,
-                             reserve_run_dir, write_run_dir)
+from testbed.outputs import (OutputSettings, OutputWriteError, display_name, folder_name, plot_data,
+                             prepare_output_dir, reserve_run_dir, write_run_dir)
 from testbed.runner import RunInterrupted, RunResult
 from testbed.sidecar import Background
 from testbed.signals import EXIT_CODES, one_stop, saving
@@ -90,8 +90,12 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
     t_write = time.perf_counter()
     if bg.figures is not None:
         bg.figures.render(str(run_dir), plot_data(result))  # rendered while the files are written
-    write_run_dir(result, run_dir, plots=False, trace=out.trace)
-    status = "KILLED" if stopped else ("FAILED" if result.error else "FINISHED")
+    try:
+        write_run_dir(result, run_dir, plots=False, trace=out.trace)
+        unwritten = None
+    except OutputWriteError as exc:  # a full disk: the run is FAILED with that reason, not a traceback
+        unwritten = str(exc)
+    status = "KILLED" if stopped else ("FAILED" if result.error or unwritten else "FINISHED")
     print_summary(console, result)  # while the figures are rendered
     warn_overload(console, result)
     errors = []
@@ -99,19 +103,18 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
         errors += bg.figures.finish(run_dir=None, metrics=[], tags={}, status=status)
     if bg.tracker is not None:
         tags = {"mlflow.note.content": note(result)}
-        if result.error:
-            tags["error"] = result.error[:5000]
+        if result.error or unwritten:
+            tags["error"] = (unwritten or result.error)[:5000]
         errors += bg.tracker.finish(run_dir=str(run_dir), metrics=run_metrics(result), tags=tags, status=status)
-    for e in errors:
+    for e in errors if not unwritten else ():  # a full disk fails these too: its one line says it
         console.print(f"[red]error:[/red] {escape(e)}")
     for w in (bg.tracker.warnings if bg.tracker is not None else []):
         console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True)
     if bg.tracker is not None and bg.tracker.experiment_id is not None:
-        from testbed.tracking import tracking_uri
+        from testbed.tracking import chart_link, tracking_uri
 
-        console.print(f"[dim]MLflow: mlflow ui --backend-store-uri {escape(tracking_uri(result.config))}, then "
-                      f"http://127.0.0.1:5000/#/experiments/{bg.tracker.experiment_id}?workflowType=machine_learning"
-                      f"[/dim]", highlight=False, soft_wrap=True)
+        console.print(chart_link(tracking_uri(result.config), bg.tracker.experiment_id), highlight=False,
+                      soft_wrap=True, markup=False)
     if stopped:
         console.print(f"[yellow]interrupted ({stopped}):[/yellow] {result.summary['num_finished']} of "
                       f"{result.summary['num_requests']} requests finished; the others are reported failed")
@@ -129,6 +132,8 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
             if p is not None:
                 console.print(f"[dim]{label} process: done at {p.timings} s after its start; the run ended at "
                               f"{t_write - p.t0:.2f} s[/dim]", highlight=False)
+    if unwritten:
+        raise OutputWriteError(unwritten)  # the one `error:` line, exit 2 (testbed/cli.py)
     print(run_dir.resolve(), flush=True)
     if stopped:
         return EXIT_CODES.get(stopped, 130)

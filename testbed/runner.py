@@ -64,10 +64,19 @@ def build_cost_model(cfg: Mapping[str, Any], rc: RunConfig | None = None) -> Cos
 
 
 def kv_blocks(rc: RunConfig, cost: CostModel) -> tuple[int, int]:
-    """(number of KV blocks, tokens per block): `kv.num_blocks`, else what the memory holds."""
+    """(number of KV blocks, tokens per block): `kv.num_blocks`, else what the memory holds (the
+    torch engine on CPU: the machine's available memory, engine/torch_exec/kv_sizing.py)."""
     kv = rc.kv
     if kv.num_blocks is not None:
         return kv.num_blocks, kv.block_size
+    st = rc.executor.settings
+    if rc.executor.name == "torch" and st.device == "cpu" and st.launch == "spawn":  # not the GPU's memory
+        from engine.settings import MAX_KV_BLOCKS
+        from engine.torch_exec.kv_sizing import cpu_pool_for
+
+        n = cpu_pool_for(cost.model, kv.block_size, st.resolved_dtype, MAX_KV_BLOCKS)
+        if n is not None:
+            return n, kv.block_size
     return cost.kv_capacity_blocks(gpu_memory_utilization=kv.gpu_memory_utilization,
                                    block_size=kv.block_size), kv.block_size
 

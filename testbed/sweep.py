@@ -249,6 +249,11 @@ class ParentRun:
             self.run_id = self.tracker.client.create_run(self.tracker.experiment_id, run_name=run_name,
                                                          tags=dict(tags)).info.run_id
 
+    def print_link(self, console: Any) -> None:
+        """The experiment's chart view (tracking.chart_link), as soon as the experiment exists."""
+        if self.tracker is not None and console is not None:
+            console.print(self.tracker.link, highlight=False, soft_wrap=True, markup=False)
+
     def log(self, metrics: Mapping[str, float], tags: Mapping[str, str] | None = None,
             run_id: str | None = None) -> None:
         """Metrics and tags on the summary run (or on `run_id`, one of its point runs)."""

@@ -35,6 +35,24 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
+def _listing(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")} if folder.is_dir() else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _outside_the_checkout(tmp_path_factory):
+    """Tests run from a scratch folder, so that every default relative path (`output.dir=runs`,
+    runs/profiles, runs/predictors, the random-weight model cache under output.dir) lands there
+    and never in the checkout's runs/, which belongs to the user; checked at the end."""
+    before = _listing(REPO / "runs")
+    old = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(old)
+    added = sorted(_listing(REPO / "runs") - before)
+    assert not added, f"tests wrote into the checkout's runs/: {', '.join(added[:10])}"
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     path = Path(os.environ["TESTBED_DATA_DIR"])

@@ -10,6 +10,7 @@ import pytest
 
 from mlflow_db import fresh_mlflow_db
 from testbed.cli import main
+from testbed.tracking import HEADLINE_METRICS
 
 # llama2-13b does not fit one 24 GiB RTX 4090 (pp=1) but fits two (pp=2): half the grid fails.
 BASE = ["workload=synthetic", "workload.num_requests=60", "model=llama2-13b", "hardware=rtx4090",
@@ -24,7 +25,8 @@ def test_grid_rows_match_their_mlflow_runs(tmp_path, capsys):
     code = main(["compare", *BASE, f"output.dir={tmp_path}", "policy=sarathi,vllm", "parallel.pp=1,2",
                  "compare.workers=2", "compare.experiment=grid"])
     assert code == 0
-    out_dir = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    out_dir = Path(captured.out.strip().splitlines()[-1])
     assert out_dir == (tmp_path / "compare" / "grid").resolve()
     table = pd.read_csv(out_dir / "table.csv")
     assert len(table) == 4
@@ -41,6 +43,8 @@ def test_grid_rows_match_their_mlflow_runs(tmp_path, capsys):
     runs = {r.info.run_id: r for r in client.search_runs([exp.experiment_id])}
     parent = [r for r in runs.values() if r.data.tags.get("testbed.kind") == "compare"]
     assert len(parent) == 1 and len(runs) == 5
+    # the printed link opens this experiment's chart view (issue 25, item 11)
+    assert f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&compareRunsMode=CHART" in captured.err
     for _, row in table.iterrows():
         run = runs[row["run_id"]]
         assert run.data.tags["testbed.parent_run"] == parent[0].info.run_id
@@ -52,6 +56,9 @@ def test_grid_rows_match_their_mlflow_runs(tmp_path, capsys):
             assert run.info.status == "FINISHED"
             for m in METRICS:
                 assert run.data.metrics[m] == pytest.approx(row[m], rel=1e-12), m
+            # the one named chart section, so MLflow shows it first: the headline metrics
+            assert {k for k in run.data.metrics if "/" in k} == {f"headline/{m}" for m in HEADLINE_METRICS}
+            assert run.data.metrics["headline/throughput_tok_s"] == run.data.metrics["throughput_tok_s"]
         else:
             assert run.info.status == "FAILED" and "does not fit" in run.data.tags["error"]
     # the same rows as Markdown, and a figure per metric: x = the numeric axis, one line per policy

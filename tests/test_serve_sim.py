@@ -62,6 +62,8 @@ def test_bench_serve_reproduces_testbed_run(tmp_path):
         assert served[key] == pytest.approx(offline[key], rel=0.05), key
         assert server_side[key] == pytest.approx(offline[key], rel=0.05), key
     assert (run_dir / "requests.csv").exists() and (run_dir / "summary.json").exists()
+    assert run_dir.name.startswith("served_synthetic_")  # named after its label, not a policy it did not run
+    assert outcome["run_dir"].name.startswith("gllm_serve-sim_")
     assert not math.isnan(served["itl_mean_s"]) and served["goodput_req_s"] > 0
 
 

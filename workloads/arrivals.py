@@ -21,7 +21,11 @@ from engine.errors import bad_value
 from workloads.base import check_choice, key
 
 ARRIVAL_PROCESSES = ("offline", "poisson", "gamma")
+MIN_CV, MAX_CV = 1e-3, 100.0
 MAX_RATE = 1e6  # requests/s: far beyond any server, and below where rescaling a trace's gaps overflows
+# requests/s: one a week. Slower, arrival times grow so large (1e300 s at rate=1e-300) that a
+# request's latency is lost in their float rounding and every latency reads 0
+MIN_RATE = 1e-6
 
 
 def check_arrival(arrival: str, rate: float | None, cv: float) -> None:
@@ -29,8 +33,8 @@ def check_arrival(arrival: str, rate: float | None, cv: float) -> None:
     check_choice("arrival", arrival, ARRIVAL_PROCESSES)
     if arrival != "offline" and (rate is None or rate <= 0):
         raise bad_value(key("rate"), rate, f"must be > 0 for arrival={arrival} (requests per second)")
-    if cv <= 0:
-        raise bad_value(key("cv"), cv, "must be > 0 (coefficient of variation of the gaps)")
+    if not MIN_CV <= cv <= MAX_CV:  # beyond these the gamma shape 1/cv^2 overflows or its gaps underflow to 0
+        raise bad_value(key("cv"), cv, f"must be in [{MIN_CV:g}, {MAX_CV:g}] (coefficient of variation of the gaps)")
 
 
 def arrival_times(arrival: str, n: int, rng: np.random.Generator, rate: float | None = None,

@@ -25,7 +25,7 @@ import numpy as np
 from engine.errors import ConfigError, TestbedError, bad_value
 from engine.request import Request
 from engine.typed import setting
-from workloads.arrivals import MAX_RATE
+from workloads.arrivals import MAX_RATE, MIN_RATE
 from workloads.base import WORKLOADS, WorkloadSpec, check_range, check_types, key, make_requests
 from workloads.data import resolve_data_file
 
@@ -39,7 +39,7 @@ class AzureConfig:
     path: str | None = None  # explicit CSV path; None = resolve via workloads.data
     num_requests: int | None = setting(2000, min=1)  # None = every row that passes the filters
     start_s: float = setting(0.0, min=0)  # offset into the trace, seconds after its first row
-    rate: float | None = setting(None, gt=0, max=MAX_RATE)  # None = real timestamps; else rescale to this mean req/s
+    rate: float | None = setting(None, min=MIN_RATE, max=MAX_RATE)  # None = real timestamps; else rescale to this mean req/s
     min_input_len: int = 1
     max_input_len: int | None = None
     min_output_len: int = 1
@@ -55,6 +55,7 @@ class AzureConfig:
 TOKEN_COLUMNS = ("ContextTokens", "GeneratedTokens")
 
 
+MIN_YEAR, MAX_YEAR = 1678, 2261  # whole years inside datetime64[ns]'s range (1677-09-21 to 2262-04-11)
 TIMESTAMP_FORMAT = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\.\d{1,9}")  # 2023-11-16 18:15:46.6805900
 
 
@@ -75,6 +76,8 @@ def _load_trace(path: str, mtime_ns: int, size: int) -> tuple[np.ndarray, np.nda
     for line, text in zip(lines, stamps):
         if not TIMESTAMP_FORMAT.fullmatch(text):
             _bad(path, line, "TIMESTAMP", text, "a time like 2023-11-16 18:15:46.6805900")
+        if not MIN_YEAR <= int(text[:4]) <= MAX_YEAR:  # numpy's nanoseconds would wrap around silently
+            _bad(path, line, "TIMESTAMP", text, f"a time in the years {MIN_YEAR}-{MAX_YEAR}")
     try:
         t_ns = np.array(stamps, dtype="datetime64[ns]").astype(np.int64)  # 7 digits -> ns exact
     except ValueError:  # right shape, impossible date (month 13): find the row

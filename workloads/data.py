@@ -6,7 +6,8 @@
    typo is never papered over by another copy of the data;
 2. the `data_dir` argument (the CLI's --data-dir), laid out like shared/data (`azure/`, `sharegpt/`);
 3. `$TESTBED_DATA_DIR`, same layout (CI points it at shared/data);
-4. the cache: `$TESTBED_CACHE_DIR`, else `~/.cache/testbed/data`, same layout;
+4. the cache: `$TESTBED_CACHE_DIR`, else `$XDG_CACHE_HOME/testbed/data` (`~/.cache/testbed/data`
+   when XDG_CACHE_HOME is unset), same layout;
 5. for the Azure traces only: a download of the public original into the cache, checked against
    its sha256 (a mismatch deletes the file and is an error). Set `TESTBED_ALLOW_DOWNLOAD=0` to
    forbid it (tests do). ShareGPT pairs are never downloaded: their rights are unclear, so they
@@ -45,8 +46,13 @@ SHAREGPT_PAIRS = "sharegpt/sharegpt_pairs.jsonl.gz"
 
 
 def cache_dir() -> Path:
-    """The data cache: `$TESTBED_CACHE_DIR` or `~/.cache/testbed/data` (layout as shared/data)."""
-    return Path(os.environ.get(CACHE_DIR_ENV) or "~/.cache/testbed/data").expanduser()
+    """The data cache (layout as shared/data): `$TESTBED_CACHE_DIR`, else `testbed/data` under the
+    XDG base directory `$XDG_CACHE_HOME` (`~/.cache` when unset or not absolute, as the spec says)."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path("~/.cache").expanduser()
+    return base / "testbed" / "data"
 
 
 def downloads_allowed() -> bool:

@@ -24,11 +24,12 @@ import numpy as np
 from engine.errors import TestbedError, bad_value
 from engine.request import Request
 from engine.typed import setting
-from workloads.arrivals import ARRIVAL_PROCESSES, MAX_RATE, arrival_times, check_arrival
+from workloads.arrivals import ARRIVAL_PROCESSES, MAX_RATE, MIN_RATE, arrival_times, check_arrival
 from workloads.base import WORKLOADS, WorkloadSpec, check_range, check_types, key, make_requests
 from workloads.data import SHAREGPT_PAIRS, resolve_data_file
 
 TOKENIZERS = {"llama3": ("input_tokens", "output_tokens", 1), "qwen3": ("input_tokens_qwen3", "output_tokens_qwen3", 0)}
+MAX_COUNT = 2**31 - 1  # tokens in one prompt or reply; larger counts are not token counts (and overflow int64)
 FIELDS = ("id", "prompt", "input_tokens", "output_tokens", "input_tokens_qwen3", "output_tokens_qwen3")
 
 
@@ -38,7 +39,7 @@ class ShareGPTConfig:
     path: str | None = None  # explicit pairs file; None = resolve via workloads.data
     num_requests: int = setting(1000, min=1)
     arrival: str = setting("poisson", choices=ARRIVAL_PROCESSES)
-    rate: float | None = setting(4.0, max=MAX_RATE)  # req/s; required > 0 unless offline (ignored then)
+    rate: float | None = setting(4.0, min=MIN_RATE, max=MAX_RATE)  # req/s; required > 0 unless offline (ignored then)
     cv: float = 1.0  # gamma only: coefficient of variation of the gaps
     tokenizer: str = setting("llama3", choices=tuple(TOKENIZERS))  # which token counts to use
     min_input_len: int = 1
@@ -95,7 +96,7 @@ def _record(path: str, lineno: int, line: str) -> dict:
     where = f"ShareGPT pairs {path} line {lineno}"
     try:
         rec = json.loads(line)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
         raise TestbedError(f"{where}: not JSON ({_one_line(exc)})") from None
     if not isinstance(rec, dict):
         raise TestbedError(f"{where}: expected a JSON object with fields {', '.join(FIELDS)}, got {line.strip()[:80]!r}")
@@ -107,8 +108,8 @@ def _record(path: str, lineno: int, line: str) -> dict:
     for f in FIELDS[2:]:
         v = rec[f]
         ok = isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
-        if not ok or v < 0:
-            raise TestbedError(f"{where}: invalid {f}={v!r}: must be a whole number >= 0")
+        if not ok or not 0 <= v <= MAX_COUNT:
+            raise TestbedError(f"{where}: invalid {f}={v!r}: must be a whole number in [0, {MAX_COUNT}]")
         rec[f] = int(v)
     return rec
 

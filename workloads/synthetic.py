@@ -23,7 +23,7 @@ import numpy as np
 from engine.errors import ConfigError, bad_value
 from engine.request import Request
 from engine.typed import setting
-from workloads.arrivals import ARRIVAL_PROCESSES, MAX_RATE, arrival_times, check_arrival
+from workloads.arrivals import ARRIVAL_PROCESSES, MAX_RATE, MIN_RATE, arrival_times, check_arrival
 from workloads.base import WORKLOADS, WorkloadSpec, check_min, check_range, check_types, key, make_requests
 
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")
@@ -46,7 +46,7 @@ class SyntheticConfig:
     output_max: int | None = None
     output_sigma: float = 1.0
     arrival: str = setting("poisson", choices=ARRIVAL_PROCESSES)
-    rate: float | None = setting(4.0, max=MAX_RATE)  # req/s; required > 0 unless offline
+    rate: float | None = setting(4.0, min=MIN_RATE, max=MAX_RATE)  # req/s; required > 0 unless offline
     cv: float = 1.0  # gamma only
     seed: int = setting(0, min=0)  # the run config's default is ${seed} (testbed/config.py)
 

@@ -4,8 +4,9 @@ Two sources, one format. A local Hugging Face checkpoint (config.json + model.sa
 sharded with model.safetensors.index.json) is used as it is. A table model (`model=tiny-llama`,
 `tiny-qwen2`, any `ModelSpec`) is built once with transformers (`LlamaForCausalLM` /
 `Qwen2ForCausalLM` from the spec's `hf_config()`, float32, weights from `torch.manual_seed(seed)`)
-and saved with `save_pretrained` (safetensors) into `<cache>/<name>-seed<seed>/`; the stages
-then load it like any other checkpoint, reading only their own tensors with `safe_open`.
+and saved with `save_pretrained` (safetensors) into `<cache>/<name>-seed<seed>/`, with a
+`tokenizer.json` whose token t is the numeral t (engine/torch_exec/random_tokenizer.py); the
+stages then load it like any other checkpoint, reading only their own tensors with `safe_open`.
 
 Random weights use `initializer_range=0.1`, not transformers' 0.02: with 0.02 a tiny random
 model's greedy output collapses into one repeated token after a few steps (measured on
@@ -261,10 +262,14 @@ def random_checkpoint(spec: ModelSpec, seed: int, cache_dir: str | os.PathLike) 
     if spec.total_params > MAX_RANDOM_PARAMS:
         raise ConfigError(f"model {spec.name!r} has {spec.total_params / 1e9:.1f}B parameters: too large to build "
                           f"with random weights; give a checkpoint (model.path or executor.model_path)")
+    from engine.torch_exec.random_tokenizer import has_tokenizer, write_random_tokenizer
+
     cache_dir = Path(cache_dir)
     target = cache_dir / f"{spec.name}-seed{seed}"
     want = _hf_config(spec)
     if _matches(target, want):
+        if not has_tokenizer(target):  # built before checkpoints shipped one
+            write_random_tokenizer(target, spec.vocab_size, spec.max_position_embeddings)
         return str(target)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}-seed{seed}-", dir=cache_dir))
@@ -278,6 +283,7 @@ def random_checkpoint(spec: ModelSpec, seed: int, cache_dir: str | os.PathLike) 
             torch.manual_seed(seed)
             model = model_cls(cfg_cls(**want))
         model.save_pretrained(str(tmp), safe_serialization=True)
+        write_random_tokenizer(tmp, spec.vocab_size, spec.max_position_embeddings)
         (tmp / "testbed_model.json").write_text(json.dumps({"spec": asdict(spec), "seed": seed,
                                                             "initializer_range": RANDOM_INIT_STD}, indent=1))
         if target.exists() and not _matches(target, want):

@@ -31,6 +31,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def check_host(key: str, host: str, bind: bool = True) -> None:
+    """A host setting that cannot work is a one-line error naming it before any stage starts:
+    a name that does not resolve, an address not on this machine (`bind`), or an IPv6 address
+    (the control plane speaks IPv4)."""
+    from engine.errors import bad_value
+
+    valid = "use 127.0.0.1 (this machine), 0.0.0.0 (every interface) or an IPv4 address of this machine"
+    if ":" in host:
+        raise bad_value(key, host, f"IPv6 addresses are not supported; {valid}")
+    try:
+        socket.getaddrinfo(host, 0, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise bad_value(key, host, f"cannot be resolved ({exc.strerror}); {valid}") from None
+    if not bind:
+        return
+    try:
+        free_port(host)
+    except OSError as exc:
+        raise bad_value(key, host, f"cannot be bound here ({exc.strerror or exc}); {valid}") from None
+
+
 def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 

@@ -51,7 +51,7 @@ from engine.executor import Completion, Executor, ExecutorBuild
 from engine.settings import RunConfig
 from engine.torch_exec.settings import TorchSettings
 from engine.torch_exec import wire
-from engine.torch_exec.control import ControlSocket, free_port, warn_exposed
+from engine.torch_exec.control import ControlSocket, check_host, free_port, warn_exposed
 from engine.torch_exec.diagnosis import FailureDiagnosis
 from engine.trace import Tracer
 
@@ -231,6 +231,9 @@ class TorchExecutor(FailureDiagnosis, Executor):
 
     # --- start-up -------------------------------------------------------------------------------------
     def _start_workers(self) -> None:
+        st = self.settings  # hosts first: a typo must not wait for the model to be written
+        check_host("executor.zmq_host", st.zmq_host)
+        check_host("executor.master_addr", st.master_addr, bind=st.launch == "spawn")  # external: stage 0's host
         num_blocks, block_size = self._load_model()
         addr = self._bind_control()
         if self.settings.launch == "spawn":

@@ -1,4 +1,5 @@
-"""The KV pool's size on CUDA from measured memory, when `kv.num_blocks` is not set.
+"""The KV pool's size when `kv.num_blocks` is not set: on CUDA from measured memory (below); on a
+CPU machine from the memory available at start (`cpu_pool_blocks`, at the end).
 
 vLLM sizes its cache with a profile run: load the weights, run one forward at the largest batch
 the scheduler may form, read the peak, and give the KV cache what is left of the utilisation
@@ -23,6 +24,7 @@ tests/test_kv_sizing.py drives it with fake numbers.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -126,3 +128,47 @@ def pool_size(probes: Sequence[StageMemory], utilization: float, max_blocks: int
         n = min(n, max_blocks)
     return PoolSize(n, per_device, {k: len(v) for k, v in groups.items()})
 
+
+
+# --- CPU: from the machine's available memory ----------------------------------------------------------
+
+CPU_KV_SHARE = 0.25  # of the memory available at start: the stages, the driver and the OS keep the rest
+CPU_KV_CAP_BYTES = 4 * GIB  # as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE=4): a shared machine stays usable
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), else free pages."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def cpu_pool_for(arch, block_size: int, dtype: str, max_blocks: int | None = None) -> int | None:
+    """`cpu_pool_blocks` for a model's shape (None when the available memory cannot be read)."""
+    available = available_memory()
+    if available is None:
+        return None
+    elem = 4 if dtype == "float32" else 2
+    per_block = block_bytes(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, elem)
+    return cpu_pool_blocks(per_block, available, max_blocks)
+
+
+def cpu_pool_blocks(block_bytes_all_layers: int, available: int, max_blocks: int | None = None) -> int:
+    """The pool on a CPU machine when `kv.num_blocks` is unset: CPU_KV_SHARE of the available
+    memory, at most CPU_KV_CAP_BYTES, for blocks that span every layer (all stages share the
+    machine's memory when spawned). Raises ConfigError when not one block fits."""
+    budget = min(CPU_KV_SHARE * available, CPU_KV_CAP_BYTES)
+    n = int(budget // block_bytes_all_layers) if block_bytes_all_layers > 0 else 0
+    if n < 1:
+        raise ConfigError(f"the KV cache does not fit this machine: {available / GIB:.2f} GiB available, "
+                          f"one block needs {block_bytes_all_layers / 2**20:.1f} MiB; set kv.num_blocks or use a "
+                          f"smaller model")
+    return min(n, max_blocks) if max_blocks is not None else n

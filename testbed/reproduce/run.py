@@ -186,6 +186,7 @@ def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), 
     run.jobs = [_bind(job, run.axes, parent.run_id) for job in run.jobs]
     if console is not None:
         _print_start(console, run)
+        parent.print_link(console)
     job_rows: list[dict] = []
     t0 = time.perf_counter()
     try:

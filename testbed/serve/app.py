@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from testbed.serve.codec import Codec
 from testbed.serve.engine_loop import EngineLoop, Generation
+from testbed.serve.limits import BodyLimit
 from testbed.serve.metrics import ServeMetrics
 from testbed.serve.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, GenerateSpec, _Sampling,
                                     public_message, single_prompt)
@@ -202,9 +203,14 @@ async def _stream(state: ServeState, gen: Generation, reply: _Reply, include_usa
         _release(state, gen)
 
 
+def _is_tag(part) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "list", "dict") or "[" in part)
+
+
 def build_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="testbed serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
+    app.add_middleware(BodyLimit, max_bytes=state.settings.max_body_bytes, idle_s=state.settings.body_timeout_s)
 
     @app.exception_handler(ApiError)
     async def _api_error(_req, exc: ApiError):
@@ -213,9 +219,11 @@ def build_app(state: ServeState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req, exc: RequestValidationError):
         errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        msg = first.get("msg", "invalid request")
+        # a union field fails once per member: a validator's own message says most
+        first = next((e for e in errs if e.get("type") == "value_error"), errs[0] if errs else {})
+        # pydantic names union members and validators in the path ("str", "function-after[...]")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_tag(x)]
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         where = ".".join(loc)
         return JSONResponse(ApiError(400, f"{where}: {msg}" if where else msg, param=where or None).body(),
                             status_code=400)

@@ -107,6 +107,10 @@ class EngineLoop:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.gens: dict[int, Generation] = {}
         self.dead: str | None = None  # the engine failed: the server answers 503
+        # set when the server starts to shut down: requests aborted from then on were cut by the
+        # shutdown (uvicorn cancels their handlers, which abort them), so the run is KILLED
+        self.draining = False
+        self.aborted_at_shutdown = 0
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._touched: list[Generation] = []
@@ -124,6 +128,14 @@ class EngineLoop:
 
     def abort(self, gen: Generation, reason: str) -> None:
         self._post(("abort", gen, reason))
+
+    def reset_statistics(self, timeout_s: float = 60.0) -> None:
+        """Forget the requests served so far (after the warm-up), on the engine thread, which
+        owns the controller; waits until done."""
+        done = threading.Event()
+        self._post(("reset", done))
+        if not done.wait(timeout_s):
+            raise RuntimeError("the engine thread did not reset its statistics")
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """End the loop; requests still open are aborted (their KV freed) and told so."""
@@ -184,11 +196,16 @@ class EngineLoop:
         kind = item[0]
         if kind == "submit":
             self._submit(item[1])
+        elif kind == "reset":
+            if not (self.gens or self.ctrl.waiting or self.ctrl.running or self.ctrl.inflight):
+                self.ctrl.reset_statistics()
+            item[1].set()
         elif kind == "abort":
             gen, reason = item[1], item[2]
             if self.gens.pop(gen.request_id, None) is not None:
                 self.ctrl.abort(gen.request_id, f"aborted: {reason}")
                 gen.ended = True
+                self.aborted_at_shutdown += self.draining
                 if self.metrics is not None:
                     self.metrics.on_abort()
 
@@ -258,4 +275,5 @@ class EngineLoop:
         for gen in list(self.gens.values()):
             self.gens.pop(gen.request_id)
             self._end(gen, "abort", reason)
+            self.aborted_at_shutdown += 1
         self.ctrl.fail_unfinished(f"aborted: {reason}")

@@ -63,10 +63,13 @@ class Server:
     def _uvicorn_server(self):
         import uvicorn
 
-        config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port,
-                                log_level=self.settings.log_level, timeout_graceful_shutdown=self.settings.drain_timeout_s,
-                                lifespan="off", access_log=False)
-        self._uvicorn = uvicorn.Server(config)
+        from testbed.serve.limits import guarded_protocol
+
+        st = self.settings
+        config = uvicorn.Config(self.app, host=st.host, port=st.port, log_level=st.log_level,
+                                timeout_graceful_shutdown=st.drain_timeout_s, lifespan="off", access_log=False,
+                                http=guarded_protocol(st.header_timeout_s), timeout_keep_alive=st.keep_alive_s)
+        self._uvicorn = _Uvicorn(config, self.engine)
         return self._uvicorn
 
     def serve_forever(self, console=None) -> RunResult:
@@ -102,13 +105,13 @@ class Server:
             self._uvicorn.should_exit = True
             self._thread.join(self.settings.drain_timeout_s + 5)
         engine = self.engine
-        aborted = engine.num_open
+        engine.draining = True
         try:
             engine.stop()
         finally:
             self.ctrl.executor.shutdown()
         self.result = self._result(engine.dead)
-        self._close_tracking(aborted)
+        self._close_tracking(engine.aborted_at_shutdown)
         return self.result
 
     def _result(self, error: str | None) -> RunResult:
@@ -130,6 +133,26 @@ class Server:
             self.tracker.finish(self.run_id, self.result, run_dir)
             if aborted and not self.result.error:
                 self.tracker.client.set_terminated(self.run_id, "KILLED")
+
+
+def _Uvicorn(config, engine):
+    """uvicorn's server, imported here (importing this package stays cheap)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server that tells the engine when its graceful shutdown begins (SIGTERM,
+        Ctrl-C or `should_exit`), so that requests it then cancels count as cut, not as clients
+        that went away."""
+
+        def __init__(self, config, engine) -> None:
+            super().__init__(config)
+            self.engine = engine
+
+        async def shutdown(self, sockets=None) -> None:
+            self.engine.draining = True
+            await super().shutdown(sockets=sockets)
+
+    return _Server(config, engine)
 
 
 def build_server(cfg: dict, console=None) -> Server:
@@ -158,8 +181,7 @@ def build_server(cfg: dict, console=None) -> Server:
                       link_latency_s=stub.link_latency_s)
     model = prepared.cost.model
     name = settings.model_name or str(cfg["model"].get("name") or model.name)
-    stamp = run_name(cfg) if (cfg.get("output") or {}).get("run_name") else \
-        f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}_{prepared.info['policy']}_serve-{ex_name}"
+    stamp = run_name(cfg, who=prepared.info["policy"], what=f"serve-{ex_name}")
     info = dict(prepared.info, run_name=stamp, time_scale=settings.time_scale, model_name=name)
     tracker = run_id = None
     if cfg["output"].get("mlflow", True):
@@ -178,6 +200,10 @@ def build_server(cfg: dict, console=None) -> Server:
         codec = load_codec(path, codec_vocab)
         engine.codec = codec
         engine.incremental = codec.name == "fallback"
+        if ex_name != "sim":  # before the socket listens: /health means warm (testbed/serve/warmup.py)
+            from testbed.serve.warmup import warm_up
+
+            warm_up(engine, settings.warmup_requests, codec_vocab, model.max_position_embeddings)
         metrics = ServeMetrics(ctrl, name)
         engine.metrics = metrics
         context = model.max_position_embeddings if ex_name != "sim" else None
@@ -240,6 +266,8 @@ def cli_serve(overrides: list[str], console) -> int:
     console.print(f"serving {info['model_name']!r} ({info['executor']}, policy {info['policy']}, "
                   f"P={server.ctrl.pipeline_depth}, KV {info['kv_num_blocks']} blocks x {info['kv_block_size']}, "
                   f"text: {info['codec']}) on http://{st.host}:{st.port}  (Ctrl-C to stop)")
+    if server.tracker is not None:
+        console.print(server.tracker.link, highlight=False, soft_wrap=True, markup=False)
     try:
         result = server.serve_forever(console)
     except (KeyboardInterrupt, _Terminated):

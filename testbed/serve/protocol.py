@@ -15,9 +15,9 @@ integer, `top_k` up to 2^31-1, `temperature` 0 (greedy) or in [0.01, 2] (vLLM's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from engine.request import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -26,8 +26,15 @@ MAX_TOP_K = (1 << 31) - 1
 PENALTY_RANGE = (0.01, 100.0)
 
 
+# `code` is always a string, as OpenAI's own (e.g. "model_not_found"); by status unless given
+STATUS_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+                413: "request_too_large", 422: "invalid_request", 429: "rate_limit_exceeded",
+                500: "internal_error", 503: "service_unavailable"}
+
+
 class ApiError(Exception):
-    """An error answered to the client: HTTP status and OpenAI's error object."""
+    """An error answered to the client: HTTP status and OpenAI's error object (one shape for
+    every error the server sends, `code` a string)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  type_: str = "invalid_request_error", code: str | None = None) -> None:
@@ -36,7 +43,20 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+                          "code": self.code or STATUS_CODES.get(self.status, f"http_{self.status}")}}
+
+
+def _encodable(text: str) -> str:
+    """JSON allows lone surrogates (`"\\ud800"`), which no tokenizer can encode: refuse them here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone surrogate {text[exc.start]!r} at position {exc.start}, "
+                         f"which is not valid Unicode text") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class StreamOptions(BaseModel):
@@ -46,13 +66,13 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # vLLM: -1 or 0 = off
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: Union[str, list[str], None] = None
+    stop: Union[Text, list[Text], None] = None
     stop_token_ids: list[int] | None = None
     repetition_penalty: float = Field(1.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -101,7 +121,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[Text, list[int], list[Text], list[list[int]]]
     echo: bool = False
     suffix: str | None = None
 
@@ -117,7 +137,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Union[str, list[dict], None] = None
+    content: Union[Text, list[dict], None] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -128,7 +148,10 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ApiError(400, "only text content parts are supported", param="messages")
-            parts.append(part["text"])
+            try:
+                parts.append(_encodable(part["text"]))
+            except ValueError as exc:
+                raise ApiError(400, f"messages: a text part {exc}", param="messages") from None
         return "".join(parts)
 
 

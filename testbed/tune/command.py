@@ -97,6 +97,8 @@ def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
     display = Display(console, bool((problem.base_cfg.get("output") or {}).get("progress", True)), problem, trials)
     if console is not None:
         print_start(console, problem, trials, stale)
+        if tracker is not None:
+            console.print(tracker.link, highlight=False, soft_wrap=True, markup=False)
     t0 = time.perf_counter()
     run_count, worker_errors, code = _run_trials(problem, display, counted(trials))
     run_count = max(run_count, display.events)  # an interrupted loop returns no count

@@ -24,7 +24,6 @@ from filelock import FileLock
 from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState
 from sqlalchemy import event  # sqlalchemy comes with optuna's RDB storage
-from sqlalchemy.engine import make_url
 
 from engine.errors import ConfigError
 
@@ -99,13 +98,10 @@ def _sqlite_fast_commits(engine: Any) -> None:
 
 
 def redact(url: str) -> str:
-    """The storage URL without a password (it goes into tags and logs)."""
-    if "@" not in url:
-        return url
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url.split("://")[0] + "://***@" + url.rsplit("@", 1)[-1]
+    """The storage URL without a password (it goes into tags and logs; testbed/redact.py)."""
+    from testbed.redact import redact as hide
+
+    return hide(url)
 
 
 def make_sampler(sampler: str, seed: int, startup_trials: int):

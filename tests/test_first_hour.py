@@ -1,0 +1,90 @@
+"""First-hour friction (issue 25, item 14): the data cache honours XDG_CACHE_HOME, tests stay out
+of the checkout's runs/, piped output is not wrapped at 80 columns, run folders follow one
+pattern."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_data_cache_honours_xdg_cache_home(monkeypatch, tmp_path):
+    from workloads.data import CACHE_DIR_ENV, cache_dir
+
+    monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / "testbed" / "data"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the spec: only absolute paths count
+    assert cache_dir() == Path("~/.cache/testbed/data").expanduser()
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_a_run_with_default_paths_does_not_write_into_the_checkout(capsys):
+    from testbed.cli import main
+
+    assert not Path.cwd().resolve().is_relative_to(REPO)
+    before = set((REPO / "runs").iterdir())
+    assert main(["run", "output.mlflow=false", "output.plots=false", "output.progress=false", "workload=synthetic",
+                 "workload.num_requests=5", "output.run_name=default-paths"]) == 0
+    assert (Path.cwd() / "runs" / "default-paths" / "summary.json").is_file()
+    assert set((REPO / "runs").iterdir()) == before
+
+
+def test_piped_output_is_not_wrapped_at_80_columns(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    proc = subprocess.run([sys.executable, "-m", "testbed.cli", "run", f"output.dir={tmp_path}", "output.mlflow=false",
+                           "output.plots=false", "workload=synthetic", "workload.num_requests=5"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    timing = [ln for ln in proc.stderr.splitlines() if ln.startswith("time:")]
+    assert len(timing) == 1 and "peak RSS" in timing[0] and timing[0].rstrip().endswith("MB)"), proc.stderr
+    assert len(timing[0]) > 80
+
+
+def test_run_folders_follow_one_pattern(tmp_path):
+    from conftest import small_config
+    from testbed.outputs import folder_name
+
+    cfg = small_config(out_dir=tmp_path)
+    assert folder_name(cfg).startswith(f"{cfg['policy']['name']}_synthetic_")
+    assert folder_name(cfg, who="served").startswith("served_synthetic_")  # bench serve: its label
+    assert folder_name(cfg, who="gllm", what="serve-sim").startswith("gllm_serve-sim_")
+    assert folder_name(cfg, who="my label/x").startswith("my-label-x_synthetic_")
+
+
+def test_run_prints_its_experiments_chart_view_with_the_headline_first(tmp_path, capsys):
+    """Issue 25, item 11: the link opens MLflow's chart view of this run's experiment, whose
+    first section (MLflow puts named sections before "Model metrics") holds the headline."""
+    from mlflow.tracking import MlflowClient
+
+    from mlflow_db import fresh_mlflow_db
+    from testbed.cli import main
+    from testbed.tracking import HEADLINE_METRICS
+
+    uri = fresh_mlflow_db(tmp_path)
+    assert main(["run", f"output.dir={tmp_path}", "output.plots=false", "output.progress=false", "workload=synthetic",
+                 "workload.num_requests=20"]) == 0
+    err = capsys.readouterr().err
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("testbed")
+    link = [ln for ln in err.splitlines() if ln.startswith("MLflow charts:")]
+    assert len(link) == 1 and link[0].endswith(
+        f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
+        f"&compareRunsMode=CHART"), err
+    assert f"--backend-store-uri {uri}" in link[0]
+    metrics = client.search_runs([exp.experiment_id])[0].data.metrics
+    assert {k for k in metrics if "/" in k} == {f"headline/{m}" for m in HEADLINE_METRICS}
+    assert all(metrics[f"headline/{m}"] == metrics[m] for m in HEADLINE_METRICS)
+
+
+def test_test_command_keeps_its_summary_with_q_and_counts_as_it_goes():
+    """Issue 25, item 15: `./tb test -q` printed dots only (-q twice with pyproject's addopts)."""
+    proc = subprocess.run([sys.executable, "-m", "testbed.cli", "test", "-q", "tests/test_kv.py", "-p",
+                           "no:cacheprovider"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert "passed" in lines[-1] and "/4]" in proc.stdout, proc.stdout

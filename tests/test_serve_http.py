@@ -1,0 +1,138 @@
+"""What one HTTP client can do to `testbed serve` (issue 25, item 8, and the error shape of item 14):
+text that JSON allows but no tokenizer can take is a 400, not a 500; a body over
+`serve.max_body_bytes` is a 413 before it is read whole; a client that sends its headers or its
+body too slowly loses its connection (408 for the body); every error body has OpenAI's shape with
+a string `code`. The paced simulator serves (no torch)."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from test_serve_sim import _server  # noqa: E402
+
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = _server(tmp_path_factory.mktemp("serve"), "serve.time_scale=50", "serve.max_body_bytes=8192",
+                  "serve.header_timeout_s=0.5", "serve.body_timeout_s=0.5")
+    yield srv
+    srv.shutdown()
+
+
+def _post(server, raw: bytes, route="/v1/completions", headers=JSON):
+    return httpx.post(server.base_url + route, content=raw, headers=headers, timeout=30)
+
+
+def _assert_openai_error(r, status: int, words: str):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["code"], str) and words in err["message"]
+    assert "Traceback" not in r.text and ".py" not in r.text
+
+
+@pytest.mark.parametrize("route, raw, words", [
+    ("/v1/completions", rb'{"prompt": "\ud800 hi", "max_tokens": 2}', "surrogate"),
+    ("/v1/completions", rb'{"prompt": ["\udfff"], "max_tokens": 2}', "surrogate"),
+    ("/v1/completions", rb'{"prompt": [1, 2], "stop": "\ud83d", "max_tokens": 2}', "surrogate"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\udc00"}], "max_tokens": 2}', "surrogate"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}',
+     "surrogate"),
+    ("/v1/completions", b'{"prompt": [1], "max_tokens": ' + b"9" * 5000 + b"}", "pars"),
+    ("/v1/completions", b'{"prompt": [' + b"1" * 4400 + b'], "max_tokens": 2}', "pars"),
+])
+def test_text_json_allows_but_no_tokenizer_takes_is_a_400(server, route, raw, words):
+    _assert_openai_error(_post(server, raw, route), 400, words)
+
+
+def test_unicode_digits_are_text_not_token_ids(server):
+    """"²" and "٣" are digits to str.isdigit() but not ids: the fallback codec encodes them as bytes."""
+    r = _post(server, '{"prompt": "1 2 \u00b2 \u0663", "max_tokens": 2}'.encode())
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len("1 2 \u00b2 \u0663".encode())
+
+
+def test_body_over_the_limit_is_413_declared_or_streamed(server):
+    big = b'{"prompt": [' + b"1, " * 3000 + b'1], "max_tokens": 2}'
+    _assert_openai_error(_post(server, big), 413, "serve.max_body_bytes=8,192")
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(10):
+            yield b" " * 1000
+    _assert_openai_error(_post(server, chunks()), 413, "serve.max_body_bytes")
+    ok = _post(server, b'{"prompt": [1, 2], "max_tokens": 2}')
+    assert ok.status_code == 200, ok.text  # still serving
+
+
+def _raw(server, data: bytes) -> bytes:
+    """Send `data` on a fresh connection, then read until the server closes it."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(data)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    return got
+
+
+def test_slow_headers_lose_the_connection(server):
+    assert _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") == b""  # closed, never answered
+    assert _raw(server, b"") == b""  # a connection that sends nothing
+
+
+def test_stalled_body_is_408(server):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    reply = _raw(server, head + b'{"prompt": [1')
+    assert reply.startswith(b"HTTP/1.1 408") and b"serve.body_timeout_s" in reply and b'"code":' in reply
+
+
+def test_unknown_route_and_method_use_the_same_error_shape(server):
+    _assert_openai_error(httpx.get(server.base_url + "/v1/nothing"), 404, "Not Found")
+    _assert_openai_error(httpx.get(server.base_url + "/v1/completions"), 405, "Method Not Allowed")
+    _assert_openai_error(_post(server, b"{not json"), 400, "JSON")
+
+
+def test_limits_are_validated():
+    from engine.errors import ConfigError
+    from testbed.serve.settings import ServeSettings
+
+    with pytest.raises(ConfigError, match="serve.max_body_bytes"):
+        ServeSettings(max_body_bytes=10)
+    with pytest.raises(ConfigError, match="serve.header_timeout_s"):
+        ServeSettings(header_timeout_s=0)
+
+
+def test_requests_cut_at_shutdown_make_the_mlflow_run_killed(tmp_path):
+    """docs/serving.md: KILLED when requests had to be aborted at shutdown (they were recorded
+    FINISHED: uvicorn cancels the open handlers first, so none looked open any more)."""
+    import threading
+
+    from mlflow.tracking import MlflowClient
+
+    srv = _server(tmp_path, "serve.time_scale=1", "serve.drain_timeout_s=0.5", mlflow=True)
+    first = threading.Event()
+
+    def stream():
+        body = {"prompt": [1] * 16, "max_tokens": 5000, "stream": True}
+        try:
+            with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=60) as r:
+                for _ in r.iter_lines():
+                    first.set()
+        except httpx.HTTPError:
+            pass
+        first.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(60)
+    srv.shutdown()
+    reader.join(60)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name("testbed").experiment_id])[0]
+    assert run.info.status == "KILLED"
+    assert run.data.metrics["num_finished"] == 0
