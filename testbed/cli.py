@@ -402,7 +402,7 @@ def checkpoint_models(overrides: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from testbed.signals import EXIT_CODES, sigterm_as_interrupt, signal_name
+    from testbed.signals import EXIT_CODES, hold_if_stopping, sigterm_as_interrupt, signal_name
 
     argv = sys.argv[1:] if argv is None else list(argv)
     default_data_dir()
@@ -427,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         name = signal_name(exc)
         print(f"interrupted ({name})", file=sys.stderr)
         return EXIT_CODES.get(name, 130)
+    finally:
+        hold_if_stopping()
 
 
 if __name__ == "__main__":

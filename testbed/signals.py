@@ -45,7 +45,26 @@ def _install(handler, signums=STOP_SIGNALS) -> dict | None:
         return None
 
 
+# Set by the first stop: from then on the process is ending, and every later signal is ignored
+# until it exits (a signal that arrived after `testbed run` had saved, but before the interpreter
+# exited, killed it with -15 instead of its exit code 143; seen under load).
+_stopping = False
+
+
+def hold_if_stopping() -> None:
+    """Once a stop has begun, ignore every later stop signal at the OS level for the rest of the
+    process. Python's finalisation puts default handlers back in place of Python ones, and the
+    kernel may hand a signal to any thread, so a signal in that last instant killed the process
+    (exit -15 or -2 instead of 143/130, with the results already saved); an OS-level ignore
+    survives finalisation. Called last by `testbed.cli.main`."""
+    if _stopping:
+        for s in ALL_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+
 def _restore(old: dict | None) -> None:
+    if _stopping:
+        return
     for s, h in (old or {}).items():
         signal.signal(s, h)
 
@@ -66,7 +85,9 @@ def _ignore(signum, frame) -> None:
 
 
 def _first_stop(signum, frame):
-    """The first of SIGINT/SIGTERM/SIGHUP: ignore every later one, then stop."""
+    """The first of SIGINT/SIGTERM/SIGHUP: ignore every later one, to the end of the process, then stop."""
+    global _stopping
+    _stopping = True
     for s in ALL_SIGNALS:
         signal.signal(s, _ignore)
     if signum == signal.SIGINT:
