@@ -19,7 +19,7 @@ from engine.hardware import HARDWARE, get_hardware
 from engine.kernel_fit import Device, attention_split, fit_kernels, fit_link
 from engine.kernels import KernelCoefficients, LayerKernels, LayerShape
 from engine.models import get_model
-from tests.kernel_tables import A100, MODELS, TOKENS, TRUTH, write_tables
+from kernel_tables import A100, MODELS, TOKENS, TRUTH, write_tables
 
 DEVICE = Device("a100", **A100)
 
