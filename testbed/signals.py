@@ -45,9 +45,8 @@ def _install(handler, signums=STOP_SIGNALS) -> dict | None:
         return None
 
 
-# Set by the first stop: from then on the process is ending, and every later signal is ignored
-# until it exits (a signal that arrived after `testbed run` had saved, but before the interpreter
-# exited, killed it with -15 instead of its exit code 143; seen under load).
+# Set by the first stop of `testbed run` (`one_stop`): the process is ending, and at the end of
+# `testbed.cli.main` every later signal is ignored until it exits.
 _stopping = False
 
 
@@ -63,20 +62,23 @@ def hold_if_stopping() -> None:
 
 
 def _restore(old: dict | None) -> None:
-    if _stopping:
-        return
     for s, h in (old or {}).items():
         signal.signal(s, h)
 
 
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM and SIGHUP raise `Terminated` in the main thread (no-op elsewhere)."""
+    """Within the block, SIGTERM and SIGHUP raise `Terminated` in the main thread (no-op elsewhere).
+    The command line's outermost block: after a stop it hands over to `hold_if_stopping` instead of
+    putting the default handlers back (a signal in between killed a saved run with -15)."""
     old = _install(_raise_terminated)
     try:
         yield
     finally:
-        _restore(old)
+        if _stopping:
+            hold_if_stopping()
+        else:
+            _restore(old)
 
 
 def _ignore(signum, frame) -> None:
