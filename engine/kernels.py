@@ -64,7 +64,9 @@ class KernelCoefficients:
     # Once a decode batch has more (sequence, KV head) blocks than the GPU holds at once
     # (`decode_waves` resident blocks per SM x sm_count), the kernel runs in whole waves: on the A100
     # table the time jumps 1.46x from batch 54 to 55 with 4 KV heads (216 -> 220 blocks, 2 x 108
-    # SMs). 0 = no wave term.
+    # SMs). 0 = no wave term. The fit picks 0, 1, 2 or 4 by median error: H100's 405B-shape samples
+    # select 2 (a 1.4x step at batch 34 with 8 KV heads: 272 > 264 blocks); on the A100 table the
+    # median is no better with it, so the shipped A100 profile has 0.
     decode_waves: int = 2
     # Prefill attention (causal, one chunk of x new tokens after a cached prefix of L):
     # floor + 4 * heads * head_dim * pairs / (peak * efficiency(x, L)), pairs = x*L + x(x+1)/2, with
