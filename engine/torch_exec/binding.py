@@ -6,10 +6,40 @@ Counters are checked against a window, not for strict order: frames of different
 one sender may interleave on their way."""
 from __future__ import annotations
 
+import os
 import secrets
+import typing
 
 REPLAY_WINDOW = 1 << 16  # counters this far below a sender's highest are refused outright
 GROUPS = {"stage": "stages", "sampler": "samplers"}  # name prefix -> the group it also answers to
+
+
+# The run's shared secret (engine/torch_exec/wire.py's module docstring: how external stages get it).
+SECRET_ENV = "TESTBED_STAGE_SECRET"
+SECRET_FILE_ENV = "TESTBED_STAGE_SECRET_FILE"
+SECRET_BYTES = 32
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def secret_from_env(environ: typing.Mapping[str, str] | None = None) -> bytes | None:
+    """The shared secret of external stages (see the module docstring), or None if unset."""
+    env = os.environ if environ is None else environ
+    text = env.get(SECRET_ENV)
+    if not text and env.get(SECRET_FILE_ENV):
+        with open(env[SECRET_FILE_ENV], encoding="ascii") as fh:
+            text = fh.read()
+    if not text:
+        return None
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
+        raise ValueError(f"{SECRET_ENV} must be hex digits") from None
+    if len(key) < 16:
+        raise ValueError(f"{SECRET_ENV} must hold at least 16 bytes (32 hex digits); got {len(key)}")
+    return key
 
 
 class WireError(ValueError):

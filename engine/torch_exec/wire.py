@@ -35,8 +35,6 @@ import dataclasses
 import hashlib
 import hmac
 import itertools
-import os
-import secrets
 import threading
 import types
 import typing
@@ -45,35 +43,11 @@ from typing import Any, Callable, NamedTuple
 
 import msgpack
 
-from engine.torch_exec.binding import (REPLAY_WINDOW, Window, WireError,  # noqa: F401 (re-exported)
-                                       check_binding, new_run_id, receiver_names)
+from engine.torch_exec.binding import (REPLAY_WINDOW, SECRET_BYTES, SECRET_ENV,  # noqa: F401 (re-exported)
+                                       SECRET_FILE_ENV, Window, WireError, check_binding, new_run_id,
+                                       new_secret, receiver_names, secret_from_env)
 
-SECRET_ENV = "TESTBED_STAGE_SECRET"
-SECRET_FILE_ENV = "TESTBED_STAGE_SECRET_FILE"
 MAC_BYTES = 32
-SECRET_BYTES = 32
-
-
-def new_secret() -> bytes:
-    return secrets.token_bytes(SECRET_BYTES)
-
-
-def secret_from_env(environ: typing.Mapping[str, str] | None = None) -> bytes | None:
-    """The shared secret of external stages (see the module docstring), or None if unset."""
-    env = os.environ if environ is None else environ
-    text = env.get(SECRET_ENV)
-    if not text and env.get(SECRET_FILE_ENV):
-        with open(env[SECRET_FILE_ENV], encoding="ascii") as fh:
-            text = fh.read()
-    if not text:
-        return None
-    try:
-        key = bytes.fromhex(text.strip())
-    except ValueError:
-        raise ValueError(f"{SECRET_ENV} must be hex digits") from None
-    if len(key) < 16:
-        raise ValueError(f"{SECRET_ENV} must hold at least 16 bytes (32 hex digits); got {len(key)}")
-    return key
 
 
 # --- rows inside messages (tuples on the wire; stages index them like tuples) -----------------------
@@ -568,7 +542,7 @@ class Codec:
         self._names = receiver_names(me)
         self._counter = itertools.count(1)
         self._lock = threading.Lock()
-        self._windows: dict[str, _Window] = {}
+        self._windows: dict[str, Window] = {}
         self.last_sender: str | None = None
 
     def _mac(self, body: bytes) -> bytes:
