@@ -87,47 +87,75 @@ def _bucket(value: float, edges: list[int]) -> str:
     return f"{edges[i - 1] + 1}-{edges[i]}" if edges[i] < 1 << 20 else f">{edges[i - 1]}"
 
 
+def _ops_by_count(table) -> dict[tuple[int, int], dict[str, list[float]]]:
+    """(tp, tokens) -> op -> measured times (two norms a layer; a few token counts appear twice)."""
+    by: dict[tuple[int, int], dict[str, list[float]]] = {}
+    for r in table.rows:
+        by.setdefault((r.tp, r.tokens), {}).setdefault(r.op, []).append(r.time_s)
+    return by
+
+
+def _linear_sum(ops: dict[str, list[float]]) -> float | None:
+    """One layer's measured linear part, or None where an op is missing."""
+    if not all(op in ops for op in LINEAR_OPS):
+        return None
+    return sum(sum(ops[op]) for op in LINEAR_OPS) / len(ops["gemm_qkv"])
+
+
+def _row_shape(r) -> BatchShape:
+    if r.op == "attn_decode":
+        return BatchShape.decode(r.batch, r.context)
+    return BatchShape.from_parts([(r.prefix, r.tokens, True)])
+
+
+def _cost_pairs(meta: dict, fitted: HardwareSpec, default: HardwareSpec):
+    """tp -> (fitted, default) cost models of a table's shape, built once per TP degree."""
+    cache: dict[int, tuple[CostModel, CostModel]] = {}
+
+    def get(tp: int) -> tuple[CostModel, CostModel]:
+        if tp not in cache:
+            shape = layer_shape(meta, tp)
+            cache[tp] = (_cost(fitted, shape), _cost(default, shape))
+        return cache[tp]
+    return get
+
+
 def linear_rows(tables: PublishedTables, fitted: HardwareSpec, default: HardwareSpec) -> list[dict]:
     """Per (model, tp, tokens): the layer's linear part (sum of its measured ops) and per op."""
     out = []
     for model, table in tables.compute.items():
         held = model not in DEFAULT_FIT_MODELS
-        by: dict[tuple[int, int], dict[str, list[float]]] = {}
-        for r in table.rows:
-            by.setdefault((r.tp, r.tokens), {}).setdefault(r.op, []).append(r.time_s)
-        for tp in sorted({tp for tp, _ in by}):
-            shape = layer_shape(table.meta, tp)
-            fit_cm, def_cm = _cost(fitted, shape), _cost(default, shape)
-            ks = fit_cm.kernels.k
-            for (t, m), ops in by.items():
-                if t != tp or m > 4096 or not all(op in ops for op in LINEAR_OPS):
-                    continue
-                repeats = len(ops["gemm_qkv"])  # a few token counts appear twice in the tables
-                meas = sum(sum(ops[op]) for op in LINEAR_OPS) / repeats
-                sh = BatchShape.decode(m, 1)
-                out.append(dict(family="linear", model=model, tp=tp, x=m, bucket=_bucket(m, TOKEN_BUCKETS),
-                                measured=meas, fitted=fit_cm.layer_parts_s(sh)[0], default=def_cm.layer_parts_s(sh)[0],
-                                held=held))
-                for op in LINEAR_OPS:
-                    fam = "gemm" if op.startswith("gemm") else "elementwise"
-                    out.append(dict(family=fam, model=model, tp=tp, x=m, bucket=op, measured=ops[op][0],
-                                    fitted=float(ks.op_s(op, m)), default=np.nan, held=held))
+        costs = _cost_pairs(table.meta, fitted, default)
+        for (tp, m), ops in sorted(_ops_by_count(table).items()):
+            meas = _linear_sum(ops)
+            if m > 4096 or meas is None:
+                continue
+            fit_cm, def_cm = costs(tp)
+            sh = BatchShape.decode(m, 1)
+            out.append(dict(family="linear", model=model, tp=tp, x=m, bucket=_bucket(m, TOKEN_BUCKETS),
+                            measured=meas, fitted=fit_cm.layer_parts_s(sh)[0], default=def_cm.layer_parts_s(sh)[0],
+                            held=held))
+            for op in LINEAR_OPS:
+                fam = "gemm" if op.startswith("gemm") else "elementwise"
+                out.append(dict(family=fam, model=model, tp=tp, x=m, bucket=op, measured=ops[op][0],
+                                fitted=float(fit_cm.kernels.k.op_s(op, m)), default=np.nan, held=held))
     return out
 
 
 def attention_rows(tables: PublishedTables, fitted: HardwareSpec, default: HardwareSpec) -> list[dict]:
     out = []
     for table in tables.attention:
+        costs = _cost_pairs(table.meta, fitted, default)
         fit_rows, held_rows = attention_split(table)
         for held, rows in ((False, fit_rows), (True, held_rows)):
             for r in rows:
-                shape = layer_shape(table.meta, r.tp)
-                fit_cm, def_cm = _cost(fitted, shape), _cost(default, shape)
+                fit_cm, def_cm = costs(r.tp)
+                sh = _row_shape(r)
                 if r.op == "attn_decode":
-                    sh, i, fam, x = BatchShape.decode(r.batch, r.context), 2, "decode", r.batch * r.context
+                    i, fam, x = 2, "decode", r.batch * r.context
                     bucket = _bucket(x, KV_BUCKETS)
                 else:
-                    sh, i, fam, x = BatchShape.from_parts([(r.prefix, r.tokens, True)]), 3, "prefill", r.tokens
+                    i, fam, x = 3, "prefill", r.tokens
                     bucket = _bucket(x, TOKEN_BUCKETS)
                 out.append(dict(family=fam, model=table.meta["model"], tp=r.tp, x=x, bucket=bucket, measured=r.time_s,
                                 fitted=fit_cm.layer_parts_s(sh)[i], default=def_cm.layer_parts_s(sh)[i], held=held))
@@ -145,21 +173,16 @@ def layer_rows(tables: PublishedTables, fitted: HardwareSpec, default: HardwareS
             cm = ctable.meta
             if (cm["hidden"], cm["q_heads"], cm["kv_heads"]) != (meta["hidden"], meta["q_heads"], meta["kv_heads"]):
                 continue
-            lin: dict = {}
-            for r in ctable.rows:
-                if r.op in LINEAR_OPS:
-                    lin.setdefault((r.tp, r.tokens), {}).setdefault(r.op, []).append(r.time_s)
-            lin = {k: sum(sum(v) for v in ops.values()) / len(ops["gemm_qkv"]) for k, ops in lin.items()
-                   if "gemm_qkv" in ops}
+            lin = {k: v for k, ops in _ops_by_count(ctable).items() if (v := _linear_sum(ops)) is not None}
             shape_meta = {**meta, "intermediate": cm["intermediate"], "vocab": cm["vocab"], "gated": cm["gated"]}
+            costs = _cost_pairs(shape_meta, fitted, default)
             for r in attention_split(table)[1]:
                 m = r.batch if r.op == "attn_decode" else r.tokens
                 if (r.tp, m) not in lin:
                     continue
-                shape = layer_shape(shape_meta, r.tp)
-                sh = BatchShape.decode(r.batch, r.context) if r.op == "attn_decode" else \
-                    BatchShape.from_parts([(r.prefix, r.tokens, True)])
-                fit_p, def_p = _cost(fitted, shape).layer_parts_s(sh), _cost(default, shape).layer_parts_s(sh)
+                fit_cm, def_cm = costs(r.tp)
+                sh = _row_shape(r)
+                fit_p, def_p = fit_cm.layer_parts_s(sh), def_cm.layer_parts_s(sh)
                 out.append(dict(family="layer", model=model, tp=r.tp, x=m, bucket=r.op.removeprefix("attn_"),
                                 measured=lin[(r.tp, m)] + r.time_s, fitted=fit_p[0] + fit_p[2] + fit_p[3],
                                 default=def_p[0] + def_p[2] + def_p[3],
