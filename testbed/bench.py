@@ -39,12 +39,12 @@ SETTINGS = {"reference": ["workload=sharegpt", "workload.arrival=offline", "work
 
 def measure_once(overrides: list[str]) -> dict:
     """Run in this process; return timings, peak memory and the headline metrics."""
-    from testbed.config import compose, to_container
+    from testbed.config import compose_spec
     from testbed.overrides import merge
     from testbed.runner import prepare_experiment
 
-    cfg = to_container(compose(merge(overrides, ["output.mlflow=false", "output.progress=false"])))
-    result = prepare_experiment(cfg).run()
+    spec = compose_spec(merge(overrides, ["output.mlflow=false", "output.progress=false"]))
+    result = prepare_experiment(spec).run()
     s = result.summary
     return {"overrides": overrides, "simulate_s": result.info["simulate_s"], "build_s": result.info["build_s"],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

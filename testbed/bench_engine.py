@@ -86,13 +86,12 @@ def _timed_controller(times: dict):
     return TimedController
 
 
-def _executor(executor: str, args, cost, policy, tracer, cfg):
+def _executor(executor: str, args, cost, policy, tracer, spec):
     import engine.torch_exec  # noqa: F401
     from engine.executor import EXECUTORS, ExecutorBuild
     from engine.policy import RuntimeFeatures
     from engine.settings import Link
     from engine.torch_exec.settings import TorchSettings
-    from testbed.config import run_config
 
     if executor == "torch":
         settings = TorchSettings(threads_per_stage=args.threads_per_stage, model_cache_dir=args.model_cache_dir,
@@ -100,26 +99,27 @@ def _executor(executor: str, args, cost, policy, tracer, cfg):
     else:
         settings = EXECUTORS.get(executor).config_cls()
     return EXECUTORS.get(executor).factory(settings, ExecutorBuild(cost, RuntimeFeatures(), Link(1e9, 0.0), policy,
-                                                                   tracer, run_config(cfg)))
+                                                                   tracer, spec.settings))
 
 
 def run_policy(policy_name: str, requests, args, policy_params: dict, executor: str = "torch") -> dict:
     import policies  # noqa: F401
     from engine.kv import BlockManager
     from engine.trace import Tracer
-    from testbed.config import compose, to_container
+    from testbed.config import compose_spec
     from testbed.runner import build_cost_model
 
-    cfg = to_container(compose([f"model={args.model}", f"parallel.pp={args.pp}", f"policy={policy_name}",
-                                f"output.dir={args.output_dir}"]))
+    spec = compose_spec([f"model={args.model}", f"parallel.pp={args.pp}", f"policy={policy_name}",
+                         f"output.dir={args.output_dir}"])
+    values = {"kv.num_blocks": args.num_blocks}  # the pool below; never measured (engine/torch_exec/kv_sizing.py)
     if args.layer_split:
-        cfg["parallel"]["layer_split"] = args.layer_split
-    cfg["kv"]["num_blocks"] = args.num_blocks  # the pool below; never measured (engine/torch_exec/kv_sizing.py)
-    cost = build_cost_model(cfg)
+        values["parallel.layer_split"] = list(args.layer_split)
+    spec = spec.with_values(values)
+    cost = build_cost_model(spec)
     times = {"schedule": 0.0, "commit": 0.0, "complete": 0.0, "schedule_calls": 0}
     policy = _timed_policy(policy_name, policy_params, times)
     tracer = Tracer()
-    ex = _executor(executor, args, cost, policy, tracer, cfg)
+    ex = _executor(executor, args, cost, policy, tracer, spec)
     kv = BlockManager(args.num_blocks, args.block_size)
     from workloads.history import history_for_run
 

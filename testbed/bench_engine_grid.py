@@ -32,6 +32,10 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from testbed.spec import RunSpec
 
 GRID = {"decode_batch": (1, 8, 32, 64, 128, 256), "decode_context": (128, 512, 2048),
         "prefill_tokens": (128, 512, 1024, 2048, 4096)}
@@ -82,25 +86,27 @@ def add_grid_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", dest="json_out", default=None, help="also write the figures as JSON here")
 
 
-def _config(overrides: list[str], quick: bool, grid: dict) -> dict:
-    from testbed.config import compose, to_container
+def _config(overrides: list[str], quick: bool, grid: dict) -> RunSpec:
+    from testbed.config import compose_spec
     from testbed.overrides import merge
 
-    cfg = to_container(compose(merge(BASE, QUICK_WORKLOAD if quick else FULL_WORKLOAD, overrides)))
-    ex, kv = cfg["executor"], cfg["kv"]
-    if ex.get("name") != "torch":
+    spec = compose_spec(merge(BASE, QUICK_WORKLOAD if quick else FULL_WORKLOAD, overrides))
+    rc = spec.settings
+    if rc.executor.name != "torch":
         from engine.errors import ConfigError
 
-        raise ConfigError(f"testbed bench engine measures the real engine: invalid executor={ex.get('name')}; "
+        raise ConfigError(f"testbed bench engine measures the real engine: invalid executor={rc.executor.name}; "
                           f"valid choices: torch")
-    if ex.get("profile_tokens") is None:  # a measured pool leaves room for the grid's largest prefill
-        ex["profile_tokens"] = max(grid["prefill_tokens"]) + max(grid["decode_batch"])
-    if ex.get("device", "cpu") != "cuda" and kv.get("num_blocks") is None:
+    values: dict[str, Any] = {}
+    st = rc.executor.settings
+    if st.profile_tokens is None:  # a measured pool leaves room for the grid's largest prefill
+        values["executor.profile_tokens"] = max(grid["prefill_tokens"]) + max(grid["decode_batch"])
+    if st.device != "cuda" and rc.kv.num_blocks is None:
         # on CPU the pool is what the grid needs (distinct blocks per sequence), not the hardware table's
-        bs = int(kv["block_size"])
+        bs = rc.kv.block_size
         per_seq = -(-(max(max(grid["decode_context"]), max(grid["prefill_tokens"])) + 1) // bs) + 1
-        kv["num_blocks"] = max(per_seq * max(grid["decode_batch"]), 1024)
-    return cfg
+        values["kv.num_blocks"] = max(per_seq * max(grid["decode_batch"]), 1024)
+    return spec.with_values(values)
 
 
 def run_grid(args: argparse.Namespace, console=None) -> dict:
@@ -112,10 +118,10 @@ def run_grid(args: argparse.Namespace, console=None) -> dict:
     console = console or Console()
     grid = QUICK if args.quick else GRID
     repeats = args.repeats or (2 if args.quick else 5)
-    cfg = _config(list(args.overrides), args.quick, grid)
+    spec = _config(list(args.overrides), args.quick, grid)
     points = grid_points(grid)
-    floors, arch, bandwidth = _floors(cfg, points, repeats, args.attention_bandwidth)
-    e2e, steps, info = _engine(cfg, points, repeats)
+    floors, arch, bandwidth = _floors(spec, points, repeats, args.attention_bandwidth)
+    e2e, steps, info = _engine(spec, points, repeats)
     rows = [Row(p, steps[p][0], steps[p][1], floors[p].linear_s, floors[p].attention_s) for p in points]
     out = {"info": {**info, "model": arch.name, "load_avg": _load_avg(), "repeats": repeats},
            "end_to_end": e2e, "rows": [{**asdict(r.point), "step_s": r.step_s, "forward_s": r.forward_s,
@@ -129,16 +135,15 @@ def run_grid(args: argparse.Namespace, console=None) -> dict:
     return out
 
 
-def _floors(cfg: dict, points: list[Point], repeats: int, bandwidth: bool):
+def _floors(spec: RunSpec, points: list[Point], repeats: int, bandwidth: bool):
     import torch
 
     from engine.torch_exec.checkpoint import model_source, read_arch, spec_arch
     from engine.torch_exec.driver import check_launchable
     from engine.torch_exec.settings import TorchSettings
     from testbed.bench_engine_floor import Floor, attention_bandwidth, copy_rate
-    from testbed.config import run_config
 
-    rc = run_config(cfg)
+    rc = spec.settings
     st: TorchSettings = rc.executor.settings
     check_launchable(st)  # e.g. executor.device=cuda without CUDA: one error line, before the floor
     path, spec = model_source(st, {"model": asdict(rc.model)})
@@ -173,13 +178,13 @@ def _bandwidth(arch, dtype: str, device: str, block_size: int, copy_rate, attent
     return {"copy_Bps": rate, "note": "", "rows": rows}
 
 
-def _engine(cfg: dict, points: list[Point], repeats: int):
+def _engine(spec: RunSpec, points: list[Point], repeats: int):
     """Start the engine once: the end-to-end run first (clean bubbles and window), then the grid."""
     from engine.metrics import SLO, summarize
     from engine.torch_exec.profile import _Designer, _round_robin_tables
     from testbed.runner import prepare_experiment
 
-    prep = prepare_experiment(cfg)
+    prep = prepare_experiment(spec)
     ctrl = prep.controller
     ex = ctrl.executor
     P = ex.pipeline_depth

@@ -212,7 +212,7 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
     """Build the workload from the config overrides, replay it, write the run dir, log to MLflow
     (extra `tags`, `experiment`: for `testbed capacity`, whose probes these are). Returns
     (RunResult, run_dir); the MLflow run id is `info["run_id"]`."""
-    from testbed.config import compose, data_dir, to_container
+    from testbed.config import compose_spec
     from testbed.outputs import run_name, write_run_dir
     from testbed.runner import RunResult
     from workloads.base import build_workload
@@ -223,22 +223,22 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
         raise ConfigError(f"invalid --time-scale {time_scale}: must be > 0")
     if not base_url.startswith(("http://", "https://")):
         raise ConfigError(f"invalid --base-url {base_url!r}: must start with http:// or https://")
-    cfg = to_container(compose(overrides))
-    slo = SLO(**cfg["slo"])
+    spec = compose_spec(overrides)
+    slo = spec.settings.slo
     if requests is None:
-        requests = build_workload(cfg["workload"], data_dir(cfg))
-    name = run_name(cfg, who=label)  # not the policy: the server ran its own
+        requests = build_workload(spec.workload, spec.data_dir)
+    name = run_name(spec, who=label)  # not the policy: the server ran its own
     tracker = run_id = None
-    if cfg["output"].get("mlflow", True):
+    if spec.output.mlflow:
         from testbed.tracking import Tracker
 
-        tracker = Tracker(cfg, experiment)
-        run_id = tracker.start(cfg, name, tags={"mode": "bench-serve", "policy": label, "base_url": base_url,
+        tracker = Tracker(spec.output, experiment)
+        run_id = tracker.start(spec, name, tags={"mode": "bench-serve", "policy": label, "base_url": base_url,
                                                 **(tags or {})})
     try:
         t_wall = time.perf_counter()
         outcomes, wall = asyncio.run(replay(base_url, requests, endpoint=endpoint, model=model, time_scale=time_scale,
-                                            vocab=vocab, seed=int(cfg.get("seed", 0)), max_concurrency=max_concurrency,
+                                            vocab=vocab, seed=spec.settings.seed, max_concurrency=max_concurrency,
                                             api_key=api_key))
     except BaseException as exc:
         if tracker is not None:  # Ctrl-C / SIGTERM: KILLED, as every interrupted run
@@ -257,9 +257,9 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
     if errors:
         info["failures"] = f"{len(errors)} of {len(rows)} requests failed; first: {errors[0]}"
     # the run failed only if nothing was served (429s under overload are a result, not a failure)
-    result = RunResult(config=cfg, summary=summary, requests=rows, microbatches=[], tracer=Tracer(0),
+    result = RunResult(spec=spec, summary=summary, requests=rows, microbatches=[], tracer=Tracer(0),
                        stage_tracks=[], info=info, error=info["failures"] if len(errors) == len(rows) else None)
-    run_dir = Path(run_dir) if run_dir is not None else Path(cfg["output"]["dir"]) / name
+    run_dir = Path(run_dir) if run_dir is not None else Path(spec.output.dir) / name
     write_run_dir(result, run_dir, plots=False)
     if tracker is not None:
         tracker.finish(run_id, result, run_dir, steps=False)
@@ -287,7 +287,7 @@ def cli_bench_serve(args, console) -> int:
                                       time_scale=args.time_scale, vocab=args.vocab_size,
                                       max_concurrency=args.max_concurrency, label=args.label)
     s = result.summary
-    t = Table(title=f"bench serve {args.base_url} ({result.config['workload']['name']}, {s['num_requests']} requests)")
+    t = Table(title=f"bench serve {args.base_url} ({result.spec.workload_name}, {s['num_requests']} requests)")
     t.add_column("metric")
     t.add_column("value", justify="right")
     for key in ("num_finished", "num_failed", "duration_s", "request_throughput", "output_throughput_tok_s",

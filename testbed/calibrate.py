@@ -36,16 +36,16 @@ from engine.errors import ConfigError
 from engine.hardware import (INTRA_BOX_LATENCY_S, PCIE_ALLREDUCE_GBS, PCIE_P2P_GBS, HardwareSpec,
                              get_hardware)
 from engine.models import ModelSpec
-from engine.policy import make_params
 from engine.request import Request
 from engine.profile_grid import ProfileGrid, get_grid
 from engine.torch_exec.profile import device_memory_gib, device_provenance, measure_peaks, profile_engine
 from engine.torch_exec.timing import is_cuda
 from testbed import sweep
-from testbed.config import compose, data_dir, to_container
+from testbed.config import compose_spec
 from testbed.overrides import merge
 from testbed.outputs import write_run_dir
 from testbed.runner import prepare_experiment
+from testbed.spec import RunSpec
 from testbed.tracking import Tracker
 from workloads.base import build_workload
 
@@ -88,17 +88,17 @@ def cmd_profile(args, console) -> int:
     if args.import_path or args.table:
         if args.import_path and not args.time_unit:
             raise ConfigError("--import needs --time-unit s|ms|us (TD-Pipe's tables do not say)")
-        cfg = to_container(compose(overrides))
-        model = make_params(ModelSpec, dict(cfg["model"]), prefix="model")
-        pp = int(cfg["parallel"]["pp"])
-        hw = get_hardware(cfg["hardware"]["name"])
+        run = compose_spec(overrides)
+        model, pp = run.settings.model, run.settings.parallel.pp
+        hw = get_hardware(run.settings.hardware.name)
         if args.import_path:
             table = import_tdpipe(args.import_path, args.time_unit, prompt_len=args.prompt_len,
                                   meta={"model": model.name, "pp": str(pp), "hardware": hw.name})
         else:
             table = read_profile(args.table)
         name = args.name or f"{hw.name}-{model.name}-pp{pp}-cal"
-        fit = fit_profile(table, model, hw, pp, cfg["parallel"].get("layer_split"), classic=True)
+        split = run.settings.parallel.layer_split
+        fit = fit_profile(table, model, hw, pp, list(split) if split else None, classic=True)
         spec = calibrated_spec(hw, name, fit, f"{hw.description}; calibrated from {table.meta.get('source', 'a table')}")
         csv_path = write_profile(table, out_dir / f"{name}.csv")
         yaml_path = save_hardware_profile(spec, out_dir / f"{name}.yaml",
@@ -136,29 +136,30 @@ def _profile_engine(args, overrides, out_dir: Path, console) -> int:
         cap, max(grid.max_decodes() * (grid.max_context() // bs + 1),
                  grid.max_prefills() * (grid.max_context() // bs + 1)) + 4))
     overrides = _with_default(overrides, "output.mlflow", "false")
-    cfg = to_container(compose(overrides))
-    if cfg["executor"]["name"] != "torch":
+    run = compose_spec(overrides)
+    if run.settings.executor.name != "torch":
         raise ConfigError("testbed profile measures the real engine: use executor=torch")
-    device = str(cfg["executor"].get("device", "cpu"))
+    st = run.settings.executor.settings
+    device = st.device
     t0 = time.perf_counter()
-    prepared = prepare_experiment(cfg, requests=[Request(0, 0.0, 1, 1)])
+    prepared = prepare_experiment(run, requests=[Request(0, 0.0, 1, 1)])
     ex = prepared.controller.executor
     cost = prepared.cost
     try:
-        table = profile_engine(ex, grid, block_size=cfg["kv"]["block_size"], repeats=args.repeats,
+        table = profile_engine(ex, grid, block_size=run.settings.kv.block_size, repeats=args.repeats,
                                bytes_of=lambda r: cost.activation_bytes(r.shape()))
     finally:
         ex.shutdown()
     # after the stages are gone: the device is idle, and the driver opens no CUDA context before them
-    peaks = measure_peaks(threads=int(cfg["executor"].get("threads_per_stage", 1)), device=device)
+    peaks = measure_peaks(threads=st.threads_per_stage, device=device)
     provenance = device_provenance(device)
     pp, model = cost.pp, cost.model
-    base = _measured_base(args.name, cfg, device, peaks, provenance, model.name, pp,
+    base = _measured_base(args.name, st, device, peaks, provenance, model.name, pp,
                           get_hardware(explicit_hw) if explicit_hw else None)
     name = base.name
     table.meta.update({"model": model.name, "pp": str(pp), "layers": ",".join(map(str, cost.layers)),
                        "hardware": name, "source": "testbed profile (torch engine)", "grid": grid.name,
-                       "device": provenance.get("gpu", device), "dtype": str(cfg["executor"].get("dtype")),
+                       "device": provenance.get("gpu", device), "dtype": str(st.dtype),
                        "repeats": str(args.repeats), "date_utc": provenance["date_utc"]})
     fit = fit_profile(table, model, base, pp, list(cost.layers), classic=True)
     spec = calibrated_spec(base, name, fit)
@@ -166,7 +167,7 @@ def _profile_engine(args, overrides, out_dir: Path, console) -> int:
     yaml_path = save_hardware_profile(spec, out_dir / f"{name}.yaml", {
         "table": csv_path.name, "command": _command_line(args, grid),  # the table lies next to the YAML
         **provenance, "model": model.name, "model_shape": model_shape(model), "pp": pp, "layers": list(cost.layers),
-        "dtype": str(cfg["executor"].get("dtype")), "grid": grid.name, "rows": len(table.rows),
+        "dtype": str(st.dtype), "grid": grid.name, "rows": len(table.rows),
         "peaks_from": "table " + explicit_hw if explicit_hw else "measured",
         "measured_peak_flops": peaks["peak_flops"], "measured_mem_bw_Bps": peaks["mem_bw_Bps"],
         "measured_gemm_flops": peaks["gemm_flops"], "peak_timer": peaks["timer"],
@@ -196,17 +197,17 @@ def model_shape(model: ModelSpec) -> dict:
                                            "head_dim", "intermediate_size", "vocab_size", "dtype_bytes")}
 
 
-def _measured_base(name: str | None, cfg: dict, device: str, peaks: dict, prov: dict, model: str, pp: int,
+def _measured_base(name: str | None, st: Any, device: str, peaks: dict, prov: dict, model: str, pp: int,
                    table_hw: HardwareSpec | None) -> HardwareSpec:
     """The spec the fit is relative to: a table GPU's datasheet peaks when `hardware=` names one (so
     the fitted efficiencies compare with the table's defaults), else the measured peaks."""
     if is_cuda(device):
         what = (f"{prov.get('gpu')} (driver {prov.get('driver')}, CUDA {prov.get('cuda')}, torch {prov.get('torch')}), "
-                f"torch engine {cfg['executor'].get('dtype')}; calibrated by testbed profile {prov['date_utc']}")
+                f"torch engine {st.dtype}; calibrated by testbed profile {prov['date_utc']}")
         name = name or f"gpu-{model}-pp{pp}"
     else:
-        what = (f"this CPU host, torch engine ({cfg['executor'].get('threads_per_stage', 1)} thread(s)/stage, "
-                f"{cfg['executor'].get('dtype')}), measured peaks; calibrated by testbed profile")
+        what = (f"this CPU host, torch engine ({st.threads_per_stage} thread(s)/stage, "
+                f"{st.dtype}), measured peaks; calibrated by testbed profile")
         name = name or f"cpu-{model}-pp{pp}"
     if table_hw is not None:
         return replace(table_hw, name=name, description=f"{what}; peaks of {table_hw.name}", calibration=None)
@@ -289,18 +290,18 @@ def validate_plan(overrides: list[str], cases: list[ValidateCase]) -> list[tuple
     return out
 
 
-def _configs(overrides: list[str]) -> tuple[dict, dict]:
+def _configs(overrides: list[str]) -> tuple[RunSpec, RunSpec]:
     """The real (torch) and simulated configs of one point, composed (a typo fails here)."""
     overrides = _with_default(overrides, "model", "tiny-llama")
     overrides = _with_default(overrides, "parallel.pp", 2)
     overrides = _with_default(overrides, "kv.num_blocks", 2048)
     base = [o for o in overrides if not o.startswith("executor=") and not o.startswith("executor.")]
     ex_ovs = [o for o in overrides if o.startswith("executor.")]
-    real_cfg = to_container(compose(base + ["executor=torch"] + ex_ovs))
+    real = compose_spec(base + ["executor=torch"] + ex_ovs)
     # The real engine on CPU sends with gloo's blocking send: model it (executor.blocking_send).
-    blocking = "true" if real_cfg["executor"].get("device", "cpu") == "cpu" else "false"
-    sim_cfg = to_container(compose(base + ["executor=sim", f"executor.blocking_send={blocking}"]))
-    return real_cfg, sim_cfg
+    blocking = "true" if real.settings.executor.settings.device == "cpu" else "false"
+    sim = compose_spec(base + ["executor=sim", f"executor.blocking_send={blocking}"])
+    return real, sim
 
 
 def _validate(args, console) -> int:
@@ -312,38 +313,38 @@ def _validate(args, console) -> int:
     points = [(label, *_configs(ovs)) for label, ovs in plan]  # every point composes before anything runs
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if len(points) == 1:
-        _, real_cfg, sim_cfg = points[0]
-        label = f"{real_cfg['policy']['name']}-{real_cfg['workload']['name']}-pp{real_cfg['parallel']['pp']}-{hw}"
-        out_dir = Path(args.out) if args.out else Path(real_cfg["output"]["dir"]) / "validate" / f"{stamp}_{label}"
-        rows = _validate_point(real_cfg, sim_cfg, out_dir, label, console, args.num_mbs)
+        _, real, sim = points[0]
+        label = f"{real.policy_name}-{real.workload_name}-pp{real.settings.parallel.pp}-{hw}"
+        out_dir = Path(args.out) if args.out else Path(real.output.dir) / "validate" / f"{stamp}_{label}"
+        rows = _validate_point(real, sim, out_dir, label, console, args.num_mbs)
         print(format_table(rows))
         print(out_dir.resolve())
         return 0
-    top = Path(args.out) if args.out else Path(points[0][1]["output"]["dir"]) / "validate" / f"{stamp}_matrix-{hw}"
+    top = Path(args.out) if args.out else Path(points[0][1].output.dir) / "validate" / f"{stamp}_matrix-{hw}"
     console.print(f"validate: {len(points)} points (real then sim each), hardware={hw}")
     summary: list[dict] = []
-    for i, (label, real_cfg, sim_cfg) in enumerate(points):
+    for i, (label, real, sim) in enumerate(points):
         console.print(f"[{i + 1}/{len(points)}] {label}")
         point_dir = top / (f"{i:03d}_" + re.sub(r"[^A-Za-z0-9_.=+-]+", "_", label)[:120])
         try:
-            rows = _validate_point(real_cfg, sim_cfg, point_dir, f"{label}-{hw}", console, args.num_mbs)
-            summary.append(matrix_row(label, real_cfg, rows))
+            rows = _validate_point(real, sim, point_dir, f"{label}-{hw}", console, args.num_mbs)
+            summary.append(matrix_row(label, real, rows))
         except ConfigError as exc:
-            summary.append(matrix_row(label, real_cfg, None, str(exc)))
+            summary.append(matrix_row(label, real, None, str(exc)))
         _write_matrix(top, summary)  # after every point: an interrupted matrix keeps what it has
     print(format_matrix(summary))
     print(top.resolve())
     return 0 if all(r["status"] == "ok" for r in summary) else 1
 
 
-def _validate_point(real_cfg: dict, sim_cfg: dict, out_dir: Path, label: str, console, num_mbs: int) -> list[dict]:
+def _validate_point(real: RunSpec, sim: RunSpec, out_dir: Path, label: str, console, num_mbs: int) -> list[dict]:
     """One real run and one simulated run of the same request list; their error table."""
-    requests = build_workload(dict(real_cfg["workload"]), data_dir(real_cfg))
-    console.print(f"  {len(requests)} requests, real (torch) then sim (hardware={real_cfg['hardware']['name']})")
+    requests = build_workload(real.workload, real.data_dir)
+    console.print(f"  {len(requests)} requests, real (torch) then sim (hardware={real.settings.hardware.name})")
     results = {}
-    for kind, cfg in (("real", real_cfg), ("sim", sim_cfg)):
+    for kind, spec in (("real", real), ("sim", sim)):
         t = time.perf_counter()
-        res = prepare_experiment(cfg, requests=list(requests)).run()
+        res = prepare_experiment(spec, requests=list(requests)).run()
         if res.error:
             raise ConfigError(f"the {kind} run failed: {res.error}")
         write_run_dir(res, out_dir / kind, plots=False)
@@ -354,8 +355,8 @@ def _validate_point(real_cfg: dict, sim_cfg: dict, out_dir: Path, label: str, co
     (out_dir / "errors.md").write_text("```\n" + format_table(rows) + "\n```\n")
     (out_dir / "errors.json").write_text(json.dumps(rows, indent=2))
     overlay_figure(results["real"], results["sim"], out_dir / "timeline_overlay.png", num_mbs=num_mbs)
-    if real_cfg["output"].get("mlflow", True):
-        _log_validate(real_cfg, sim_cfg, results, rows, out_dir, label)
+    if real.output.mlflow:
+        _log_validate(real, sim, results, rows, out_dir, label)
     return rows
 
 
@@ -365,10 +366,11 @@ TARGETS = {"throughput_tok_s": 0.10, "tpot_mean_s": 0.10, "ttft_mean_s": 0.15}
 MATRIX_METRICS = ("throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_p99_s")
 
 
-def matrix_row(label: str, cfg: dict, rows: list[dict] | None, error: str = "") -> dict:
-    wl = cfg["workload"]
-    out: dict[str, Any] = {"point": label, "policy": cfg["policy"]["name"], "workload": wl["name"],
-                           "arrival": wl.get("arrival"), "rate": wl.get("rate"), "pp": cfg["parallel"]["pp"],
+def matrix_row(label: str, real: RunSpec, rows: list[dict] | None, error: str = "") -> dict:
+    wl = real.workload
+    out: dict[str, Any] = {"point": label, "policy": real.policy_name, "workload": real.workload_name,
+                           "arrival": getattr(wl, "arrival", None), "rate": getattr(wl, "rate", None),
+                           "pp": real.settings.parallel.pp,
                            "status": "ok" if rows is not None else f"failed: {error}"}
     by = {r["metric"]: r for r in rows or []}
     for m in MATRIX_METRICS:
@@ -405,14 +407,14 @@ def _write_matrix(top: Path, summary: list[dict]) -> None:
     pd.DataFrame(summary).to_csv(top / "matrix.csv", index=False)
 
 
-def _log_validate(real_cfg, sim_cfg, results, rows, out_dir: Path, label: str) -> None:
+def _log_validate(real: RunSpec, sim: RunSpec, results, rows, out_dir: Path, label: str) -> None:
     from mlflow.entities import Metric  # lazy: ~2 s to import, and output.mlflow=false never needs it
 
 
-    tr = Tracker(real_cfg, experiment=real_cfg["output"].get("experiment") or "validate")
-    parent = tr.start(real_cfg, f"validate-{label}", tags={"testbed.kind": "validate"})
-    for kind, cfg in (("real", real_cfg), ("sim", sim_cfg)):
-        rid = tr.start(cfg, f"{kind}-{label}", parent_run_id=parent, tags={"validate.side": kind})
+    tr = Tracker(real.output, experiment=real.output.experiment or "validate")
+    parent = tr.start(real, f"validate-{label}", tags={"testbed.kind": "validate"})
+    for kind, spec in (("real", real), ("sim", sim)):
+        rid = tr.start(spec, f"{kind}-{label}", parent_run_id=parent, tags={"validate.side": kind})
         tr.finish(rid, results[kind], out_dir / kind)
     now = int(time.time() * 1000)
     ms = []

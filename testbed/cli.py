@@ -164,12 +164,12 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 def cmd_predictor_train(args: argparse.Namespace) -> int:
     """Train TD-Pipe's output-length classifier on a workload's data set (60/20/20 split)."""
     from policies.length_predictor import train_predictor
-    from testbed.config import compose, data_dir, to_container
+    from testbed.config import compose_spec
     from workloads.history import history_requests
 
-    cfg = to_container(compose(args.overrides))
-    dataset, records = history_requests(cfg["workload"], data_dir(cfg))
-    rep = train_predictor(dataset, records, cfg["output"]["dir"], int(cfg["seed"]), features=args.features)
+    spec = compose_spec(args.overrides)
+    dataset, records = history_requests(spec.workload, spec.data_dir)
+    rep = train_predictor(dataset, records, spec.output.dir, spec.settings.seed, features=args.features)
     print(f"data set: {rep['dataset']}  features: {rep['features']}  classifier: {rep['classifier']}  "
           f"train/val/test: {rep['num_train']}/{rep['num_val']}/{rep['num_test']}")
     print(f"bin accuracy (test): {rep['bin_accuracy']:.3f}   (paper: 0.52-0.58)")

@@ -45,8 +45,9 @@ from hydra.errors import HydraException
 
 from engine.errors import ConfigError
 from testbed import sweep
-from testbed.config import compose, to_container
-from testbed.overrides import as_int, check_keys, get_path, split_list, split_prefixed
+from testbed.config import compose_spec
+from testbed.overrides import as_int, check_keys, split_list, split_prefixed
+from testbed.spec import RunSpec
 from testbed.report import FIGURE_METRICS, print_table, sort_rows, write_comparison
 from testbed.tune.objectives import SCALAR_KEYS, resolve_metric
 
@@ -133,34 +134,35 @@ def grid(overrides: Sequence[str], confirmed: bool = True) -> tuple[list[str], l
     return [k.lstrip("+~") for k, _ in axes], points
 
 
-def axis_value(cfg: Mapping[str, Any], key: str, given: str) -> Any:
+def axis_value(spec: RunSpec, key: str, given: str) -> Any:
     """The typed value of an axis at a point: the config's value, or the choice for a group."""
     try:
-        value = get_path(cfg, key)
-    except (KeyError, TypeError):
+        value = spec.value_at(key)
+    except KeyError:
         return given
     if isinstance(value, Mapping):
         return given
     return list(value) if isinstance(value, tuple) else value
 
 
-def setup_title(cfg: Mapping[str, Any], axes: Sequence[str]) -> str:
+def setup_title(spec: RunSpec, axes: Sequence[str]) -> str:
     """The figure title: what every point shares (model, hardware, P, workload) and what varies."""
     varied = {a.split(".", 1)[0] if a in ("model", "hardware", "workload", "policy") else a for a in axes}
-    wl = cfg.get("workload") or {}
+    rc, wl = spec.settings, spec.workload
     parts = []
     if "policy" not in varied:
-        parts.append(str(cfg["policy"]["name"]))
-    for key in ("model", "hardware"):
+        parts.append(spec.policy_name)
+    for key, what in (("model", rc.model), ("hardware", rc.hardware)):
         if key not in varied:
-            parts.append(str((cfg.get(key) or {}).get("name", "?")))
+            parts.append(str(getattr(what, "name", "?")))
     if "parallel.pp" not in varied:
-        parts.append(f"P={(cfg.get('parallel') or {}).get('pp')}")
+        parts.append(f"P={rc.parallel.pp}")
     if "workload" not in varied:
-        rate = "" if "workload.rate" in varied or wl.get("arrival") == "offline" or wl.get("rate") is None \
-            else f" @ {wl['rate']:g} req/s"
-        n = "" if "workload.num_requests" in varied else f", {wl.get('num_requests')} requests"
-        parts.append(f"{wl.get('name', '?')}{rate}{n}")
+        rate = getattr(wl, "rate", None)
+        rate = "" if "workload.rate" in varied or getattr(wl, "arrival", None) == "offline" or rate is None \
+            else f" @ {rate:g} req/s"
+        n = "" if "workload.num_requests" in varied else f", {wl.num_requests} requests"
+        parts.append(f"{spec.workload_name}{rate}{n}")
     return " · ".join(parts) + (f" — varying {', '.join(axes)}" if axes else "")
 
 
@@ -172,7 +174,7 @@ class Plan:
     settings: CompareSettings
     axes: list[str]
     points: list[Point]
-    cfgs: list[dict]
+    specs: list[RunSpec]
     out_dir: Path
     overrides: list[str]
 
@@ -184,21 +186,21 @@ def plan(overrides: Sequence[str], confirmed: bool = True, console: Any = None) 
     axes, points = grid(rest, confirmed)
     if console is not None and len(points) > CONFIRM_POINTS:
         console.print(f"composing and checking {len(points):,} grid points first ...", highlight=False)
-    cfgs = [to_container(compose(list(p.overrides))) for p in points]
+    specs = [compose_spec(list(p.overrides)) for p in points]
     if settings.x is not None and settings.x not in axes:
         raise ConfigError(f"compare.x={settings.x!r} is not an axis; axes: {', '.join(axes) or '(none)'}")
     name = settings.experiment or f"compare-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
-    out_dir = Path((cfgs[0].get("output") or {}).get("dir") or "runs") / "compare" / name
+    out_dir = Path(specs[0].output.dir) / "compare" / name
     if (out_dir / "table.csv").exists():
         raise ConfigError(f"comparison {name!r} already exists at {out_dir}; choose another compare.experiment=")
-    return Plan(name, settings, axes, points, cfgs, out_dir, list(rest))
+    return Plan(name, settings, axes, points, specs, out_dir, list(rest))
 
 
 def make_jobs(p: Plan, parent_run_id: str | None) -> list[sweep.Job]:
-    return [sweep.Job(index=pt.index, cfg=cfg, label=pt.label, axes=tuple(p.axes),
-                      axis_values={k: axis_value(cfg, k, v) for k, v in pt.axes}, experiment=p.name,
+    return [sweep.Job(index=pt.index, spec=spec, label=pt.label, axes=tuple(p.axes),
+                      axis_values={k: axis_value(spec, k, v) for k, v in pt.axes}, experiment=p.name,
                       parent_run_id=parent_run_id, run_dir=str(p.out_dir / "runs" / pt.dirname))
-            for pt, cfg in zip(p.points, p.cfgs)]
+            for pt, spec in zip(p.points, p.specs)]
 
 
 def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool = True) -> tuple[Path, Any]:
@@ -206,18 +208,18 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
     Interrupted (KeyboardInterrupt, sweep.Terminated): the table so far is written, the runs
     end KILLED, and the interrupt propagates."""
     p = plan(overrides, confirmed, console)
-    parent = sweep.ParentRun(p.cfgs[0], p.name, p.name, {
+    parent = sweep.ParentRun(p.specs[0].output, p.name, p.name, {
         "testbed.kind": "compare", "testbed.axes": json.dumps(p.axes),
         "compare.overrides": " ".join(p.overrides)[:5000], "compare.points": str(len(p.points))})
     jobs = make_jobs(p, parent.run_id)
     if console is not None:
         _print_start(console, p)
         parent.print_link(console)
-    out = p.cfgs[0].get("output") or {}
+    out = p.specs[0].output
     rows: list[dict] = []
     t0 = time.perf_counter()
     try:
-        sweep.run_jobs(jobs, p.settings.workers, console, bool(out.get("progress", True)), rows)
+        sweep.run_jobs(jobs, p.settings.workers, console, out.progress, rows)
     except KeyboardInterrupt as exc:
         _write(p, rows, time.perf_counter() - t0, parent, plots=False, interrupted=sweep.interrupted_message(exc))
         parent.end("KILLED")
@@ -246,7 +248,7 @@ def _write(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, plot
     df = sort_rows(pd.DataFrame(rows).sort_values("point"), ["point"]) if rows else \
         pd.DataFrame(columns=["point", *p.axes, "status"])
     write_comparison(df, p.axes, p.out_dir, x=p.settings.x, figure_metrics=p.settings.metrics or FIGURE_METRICS,
-                     plots=plots, title=setup_title(p.cfgs[0], p.axes))
+                     plots=plots, title=setup_title(p.specs[0], p.axes))
     failed = int((df["status"] != "finished").sum())
     summary = {"experiment": p.name, "axes": p.axes, "overrides": p.overrides, "points": len(p.points),
                "workers": p.settings.workers, "wall_s": wall, "failed": failed}

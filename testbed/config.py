@@ -245,6 +245,13 @@ def to_container(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
+def compose_spec(overrides: Sequence[str] = ()):
+    """`compose`, then the typed `RunSpec` every command hands down (testbed/spec.py)."""
+    from testbed.spec import RunSpec
+
+    return RunSpec.from_tree(to_container(compose(overrides)))
+
+
 def run_config(cfg: Mapping[str, Any]) -> RunConfig:
     """The typed top-level run config of a composed config (engine/settings.py)."""
     top = {k: cfg[k] for k in ("seed", "data_dir", "check_integrity") if k in cfg}
@@ -311,7 +318,3 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = redact(v)
     return out
-
-
-def data_dir(cfg: Mapping[str, Any]) -> str | None:
-    return cfg.get("data_dir") or os.environ.get("TESTBED_DATA_DIR") or None

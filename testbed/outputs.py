@@ -27,7 +27,6 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -38,6 +37,7 @@ from testbed.redact import redacted
 
 if TYPE_CHECKING:
     from testbed.runner import RunResult
+    from testbed.spec import RunSpec
 
 TRACE_MODES = ("sampled", "full", "off")
 SAMPLE_HEAD = 256  # micro-batches traced from the start (warm-up)
@@ -47,41 +47,6 @@ SAMPLE_MAX_WINDOWS = 12  # written: at most this many windows, evenly spread ove
 MAX_PLOT_POINTS = 2000  # points of the KV figure and of MLflow's step series
 TIMELINE_MICROBATCHES = 40
 MAX_RUN_NAME_BYTES = 200  # file systems allow 255 bytes per name; MLflow's run-name limit is 250 characters
-
-
-@dataclass(frozen=True)
-class OutputSettings:
-    """The `output.*` config section, validated before anything runs."""
-
-    dir: str = "runs"
-    run_name: str | None = None
-    mlflow: bool = True
-    tracking_uri: str | None = None
-    experiment: str = "testbed"
-    max_trace_spans: int = 200_000
-    trace: str = "sampled"
-    plots: bool = True
-    progress: bool = True
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> OutputSettings:
-        from engine.policy import make_params
-
-        out = dict(cfg.get("output") or {})
-        out.setdefault("trace", cls.trace)
-        for key in ("dir", "experiment"):  # `output.dir=5` arrives as an int
-            if out.get(key) is not None and not isinstance(out[key], bool):
-                out[key] = str(out[key])
-        s = make_params(cls, out, prefix="output")
-        if s.trace not in TRACE_MODES:
-            raise bad_value("output.trace", s.trace, f"valid choices: {', '.join(TRACE_MODES)}")
-        if s.max_trace_spans < 0:
-            raise bad_value("output.max_trace_spans", s.max_trace_spans, "must be an integer >= 0")
-        if not s.dir:
-            raise bad_value("output.dir", s.dir, "must name a directory")
-        if s.run_name is not None:
-            check_run_name(str(s.run_name))
-        return s
 
 
 def check_run_name(name: str) -> str:
@@ -148,16 +113,15 @@ def make_tracer(output: Mapping[str, Any], executor: str = "sim") -> Tracer:
 NAME_SKIP = ("output.", "data_dir", "check_integrity")
 
 
-def display_name(cfg: Mapping[str, Any], overrides: Sequence[str] = ()) -> str:
+def display_name(spec: RunSpec, overrides: Sequence[str] = ()) -> str:
     """The MLflow run name: what differs first, e.g. `gllm · azure · rate=4 · pp=2`.
     Policy and workload always lead; then the workload's rate (online arrivals) and every other
     override the user gave, as `<last key>=<value>` (group choices as the bare choice)."""
-    pol = str(cfg["policy"]["name"])
-    wl_cfg = cfg.get("workload") or {}
-    parts = [pol, str(wl_cfg.get("name", "?"))]
+    wl = spec.workload
+    parts = [spec.policy_name, spec.workload_name]
     seen = {"policy", "workload"}
-    rate = wl_cfg.get("rate")
-    if rate is not None and wl_cfg.get("arrival", "poisson") != "offline":
+    rate = getattr(wl, "rate", None)
+    if rate is not None and getattr(wl, "arrival", "poisson") != "offline":
         parts.append(f"rate={_short(rate)}")
         seen.add("workload.rate")
     for ov in overrides:
@@ -174,16 +138,16 @@ def _short(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def folder_name(cfg: Mapping[str, Any], who: str | None = None, what: str | None = None) -> str:
+def folder_name(spec: RunSpec, who: str | None = None, what: str | None = None) -> str:
     """`output.run_name`, else the one pattern of every command's run folder,
     `<who>_<what>_<UTC time>` (no spaces; sorts by who, then what, then time): who ran (the
     policy; `bench serve`: its --label, since it did not run the server's policy) and on what
     (the workload; `serve`: `serve-<executor>`)."""
-    name = (cfg.get("output") or {}).get("run_name")
+    name = spec.output.run_name
     if name:
         return check_run_name(str(name))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    parts = (who or str(cfg["policy"]["name"]), what or str(cfg["workload"]["name"]))
+    parts = (who or spec.policy_name, what or spec.workload_name)
     return "_".join(re.sub(r"[^A-Za-z0-9.=+-]+", "-", p) for p in parts) + f"_{stamp}"
 
 
@@ -299,18 +263,18 @@ def _write_files(result: RunResult, out_dir: Path, trace: str | None) -> None:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {k: _clean(v) for k, v in result.summary.items()}
-    hardware = result.config.get("hardware") or {}
+    hardware = result.spec.settings.hardware
     # which cost profile priced the run (docs/calibration.md#measured-kernels): name and version
-    summary |= {"hardware_profile": hardware.get("name"), "hardware_version": hardware.get("version")}
+    summary |= {"hardware_profile": getattr(hardware, "name", None), "hardware_version": getattr(hardware, "version", None)}
     _write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     info = redacted(dict(result.info))
     info["error"] = result.error
     _write_text(out_dir / "run_info.json", json.dumps(info, indent=2, default=str) + "\n")
-    _write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(redacted(result.config))))
+    _write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(redacted(result.spec.tree()))))
     write_csv(result.requests, out_dir / "requests.csv")
     # 9 digits: 1 us at 1,000 s; exact reprs made the main job's file 3 MB (requests.csv stays exact)
     write_csv(result.microbatches, out_dir / "microbatches.csv")  # exact: byte-comparable across versions
-    mode = trace or (result.config.get("output") or {}).get("trace", "sampled")
+    mode = trace or result.spec.output.trace
     if mode != "off":
         write_trace(result, out_dir / "trace.json")
 

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 from rich.markup import escape
 
-from testbed.outputs import (OutputSettings, OutputWriteError, display_name, folder_name, plot_data,
+from engine.settings import OutputSettings
+from testbed.outputs import (OutputWriteError, display_name, folder_name, plot_data,
                              prepare_output_dir, reserve_run_dir, write_run_dir)
 from testbed.runner import RunInterrupted, RunResult
 from testbed.sidecar import Background
@@ -41,29 +42,29 @@ def run_command(overrides: Sequence[str], console, t_start: float | None = None,
 
 def _run(overrides: Sequence[str], console, t_start: float, bg: Background) -> int:
     try:
-        from testbed.config import compose, flatten, to_container
+        from testbed.config import compose_spec
         from testbed.runner import prepare_experiment
 
-        cfg = to_container(compose(overrides))
-        out = OutputSettings.from_config(cfg)
+        spec = compose_spec(overrides)
+        out = spec.output
         base = prepare_output_dir(out.dir)
         if out.mlflow:
             from testbed.tracking import artifact_root, check_tracking_uri, tracking_uri
 
-            uri = tracking_uri(cfg)
+            uri = tracking_uri(out)
             check_tracking_uri(uri)
         bg.fit(mlflow=out.mlflow, plots=out.plots)
         progress, bar = _progress(console, enabled=out.progress)
-        prepared = prepare_experiment(cfg, progress=bar)
-        run_dir = reserve_run_dir(base, folder_name(cfg))
+        prepared = prepare_experiment(spec, progress=bar)
+        run_dir = reserve_run_dir(base, folder_name(spec))
         if bg.tracker is not None:
             from testbed.tracking import run_tags
 
-            bg.tracker.start(uri=uri, experiment=out.experiment, artifact_location=artifact_root(cfg),
-                             run_name=display_name(cfg, overrides),
-                             tags={**run_tags(cfg, source_name(overrides)),
+            bg.tracker.start(uri=uri, experiment=out.experiment, artifact_location=artifact_root(out),
+                             run_name=display_name(spec, overrides),
+                             tags={**run_tags(spec, source_name(overrides)),
                                    "testbed.run_dir": str(run_dir.resolve())},
-                             params={k: _param(v) for k, v in flatten(cfg).items()})
+                             params={k: _param(v) for k, v in spec.params().items()})
         stopped = None
         try:
             with progress:
@@ -113,7 +114,7 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
     if bg.tracker is not None and bg.tracker.experiment_id is not None:
         from testbed.tracking import chart_link, tracking_uri
 
-        console.print(chart_link(tracking_uri(result.config), bg.tracker.experiment_id), highlight=False,
+        console.print(chart_link(tracking_uri(result.spec.output), bg.tracker.experiment_id), highlight=False,
                       soft_wrap=True, markup=False)
     if stopped:
         console.print(f"[yellow]interrupted ({stopped}):[/yellow] {result.summary['num_finished']} of "
@@ -205,7 +206,7 @@ def print_summary(console, result: RunResult) -> None:
     from rich.table import Table
 
     s = result.summary
-    t = Table(title=escape(f"{result.info.get('policy')} on {result.config['workload']['name']} "
+    t = Table(title=escape(f"{result.info.get('policy')} on {result.spec.workload_name} "
                            f"({result.info.get('executor')}, P={len(result.stage_tracks)})"))
     t.add_column("metric")
     t.add_column("value", justify="right")

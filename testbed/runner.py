@@ -1,12 +1,11 @@
 """One experiment: config -> workload, policy, cost model, executor -> controller run -> results.
 
-`run_experiment(cfg)` is what `testbed run`, `compare` and the tuner's trials call. It does no
+`run_experiment(spec)` (a `RunSpec`, testbed/spec.py) is what `testbed run`, `compare` and the tuner's trials call. It does no
 MLflow logging and writes nothing; `testbed/outputs.py` and `testbed/tracking.py` do that, so a
 trial can decide what to keep.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
@@ -14,24 +13,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.controller import Controller
-from engine.costmodel import CostCoefficients, CostModel
+from engine.costmodel import CostModel
 from engine.errors import ConfigError, RunFailedError, TestbedError
 from engine.executor import EXECUTORS, ExecutorBuild
 from engine.kv import BlockManager
 from engine.metrics import SLO, microbatch_rows, request_rows, summarize
-from engine.policy import POLICIES, PrepareContext, make_params
+from engine.policy import POLICIES, PrepareContext
 from engine.settings import Link, RunConfig
 from engine.trace import Tracer
-from testbed.config import data_dir, run_config
 from testbed.outputs import make_tracer
 from testbed.signals import signal_name
+from testbed.spec import RunSpec
 from workloads.base import build_workload
 from workloads.history import history_for_run
 
 
 @dataclass
 class RunResult:
-    config: dict
+    spec: RunSpec
     summary: dict
     requests: list[dict]
     microbatches: list[dict]
@@ -45,22 +44,14 @@ class RunResult:
         return self.error is not None
 
 
-def _section(cfg: Mapping[str, Any], name: str) -> dict:
-    value = cfg.get(name)
-    return dict(value) if isinstance(value, Mapping) else {}
-
-
-def build_cost_model(cfg: Mapping[str, Any], rc: RunConfig | None = None) -> CostModel:
-    """The cost model of a composed config (`rc`: its typed sections, when already built)."""
-    rc = rc or run_config(cfg)
+def build_cost_model(spec: RunSpec) -> CostModel:
+    """The cost model of a run: its model on its hardware, split over its stages."""
+    rc = spec.settings
     if rc.hardware is None or rc.model is None:
         raise ConfigError("the config names no hardware or no model; e.g. hardware=l20-48g model=qwen2.5-32b")
-    values = dict(rc.hardware.calibration or {})
-    values.update({k: v for k, v in _section(cfg, "cost").items() if v is not None})
-    coeffs = make_params(CostCoefficients, values, prefix="cost")
     split = rc.parallel.layer_split
     return CostModel(rc.model, rc.hardware, pp=rc.parallel.pp, tp=rc.parallel.tp,
-                     layer_split=list(split) if split else None, coefficients=coeffs)
+                     layer_split=list(split) if split else None, coefficients=spec.cost)
 
 
 def kv_blocks(rc: RunConfig, cost: CostModel) -> tuple[int, int]:
@@ -96,27 +87,25 @@ def check_microbatch_count(ctrl: Controller, pinned: int | None) -> None:
                           f"(it keeps {got} micro-batches in flight); unset it for this policy")
 
 
-def _short_simulation(cfg: Mapping[str, Any], params: Mapping[str, Any], num_requests: int) -> dict | None:
-    """`PrepareContext.simulate`: this run with other policy params, in the simulator, on its first
-    `num_requests` requests, writing nothing. None when that simulation failed."""
-    c = copy.deepcopy(dict(cfg))
-    c["policy"] = dict(_section(cfg, "policy"), **params)
-    c["executor"] = {"name": "sim"}
-    wl = _section(c, "workload")
-    if wl.get("num_requests") is None or wl["num_requests"] > num_requests:
-        wl["num_requests"] = num_requests
-    c["workload"] = wl
-    c["output"] = dict(_section(c, "output"), mlflow=False, plots=False, progress=False)
-    res = run_experiment(c)
+def short_simulation_spec(spec: RunSpec, params: Mapping[str, Any], num_requests: int) -> RunSpec:
+    """This run with other policy params, in the simulator, on its first `num_requests` requests,
+    writing nothing."""
+    values: dict[str, Any] = {f"policy.{k}": v for k, v in params.items()}
+    values["executor"] = {"name": "sim"}
+    if spec.workload.num_requests is None or spec.workload.num_requests > num_requests:
+        values["workload.num_requests"] = num_requests
+    values.update({"output.mlflow": False, "output.plots": False, "output.progress": False})
+    return spec.with_values(values)
+
+
+def _short_simulation(spec: RunSpec, params: Mapping[str, Any], num_requests: int) -> dict | None:
+    """`PrepareContext.simulate`: the summary of `short_simulation_spec`; None when it failed."""
+    res = run_experiment(short_simulation_spec(spec, params, num_requests))
     return None if res.failed else res.summary
 
 
-def build_policy(cfg: Mapping[str, Any]):
-    pol = _section(cfg, "policy")
-    name = pol.pop("name", None)
-    if name is None:
-        raise ConfigError(f"no policy chosen; valid choices: {', '.join(POLICIES.names())}")
-    return POLICIES.get(name).from_config(pol)
+def build_policy(spec: RunSpec):
+    return POLICIES.get(spec.policy_name)(spec.policy)
 
 
 @dataclass
@@ -124,7 +113,7 @@ class PreparedRun:
     """Everything built and validated, nothing run yet: user mistakes surface before any
     tracking run is opened."""
 
-    config: dict
+    spec: RunSpec
     controller: Controller
     cost: CostModel
     info: dict
@@ -160,7 +149,7 @@ class PreparedRun:
         summary = summarize(ctrl, SLO(**self.info.pop("_slo")), stage_tracks)
         info = dict(self.info, simulate_s=run_s, start_s=t0 - t_prep, wall_s=self.info["build_s"] + (t0 - t_prep) + run_s,
                     microbatches_per_wall_s=summary["num_microbatches"] / run_s if run_s > 0 else 0.0)
-        result = RunResult(config=self.config, summary=summary, requests=request_rows(ctrl),
+        result = RunResult(spec=self.spec, summary=summary, requests=request_rows(ctrl),
                            microbatches=microbatch_rows(ctrl), tracer=ctrl.executor.tracer,
                            stage_tracks=stage_tracks, info=info, error=error)
         if interrupted is not None:
@@ -177,21 +166,21 @@ class RunInterrupted(KeyboardInterrupt):
         self.result, self.signal = result, signal
 
 
-def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], None] | None = None,
+def prepare_experiment(spec: RunSpec, progress: Callable[[int, int], None] | None = None,
                        requests=None) -> PreparedRun:
     """Validate the config and build workload, policy, cost model and executor.
     Raises TestbedError (one clear line) for any user mistake."""
     wall0 = time.perf_counter()
-    rc = run_config(cfg)
-    cost = build_cost_model(cfg, rc)
+    rc = spec.settings
+    cost = build_cost_model(spec)
     link = link_settings(rc, cost)
     num_microbatches = rc.parallel.num_microbatches
-    policy = build_policy(cfg)
-    prepare_info = policy.prepare(PrepareContext(cost.pp, lambda params, n: _short_simulation(cfg, params, n)))
+    policy = build_policy(spec)
+    prepare_info = policy.prepare(PrepareContext(cost.pp, lambda params, n: _short_simulation(spec, params, n)))
     runtime = policy.runtime.merged(dataclasses.asdict(rc.runtime))
     ex_spec = EXECUTORS.get(rc.executor.name)
     if requests is None:
-        requests = build_workload(_section(cfg, "workload"), data_dir(cfg))
+        requests = build_workload(spec.workload, spec.data_dir)
     if not requests:
         raise ConfigError("the workload produced no requests; loosen its filters or raise workload.num_requests")
     tracer = make_tracer(dataclasses.asdict(rc.output), rc.executor.name)  # output.trace: sampled (default), full or off
@@ -201,7 +190,7 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
     num_blocks, block_size = (1, rc.kv.block_size) if measured else kv_blocks(rc, cost)
     kv = BlockManager(num_blocks, block_size)
     ctrl = Controller(requests, policy, executor, kv, cost_model=cost, check_integrity=rc.check_integrity,
-                      data_dir=data_dir(cfg), progress=progress, num_microbatches=num_microbatches,
+                      data_dir=spec.data_dir, progress=progress, num_microbatches=num_microbatches,
                       link_bandwidth_Bps=link.bandwidth_Bps, link_latency_s=link.latency_s,
                       history=history_for_run)  # `view.history`: the data set minus the run (TD-Pipe)
     check_microbatch_count(ctrl, num_microbatches)
@@ -214,14 +203,14 @@ def prepare_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], No
     if num_microbatches is not None:
         info["num_microbatches"] = num_microbatches
     info.update(prepare_info)
-    return PreparedRun(dict(cfg), ctrl, cost, info)
+    return PreparedRun(spec, ctrl, cost, info)
 
 
-def run_experiment(cfg: Mapping[str, Any], progress: Callable[[int, int], None] | None = None,
+def run_experiment(spec: RunSpec, progress: Callable[[int, int], None] | None = None,
                    requests=None) -> RunResult:
     """Prepare and run one experiment. A failure during the run (stall, dead worker) returns a
     RunResult with `error` set and every request accounted for (finished, or failed with a reason)."""
-    return prepare_experiment(cfg, progress, requests).run()
+    return prepare_experiment(spec, progress, requests).run()
 
 
 __all__ = ["RunResult", "run_experiment", "build_cost_model", "TestbedError"]

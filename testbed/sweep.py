@@ -43,9 +43,11 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from engine.errors import TestbedError
+from engine.settings import OutputSettings
 from testbed import signals as signals_mod
 from testbed.outputs import write_run_dir
 from testbed.runner import prepare_experiment
+from testbed.spec import RunSpec
 from testbed.tracking import Tracker, tracking_uri
 
 EXIT_SIGINT = 130
@@ -142,7 +144,7 @@ class Job:
     """One grid point to run (picklable for spawned workers)."""
 
     index: int
-    cfg: dict
+    spec: RunSpec
     label: str
     axes: tuple[str, ...]
     axis_values: dict
@@ -156,20 +158,20 @@ _TRACKERS: dict[tuple[str, str], Any] = {}
 PARENT_TAG = "testbed.parent_run"  # a point run's link to its sweep's summary run (not MLflow nesting)
 
 
-def _tracker(cfg: Mapping[str, Any], experiment: str) -> Any:
+def _tracker(output: OutputSettings, experiment: str) -> Any:
     """One MLflow tracker per (store, experiment) and process (`Tracker` imports mlflow, ~2 s,
     only when the first one is made: `output.mlflow=false` sweeps never pay for it)."""
-    key = (tracking_uri(cfg), experiment)
+    key = (tracking_uri(output), experiment)
     if key not in _TRACKERS:
-        _TRACKERS[key] = Tracker(cfg, experiment)
+        _TRACKERS[key] = Tracker(output, experiment)
     return _TRACKERS[key]
 
 
 def _open_point_run(job: Job) -> tuple[Any, str | None]:
-    if not (job.cfg.get("output") or {}).get("mlflow", True):
+    if not job.spec.output.mlflow:
         return None, None
-    tracker = _tracker(job.cfg, job.experiment)
-    return tracker, tracker.start(job.cfg, job.label, tags=point_tags(job))
+    tracker = _tracker(job.spec.output, job.experiment)
+    return tracker, tracker.start(job.spec, job.label, tags=point_tags(job))
 
 
 def point_tags(job: Job) -> dict[str, str]:
@@ -191,7 +193,7 @@ def run_point(job: Job) -> dict:
                            "run_id": None, "run_dir": None}
     tracker, row["run_id"] = _open_point_run(job)
     try:
-        result = prepare_experiment(job.cfg).run()
+        result = prepare_experiment(job.spec).run()
     except TestbedError as exc:
         row["error"] = str(exc)
     except Exception as exc:  # a policy bug at this point: one failed row, not a dead grid
@@ -212,7 +214,7 @@ def run_point(job: Job) -> dict:
 
 def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
     run_dir = Path(job.run_dir)
-    write_run_dir(result, run_dir, plots=bool((job.cfg.get("output") or {}).get("plots", True)))
+    write_run_dir(result, run_dir, plots=job.spec.output.plots)
     row["run_dir"] = str(run_dir)
     if tracker is not None:
         tracker.finish(row["run_id"], result, run_dir)
@@ -242,10 +244,10 @@ class ParentRun:
     worker starts (which also creates the database and the experiment), ended FINISHED, or
     KILLED together with every point run (tag `testbed.parent_run`) still RUNNING."""
 
-    def __init__(self, cfg: Mapping[str, Any], experiment: str, run_name: str, tags: Mapping[str, str]) -> None:
+    def __init__(self, output: OutputSettings, experiment: str, run_name: str, tags: Mapping[str, str]) -> None:
         self.tracker = self.run_id = None
-        if (cfg.get("output") or {}).get("mlflow", True):
-            self.tracker = _tracker(cfg, experiment)
+        if output.mlflow:
+            self.tracker = _tracker(output, experiment)
             self.run_id = self.tracker.client.create_run(self.tracker.experiment_id, run_name=run_name,
                                                          tags=dict(tags)).info.run_id
 

@@ -23,9 +23,13 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
+from engine.settings import OutputSettings
+
+if TYPE_CHECKING:
+    from testbed.spec import RunSpec
 
 MAX_STEP_POINTS = 250  # per series: enough for the chart's shape; log_batch cost grows with rows
 MAX_ARTIFACT_BYTES = 2_000_000
@@ -42,18 +46,16 @@ HEADLINE = (("throughput_tok_s", "throughput tok/s", "{:.0f}"), ("ttft_mean_s", 
             ("slo_attainment", "SLO attainment", "{:.1%}"), ("bubble_ratio", "bubble ratio", "{:.3f}"))
 
 
-def tracking_uri(cfg: Mapping[str, Any]) -> str:
-    out = cfg.get("output") or {}
-    uri = out.get("tracking_uri")
-    if uri:
-        return str(uri)
-    db = Path(str(out.get("dir") or "runs")).expanduser().resolve() / "mlflow.db"
+def tracking_uri(out: OutputSettings) -> str:
+    """`output.tracking_uri`, else the SQLite store in `output.dir`."""
+    if out.tracking_uri:
+        return str(out.tracking_uri)
+    db = Path(out.dir).expanduser().resolve() / "mlflow.db"
     return f"sqlite:///{db}"
 
 
-def artifact_root(cfg: Mapping[str, Any]) -> str:
-    out = cfg.get("output") or {}
-    return (Path(str(out.get("dir") or "runs")).expanduser().resolve() / "mlartifacts").as_uri()
+def artifact_root(out: OutputSettings) -> str:
+    return (Path(out.dir).expanduser().resolve() / "mlartifacts").as_uri()
 
 
 def check_tracking_uri(uri: str, timeout_s: float = 3.0, key: str = "output.tracking_uri") -> None:
@@ -101,17 +103,14 @@ def _lock_for(uri: str):
     return FileLock(uri[len("sqlite:///"):] + ".lock", timeout=600)
 
 
-def run_tags(cfg: Mapping[str, Any], command: str | None = None) -> dict[str, str]:
+def run_tags(spec: RunSpec, command: str | None = None) -> dict[str, str]:
     """Tags shown in MLflow's run table and usable as filters (`tags.policy = 'gllm'`)."""
-    wl = cfg.get("workload") or {}
-    tags = {"policy": str(cfg["policy"]["name"]), "workload": str(wl.get("name")),
-            "executor": str((cfg.get("executor") or {}).get("name", "sim")),
-            "model": str((cfg.get("model") or {}).get("name")),
-            "hardware": str((cfg.get("hardware") or {}).get("name")),
-            "hardware_version": str((cfg.get("hardware") or {}).get("version")),
-            "pp": str((cfg.get("parallel") or {}).get("pp"))}
-    if wl.get("rate") is not None and wl.get("arrival", "poisson") != "offline":
-        tags["rate"] = str(wl["rate"])
+    rc, wl = spec.settings, spec.workload
+    tags = {"policy": spec.policy_name, "workload": spec.workload_name, "executor": rc.executor.name,
+            "model": str(getattr(rc.model, "name", None)), "hardware": str(getattr(rc.hardware, "name", None)),
+            "hardware_version": str(getattr(rc.hardware, "version", None)), "pp": str(rc.parallel.pp)}
+    if getattr(wl, "rate", None) is not None and getattr(wl, "arrival", "poisson") != "offline":
+        tags["rate"] = str(spec.value_at("workload.rate"))  # as given: `workload.rate=2` is "2", not "2.0"
     if command:
         tags["mlflow.source.name"] = command
         tags["mlflow.source.type"] = "LOCAL"
@@ -155,12 +154,13 @@ def chart_link(uri: str, experiment_id: str) -> str:
 def note(result) -> str:
     """The run's description (tag mlflow.note.content, shown on the run page): one line of what
     ran and the headline numbers."""
-    s, cfg = result.summary, result.config
-    wl = cfg.get("workload") or {}
-    rate = f", {wl['rate']} req/s" if wl.get("rate") is not None and wl.get("arrival") != "offline" else ""
-    head = (f"**{cfg['policy']['name']}** on {wl.get('name')}{rate}, {s['num_requests']} requests; "
-            f"{(cfg.get('model') or {}).get('name')} on {(cfg.get('parallel') or {}).get('pp')} x "
-            f"{(cfg.get('hardware') or {}).get('name')} ({result.info.get('executor', 'sim')})")
+    s, spec = result.summary, result.spec
+    rc, wl = spec.settings, spec.workload
+    given = getattr(wl, "rate", None) is not None and getattr(wl, "arrival", None) != "offline"
+    rate = f", {spec.value_at('workload.rate')} req/s" if given else ""
+    head = (f"**{spec.policy_name}** on {spec.workload_name}{rate}, {s['num_requests']} requests; "
+            f"{getattr(rc.model, 'name', None)} on {rc.parallel.pp} x "
+            f"{getattr(rc.hardware, 'name', None)} ({result.info.get('executor', 'sim')})")
     cells = [(label, fmt.format(s[k])) for k, label, fmt in HEADLINE
              if isinstance(s.get(k), (int, float)) and not math.isnan(s[k])]
     table = "| " + " | ".join(c[0] for c in cells) + " |\n|" + "---|" * len(cells) + "\n| " + \
@@ -231,24 +231,26 @@ class Tracker:
     """Thin wrapper over MlflowClient: explicit run ids, no thread-local active-run stack
     (MLflow's active run is thread-local since mlflow PR 13456), so nested runs work from any worker."""
 
-    def __init__(self, cfg: Mapping[str, Any] | None = None, experiment: str | None = None, *,
+    def __init__(self, output: OutputSettings | None = None, experiment: str | None = None, *,
                  uri: str | None = None, artifact_location: str | None = None) -> None:
+        """`output`: the run's `output.*` (tracking URI, experiment, artifact folder); None with
+        `uri` given."""
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        cfg = cfg or {}
-        self.uri = uri or tracking_uri(cfg)
+        output = output or OutputSettings()
+        self.uri = uri or tracking_uri(output)
         if self.uri.startswith("sqlite:///"):
             Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(self.uri)
-        name = experiment or (cfg.get("output") or {}).get("experiment") or "testbed"
+        name = experiment or output.experiment or "testbed"
         with _lock_for(self.uri):
             _seed_sqlite_store(self.uri)
             self.client = MlflowClient(self.uri)
             exp = self.client.get_experiment_by_name(name)
             if exp is None:
                 try:
-                    loc = artifact_location or artifact_root(cfg)
+                    loc = artifact_location or artifact_root(output)
                     self.experiment_id = self.client.create_experiment(name, artifact_location=loc)
                 except Exception:  # created concurrently by a process on another store lock (http)
                     self.experiment_id = self.client.get_experiment_by_name(name).experiment_id
@@ -264,11 +266,10 @@ class Tracker:
     def link(self) -> str:
         return chart_link(self.uri, self.experiment_id)
 
-    def start(self, cfg: Mapping[str, Any], run_name: str, parent_run_id: str | None = None,
+    def start(self, spec: RunSpec, run_name: str, parent_run_id: str | None = None,
               tags: Mapping[str, str] | None = None) -> str:
-        from testbed.config import flatten
-
-        return self.start_flat(flatten(cfg), run_name, {**run_tags(cfg), **(tags or {})}, parent_run_id)
+        """A run with the spec's params and tags."""
+        return self.start_flat(spec.params(), run_name, {**run_tags(spec), **(tags or {})}, parent_run_id)
 
     def start_flat(self, params: Mapping[str, Any], run_name: str, tags: Mapping[str, str],
                    parent_run_id: str | None = None) -> str:

@@ -61,9 +61,9 @@ def shared_data() -> Path:
     return path
 
 
-def small_config(*overrides: str, out_dir: Path | None = None) -> dict:
-    """A resolved config for a fast simulated run (synthetic workload, no MLflow, no plots)."""
-    from testbed.config import compose, to_container
+def small_config(*overrides: str, out_dir: Path | None = None):
+    """The RunSpec of a fast simulated run (synthetic workload, no MLflow, no plots)."""
+    from testbed.config import compose_spec
     from testbed.overrides import merge
 
     base = ["workload=synthetic", "workload.num_requests=200", "hardware=a100-80g", "model=llama2-13b",
@@ -71,5 +71,5 @@ def small_config(*overrides: str, out_dir: Path | None = None) -> dict:
             "check_integrity=true"]
     if out_dir is not None:
         base.append(f"output.dir={out_dir}")
-    return to_container(compose(merge(base, overrides)))
+    return compose_spec(merge(base, overrides))
 

@@ -171,7 +171,6 @@ def test_run_files_are_whole_or_absent(tmp_path):
 
 
 def test_uri_passwords_are_redacted_in_params_and_config_yaml(tmp_path):
-    from testbed.config import flatten
     from testbed.outputs import write_run_dir
     from testbed.redact import redact
     from testbed.runner import run_experiment
@@ -180,7 +179,7 @@ def test_uri_passwords_are_redacted_in_params_and_config_yaml(tmp_path):
 
     cfg = small_config("workload.num_requests=5", "output.tracking_uri=postgresql://bob:hunter2@db.example/mlflow",
                        out_dir=tmp_path)
-    params = flatten(cfg)
+    params = cfg.params()
     assert params["output.tracking_uri"] == "postgresql://bob:***@db.example/mlflow"
     run_dir = write_run_dir(run_experiment(cfg), tmp_path / "run", plots=False)
     text = "".join(p.read_text() for p in run_dir.iterdir())

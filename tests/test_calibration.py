@@ -108,11 +108,11 @@ def test_tdpipe_import_round_trip_and_profile_selectable(tmp_path, monkeypatch):
     loaded = load_hardware_profile(prof_dir / "l20-tdpipe-test.yaml")
     assert loaded == spec
     code = (
-        "from testbed.config import compose, to_container\n"
+        "from testbed.config import compose_spec\n"
         "from testbed.runner import build_cost_model\n"
         "from engine.costmodel import BatchShape\n"
         "for h in ('l20-48g', 'l20-tdpipe-test'):\n"
-        "    cfg = to_container(compose(['hardware=' + h, 'model=qwen2.5-32b', 'parallel.pp=4']))\n"
+        "    cfg = compose_spec(['hardware=' + h, 'model=qwen2.5-32b', 'parallel.pp=4'])\n"
         "    print(build_cost_model(cfg).bottleneck_s(BatchShape.prefill(2048), False))\n"
     )
     env = dict(**__import__("os").environ, TESTBED_PROFILE_DIR=str(prof_dir))
@@ -146,13 +146,13 @@ def test_small_real_profile_run(tmp_path):
     pytest.importorskip("torch")
     from engine.torch_exec.profile import profile_engine
     from engine.request import Request
-    from testbed.config import compose, to_container
+    from testbed.config import compose_spec
     from testbed.runner import prepare_experiment
 
     grid = {"prefill_tokens": (16, 128), "prefill_batch": (1,), "prefill_prefix": (0,),
             "decode_batch": (1, 16), "decode_context": (32,)}
-    cfg = to_container(compose(["executor=torch", "model=tiny-llama", "parallel.pp=2", "kv.num_blocks=32",
-                                f"executor.model_cache_dir={tmp_path / 'models'}", "policy=vllm"]))
+    cfg = compose_spec(["executor=torch", "model=tiny-llama", "parallel.pp=2", "kv.num_blocks=32",
+                                f"executor.model_cache_dir={tmp_path / 'models'}", "policy=vllm"])
     prepared = prepare_experiment(cfg, requests=[Request(0, 0.0, 1, 1)])
     ex, cost = prepared.controller.executor, prepared.cost
     try:

@@ -164,10 +164,9 @@ def test_a_killed_sweep_kills_its_own_running_points_only(tmp_path):
     from testbed import sweep
 
     fresh_mlflow_db(tmp_path)
-    cfg = small_config(out_dir=tmp_path)
-    cfg["output"]["mlflow"] = True
-    summary = sweep.ParentRun(cfg, "kc", "kc", {"testbed.kind": "compare"})
-    tracker = sweep._tracker(cfg, "kc")
+    cfg = small_config("output.mlflow=true", out_dir=tmp_path)
+    summary = sweep.ParentRun(cfg.output, "kc", "kc", {"testbed.kind": "compare"})
+    tracker = sweep._tracker(cfg.output, "kc")
     point = tracker.start(cfg, "p0", tags={sweep.PARENT_TAG: summary.run_id})
     unrelated = tracker.start(cfg, "another sweep's point", tags={sweep.PARENT_TAG: "someone-else"})
     summary.end("KILLED")

@@ -17,7 +17,7 @@ from engine.settings import SECTIONS, KVSettings, Link, LinkSettings, ParallelSe
 from engine.trace import Tracer
 from engine.typed import build, coerce, setting
 from testbed.cli import main
-from testbed.config import BASE, compose, run_config, to_container
+from testbed.config import BASE, compose, compose_spec, run_config, to_container
 from conftest import small_config
 
 TINY = ["workload.num_requests=5", "output.mlflow=false", "output.plots=false", "output.progress=false"]
@@ -114,9 +114,9 @@ def test_torch_factory_paces_only_an_explicit_link(link, paced):
     from engine.torch_exec.settings import TorchSettings
     from testbed.runner import build_cost_model
 
-    cfg = to_container(compose(["model=tiny-llama", "parallel.pp=2", "seed=7"]))
-    rc = run_config(cfg)
-    ex = make_torch_executor(TorchSettings(), ExecutorBuild(build_cost_model(cfg, rc), RuntimeFeatures(), link,
+    spec = compose_spec(["model=tiny-llama", "parallel.pp=2", "seed=7"])
+    rc = spec.settings
+    ex = make_torch_executor(TorchSettings(), ExecutorBuild(build_cost_model(spec), RuntimeFeatures(), link,
                                                             None, Tracer(), rc))
     try:
         assert (ex.link_bandwidth_Bps == link.bandwidth_Bps) is paced

@@ -20,7 +20,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from engine.errors import TestbedError  # noqa: E402
-from testbed.config import compose, flatten, group_nodes, to_container  # noqa: E402
+from testbed.config import compose, compose_spec, flatten, group_nodes, to_container  # noqa: E402
 from testbed.runner import prepare_experiment  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,8 +97,7 @@ def _assert_clean(code: int, err: str) -> None:
 
 
 def _prepare(overrides: list[str]) -> None:
-    cfg = to_container(compose(overrides))
-    prepare_experiment(cfg).controller.executor.shutdown()
+    prepare_experiment(compose_spec(overrides)).controller.executor.shutdown()
 
 
 @FUZZ

@@ -159,16 +159,16 @@ def test_extension_search_picks_a_k_in_range(shared_data):
 def _torch_molink(tmp_path, *extra):
     torch = pytest.importorskip("torch")  # noqa: F841
     import engine.torch_exec  # noqa: F401
-    from testbed.config import compose, to_container
+    from testbed.config import compose_spec
 
-    cfg = to_container(compose([
+    cfg = compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", "policy=molink", "workload=synthetic",
         "workload.num_requests=8", "workload.arrival=poisson", "workload.rate=40", "workload.input_dist=uniform",
         "workload.input_min=96", "workload.input_max=256", "workload.output_dist=uniform",
         "workload.output_min=6", "workload.output_max=16", "kv.num_blocks=256", "kv.block_size=8",
         "policy.max_num_seqs=2", "policy.extension=off", "link.bandwidth=20Mbps", "link.latency=5ms",
         "policy.min_chunk_bytes=16384", "output.mlflow=false", "output.plots=false", "output.progress=false",
-        f"executor.model_cache_dir={tmp_path.parent / 'models'}", f"output.dir={tmp_path}", *extra]))
+        f"executor.model_cache_dir={tmp_path.parent / 'models'}", f"output.dir={tmp_path}", *extra])
     res = run_experiment(cfg)
     assert res.error is None, res.error
     assert res.summary["num_finished"] == 8

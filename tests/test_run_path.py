@@ -270,14 +270,14 @@ def test_trace_modes_keep_the_summary_and_shrink_the_trace(tmp_path):
 
 
 def test_run_names_lead_with_what_differs():
-    from testbed.config import compose, to_container
+    from testbed.config import compose_spec
     from testbed.outputs import display_name
 
     ov = ["policy=sarathi", "workload.rate=4", "parallel.pp=2", "output.dir=/tmp/x", "hardware=a100-80g"]
-    cfg = to_container(compose(ov))
+    cfg = compose_spec(ov)
     assert display_name(cfg, ov) == "sarathi · azure · rate=4 · pp=2 · a100-80g"
     off = ["workload=sharegpt", "workload.arrival=offline"]
-    assert display_name(to_container(compose(off)), off) == "gllm · sharegpt · arrival=offline"
+    assert display_name(compose_spec(off), off) == "gllm · sharegpt · arrival=offline"
 
 
 def test_overload_warns_once_with_both_rates_and_the_remedy(tmp_path, capsys):

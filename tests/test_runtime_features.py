@@ -56,15 +56,15 @@ FEATURES = ["runtime.cpu_sampling", "runtime.overlap_input_prep", "runtime.struc
 
 
 def _torch_run(tmp_path, *extra):
-    from testbed.config import compose, to_container
+    from testbed.config import compose_spec
     from testbed.runner import run_experiment
 
-    cfg = to_container(compose([
+    cfg = compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", "policy=sarathi", "workload=synthetic",
         "workload.num_requests=6", "workload.arrival=offline", "workload.input_dist=uniform",
         "workload.input_min=4", "workload.input_max=48", "workload.output_dist=uniform",
         "workload.output_min=2", "workload.output_max=12", "kv.num_blocks=64", "kv.block_size=8",
-        f"executor.model_cache_dir={tmp_path.parent / 'models'}", f"output.dir={tmp_path}", *extra]))
+        f"executor.model_cache_dir={tmp_path.parent / 'models'}", f"output.dir={tmp_path}", *extra])
     res = run_experiment(cfg)
     assert res.error is None, res.error
     return res

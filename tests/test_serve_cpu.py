@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
 from engine.torch_exec.driver import free_port  # noqa: E402
-from testbed.config import compose, to_container  # noqa: E402
+from testbed.config import compose_spec  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +17,8 @@ def server(tmp_path_factory):
     from testbed.serve.main import build_server
 
     out = tmp_path_factory.mktemp("serve")
-    cfg = to_container(compose(["executor=torch", "model=tiny-llama", "parallel.pp=2", f"serve.port={free_port()}",
-                                f"output.dir={out}", "output.mlflow=false", f"executor.model_cache_dir={out}/models"]))
+    cfg = compose_spec(["executor=torch", "model=tiny-llama", "parallel.pp=2", f"serve.port={free_port()}",
+                                f"output.dir={out}", "output.mlflow=false", f"executor.model_cache_dir={out}/models"])
     srv = build_server(cfg)
     srv.start_background()
     yield srv

@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 
 from engine.torch_exec.driver import free_port  # noqa: E402
 from serve_helpers import cli_server  # noqa: E402
-from testbed.config import compose, to_container  # noqa: E402
+from testbed.config import compose_spec  # noqa: E402
 
 SIM = ["executor=sim", "model=llama2-70b", "hardware=a100-80g", "parallel.pp=4", "policy=gllm",
        "output.plots=false", "output.progress=false"]
@@ -29,8 +29,8 @@ WORKLOAD = ["workload=synthetic", "workload.num_requests=16", "workload.rate=2",
 def _server(tmp_path, *extra, mlflow=False):
     from testbed.serve.main import build_server
 
-    cfg = to_container(compose(SIM + [f"serve.port={free_port()}", f"output.dir={tmp_path}",
-                                      f"output.mlflow={str(mlflow).lower()}", "check_integrity=true", *extra]))
+    cfg = compose_spec(SIM + [f"serve.port={free_port()}", f"output.dir={tmp_path}",
+                                      f"output.mlflow={str(mlflow).lower()}", "check_integrity=true", *extra])
     srv = build_server(cfg)
     srv.start_background()
     return srv
@@ -50,8 +50,8 @@ def test_bench_serve_reproduces_testbed_run(tmp_path):
     from testbed.bench_serve import run_bench_serve
     from testbed.runner import run_experiment
 
-    offline = run_experiment(to_container(compose(SIM + WORKLOAD + [f"output.dir={tmp_path}",
-                                                                     "output.mlflow=false"]))).summary
+    offline = run_experiment(compose_spec(SIM + WORKLOAD + [f"output.dir={tmp_path}",
+                                                                     "output.mlflow=false"])).summary
     with _cli_server(tmp_path / "server", "output.mlflow=false", "check_integrity=true") as (url, outcome):
         result, run_dir = run_bench_serve(url, WORKLOAD + [f"output.dir={tmp_path}", "output.mlflow=false"])
     assert outcome["code"] == 0, outcome["err"]

@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
 from engine.torch_exec.driver import free_port  # noqa: E402
-from testbed.config import compose, to_container  # noqa: E402
+from testbed.config import compose_spec  # noqa: E402
 
 MODEL = "tiny-llama"
 
@@ -27,10 +27,10 @@ def server(tmp_path_factory):
     from testbed.serve.main import build_server
 
     out = tmp_path_factory.mktemp("serve")
-    cfg = to_container(compose([
+    cfg = compose_spec([
         "executor=torch", f"model={MODEL}", "parallel.pp=2", "policy=gllm", "kv.num_blocks=96", "kv.block_size=8",
         f"serve.port={free_port()}", f"output.dir={out}", "output.mlflow=false", "check_integrity=true",
-        f"executor.model_cache_dir={out}/models"]))
+        f"executor.model_cache_dir={out}/models"])
     srv = build_server(cfg)
     srv.start_background()
     yield srv

@@ -16,7 +16,7 @@ OFF = ["runtime.cpu_sampling=false", "runtime.overlap_input_prep=false", "runtim
 def test_sipipe_registered_with_all_three_features():
     cls = POLICIES.get("sipipe")
     assert cls.runtime == RuntimeFeatures(True, True, True)
-    pol = build_policy({"policy": {"name": "sipipe"}})
+    pol = build_policy(small_config("policy=sipipe"))
     assert pol.params.max_num_seqs == 512
     # any policy may take the features
     assert POLICIES.get("gllm").runtime.merged({"cpu_sampling": True}).cpu_sampling

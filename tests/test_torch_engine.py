@@ -171,15 +171,15 @@ POLICY_NAMES = [p for p in ("sarathi", "vllm", "gllm", "tdpipe") if p in POLICIE
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_policy_completes_on_torch_executor(policy, model_cache, tmp_path):
-    from testbed.config import compose, to_container
+    from testbed.config import compose_spec
     from testbed.runner import run_experiment
 
-    cfg = to_container(compose([
+    cfg = compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", f"policy={policy}", "workload=synthetic",
         "workload.num_requests=6", "workload.arrival=offline", "workload.input_dist=uniform",
         "workload.input_min=4", "workload.input_max=48", "workload.output_dist=uniform",
         "workload.output_min=2", "workload.output_max=12", "kv.num_blocks=64", "kv.block_size=8",
-        f"executor.model_cache_dir={model_cache}", f"output.dir={tmp_path}", "check_integrity=true"]))
+        f"executor.model_cache_dir={model_cache}", f"output.dir={tmp_path}", "check_integrity=true"])
     res = run_experiment(cfg)
     assert res.error is None, res.error
     s = res.summary
@@ -196,13 +196,13 @@ def test_policy_completes_on_torch_executor(policy, model_cache, tmp_path):
 
 # --- failures -----------------------------------------------------------------------------------------
 def _failing_cfg(model_cache, tmp_path, *extra):
-    from testbed.config import compose, to_container
+    from testbed.config import compose_spec
 
-    return to_container(compose([
+    return compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", "policy=sarathi", "workload=synthetic",
         "workload.num_requests=4", "workload.arrival=offline", "workload.input_mean=32",
         "workload.output_mean=200", "kv.num_blocks=64", "kv.block_size=16",
-        f"executor.model_cache_dir={model_cache}", f"output.dir={tmp_path}", *extra]))
+        f"executor.model_cache_dir={model_cache}", f"output.dir={tmp_path}", *extra])
 
 
 def test_killed_stage_fails_the_run_cleanly(model_cache, tmp_path):
@@ -264,7 +264,7 @@ def test_ctrl_c_ends_every_process(model_cache, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import multiprocessing, sys, time
         import engine.torch_exec
-        from testbed.config import compose, to_container
+        from testbed.config import compose_spec
         from testbed.runner import run_experiment
 
         shown = []
@@ -275,10 +275,10 @@ def test_ctrl_c_ends_every_process(model_cache, tmp_path):
                 print("PIDS", *[p.pid for p in multiprocessing.active_children()], flush=True)
 
         if __name__ == "__main__":
-            cfg = to_container(compose(["executor=torch", "model=tiny-llama", "parallel.pp=2",
+            cfg = compose_spec(["executor=torch", "model=tiny-llama", "parallel.pp=2",
                 "workload=synthetic", "workload.num_requests=4", "workload.arrival=offline",
                 "workload.input_mean=32", "workload.output_mean=2000", "kv.num_blocks=1024",
-                "executor.model_cache_dir={model_cache}", "output.dir={tmp_path}"]))
+                "executor.model_cache_dir={model_cache}", "output.dir={tmp_path}"])
             try:
                 run_experiment(cfg, progress=progress)
             except KeyboardInterrupt:

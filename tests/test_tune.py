@@ -297,7 +297,7 @@ def test_the_micro_batch_count_is_searched_unless_pinned_or_given_a_space():
     assert set(space) == {"token_budget", "max_num_seqs", "parallel.num_microbatches"}
     problem = prepare([*base, "parallel.pp=3", "parallel.num_microbatches=4"])
     assert "parallel.num_microbatches" not in problem.space()  # pinned on the command line
-    assert problem.base_cfg["parallel"]["num_microbatches"] == 4
+    assert problem.base.settings.parallel.num_microbatches == 4
     space = prepare([*base, "tune.space.parallel.num_microbatches=4,5,6,8"]).space()
     assert space["parallel.num_microbatches"] == CategoricalDistribution([4, 5, 6, 8])
     problem = prepare([*base, "tune.space.parallel.pp=2,4"])  # the range follows the trial's P

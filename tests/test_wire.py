@@ -338,7 +338,7 @@ DRIVER = textwrap.dedent("""
     import os, sys, threading, time, psutil
     sys.path.insert(0, os.getcwd())
     import engine.torch_exec
-    from testbed.config import compose, to_container
+    from testbed.config import compose_spec
     from testbed.runner import run_experiment
 
     def announce():  # once both stages and both CPU samplers are up
@@ -353,10 +353,10 @@ DRIVER = textwrap.dedent("""
 
     if __name__ == "__main__":
         threading.Thread(target=announce, daemon=True).start()
-        cfg = to_container(compose(["executor=torch", "model=tiny-llama", "parallel.pp=2", "runtime.cpu_sampling=true",
+        cfg = compose_spec(["executor=torch", "model=tiny-llama", "parallel.pp=2", "runtime.cpu_sampling=true",
             "workload=synthetic", "workload.num_requests=4", "workload.arrival=offline",
             "workload.input_mean=16", "workload.output_mean=2000", "kv.num_blocks=1024",
-            "executor.num_cpu_samplers=2", "executor.model_cache_dir=%s", "output.dir=%s"]))
+            "executor.num_cpu_samplers=2", "executor.model_cache_dir=%s", "output.dir=%s"])
         run_experiment(cfg)
 """)
 

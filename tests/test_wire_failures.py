@@ -26,13 +26,13 @@ def model_cache(tmp_path_factory):
 
 
 def _cfg(model_cache, tmp_path, *extra):
-    from testbed.config import compose, to_container
+    from testbed.config import compose_spec
 
-    return to_container(compose([
+    return compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", "policy=sarathi", "workload=synthetic",
         "workload.num_requests=4", "workload.arrival=offline", "workload.input_mean=32",
         "workload.output_mean=200", "kv.num_blocks=64", "kv.block_size=16",
-        f"executor.model_cache_dir={model_cache}", f"output.dir={tmp_path}", *extra]))
+        f"executor.model_cache_dir={model_cache}", f"output.dir={tmp_path}", *extra])
 
 
 def test_cuda_without_a_gpu_is_one_error_line(monkeypatch, capsys, tmp_path):

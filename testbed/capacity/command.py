@@ -20,7 +20,6 @@ and `runs/<point>/<probe>/` (each probe's run directory). The last line printed 
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import sys
@@ -37,7 +36,8 @@ from testbed.capacity import results
 from testbed.capacity.search import RateSearch
 from testbed.capacity.settings import CapacitySettings, check_prices, parse
 from testbed.compare import Point, axis_value, grid
-from testbed.config import compose, to_container
+from testbed.config import compose_spec
+from testbed.spec import RunSpec
 from testbed.overrides import explicit_keys, merge, split_prefixed
 
 
@@ -48,7 +48,7 @@ class PointSpec:
     index: int
     label: str
     dirname: str
-    cfg: dict
+    run: RunSpec
     overrides: tuple[str, ...]
     axis_values: dict
     target: float
@@ -65,8 +65,8 @@ class Plan:
     live: Any = None  # testbed.capacity.live.LiveOptions with --base-url
 
     @property
-    def cfg0(self) -> dict:
-        return self.points[0].cfg
+    def run0(self) -> RunSpec:
+        return self.points[0].run
 
 
 def plan(overrides: Sequence[str], live: Any = None) -> Plan:
@@ -81,10 +81,10 @@ def plan(overrides: Sequence[str], live: Any = None) -> Plan:
                           "not a list")
     user = explicit_keys(rest)
     specs = [_point_spec(pt, settings, user) for pt in points]
-    check_prices(settings, sorted({s.cfg["hardware"]["name"] for s in specs}))
+    check_prices(settings, sorted({s.run.settings.hardware.name for s in specs}))
     specs = [_priced(s, settings, user) for s in specs]
     name = settings.experiment or f"capacity-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
-    out_dir = Path((specs[0].cfg.get("output") or {}).get("dir") or "runs") / "capacity" / name
+    out_dir = Path(specs[0].run.output.dir) / "capacity" / name
     if (out_dir / "table.csv").exists():
         raise ConfigError(f"capacity search {name!r} already exists at {out_dir}; choose another capacity.experiment=")
     return Plan(name, settings, axes, specs, out_dir, list(rest), live)
@@ -94,29 +94,28 @@ def _point_spec(pt: Point, settings: CapacitySettings, user: set[str]) -> PointS
     ovs = list(pt.overrides)
     if "output.plots" not in user:
         ovs.append("output.plots=false")  # per-probe timeline plots: ~1 s each, not what a search is for
-    cfg = to_container(compose(ovs))
-    wl = cfg["workload"]
-    if wl.get("arrival") == "offline":
+    run = compose_spec(ovs)
+    if getattr(run.workload, "arrival", None) == "offline":
         raise ConfigError(f"workload.arrival=offline has no request rate to search (point {pt.label}); "
                           f"valid choices: poisson, gamma")
-    return PointSpec(pt.index, pt.label, pt.dirname, cfg, tuple(ovs),
-                     {k: axis_value(cfg, k, v) for k, v in pt.axes}, settings.resolved_target(cfg["slo"]))
+    return PointSpec(pt.index, pt.label, pt.dirname, run, tuple(ovs),
+                     {k: axis_value(run, k, v) for k, v in pt.axes}, settings.resolved_target(run.settings.slo))
 
 
 def _priced(spec: PointSpec, settings: CapacitySettings, user: set[str]) -> PointSpec:
     """`capacity.price.<hw>=` sets that hardware entry's `cost_per_gpu_hour` at its points."""
-    price = dict(settings.prices).get(spec.cfg["hardware"]["name"])
+    price = dict(settings.prices).get(spec.run.settings.hardware.name)
     if price is None:
         return spec
     ovs = merge(spec.overrides, [f"hardware.cost_per_gpu_hour={price}"])
-    return PointSpec(spec.index, spec.label, spec.dirname, to_container(compose(ovs)), tuple(ovs),
+    return PointSpec(spec.index, spec.label, spec.dirname, compose_spec(ovs), tuple(ovs),
                      spec.axis_values, spec.target)
 
 
 # --- the searches as a sweep feed -----------------------------------------------------------------
 
-def start_rate(cfg: dict, settings: CapacitySettings) -> float:
-    return settings.start or cfg["workload"].get("rate") or 1.0
+def start_rate(run: RunSpec, settings: CapacitySettings) -> float:
+    return settings.start or getattr(run.workload, "rate", None) or 1.0
 
 
 class CapacityFeed(sweep.Feed):
@@ -129,7 +128,7 @@ class CapacityFeed(sweep.Feed):
         super().__init__()
         self.p = p
         self.parent = parent
-        self.searches = [RateSearch(p.settings, start_rate(pt.cfg, p.settings)) for pt in p.points]
+        self.searches = [RateSearch(p.settings, start_rate(pt.run, p.settings)) for pt in p.points]
         self.errors: dict[int, str] = {}  # point -> why its search stopped (a probe's run failed)
         self.owner: dict[int, int] = {}  # job index -> point
         self.probe_rows: dict[int, list[dict]] = {pt.index: [] for pt in p.points}
@@ -153,7 +152,7 @@ class CapacityFeed(sweep.Feed):
             self.probe_rows[pt.index].append(row)
             return []
         search = self.searches[pt.index]
-        metrics = results.judged(row, pt.cfg["slo"], self.p.settings.warmup_s)
+        metrics = results.judged(row, pt.run.settings.slo, self.p.settings.warmup_s)
         value = metrics[self.p.settings.metric]
         passed = self.p.settings.passes(value, pt.target)
         rate = row["workload.rate"]
@@ -186,12 +185,11 @@ class CapacityFeed(sweep.Feed):
 def probe_job(p: Plan, pt: PointSpec, rate: float, k: int, index: int, parent_run_id: str | None) -> sweep.Job:
     """Probe k of a point: its config with `workload.rate` (and, with capacity.duration_s, the
     number of requests sent over warm-up + duration) set."""
-    cfg = copy.deepcopy(pt.cfg)
-    cfg["workload"]["rate"] = rate
+    values: dict[str, Any] = {"workload.rate": rate}
     s = p.settings
     if s.duration_s is not None:
-        cfg["workload"]["num_requests"] = max(2, math.ceil(rate * (s.warmup_s + s.duration_s)))
-    return sweep.Job(index=index, cfg=cfg, label=f"{pt.label} @ {rate:g} req/s", axes=(*p.axes, "workload.rate"),
+        values["workload.num_requests"] = max(2, math.ceil(rate * (s.warmup_s + s.duration_s)))
+    return sweep.Job(index=index, spec=pt.run.with_values(values), label=f"{pt.label} @ {rate:g} req/s", axes=(*p.axes, "workload.rate"),
                      axis_values={**pt.axis_values, "workload.rate": rate}, experiment=p.name,
                      parent_run_id=parent_run_id,
                      run_dir=str(p.out_dir / "runs" / pt.dirname / f"{k:02d}_rate={rate:g}"),
@@ -204,7 +202,7 @@ def run_capacity(overrides: Sequence[str], console: Any = None, live: Any = None
     """Plan, search every point, write and log the results. Returns (dir, table). Interrupted:
     the results so far are written, the runs end KILLED, and the interrupt propagates."""
     p = plan(overrides, live)
-    parent = sweep.ParentRun(p.cfg0, p.name, p.name, {
+    parent = sweep.ParentRun(p.run0.output, p.name, p.name, {
         "testbed.kind": "capacity", "testbed.axes": json.dumps(p.axes),
         "capacity.overrides": " ".join(p.overrides)[:5000],
         "capacity.points": str(len(p.points)), "capacity.criterion": p.settings.criterion,
@@ -231,7 +229,7 @@ def run_searches(p: Plan, parent: sweep.ParentRun, console: Any = None) -> tuple
         _print_start(console, p, feed)
     t0 = time.perf_counter()
     try:
-        sweep.run_jobs([], p.settings.workers, console, bool((p.cfg0.get("output") or {}).get("progress", True)), [],
+        sweep.run_jobs([], p.settings.workers, console, p.run0.output.progress, [],
                        feed=feed)
     except KeyboardInterrupt as exc:
         results.write(p, feed, time.perf_counter() - t0, parent, interrupted=sweep.interrupted_message(exc))
@@ -247,10 +245,9 @@ def plan_for_jobs(jobs: Sequence[sweep.Job], axes: list[str], settings: Capacity
     each job is a point; its probes never draw per-run plots."""
     points = []
     for job in jobs:
-        cfg = copy.deepcopy(job.cfg)
-        cfg.setdefault("output", {})["plots"] = False
-        points.append(PointSpec(job.index, job.label, Path(job.run_dir).name, cfg, (), dict(job.axis_values),
-                                settings.resolved_target(cfg["slo"])))
+        run = job.spec.with_values({"output.plots": False})
+        points.append(PointSpec(job.index, job.label, Path(job.run_dir).name, run, (), dict(job.axis_values),
+                                settings.resolved_target(run.settings.slo)))
     return Plan(name, settings, list(axes), points, out_dir, [])
 
 
@@ -271,7 +268,7 @@ def probe_text(p: Plan) -> str:
     s = p.settings
     if s.duration_s:
         return f"{s.duration_s:g} s" + (f" + {s.warmup_s:g} s warm-up" if s.warmup_s else "") + " of arrivals"
-    return f"{p.cfg0['workload'].get('num_requests')} requests" + (f" ({s.warmup_s:g} s warm-up)" if s.warmup_s else "")
+    return f"{p.run0.workload.num_requests} requests" + (f" ({s.warmup_s:g} s warm-up)" if s.warmup_s else "")
 
 
 def cli_capacity(overrides: Sequence[str], console: Any, live: Any = None) -> int:

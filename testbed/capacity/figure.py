@@ -60,7 +60,7 @@ def _title(p: Any) -> str:
     from testbed.compare import setup_title
 
     hidden = [*p.axes, "workload.rate", "workload.num_requests", *(["policy"] if "system" in p.axes else [])]
-    shared = setup_title(p.cfg0, hidden).split(" — varying")[0]
+    shared = setup_title(p.run0, hidden).split(" — varying")[0]
     where = f"{p.live.base_url} · " if p.live is not None else ""
     targets = ", ".join(p.settings.describe(t) for t in sorted({pt.target for pt in p.points}))
     return f"{where}{shared}\ncapacity: highest rate with {targets}; each probe {probe_text(p)}"

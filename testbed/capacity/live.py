@@ -54,7 +54,7 @@ class LiveOptions:
     def print_estimate(self, console: Any, p: Any, feed: CapacityFeed) -> None:
         s = p.settings
         rate = feed.searches[0].start
-        per = (s.warmup_s + s.duration_s) if s.duration_s else p.cfg0["workload"]["num_requests"] / rate
+        per = (s.warmup_s + s.duration_s) if s.duration_s else p.run0.workload.num_requests / rate
         total = feed.planned() * (per + DRAIN_S) / self.time_scale
         took = f"{total / 60:.0f} min" if total >= 120 else f"{total:.0f} s"
         console.print(f"against {self.base_url}: each probe sends for ~{per:.0f} server-seconds (at "
@@ -93,9 +93,9 @@ class LiveFeed(CapacityFeed):
         from testbed.bench_serve import run_bench_serve
 
         pt = self.p.points[self.owner[job.index]]
-        wl = job.cfg["workload"]
-        sized = [f"workload.num_requests={wl['num_requests']}"] if self.p.settings.duration_s else []
-        ovs = merge(pt.overrides, [f"workload.rate={wl['rate']}", *sized])
+        wl = job.spec.workload
+        sized = [f"workload.num_requests={wl.num_requests}"] if self.p.settings.duration_s else []
+        ovs = merge(pt.overrides, [f"workload.rate={wl.rate}", *sized])
         tags = sweep.point_tags(job)
         row: dict[str, Any] = {"point": job.index, **job.axis_values, "status": "failed", "error": None,
                                "run_id": None, "run_dir": None}

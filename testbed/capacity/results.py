@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from engine.metrics import SLO
 from testbed import sweep
 from testbed.capacity.search import RateSearch
 from testbed.report import print_table, print_wide, to_markdown, write_comparison
@@ -25,7 +26,7 @@ RANK_COLUMNS = ("gpus", "status", "search", "capacity_req_s", "capacity_per_gpu"
 SHORT_WINDOW_S = 30.0  # a capacity probe whose arrivals span less than this measured a burst, not a rate
 
 
-def judged(row: Mapping[str, Any], slo: Mapping[str, Any], warmup_s: float) -> dict:
+def judged(row: Mapping[str, Any], slo: SLO, warmup_s: float) -> dict:
     """The criterion metrics of a probe: its summary's (the definitions of `testbed run`), or,
     with a warm-up, the same recomputed from requests.csv over the requests arriving after it."""
     if not warmup_s:
@@ -34,7 +35,7 @@ def judged(row: Mapping[str, Any], slo: Mapping[str, Any], warmup_s: float) -> d
     req = req[req["arrival_s"] >= warmup_s]
     fin = req[req["status"] == "finished"]
     ttft, tpot = fin["ttft_s"].to_numpy(float), fin["tpot_s"].dropna().to_numpy(float)
-    ok = ((fin["ttft_s"] <= slo["ttft_s"]) & (fin["tpot_s"].isna() | (fin["tpot_s"] <= slo["tpot_s"]))).sum()
+    ok = ((fin["ttft_s"] <= slo.ttft_s) & (fin["tpot_s"].isna() | (fin["tpot_s"] <= slo.tpot_s))).sum()
     return {"slo_attainment": float(ok / len(req)) if len(req) else 0.0,
             "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft.size else math.nan,
             "tpot_p99_s": float(np.percentile(tpot, 99)) if tpot.size else math.nan}
@@ -46,8 +47,8 @@ def point_row(pt: Any, search: RateSearch, probe_rows: list[dict], error: str | 
     """One point's row. The capacity is a probed rate that passed (never interpolated); its SLO
     metrics and throughput are that probe's."""
     out = search.outcome()
-    gpus = int(pt.cfg["parallel"]["pp"]) * int(pt.cfg["parallel"].get("tp") or 1)
-    price = (pt.cfg.get("hardware") or {}).get("cost_per_gpu_hour")
+    gpus = pt.run.num_gpus
+    price = pt.run.settings.hardware.cost_per_gpu_hour
     row: dict[str, Any] = {"point": pt.index, **pt.axis_values, "status": "finished", "error": error,
                            "probes": len(probe_rows), "search": out.status, "target": pt.target, "gpus": gpus,
                            "cost_per_gpu_hour": price, "bracket_lo": out.lo, "bracket_hi": out.hi,

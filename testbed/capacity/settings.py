@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+
 
 from engine.errors import ConfigError
+from engine.metrics import SLO
 from engine.typed import setting
 from testbed.overrides import check_keys, parse_settings, scalar
 from workloads.arrivals import MAX_RATE
@@ -64,11 +65,11 @@ class CapacitySettings:
     def higher_is_better(self) -> bool:
         return CRITERION_METRIC[self.criterion][1]
 
-    def resolved_target(self, slo: Mapping[str, Any]) -> float:
+    def resolved_target(self, slo: SLO) -> float:
         if self.target is not None:
             return self.target
         key = CRITERION_METRIC[self.criterion][2]
-        return DEFAULT_ATTAINMENT if key is None else float(slo[key])
+        return DEFAULT_ATTAINMENT if key is None else float(getattr(slo, key))
 
     def describe(self, target: float) -> str:
         op = ">=" if self.higher_is_better else "<="

@@ -13,8 +13,8 @@ from typing import Any
 from engine.errors import ConfigError
 from engine.policy import POLICIES
 from testbed.compare import grid
-from testbed.config import DEFAULTS, compose, run_config
-from testbed.overrides import get_path
+from testbed.config import DEFAULTS, compose
+from testbed.spec import RunSpec
 from testbed.reproduce.studies import GridSpec, Part, Study
 
 def key_of(ov: str) -> str:
@@ -141,9 +141,9 @@ def system_label(template: str, values: Mapping[str, Any]) -> str:
     return re.sub(r"\{([^{}]+)\}", lambda m: str(values.get(m.group(1), m.group(0))), template)
 
 
-def derived_columns(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def derived_columns(spec: RunSpec) -> dict[str, Any]:
     """Columns computed from a point's config: GPUs (pp x tp) and, when set, the link in Mbps/ms."""
-    rc = run_config(cfg)
+    rc = spec.settings
     out: dict[str, Any] = {"gpus": rc.parallel.pp * rc.parallel.tp}
     if rc.link.bandwidth is not None:
         out["link_mbps"] = round(rc.link.bandwidth * 8 / 1e6, 6)
@@ -152,17 +152,19 @@ def derived_columns(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def config_value(cfg: Mapping[str, Any], key: str) -> Any:
+def config_value(spec: RunSpec, key: str) -> Any:
+    """A study column's value at a point: the recorded value, or a group's choice by name."""
     try:
-        value = get_path(cfg, key)
-    except (KeyError, TypeError):
+        value = spec.value_at(key)
+    except KeyError:
         return None
     if isinstance(value, Mapping):
         return value.get("name")
     return list(value) if isinstance(value, tuple) else value
 
 
-def identity(cfg: Mapping[str, Any]) -> str:
-    return json.dumps({k: v for k, v in cfg.items() if k != "output"}, sort_keys=True, default=str)
+def identity(spec: RunSpec) -> str:
+    """Points with the same identity compute the same run (only where it is written differs)."""
+    return json.dumps({k: v for k, v in spec.tree().items() if k != "output"}, sort_keys=True, default=str)
 
 

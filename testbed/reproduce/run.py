@@ -20,9 +20,10 @@ import pandas as pd
 from engine.errors import ConfigError
 from testbed import sweep
 from testbed.compare import axis_value, grid
-from testbed.config import compose, to_container
+from testbed.config import compose_spec
 from testbed.overrides import split_prefixed
 from testbed.report import write_comparison
+from testbed.spec import RunSpec
 from testbed.reproduce.claims import ClaimResult, evaluate_safely
 from testbed.reproduce.planning import (Planned, config_value, derived_columns, identity, key_of, plan, study_axes,
                                         system_label)
@@ -54,7 +55,7 @@ class StudyRun:
     experiment: str
     out_dir: Path
     notes: list[str]
-    points: list[tuple[Planned, Any, dict]]  # (plan, compare.Point, config)
+    points: list[tuple[Planned, Any, RunSpec]]  # (plan, compare.Point, its run)
     jobs: list[sweep.Job] = field(default_factory=list)
     dup_of: list[int] = field(default_factory=list)  # for each point: index of the job that runs it
     point_meta: list[dict] = field(default_factory=list)
@@ -62,7 +63,7 @@ class StudyRun:
     capacity: Any = None  # CapacitySettings: a capacity study (each point a `testbed capacity` search)
 
     @property
-    def cfg0(self) -> dict:
+    def run0(self) -> RunSpec:
         return self.points[0][2]
 
 
@@ -78,9 +79,9 @@ def prepare_study(name: str, quick: bool, overrides: Sequence[str], workers: int
         user.append("output.plots=false")  # per-run timeline plots: ~1 s each, not needed for a smoke test
     planned, notes = plan(study, quick, user)
     capacity = _capacity_settings(study, planned, workers)
-    points = [(p, pt, to_container(compose(list(pt.overrides)))) for p in planned for pt in grid(p.overrides)[1]]
+    points = [(p, pt, compose_spec(list(pt.overrides))) for p in planned for pt in grid(p.overrides)[1]]
     tag = f"{study.name}-quick" if quick else study.name
-    out_dir = Path((points[0][2].get("output") or {}).get("dir") or "runs") / "reproduce" / tag
+    out_dir = Path(points[0][2].output.dir) / "reproduce" / tag
     run = StudyRun(study, quick, tag, experiment or f"reproduce-{tag}", out_dir, notes, points, capacity=capacity)
     _make_jobs(run, study_axes(planned))
     return run
@@ -119,19 +120,19 @@ def _make_jobs(run: StudyRun, axes_keys: list[str]) -> None:
     """One job per distinct config; every point keeps its own columns (part, system, axes)."""
     extra_cols: list[str] = []
     unique: dict[str, int] = {}
-    for p, pt, cfg in run.points:
-        values = {k: config_value(cfg, k) for k in axes_keys}  # every axis of the study, from the config
-        values.update({k: axis_value(cfg, k, v) for k, v in pt.axes})
-        derived = derived_columns(cfg)
+    for p, pt, spec in run.points:
+        values = {k: config_value(spec, k) for k in axes_keys}  # every axis of the study, from the config
+        values.update({k: axis_value(spec, k, v) for k, v in pt.axes})
+        derived = derived_columns(spec)
         extra_cols += [k for k in derived if k not in extra_cols]
         meta = {"part": p.part.name, "system": system_label(p.grid.system, {**values, **derived}), **values, **derived}
         run.point_meta.append(meta)
-        ident = identity(cfg)
+        ident = identity(spec)
         if ident not in unique:
             unique[ident] = len(run.jobs)
             label = f"{meta['part']}/{meta['system']}" + "".join(f",{k}={v}" for k, v in pt.axes)
             dirname = f"{len(run.jobs):03d}_" + re.sub(r"[^A-Za-z0-9_.=+-]+", "_", label)[:120]
-            run.jobs.append(sweep.Job(index=len(run.jobs), cfg=cfg, label=label, axes=(), axis_values=meta,
+            run.jobs.append(sweep.Job(index=len(run.jobs), spec=spec, label=label, axes=(), axis_values=meta,
                                       experiment=run.experiment, parent_run_id=None,
                                       run_dir=str(run.out_dir / "runs" / dirname)))
         run.dup_of.append(unique[ident])
@@ -179,7 +180,7 @@ def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), 
               experiment: str | None = None, console: Any = None, argv: Sequence[str] | None = None) -> StudyOutcome:
     run = prepare_study(name, quick, overrides, workers, experiment)
     _claim_dir(run)
-    parent = sweep.ParentRun(run.cfg0, run.experiment, run.tag, {
+    parent = sweep.ParentRun(run.run0.output, run.experiment, run.tag, {
         "testbed.kind": "compare", "testbed.reproduce": run.study.name, "testbed.quick": str(quick).lower(),
         "testbed.axes": json.dumps(run.axes), "reproduce.overrides": " ".join(overrides)[:5000],
         "compare.points": str(len(run.jobs))})
@@ -193,7 +194,7 @@ def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), 
         if run.capacity is not None:
             job_rows.extend(_capacity_rows(run, parent, workers, console))
         else:
-            sweep.run_jobs(run.jobs, workers, console, bool((run.cfg0.get("output") or {}).get("progress", True)),
+            sweep.run_jobs(run.jobs, workers, console, run.run0.output.progress,
                            job_rows)
     except KeyboardInterrupt as exc:
         _flush_partial(run, job_rows, time.perf_counter() - t0, sweep.interrupted_message(exc))
@@ -212,7 +213,7 @@ def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), 
 
 
 def _bind(job: sweep.Job, axes: list[str], parent_run_id: str | None) -> sweep.Job:
-    return sweep.Job(index=job.index, cfg=job.cfg, label=job.label, axes=tuple(axes), axis_values=job.axis_values,
+    return sweep.Job(index=job.index, spec=job.spec, label=job.label, axes=tuple(axes), axis_values=job.axis_values,
                      experiment=job.experiment, parent_run_id=parent_run_id, run_dir=job.run_dir)
 
 

@@ -25,17 +25,17 @@ from engine.controller import Controller
 from engine.errors import ConfigError
 from engine.metrics import SLO, microbatch_rows, request_rows, summarize
 from engine.paced import PacedExecutor
-from engine.policy import make_params
 from engine.request import Request
 from testbed.runner import RunResult, prepare_experiment
 from testbed.serve.settings import ServeSettings
+from testbed.spec import RunSpec
 
 
 @dataclass
 class Server:
     """A built server: controller, engine thread, ASGI app; `serve_forever()` or `start_background()`."""
 
-    cfg: dict
+    spec: RunSpec
     settings: ServeSettings
     ctrl: Controller
     engine: object
@@ -118,15 +118,14 @@ class Server:
         ctrl = self.ctrl
         tracks = [f"stage{s}" for s in range(ctrl.pipeline_depth)]
         slo = SLO(**self.info.pop("_slo"))
-        return RunResult(config=self.cfg, summary=summarize(ctrl, slo, tracks), requests=request_rows(ctrl),
+        return RunResult(spec=self.spec, summary=summarize(ctrl, slo, tracks), requests=request_rows(ctrl),
                          microbatches=microbatch_rows(ctrl), tracer=ctrl.executor.tracer, stage_tracks=tracks,
                          info=dict(self.info, mode="serve"), error=error)
 
     def _close_tracking(self, aborted: int) -> None:
         from testbed.outputs import run_name, write_run_dir
 
-        out = self.cfg["output"]
-        run_dir = Path(out["dir"]) / self.info.get("run_name", run_name(self.cfg))
+        run_dir = Path(self.spec.output.dir) / self.info.get("run_name", run_name(self.spec))
         write_run_dir(self.result, run_dir, plots=False)
         self.info["run_dir"] = str(run_dir)
         if self.tracker is not None:
@@ -155,7 +154,7 @@ def _Uvicorn(config, engine):
     return _Server(config, engine)
 
 
-def build_server(cfg: dict, console=None) -> Server:
+def build_server(spec: RunSpec, console=None) -> Server:
     """Validate everything and start the engine (stage processes, for executor=torch)."""
     from testbed.outputs import run_name
     from testbed.serve.app import ServeState, build_app
@@ -163,10 +162,10 @@ def build_server(cfg: dict, console=None) -> Server:
     from testbed.serve.engine_loop import EngineLoop
     from testbed.serve.metrics import ServeMetrics
 
-    settings = make_params(ServeSettings, dict(cfg.get("serve") or {}), prefix="serve")
+    settings = spec.serve
     # prepare_experiment builds policy, cost model, KV and executor from the config; the stand-in
     # request keeps it from building a workload and is never served.
-    prepared = prepare_experiment(cfg, requests=[Request(0, 0.0, 1, 1)])
+    prepared = prepare_experiment(spec, requests=[Request(0, 0.0, 1, 1)])
     stub = prepared.controller
     executor = stub.executor
     ex_name = prepared.info["executor"]
@@ -180,15 +179,15 @@ def build_server(cfg: dict, console=None) -> Server:
                       num_microbatches=stub.num_microbatches, link_bandwidth_Bps=stub.link_bandwidth_Bps,
                       link_latency_s=stub.link_latency_s)
     model = prepared.cost.model
-    name = settings.model_name or str(cfg["model"].get("name") or model.name)
-    stamp = run_name(cfg, who=prepared.info["policy"], what=f"serve-{ex_name}")
+    name = settings.model_name or str(getattr(spec.settings.model, "name", None) or model.name)
+    stamp = run_name(spec, who=prepared.info["policy"], what=f"serve-{ex_name}")
     info = dict(prepared.info, run_name=stamp, time_scale=settings.time_scale, model_name=name)
     tracker = run_id = None
-    if cfg["output"].get("mlflow", True):
+    if spec.output.mlflow:
         from testbed.tracking import Tracker
 
-        tracker = Tracker(cfg)
-        run_id = tracker.start(cfg, info["run_name"], tags={"mode": "serve"})
+        tracker = Tracker(spec.output)
+        run_id = tracker.start(spec, info["run_name"], tags={"mode": "serve"})
     try:
         codec_vocab = model.vocab_size
         engine = EngineLoop(ctrl, None, poll_interval_s=settings.poll_interval_s)  # codec set after start
@@ -215,7 +214,7 @@ def build_server(cfg: dict, console=None) -> Server:
             tracker.fail(run_id, f"{type(exc).__name__}: {exc}")
         raise
     info["codec"] = codec.name
-    return Server(cfg, settings, ctrl, engine, app, info, tracker, run_id)
+    return Server(spec, settings, ctrl, engine, app, info, tracker, run_id)
 
 
 def _check_bind(st: ServeSettings) -> None:
@@ -239,16 +238,15 @@ class _Terminated(Exception):
 def cli_serve(overrides: list[str], console) -> int:
     import signal
 
-    from testbed.config import compose, to_container
+    from testbed.config import compose_spec
 
-    cfg = to_container(compose(overrides))
-    st = make_params(ServeSettings, dict(cfg.get("serve") or {}), prefix="serve")
-    _check_bind(st)
-    if st.port == 0:  # pick the free port now, so that the line below can name it
+    spec = compose_spec(overrides)
+    _check_bind(spec.serve)
+    if spec.serve.port == 0:  # pick the free port now, so that the line below can name it
         from engine.torch_exec.driver import free_port
 
-        cfg["serve"]["port"] = free_port(st.host)
-    server = build_server(cfg, console)
+        spec = spec.with_values({"serve.port": free_port(spec.serve.host)})
+    server = build_server(spec, console)
     st = server.settings
     if not st.is_loopback:
         console.print(f"[yellow]warning:[/yellow] serve.host={st.host} exposes port {st.port} beyond this machine; "

@@ -94,7 +94,7 @@ def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
     problem = dataclasses.replace(problem, parent_run_id=study_run(problem, study, tracker))
     Path(problem.out_dir).mkdir(parents=True, exist_ok=True)
     trials = study.get_trials(deepcopy=False)
-    display = Display(console, bool((problem.base_cfg.get("output") or {}).get("progress", True)), problem, trials)
+    display = Display(console, problem.base.output.progress, problem, trials)
     if console is not None:
         print_start(console, problem, trials, stale)
         if tracker is not None:
@@ -172,7 +172,7 @@ def finish_study(problem: Problem, study: Any, tracker: Any, trials_run: int, wa
     trials_frame(study, problem).to_csv(out_dir / "trials.csv", index=False)
     summary = _summary(problem, trials, counts, best, baseline, trials_run, wall_s)
     (out_dir / "best.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    plots = bool((problem.base_cfg.get("output") or {}).get("plots", True)) and not interrupted
+    plots = problem.base.output.plots and not interrupted
     figures = write_study_figures(study, problem, out_dir) if plots else []
     if tracker is not None and problem.parent_run_id:
         log_study(tracker, problem, summary, best, counts, out_dir)

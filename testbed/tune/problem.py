@@ -1,5 +1,5 @@
 """The problem a study solves: the base config every trial starts from, the settings, the
-parameters pinned on the command line, and how a trial's suggestions become a run config.
+parameters pinned on the command line, and how a trial's suggestions become a run spec.
 `Problem` is what the parent hands to spawned workers, so it stays plain and picklable.
 
 The default study name carries a hash of `problem_fingerprint` (base config, objectives,
@@ -8,7 +8,7 @@ study; a named study (`tune.study=`) refuses to resume with a different problem 
 first difference."""
 from __future__ import annotations
 
-import copy
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -18,8 +18,9 @@ from typing import Any
 
 from engine.errors import ConfigError
 from engine.policy import POLICIES
-from testbed.config import compose, flatten, to_container
-from testbed.overrides import explicit_keys, get_path, set_path, split_prefixed
+from testbed.config import compose_spec, flatten
+from testbed.overrides import explicit_keys, split_prefixed
+from testbed.spec import RunSpec
 from testbed.tracking import tracking_uri
 from testbed.tune.settings import TuneSettings, parse_settings
 from testbed.tune.space import MICROBATCH_KEY, Recorder, SpaceSpec, SpaceTrial, contains, microbatch_range
@@ -32,7 +33,7 @@ FINGERPRINT_SKIPS = ("output", "data_dir", "check_integrity")  # how a run is st
 class Problem:
     """Everything a worker needs (picklable for spawned processes)."""
 
-    base_cfg: dict
+    base: RunSpec
     settings: TuneSettings
     study: str
     storage_url: str
@@ -45,7 +46,7 @@ class Problem:
 
     @property
     def policy_name(self) -> str:
-        return self.base_cfg["policy"]["name"]
+        return self.base.policy_name
 
     def policy_overrides(self) -> dict[str, SpaceSpec]:
         return {s.name: s for s in self.settings.space if s.key.startswith("policy.")}
@@ -60,30 +61,30 @@ class Problem:
                 continue
             out[spec.key] = spec.suggest(trial)
         if self.search_microbatches:
-            pp = int(out.get("parallel.pp", self.base_cfg["parallel"]["pp"]))
+            pp = int(out.get("parallel.pp", self.base.settings.parallel.pp))
             out[MICROBATCH_KEY] = trial.suggest_int(MICROBATCH_KEY, *microbatch_range(pp))
         return out
 
-    def config_for(self, assignments: Mapping[str, Any]) -> dict:
-        cfg = copy.deepcopy(self.base_cfg)
-        for key, value in assignments.items():
-            if key.startswith("policy.") and key[7:] not in cfg["policy"]:
-                valid = ", ".join(sorted(k for k in cfg["policy"] if k != "name"))
+    def spec_for(self, assignments: Mapping[str, Any]) -> RunSpec:
+        """The trial's run: the base spec with the suggested values (validated again)."""
+        fields = {f.name for f in dataclasses.fields(self.base.policy)}
+        for key in assignments:
+            if key.startswith("policy.") and key[7:] not in fields:
                 raise ConfigError(f"policy {self.policy_name!r} search space returned unknown key "
-                                  f"{key!r}; valid keys: {valid}")
-            set_path(cfg, key, value)
-        return cfg
+                                  f"{key!r}; valid keys: {', '.join(sorted(fields))}")
+        return self.base.with_values(assignments)
 
     def defaults(self) -> dict[str, Any]:
         """The base config's value of every searched name. An unset micro-batch count means the
         policy's own choice, which is P for every policy but MoLink's extension: P stands for it."""
-        out = {**{k: v for k, v in self.base_cfg["policy"].items() if k != "name"},
-               **{s.key: get_path(self.base_cfg, s.key) for s in self.settings.space
-                  if not s.key.startswith("policy.")}}
+        base = self.base
+        out = {**{k: v for k, v in base.value_at("policy").items() if k != "name"},
+               **{s.key: base.value_at(s.key) for s in self.settings.space if not s.key.startswith("policy.")}}
+        pp = base.settings.parallel.pp
         if self.search_microbatches:
-            out[MICROBATCH_KEY] = get_path(self.base_cfg, MICROBATCH_KEY) or int(self.base_cfg["parallel"]["pp"])
+            out[MICROBATCH_KEY] = base.settings.parallel.num_microbatches or pp
         elif out.get(MICROBATCH_KEY, 0) is None:
-            out[MICROBATCH_KEY] = int(self.base_cfg["parallel"]["pp"])
+            out[MICROBATCH_KEY] = pp
         return out
 
     def space(self) -> dict[str, Any]:
@@ -104,10 +105,10 @@ class Problem:
         return params
 
 
-def problem_fingerprint(cfg: Mapping[str, Any], settings: TuneSettings, pinned: Mapping[str, Any],
+def problem_fingerprint(spec: RunSpec, settings: TuneSettings, pinned: Mapping[str, Any],
                         search_microbatches: bool = False) -> dict:
     """What defines a study's problem (compared on resume; hashed into the default name)."""
-    base = flatten({k: v for k, v in cfg.items() if k not in FINGERPRINT_SKIPS})
+    base = flatten({k: v for k, v in spec.tree().items() if k not in FINGERPRINT_SKIPS})
     space = {s.key: s.text for s in settings.space}
     if search_microbatches:
         space[MICROBATCH_KEY] = "P:2P"
@@ -137,46 +138,46 @@ def first_difference(old: Mapping, new: Mapping) -> str:
 
 
 def fingerprint_of(problem: Problem) -> dict:
-    return problem_fingerprint(problem.base_cfg, problem.settings, problem.pinned, problem.search_microbatches)
+    return problem_fingerprint(problem.base, problem.settings, problem.pinned, problem.search_microbatches)
 
 
 def prepare(overrides: Sequence[str]) -> Problem:
     """Parse and validate everything (no study, no MLflow run yet)."""
     raw, rest = split_prefixed(overrides, "tune")
-    cfg = to_container(compose(rest))
-    settings = parse_settings(raw, cfg)
+    base = compose_spec(rest)
+    settings = parse_settings(raw, base.tree())
     explicit = explicit_keys(rest)
-    pinned = {k[len("policy."):]: get_path(cfg, k) for k in explicit if k.startswith("policy.") and k != "policy.name"}
-    for spec in settings.space:
-        if spec.key in explicit:
-            raise ConfigError(f"{spec.key} is both set ({spec.key}={get_path(cfg, spec.key)}) and searched "
-                              f"(tune.space.{spec.key}); drop one of them")
+    pinned = {k[len("policy."):]: base.value_at(k) for k in explicit if k.startswith("policy.") and k != "policy.name"}
+    for sp in settings.space:
+        if sp.key in explicit:
+            raise ConfigError(f"{sp.key} is both set ({sp.key}={base.value_at(sp.key)}) and searched "
+                              f"(tune.space.{sp.key}); drop one of them")
     search_mb = MICROBATCH_KEY not in explicit and all(s.key != MICROBATCH_KEY for s in settings.space)
-    out_root = Path((cfg.get("output") or {}).get("dir") or "runs")
-    fp = problem_fingerprint(cfg, settings, pinned, search_mb)
-    study = settings.study or f"{cfg['policy']['name']}-{cfg['workload']['name']}-" \
+    out_root = Path(base.output.dir)
+    fp = problem_fingerprint(base, settings, pinned, search_mb)
+    study = settings.study or f"{base.policy_name}-{base.workload_name}-" \
                               f"{'+'.join(settings.objectives)}-{short_hash(fp)}"
     if "/" in study or study.startswith("."):
         raise ConfigError(f"invalid tune.study={study!r}: no '/' and no leading '.'")
     storage = settings.storage or f"sqlite:///{(out_root.resolve() / 'optuna.db')}"
-    _check_storage(storage, cfg)
-    problem = Problem(base_cfg=cfg, settings=settings, study=study, storage_url=storage,
+    _check_storage(storage, base)
+    problem = Problem(base=base, settings=settings, study=study, storage_url=storage,
                       experiment=settings.experiment or f"tune-{study}", pinned=pinned,
-                      seed=settings.seed if settings.seed is not None else int(cfg.get("seed") or 0),
+                      seed=settings.seed if settings.seed is not None else base.settings.seed,
                       out_dir=str(out_root / "tune" / study), search_microbatches=search_mb)
     if not problem.space():
-        raise ConfigError(f"nothing to tune: policy {cfg['policy']['name']!r} declares no search space"
+        raise ConfigError(f"nothing to tune: policy {base.policy_name!r} declares no search space"
                           + (" (or every parameter of it is fixed on the command line)" if pinned else "")
                           + "; add tune.space.<key>=<values>, e.g. tune.space.parallel.pp=2,4")
     return problem
 
 
-def _check_storage(storage: str, cfg: Mapping[str, Any]) -> None:
+def _check_storage(storage: str, base: RunSpec) -> None:
     path = sqlite_path(storage)
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    if (cfg.get("output") or {}).get("mlflow", True) and path == sqlite_path(tracking_uri(cfg)):
+    if base.output.mlflow and path == sqlite_path(tracking_uri(base.output)):
         raise ConfigError(f"tune.storage={storage} is the MLflow tracking database; Optuna and MLflow must "
                           f"not share one (both keep an alembic_version table): use another file")
 

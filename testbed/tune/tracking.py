@@ -37,7 +37,7 @@ def study_run(problem: Problem, study: Any, tracker: Any) -> str | None:
             "tune.constraints": ",".join(c.text for c in s.constraints), "tune.space": json.dumps(space),
             "tune.pinned": json.dumps(problem.pinned, default=str), "tune.sampler": s.sampler,
             "tune.seed": str(problem.seed)}
-    run_id = tracker.start(problem.base_cfg, problem.study, tags=tags)
+    run_id = tracker.start(problem.base, problem.study, tags=tags)
     runs[uri] = run_id
     study.set_user_attr("testbed.mlflow_runs", runs)
     return run_id

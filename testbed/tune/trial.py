@@ -11,17 +11,16 @@ import json
 import math
 import time
 import traceback
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from optuna.trial import TrialState
 
 from engine.errors import TestbedError
-from testbed.config import data_dir
 from testbed.outputs import write_run_dir
 from testbed.runner import prepare_experiment
-from testbed.tracking import Tracker
+from testbed.spec import RunSpec
+from testbed.tracking import Tracker, run_tags
 from testbed.tune.problem import Problem, jsonable
 from testbed.tune.storage import INTERRUPTED, worker_tag
 from workloads.base import build_workload
@@ -42,9 +41,9 @@ class TrialFailed(Exception):
 def open_tracker(problem: Problem) -> Any:
     """The MLflow tracker of this process, or None with `output.mlflow=false` (then mlflow,
     ~2 s to import, is never loaded)."""
-    if not (problem.base_cfg.get("output") or {}).get("mlflow", True):
+    if not problem.base.output.mlflow:
         return None
-    return Tracker(problem.base_cfg, problem.experiment)
+    return Tracker(problem.base.output, problem.experiment)
 
 
 class TrialRunner:
@@ -54,25 +53,27 @@ class TrialRunner:
         self.p = problem
         self.tracker = open_tracker(problem)
         self._requests: dict[str, list] = {}
+        self.invalid_run_id: str | None = None  # the MLflow run of a trial whose config did not validate
 
-    def _requests_for(self, cfg: Mapping[str, Any]):
+    def _requests_for(self, spec: RunSpec):
         """Build the workload once per process (it is immutable) unless a trial changes it."""
-        key = json.dumps([cfg.get("workload"), data_dir(cfg)], sort_keys=True, default=str)
+        key = repr((spec.workload, spec.data_dir))
         if key not in self._requests:
             self._requests.clear()
-            self._requests[key] = build_workload(dict(cfg["workload"]), data_dir(cfg))
+            self._requests[key] = build_workload(spec.workload, spec.data_dir)
         return self._requests[key]
 
     def run(self, study: Any, trial: Any) -> dict:
         t0 = time.perf_counter()
         trial.set_user_attr("worker", worker_tag())
         event: dict[str, Any] = {"number": trial.number, "worker": worker_tag()}
-        run_id = None
+        run_id = self.invalid_run_id = None
         try:
             try:
-                cfg, run_id = self._start(trial, event)
-                values, violations = self._measure(trial, cfg, run_id)
+                spec, run_id = self._start(trial, event)
+                values, violations = self._measure(trial, spec, run_id)
             except TrialFailed as exc:
+                run_id = run_id or self.invalid_run_id
                 return self._fail(study, trial, None if exc.run_closed else run_id, str(exc), event, t0)
             study.tell(trial, values if self.p.settings.multi else values[0])
             event.update(state="COMPLETE", values=values, feasible=all(v <= 0 for v in violations),
@@ -82,28 +83,40 @@ class TrialRunner:
             self._interrupted(study, trial, run_id)
             raise
 
-    def _start(self, trial: Any, event: dict) -> tuple[dict, str | None]:
+    def _start(self, trial: Any, event: dict) -> tuple[RunSpec, str | None]:
         """The trial's config and its MLflow run (opened before the run, so a crash is recorded)."""
         p = self.p
         try:
             assignments = p.assign(trial)
-            cfg = p.config_for(assignments)
         except TestbedError as exc:
             raise TrialFailed(f"invalid config: {exc}") from None
         event["params"] = {k: jsonable(v) for k, v in assignments.items()}
-        run_id = None
-        if self.tracker is not None:
-            run_id = self.tracker.start(cfg, f"trial-{trial.number:04d}", parent_run_id=p.parent_run_id,
-                                        tags={"testbed.kind": "trial", "optuna.study": p.study,
-                                              "optuna.trial": str(trial.number),
-                                              "optuna.params": json.dumps(trial.params, default=str)})
-            trial.set_user_attr("mlflow_run_id", run_id)
-        return cfg, run_id
+        try:
+            spec = p.spec_for(assignments)
+        except TestbedError as exc:  # recorded like any failed trial: its run, params and reason
+            self.invalid_run_id = self._open_run(trial, None, {**p.base.params(), **assignments})
+            raise TrialFailed(f"invalid config: {exc}") from None
+        return spec, self._open_run(trial, spec)
 
-    def _measure(self, trial: Any, cfg: dict, run_id: str | None) -> tuple[list[float], list[float]]:
+    def _open_run(self, trial: Any, spec: RunSpec | None, params: dict | None = None) -> str | None:
+        """The trial's MLflow run, opened before the run so that a crash is recorded."""
+        if self.tracker is None:
+            return None
+        p = self.p
+        tags = {"testbed.kind": "trial", "optuna.study": p.study, "optuna.trial": str(trial.number),
+                "optuna.params": json.dumps(trial.params, default=str)}
+        name = f"trial-{trial.number:04d}"
+        if spec is not None:
+            run_id = self.tracker.start(spec, name, parent_run_id=p.parent_run_id, tags=tags)
+        else:
+            run_id = self.tracker.start_flat(params or {}, name, {**run_tags(p.base), **tags}, p.parent_run_id)
+        trial.set_user_attr("mlflow_run_id", run_id)
+        return run_id
+
+    def _measure(self, trial: Any, spec: RunSpec, run_id: str | None) -> tuple[list[float], list[float]]:
         """Run the config; (objective values, constraint violations), or TrialFailed."""
-        result = self._simulate(cfg)
-        self._log(trial, cfg, run_id, result)
+        result = self._simulate(spec)
+        self._log(trial, spec, run_id, result)
         if result.error:
             raise TrialFailed(f"run failed: {result.error}", run_closed=True)
         s = result.summary
@@ -122,9 +135,9 @@ class TrialRunner:
         trial.set_user_attr("summary", {k: _finite(s.get(k)) for k in TRIAL_SUMMARY_KEYS})
         return values, violations
 
-    def _simulate(self, cfg: dict):
+    def _simulate(self, spec: RunSpec):
         try:
-            prepared = prepare_experiment(cfg, requests=self._requests_for(cfg))
+            prepared = prepare_experiment(spec, requests=self._requests_for(spec))
         except TestbedError as exc:
             raise TrialFailed(f"invalid config: {exc}") from None
         except Exception as exc:  # a bug while building: fail the trial, keep where it happened
@@ -134,11 +147,11 @@ class TrialRunner:
         except Exception as exc:  # a policy bug for these parameters: a failed trial, not a dead study
             raise TrialFailed(f"run error: {type(exc).__name__}: {exc} ({_where(exc)})") from None
 
-    def _log(self, trial: Any, cfg: dict, run_id: str | None, result: Any) -> None:
+    def _log(self, trial: Any, spec: RunSpec, run_id: str | None, result: Any) -> None:
         run_dir = None
         if self.p.settings.artifacts:
             run_dir = write_run_dir(result, Path(self.p.out_dir) / "trials" / f"trial-{trial.number:04d}",
-                                    plots=bool((cfg.get("output") or {}).get("plots", True)))
+                                    plots=spec.output.plots)
         if self.tracker is None:
             return
         if self.p.settings.artifacts:

@@ -1,0 +1,129 @@
+"""`RunSpec`: one run, composed from the command line and validated once, as typed objects.
+
+The command modules turn `key=value` overrides into a `RunSpec` (`compose_spec`, testbed/config.py)
+and hand it down; nothing below them indexes a config mapping by string. What a run is made of
+is in one place:
+
+    settings   engine.settings.RunConfig: seed, parallel, kv, link, runtime, slo, output,
+               executor (name + its settings), model (ModelSpec), hardware (HardwareSpec)
+    policy     the policy's name and its `Params` dataclass
+    workload   the workload's config dataclass (its `name` included)
+    cost       the cost model's coefficients, resolved: the hardware profile's fitted values,
+               then every `cost.*` the user set
+    serve      `testbed serve`'s settings
+
+The composed tree the spec was built from is kept (read-only, handed out as a copy) because the
+records of a run are its words, not its parsed values: `config.yaml`, the MLflow params and the
+run's display name show `link.bandwidth=100Mbps` as given, where `settings.link.bandwidth` holds
+12.5e6 bytes/s. `with_values` derives a spec (a trial's params, a shorter simulation, a capacity
+probe's rate) by editing that tree and validating again, so the typed objects and the record of
+a derived run never disagree.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.cost_coefficients import CostCoefficients
+from engine.policy import make_params
+from engine.settings import OutputSettings, RunConfig
+from testbed.serve.settings import ServeSettings
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What one run is made of (module docstring); build it with `RunSpec.from_tree` or
+    `testbed.config.compose_spec`."""
+
+    settings: RunConfig
+    policy_name: str
+    policy: Any  # the policy's Params dataclass
+    workload: Any  # the workload's config dataclass
+    cost: CostCoefficients
+    serve: ServeSettings
+    _tree: dict = field(repr=False, compare=False)
+
+    @classmethod
+    def from_tree(cls, tree: Mapping[str, Any]) -> RunSpec:
+        """Validate a composed config tree (every section by its own dataclass) into a spec.
+        Raises ConfigError (one line naming the value and the valid choices) for any mistake."""
+        from testbed.config import validate  # the one validator of composed trees
+        from testbed.outputs import check_run_name
+
+        tree = copy.deepcopy(dict(tree))
+        typed = validate(tree)
+        rc: RunConfig = typed[""]
+        if rc.output.run_name is not None:
+            check_run_name(str(rc.output.run_name))
+        if "policy" not in typed:
+            from engine.errors import ConfigError
+            from engine.policy import POLICIES
+
+            raise ConfigError(f"no policy chosen; valid choices: {', '.join(POLICIES.names())}")
+        return cls(settings=rc, policy_name=str(tree["policy"]["name"]), policy=typed["policy"],
+                   workload=typed.get("workload"), cost=_coefficients(rc, tree.get("cost") or {}),
+                   serve=make_params(ServeSettings, dict(tree.get("serve") or {}), prefix="serve"), _tree=tree)
+
+    # --- the record -------------------------------------------------------------------------
+    def tree(self) -> dict[str, Any]:
+        """The composed config as given (a copy): what `config.yaml` holds."""
+        return copy.deepcopy(self._tree)
+
+    def params(self) -> dict[str, Any]:
+        """The MLflow params: the tree flattened (`policy.T`), URI passwords as `***`."""
+        from testbed.config import flatten
+
+        return flatten(self._tree)
+
+    def with_values(self, values: Mapping[str, Any]) -> RunSpec:
+        """A spec with dotted keys set (`{"policy.T": 4, "executor": {"name": "sim"}}`; a mapping
+        replaces the whole section), validated like the original."""
+        tree = self.tree()
+        for key, value in values.items():
+            *parents, leaf = key.split(".")
+            node = tree
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = copy.deepcopy(dict(value)) if isinstance(value, Mapping) else value
+        return RunSpec.from_tree(tree)
+
+    def value_at(self, key: str) -> Any:
+        """The recorded value of a dotted key the user named (a grid axis, a study's column);
+        KeyError when the tree has no such key."""
+        node: Any = self._tree
+        for part in key.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                raise KeyError(key)
+            node = node[part]
+        return copy.deepcopy(node)
+
+    # --- short names for what every command reads ----------------------------------------------
+    @property
+    def output(self) -> OutputSettings:
+        return self.settings.output
+
+    @property
+    def workload_name(self) -> str:
+        return str(self.workload.name)
+
+    @property
+    def data_dir(self) -> str | None:
+        """`data_dir=`, else $TESTBED_DATA_DIR (workloads/data.py applies the rest of the rule)."""
+        return self.settings.data_dir or os.environ.get("TESTBED_DATA_DIR") or None
+
+    @property
+    def num_gpus(self) -> int:
+        return self.settings.parallel.pp * self.settings.parallel.tp
+
+
+def _coefficients(rc: RunConfig, overrides: Mapping[str, Any]) -> CostCoefficients:
+    """The hardware profile's fitted coefficients, then the user's `cost.*` (null = not set)."""
+    values = dict((rc.hardware.calibration if rc.hardware is not None else None) or {})
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return make_params(CostCoefficients, values, prefix="cost")
+
+
+__all__ = ["RunSpec"]
