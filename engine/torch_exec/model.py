@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.torch_exec.batch_inputs import BatchInputs
 from engine.torch_exec.inputs import ARRAYS, HostBatch, host_batch, pack, packed_size, pad_rows
 from engine.torch_exec.checkpoint import ArchConfig, EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
 
@@ -121,31 +122,6 @@ class Layer:
     b_gate: torch.Tensor | None = None
     b_up: torch.Tensor | None = None
     b_down: torch.Tensor | None = None
-
-
-@dataclass
-class BatchInputs:
-    """Per-micro-batch tensors a stage builds once and every layer reuses."""
-
-    num_tokens: int  # rows of this micro-batch (the hidden states a stage > 0 receives)
-    token_ids: torch.Tensor | None  # [T] (stage 0)
-    cos: torch.Tensor  # [T, head_dim] float32
-    sin: torch.Tensor
-    slots: torch.Tensor  # [T] where each new token's K/V goes
-    sample_rows: torch.Tensor  # [S] rows whose logits are sampled
-    # torch attention path
-    chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]  # (row0, n, ctx, blocks, mask|None=causal)
-    decode_row0: int
-    decode_blocks: torch.Tensor | None  # [D * max_blocks]
-    decode_mask: torch.Tensor | None  # [1, D, 1, max_blocks * block_size] bool (True = attend)
-    new_blocks: torch.Tensor | None = None  # blocks named for the first time: zero them
-    # triton attention path (paged_attention's arguments)
-    block_tables: torch.Tensor | None = None  # [S, max_blocks]
-    query_start: torch.Tensor | None = None  # [S + 1]
-    context_lens: torch.Tensor | None = None  # [S]
-    max_query_len: int = 0
-    tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # (sequence, tile index) per kernel program
-    graph_rows: int = 0  # > 0: a decode-only batch padded to this CUDA-graph bucket (rows past num_tokens)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
