@@ -48,7 +48,8 @@ import torch.nn.functional as F
 
 from engine.torch_exec.batch_inputs import BatchInputs
 from engine.torch_exec.inputs import ARRAYS, HostBatch, host_batch, pack, packed_size, pad_rows
-from engine.torch_exec.checkpoint import ArchConfig, EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
+from engine.models import ModelSpec
+from engine.torch_exec.checkpoint import EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION = ("auto", "torch", "triton")
@@ -83,7 +84,7 @@ def resolve_attention(name: str, device: torch.device) -> str:
     return name
 
 
-def inv_freq(arch: ArchConfig) -> torch.Tensor:
+def inv_freq(arch: ModelSpec) -> torch.Tensor:
     """RoPE inverse frequencies as transformers computes them (default, linear, llama3)."""
     d = arch.head_dim
     inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype=torch.float) / d))
@@ -139,7 +140,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 class StageModel:
-    def __init__(self, arch: ArchConfig, first_layer: int, num_layers: int, first: bool, last: bool,
+    def __init__(self, arch: ModelSpec, first_layer: int, num_layers: int, first: bool, last: bool,
                  num_blocks: int, block_size: int, dtype: str = "float32", device: str = "cpu",
                  attention: str = "auto") -> None:
         self.arch = arch
