@@ -28,8 +28,8 @@ MAX_KV_BLOCKS = 1 << 24  # the block manager keeps a Python free list: 16.7M blo
 @dataclass(frozen=True)
 class SLO:
     """The `slo` section: the limits `summary.json`'s `slo_attainment` judges by (engine/metrics.py).
-    Here, with the other sections, so that the settings never import the metrics (which import the
-    controller: an import cycle through engine/executor.py before)."""
+    Here with the other sections, below the executor and the controller that read them: the
+    metrics, which import the controller, import it from here (and still export it)."""
 
     ttft_s: float = 4.0  # gLLM's Azure SLO
     tpot_s: float = 0.2
