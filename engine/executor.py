@@ -10,15 +10,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from engine.batch import MicroBatch
+from engine.policy import RuntimeFeatures
 from engine.registry import Registry
+from engine.settings import Link, RunConfig
 from engine.trace import Tracer
-
-if TYPE_CHECKING:  # engine.settings imports engine.metrics, which imports the controller and this module
-    from engine.policy import RuntimeFeatures
-    from engine.settings import Link, RunConfig
 
 
 @dataclass(frozen=True, slots=True)

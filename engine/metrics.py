@@ -15,13 +15,11 @@ Definitions (stable: `summary.json` keys are documented in the README):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import numpy as np
 
 from engine.controller import Controller
-from engine.errors import bad_value
 from engine.request import SeqStatus
+from engine.settings import SLO  # a run-config section; imported from here too (`engine.metrics.SLO`)
 
 SUMMARY_KEYS = (
     "num_requests", "num_finished", "num_failed", "duration_s", "throughput_tok_s",
@@ -31,18 +29,6 @@ SUMMARY_KEYS = (
     "num_microbatches", "mean_tokens_per_microbatch", "kv_usage_mean", "kv_usage_max",
     "trace_spans_dropped",
 )
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float = 4.0  # gLLM's Azure SLO
-    tpot_s: float = 0.2
-
-    def __post_init__(self) -> None:
-        for key in ("ttft_s", "tpot_s"):
-            value = getattr(self, key)
-            if not value > 0:
-                raise bad_value(f"slo.{key}", value, "must be > 0 seconds")
 
 
 def _stats(values: np.ndarray) -> tuple[float, float, float]:

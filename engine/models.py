@@ -1,4 +1,6 @@
-"""Decoder-only model shapes (Llama / Qwen2 family) for the cost model and the real engine.
+"""Decoder-only model shapes (Llama / Qwen2 family): the one description of a model
+architecture, read by the cost model and by the real engine (engine/torch_exec/: its stages build
+their layers from it, `checkpoint.read_arch` parses a checkpoint's config.json into it).
 
 Shapes are copied from each model's published Hugging Face `config.json` (hidden_size,
 num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, vocab_size,
@@ -6,15 +8,15 @@ tie_word_embeddings; Qwen2 has q/k/v biases). Parameter counts are derived struc
 checked in tests against the published totals (Llama2-70B ~69.0B, Llama2-13B ~13.0B,
 Qwen2.5-32B ~32.8B, Qwen2.5-7B ~7.6B).
 
-`rope_theta`, `rms_norm_eps` and `max_position_embeddings` only matter to the real engine; for a
-real checkpoint it should build the spec from the checkpoint's own config.json
-(`ModelSpec.from_hf_config`), and the tiny models carry what `hf_config()` needs to build a
-randomly initialised transformers model.
+`rope_theta`, `rope_scaling`, `rms_norm_eps`, `max_position_embeddings`, `mlp_bias` and
+`hidden_act` only matter to the real engine's forward; for a real checkpoint it builds the spec
+from the checkpoint's own config.json (`ModelSpec.from_hf_config`, the one parser of it), and the
+tiny models carry what `hf_config()` needs to build a randomly initialised transformers model.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine.errors import ConfigError, unknown_choice
@@ -48,6 +50,14 @@ class ModelSpec:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 4096
+    mlp_bias: bool = False
+    # None (default rope), or {"rope_type": ..., ...} as config.json gives it; left out of the hash
+    # (a dict has none) so that a spec stays hashable
+    rope_scaling: dict | None = field(default=None, hash=False)
+    hidden_act: str = "silu"
+    # What a spec may say is what config.json says; which rope types and activations the real
+    # engine's forward implements is its own check (engine/torch_exec/checkpoint.py,
+    # `check_forward`), so that the simulator still costs any checkpoint's shapes.
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -133,12 +143,16 @@ class ModelSpec:
         return self.kv_bytes_per_token_per_layer * self.num_layers
 
     # --- Hugging Face interop (for the real engine) ---------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Every field: what the real engine's driver sends its stages (`ModelSpec(**d)` rebuilds it)."""
+        return asdict(self)
+
     def hf_config(self) -> dict[str, Any]:
         """A config.json-style dict for transformers' LlamaConfig / Qwen2Config."""
         cfg: dict[str, Any] = {
             "architectures": [_HF_CLASS[self.architecture]],
             "model_type": self.architecture,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers,
@@ -154,15 +168,19 @@ class ModelSpec:
         }
         if self.architecture == "llama":
             cfg["attention_bias"] = self.qkv_bias
-            cfg["mlp_bias"] = False
+            cfg["mlp_bias"] = self.mlp_bias
+        if self.rope_scaling is not None:
+            cfg["rope_scaling"] = dict(self.rope_scaling)
         return cfg
 
     @classmethod
     def from_hf_config(cls, name: str, cfg: Mapping[str, Any], dtype_bytes: int = 2) -> ModelSpec:
-        """Build a spec from a checkpoint's config.json (model_type llama or qwen2)."""
+        """Build a spec from a checkpoint's config.json (model_type llama or qwen2; the layouts of
+        transformers 4.x and 5.x, which keeps rope_theta in `rope_parameters`)."""
         arch = cfg.get("model_type")
         if arch not in ARCHITECTURES:
             raise unknown_choice(f"model_type in the config.json of {name!r}", arch, ARCHITECTURES)
+        theta, scaling = _rope(cfg)
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -179,12 +197,27 @@ class ModelSpec:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
                 dtype_bytes=dtype_bytes,
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=theta,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                rope_scaling=scaling,
+                hidden_act=cfg.get("hidden_act", "silu"),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json of model {name!r} lacks {exc.args[0]!r}") from None
+
+
+def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of a config.json: transformers 5 keeps both in `rope_parameters`,
+    4.x has `rope_theta` and `rope_scaling` (whose type key was once `type`)."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    legacy = dict(cfg.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    if kind == "default":
+        return theta, None
+    return theta, {**legacy, **{k: v for k, v in rope.items() if k != "rope_theta"}, "rope_type": kind}
 
 
 MODELS: dict[str, ModelSpec] = {}

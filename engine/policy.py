@@ -55,16 +55,14 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping, Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from engine import typed
 from engine.batch import BatchBuilder, MicroBatch, shape_of
 from engine.errors import ConfigError
+from engine.kv import BlockManager
 from engine.registry import Registry
 from engine.request import Request, Sequence
-
-if TYPE_CHECKING:
-    from engine.controller import Controller
 
 
 @dataclass(frozen=True)
@@ -231,6 +229,39 @@ def make_params(params_cls: type, values: Mapping[str, Any], prefix: str) -> Any
     return typed.build(params_cls, values, prefix)
 
 
+class ViewSource(Protocol):
+    """What `SchedulerView` reads of the controller (engine/controller.py's `Controller` is one).
+
+    Named here as a protocol, not as the Controller class: the controller imports this module
+    (the contract), so this module naming it back would make an import cycle
+    (tests/test_architecture.py refuses any)."""
+
+    executor: Any  # an engine.executor.Executor: `now()`
+    kv: BlockManager
+    cost_model: Any
+    pipeline_depth: int
+    num_microbatches: int | None
+    link_bandwidth_Bps: float | None
+    link_latency_s: float | None
+    waiting: Seq[Sequence]
+    waiting_prefill_tokens: int
+    running: Mapping[int, Sequence]
+    prefilling: Mapping[int, Sequence]
+    num_decoding: int
+    inflight: Mapping[int, MicroBatch]
+    num_finished: int
+    data_dir: str | None
+    requests: Seq[Request]
+    history_provider: HistoryProvider | None
+
+    @property
+    def num_not_arrived(self) -> int: ...
+
+    def estimate(self, batch: MicroBatch | BatchBuilder) -> float: ...
+
+    def apply_preemptions(self, victims: Seq[Sequence]) -> None: ...
+
+
 class SchedulerView:
     """The policy's window on the controller: read-only, except `finish` (see the module doc).
 
@@ -240,7 +271,7 @@ class SchedulerView:
 
     __slots__ = ("_c",)
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: ViewSource) -> None:
         self._c = controller
 
     # clock and shape of the pipeline

@@ -19,11 +19,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import bad_value
-from engine.metrics import SLO
 from engine.typed import check, setting
 from engine.units import parse_bandwidth, parse_duration
 
 MAX_KV_BLOCKS = 1 << 24  # the block manager keeps a Python free list: 16.7M blocks is ~0.6 GB of it
+
+
+@dataclass(frozen=True)
+class SLO:
+    """The `slo` section: the limits `summary.json`'s `slo_attainment` judges by (engine/metrics.py).
+    Here with the other sections, below the executor and the controller that read them: the
+    metrics, which import the controller, import it from here (and still export it)."""
+
+    ttft_s: float = 4.0  # gLLM's Azure SLO
+    tpot_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        for key in ("ttft_s", "tpot_s"):
+            value = getattr(self, key)
+            if not value > 0:
+                raise bad_value(f"slo.{key}", value, "must be > 0 seconds")
 
 
 @dataclass(frozen=True)

@@ -130,3 +130,26 @@ def test_driver_builds_table_models_in_memory_on_cuda(monkeypatch, tmp_path, gib
                 ex._load_model()
     finally:
         ex.shutdown()
+
+
+def test_read_arch_is_the_model_description_and_refuses_what_the_forward_lacks(disk, tmp_path):
+    """The engine reads a checkpoint into the cost model's own `ModelSpec` (one description), and
+    refuses a rope type or an activation its forward does not implement (the simulator does not)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from engine.models import ModelSpec
+
+    assert type(read_arch(disk["tiny-llama"])) is ModelSpec
+    cfg = json.loads((Path(disk["tiny-llama"]) / "config.json").read_text())
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0},  # transformers 4.x and 5.x layouts
+            "rope_parameters": {**(cfg.get("rope_parameters") or {}), "rope_type": "yarn", "factor": 4.0}}
+    for change, said in ((yarn, "rope type 'yarn'"), ({"hidden_act": "gelu"}, "hidden_act 'gelu'")):
+        path = tmp_path / said.split()[0]
+        shutil.copytree(disk["tiny-llama"], path)
+        (path / "config.json").write_text(json.dumps({**cfg, **change}))
+        spec = ModelSpec.from_hf_config("x", {**cfg, **change})  # the simulator still reads its shapes
+        assert spec.hidden_act != "silu" or spec.rope_scaling["rope_type"] == "yarn"
+        with pytest.raises(ConfigError, match=said):
+            read_arch(path)

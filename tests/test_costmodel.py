@@ -380,3 +380,19 @@ def test_stage_compute_is_fast():
             f(i & 3, shape)
         best = min(best, (time.perf_counter() - start) / n)
     assert best < 5e-6, f"stage_compute_s takes {best * 1e6:.2f} us per call"
+
+
+def test_one_model_description_parses_config_json_for_both_consumers():
+    """`ModelSpec` is the one architecture description (the cost model's shapes, the real engine's
+    layers): it reads rope settings from transformers 5 (`rope_parameters`) and 4.x (`rope_scaling`,
+    whose type key was once `type`) and writes back what it read."""
+    base = get_model("tiny-llama").hf_config()
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    spec = ModelSpec.from_hf_config("x", {**base, "rope_parameters": {"rope_theta": 5e5, **llama3},
+                                          "mlp_bias": True})
+    assert spec.rope_theta == 5e5 and spec.rope_scaling == llama3 and spec.mlp_bias
+    assert ModelSpec.from_hf_config("x", spec.hf_config()) == spec
+    legacy = ModelSpec.from_hf_config("x", {**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert legacy.rope_scaling == {"type": "linear", "factor": 2.0, "rope_type": "linear"}
+    assert hash(spec) == hash(dataclasses.replace(spec, rope_scaling=None))  # a spec stays hashable

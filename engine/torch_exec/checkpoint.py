@@ -24,34 +24,27 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from engine.errors import ConfigError
-from engine.models import ARCHITECTURES, ModelSpec
+from engine.models import ModelSpec
 
 RANDOM_INIT_STD = 0.1
 MAX_RANDOM_PARAMS = 2_000_000_000  # building a random 70B model on the fly is never what was meant
 FIRST_PROMPT_ID = 3
 
 
-@dataclass(frozen=True)
-class ArchConfig(ModelSpec):
-    """The model's one shape description (`ModelSpec`, which the cost model reads too) plus what
-    only a stage's forward needs from config.json: MLP biases, rope scaling, the activation."""
-
-    mlp_bias: bool = False
-    rope_scaling: dict | None = None  # None (default rope), or {"rope_type": "linear"|"llama3", ...}
-    hidden_act: str = "silu"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+# The real engine's former name of the model's one description (engine/models.py's ModelSpec,
+# which the cost model reads too), kept importable: the stage worker rebuilds it as `ArchConfig(**d)`.
+ArchConfig = ModelSpec
+ROPE_TYPES = ("default", "linear", "llama3")  # what the stage's `inv_freq` implements (model.py)
 
 
-def read_arch(path: str | os.PathLike) -> ArchConfig:
+def read_arch(path: str | os.PathLike) -> ModelSpec:
     """Parse `<path>/config.json` (transformers 4.x and 5.x layouts)."""
     path = Path(path)
     cfg_file = path / "config.json"
@@ -64,28 +57,24 @@ def read_arch(path: str | os.PathLike) -> ArchConfig:
     return arch_from_config(str(path), cfg)
 
 
-def arch_from_config(name: str, cfg: dict) -> ArchConfig:
-    """The ArchConfig of a config.json dict (a checkpoint's, or a table model's `hf_config()`)."""
-    arch = cfg.get("model_type")
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"model checkpoint {name!r}: model_type {arch!r} is not supported; "
-                          f"valid choices: {', '.join(ARCHITECTURES)}")
-    rope = dict(cfg.get("rope_parameters") or {})
-    legacy = cfg.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    kind = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
-    scaling = None
-    if kind != "default":
-        if kind not in ("linear", "llama3"):
-            raise ConfigError(f"model checkpoint {name!r}: rope type {kind!r} is not supported "
-                              f"(supported: default, linear, llama3)")
-        scaling = {**legacy, **{k: v for k, v in rope.items() if k != "rope_theta"}, "rope_type": kind}
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"model checkpoint {name!r}: hidden_act {act!r} is not supported (silu only)")
-    spec = ModelSpec.from_hf_config(name, cfg)  # the one parser of config.json shapes
-    return ArchConfig(**{**asdict(spec), "rope_theta": theta},  # transformers 5 keeps it in rope_parameters
-                      mlp_bias=bool(cfg.get("mlp_bias", False)), rope_scaling=scaling)
+def arch_from_config(name: str, cfg: dict) -> ModelSpec:
+    """The spec of a config.json dict (a checkpoint's, or a table model's `hf_config()`), parsed by
+    `ModelSpec.from_hf_config` (the one parser), refused when a stage's forward cannot run it."""
+    spec = ModelSpec.from_hf_config(name, cfg)
+    check_forward(spec)
+    return spec
+
+
+def check_forward(spec: ModelSpec) -> None:
+    """Refuse what the description may say but the stage's forward does not implement (the
+    simulator costs such a model all the same: it reads shapes only)."""
+    kind = (spec.rope_scaling or {}).get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"model checkpoint {spec.name!r}: rope type {kind!r} is not supported "
+                          f"(supported: {', '.join(ROPE_TYPES)})")
+    if spec.hidden_act != "silu":
+        raise ConfigError(f"model checkpoint {spec.name!r}: hidden_act {spec.hidden_act!r} is not supported "
+                          f"(silu only)")
 
 
 # --- tensors ------------------------------------------------------------------------------------
@@ -101,7 +90,7 @@ NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
 
 
-def stage_tensor_names(arch: ArchConfig, first_layer: int, num_layers: int, first: bool, last: bool) -> list[str]:
+def stage_tensor_names(arch: ModelSpec, first_layer: int, num_layers: int, first: bool, last: bool) -> list[str]:
     """The checkpoint tensors one stage loads (and nothing else)."""
     names: list[str] = []
     if first:
@@ -140,16 +129,15 @@ def tensor_files(path: str | os.PathLike) -> dict[str, str]:
 
 
 # --- random weights in memory (CUDA) --------------------------------------------------------------
-def spec_arch(spec: ModelSpec) -> ArchConfig:
-    """A table model's ArchConfig, exactly as `read_arch` parses the checkpoint `random_checkpoint`
-    would write for it (the same config.json dict)."""
+def spec_arch(spec: ModelSpec) -> ModelSpec:
+    """A table model's spec exactly as `read_arch` parses the checkpoint `random_checkpoint` would
+    write for it (the same config.json dict: `dtype_bytes` back at its default, the name kept)."""
     return arch_from_config(spec.name, _hf_config(spec))
 
 
-def tensor_shape(arch: ArchConfig, name: str) -> tuple[int, ...]:
+def tensor_shape(arch: ModelSpec, name: str) -> tuple[int, ...]:
     """The shape of checkpoint tensor `name` (Hugging Face's Llama/Qwen2 layout, [out, in])."""
-    h, q, kv, inter = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
-        arch.intermediate_size
+    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
     if name in (EMBED, LM_HEAD):
         return (arch.vocab_size, h)
     if name == NORM or name.endswith("layernorm.weight"):
@@ -172,7 +160,7 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def random_tensors(arch: ArchConfig, names: list[str], seed: int, dtype, device) -> dict:
+def random_tensors(arch: ModelSpec, names: list[str], seed: int, dtype, device) -> dict:
     """This stage's random weights, built where they will live (no checkpoint on disk).
 
     As transformers initialises a fresh model: norms 1, biases 0, matrices and the embedding
@@ -334,7 +322,7 @@ def prompt_ids(request: Any, vocab_size: int, seed: int) -> list[int]:
     return rng.integers(low, vocab_size, size=request.prompt_len).tolist()
 
 
-def check_kv_memory(settings, arch: ArchConfig, num_blocks: int, block_size: int) -> None:
+def check_kv_memory(settings, arch: ModelSpec, num_blocks: int, block_size: int) -> None:
     """Refuse a CPU pool that cannot fit this machine (the cost model sizes KV for GPUs)."""
     if settings.device != "cpu":
         return

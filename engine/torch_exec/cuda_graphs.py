@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from engine.torch_exec.batch_inputs import BatchInputs
+
 GRAPH_SIZES = (1, 2, 4, 8) + tuple(range(16, 257, 16))
 
 
@@ -82,8 +84,6 @@ class CudaGraphRunner:
 
     def static_batch(self, rows: int):
         """The static buffers' first `rows` rows as the model's BatchInputs (a decode-only batch)."""
-        from engine.torch_exec.model import BatchInputs
-
         return BatchInputs(
             num_tokens=rows, token_ids=self.token_ids[:rows] if self.model.first else None,
             cos=self.cos[:rows], sin=self.sin[:rows], slots=self.slots[:rows], sample_rows=self.sample_rows[:rows],

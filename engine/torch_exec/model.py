@@ -46,8 +46,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.torch_exec.batch_inputs import BatchInputs
 from engine.torch_exec.inputs import ARRAYS, HostBatch, host_batch, pack, packed_size, pad_rows
-from engine.torch_exec.checkpoint import ArchConfig, EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
+from engine.models import ModelSpec
+from engine.torch_exec.checkpoint import EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION = ("auto", "torch", "triton")
@@ -82,7 +84,7 @@ def resolve_attention(name: str, device: torch.device) -> str:
     return name
 
 
-def inv_freq(arch: ArchConfig) -> torch.Tensor:
+def inv_freq(arch: ModelSpec) -> torch.Tensor:
     """RoPE inverse frequencies as transformers computes them (default, linear, llama3)."""
     d = arch.head_dim
     inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype=torch.float) / d))
@@ -123,31 +125,6 @@ class Layer:
     b_down: torch.Tensor | None = None
 
 
-@dataclass
-class BatchInputs:
-    """Per-micro-batch tensors a stage builds once and every layer reuses."""
-
-    num_tokens: int  # rows of this micro-batch (the hidden states a stage > 0 receives)
-    token_ids: torch.Tensor | None  # [T] (stage 0)
-    cos: torch.Tensor  # [T, head_dim] float32
-    sin: torch.Tensor
-    slots: torch.Tensor  # [T] where each new token's K/V goes
-    sample_rows: torch.Tensor  # [S] rows whose logits are sampled
-    # torch attention path
-    chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]  # (row0, n, ctx, blocks, mask|None=causal)
-    decode_row0: int
-    decode_blocks: torch.Tensor | None  # [D * max_blocks]
-    decode_mask: torch.Tensor | None  # [1, D, 1, max_blocks * block_size] bool (True = attend)
-    new_blocks: torch.Tensor | None = None  # blocks named for the first time: zero them
-    # triton attention path (paged_attention's arguments)
-    block_tables: torch.Tensor | None = None  # [S, max_blocks]
-    query_start: torch.Tensor | None = None  # [S + 1]
-    context_lens: torch.Tensor | None = None  # [S]
-    max_query_len: int = 0
-    tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # (sequence, tile index) per kernel program
-    graph_rows: int = 0  # > 0: a decode-only batch padded to this CUDA-graph bucket (rows past num_tokens)
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.to(torch.float32)
@@ -163,7 +140,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 class StageModel:
-    def __init__(self, arch: ArchConfig, first_layer: int, num_layers: int, first: bool, last: bool,
+    def __init__(self, arch: ModelSpec, first_layer: int, num_layers: int, first: bool, last: bool,
                  num_blocks: int, block_size: int, dtype: str = "float32", device: str = "cpu",
                  attention: str = "auto") -> None:
         self.arch = arch
