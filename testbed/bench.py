@@ -39,7 +39,7 @@ SETTINGS = {"reference": ["workload=sharegpt", "workload.arrival=offline", "work
 
 def measure_once(overrides: list[str]) -> dict:
     """Run in this process; return timings, peak memory and the headline metrics."""
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
     from testbed.overrides import merge
     from testbed.runner import prepare_experiment
 

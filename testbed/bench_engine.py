@@ -106,7 +106,7 @@ def run_policy(policy_name: str, requests, args, policy_params: dict, executor: 
     import policies  # noqa: F401
     from engine.kv import BlockManager
     from engine.trace import Tracer
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
     from testbed.runner import build_cost_model
 
     spec = compose_spec([f"model={args.model}", f"parallel.pp={args.pp}", f"policy={policy_name}",

@@ -87,7 +87,7 @@ def add_grid_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def _config(overrides: list[str], quick: bool, grid: dict) -> RunSpec:
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
     from testbed.overrides import merge
 
     spec = compose_spec(merge(BASE, QUICK_WORKLOAD if quick else FULL_WORKLOAD, overrides))

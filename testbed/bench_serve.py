@@ -212,7 +212,7 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
     """Build the workload from the config overrides, replay it, write the run dir, log to MLflow
     (extra `tags`, `experiment`: for `testbed capacity`, whose probes these are). Returns
     (RunResult, run_dir); the MLflow run id is `info["run_id"]`."""
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
     from testbed.outputs import run_name, write_run_dir
     from testbed.runner import RunResult
     from workloads.base import build_workload

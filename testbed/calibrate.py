@@ -41,7 +41,7 @@ from engine.profile_grid import ProfileGrid, get_grid
 from engine.torch_exec.profile import device_memory_gib, device_provenance, measure_peaks, profile_engine
 from engine.torch_exec.timing import is_cuda
 from testbed import sweep
-from testbed.config import compose_spec
+from testbed.spec import compose_spec
 from testbed.overrides import merge
 from testbed.outputs import write_run_dir
 from testbed.runner import prepare_experiment

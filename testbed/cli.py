@@ -164,7 +164,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 def cmd_predictor_train(args: argparse.Namespace) -> int:
     """Train TD-Pipe's output-length classifier on a workload's data set (60/20/20 split)."""
     from policies.length_predictor import train_predictor
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
     from workloads.history import history_requests
 
     spec = compose_spec(args.overrides)

@@ -45,7 +45,7 @@ from hydra.errors import HydraException
 
 from engine.errors import ConfigError
 from testbed import sweep
-from testbed.config import compose_spec
+from testbed.spec import compose_spec
 from testbed.overrides import as_int, check_keys, split_list, split_prefixed
 from testbed.spec import RunSpec
 from testbed.report import FIGURE_METRICS, print_table, sort_rows, write_comparison

@@ -245,12 +245,6 @@ def to_container(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
-def compose_spec(overrides: Sequence[str] = ()):
-    """`compose`, then the typed `RunSpec` every command hands down (testbed/spec.py)."""
-    from testbed.spec import RunSpec
-
-    return RunSpec.from_tree(to_container(compose(overrides)))
-
 
 def run_config(cfg: Mapping[str, Any]) -> RunConfig:
     """The typed top-level run config of a composed config (engine/settings.py)."""

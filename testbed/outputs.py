@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from engine.errors import ConfigError, TestbedError, bad_value
 from engine.trace import Tracer
 from testbed.redact import redacted
+from testbed.spec import check_run_name
 
 if TYPE_CHECKING:
-    from testbed.runner import RunResult
+    from testbed.result import RunResult
     from testbed.spec import RunSpec
 
 TRACE_MODES = ("sampled", "full", "off")
@@ -46,24 +47,6 @@ SAMPLE_PERIOD = 1024  # ... out of every this many
 SAMPLE_MAX_WINDOWS = 12  # written: at most this many windows, evenly spread over the run
 MAX_PLOT_POINTS = 2000  # points of the KV figure and of MLflow's step series
 TIMELINE_MICROBATCHES = 40
-MAX_RUN_NAME_BYTES = 200  # file systems allow 255 bytes per name; MLflow's run-name limit is 250 characters
-
-
-def check_run_name(name: str) -> str:
-    """A run name is one folder inside output.dir: no separators, no '.'/'..', no control chars."""
-    bad = (not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name
-           or any(ord(c) < 32 for c in name))
-    if bad:
-        raise bad_value("output.run_name", name, "must be a plain folder name inside output.dir "
-                                                 "(no '/', not '.' or '..')")
-    if len(name.encode("utf-8", "surrogateescape")) > MAX_RUN_NAME_BYTES:  # leaves room for a '-2' suffix
-        raise bad_value("output.run_name", _ellipsis(name), f"is {len(name.encode('utf-8', 'surrogateescape'))} "
-                        f"bytes long; a folder name may have at most {MAX_RUN_NAME_BYTES}")
-    return name
-
-
-def _ellipsis(text: str, keep: int = 40) -> str:
-    return text if len(text) <= keep else f"{text[:keep]}... ({len(text)} characters)" 
 
 
 class SampledTracer(Tracer):

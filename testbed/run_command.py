@@ -42,7 +42,7 @@ def run_command(overrides: Sequence[str], console, t_start: float | None = None,
 
 def _run(overrides: Sequence[str], console, t_start: float, bg: Background) -> int:
     try:
-        from testbed.config import compose_spec
+        from testbed.spec import compose_spec
         from testbed.runner import prepare_experiment
 
         spec = compose_spec(overrides)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.controller import Controller
@@ -20,28 +20,12 @@ from engine.kv import BlockManager
 from engine.metrics import SLO, microbatch_rows, request_rows, summarize
 from engine.policy import POLICIES, PrepareContext
 from engine.settings import Link, RunConfig
-from engine.trace import Tracer
 from testbed.outputs import make_tracer
 from testbed.signals import signal_name
+from testbed.result import RunInterrupted, RunResult
 from testbed.spec import RunSpec
 from workloads.base import build_workload
 from workloads.history import history_for_run
-
-
-@dataclass
-class RunResult:
-    spec: RunSpec
-    summary: dict
-    requests: list[dict]
-    microbatches: list[dict]
-    tracer: Tracer
-    stage_tracks: list[str]
-    info: dict = field(default_factory=dict)  # wall time, memory: not deterministic, kept out of summary
-    error: str | None = None
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None
 
 
 def build_cost_model(spec: RunSpec) -> CostModel:
@@ -155,15 +139,6 @@ class PreparedRun:
         if interrupted is not None:
             raise RunInterrupted(result, signal_name(interrupted)) from None
         return result
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM during a run, with the partial result (a KeyboardInterrupt, so callers
-    that stop on Ctrl-C keep doing so)."""
-
-    def __init__(self, result: RunResult, signal: str) -> None:
-        super().__init__(signal)
-        self.result, self.signal = result, signal
 
 
 def prepare_experiment(spec: RunSpec, progress: Callable[[int, int], None] | None = None,

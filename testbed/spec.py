@@ -23,14 +23,23 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cost_coefficients import CostCoefficients
+from engine.errors import bad_value
 from engine.policy import make_params
 from engine.settings import OutputSettings, RunConfig
+from testbed.config import compose, flatten, to_container, validate
 from testbed.serve.settings import ServeSettings
+
+MAX_RUN_NAME_BYTES = 200  # file systems allow 255 bytes per name; MLflow's run-name limit is 250 characters
+
+
+def compose_spec(overrides: Sequence[str] = ()) -> RunSpec:
+    """`compose` (testbed/config.py: Hydra, every mistake one line), then the typed spec."""
+    return RunSpec.from_tree(to_container(compose(overrides)))
 
 
 @dataclass(frozen=True)
@@ -50,9 +59,6 @@ class RunSpec:
     def from_tree(cls, tree: Mapping[str, Any]) -> RunSpec:
         """Validate a composed config tree (every section by its own dataclass) into a spec.
         Raises ConfigError (one line naming the value and the valid choices) for any mistake."""
-        from testbed.config import validate  # the one validator of composed trees
-        from testbed.outputs import check_run_name
-
         tree = copy.deepcopy(dict(tree))
         typed = validate(tree)
         rc: RunConfig = typed[""]
@@ -74,8 +80,6 @@ class RunSpec:
 
     def params(self) -> dict[str, Any]:
         """The MLflow params: the tree flattened (`policy.T`), URI passwords as `***`."""
-        from testbed.config import flatten
-
         return flatten(self._tree)
 
     def with_values(self, values: Mapping[str, Any]) -> RunSpec:
@@ -126,4 +130,21 @@ def _coefficients(rc: RunConfig, overrides: Mapping[str, Any]) -> CostCoefficien
     return make_params(CostCoefficients, values, prefix="cost")
 
 
-__all__ = ["RunSpec"]
+def check_run_name(name: str) -> str:
+    """A run name is one folder inside output.dir: no separators, no '.'/'..', no control chars."""
+    bad = (not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name
+           or any(ord(c) < 32 for c in name))
+    if bad:
+        raise bad_value("output.run_name", name, "must be a plain folder name inside output.dir "
+                                                 "(no '/', not '.' or '..')")
+    if len(name.encode("utf-8", "surrogateescape")) > MAX_RUN_NAME_BYTES:  # leaves room for a '-2' suffix
+        raise bad_value("output.run_name", _ellipsis(name), f"is {len(name.encode('utf-8', 'surrogateescape'))} "
+                        f"bytes long; a folder name may have at most {MAX_RUN_NAME_BYTES}")
+    return name
+
+
+def _ellipsis(text: str, keep: int = 40) -> str:
+    return text if len(text) <= keep else f"{text[:keep]}... ({len(text)} characters)"
+
+
+__all__ = ["RunSpec", "compose_spec", "check_run_name"]

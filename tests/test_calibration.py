@@ -108,7 +108,7 @@ def test_tdpipe_import_round_trip_and_profile_selectable(tmp_path, monkeypatch):
     loaded = load_hardware_profile(prof_dir / "l20-tdpipe-test.yaml")
     assert loaded == spec
     code = (
-        "from testbed.config import compose_spec\n"
+        "from testbed.spec import compose_spec\n"
         "from testbed.runner import build_cost_model\n"
         "from engine.costmodel import BatchShape\n"
         "for h in ('l20-48g', 'l20-tdpipe-test'):\n"
@@ -146,7 +146,7 @@ def test_small_real_profile_run(tmp_path):
     pytest.importorskip("torch")
     from engine.torch_exec.profile import profile_engine
     from engine.request import Request
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
     from testbed.runner import prepare_experiment
 
     grid = {"prefill_tokens": (16, 128), "prefill_batch": (1,), "prefill_prefix": (0,),

@@ -17,7 +17,8 @@ from engine.settings import SECTIONS, KVSettings, Link, LinkSettings, ParallelSe
 from engine.trace import Tracer
 from engine.typed import build, coerce, setting
 from testbed.cli import main
-from testbed.config import BASE, compose, compose_spec, run_config, to_container
+from testbed.config import BASE, compose, run_config, to_container
+from testbed.spec import compose_spec
 from conftest import small_config
 
 TINY = ["workload.num_requests=5", "output.mlflow=false", "output.plots=false", "output.progress=false"]

@@ -20,7 +20,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from engine.errors import TestbedError  # noqa: E402
-from testbed.config import compose, compose_spec, flatten, group_nodes, to_container  # noqa: E402
+from testbed.config import compose, flatten, group_nodes, to_container  # noqa: E402
+from testbed.spec import compose_spec
 from testbed.runner import prepare_experiment  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -315,7 +315,7 @@ def test_a_users_operator_profile_goes_through_the_same_fit(tables_dir, tmp_path
 def test_mlflow_tags_name_the_cost_profile_version():
     from testbed.tracking import run_tags
 
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
 
     tags = run_tags(compose_spec(["policy=gllm", "hardware=h100-80g", "parallel.pp=2"]))
     assert tags["hardware"] == "h100-80g" and tags["hardware_version"].startswith("vidur-7d47513-fit-")

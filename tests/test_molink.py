@@ -159,7 +159,7 @@ def test_extension_search_picks_a_k_in_range(shared_data):
 def _torch_molink(tmp_path, *extra):
     torch = pytest.importorskip("torch")  # noqa: F841
     import engine.torch_exec  # noqa: F401
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
 
     cfg = compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", "policy=molink", "workload=synthetic",

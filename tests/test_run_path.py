@@ -270,7 +270,7 @@ def test_trace_modes_keep_the_summary_and_shrink_the_trace(tmp_path):
 
 
 def test_run_names_lead_with_what_differs():
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
     from testbed.outputs import display_name
 
     ov = ["policy=sarathi", "workload.rate=4", "parallel.pp=2", "output.dir=/tmp/x", "hardware=a100-80g"]

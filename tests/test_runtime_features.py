@@ -56,7 +56,7 @@ FEATURES = ["runtime.cpu_sampling", "runtime.overlap_input_prep", "runtime.struc
 
 
 def _torch_run(tmp_path, *extra):
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
     from testbed.runner import run_experiment
 
     cfg = compose_spec([

@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 
 from engine.torch_exec.driver import free_port  # noqa: E402
 from serve_helpers import cli_server  # noqa: E402
-from testbed.config import compose_spec  # noqa: E402
+from testbed.spec import compose_spec  # noqa: E402
 
 SIM = ["executor=sim", "model=llama2-70b", "hardware=a100-80g", "parallel.pp=4", "policy=gllm",
        "output.plots=false", "output.progress=false"]

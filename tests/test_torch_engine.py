@@ -171,7 +171,7 @@ POLICY_NAMES = [p for p in ("sarathi", "vllm", "gllm", "tdpipe") if p in POLICIE
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_policy_completes_on_torch_executor(policy, model_cache, tmp_path):
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
     from testbed.runner import run_experiment
 
     cfg = compose_spec([
@@ -196,7 +196,7 @@ def test_policy_completes_on_torch_executor(policy, model_cache, tmp_path):
 
 # --- failures -----------------------------------------------------------------------------------------
 def _failing_cfg(model_cache, tmp_path, *extra):
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
 
     return compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", "policy=sarathi", "workload=synthetic",
@@ -264,7 +264,7 @@ def test_ctrl_c_ends_every_process(model_cache, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import multiprocessing, sys, time
         import engine.torch_exec
-        from testbed.config import compose_spec
+        from testbed.spec import compose_spec
         from testbed.runner import run_experiment
 
         shown = []

@@ -338,7 +338,7 @@ DRIVER = textwrap.dedent("""
     import os, sys, threading, time, psutil
     sys.path.insert(0, os.getcwd())
     import engine.torch_exec
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
     from testbed.runner import run_experiment
 
     def announce():  # once both stages and both CPU samplers are up

@@ -26,7 +26,7 @@ def model_cache(tmp_path_factory):
 
 
 def _cfg(model_cache, tmp_path, *extra):
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
 
     return compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", "policy=sarathi", "workload=synthetic",

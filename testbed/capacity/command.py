@@ -36,7 +36,7 @@ from testbed.capacity import results
 from testbed.capacity.search import RateSearch
 from testbed.capacity.settings import CapacitySettings, check_prices, parse
 from testbed.compare import Point, axis_value, grid
-from testbed.config import compose_spec
+from testbed.spec import compose_spec
 from testbed.spec import RunSpec
 from testbed.overrides import explicit_keys, merge, split_prefixed
 
@@ -265,10 +265,7 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
 
 
 def probe_text(p: Plan) -> str:
-    s = p.settings
-    if s.duration_s:
-        return f"{s.duration_s:g} s" + (f" + {s.warmup_s:g} s warm-up" if s.warmup_s else "") + " of arrivals"
-    return f"{p.run0.workload.num_requests} requests" + (f" ({s.warmup_s:g} s warm-up)" if s.warmup_s else "")
+    return p.settings.probe_text(p.run0.workload.num_requests)
 
 
 def cli_capacity(overrides: Sequence[str], console: Any, live: Any = None) -> int:

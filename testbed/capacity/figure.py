@@ -56,11 +56,10 @@ def plot_search(p: Any, feed: Any, path: Path) -> Path | None:
 
 def _title(p: Any) -> str:
     """What every point shares, what the criterion is and how large a probe is."""
-    from testbed.capacity.command import probe_text
     from testbed.compare import setup_title
 
     hidden = [*p.axes, "workload.rate", "workload.num_requests", *(["policy"] if "system" in p.axes else [])]
     shared = setup_title(p.run0, hidden).split(" — varying")[0]
     where = f"{p.live.base_url} · " if p.live is not None else ""
     targets = ", ".join(p.settings.describe(t) for t in sorted({pt.target for pt in p.points}))
-    return f"{where}{shared}\ncapacity: highest rate with {targets}; each probe {probe_text(p)}"
+    return f"{where}{shared}\ncapacity: highest rate with {targets}; each probe {p.settings.probe_text(p.run0.workload.num_requests)}"

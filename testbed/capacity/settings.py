@@ -71,6 +71,12 @@ class CapacitySettings:
         key = CRITERION_METRIC[self.criterion][2]
         return DEFAULT_ATTAINMENT if key is None else float(getattr(slo, key))
 
+    def probe_text(self, num_requests: int | None) -> str:
+        """What one probe sends: seconds of arrivals, or the workload's request count."""
+        if self.duration_s:
+            return f"{self.duration_s:g} s" + (f" + {self.warmup_s:g} s warm-up" if self.warmup_s else "") + " of arrivals"
+        return f"{num_requests} requests" + (f" ({self.warmup_s:g} s warm-up)" if self.warmup_s else "")
+
     def describe(self, target: float) -> str:
         op = ">=" if self.higher_is_better else "<="
         return f"{self.metric} {op} {target:g}"

@@ -20,7 +20,7 @@ import pandas as pd
 from engine.errors import ConfigError
 from testbed import sweep
 from testbed.compare import axis_value, grid
-from testbed.config import compose_spec
+from testbed.spec import compose_spec
 from testbed.overrides import split_prefixed
 from testbed.report import write_comparison
 from testbed.spec import RunSpec

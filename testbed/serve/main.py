@@ -238,7 +238,7 @@ class _Terminated(Exception):
 def cli_serve(overrides: list[str], console) -> int:
     import signal
 
-    from testbed.config import compose_spec
+    from testbed.spec import compose_spec
 
     spec = compose_spec(overrides)
     _check_bind(spec.serve)

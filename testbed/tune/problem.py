@@ -18,7 +18,8 @@ from typing import Any
 
 from engine.errors import ConfigError
 from engine.policy import POLICIES
-from testbed.config import compose_spec, flatten
+from testbed.config import flatten
+from testbed.spec import compose_spec
 from testbed.overrides import explicit_keys, split_prefixed
 from testbed.spec import RunSpec
 from testbed.tracking import tracking_uri
