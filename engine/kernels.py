@@ -7,7 +7,7 @@ twice a smooth roofline, decode attention has a per-call floor of 10-20 us and r
 that falls with the query heads per KV head, and causal prefill attention runs at 0.1-0.25 of the
 dense peak. This module prices each operator of one decoder layer with the terms those
 measurements demand; each term's docstring (on `KernelCoefficients`) names the residual it
-removes. `engine/kernel_fit.py` fits the coefficients; `CostModel` uses them when the hardware
+removes. `testbed/calibrate/kernel_fit.py` fits the coefficients; `CostModel` uses them when the hardware
 profile carries them (`HardwareSpec.kernels`).
 
 Torch-free, plain float arithmetic: `CostModel` precomputes what depends only on the token count

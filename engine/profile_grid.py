@@ -1,7 +1,7 @@
 """The designed micro-batches of a profile (`testbed profile --grid NAME`), torch-free.
 
 A grid is the product of its axes, filtered by two caps; each point is a tuple
-`(kind, batch, tokens, prefix, context)` in the profile table's columns (engine/calibration.py):
+`(kind, batch, tokens, prefix, context)` in the profile table's columns (testbed/calibrate/fit.py):
 
 - prefill: `batch` prompts, each a chunk of `tokens` after `prefix` cached tokens
   (batch x tokens <= `max_batch_tokens`);

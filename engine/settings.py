@@ -1,7 +1,7 @@
 """The run config's top-level sections as frozen dataclasses: what the runner and executors read.
 
-`testbed/config.py` composes the user's `key=value` overrides with Hydra and turns the result
-into a `RunConfig` (`testbed.config.run_config`), checked field by field by engine/typed.py, so
+`testbed/config/composer.py` composes the user's `key=value` overrides with Hydra and turns the result
+into a `RunConfig` (`testbed.config.composer.run_config`), checked field by field by engine/typed.py, so
 executors receive typed settings and never re-read the raw dict. Torch-free and cheap: every
 simulated run builds these.
 
@@ -150,7 +150,7 @@ class ExecutorChoice:
 class RunConfig:
     """The typed top-level run config (the `policy`, `workload` and `cost` groups are typed by their
     own dataclasses, built by their registries). `seed` is the root of every random stream that is
-    not pinned separately: see testbed/config.py."""
+    not pinned separately: see testbed/config/composer.py."""
 
     seed: int = setting(0, min=0)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)

@@ -20,7 +20,7 @@ class Tracer:
 
     def keeps(self, mb_id: int) -> bool:
         """Whether the spans of micro-batch `mb_id` are kept (busy time always counts); subclasses
-        sample (testbed/outputs.py)."""
+        sample (testbed/run/outputs.py)."""
         return True
 
     def span(self, track: str, name: str, start: float, end: float, mb_id: int = -1,

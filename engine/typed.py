@@ -2,7 +2,7 @@
 
 Policy `Params`, workload configs, executor settings, the run config's sections (engine/settings.py)
 and the CLI's `tune.*`/`compare.*` keys are all frozen dataclasses whose values arrive as plain
-data (Hydra/OmegaConf containers, or `key=value` strings parsed by testbed/overrides.py). This
+data (Hydra/OmegaConf containers, or `key=value` strings parsed by testbed/config/overrides.py). This
 module turns such data into the dataclass, driven only by each field's type annotation and its
 metadata, so a new setting gets checking and its error wording for free:
 

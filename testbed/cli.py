@@ -45,11 +45,11 @@ def _console(stderr: bool = True):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from testbed.sidecar import Background
+    from testbed.tracking.background import Background
 
-    bg = Background.from_command_line(args.overrides)  # before the imports below (testbed/sidecar.py)
+    bg = Background.from_command_line(args.overrides)  # before the imports below (testbed/tracking/background.py)
     try:
-        from testbed.run_command import run_command
+        from testbed.run.command import run_command
     except BaseException:
         bg.close()
         raise
@@ -57,7 +57,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from testbed.config import group_nodes
+    from testbed.config.composer import group_nodes
 
     groups = group_nodes()
     wanted = [args.group] if args.group else list(groups)
@@ -114,7 +114,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Run a grid (comma lists are axes) and write a comparison table and figures."""
-    from testbed.compare import cli_compare
+    from testbed.sweep.compare import cli_compare
 
     return cli_compare(args.overrides, _console(), yes=args.yes)
 
@@ -129,8 +129,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Rebuild tables and figures of experiments from the MLflow tracking store."""
-    from testbed.overrides import split_list
-    from testbed.report import build_report
+    from testbed.config.overrides import split_list
+    from testbed.sweep.report import build_report
 
     metrics = split_list(args.metrics) if args.metrics else None
     out_dir = build_report(args.experiments, args.tracking_uri, Path(args.out) if args.out else None, x=args.x,
@@ -141,21 +141,21 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Simulator speed and peak memory (figures, never assertions)."""
-    from testbed.bench import run_sim_bench
+    from testbed.bench.sim import run_sim_bench
 
     run_sim_bench(args.policies.split(","), args.overrides, end_to_end=not args.no_e2e, setting=args.setting)
     return 0
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    """The real engine against its floor (testbed/bench_engine_grid.py), or with --compare each
-    policy's tokens/s against Hugging Face generate (testbed/bench_engine.py)."""
+    """The real engine against its floor (testbed/bench/engine_grid.py), or with --compare each
+    policy's tokens/s against Hugging Face generate (testbed/bench/engine.py)."""
     if args.compare:
-        from testbed.bench_engine import run
+        from testbed.bench.engine import run
 
         run(args)
         return 0
-    from testbed.bench_engine_grid import run_grid
+    from testbed.bench.engine_grid import run_grid
 
     run_grid(args, _console(stderr=False))
     return 0
@@ -164,7 +164,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 def cmd_predictor_train(args: argparse.Namespace) -> int:
     """Train TD-Pipe's output-length classifier on a workload's data set (60/20/20 split)."""
     from policies.length_predictor import train_predictor
-    from testbed.spec import compose_spec
+    from testbed.config.spec import compose_spec
     from workloads.history import history_requests
 
     spec = compose_spec(args.overrides)
@@ -189,21 +189,21 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Profile the real engine (or import a table) and fit a calibrated hardware profile."""
-    from testbed.calibrate import cmd_profile as run
+    from testbed.calibrate.profile import cmd_profile as run
 
     return run(args, _console())
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Run one workload on the torch engine and in the calibrated simulator; print the errors."""
-    from testbed.calibrate import cmd_validate as run
+    from testbed.calibrate.profile import cmd_validate as run
 
     return run(args, _console())
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit the cost model to published GPU kernel tables (or report a profile's error)."""
-    from testbed.calibrate_report import cli_calibrate
+    from testbed.calibrate.report import cli_calibrate
 
     return cli_calibrate(args, _console())
 
@@ -216,8 +216,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    """Replay a workload against an OpenAI-compatible server (testbed/bench_serve.py)."""
-    from testbed.bench_serve import cli_bench_serve
+    """Replay a workload against an OpenAI-compatible server (testbed/bench/serve.py)."""
+    from testbed.bench.serve import cli_bench_serve
 
     return cli_bench_serve(args, _console())
 
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     ca = sub.add_parser("capacity", help="the highest request rate each grid point sustains under an SLO "
                                          "(capacity.criterion=, capacity.target=; --base-url: a live server)")
     ca.add_argument("overrides", nargs="*", help="run overrides (comma lists are axes) plus capacity.* keys")
-    from testbed.bench_serve import add_client_arguments
+    from testbed.bench.serve import add_client_arguments
 
     add_client_arguments(ca, required=False)
     ca.set_defaults(func=cmd_capacity)
@@ -313,8 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=cmd_bench)
     be = bsub.add_parser("engine", help="real engine: step times against the floor, end-to-end tok/s "
                                         "([overrides] [--quick]); --compare: tokens/s per policy against HF generate")
-    from testbed.bench_engine import add_arguments as bench_engine_arguments
-    from testbed.bench_engine_grid import add_grid_arguments
+    from testbed.bench.engine import add_arguments as bench_engine_arguments
+    from testbed.bench.engine_grid import add_grid_arguments
 
     add_grid_arguments(be)
     be.add_argument("--compare", action="store_true",
@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.set_defaults(func=cmd_bench_engine)
     bv = bsub.add_parser("serve", help="replay a workload against an OpenAI-compatible server (TTFT, TPOT, ITL, "
                                        "goodput; requests.csv, summary.json, MLflow)")
-    from testbed.bench_serve import add_client_arguments
+    from testbed.bench.serve import add_client_arguments
 
     add_client_arguments(bv, required=True)
     bv.add_argument("overrides", nargs="*", help="workload and output overrides, e.g. workload=azure")

@@ -63,8 +63,8 @@ def shared_data() -> Path:
 
 def small_config(*overrides: str, out_dir: Path | None = None):
     """The RunSpec of a fast simulated run (synthetic workload, no MLflow, no plots)."""
-    from testbed.spec import compose_spec
-    from testbed.overrides import merge
+    from testbed.config.spec import compose_spec
+    from testbed.config.overrides import merge
 
     base = ["workload=synthetic", "workload.num_requests=200", "hardware=a100-80g", "model=llama2-13b",
             "parallel.pp=2", "output.mlflow=false", "output.plots=false", "output.progress=false",

@@ -1,4 +1,4 @@
-"""Small published-format GPU tables written by tests (the Vidur layout engine/gpu_tables.py reads),
+"""Small published-format GPU tables written by tests (the Vidur layout testbed/calibrate/gpu_tables.py reads),
 generated from known kernel coefficients so a fit can be checked against the truth."""
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def test_known_violations_still_exist():
 def test_the_checker_sees_function_local_and_from_imports(tmp_path):
     """The check can fail: a nested `from testbed.x import y` and `import torch.nn` are found."""
     src = tmp_path / "m.py"
-    src.write_text("import os\n\ndef f():\n    from testbed.runner import run\n    import torch.nn as nn\n"
+    src.write_text("import os\n\ndef f():\n    from testbed.run.runner import run\n    import torch.nn as nn\n"
                    "from . import sibling\n")
     assert sorted(imported_modules(src)) == [(1, "os"), (4, "testbed"), (5, "torch")]
 

@@ -1,4 +1,4 @@
-"""`testbed run`'s MLflow background process (testbed/sidecar.py) against what it cannot control:
+"""`testbed run`'s MLflow background process (testbed/tracking/background.py) against what it cannot control:
 MLflow printing to stdout over HTTP, the process stopped or killed mid-run (issue 25, items 2
 and 7). Real MLflow stores only: a real `mlflow server` and SQLite."""
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _wait_for_running_run(db: Path, proc: subprocess.Popen) -> None:
 
 def _logger(proc: subprocess.Popen) -> psutil.Process:
     kids = [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "testbed.sidecar" in " ".join(p.cmdline()) and "--mlflow" in p.cmdline()]
+            if "testbed.tracking.background" in " ".join(p.cmdline()) and "--mlflow" in p.cmdline()]
     assert len(kids) == 1, kids
     return kids[0]
 

@@ -20,7 +20,7 @@ QUICK = ["output.mlflow=false", "output.plots=false", "output.progress=false", "
 
 
 def _run(tmp_path, *args: str) -> int:
-    from testbed.overrides import merge
+    from testbed.config.overrides import merge
 
     return main(["run", f"output.dir={tmp_path}", *merge(QUICK, list(args))])
 
@@ -69,7 +69,7 @@ def test_values_that_broke_the_run_or_its_numbers(tmp_path, capsys, args, needle
 
 def test_a_long_link_latency_still_gives_finite_latencies(tmp_path):
     """The bound is where results stop being numbers, not a taste: 1 hour per hop still runs."""
-    from testbed.runner import run_experiment
+    from testbed.run.runner import run_experiment
 
     from conftest import small_config
 
@@ -154,8 +154,8 @@ def test_full_disk_is_a_failed_run_with_one_clear_line(tmp_path):
 
 def test_run_files_are_whole_or_absent(tmp_path):
     """A write that fails midway leaves no truncated file (and no `.part`) behind."""
-    from testbed.outputs import OutputWriteError, write_run_dir
-    from testbed.runner import run_experiment
+    from testbed.run.outputs import OutputWriteError, write_run_dir
+    from testbed.run.runner import run_experiment
 
     from conftest import small_config
 
@@ -171,9 +171,9 @@ def test_run_files_are_whole_or_absent(tmp_path):
 
 
 def test_uri_passwords_are_redacted_in_params_and_config_yaml(tmp_path):
-    from testbed.outputs import write_run_dir
-    from testbed.redact import redact
-    from testbed.runner import run_experiment
+    from testbed.run.outputs import write_run_dir
+    from testbed.config.redact import redact
+    from testbed.run.runner import run_experiment
 
     from conftest import small_config
 

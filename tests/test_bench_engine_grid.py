@@ -13,7 +13,7 @@ pytest.importorskip("zmq")
 
 
 def _args(tmp_path, *overrides: str, bandwidth: bool = False) -> argparse.Namespace:
-    from testbed.bench_engine_grid import add_grid_arguments
+    from testbed.bench.engine_grid import add_grid_arguments
 
     ap = argparse.ArgumentParser()
     add_grid_arguments(ap)
@@ -24,7 +24,7 @@ def _args(tmp_path, *overrides: str, bandwidth: bool = False) -> argparse.Namesp
 def test_quick_grid_on_cpu_prints_floor_ratios(tmp_path):
     from rich.console import Console
 
-    from testbed.bench_engine_grid import QUICK, grid_points, run_grid
+    from testbed.bench.engine_grid import QUICK, grid_points, run_grid
 
     console = Console(file=io.StringIO(), width=200)
     out = run_grid(_args(tmp_path, "model=tiny-llama", "parallel.pp=2", bandwidth=True), console)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.calibration import (ProfileRow, ProfileTable, calibrated_spec, fit_profile, import_tdpipe,
-                                load_hardware_profile, parse_profile, read_profile, save_hardware_profile,
-                                synthetic_profile, write_profile)
+from engine.profile_table import ProfileRow, ProfileTable, parse_profile, read_profile, write_profile
+
+from testbed.calibrate.fit import calibrated_spec, fit_profile, import_tdpipe, load_hardware_profile, save_hardware_profile, synthetic_profile
 from engine.costmodel import BatchShape, CostCoefficients, CostModel
 from engine.errors import ConfigError
 from engine.hardware import HARDWARE, get_hardware
@@ -108,8 +108,8 @@ def test_tdpipe_import_round_trip_and_profile_selectable(tmp_path, monkeypatch):
     loaded = load_hardware_profile(prof_dir / "l20-tdpipe-test.yaml")
     assert loaded == spec
     code = (
-        "from testbed.spec import compose_spec\n"
-        "from testbed.runner import build_cost_model\n"
+        "from testbed.config.spec import compose_spec\n"
+        "from testbed.run.runner import build_cost_model\n"
         "from engine.costmodel import BatchShape\n"
         "for h in ('l20-48g', 'l20-tdpipe-test'):\n"
         "    cfg = compose_spec(['hardware=' + h, 'model=qwen2.5-32b', 'parallel.pp=4'])\n"
@@ -124,7 +124,7 @@ def test_tdpipe_import_round_trip_and_profile_selectable(tmp_path, monkeypatch):
 
 
 def test_profile_dir_loading_and_duplicates(tmp_path):
-    from engine.calibration import load_profiles_dir
+    from testbed.calibrate.fit import load_profiles_dir
 
     hw = get_hardware("a100-80g-roofline")
     spec = calibrated_spec(hw, "a100-cal-dup-test", fit_profile(
@@ -146,8 +146,8 @@ def test_small_real_profile_run(tmp_path):
     pytest.importorskip("torch")
     from engine.torch_exec.profile import profile_engine
     from engine.request import Request
-    from testbed.spec import compose_spec
-    from testbed.runner import prepare_experiment
+    from testbed.config.spec import compose_spec
+    from testbed.run.runner import prepare_experiment
 
     grid = {"prefill_tokens": (16, 128), "prefill_batch": (1,), "prefill_prefix": (0,),
             "decode_batch": (1, 16), "decode_context": (32,)}
@@ -176,7 +176,7 @@ def test_small_real_profile_run(tmp_path):
 
 def test_validate_error_table_and_overlay(tmp_path):
     from engine.trace import Tracer
-    from testbed.calibrate import error_table, format_table, overlay_figure
+    from testbed.calibrate.profile import error_table, format_table, overlay_figure
 
     real = {"throughput_tok_s": 100.0, "ttft_mean_s": 0.5, "num_microbatches": 10, "bubble_ratio": 0.2}
     sim = {"throughput_tok_s": 95.0, "ttft_mean_s": 0.55, "num_microbatches": 10, "bubble_ratio": 0.0}

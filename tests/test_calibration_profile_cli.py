@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from engine.calibration import GPU_FORWARD_PARAMS, load_hardware_profile, read_profile
+from engine.profile_table import read_profile
+
+from testbed.calibrate.fit import GPU_FORWARD_PARAMS, load_hardware_profile
 from engine.profile_grid import ProfileGrid
 
 TINY = ProfileGrid("serving-cpu", prefill_tokens=(16, 96), prefill_batch=(1,), prefill_prefix=(0, 64),
@@ -14,7 +16,7 @@ TINY = ProfileGrid("serving-cpu", prefill_tokens=(16, 96), prefill_batch=(1,), p
 
 def test_profile_cli_tiny_grid_records_terms_and_provenance(tmp_path, monkeypatch, capsys):
     pytest.importorskip("torch")
-    import testbed.calibrate as cal
+    import testbed.calibrate.profile as cal
     from testbed.cli import main
 
     monkeypatch.setattr(cal, "get_grid", lambda name: TINY if name == "serving-cpu" else pytest.fail(name))
@@ -55,10 +57,10 @@ def test_profile_cli_bad_grid(args, message, capsys):
 
 
 def test_shipped_profiles_are_registered_at_start_up(tmp_path, monkeypatch):
-    import engine.calibration as calibration
-    from engine.calibration import calibrated_spec, FitResult, save_hardware_profile
+    import testbed.calibrate.fit as calibration
+    from testbed.calibrate.fit import calibrated_spec, FitResult, save_hardware_profile
     from engine.hardware import HARDWARE, get_hardware
-    from testbed.config import load_saved_profiles
+    from testbed.config.composer import load_saved_profiles
 
     spec = calibrated_spec(get_hardware("h100-80g"), "h100-shipped-test",
                            FitResult({"kv_read_efficiency": 0.4, "decode_overhead_ratio": 0.2}))
@@ -76,9 +78,11 @@ def test_fit_base_is_a_table_gpu_when_named():
     """hardware=<table GPU>: the fit is relative to its datasheet peaks (efficiencies comparable with
     the defaults); otherwise to the measured peaks."""
     from engine.hardware import get_hardware
-    from testbed.calibrate import _measured_base
+    from testbed.calibrate.profile import _measured_base
 
-    cfg = {"executor": {"dtype": "bfloat16", "threads_per_stage": 1}}
+    from engine.torch_exec.settings import TorchSettings
+
+    cfg = TorchSettings(dtype="bfloat16", threads_per_stage=1)
     peaks = {"peak_flops": 7.0e14, "mem_bw_Bps": 2.9e12}
     prov = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "550.00", "cuda": "12.4", "torch": "2.x",
             "date_utc": "2026-11-22T00:00:00Z"}

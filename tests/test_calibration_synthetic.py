@@ -1,12 +1,13 @@
 """The fit on a synthetic GPU: measurements from a known H100-like ground truth that is not the
-cost model (engine/calibration_synthetic.py), +-3% seeded noise, judged on held-out points."""
+cost model (testbed/calibrate/synthetic.py), +-3% seeded noise, judged on held-out points."""
 from __future__ import annotations
 
 import pytest
 
-from engine.calibration import (CLASSIC_FORWARD_PARAMS, GPU_FORWARD_PARAMS, ProfileRow, fit_profile, forward_errors,
-                                parse_profile, read_profile, write_profile)
-from engine.calibration_synthetic import HELDOUT_GRID, GpuTruth, synthetic_gpu_profile, truth_forward_s
+from engine.profile_table import ProfileRow, parse_profile, read_profile, write_profile
+
+from testbed.calibrate.fit import CLASSIC_FORWARD_PARAMS, GPU_FORWARD_PARAMS, fit_profile, forward_errors
+from testbed.calibrate.synthetic import HELDOUT_GRID, GpuTruth, synthetic_gpu_profile, truth_forward_s
 from engine.costmodel import BatchShape
 from engine.errors import ConfigError
 from engine.models import get_model

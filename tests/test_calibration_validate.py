@@ -7,7 +7,7 @@ import math
 import pytest
 
 from engine.errors import ConfigError
-from testbed.calibrate import format_matrix, matrix_row, parse_case, validate_plan
+from testbed.calibrate.profile import format_matrix, matrix_row, parse_case, validate_plan
 
 
 def test_plan_is_cases_times_axes():
@@ -40,7 +40,9 @@ def test_bad_case_on_the_command_line(capsys):
 
 
 def test_matrix_table_marks_targets_and_failures():
-    cfg = {"workload": {"name": "azure", "rate": 2.0}, "policy": {"name": "gllm"}, "parallel": {"pp": 1}}
+    from testbed.config.spec import compose_spec
+
+    cfg = compose_spec(["workload=azure", "workload.rate=2.0", "policy=gllm", "parallel.pp=1"])
     rows = [{"metric": m, "real": 1.0, "sim": 1.0 + e, "rel_error": e} for m, e in (
         ("throughput_tok_s", 0.05), ("ttft_mean_s", -0.14), ("ttft_p99_s", 0.5), ("tpot_mean_s", 0.02),
         ("tpot_p99_s", 0.3), ("e2el_p99_s", 0.1))]

@@ -113,7 +113,7 @@ def test_driver_builds_table_models_in_memory_on_cuda(monkeypatch, tmp_path, gib
     from engine.kv import BlockManager
     from engine.torch_exec.driver import TorchExecutor
     from engine.torch_exec.settings import TorchSettings
-    from testbed.config import compose, run_config, to_container
+    from testbed.config.composer import compose, run_config, to_container
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=gib << 30))

@@ -87,7 +87,7 @@ def test_run_writes_run_dir_and_logs_to_mlflow(tmp_path, capsys):
 
 
 def test_failed_run_is_recorded_failed(tmp_path, monkeypatch, capsys):
-    import testbed.runner as runner
+    import testbed.run.runner as runner
     from test_controller import LazyPolicy
 
     from mlflow_db import fresh_mlflow_db

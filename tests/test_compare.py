@@ -10,7 +10,7 @@ import pytest
 
 from mlflow_db import fresh_mlflow_db
 from testbed.cli import main
-from testbed.tracking import HEADLINE_METRICS
+from testbed.tracking.tracker import HEADLINE_METRICS
 
 # llama2-13b does not fit one 24 GiB RTX 4090 (pp=1) but fits two (pp=2): half the grid fails.
 BASE = ["workload=synthetic", "workload.num_requests=60", "model=llama2-13b", "hardware=rtx4090",
@@ -83,7 +83,7 @@ def test_a_typo_in_the_grid_fails_before_anything_runs(tmp_path, capsys):
 
 
 def test_grid_expansion():
-    from testbed.compare import grid
+    from testbed.sweep.compare import grid
 
     axes, points = grid(["policy=sarathi,vllm", "workload.rate=range(2,7,2)", "parallel.layer_split=[20,20]",
                          "seed=1"])
@@ -144,7 +144,7 @@ def test_the_micro_batch_count_is_an_ordinary_axis(tmp_path, capsys):
 def test_the_printed_table_is_never_cut_to_the_console_width(tmp_path):
     from rich.console import Console
 
-    from testbed.report import print_table
+    from testbed.sweep.report import print_table
 
     console = Console(width=80, record=True, file=open(tmp_path / "out.txt", "w"))
     df = pd.DataFrame([{"point": 0, "policy": "sarathi", "workload.rate": 2.0, "parallel.num_microbatches": 4,
@@ -161,7 +161,7 @@ def test_a_killed_sweep_kills_its_own_running_points_only(tmp_path):
     """The summary run finds its points by the `testbed.parent_run` tag (they are not nested)."""
     from conftest import small_config
 
-    from testbed import sweep
+    from testbed.sweep import jobs as sweep
 
     fresh_mlflow_db(tmp_path)
     cfg = small_config("output.mlflow=true", out_dir=tmp_path)

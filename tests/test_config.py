@@ -17,8 +17,8 @@ from engine.settings import SECTIONS, KVSettings, Link, LinkSettings, ParallelSe
 from engine.trace import Tracer
 from engine.typed import build, coerce, setting
 from testbed.cli import main
-from testbed.config import BASE, compose, run_config, to_container
-from testbed.spec import compose_spec
+from testbed.config.composer import BASE, compose, run_config, to_container
+from testbed.config.spec import compose_spec
 from conftest import small_config
 
 TINY = ["workload.num_requests=5", "output.mlflow=false", "output.plots=false", "output.progress=false"]
@@ -113,7 +113,7 @@ def test_unset_link_is_the_hardware_link_in_both_executors():
 def test_torch_factory_paces_only_an_explicit_link(link, paced):
     from engine.torch_exec.driver import make_torch_executor
     from engine.torch_exec.settings import TorchSettings
-    from testbed.runner import build_cost_model
+    from testbed.run.runner import build_cost_model
 
     spec = compose_spec(["model=tiny-llama", "parallel.pp=2", "seed=7"])
     rc = spec.settings
@@ -130,7 +130,7 @@ def test_torch_factory_paces_only_an_explicit_link(link, paced):
 def test_prepared_run_hands_the_executor_typed_settings(monkeypatch):
     import engine.sim as sim
     from engine.executor import EXECUTORS, ExecutorSpec
-    from testbed.runner import prepare_experiment
+    from testbed.run.runner import prepare_experiment
 
     seen = {}
     spec = EXECUTORS.get("sim")
@@ -158,7 +158,7 @@ def test_seed_is_the_default_of_workload_and_policy_seeds():
 
 
 def _requests_csv(seed: int) -> list[dict]:
-    from testbed.runner import run_experiment
+    from testbed.run.runner import run_experiment
 
     res = run_experiment(small_config("policy=sarathi", "workload.num_requests=40", "workload.input_dist=uniform",
                                       "workload.input_max=400", f"seed={seed}"))

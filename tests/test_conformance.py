@@ -24,7 +24,7 @@ import policies  # noqa: F401  (registers the seed policies)
 import toy_policy  # noqa: F401  (registers toy_fcfs, a policy written against the contract only)
 from engine.policy import POLICIES
 from engine.request import SeqStatus
-from testbed.runner import prepare_experiment
+from testbed.run.runner import prepare_experiment
 from conftest import small_config
 
 ALL = POLICIES.names()

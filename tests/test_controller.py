@@ -4,7 +4,7 @@ import pytest
 from engine.errors import RunFailedError
 from engine.policy import Policy
 from engine.request import Request
-from testbed.runner import run_experiment
+from testbed.run.runner import run_experiment
 from conftest import small_config
 
 
@@ -44,7 +44,7 @@ class LazyPolicy(Policy):
 
 
 def test_a_policy_that_never_schedules_fails_loudly_not_hangs(monkeypatch):
-    import testbed.runner as runner
+    import testbed.run.runner as runner
 
     monkeypatch.setattr(runner, "build_policy", lambda cfg: LazyPolicy())
     res = run_experiment(small_config("policy=sarathi"))

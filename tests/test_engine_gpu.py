@@ -17,7 +17,7 @@ def _run(tmp_path, *overrides: str):
     """One run on CUDA (integrity checks off: a measured pool of a tiny model holds ~10^6 blocks)."""
     import engine.torch_exec  # noqa: F401
     import policies  # noqa: F401
-    from testbed.runner import prepare_experiment
+    from testbed.run.runner import prepare_experiment
 
     cfg = small_config("executor=torch", "executor.device=cuda", "policy=sarathi", "workload.num_requests=12",
                        "workload.arrival=offline", "model=tiny-llama", "check_integrity=false", *overrides,

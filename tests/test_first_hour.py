@@ -47,7 +47,7 @@ def test_piped_output_is_not_wrapped_at_80_columns(tmp_path):
 
 def test_run_folders_follow_one_pattern(tmp_path):
     from conftest import small_config
-    from testbed.outputs import folder_name
+    from testbed.run.outputs import folder_name
 
     cfg = small_config(out_dir=tmp_path)
     assert folder_name(cfg).startswith(f"{cfg['policy']['name']}_synthetic_")
@@ -63,7 +63,7 @@ def test_run_prints_its_experiments_chart_view_with_the_headline_first(tmp_path,
 
     from mlflow_db import fresh_mlflow_db
     from testbed.cli import main
-    from testbed.tracking import HEADLINE_METRICS
+    from testbed.tracking.tracker import HEADLINE_METRICS
 
     uri = fresh_mlflow_db(tmp_path)
     assert main(["run", f"output.dir={tmp_path}", "output.plots=false", "output.progress=false", "workload=synthetic",

@@ -20,9 +20,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from engine.errors import TestbedError  # noqa: E402
-from testbed.config import compose, flatten, group_nodes, to_container  # noqa: E402
-from testbed.spec import compose_spec
-from testbed.runner import prepare_experiment  # noqa: E402
+from testbed.config.composer import compose, flatten, group_nodes, to_container  # noqa: E402
+from testbed.config.spec import compose_spec
+from testbed.run.runner import prepare_experiment  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["workload.num_requests=5", "output.mlflow=false", "output.plots=false", "output.progress=false"]

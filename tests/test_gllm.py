@@ -11,7 +11,7 @@ from engine.executor import Completion
 from engine.policy import POLICIES, make_params
 from policies.gllm import GllmParams, GllmPolicy, decode_budget, prefill_budget
 from policies.sarathi import SarathiParams, SarathiPolicy
-from testbed.runner import run_experiment
+from testbed.run.runner import run_experiment
 
 
 # --- #P, the prefill formula ---------------------------------------------------------------------

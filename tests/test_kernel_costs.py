@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.calibration import parse_profile, write_profile
+from engine.profile_table import parse_profile, write_profile
 from engine.costmodel import BatchShape, CostCoefficients, CostModel
 from engine.errors import ConfigError
-from engine.gpu_tables import read_published
+from testbed.calibrate.gpu_tables import read_published
 from engine.hardware import HARDWARE, get_hardware
-from engine.kernel_fit import Device, attention_split, fit_kernels, fit_link
+from testbed.calibrate.kernel_fit import Device, attention_split, fit_kernels, fit_link
 from engine.kernels import KernelCoefficients, LayerKernels, LayerShape
 from engine.models import get_model
 from kernel_tables import A100, MODELS, TOKENS, TRUTH, write_tables
@@ -73,7 +73,7 @@ def test_samples_file_keeps_flash_attention_and_reports_what_it_skips(tmp_path):
         "# source: x (FLASH_ATTENTION, n_embd 4096, 32 q heads, 8 kv heads)\n"
         "D 1 512 0.002 | 1:0.010 4:0.020\nP 2 256 0.004 | 0:0.050 128:0.070\nDB 4 384 0.002 | 11:0.019\n"
         "# source B: y (FLASHINFER, n_embd 4096, 32 q, 8 kv)\nD 1 64 0.001 | 1:0.5\n")
-    from engine.gpu_tables import read_attention_samples
+    from testbed.calibrate.gpu_tables import read_attention_samples
 
     table, skipped = read_attention_samples(d / "attention_samples" / "a100_x.txt", "a100")
     assert [(r.op, r.tp, r.batch, r.context, r.tokens, r.prefix, r.time_s) for r in table.rows] == [
@@ -105,7 +105,7 @@ def test_fit_of_noisy_tables_predicts_the_held_out_model(tmp_path):
     t = read_published(write_tables(tmp_path, noise=0.03, seed=1).parent, "a100")
     fit = fit_kernels(list(t.compute.values()), t.attention, {}, [], DEVICE, fit_models=("Llama-2-7b-hf",))
     held = t.compute["Held-Out-13b"]
-    from engine.kernel_fit import layer_shape
+    from testbed.calibrate.kernel_fit import layer_shape
 
     errs = [float(LayerKernels(layer_shape(held.meta, r.tp), fit.coefficients, **A100).op_s(r.op, r.tokens)) / r.time_s - 1
             for r in held.rows]
@@ -191,7 +191,7 @@ needs_tables = pytest.mark.skipif(SHARED is None, reason="the published GPU tabl
 
 @needs_tables
 def test_shipped_a100_profile_meets_the_targets_on_held_out_rows():
-    from testbed.calibrate_tables import attention_rows, layer_rows, linear_rows
+    from testbed.calibrate.tables import attention_rows, layer_rows, linear_rows
     import pandas as pd
 
     t = read_published(SHARED, "a100")
@@ -209,7 +209,7 @@ def test_shipped_a100_profile_meets_the_targets_on_held_out_rows():
 @needs_tables
 @pytest.mark.parametrize("device", ["h100", "a40"])
 def test_shipped_h100_a40_linear_part_meets_the_median_target(device):
-    from testbed.calibrate_tables import DEVICE_HARDWARE, linear_rows
+    from testbed.calibrate.tables import DEVICE_HARDWARE, linear_rows
     import pandas as pd
 
     t = read_published(SHARED, device)
@@ -247,7 +247,7 @@ def test_calibrate_tables_command_on_fixture_tables(tables_dir, tmp_path, capsys
         assert (out / png).stat().st_size > 10_000
     saved = sorted(p.name for p in save.glob("*.yaml"))
     assert "a100-80g.yaml" in saved and "l20-48g.yaml" in saved
-    from engine.calibration import load_hardware_profile
+    from testbed.calibrate.fit import load_hardware_profile
 
     spec = load_hardware_profile(save / "a100-80g.yaml")
     assert KernelCoefficients.from_mapping(spec.kernels).gemm_token_quantum == 64
@@ -293,7 +293,8 @@ def test_inlined_attention_of_the_hot_path_equals_the_kernel_definitions(hw):
 def test_a_users_operator_profile_goes_through_the_same_fit(tables_dir, tmp_path, capsys):
     """One fitting path: the published tables' rows of one model, written in testbed's own CSV as a
     user's GPU profile would be, fit to the same coefficients and are reported by family."""
-    from engine.calibration import ProfileTable, load_hardware_profile
+    from engine.profile_table import ProfileTable
+    from testbed.calibrate.fit import load_hardware_profile
     from testbed.cli import main
 
     t = read_published(tables_dir.parent, "a100")
@@ -313,9 +314,9 @@ def test_a_users_operator_profile_goes_through_the_same_fit(tables_dir, tmp_path
 
 
 def test_mlflow_tags_name_the_cost_profile_version():
-    from testbed.tracking import run_tags
+    from testbed.tracking.tracker import run_tags
 
-    from testbed.spec import compose_spec
+    from testbed.config.spec import compose_spec
 
     tags = run_tags(compose_spec(["policy=gllm", "hardware=h100-80g", "parallel.pp=2"]))
     assert tags["hardware"] == "h100-80g" and tags["hardware_version"].startswith("vidur-7d47513-fit-")
@@ -324,7 +325,7 @@ def test_mlflow_tags_name_the_cost_profile_version():
 def test_a_stage_profile_fitted_on_a_fitted_base_fits_the_roofline_form():
     """`testbed profile` fits the roofline's coefficients to stage times; on a base whose kernels
     are fitted, the saved profile must drop them (they would ignore the fit) and say what it is."""
-    from engine.calibration import calibrated_spec, fit_profile, synthetic_profile
+    from testbed.calibrate.fit import calibrated_spec, fit_profile, synthetic_profile
 
     base, model = get_hardware("a100-80g"), get_model("tiny-llama")
     truth = {"linear_efficiency": 0.6, "memory_efficiency": 0.7}

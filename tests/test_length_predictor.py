@@ -242,7 +242,7 @@ def test_the_view_asks_the_injected_history_provider(shared_data):
     """engine/ reads no workload files: `view.history` calls what the runner gave the controller
     (with the run's requests and data dir), and is None without one."""
     from conftest import small_config
-    from testbed.runner import prepare_experiment
+    from testbed.run.runner import prepare_experiment
 
     ctrl = prepare_experiment(small_config("policy=tdpipe", "workload=azure", "workload.num_requests=40",
                                            f"data_dir={shared_data}")).controller

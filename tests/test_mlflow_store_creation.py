@@ -13,7 +13,7 @@ from pathlib import Path
 from signal_helpers import WAIT_S
 
 REPO = Path(__file__).resolve().parents[1]
-OPEN_STORE = "import sys; from testbed.tracking import Tracker; Tracker(None, 'x', uri=sys.argv[1])"
+OPEN_STORE = "import sys; from testbed.tracking.tracker import Tracker; Tracker(None, 'x', uri=sys.argv[1])"
 
 
 def _open_store(uri: str, cache: Path) -> subprocess.Popen:
@@ -48,7 +48,7 @@ def test_a_store_killed_while_first_created_still_works(tmp_path):
     again = _open_store(uri, tmp_path / "cache")
     _, err = again.communicate(timeout=WAIT_S)
     assert again.returncode == 0, err[-2000:]
-    from testbed.tracking import Tracker
+    from testbed.tracking.tracker import Tracker
 
     tracker = Tracker(None, "after", uri=uri)
     run_id = tracker.start_flat({"a": 1}, "r", {})

@@ -8,7 +8,7 @@ from engine.errors import ConfigError
 from engine.policy import LinkState, PendingTransfer, POLICIES
 from engine.request import Request, Sequence
 from policies.molink import MoLinkParams, MoLinkPolicy, extension_rule
-from testbed.runner import run_experiment
+from testbed.run.runner import run_experiment
 from conftest import small_config
 
 BW = 100e6 / 8
@@ -159,7 +159,7 @@ def test_extension_search_picks_a_k_in_range(shared_data):
 def _torch_molink(tmp_path, *extra):
     torch = pytest.importorskip("torch")  # noqa: F841
     import engine.torch_exec  # noqa: F401
-    from testbed.spec import compose_spec
+    from testbed.config.spec import compose_spec
 
     cfg = compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", "policy=molink", "workload=synthetic",

@@ -6,7 +6,7 @@ from engine.batch import PolicyContractError
 from engine.request import SeqStatus
 from policies.sarathi import SarathiParams, SarathiPolicy
 from policies.vllm import VllmParams, VllmPolicy
-from testbed.runner import run_experiment
+from testbed.run.runner import run_experiment
 from conftest import small_config
 
 

@@ -7,7 +7,7 @@ from conftest import small_config
 from engine.request import Request
 from policies import length_predictor as lp
 from policies import prediction_cache, tdpipe
-from testbed.runner import prepare_experiment
+from testbed.run.runner import prepare_experiment
 
 
 def _run(tmp_path, *extra):

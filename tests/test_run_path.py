@@ -38,7 +38,7 @@ def _env(**extra):
 # --- checks before running ---------------------------------------------------------------------------
 
 def test_output_dir_that_is_a_file_is_one_line_before_running(tmp_path, capsys, monkeypatch):
-    import testbed.runner as runner
+    import testbed.run.runner as runner
 
     monkeypatch.setattr(runner, "prepare_experiment", lambda *a, **k: pytest.fail("ran before the check"))
     f = tmp_path / "file"
@@ -252,8 +252,8 @@ def test_four_parallel_runs_on_a_fresh_output_dir_are_all_recorded(tmp_path):
 
 def test_trace_modes_keep_the_summary_and_shrink_the_trace(tmp_path):
     from conftest import small_config
-    from testbed.outputs import SAMPLE_HEAD, write_run_dir
-    from testbed.runner import run_experiment
+    from testbed.run.outputs import SAMPLE_HEAD, write_run_dir
+    from testbed.run.runner import run_experiment
 
     sizes, summaries = {}, {}
     for mode in ("full", "sampled", "off"):
@@ -270,8 +270,8 @@ def test_trace_modes_keep_the_summary_and_shrink_the_trace(tmp_path):
 
 
 def test_run_names_lead_with_what_differs():
-    from testbed.spec import compose_spec
-    from testbed.outputs import display_name
+    from testbed.config.spec import compose_spec
+    from testbed.run.outputs import display_name
 
     ov = ["policy=sarathi", "workload.rate=4", "parallel.pp=2", "output.dir=/tmp/x", "hardware=a100-80g"]
     cfg = compose_spec(ov)
@@ -326,7 +326,7 @@ def test_test_command_passes_pytest_arguments_through():
 
 
 def test_sampled_trace_writes_the_head_and_a_bounded_spread_of_windows():
-    from testbed.outputs import SAMPLE_HEAD, SAMPLE_MAX_WINDOWS, SAMPLE_PERIOD, SAMPLE_WINDOW, SampledTracer
+    from testbed.run.outputs import SAMPLE_HEAD, SAMPLE_MAX_WINDOWS, SAMPLE_PERIOD, SAMPLE_WINDOW, SampledTracer
 
     tr = SampledTracer(max_spans=10**6)
     for mb in range(40_000):

@@ -56,8 +56,8 @@ FEATURES = ["runtime.cpu_sampling", "runtime.overlap_input_prep", "runtime.struc
 
 
 def _torch_run(tmp_path, *extra):
-    from testbed.spec import compose_spec
-    from testbed.runner import run_experiment
+    from testbed.config.spec import compose_spec
+    from testbed.run.runner import run_experiment
 
     cfg = compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", "policy=sarathi", "workload=synthetic",

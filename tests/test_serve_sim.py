@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 
 from engine.torch_exec.driver import free_port  # noqa: E402
 from serve_helpers import cli_server  # noqa: E402
-from testbed.spec import compose_spec  # noqa: E402
+from testbed.config.spec import compose_spec  # noqa: E402
 
 SIM = ["executor=sim", "model=llama2-70b", "hardware=a100-80g", "parallel.pp=4", "policy=gllm",
        "output.plots=false", "output.progress=false"]
@@ -47,8 +47,8 @@ def _cli_server(tmp_path, *extra, stop=signal.SIGTERM):
 def test_bench_serve_reproduces_testbed_run(tmp_path):
     """Item 5 of the issue: served throughput and mean TTFT/TPOT within 5% of `testbed run`
     (measured at time_scale 1 on the loaded 2-core machine: within 1-3%)."""
-    from testbed.bench_serve import run_bench_serve
-    from testbed.runner import run_experiment
+    from testbed.bench.serve import run_bench_serve
+    from testbed.run.runner import run_experiment
 
     offline = run_experiment(compose_spec(SIM + WORKLOAD + [f"output.dir={tmp_path}",
                                                                      "output.mlflow=false"])).summary

@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
 from engine.torch_exec.driver import free_port  # noqa: E402
-from testbed.spec import compose_spec  # noqa: E402
+from testbed.config.spec import compose_spec  # noqa: E402
 
 MODEL = "tiny-llama"
 

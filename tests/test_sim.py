@@ -10,8 +10,8 @@ from engine.models import get_model
 from engine.policy import RuntimeFeatures
 from engine.request import Request, Sequence
 from engine.sim import ARRIVE, COMPLETE, LINK_DONE, PREP_DONE, SAMPLE_DONE, STAGE_DONE, EventQueue, SimExecutor
-from testbed.outputs import write_run_dir
-from testbed.runner import run_experiment
+from testbed.run.outputs import write_run_dir
+from testbed.run.runner import run_experiment
 from conftest import small_config
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine.policy import POLICIES, RuntimeFeatures
-from testbed.runner import build_policy, run_experiment
+from testbed.run.runner import build_policy, run_experiment
 from conftest import small_config
 
 SIPIPE = ["hardware=h100-80g", "model=llama-3.1-70b", "parallel.pp=4", "parallel.tp=2", "workload=sharegpt",

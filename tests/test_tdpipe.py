@@ -11,7 +11,7 @@ from engine.policy import POLICIES, make_params
 from engine.request import SeqStatus
 from policies.tdpipe import TdpipeParams, TdpipePolicy, WorkStealer, spatial_intensity, temporal_intensity
 from policies.tdpipe_forecast import CODE_POINTS, PAPER_POINTS, KVForecast, parse_points
-from testbed.runner import prepare_experiment, run_experiment
+from testbed.run.runner import prepare_experiment, run_experiment
 
 
 # --- work stealing ---------------------------------------------------------------------------------

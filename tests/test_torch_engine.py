@@ -74,8 +74,8 @@ def _run_pipeline(requests, *, pp: int, model: str, cache: str, policy: str = "s
                   **settings) -> tuple[Controller, object]:
     """The runner's path (factory + Controller), keeping the controller for its token ids."""
     from engine.settings import Link
-    from testbed.config import run_config
-    from testbed.runner import build_cost_model
+    from testbed.config.composer import run_config
+    from testbed.run.runner import build_cost_model
 
     spec = get_model(model)
     cfg = {"model": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
@@ -171,8 +171,8 @@ POLICY_NAMES = [p for p in ("sarathi", "vllm", "gllm", "tdpipe") if p in POLICIE
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_policy_completes_on_torch_executor(policy, model_cache, tmp_path):
-    from testbed.spec import compose_spec
-    from testbed.runner import run_experiment
+    from testbed.config.spec import compose_spec
+    from testbed.run.runner import run_experiment
 
     cfg = compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", f"policy={policy}", "workload=synthetic",
@@ -196,7 +196,7 @@ def test_policy_completes_on_torch_executor(policy, model_cache, tmp_path):
 
 # --- failures -----------------------------------------------------------------------------------------
 def _failing_cfg(model_cache, tmp_path, *extra):
-    from testbed.spec import compose_spec
+    from testbed.config.spec import compose_spec
 
     return compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", "policy=sarathi", "workload=synthetic",
@@ -206,7 +206,7 @@ def _failing_cfg(model_cache, tmp_path, *extra):
 
 
 def test_killed_stage_fails_the_run_cleanly(model_cache, tmp_path):
-    from testbed.runner import run_experiment
+    from testbed.run.runner import run_experiment
 
     killed = []
 
@@ -237,7 +237,7 @@ def test_killed_stage_fails_the_run_cleanly(model_cache, tmp_path):
     ("hang:0:4", ["stage 0", "no progress", "hung"]),
 ])
 def test_stage_error_or_hang_is_named(fault, words, model_cache, tmp_path):
-    from testbed.runner import run_experiment
+    from testbed.run.runner import run_experiment
 
     t0 = time.time()
     res = run_experiment(_failing_cfg(model_cache, tmp_path, f"executor.fault={fault}",
@@ -264,8 +264,8 @@ def test_ctrl_c_ends_every_process(model_cache, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import multiprocessing, sys, time
         import engine.torch_exec
-        from testbed.spec import compose_spec
-        from testbed.runner import run_experiment
+        from testbed.config.spec import compose_spec
+        from testbed.run.runner import run_experiment
 
         shown = []
 

@@ -1,6 +1,7 @@
 """The stage model and the sampler in one process (no workers): fast checks of the numerics."""
 from __future__ import annotations
 
+import dataclasses
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -170,15 +171,15 @@ def test_model_source_resolution(ckpts, tmp_path):
 
     path = ckpts["tiny-qwen2"]
     spec = get_model("tiny-llama")
-    table = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
-    assert model_source(TorchSettings(model_path=path), {"model": table}) == (path, None)
-    assert model_source(TorchSettings(), {"model": {**table, "path": path}}) == (path, None)
-    assert model_source(TorchSettings(), {"model": {**table, "name": path}}) == (path, None)
-    assert model_source(TorchSettings(), {"model": table}) == (None, spec)
+    assert model_source(TorchSettings(model_path=path), spec) == (path, None)
+    assert model_source(TorchSettings(), dataclasses.replace(spec, name=path)) == (path, None)
+    assert model_source(TorchSettings(), spec) == (None, spec)
+    with pytest.raises(ConfigError, match="needs a model"):
+        model_source(TorchSettings(), None)
     with pytest.raises(ConfigError, match="no such directory"):
-        model_source(TorchSettings(model_path=str(tmp_path / "nope")), {})
+        model_source(TorchSettings(model_path=str(tmp_path / "nope")), None)
     with pytest.raises(ConfigError, match="config.json"):
-        model_source(TorchSettings(model_path=str(tmp_path)), {})
+        model_source(TorchSettings(model_path=str(tmp_path)), None)
     with pytest.raises(ConfigError, match="too large"):
         random_checkpoint(get_model("llama2-70b"), 0, tmp_path)
 

@@ -10,7 +10,7 @@ import pytest
 from engine.errors import ConfigError
 from mlflow_db import fresh_mlflow_db
 from testbed.cli import main
-from testbed.overrides import merge
+from testbed.config.overrides import merge
 
 # 60 requests arriving at once: the token budget changes throughput, each trial takes ~0.1 s.
 BASE = ["policy=sarathi", "workload=synthetic", "workload.num_requests=60", "workload.arrival=offline",

@@ -240,8 +240,8 @@ def model_cache(tmp_path_factory):
 
 def _run(requests, cache, progress, *, pp=2, runtime=RuntimeFeatures(), **settings):
     from engine.settings import Link
-    from testbed.config import run_config
-    from testbed.runner import build_cost_model
+    from testbed.config.composer import run_config
+    from testbed.run.runner import build_cost_model
 
     spec = get_model("tiny-llama")
     cfg = {"model": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
@@ -338,8 +338,8 @@ DRIVER = textwrap.dedent("""
     import os, sys, threading, time, psutil
     sys.path.insert(0, os.getcwd())
     import engine.torch_exec
-    from testbed.spec import compose_spec
-    from testbed.runner import run_experiment
+    from testbed.config.spec import compose_spec
+    from testbed.run.runner import run_experiment
 
     def announce():  # once both stages and both CPU samplers are up
         while True:

@@ -26,7 +26,7 @@ def model_cache(tmp_path_factory):
 
 
 def _cfg(model_cache, tmp_path, *extra):
-    from testbed.spec import compose_spec
+    from testbed.config.spec import compose_spec
 
     return compose_spec([
         "executor=torch", "model=tiny-llama", "parallel.pp=2", "policy=sarathi", "workload=synthetic",
@@ -49,7 +49,7 @@ def test_cuda_without_a_gpu_is_one_error_line(monkeypatch, capsys, tmp_path):
 
 @pytest.mark.parametrize("fault", ["exit:1:3", "hang:1:3", "raise:1:3"])
 def test_fault_on_stage_1_is_reported_as_stage_1(fault, model_cache, tmp_path):
-    from testbed.runner import run_experiment
+    from testbed.run.runner import run_experiment
 
     res = run_experiment(_cfg(model_cache, tmp_path, f"executor.fault={fault}", "executor.stage_timeout_s=3"))
     assert res.error is not None
@@ -60,7 +60,7 @@ def test_fault_on_stage_1_is_reported_as_stage_1(fault, model_cache, tmp_path):
 def test_slow_paced_link_is_not_hung(model_cache, tmp_path):
     """10 kbps = 1250 B/s: a 6-token prefill's activations (6 x 256 x 4 bytes) take about 5 s on
     the link, longer than executor.stage_timeout_s=2; the run still finishes."""
-    from testbed.runner import prepare_experiment
+    from testbed.run.runner import prepare_experiment
 
     cfg = _cfg(model_cache, tmp_path, "link.bandwidth=10kbps", "link.latency=0", "executor.stage_timeout_s=2")
     res = prepare_experiment(cfg, requests=[Request(0, 0.0, 6, 2)]).run()

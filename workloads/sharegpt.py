@@ -49,7 +49,7 @@ class ShareGPTConfig:
     # prompt + output; e.g. 4096 keeps pairs inside Llama-2's context (one ShareGPT pair has a
     # 22,267-token output that alone sets the length of an offline run when left in)
     max_total_len: int | None = setting(None, min=2)
-    seed: int = setting(0, min=0)  # the run config's default is ${seed} (testbed/config.py)
+    seed: int = setting(0, min=0)  # the run config's default is ${seed} (testbed/config/composer.py)
 
     def __post_init__(self) -> None:
         check_types(self)

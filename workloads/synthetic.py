@@ -48,7 +48,7 @@ class SyntheticConfig:
     arrival: str = setting("poisson", choices=ARRIVAL_PROCESSES)
     rate: float | None = setting(4.0, min=MIN_RATE, max=MAX_RATE)  # req/s; required > 0 unless offline
     cv: float = 1.0  # gamma only
-    seed: int = setting(0, min=0)  # the run config's default is ${seed} (testbed/config.py)
+    seed: int = setting(0, min=0)  # the run config's default is ${seed} (testbed/config/composer.py)
 
     def __post_init__(self) -> None:
         check_types(self)

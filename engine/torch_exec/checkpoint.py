@@ -211,24 +211,18 @@ def check_random_fits(spec: ModelSpec, pp: int, dtype: str, utilization: float) 
 
 
 # --- resolving the run's model -------------------------------------------------------------------
-def model_source(settings: Any, run_config: dict | None) -> tuple[str | None, ModelSpec | None]:
-    """(checkpoint path, None) for a checkpoint on disk, or (None, spec) for a table model."""
+def model_source(settings: Any, model: ModelSpec | None) -> tuple[str | None, ModelSpec | None]:
+    """(checkpoint path, None) for a checkpoint on disk (`executor.model_path`, or `model=<dir>`),
+    or (None, spec) for a table model, built with random weights."""
     if settings.model_path:
         return _existing_dir(settings.model_path, "executor.model_path"), None
-    model = dict((run_config or {}).get("model") or {})
-    if model.get("path"):
-        return _existing_dir(model["path"], "model.path"), None
-    name = model.get("name")
-    if name and os.path.isdir(str(name)) and os.path.exists(os.path.join(str(name), "config.json")):
-        return str(name), None
-    if not model:
-        raise ConfigError("executor=torch needs a model: model=<table name>, model.path=<checkpoint dir> "
+    if model is None:
+        raise ConfigError("executor=torch needs a model: model=<table name> or model=<checkpoint dir>, "
                           "or executor.model_path=<checkpoint dir>")
-    fields = {k: v for k, v in model.items() if k in ModelSpec.__dataclass_fields__}
-    try:
-        return None, ModelSpec(**fields)
-    except TypeError as exc:
-        raise ConfigError(f"model config is incomplete for building a random checkpoint: {exc}") from None
+    name = str(model.name)
+    if os.path.isdir(name) and os.path.exists(os.path.join(name, "config.json")):
+        return name, None
+    return None, model
 
 
 def _existing_dir(p: str, key: str) -> str:

@@ -260,7 +260,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
 
         st = self.settings
         model = self.run_config.model
-        path, spec = model_source(st, {"model": dataclasses.asdict(model)} if model is not None else {})
+        path, spec = model_source(st, model)
         if path is None and st.device == "cuda":  # each stage builds its random weights on its GPU
             if st.launch == "spawn":  # the GPUs of external stage hosts are not visible here
                 check_random_fits(spec, self.pipeline_depth, st.resolved_dtype,
@@ -317,7 +317,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
 
         mp = tmp.get_context("spawn")
         # Stages inherit the environment at spawn. Passive OpenMP waits: spinning threads of
-        # P stages (plus the driver) on few cores starve each other (see testbed/bench_engine.py).
+        # P stages (plus the driver) on few cores starve each other (see testbed/bench/engine.py).
         saved = os.environ.get("OMP_WAIT_POLICY")
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         try:

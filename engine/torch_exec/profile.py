@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engine.batch import MicroBatch, PrefillChunk
-from engine.calibration import ProfileRow, ProfileTable
+from engine.profile_table import ProfileRow, ProfileTable
 from engine.profile_grid import GRIDS, ProfileGrid, design, max_context
 from engine.request import Request, Sequence as Seq
 from engine.torch_exec.timing import WallTimer, is_cuda, timer_for

@@ -6,7 +6,7 @@
 
 The grid is `testbed compare`'s (comma lists are axes, `compare.grid`); every point runs its own
 search (testbed/capacity/search.py) whose probes are ordinary runs at `workload.rate=<r>`, through
-the shared sweep runner (testbed/sweep.py): `capacity.workers` processes, one MLflow run per probe
+the shared sweep runner (testbed/sweep/jobs.py): `capacity.workers` processes, one MLflow run per probe
 (tags `capacity.point`, `capacity.probe`) beside one summary run (tag `testbed.kind=capacity`),
 Ctrl-C / SIGTERM ending the runs KILLED with the results so far written (exit 130 / 143). The
 searches of different points run side by side; one point's probes run one after another, since
@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
-from testbed import sweep
+from testbed.sweep import jobs as sweep
 from testbed.capacity import results
 from testbed.capacity.search import RateSearch
 from testbed.capacity.settings import CapacitySettings, check_prices, parse
-from testbed.compare import Point, axis_value, grid
-from testbed.spec import compose_spec
-from testbed.spec import RunSpec
-from testbed.overrides import explicit_keys, merge, split_prefixed
+from testbed.sweep.compare import Point, axis_value, grid
+from testbed.config.spec import compose_spec
+from testbed.config.spec import RunSpec
+from testbed.config.overrides import explicit_keys, merge, split_prefixed
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from testbed.report import LABELS
+from testbed.sweep.report import LABELS
 
 MARKER_SIZE = 6
 
@@ -56,7 +56,7 @@ def plot_search(p: Any, feed: Any, path: Path) -> Path | None:
 
 def _title(p: Any) -> str:
     """What every point shares, what the criterion is and how large a probe is."""
-    from testbed.compare import setup_title
+    from testbed.sweep.compare import setup_title
 
     hidden = [*p.axes, "workload.rate", "workload.num_requests", *(["policy"] if "system" in p.axes else [])]
     shared = setup_title(p.run0, hidden).split(" — varying")[0]

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
-from testbed import sweep
+from testbed.sweep import jobs as sweep
 from testbed.capacity.command import CapacityFeed
 from testbed.capacity.settings import CapacitySettings
-from testbed.overrides import merge
+from testbed.config.overrides import merge
 
 LIVE_KEYS = ("workload", "slo", "seed", "output", "data_dir")  # what a client may set; the rest is the server's
 DRAIN_S = 10.0  # a rough allowance per probe for the last requests to finish (the estimate only)
@@ -90,7 +90,7 @@ class LiveFeed(CapacityFeed):
         self.live = live
 
     def run(self, job: sweep.Job) -> dict:
-        from testbed.bench_serve import run_bench_serve
+        from testbed.bench.serve import run_bench_serve
 
         pt = self.p.points[self.owner[job.index]]
         wl = job.spec.workload

@@ -13,9 +13,9 @@ import numpy as np
 import pandas as pd
 
 from engine.metrics import SLO
-from testbed import sweep
+from testbed.sweep import jobs as sweep
 from testbed.capacity.search import RateSearch
-from testbed.report import print_table, print_wide, to_markdown, write_comparison
+from testbed.sweep.report import print_table, print_wide, to_markdown, write_comparison
 
 JUDGED = ("slo_attainment", "ttft_p99_s", "tpot_p99_s")  # what a probe is judged on (after the warm-up)
 TABLE_METRICS = ("capacity_req_s", "output_tok_s", *JUDGED, "probes", "search", "window_s", "bracket_lo", "bracket_hi",

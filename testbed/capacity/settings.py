@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from engine.errors import ConfigError
 from engine.metrics import SLO
 from engine.typed import setting
-from testbed.overrides import check_keys, parse_settings, scalar
+from testbed.config.overrides import check_keys, parse_settings, scalar
 from workloads.arrivals import MAX_RATE
 
 CRITERIA = ("attainment", "tpot_p99", "ttft_p99")

@@ -13,7 +13,7 @@ and a source checkout both see it) plus the generic code below:
 - `base`, `parts` (setups, e.g. one per GPU + model) and `grids` (systems, e.g. one per policy),
   each a list of `key=value` overrides; a comma list is an axis, as in `testbed compare`. Every
   grid runs in every part (or in the parts it names); the points are `testbed compare` points
-  (`compare.grid`), run by the shared sweep runner (`testbed/sweep.py`), all nested under one
+  (`compare.grid`), run by the shared sweep runner (`testbed/sweep/jobs.py`), all nested under one
   parent MLflow run in experiment `reproduce-<study>` (`reproduce-<study>-quick` with `--quick`).
 - `quick` lists (study, part or grid level) replace keys in `--quick` mode: fewer requests and
   sweep points, for CI smoke tests.

@@ -12,9 +12,9 @@ from typing import Any
 
 from engine.errors import ConfigError
 from engine.policy import POLICIES
-from testbed.compare import grid
-from testbed.config import DEFAULTS, compose
-from testbed.spec import RunSpec
+from testbed.sweep.compare import grid
+from testbed.config.composer import DEFAULTS, compose
+from testbed.config.spec import RunSpec
 from testbed.reproduce.studies import GridSpec, Part, Study
 
 def key_of(ov: str) -> str:

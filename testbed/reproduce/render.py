@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 from rich.table import Table
 
-from testbed.report import plot_comparison, print_wide, to_markdown
+from testbed.sweep.report import plot_comparison, print_wide, to_markdown
 from testbed.reproduce.claims import ClaimResult, format_value, select
 from testbed.reproduce.studies import Claim, FigureSpec, Study
 from testbed.reproduce.verdicts import pct

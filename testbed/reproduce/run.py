@@ -1,5 +1,5 @@
 """Running a study: every grid point composed and validated first, identical runs run once, the
-points run through the shared sweep runner (`testbed/sweep.py`: workers, one parent MLflow run
+points run through the shared sweep runner (`testbed/sweep/jobs.py`: workers, one parent MLflow run
 with a nested run per distinct point, KILLED on Ctrl-C or SIGTERM), then claims, figures,
 tables and report.md."""
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 import pandas as pd
 
 from engine.errors import ConfigError
-from testbed import sweep
-from testbed.compare import axis_value, grid
-from testbed.spec import compose_spec
-from testbed.overrides import split_prefixed
-from testbed.report import write_comparison
-from testbed.spec import RunSpec
+from testbed.sweep import jobs as sweep
+from testbed.sweep.compare import axis_value, grid
+from testbed.config.spec import compose_spec
+from testbed.config.overrides import split_prefixed
+from testbed.sweep.report import write_comparison
+from testbed.config.spec import RunSpec
 from testbed.reproduce.claims import ClaimResult, evaluate_safely
 from testbed.reproduce.planning import (Planned, config_value, derived_columns, identity, key_of, plan, study_axes,
                                         system_label)

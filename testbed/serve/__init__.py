@@ -7,7 +7,7 @@ Modules: settings.py (the `serve.*` config section), protocol.py (request bodies
 errors), codec.py (text <-> token ids), engine_loop.py (the engine thread driving the same
 Controller and policy as `testbed run`, through the controller's online API), metrics.py
 (Prometheus), app.py (the ASGI routes), main.py (start-up, signals, MLflow). The benchmark
-client that replays workloads against any such server is testbed/bench_serve.py.
+client that replays workloads against any such server is testbed/bench/serve.py.
 
 Importing this package is cheap (the config layer reads `ServeSettings`); the server's
 dependencies are imported by the modules that need them.

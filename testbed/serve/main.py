@@ -26,9 +26,9 @@ from engine.errors import ConfigError
 from engine.metrics import SLO, microbatch_rows, request_rows, summarize
 from engine.paced import PacedExecutor
 from engine.request import Request
-from testbed.runner import RunResult, prepare_experiment
+from testbed.run.runner import RunResult, prepare_experiment
 from testbed.serve.settings import ServeSettings
-from testbed.spec import RunSpec
+from testbed.config.spec import RunSpec
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Server:
                          info=dict(self.info, mode="serve"), error=error)
 
     def _close_tracking(self, aborted: int) -> None:
-        from testbed.outputs import run_name, write_run_dir
+        from testbed.run.outputs import run_name, write_run_dir
 
         run_dir = Path(self.spec.output.dir) / self.info.get("run_name", run_name(self.spec))
         write_run_dir(self.result, run_dir, plots=False)
@@ -156,7 +156,7 @@ def _Uvicorn(config, engine):
 
 def build_server(spec: RunSpec, console=None) -> Server:
     """Validate everything and start the engine (stage processes, for executor=torch)."""
-    from testbed.outputs import run_name
+    from testbed.run.outputs import run_name
     from testbed.serve.app import ServeState, build_app
     from testbed.serve.codec import load_codec
     from testbed.serve.engine_loop import EngineLoop
@@ -184,7 +184,7 @@ def build_server(spec: RunSpec, console=None) -> Server:
     info = dict(prepared.info, run_name=stamp, time_scale=settings.time_scale, model_name=name)
     tracker = run_id = None
     if spec.output.mlflow:
-        from testbed.tracking import Tracker
+        from testbed.tracking.tracker import Tracker
 
         tracker = Tracker(spec.output)
         run_id = tracker.start(spec, info["run_name"], tags={"mode": "serve"})
@@ -238,7 +238,7 @@ class _Terminated(Exception):
 def cli_serve(overrides: list[str], console) -> int:
     import signal
 
-    from testbed.spec import compose_spec
+    from testbed.config.spec import compose_spec
 
     spec = compose_spec(overrides)
     _check_bind(spec.serve)

@@ -1,4 +1,4 @@
-"""The `serve.*` config section (merged into the run config by testbed/config.py)."""
+"""The `serve.*` config section (merged into the run config by testbed/config/composer.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -68,5 +68,5 @@ class ServeSettings:
 
 
 def serve_defaults() -> dict:
-    """The section's defaults as a plain dict (what testbed/config.py merges into BASE)."""
+    """The section's defaults as a plain dict (what testbed/config/composer.py merges into BASE)."""
     return dataclasses.asdict(ServeSettings())

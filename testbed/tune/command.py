@@ -17,7 +17,7 @@ import optuna
 from optuna.trial import TrialState
 
 from engine.errors import ConfigError
-from testbed import sweep
+from testbed.sweep import jobs as sweep
 from testbed.signals import EXIT_CODES
 from testbed.tune.display import Display, pareto_indices, print_start, values_text
 from testbed.tune.figures import trials_frame, write_study_figures

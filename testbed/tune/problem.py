@@ -18,11 +18,11 @@ from typing import Any
 
 from engine.errors import ConfigError
 from engine.policy import POLICIES
-from testbed.config import flatten
-from testbed.spec import compose_spec
-from testbed.overrides import explicit_keys, split_prefixed
-from testbed.spec import RunSpec
-from testbed.tracking import tracking_uri
+from testbed.config.composer import flatten
+from testbed.config.spec import compose_spec
+from testbed.config.overrides import explicit_keys, split_prefixed
+from testbed.config.spec import RunSpec
+from testbed.tracking.tracker import tracking_uri
 from testbed.tune.settings import TuneSettings, parse_settings
 from testbed.tune.space import MICROBATCH_KEY, Recorder, SpaceSpec, SpaceTrial, contains, microbatch_range
 from testbed.tune.storage import sqlite_path

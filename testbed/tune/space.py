@@ -18,7 +18,7 @@ from typing import Any
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from engine.errors import ConfigError
-from testbed.overrides import check_path, get_path, scalar, split_list
+from testbed.config.overrides import check_path, get_path, scalar, split_list
 
 MICROBATCH_KEY = "parallel.num_microbatches"
 NOT_TUNABLE = ("seed", "data_dir", "check_integrity")

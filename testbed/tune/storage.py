@@ -98,8 +98,8 @@ def _sqlite_fast_commits(engine: Any) -> None:
 
 
 def redact(url: str) -> str:
-    """The storage URL without a password (it goes into tags and logs; testbed/redact.py)."""
-    from testbed.redact import redact as hide
+    """The storage URL without a password (it goes into tags and logs; testbed/config/redact.py)."""
+    from testbed.config.redact import redact as hide
 
     return hide(url)
 

@@ -17,10 +17,10 @@ from typing import Any
 from optuna.trial import TrialState
 
 from engine.errors import TestbedError
-from testbed.outputs import write_run_dir
-from testbed.runner import prepare_experiment
-from testbed.spec import RunSpec
-from testbed.tracking import Tracker, run_tags
+from testbed.run.outputs import write_run_dir
+from testbed.run.runner import prepare_experiment
+from testbed.config.spec import RunSpec
+from testbed.tracking.tracker import Tracker, run_tags
 from testbed.tune.problem import Problem, jsonable
 from testbed.tune.storage import INTERRUPTED, worker_tag
 from workloads.base import build_workload

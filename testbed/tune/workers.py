@@ -27,7 +27,7 @@ from typing import Any
 
 import optuna
 
-from testbed import sweep
+from testbed.sweep import jobs as sweep
 from testbed.tune.problem import Problem
 from testbed.tune.storage import counted, make_sampler, make_storage, quiet_optuna
 from testbed.tune.trial import TrialRunner

@@ -107,7 +107,7 @@ def load_saved_profiles() -> list[str]:
     """Register the calibrated hardware profiles saved by `testbed profile` ($TESTBED_PROFILE_DIR,
     default runs/profiles/*.yaml), after those shipped in engine/hardware_profiles/, so that
     `hardware=<name>` finds them."""
-    from engine.calibration import SHIPPED_PROFILES_DIR, load_profiles_dir
+    from testbed.calibrate.fit import SHIPPED_PROFILES_DIR, load_profiles_dir
 
     shipped = load_profiles_dir(SHIPPED_PROFILES_DIR, on_error=_skip_profile)
     return shipped + load_profiles_dir(os.environ.get("TESTBED_PROFILE_DIR") or "runs/profiles", on_error=_skip_profile)
@@ -302,7 +302,7 @@ def _mapping(cfg: Mapping[str, Any], name: str) -> dict:
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'a': {'b': 1}} -> {'a.b': 1}: the MLflow params of a run (URI passwords as `***`)."""
-    from testbed.redact import redact
+    from testbed.config.redact import redact
 
     out: dict[str, Any] = {}
     for k, v in d.items():

@@ -45,10 +45,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from engine.errors import TestbedError
 from engine.settings import OutputSettings
 from testbed import signals as signals_mod
-from testbed.outputs import write_run_dir
-from testbed.runner import prepare_experiment
-from testbed.spec import RunSpec
-from testbed.tracking import Tracker, tracking_uri
+from testbed.run.outputs import write_run_dir
+from testbed.run.runner import prepare_experiment
+from testbed.config.spec import RunSpec
+from testbed.tracking.tracker import Tracker, tracking_uri
 
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
@@ -176,7 +176,7 @@ def _open_point_run(job: Job) -> tuple[Any, str | None]:
 
 def point_tags(job: Job) -> dict[str, str]:
     """The tags of a point's MLflow run: its axes, its link to the summary run, the job's own."""
-    tags = {"testbed.kind": "point", "testbed.compare": job.experiment, "testbed.axes": json.dumps(list(job.axes)),
+    tags = {"testbed.kind": "point", "testbed.sweep.compare": job.experiment, "testbed.axes": json.dumps(list(job.axes)),
             "compare.point": str(job.index), **{f"axis.{k}": str(v) for k, v in job.axis_values.items()}}
     if job.parent_run_id:
         tags[PARENT_TAG] = job.parent_run_id

@@ -39,9 +39,9 @@ SETTINGS = {"reference": ["workload=sharegpt", "workload.arrival=offline", "work
 
 def measure_once(overrides: list[str]) -> dict:
     """Run in this process; return timings, peak memory and the headline metrics."""
-    from testbed.spec import compose_spec
-    from testbed.overrides import merge
-    from testbed.runner import prepare_experiment
+    from testbed.config.spec import compose_spec
+    from testbed.config.overrides import merge
+    from testbed.run.runner import prepare_experiment
 
     spec = compose_spec(merge(overrides, ["output.mlflow=false", "output.progress=false"]))
     result = prepare_experiment(spec).run()
@@ -55,7 +55,7 @@ def measure_once(overrides: list[str]) -> dict:
 
 
 def measure(overrides: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "testbed.bench", "--child", json.dumps(overrides)],
+    proc = subprocess.run([sys.executable, "-m", "testbed.bench.sim", "--child", json.dumps(overrides)],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark run {overrides} failed:\n{proc.stderr[-2000:]}")
@@ -89,7 +89,7 @@ def run_sim_bench(policies: list[str], extra: list[str], end_to_end: bool = True
     from rich.console import Console
     from rich.table import Table
 
-    from testbed.overrides import merge
+    from testbed.config.overrides import merge
 
     base = SETTINGS[setting]
     rows = []

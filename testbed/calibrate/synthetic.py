@@ -28,7 +28,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.calibration import ProfileRow, ProfileTable
+from engine.profile_table import ProfileRow, ProfileTable
 from engine.costmodel import BatchShape, split_layers
 from engine.hardware import HardwareSpec
 from engine.models import ModelSpec
@@ -68,7 +68,7 @@ class GpuTruth:
 
     def hardware(self) -> HardwareSpec:
         """The nominal spec the fitter is given: the datasheet peaks, H100-like links."""
-        return HardwareSpec("synthetic-gpu", "synthetic H100-like ground truth (engine/calibration_synthetic.py)",
+        return HardwareSpec("synthetic-gpu", "synthetic H100-like ground truth (testbed/calibrate/synthetic.py)",
                             self.peak_tflops, self.hbm_gbs, 80.0, 360.0, 10e-6, 360.0)
 
 

@@ -13,7 +13,7 @@ The default store is `sqlite:///<output.dir>/mlflow.db`, with artifacts in
 processes doing it at once lose a run, so creation holds a file lock (`mlflow.db.lock`).
 Optuna never shares this database (both use alembic tables).
 
-`testbed run` does all of this in a background process (testbed/sidecar.py) while it simulates;
+`testbed run` does all of this in a background process (testbed/tracking/background.py) while it simulates;
 `Tracker` is the same logging in-process, for `compare`, `tune` and `validate`.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from engine.errors import ConfigError
 from engine.settings import OutputSettings
 
 if TYPE_CHECKING:
-    from testbed.spec import RunSpec
+    from testbed.config.spec import RunSpec
 
 MAX_STEP_POINTS = 250  # per series: enough for the chart's shape; log_batch cost grows with rows
 MAX_ARTIFACT_BYTES = 2_000_000
@@ -64,7 +64,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 3.0, key: str = "output.trac
     `timeout_s` (MLflow itself retries for minutes before failing)."""
     from urllib.parse import urlsplit
 
-    from testbed.redact import redact
+    from testbed.config.redact import redact
 
     shown = redact(uri)
     scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else ""
@@ -143,7 +143,7 @@ def chart_link(uri: str, experiment_id: str) -> str:
     """The line that opens this experiment's runs as charts in MLflow's UI (MLflow 3's route
     `#/experiments/<id>/runs`; `workflowType=machine_learning` skips the GenAI view, which
     lists no runs; `compareRunsMode=CHART` the chart view, headline section first)."""
-    from testbed.redact import redact
+    from testbed.config.redact import redact
 
     view = f"#/experiments/{experiment_id}/runs?workflowType=machine_learning&compareRunsMode=CHART"
     if uri.startswith(("http://", "https://")):  # the tracking server serves the UI itself

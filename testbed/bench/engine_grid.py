@@ -7,7 +7,7 @@
 For the run the overrides describe (its model, device, dtype, P; `executor=torch` is implied),
 in one process and one run:
 
-1. the floor (testbed/bench_engine_floor.py): the model's linear layers + lm_head (one CUDA graph
+1. the floor (testbed/bench/engine_floor.py): the model's linear layers + lm_head (one CUDA graph
    on CUDA, eager on CPU) and SDPA attention on contiguous K/V, for every grid point -- measured
    first and released, so that on CUDA the stages' measured KV pool is not squeezed by it;
 2. end to end: the run's workload through the controller and policy on the started engine,
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from testbed.spec import RunSpec
+    from testbed.config.spec import RunSpec
 
 GRID = {"decode_batch": (1, 8, 32, 64, 128, 256), "decode_context": (128, 512, 2048),
         "prefill_tokens": (128, 512, 1024, 2048, 4096)}
@@ -87,8 +87,8 @@ def add_grid_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def _config(overrides: list[str], quick: bool, grid: dict) -> RunSpec:
-    from testbed.spec import compose_spec
-    from testbed.overrides import merge
+    from testbed.config.spec import compose_spec
+    from testbed.config.overrides import merge
 
     spec = compose_spec(merge(BASE, QUICK_WORKLOAD if quick else FULL_WORKLOAD, overrides))
     rc = spec.settings
@@ -141,12 +141,12 @@ def _floors(spec: RunSpec, points: list[Point], repeats: int, bandwidth: bool):
     from engine.torch_exec.checkpoint import model_source, read_arch, spec_arch
     from engine.torch_exec.driver import check_launchable
     from engine.torch_exec.settings import TorchSettings
-    from testbed.bench_engine_floor import Floor, attention_bandwidth, copy_rate
+    from testbed.bench.engine_floor import Floor, attention_bandwidth, copy_rate
 
     rc = spec.settings
     st: TorchSettings = rc.executor.settings
     check_launchable(st)  # e.g. executor.device=cuda without CUDA: one error line, before the floor
-    path, spec = model_source(st, {"model": asdict(rc.model)})
+    path, spec = model_source(st, rc.model)
     arch = read_arch(path) if path else spec_arch(spec)
     device = "cuda:0" if st.device == "cuda" else "cpu"
     old = torch.get_num_threads()
@@ -182,7 +182,7 @@ def _engine(spec: RunSpec, points: list[Point], repeats: int):
     """Start the engine once: the end-to-end run first (clean bubbles and window), then the grid."""
     from engine.metrics import SLO, summarize
     from engine.torch_exec.profile import _Designer, _round_robin_tables
-    from testbed.runner import prepare_experiment
+    from testbed.run.runner import prepare_experiment
 
     prep = prepare_experiment(spec)
     ctrl = prep.controller

@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from engine.errors import ConfigError, TestbedError, bad_value
 from engine.trace import Tracer
-from testbed.redact import redacted
-from testbed.spec import check_run_name
+from testbed.config.redact import redacted
+from testbed.config.spec import check_run_name
 
 if TYPE_CHECKING:
-    from testbed.result import RunResult
-    from testbed.spec import RunSpec
+    from testbed.run.result import RunResult
+    from testbed.config.spec import RunSpec
 
 TRACE_MODES = ("sampled", "full", "off")
 SAMPLE_HEAD = 256  # micro-batches traced from the start (warm-up)
@@ -235,7 +235,7 @@ def write_run_dir(result: RunResult, out_dir: Path, plots: bool = True, trace: s
         raise OutputWriteError(f"cannot write the run folder {out_dir}: {exc.strerror or exc} ({where}); "
                                f"free space there or choose another output.dir") from None
     if plots:
-        from testbed.plots import render_plots
+        from testbed.run.plots import render_plots
 
         render_plots(plot_data(result), out_dir)
     return out_dir

@@ -3,7 +3,7 @@
 Order matters for the first-hour experience:
 1. every user mistake and unusable destination (output.dir a file, an unreachable tracking
    server, a run name that escapes output.dir) is one `error:` line before anything runs;
-2. two background processes (testbed/sidecar.py) import MLflow and matplotlib and open the
+2. two background processes (testbed/tracking/background.py) import MLflow and matplotlib and open the
    tracking run while the config is composed and the simulation runs, so on the 5,000-request benchmark the end-to-end time
    stays close to the simulation's instead of adding ~13 s after it;
 3. Ctrl-C, SIGTERM and SIGHUP stop the run, and the requests so far are still written (unfinished
@@ -21,10 +21,10 @@ from typing import Any, Sequence
 from rich.markup import escape
 
 from engine.settings import OutputSettings
-from testbed.outputs import (OutputWriteError, display_name, folder_name, plot_data,
+from testbed.run.outputs import (OutputWriteError, display_name, folder_name, plot_data,
                              prepare_output_dir, reserve_run_dir, write_run_dir)
-from testbed.runner import RunInterrupted, RunResult
-from testbed.sidecar import Background
+from testbed.run.runner import RunInterrupted, RunResult
+from testbed.tracking.background import Background
 from testbed.signals import EXIT_CODES, one_stop, saving
 
 OVERLOAD_MARGIN = 1.10  # offered load above 110% of what was served counts as overload
@@ -42,14 +42,14 @@ def run_command(overrides: Sequence[str], console, t_start: float | None = None,
 
 def _run(overrides: Sequence[str], console, t_start: float, bg: Background) -> int:
     try:
-        from testbed.spec import compose_spec
-        from testbed.runner import prepare_experiment
+        from testbed.config.spec import compose_spec
+        from testbed.run.runner import prepare_experiment
 
         spec = compose_spec(overrides)
         out = spec.output
         base = prepare_output_dir(out.dir)
         if out.mlflow:
-            from testbed.tracking import artifact_root, check_tracking_uri, tracking_uri
+            from testbed.tracking.tracker import artifact_root, check_tracking_uri, tracking_uri
 
             uri = tracking_uri(out)
             check_tracking_uri(uri)
@@ -58,7 +58,7 @@ def _run(overrides: Sequence[str], console, t_start: float, bg: Background) -> i
         prepared = prepare_experiment(spec, progress=bar)
         run_dir = reserve_run_dir(base, folder_name(spec))
         if bg.tracker is not None:
-            from testbed.tracking import run_tags
+            from testbed.tracking.tracker import run_tags
 
             bg.tracker.start(uri=uri, experiment=out.experiment, artifact_location=artifact_root(out),
                              run_name=display_name(spec, overrides),
@@ -86,7 +86,7 @@ def source_name(overrides: Sequence[str]) -> str:
 
 def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: Background, stopped: str | None,
             t_start: float) -> int:
-    from testbed.tracking import note, run_metrics
+    from testbed.tracking.tracker import note, run_metrics
 
     t_write = time.perf_counter()
     if bg.figures is not None:
@@ -112,7 +112,7 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
     for w in (bg.tracker.warnings if bg.tracker is not None else []):
         console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True)
     if bg.tracker is not None and bg.tracker.experiment_id is not None:
-        from testbed.tracking import chart_link, tracking_uri
+        from testbed.tracking.tracker import chart_link, tracking_uri
 
         console.print(chart_link(tracking_uri(result.spec.output), bg.tracker.experiment_id), highlight=False,
                       soft_wrap=True, markup=False)

@@ -212,9 +212,9 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
     """Build the workload from the config overrides, replay it, write the run dir, log to MLflow
     (extra `tags`, `experiment`: for `testbed capacity`, whose probes these are). Returns
     (RunResult, run_dir); the MLflow run id is `info["run_id"]`."""
-    from testbed.spec import compose_spec
-    from testbed.outputs import run_name, write_run_dir
-    from testbed.runner import RunResult
+    from testbed.config.spec import compose_spec
+    from testbed.run.outputs import run_name, write_run_dir
+    from testbed.run.runner import RunResult
     from workloads.base import build_workload
 
     if endpoint not in ("completions", "chat"):
@@ -230,7 +230,7 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
     name = run_name(spec, who=label)  # not the policy: the server ran its own
     tracker = run_id = None
     if spec.output.mlflow:
-        from testbed.tracking import Tracker
+        from testbed.tracking.tracker import Tracker
 
         tracker = Tracker(spec.output, experiment)
         run_id = tracker.start(spec, name, tags={"mode": "bench-serve", "policy": label, "base_url": base_url,

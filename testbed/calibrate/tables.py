@@ -1,7 +1,7 @@
 """`testbed calibrate tables`: fit the cost model to published GPU kernel tables and report its error.
 
-Reads `gpu-op-profiles/` through the data-directory rule (engine/gpu_tables.py), fits the
-operator-level kernel coefficients, links and host costs per device (engine/kernel_fit.py), and
+Reads `gpu-op-profiles/` through the data-directory rule (testbed/calibrate/gpu_tables.py), fits the
+operator-level kernel coefficients, links and host costs per device (testbed/calibrate/kernel_fit.py), and
 reports median / p90 / max error and bias by operator family and by token / context bucket, for
 the fitted profile and for the hand-set roofline it replaces, on held-out models (compute) and
 held-out grid points (attention). `--save DIR` writes the fitted hardware profiles (the shipped
@@ -20,9 +20,9 @@ import pandas as pd
 
 from engine.costmodel import BatchShape, CostModel
 from engine.errors import ConfigError
-from engine.gpu_tables import PublishedTables, read_published
+from testbed.calibrate.gpu_tables import PublishedTables, read_published
 from engine.hardware import HardwareSpec, get_hardware
-from engine.kernel_fit import (DEFAULT_FIT_MODELS, LINEAR_OPS, Device, KernelFit, attention_split, fit_kernels,
+from testbed.calibrate.kernel_fit import (DEFAULT_FIT_MODELS, LINEAR_OPS, Device, KernelFit, attention_split, fit_kernels,
                                gqa_points_from, layer_shape, link_features)
 from engine.kernels import LayerShape
 from engine.models import ModelSpec
@@ -369,7 +369,7 @@ def run_tables(directory: Path, devices: list[str], fit_models, out_dir: Path, s
                  if k in ("family", "fitted_median", "fitted_p90", "fitted_max", "fitted_bias", "default_median",
                           "default_bias") and not (isinstance(v, float) and v != v)} | {"rows": int(row["rows"])}
                 for row in report["headline"].get(provenance["device_tables"], [])]
-            from engine.calibration import save_hardware_profile
+            from testbed.calibrate.fit import save_hardware_profile
 
             save_hardware_profile(spec, save / f"{spec.name}.yaml", extra=provenance)
             console.print(f"saved hardware profile {spec.name} -> {save / (spec.name + '.yaml')}")
@@ -404,7 +404,7 @@ def write_report(df: pd.DataFrame, fits: dict[str, KernelFit], out_dir: Path) ->
         md.append(f"\n## {d} (held-out rows; fitted vs roofline)\n")
         md.append(markdown_table(pd.DataFrame(rows)))
     (out_dir / "report.md").write_text("\n".join(md) + "\n")
-    from testbed.calibrate_figures import error_figures
+    from testbed.calibrate.figures import error_figures
 
     error_figures(df, out_dir)
     return report

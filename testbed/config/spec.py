@@ -1,6 +1,6 @@
 """`RunSpec`: one run, composed from the command line and validated once, as typed objects.
 
-The command modules turn `key=value` overrides into a `RunSpec` (`compose_spec`, testbed/config.py)
+The command modules turn `key=value` overrides into a `RunSpec` (`compose_spec`, testbed/config/composer.py)
 and hand it down; nothing below them indexes a config mapping by string. What a run is made of
 is in one place:
 
@@ -31,21 +31,21 @@ from engine.cost_coefficients import CostCoefficients
 from engine.errors import bad_value
 from engine.policy import make_params
 from engine.settings import OutputSettings, RunConfig
-from testbed.config import compose, flatten, to_container, validate
+from testbed.config.composer import compose, flatten, to_container, validate
 from testbed.serve.settings import ServeSettings
 
 MAX_RUN_NAME_BYTES = 200  # file systems allow 255 bytes per name; MLflow's run-name limit is 250 characters
 
 
 def compose_spec(overrides: Sequence[str] = ()) -> RunSpec:
-    """`compose` (testbed/config.py: Hydra, every mistake one line), then the typed spec."""
+    """`compose` (testbed/config/composer.py: Hydra, every mistake one line), then the typed spec."""
     return RunSpec.from_tree(to_container(compose(overrides)))
 
 
 @dataclass(frozen=True)
 class RunSpec:
     """What one run is made of (module docstring); build it with `RunSpec.from_tree` or
-    `testbed.config.compose_spec`."""
+    `testbed.config.composer.compose_spec`."""
 
     settings: RunConfig
     policy_name: str

@@ -16,7 +16,7 @@ beside one summary run (tag `testbed.kind=compare`; the points link to it with t
 click) that gets the table (`table.csv`, `table.md`) and the figures as artifacts; each run
 carries its axis values as tags `axis.<key>` and the axis list as `testbed.axes`, which is how
 `testbed report` rebuilds the same table later, from any machine sharing the store. The points
-run through `testbed/sweep.py`.
+run through `testbed/sweep/jobs.py`.
 
 Output: `<output.dir>/compare/<experiment>/` with `table.csv`, `table.md`, figures
 (`<metric>_vs_<x>.png`, `overview.png`: x = the numeric axis, one line per value of the other
@@ -44,11 +44,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
 from engine.errors import ConfigError
-from testbed import sweep
-from testbed.spec import compose_spec
-from testbed.overrides import as_int, check_keys, split_list, split_prefixed
-from testbed.spec import RunSpec
-from testbed.report import FIGURE_METRICS, print_table, sort_rows, write_comparison
+from testbed.sweep import jobs as sweep
+from testbed.config.spec import compose_spec
+from testbed.config.overrides import as_int, check_keys, split_list, split_prefixed
+from testbed.config.spec import RunSpec
+from testbed.sweep.report import FIGURE_METRICS, print_table, sort_rows, write_comparison
 from testbed.tune.objectives import SCALAR_KEYS, resolve_metric
 
 COMPARE_KEYS = ("workers", "experiment", "x", "metrics")

@@ -5,9 +5,9 @@
         --model tiny-llama --out runs/bench_torch.json
 
 (Without --compare, `testbed bench engine [overrides] [--quick]` measures step times against the
-floor: testbed/bench_engine_grid.py.)
+floor: testbed/bench/engine_grid.py.)
 
-(also `python -m testbed.bench_engine ...`; it lives in testbed/ because it composes run configs
+(also `python -m testbed.bench.engine ...`; it lives in testbed/ because it composes run configs
 and workloads, which the engine must not import.)
 
 For each policy: one run of the controller + `TorchExecutor` over the same requests (ShareGPT,
@@ -106,8 +106,8 @@ def run_policy(policy_name: str, requests, args, policy_params: dict, executor: 
     import policies  # noqa: F401
     from engine.kv import BlockManager
     from engine.trace import Tracer
-    from testbed.spec import compose_spec
-    from testbed.runner import build_cost_model
+    from testbed.config.spec import compose_spec
+    from testbed.run.runner import build_cost_model
 
     spec = compose_spec([f"model={args.model}", f"parallel.pp={args.pp}", f"policy={policy_name}",
                          f"output.dir={args.output_dir}"])
@@ -291,7 +291,7 @@ def _run_baselines(requests, args, path: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m testbed.bench_engine", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m testbed.bench.engine", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

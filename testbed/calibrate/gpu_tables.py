@@ -4,7 +4,7 @@ The tables are the per-operator CUDA kernel times published with the Vidur simul
 al., MLSys 2024; docs/calibration.md#measured-kernels says what is in them). They are data, never
 committed: they are found under `<data_dir>/gpu-op-profiles/` by the data-directory rule. This
 reader turns them into `ProfileRow`s, the same rows `testbed profile` writes on a real engine, so
-one fitting path (engine/kernel_fit.py) serves the published tables and a user's own profile:
+one fitting path (testbed/calibrate/kernel_fit.py) serves the published tables and a user's own profile:
 
 - `compute/<device>/<org>/<model>/mlp.csv` -> per-layer operator rows (`gemm_qkv`, `gemm_o`,
   `gemm_up`, `gemm_down`, `norm` x2, `rope`, `act`, `add`, `emb`) by `tokens` and `tp`;
@@ -27,7 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.calibration import ProfileRow, ProfileTable
+from engine.profile_table import ProfileRow, ProfileTable
 from engine.errors import ConfigError
 
 __all__ = ["PublishedTables", "read_published", "DEVICES", "TABLES_SUBDIR", "shape_meta"]
@@ -225,7 +225,7 @@ def tables_from_profile(table: ProfileTable, device: str) -> PublishedTables:
     `send_recv`, `all_reduce`, `prepare`/`sample`/`schedule` rows and the layer shape in its
     `# hidden=... q_heads=... kv_heads=... intermediate=... vocab=...` metadata) as the tables of
     one device, so the published tables' fit and report apply to it unchanged."""
-    from engine.calibration import TOKEN_OPS
+    from engine.profile_table import TOKEN_OPS
 
     missing = [k for k in ("hidden", "q_heads", "kv_heads") if k not in table.meta]
     if missing:

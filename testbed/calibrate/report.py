@@ -1,4 +1,4 @@
-"""`testbed calibrate tables`: the command (testbed/calibrate_tables.py does the work).
+"""`testbed calibrate tables`: the command (testbed/calibrate/tables.py does the work).
 
 Two modes: the published tables (fit every device, report, optionally `--save` the fitted
 hardware profiles), and `--profile CSV` (a profile measured on the user's own GPU, in
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from engine.calibration import OPERATOR_OPS, ProfileTable, read_profile
+from engine.profile_table import OPERATOR_OPS, ProfileTable, read_profile
 from engine.costmodel import CostModel
 from engine.errors import ConfigError
-from engine.gpu_tables import DEVICES
+from testbed.calibrate.gpu_tables import DEVICES
 from engine.hardware import get_hardware
-from engine.kernel_fit import DEFAULT_FIT_MODELS
+from testbed.calibrate.kernel_fit import DEFAULT_FIT_MODELS
 from engine.models import get_model
 
 __all__ = ["cli_calibrate", "profile_errors"]
@@ -34,7 +34,7 @@ def _devices(text: str) -> list[str]:
 def _fit_models(holdout: str | None, directory: Path) -> tuple[str, ...]:
     if not holdout:
         return DEFAULT_FIT_MODELS
-    from engine.gpu_tables import TABLES_SUBDIR
+    from testbed.calibrate.gpu_tables import TABLES_SUBDIR
 
     root = directory / TABLES_SUBDIR if (directory / TABLES_SUBDIR).is_dir() else directory
     models = sorted({p.parent.name for p in (root / "compute").glob("*/*/*/mlp.csv")})
@@ -46,7 +46,7 @@ def _fit_models(holdout: str | None, directory: Path) -> tuple[str, ...]:
 
 
 def cli_calibrate(args, console) -> int:
-    from testbed.calibrate_tables import run_tables, tables_dir
+    from testbed.calibrate.tables import run_tables, tables_dir
 
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"runs/calibrate/tables-{stamp}")
@@ -82,16 +82,16 @@ def _operator_profile(table: ProfileTable, args, out: Path, console) -> int:
     `<--hardware>-fit` (peaks from --hardware)."""
     from dataclasses import replace as _replace
 
-    from engine.gpu_tables import tables_from_profile
-    from engine.kernel_fit import Device
-    from testbed.calibrate_tables import error_frame, fitted_spec, summarise
+    from testbed.calibrate.gpu_tables import tables_from_profile
+    from testbed.calibrate.kernel_fit import Device
+    from testbed.calibrate.tables import error_frame, fitted_spec, summarise
 
     if not args.hardware:
         raise ConfigError("--profile with operator rows needs --hardware (the GPU whose datasheet peaks the "
                           "efficiencies are fractions of), e.g. --hardware a100-80g-roofline")
     base = get_hardware(args.hardware)
     tables = tables_from_profile(table, base.name)
-    from engine.kernel_fit import fit_kernels
+    from testbed.calibrate.kernel_fit import fit_kernels
 
     device = Device(base.name, base.peak_flops, base.mem_bw_Bps, base.sm_count)
     model = next(iter(tables.compute), table.meta.get("model", "profile"))
@@ -106,7 +106,7 @@ def _operator_profile(table: ProfileTable, args, out: Path, console) -> int:
     summary.to_csv(out / "profile_errors.csv", index=False)
     print(summary.to_string(index=False, na_rep="", float_format=lambda v: f"{100 * v:.1f}%"))
     if args.save:
-        from engine.calibration import save_hardware_profile
+        from testbed.calibrate.fit import save_hardware_profile
 
         path = save_hardware_profile(fitted, Path(args.save) / f"{name}.yaml",
                                      extra={"source": str(args.profile), "notes": fit.notes})

@@ -1,14 +1,14 @@
 """What a run leaves in memory: `RunResult`, and `RunInterrupted` carrying a partial one.
 
-Its own module so that the writers of results (testbed/outputs.py, testbed/tracking.py) and the
-runner that makes them (testbed/runner.py) import it without importing each other.
+Its own module so that the writers of results (testbed/run/outputs.py, testbed/tracking/tracker.py) and the
+runner that makes them (testbed/run/runner.py) import it without importing each other.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from engine.trace import Tracer
-from testbed.spec import RunSpec
+from testbed.config.spec import RunSpec
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One experiment: config -> workload, policy, cost model, executor -> controller run -> results.
 
-`run_experiment(spec)` (a `RunSpec`, testbed/spec.py) is what `testbed run`, `compare` and the tuner's trials call. It does no
-MLflow logging and writes nothing; `testbed/outputs.py` and `testbed/tracking.py` do that, so a
+`run_experiment(spec)` (a `RunSpec`, testbed/config/spec.py) is what `testbed run`, `compare` and the tuner's trials call. It does no
+MLflow logging and writes nothing; `testbed/run/outputs.py` and `testbed/tracking/tracker.py` do that, so a
 trial can decide what to keep.
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from engine.kv import BlockManager
 from engine.metrics import SLO, microbatch_rows, request_rows, summarize
 from engine.policy import POLICIES, PrepareContext
 from engine.settings import Link, RunConfig
-from testbed.outputs import make_tracer
+from testbed.run.outputs import make_tracer
 from testbed.signals import signal_name
-from testbed.result import RunInterrupted, RunResult
-from testbed.spec import RunSpec
+from testbed.run.result import RunInterrupted, RunResult
+from testbed.config.spec import RunSpec
 from workloads.base import build_workload
 from workloads.history import history_for_run
 

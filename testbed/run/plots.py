@@ -1,6 +1,6 @@
 """Figures of one run (matplotlib, headless Agg backend), drawn from `outputs.plot_data(result)`:
 a small JSON-safe dict, so `testbed run` can render them in its background process while the
-main process prints the summary (testbed/sidecar.py)."""
+main process prints the summary (testbed/tracking/background.py)."""
 from __future__ import annotations
 
 import re

@@ -26,7 +26,7 @@ stdin closes without a `finish`, which is what happens when `testbed run` is kil
 It is not trusted to answer: every reply is awaited at most `reply_timeout_s()` seconds (a
 stopped process made `testbed run` wait forever); a process that is gone or silent is killed and
 the run's end (metrics, tags, files, status) is recorded from the main process instead
-(`testbed.tracking.record_run_end`), so its MLflow run never stays RUNNING.
+(`testbed.tracking.tracker.record_run_end`), so its MLflow run never stays RUNNING.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class Sidecar:
                                                         env.get("PYTHONPATH", "")] if p)
         flags = (["--mlflow"] if mlflow else []) + (["--plots"] if plots else [])
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "testbed.sidecar", *flags], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "testbed.tracking.background", *flags], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
                                      start_new_session=True)
         self._ops: list[str] = []  # requests sent, replies not read yet
@@ -172,7 +172,7 @@ class Sidecar:
             return [f"figures failed: {self.lost}"]
         if self.start_msg is None:  # no run was asked for: nothing to record
             return [f"MLflow logging failed: {self.lost}"]
-        from testbed.tracking import record_run_end
+        from testbed.tracking.tracker import record_run_end
 
         try:
             self.run_id, self.experiment_id = record_run_end(self.start_msg, self.run_id, run_dir, metrics, tags, status)
@@ -257,31 +257,31 @@ def _serve(mlflow: bool, plots: bool) -> None:
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
     if plots:
-        import testbed.plots  # noqa: F401  (import while the simulation runs)
+        import testbed.run.plots  # noqa: F401  (import while the simulation runs)
     if mlflow:
         import mlflow as _mlflow  # noqa: F401
-        from testbed.tracking import Tracker  # noqa: F401
+        from testbed.tracking.tracker import Tracker  # noqa: F401
     tracker = run_id = None
     finished = False
     for line in sys.stdin:
         msg = json.loads(line)
         try:
             if msg["op"] == "start":
-                from testbed.tracking import Tracker
+                from testbed.tracking.tracker import Tracker
 
                 tracker = Tracker(None, msg["experiment"], uri=msg["uri"],
                                   artifact_location=msg["artifact_location"])
                 run_id = tracker.start_flat(msg["params"], msg["run_name"], msg["tags"])
                 reply: dict = {"ok": True, "run_id": run_id, "experiment_id": tracker.experiment_id}
             elif msg["op"] == "plots":
-                from testbed.plots import render_plots
+                from testbed.run.plots import render_plots
 
                 render_plots(msg["plots"], Path(msg["run_dir"]))
                 reply = {"ok": True}
             elif msg["op"] == "finish":
                 finished = True
                 if tracker is not None and run_id is not None:
-                    from testbed.tracking import small_artifacts
+                    from testbed.tracking.tracker import small_artifacts
 
                     run_dir = Path(msg["run_dir"]) if msg.get("run_dir") else None
                     tracker.finish_flat(run_id, msg["metrics"], msg["tags"], small_artifacts(run_dir),

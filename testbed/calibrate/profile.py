@@ -14,7 +14,7 @@ point's real and simulated runs in turn and writes `matrix.md/json/csv` (errors 
 TTFT/TPOT mean and p99, E2EL p99, and whether the issue's targets are met) after every point.
 
 Profiles go to `$TESTBED_PROFILE_DIR` (default `runs/profiles/`): `<name>.csv` (the table) and
-`<name>.yaml` (a HardwareSpec with `calibration`), which `testbed.config` registers at start-up so
+`<name>.yaml` (a HardwareSpec with `calibration`), which `testbed.config.composer` registers at start-up so
 `hardware=<name>` works in every command. See README "Calibration and fidelity".
 """
 from __future__ import annotations
@@ -30,8 +30,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engine.calibration import (calibrated_spec, fit_profile, import_tdpipe, read_profile,
-                                save_hardware_profile, write_profile)
+from engine.profile_table import read_profile, write_profile
+
+from testbed.calibrate.fit import calibrated_spec, fit_profile, import_tdpipe, save_hardware_profile
 from engine.errors import ConfigError
 from engine.hardware import (INTRA_BOX_LATENCY_S, PCIE_ALLREDUCE_GBS, PCIE_P2P_GBS, HardwareSpec,
                              get_hardware)
@@ -40,13 +41,13 @@ from engine.request import Request
 from engine.profile_grid import ProfileGrid, get_grid
 from engine.torch_exec.profile import device_memory_gib, device_provenance, measure_peaks, profile_engine
 from engine.torch_exec.timing import is_cuda
-from testbed import sweep
-from testbed.spec import compose_spec
-from testbed.overrides import merge
-from testbed.outputs import write_run_dir
-from testbed.runner import prepare_experiment
-from testbed.spec import RunSpec
-from testbed.tracking import Tracker
+from testbed.sweep import jobs as sweep
+from testbed.config.spec import compose_spec
+from testbed.config.overrides import merge
+from testbed.run.outputs import write_run_dir
+from testbed.run.runner import prepare_experiment
+from testbed.config.spec import RunSpec
+from testbed.tracking.tracker import Tracker
 from workloads.base import build_workload
 
 VALIDATE_METRICS = (
@@ -276,7 +277,7 @@ def parse_case(text: str) -> ValidateCase:
 def validate_plan(overrides: list[str], cases: list[ValidateCase]) -> list[tuple[str, list[str]]]:
     """(label, overrides) of every point: each case x the product of the comma-list axes
     (`policy=sarathi,vllm parallel.pp=1,2`, as in `testbed compare`); a case's keys win."""
-    from testbed.compare import grid
+    from testbed.sweep.compare import grid
 
     axes, points = grid(overrides)
     out = []

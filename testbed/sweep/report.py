@@ -28,7 +28,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from engine.errors import ConfigError
-from testbed.redact import redact
+from testbed.config.redact import redact
 
 TABLE_METRICS = ("throughput_tok_s", "output_throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s",
                  "tpot_p99_s", "e2el_mean_s", "e2el_p99_s", "slo_attainment", "bubble_ratio", "num_preemptions",
@@ -356,7 +356,7 @@ def runs_frame(experiments: Sequence[str], tracking_uri: str) -> tuple[pd.DataFr
 def _check_store(uri: str) -> None:
     """Refuse a URI MLflow cannot open (one line, not its traceback), and refuse to *create* an
     empty SQLite store (MLflow would, taking ~7 s, then find nothing)."""
-    from testbed.tracking import check_tracking_uri
+    from testbed.tracking.tracker import check_tracking_uri
 
     check_tracking_uri(uri, key="--tracking-uri")
     if uri.startswith("sqlite:///"):

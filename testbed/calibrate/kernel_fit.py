@@ -1,6 +1,6 @@
 """Fit `KernelCoefficients`, links and host costs to operator-level profile rows, and report errors.
 
-The rows come from engine/gpu_tables.py (the published tables) or from a user's own profile in
+The rows come from testbed/calibrate/gpu_tables.py (the published tables) or from a user's own profile in
 the same form. Every fit minimises relative error (a 10 us kernel matters as much, relatively, as
 a 2 ms one: decode steps are made of the short ones) with bounded least squares on log-parameters.
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from engine.calibration import ProfileRow, ProfileTable
+from engine.profile_table import ProfileRow, ProfileTable
 from engine.errors import ConfigError
 from engine.kernels import ELEMENTWISE_PER_LAYER, GEMMS, KernelCoefficients, LayerKernels, LayerShape
 
