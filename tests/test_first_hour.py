@@ -50,7 +50,7 @@ def test_run_folders_follow_one_pattern(tmp_path):
     from testbed.run.outputs import folder_name
 
     cfg = small_config(out_dir=tmp_path)
-    assert folder_name(cfg).startswith(f"{cfg['policy']['name']}_synthetic_")
+    assert folder_name(cfg).startswith(f"{cfg.policy_name}_synthetic_")
     assert folder_name(cfg, who="served").startswith("served_synthetic_")  # bench serve: its label
     assert folder_name(cfg, who="gllm", what="serve-sim").startswith("gllm_serve-sim_")
     assert folder_name(cfg, who="my label/x").startswith("my-label-x_synthetic_")

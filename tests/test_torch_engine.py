@@ -74,21 +74,15 @@ def _run_pipeline(requests, *, pp: int, model: str, cache: str, policy: str = "s
                   **settings) -> tuple[Controller, object]:
     """The runner's path (factory + Controller), keeping the controller for its token ids."""
     from engine.settings import Link
-    from testbed.config.composer import run_config
+    from testbed.config.spec import compose_spec
     from testbed.run.runner import build_cost_model
 
-    spec = get_model(model)
-    cfg = {"model": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
-           "parallel": {"pp": pp, "tp": 1, "layer_split": None}, "hardware": {"name": "l20-48g"}, "seed": 0}
-    from engine.hardware import get_hardware
-
-    hw = get_hardware("l20-48g")
-    cfg["hardware"] = {k: getattr(hw, k) for k in hw.__dataclass_fields__}
-    cost = build_cost_model(cfg)
+    run = compose_spec([f"model={model}", f"parallel.pp={pp}", "hardware=l20-48g"])
+    cost = build_cost_model(run)
     pol = POLICIES.get(policy).from_config(policy_params or {})
     st = TorchSettings(model_cache_dir=cache, stage_timeout_s=settings.pop("stage_timeout_s", 60.0), **settings)
     spec_ = EXECUTORS.get("torch")
-    ex = spec_.factory(st, ExecutorBuild(cost, RuntimeFeatures(), Link(1e9, 0.0), pol, Tracer(), run_config(cfg)))
+    ex = spec_.factory(st, ExecutorBuild(cost, RuntimeFeatures(), Link(1e9, 0.0), pol, Tracer(), run.settings))
     kv = BlockManager(num_blocks, block_size)
     ctrl = Controller(requests, pol, ex, kv, cost_model=cost, check_integrity=True)
     try:

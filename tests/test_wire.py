@@ -240,20 +240,14 @@ def model_cache(tmp_path_factory):
 
 def _run(requests, cache, progress, *, pp=2, runtime=RuntimeFeatures(), **settings):
     from engine.settings import Link
-    from testbed.config.composer import run_config
+    from testbed.config.spec import compose_spec
     from testbed.run.runner import build_cost_model
 
-    spec = get_model("tiny-llama")
-    cfg = {"model": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
-           "parallel": {"pp": pp, "tp": 1, "layer_split": None}, "hardware": "l20-48g", "seed": 0}
-    from engine.hardware import get_hardware
-
-    hw = get_hardware("l20-48g")
-    cfg["hardware"] = {k: getattr(hw, k) for k in hw.__dataclass_fields__}
-    cost = build_cost_model(cfg)
+    run = compose_spec(["model=tiny-llama", f"parallel.pp={pp}", "hardware=l20-48g"])
+    cost = build_cost_model(run)
     pol = POLICIES.get("sarathi").from_config({"token_budget": 16, "max_num_seqs": 8})
     ex = EXECUTORS.get("torch").factory(TorchSettings(model_cache_dir=cache, **settings),
-                                        ExecutorBuild(cost, runtime, Link(1e9, 0.0), pol, Tracer(), run_config(cfg)))
+                                        ExecutorBuild(cost, runtime, Link(1e9, 0.0), pol, Tracer(), run.settings))
     ctrl = Controller(requests, pol, ex, BlockManager(64, 4), cost_model=cost, progress=lambda d, t: progress(ex))
     try:
         ctrl.run()
