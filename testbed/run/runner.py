@@ -1,8 +1,9 @@
-"""One experiment: config -> workload, policy, cost model, executor -> controller run -> results.
+"""One experiment: RunSpec -> workload, policy, cost model, executor -> controller run -> results.
 
-`run_experiment(spec)` (a `RunSpec`, testbed/config/spec.py) is what `testbed run`, `compare` and the tuner's trials call. It does no
-MLflow logging and writes nothing; `testbed/run/outputs.py` and `testbed/tracking/tracker.py` do that, so a
-trial can decide what to keep.
+`run_experiment(spec)` (a `RunSpec`, testbed/config/spec.py) is what `testbed run`, `compare`
+and the tuner's trials call. It does no MLflow logging and writes nothing;
+`testbed/run/outputs.py` and `testbed/tracking/tracker.py` do that, so a trial can decide what
+to keep.
 """
 from __future__ import annotations
 
