@@ -45,6 +45,7 @@ from hydra.errors import HydraException
 
 from engine.errors import ConfigError
 from testbed import sweep
+from testbed.cluster.ray_backend import split_backend
 from testbed.config import compose, to_container
 from testbed.overrides import as_int, check_keys, get_path, split_list, split_prefixed
 from testbed.report import FIGURE_METRICS, print_table, sort_rows, write_comparison
@@ -175,12 +176,14 @@ class Plan:
     cfgs: list[dict]
     out_dir: Path
     overrides: list[str]
+    backend: Any = None  # sweep.backend / ray.* (testbed/cluster/ray_backend.py)
 
 
 def plan(overrides: Sequence[str], confirmed: bool = True, console: Any = None) -> Plan:
     """Parse the settings and compose every grid point (every typo surfaces here, exit 2)."""
     raw, rest = split_prefixed(overrides, "compare")
     settings = parse_settings(raw)
+    backend, rest = split_backend(rest)
     axes, points = grid(rest, confirmed)
     if console is not None and len(points) > CONFIRM_POINTS:
         console.print(f"composing and checking {len(points):,} grid points first ...", highlight=False)
@@ -191,7 +194,7 @@ def plan(overrides: Sequence[str], confirmed: bool = True, console: Any = None) 
     out_dir = Path((cfgs[0].get("output") or {}).get("dir") or "runs") / "compare" / name
     if (out_dir / "table.csv").exists():
         raise ConfigError(f"comparison {name!r} already exists at {out_dir}; choose another compare.experiment=")
-    return Plan(name, settings, axes, points, cfgs, out_dir, list(rest))
+    return Plan(name, settings, axes, points, cfgs, out_dir, list(rest), backend)
 
 
 def make_jobs(p: Plan, parent_run_id: str | None) -> list[sweep.Job]:
@@ -217,7 +220,7 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
     rows: list[dict] = []
     t0 = time.perf_counter()
     try:
-        sweep.run_jobs(jobs, p.settings.workers, console, bool(out.get("progress", True)), rows)
+        sweep.run_jobs(jobs, p.settings.workers, console, bool(out.get("progress", True)), rows, backend=p.backend)
     except KeyboardInterrupt as exc:
         _write(p, rows, time.perf_counter() - t0, parent, plots=False, interrupted=sweep.interrupted_message(exc))
         parent.end("KILLED")
@@ -237,7 +240,7 @@ def _print_start(console: Any, p: Plan) -> None:
     sizes = {k: len({v for pt in p.points for kk, v in pt.axes if kk == k}) for k in p.axes}
     over = ", ".join(f"{k} ({n})" for k, n in sizes.items()) or "no axis"
     console.print(f"comparison [bold]{p.name}[/bold]: {len(p.points)} run(s) over {over}, "
-                  f"{p.settings.workers} worker(s)", highlight=False)
+                  f"{'Ray tasks' if p.backend is not None and p.backend.remote else f'{p.settings.workers} worker(s)'}", highlight=False)
 
 
 def _write(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, plots: bool,
