@@ -5,8 +5,9 @@ interface (`*:<port>`, whatever the address in the URL). Instead stage 0 binds t
 itself on `executor.master_addr` (127.0.0.1 by default) and hands it to the store
 (`TCPStore(master_listen_fd=...)`); the other stages connect to it. On loopback, gloo's and
 NCCL's own sockets are pinned to the loopback interface too (GLOO_SOCKET_IFNAME /
-NCCL_SOCKET_IFNAME=lo, unless the user set them), otherwise they bind the address the host name
-resolves to.
+NCCL_SOCKET_IFNAME=lo, unless the user set them), otherwise to `executor.socket_ifname` when
+given (the variables set on a stage host still win: interface names differ between hosts), else
+they bind the address the host name resolves to.
 """
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ def join_group(init, stage: int):
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=group_timeout_s(init.stage_timeout_s))
-    if is_loopback(init.master_addr) and sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    ifname = init.socket_ifname or ("lo" if is_loopback(init.master_addr) and sys.platform.startswith("linux") else "")
+    if ifname:  # executor.socket_ifname, else loopback's; a variable already set on this host wins
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
     listen = None
     if stage == 0:
         listen = store_socket(init.master_addr, init.master_port)
