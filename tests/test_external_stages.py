@@ -135,3 +135,19 @@ def test_after_a_failed_start_the_surviving_stage_exits_and_the_next_run_works(t
     assert "lost the driver" in err0
     assert _port_free(pipe.master_port) and _port_free(pipe.zmq_port)
     _run_pipeline(pipe, "next")  # the same ports, fresh stages: no stale stage takes a place
+
+
+def test_socket_interfaces_come_from_the_host_then_the_config_then_loopback():
+    from engine.errors import ConfigError
+    from engine.torch_exec.rendezvous import socket_ifnames
+    from engine.torch_exec.settings import TorchSettings
+
+    both = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    assert socket_ifnames("eth1", "10.1.2.3", {}) == dict.fromkeys(both, "eth1")
+    assert socket_ifnames("eth1", "10.1.2.3", {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": "eth1"}
+    assert socket_ifnames("", "10.1.2.3", {}) == {}
+    if sys.platform.startswith("linux"):
+        assert socket_ifnames("", "127.0.0.1", {}) == dict.fromkeys(both, "lo")
+    assert TorchSettings(socket_ifname="eth0,eth1").socket_ifname == "eth0,eth1"
+    with pytest.raises(ConfigError, match="executor.socket_ifname"):
+        TorchSettings(socket_ifname="eth0; rm")
