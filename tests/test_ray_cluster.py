@@ -204,3 +204,44 @@ def test_without_ray_installed_the_ray_backend_names_the_extra(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: sweep.backend=ray needs Ray")
     assert "pip install -e '.[ray]'" in lines[0] and "Traceback" not in out.stderr
+
+
+def _interrupt_when_a_trial_runs(storage: str, done: threading.Event) -> threading.Thread:
+    """Ctrl-C in the driver once a Ray worker has started a trial (its `worker` attribute is set),
+    unless the command has returned already."""
+    import optuna
+
+    def watch() -> None:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and not done.is_set():
+            try:
+                trials = optuna.load_study(study_name="long", storage=storage).get_trials(deepcopy=False)
+            except Exception:  # the study is not created yet
+                trials = []
+            if any(t.state.name == "RUNNING" and "worker" in t.user_attrs for t in trials):
+                _thread.interrupt_main()
+                return
+            time.sleep(0.2)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def test_ctrl_c_in_tune_on_ray_cancels_its_trials_and_marks_them_interrupted(cluster, tmp_path):
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    done = threading.Event()
+    watcher = _interrupt_when_a_trial_runs(storage, done)
+    base = [b for b in BASE if not b.startswith("workload.num_requests=")]
+    try:
+        code = main(["tune", *base, "workload.num_requests=50000", "output.mlflow=false", f"output.dir={tmp_path}",
+                     "policy=gllm", "tune.trials=2", "tune.workers=2", "tune.study=long", "sweep.backend=ray",
+                     f"ray.address={cluster.address}"])
+    finally:
+        done.set()
+        watcher.join()
+    assert code == 130
+    trials = optuna.load_study(study_name="long", storage=storage).trials
+    assert trials and all(t.state.name == "FAIL" and t.user_attrs.get("interrupted") for t in trials)

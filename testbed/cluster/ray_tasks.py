@@ -158,26 +158,42 @@ def run_trials_on_ray(problem: Any, emit: Callable[[dict], None], settings: Swee
     count, errors = 0, []
     with connected(settings) as ray:
         remote = ray.remote(max_retries=settings.retries, **task_resources(problem.base_cfg))(run_trial)
-        refs: dict[Any, int] = {}
+        refs: dict[Any, Any] = {}  # ObjectRef -> the trial
         try:
             while True:
                 open_slots = deadline is None or time.monotonic() < deadline
                 while open_slots and len(refs) < s.workers and counted(study.get_trials(deepcopy=False)) < s.trials:
                     trial = study.ask()
-                    refs[remote.remote(problem, trial._trial_id, trial.number)] = trial.number
+                    refs[remote.remote(problem, trial._trial_id, trial.number)] = trial
                 if not refs:
                     return count, errors
                 ready, _ = ray.wait(list(refs), num_returns=1, timeout=POLL_S)
                 for ref in ready:
-                    number = refs.pop(ref)
+                    trial = refs.pop(ref)
                     try:
                         emit(ray.get(ref))
                         count += 1
                     except ray.exceptions.RayError as exc:
-                        errors.append(f"trial {number}: {_first_line(exc)}")
+                        errors.append(f"trial {trial.number}: {_first_line(exc)}")
         finally:
             for ref in refs:
                 ray.cancel(ref, force=True)
+            _interrupted(study, list(refs.values()))
+
+
+def _interrupted(study: Any, trials: Sequence[Any]) -> None:
+    """Trials whose tasks were cancelled, on whatever host: interrupted + FAILED (they do not
+    count toward `tune.trials`; the same command resumes), unless they finished meanwhile."""
+    from optuna.trial import TrialState
+
+    from testbed.tune.storage import INTERRUPTED
+
+    storage = study._storage
+    for trial in trials:
+        if storage.get_trial(trial._trial_id).state == TrialState.RUNNING:
+            storage.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)
+            storage.set_trial_user_attr(trial._trial_id, "fail_reason", f"{INTERRUPTED}: its Ray task was cancelled")
+            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
 
 
 def _storage_url(url: str) -> str:
