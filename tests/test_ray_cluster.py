@@ -245,3 +245,15 @@ def test_ctrl_c_in_tune_on_ray_cancels_its_trials_and_marks_them_interrupted(clu
     assert code == 130
     trials = optuna.load_study(study_name="long", storage=storage).trials
     assert trials and all(t.state.name == "FAIL" and t.user_attrs.get("interrupted") for t in trials)
+
+
+def test_each_point_asks_for_what_it_runs_on():
+    from testbed.cluster.ray_backend import task_resources
+    from testbed.config import compose, to_container
+
+    assert task_resources(to_container(compose(["parallel.pp=4"]))) == {"num_cpus": 1}
+    torch_cpu = to_container(compose(["executor=torch", "model=tiny-llama", "parallel.pp=2",
+                                      "executor.threads_per_stage=2"]))
+    assert task_resources(torch_cpu) == {"num_cpus": 4}  # P stage processes of 2 threads each
+    torch_gpu = to_container(compose(["executor=torch", "model=tiny-llama", "parallel.pp=2", "executor.device=cuda"]))
+    assert task_resources(torch_gpu) == {"num_cpus": 1, "num_gpus": 1}

@@ -77,12 +77,16 @@ class RayPool:
         self.settings = settings
         self.task = task
         self.refs: dict[Any, Any] = {}  # ObjectRef -> job
+        self.remotes: dict[tuple, Any] = {}  # resources -> the task as a Ray remote function
         self.ray: Any = None
 
     def submit(self, job: Any) -> None:
         job = portable(job)
-        remote = self.ray.remote(max_retries=self.settings.retries, **task_resources(job.cfg))(self.task)
-        self.refs[remote.remote(job)] = job
+        need = task_resources(job.cfg)
+        key = tuple(sorted(need.items()))
+        if key not in self.remotes:  # one remote function per kind of point, not one export per point
+            self.remotes[key] = self.ray.remote(max_retries=self.settings.retries, **need)(self.task)
+        self.refs[self.remotes[key].remote(job)] = job
 
     def run(self, done: Callable[[dict], Sequence[Any] | None]) -> None:
         from testbed.sweep import failed_row
