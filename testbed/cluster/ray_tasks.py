@@ -148,46 +148,69 @@ def run_trial(problem: Any, trial_id: int, number: int) -> dict:
 
 def run_trials_on_ray(problem: Any, emit: Callable[[dict], None], settings: SweepBackend) -> tuple[int, list[str]]:
     """Ask trials here (count-then-ask in one process: never more than `tune.trials`), run each
-    as a Ray task, at most `tune.workers` at once; (trials run, errors). Ctrl-C cancels the
-    running tasks; their trials stay RUNNING until `fail_stale` marks them interrupted."""
+    as a Ray task, at most `tune.workers` at once; (trials run, errors). A trial whose task was
+    cancelled (Ctrl-C) or lost for good is marked interrupted + FAILED here, on whatever host it
+    ran: it does not count toward `tune.trials`, and the same command runs it again."""
     import optuna
 
-    from testbed.tune.storage import counted, make_storage
+    from testbed.tune.storage import make_storage
 
     problem = dataclasses.replace(problem, base_cfg=portable_cfg(problem.base_cfg),
                                   out_dir=_absolute(problem.out_dir), storage_url=_storage_url(problem.storage_url))
-    s = problem.settings
     study = optuna.load_study(study_name=problem.study, storage=make_storage(problem.storage_url))
-    deadline = time.monotonic() + s.timeout if s.timeout else None
-    count, errors = 0, []
     with connected(settings) as ray:
-        remote = ray.remote(max_retries=settings.retries, **task_resources(problem.base_cfg))(run_trial)
-        refs: dict[Any, Any] = {}  # ObjectRef -> the trial
+        trials = _RayTrials(ray, problem, study, settings)
         try:
-            while True:
-                open_slots = deadline is None or time.monotonic() < deadline
-                while open_slots and len(refs) < s.workers and counted(study.get_trials(deepcopy=False)) < s.trials:
-                    trial = study.ask()
-                    refs[remote.remote(problem, trial._trial_id, trial.number)] = trial
-                if not refs:
-                    return count, errors
-                ready, _ = ray.wait(list(refs), num_returns=1, timeout=POLL_S)
-                for ref in ready:
-                    trial = refs.pop(ref)
-                    try:
-                        emit(ray.get(ref))
-                        count += 1
-                    except ray.exceptions.RayError as exc:
-                        errors.append(f"trial {trial.number}: {_first_line(exc)}")
+            while trials.fill():
+                trials.collect(emit)
         finally:
-            for ref in refs:
-                ray.cancel(ref, force=True)
-            _interrupted(study, list(refs.values()))
+            trials.cancel()
+    return trials.count, trials.errors
 
 
-def _interrupted(study: Any, trials: Sequence[Any]) -> None:
-    """Trials whose tasks were cancelled, on whatever host: interrupted + FAILED (they do not
-    count toward `tune.trials`; the same command resumes), unless they finished meanwhile."""
+class _RayTrials:
+    """The trials in flight on the cluster (ObjectRef -> Optuna trial)."""
+
+    def __init__(self, ray: Any, problem: Any, study: Any, settings: SweepBackend) -> None:
+        self.ray, self.problem, self.study = ray, problem, study
+        self.remote = ray.remote(max_retries=settings.retries, **task_resources(problem.base_cfg))(run_trial)
+        timeout = problem.settings.timeout
+        self.deadline = time.monotonic() + timeout if timeout else None
+        self.refs: dict[Any, Any] = {}
+        self.count = 0
+        self.errors: list[str] = []
+
+    def fill(self) -> bool:
+        """Ask and submit trials up to `tune.workers` in flight; False once none is left to wait for."""
+        from testbed.tune.storage import counted
+
+        s = self.problem.settings
+        open_slots = self.deadline is None or time.monotonic() < self.deadline
+        while open_slots and len(self.refs) < s.workers and counted(self.study.get_trials(deepcopy=False)) < s.trials:
+            trial = self.study.ask()
+            self.refs[self.remote.remote(self.problem, trial._trial_id, trial.number)] = trial
+        return bool(self.refs)
+
+    def collect(self, emit: Callable[[dict], None]) -> None:
+        ready, _ = self.ray.wait(list(self.refs), num_returns=1, timeout=POLL_S)
+        for ref in ready:
+            trial = self.refs.pop(ref)
+            try:
+                emit(self.ray.get(ref))
+                self.count += 1
+            except self.ray.exceptions.RayError as exc:  # retries spent, or a bug in the trial's process
+                self.errors.append(f"trial {trial.number}: {_first_line(exc)}")
+                _interrupted(self.study, [trial], "its Ray task was lost")
+
+    def cancel(self) -> None:
+        for ref in self.refs:
+            self.ray.cancel(ref, force=True)
+        _interrupted(self.study, list(self.refs.values()), "its Ray task was cancelled")
+        self.refs.clear()
+
+
+def _interrupted(study: Any, trials: Sequence[Any], why: str) -> None:
+    """Mark these trials interrupted + FAILED unless they finished meanwhile."""
     from optuna.trial import TrialState
 
     from testbed.tune.storage import INTERRUPTED
@@ -196,7 +219,7 @@ def _interrupted(study: Any, trials: Sequence[Any]) -> None:
     for trial in trials:
         if storage.get_trial(trial._trial_id).state == TrialState.RUNNING:
             storage.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)
-            storage.set_trial_user_attr(trial._trial_id, "fail_reason", f"{INTERRUPTED}: its Ray task was cancelled")
+            storage.set_trial_user_attr(trial._trial_id, "fail_reason", f"{INTERRUPTED}: {why}")
             storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
 
 
