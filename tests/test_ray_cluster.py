@@ -206,19 +206,26 @@ def test_without_ray_installed_the_ray_backend_names_the_extra(tmp_path):
     assert "pip install -e '.[ray]'" in lines[0] and "Traceback" not in out.stderr
 
 
-def _interrupt_when_a_trial_runs(storage: str, done: threading.Event) -> threading.Thread:
+def _interrupt_when_a_trial_runs(db: Path, done: threading.Event) -> threading.Thread:
     """Ctrl-C in the driver once a Ray worker has started a trial (its `worker` attribute is set),
-    unless the command has returned already."""
-    import optuna
+    unless the command has returned already. Reads the study file read-only with sqlite3: opening
+    it through Optuna would race the command's own creation of the tables."""
+    import sqlite3
+
+    query = ("select count(*) from trials t join trial_user_attributes a on a.trial_id = t.trial_id "
+             "where t.state = 'RUNNING' and a.key = 'worker'")
+
+    def running() -> bool:
+        try:
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as con:
+                return con.execute(query).fetchone()[0] > 0
+        except sqlite3.Error:  # not created yet, or locked for a moment
+            return False
 
     def watch() -> None:
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline and not done.is_set():
-            try:
-                trials = optuna.load_study(study_name="long", storage=storage).get_trials(deepcopy=False)
-            except Exception:  # the study is not created yet
-                trials = []
-            if any(t.state.name == "RUNNING" and "worker" in t.user_attrs for t in trials):
+            if running():
                 _thread.interrupt_main()
                 return
             time.sleep(0.2)
@@ -233,7 +240,7 @@ def test_ctrl_c_in_tune_on_ray_cancels_its_trials_and_marks_them_interrupted(clu
 
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     done = threading.Event()
-    watcher = _interrupt_when_a_trial_runs(storage, done)
+    watcher = _interrupt_when_a_trial_runs(tmp_path / "optuna.db", done)
     base = [b for b in BASE if not b.startswith("workload.num_requests=")]
     try:
         code = main(["tune", *base, "workload.num_requests=50000", "output.mlflow=false", f"output.dir={tmp_path}",
