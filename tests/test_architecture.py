@@ -24,8 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 FORBIDDEN = {  # package -> top-level modules it must not import
-    "engine": {"testbed", "policies", "workloads", "optuna", "mlflow"},
-    "policies": {"testbed", "workloads", "optuna", "mlflow", "torch"},
+    "engine": {"testbed", "policies", "workloads", "optuna", "mlflow", "ray"},  # Ray: testbed/cluster/ only
+    "policies": {"testbed", "workloads", "optuna", "mlflow", "torch", "ray"},
     "workloads": {"testbed", "policies"},
 }
 TORCH_FREE_EXCEPT = "engine/torch_exec/"  # the only part of engine/ that may import torch

@@ -261,7 +261,9 @@ class TorchExecutor(FailureDiagnosis, Executor):
         st = self.settings
         model = self.run_config.model
         path, spec = model_source(st, model)
-        if path is None and st.device == "cuda":  # each stage builds its random weights on its GPU
+        # a table model: each stage builds its own weights on its GPU, or on a host that cannot
+        # read this one's runs/ (launch=external: issue 24, defect 9); else a checkpoint written once
+        if path is None and (st.device == "cuda" or st.launch == "external"):
             if st.launch == "spawn":  # the GPUs of external stage hosts are not visible here
                 check_random_fits(spec, self.pipeline_depth, st.resolved_dtype,
                                   self.run_config.kv.gpu_memory_utilization)
@@ -367,7 +369,8 @@ class TorchExecutor(FailureDiagnosis, Executor):
             link_chunk_bytes=st.link_chunk_bytes, driver_addr=addr, policy_class=policy_class,
             policy_params=policy_params, model_seed=st.model_seed,
             profile_tokens=profile_tokens(st.profile_tokens, getattr(self.policy, "params", None))
-            if num_blocks == 0 else 0, attention=st.attention, cuda_graphs=st.cuda_graphs)
+            if num_blocks == 0 else 0, attention=st.attention, cuda_graphs=st.cuda_graphs,
+            socket_ifname=st.socket_ifname or "")
 
     def _layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
         from engine.costmodel import split_layers

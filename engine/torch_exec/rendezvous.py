@@ -5,8 +5,9 @@ interface (`*:<port>`, whatever the address in the URL). Instead stage 0 binds t
 itself on `executor.master_addr` (127.0.0.1 by default) and hands it to the store
 (`TCPStore(master_listen_fd=...)`); the other stages connect to it. On loopback, gloo's and
 NCCL's own sockets are pinned to the loopback interface too (GLOO_SOCKET_IFNAME /
-NCCL_SOCKET_IFNAME=lo, unless the user set them), otherwise they bind the address the host name
-resolves to.
+NCCL_SOCKET_IFNAME=lo, unless the user set them), otherwise to `executor.socket_ifname` when
+given (the variables set on a stage host still win: interface names differ between hosts), else
+they bind the address the host name resolves to.
 """
 from __future__ import annotations
 
@@ -34,15 +35,21 @@ def group_timeout_s(stage_timeout_s: float) -> float:
     return max(600.0, 2 * stage_timeout_s + 5)
 
 
+def socket_ifnames(configured: str, master_addr: str, env) -> dict[str, str]:
+    """The GLOO_/NCCL_SOCKET_IFNAME values to set: none already set on this host (interface names
+    differ between hosts, so the host's own choice wins), else `executor.socket_ifname`, else
+    "lo" when the rendezvous is on loopback (Linux), else none (gloo and NCCL pick)."""
+    name = configured or ("lo" if is_loopback(master_addr) and sys.platform.startswith("linux") else "")
+    return {key: name for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name and key not in env}
+
+
 def join_group(init, stage: int):
     """Join the P-stage group of `init` (a wire.StageInit); returns (torch.distributed, the store's
     listening socket on stage 0 -- keep it alive -- or None)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=group_timeout_s(init.stage_timeout_s))
-    if is_loopback(init.master_addr) and sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    os.environ.update(socket_ifnames(init.socket_ifname, init.master_addr, os.environ))
     listen = None
     if stage == 0:
         listen = store_socket(init.master_addr, init.master_port)

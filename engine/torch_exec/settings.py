@@ -5,6 +5,7 @@ simulated ones, and must not pay torch's import time for it.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from engine.errors import bad_value
@@ -61,6 +62,9 @@ class TorchSettings:
     master_port: int = 0  # 0 = pick a free port (spawn only)
     zmq_host: str = "127.0.0.1"  # where the driver's control socket binds (0.0.0.0 for remote stages)
     zmq_port: int = 0  # 0 = pick a free port (spawn only)
+    # network interface(s) gloo and NCCL bind between stage hosts (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME,
+    # e.g. "eth0"); null = "lo" on loopback, else their own choice; the variables set on a stage host win
+    socket_ifname: str | None = None
     # testing only: "<kind>:<stage>:<n>" makes stage <stage> fail at its n-th micro-batch,
     # kind = raise (an exception), hang (sleeps), exit (dies without a word)
     fault: str = ""
@@ -117,6 +121,10 @@ class TorchSettings:
                             "external stages need fixed executor.zmq_port and executor.master_port")
         if self.prompt_seed is not None and (isinstance(self.prompt_seed, bool) or not isinstance(self.prompt_seed, int)):
             raise bad_value("executor.prompt_seed", self.prompt_seed, "must be an integer or null")
+        if self.socket_ifname is not None and (not isinstance(self.socket_ifname, str)
+                                               or not re.fullmatch(r"[\w.:@-]+(,[\w.:@-]+)*", self.socket_ifname)):
+            raise bad_value("executor.socket_ifname", self.socket_ifname,
+                            "must be an interface name such as eth0 (a comma list for several) or null")
         if self.model_path is not None and not isinstance(self.model_path, str):
             raise bad_value("executor.model_path", self.model_path, "must be a directory path or null")
         if self.fault:

@@ -187,6 +187,7 @@ class StageInit:
     profile_tokens: int = 0  # tokens of the warm-up micro-batch, when num_blocks is 0
     attention: str = "auto"  # executor.attention: auto | torch | triton
     cuda_graphs: bool = True  # executor.cuda_graphs
+    socket_ifname: str = ""  # executor.socket_ifname: GLOO_/NCCL_SOCKET_IFNAME unless the stage host sets them
 
 
 @message("kv_probe")

@@ -31,12 +31,10 @@ token-safe: the micro-batches in flight hold disjoint sequences. Link spans (`qu
 `link<s>`.
 
 Any exception is reported to the driver as `StageError` with its traceback, then the process
-exits. Spawned stages die with the driver (engine/torch_exec/orphan.py: PR_SET_PDEATHSIG on
-Linux, and a parent check while idle) and ignore SIGINT: Ctrl-C reaches the driver, which ends
-every stage itself.
+exits. Spawned stages die with the driver (orphan.py: PR_SET_PDEATHSIG, a parent check while
+idle), stages started by hand within seconds of losing it (driver_watch.py); both ignore SIGINT.
 
-Run by hand for multi-machine pipelines (executor.launch=external; the run's secret in
-TESTBED_STAGE_SECRET or TESTBED_STAGE_SECRET_FILE, see wire.py):
+Run by hand for multi-machine pipelines (executor.launch=external; secret: wire.py):
     python -m engine.torch_exec.worker --driver tcp://<driver host>:<zmq_port> --stage <s>
 """
 from __future__ import annotations
@@ -75,9 +73,12 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)  # no chosen identity: the driver binds "stage<i>" to this connection
     sock.setsockopt(zmq.LINGER, 2000)
+    if parent_pid is None:  # started by hand: no parent to die with, so end when the driver goes
+        from engine.torch_exec.driver_watch import watch_driver
+
+        watch_driver(sock, stage, driver_addr)
     sock.connect(driver_addr)
-    code = 0
-    st = None
+    code, st = 0, None
     try:
         sock.send(codec.encode(wire.Hello(stage, socket.gethostname(), os.getpid())))
         st = _Stage(sock, codec, stage, parent_pid, secret)
@@ -587,9 +588,8 @@ class _Stage:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Run one pipeline stage for a driver started with "
-                                             "executor.launch=external (the run's secret in "
-                                             f"{wire.SECRET_ENV} or {wire.SECRET_FILE_ENV}).")
+    ap = argparse.ArgumentParser(description=f"Run one pipeline stage for an executor.launch=external driver "
+                                             f"(the run's secret in {wire.SECRET_ENV} or {wire.SECRET_FILE_ENV}).")
     ap.add_argument("--driver", required=True, help="the driver's control address, tcp://HOST:PORT")
     ap.add_argument("--stage", type=int, required=True, help="this stage's index, 0..P-1")
     args = ap.parse_args(argv)

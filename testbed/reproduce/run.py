@@ -19,6 +19,8 @@ import pandas as pd
 
 from engine.errors import ConfigError
 from testbed.sweep import jobs as sweep
+from testbed.cluster.ray_backend import split_backend
+from testbed.cluster.ray_tasks import remote_pool
 from testbed.sweep.compare import axis_value, grid
 from testbed.config.spec import compose_spec
 from testbed.config.overrides import split_prefixed
@@ -178,7 +180,11 @@ def point_rows(run: StudyRun, job_rows: Sequence[dict]) -> list[dict]:
 
 def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), workers: int = 1,
               experiment: str | None = None, console: Any = None, argv: Sequence[str] | None = None) -> StudyOutcome:
+    backend, overrides = split_backend(overrides)  # sweep.backend=ray: testbed/cluster/ray_backend.py
     run = prepare_study(name, quick, overrides, workers, experiment)
+    if backend.remote and run.capacity is not None:
+        raise ConfigError(f"study {name!r} is a capacity study, whose searches run here; valid choices: "
+                          f"sweep.backend=local")
     _claim_dir(run)
     parent = sweep.ParentRun(run.run0.output, run.experiment, run.tag, {
         "testbed.kind": "compare", "testbed.reproduce": run.study.name, "testbed.quick": str(quick).lower(),
@@ -194,8 +200,7 @@ def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), 
         if run.capacity is not None:
             job_rows.extend(_capacity_rows(run, parent, workers, console))
         else:
-            sweep.run_jobs(run.jobs, workers, console, run.run0.output.progress,
-                           job_rows)
+            sweep.run_jobs(run.jobs, workers, console, run.run0.output.progress, job_rows, pool=remote_pool(backend))
     except KeyboardInterrupt as exc:
         _flush_partial(run, job_rows, time.perf_counter() - t0, sweep.interrupted_message(exc))
         parent.end("KILLED")

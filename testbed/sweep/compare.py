@@ -45,6 +45,8 @@ from hydra.errors import HydraException
 
 from engine.errors import ConfigError
 from testbed.sweep import jobs as sweep
+from testbed.cluster.ray_backend import split_backend
+from testbed.cluster.ray_tasks import remote_pool
 from testbed.config.spec import compose_spec
 from testbed.config.overrides import as_int, check_keys, split_list, split_prefixed
 from testbed.config.spec import RunSpec
@@ -177,12 +179,14 @@ class Plan:
     specs: list[RunSpec]
     out_dir: Path
     overrides: list[str]
+    backend: Any = None  # sweep.backend / ray.* (testbed/cluster/ray_backend.py)
 
 
 def plan(overrides: Sequence[str], confirmed: bool = True, console: Any = None) -> Plan:
     """Parse the settings and compose every grid point (every typo surfaces here, exit 2)."""
     raw, rest = split_prefixed(overrides, "compare")
     settings = parse_settings(raw)
+    backend, rest = split_backend(rest)
     axes, points = grid(rest, confirmed)
     if console is not None and len(points) > CONFIRM_POINTS:
         console.print(f"composing and checking {len(points):,} grid points first ...", highlight=False)
@@ -193,7 +197,7 @@ def plan(overrides: Sequence[str], confirmed: bool = True, console: Any = None) 
     out_dir = Path(specs[0].output.dir) / "compare" / name
     if (out_dir / "table.csv").exists():
         raise ConfigError(f"comparison {name!r} already exists at {out_dir}; choose another compare.experiment=")
-    return Plan(name, settings, axes, points, specs, out_dir, list(rest))
+    return Plan(name, settings, axes, points, specs, out_dir, list(rest), backend)
 
 
 def make_jobs(p: Plan, parent_run_id: str | None) -> list[sweep.Job]:
@@ -219,7 +223,7 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
     rows: list[dict] = []
     t0 = time.perf_counter()
     try:
-        sweep.run_jobs(jobs, p.settings.workers, console, out.progress, rows)
+        sweep.run_jobs(jobs, p.settings.workers, console, out.progress, rows, pool=remote_pool(p.backend))
     except KeyboardInterrupt as exc:
         _write(p, rows, time.perf_counter() - t0, parent, plots=False, interrupted=sweep.interrupted_message(exc))
         parent.end("KILLED")
@@ -239,7 +243,7 @@ def _print_start(console: Any, p: Plan) -> None:
     sizes = {k: len({v for pt in p.points for kk, v in pt.axes if kk == k}) for k in p.axes}
     over = ", ".join(f"{k} ({n})" for k, n in sizes.items()) or "no axis"
     console.print(f"comparison [bold]{p.name}[/bold]: {len(p.points)} run(s) over {over}, "
-                  f"{p.settings.workers} worker(s)", highlight=False)
+                  f"{'Ray tasks' if p.backend is not None and p.backend.remote else f'{p.settings.workers} worker(s)'}", highlight=False)
 
 
 def _write(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, plots: bool,

@@ -329,10 +329,12 @@ class Feed:
 
 
 def run_jobs(jobs: Sequence[Job], workers: int, console: Any, progress_on: bool, rows: list[dict],
-             feed: Feed | None = None) -> list[dict]:
-    """Run every job (in this process, or in `workers` spawned processes), appending each row
-    to `rows` as it arrives, so an interrupted caller still holds the points done so far. With a
-    `feed`, its jobs run instead, and each finished row may queue further jobs."""
+             feed: Feed | None = None, pool: Callable[[list[Job]], Any] | None = None) -> list[dict]:
+    """Run every job (in this process, in `workers` spawned processes, or in the `pool` a caller
+    gives, with WorkerPool's `run(done)`: sweep.backend=ray's, testbed/cluster/ray_tasks.py),
+    appending each row to `rows`
+    as it arrives, so an interrupted caller still holds the points done so far. With a `feed`,
+    its jobs run instead, and each finished row may queue further jobs."""
     feed = feed or Feed(jobs)
     first = feed.initial()
     known = {job.index: job for job in first}
@@ -348,7 +350,9 @@ def run_jobs(jobs: Sequence[Job], workers: int, console: Any, progress_on: bool,
         return new
 
     with progress if progress is not None else nullcontext():
-        if workers <= 1 or len(first) <= 1:
+        if pool is not None:
+            pool(first).run(done)
+        elif workers <= 1 or len(first) <= 1:
             pending = deque(first)
             while pending:
                 pending.extend(done(feed.run(pending.popleft())))

@@ -18,6 +18,7 @@ from optuna.trial import TrialState
 
 from engine.errors import ConfigError
 from testbed.sweep import jobs as sweep
+from testbed.cluster.ray_backend import split_backend
 from testbed.signals import EXIT_CODES
 from testbed.tune.display import Display, pareto_indices, print_start, values_text
 from testbed.tune.figures import trials_frame, write_study_figures
@@ -82,6 +83,7 @@ def run_tune(overrides: Sequence[str], console: Any = None) -> TuneOutcome:
 
 def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
     quiet_optuna()
+    backend, overrides = split_backend(overrides)  # sweep.backend=ray: each trial a Ray task
     problem = prepare(overrides)
     with first_use_lock(problem.storage_url, Path(problem.out_dir).parent.parent):
         study, storage = open_study(problem)
@@ -100,7 +102,7 @@ def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
         if tracker is not None:
             console.print(tracker.link, highlight=False, soft_wrap=True, markup=False)
     t0 = time.perf_counter()
-    run_count, worker_errors, code = _run_trials(problem, display, counted(trials))
+    run_count, worker_errors, code = _run_trials(problem, display, counted(trials), backend)
     run_count = max(run_count, display.events)  # an interrupted loop returns no count
     study = optuna.load_study(study_name=problem.study, storage=storage)
     if code:  # trials of workers stopped before their own handler ran: FAIL (interrupted), runs KILLED
@@ -109,13 +111,17 @@ def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
     return dataclasses.replace(outcome, exit_code=code)
 
 
-def _run_trials(problem: Problem, display: Display, already: int) -> tuple[int, list[str], int]:
+def _run_trials(problem: Problem, display: Display, already: int, backend: Any = None) -> tuple[int, list[str], int]:
     """(trials run, worker errors, 0 or the interrupt's exit code)."""
     s = problem.settings
     try:
         with display:
             if already >= s.trials:
                 return 0, [], 0
+            if backend is not None and backend.remote:
+                from testbed.cluster.ray_tasks import run_trials_on_ray
+
+                return (*run_trials_on_ray(problem, display.event, backend), 0)
             if s.workers == 1:
                 return worker_loop(problem, 0, None, display.event), [], 0
             return (*run_workers(problem, display), 0)

@@ -1,0 +1,113 @@
+"""A real two-node Ray cluster on this machine for the `services` tests: `ray start --head` and a
+second `ray start --address=...` node, each a `--block` process this helper owns (terminating it
+stops that node), each started in its own empty folder so that a task writing to a relative
+path would show up there. Small on purpose: one CPU and a 100 MB object store per node, no
+dashboard, node addresses on loopback."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_TIMEOUT_S = 90.0
+STORE_BYTES = 100_000_000
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalCluster:
+    """The cluster: its GCS address, the folders its nodes started in, the processes."""
+
+    address: str
+    root: Path
+    node_dirs: list[Path]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):  # the second node first, then the head
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(10)
+        _kill_leftovers(self.root)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _ray_cli() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def _kill_leftovers(root: Path) -> None:
+    """Processes of this cluster only (their command line names its private temp folder)."""
+    for pid_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (pid_dir / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(root).encode() in cmd and int(pid_dir.name) != os.getpid():
+            try:
+                os.kill(int(pid_dir.name), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def start_cluster() -> LocalCluster:
+    # Ray's unix sockets live under RAY_TMPDIR: a short path (a 107-byte limit), private to this cluster
+    root = Path(tempfile.mkdtemp(prefix="rayt", dir="/tmp"))
+    env = {**os.environ, "RAY_TMPDIR": str(root / "t"), "RAY_USAGE_STATS_ENABLED": "0"}
+    (root / "t").mkdir()
+    port = _free_port()
+    common = ["--block", "--node-ip-address=127.0.0.1", "--num-cpus=1", f"--object-store-memory={STORE_BYTES}",
+              "--disable-usage-stats"]
+    cluster = LocalCluster(f"127.0.0.1:{port}", root, [root / "head", root / "node2"])
+    for d in cluster.node_dirs:
+        d.mkdir()
+    log = open(root / "ray.log", "ab")
+    cluster.procs.append(subprocess.Popen([_ray_cli(), "start", "--head", f"--port={port}", "--include-dashboard=false",
+                                           *common], cwd=cluster.node_dirs[0], env=env, stdout=log, stderr=log))
+    try:
+        _wait_for(cluster, 1)
+        cluster.procs.append(subprocess.Popen([_ray_cli(), "start", f"--address={cluster.address}", *common],
+                                              cwd=cluster.node_dirs[1], env=env, stdout=log, stderr=log))
+        _wait_for(cluster, 2)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _wait_for(cluster: LocalCluster, nodes: int) -> None:
+    """Until the cluster lists `nodes` live nodes (checked by a short-lived client process, so this
+    one never holds a Ray connection the tests would then share)."""
+    probe = ("import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False); "
+             "print(sum(1 for n in ray.nodes() if n['Alive']))")
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in cluster.procs):
+            raise RuntimeError(f"a ray node exited: {(cluster.root / 'ray.log').read_text()[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", int(cluster.address.rsplit(':', 1)[1])), timeout=2):
+                pass
+            out = subprocess.run([sys.executable, "-c", probe, cluster.address], capture_output=True, text=True,
+                                 timeout=60, env={**os.environ, "RAY_TMPDIR": str(cluster.root / "t")})
+            if out.stdout.strip().isdigit() and int(out.stdout.strip()) >= nodes:
+                return
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"the ray cluster did not show {nodes} node(s) within {READY_TIMEOUT_S:.0f} s")
