@@ -246,8 +246,10 @@ class ParentRun:
         self.tracker = self.run_id = None
         if (cfg.get("output") or {}).get("mlflow", True):
             self.tracker = _tracker(cfg, experiment)
+            from testbed.cluster.identity import host_name
+
             self.run_id = self.tracker.client.create_run(self.tracker.experiment_id, run_name=run_name,
-                                                         tags=dict(tags)).info.run_id
+                                                         tags={"host": host_name(), **tags}).info.run_id
 
     def print_link(self, console: Any) -> None:
         """The experiment's chart view (tracking.chart_link), as soon as the experiment exists."""
@@ -266,16 +268,18 @@ class ParentRun:
                                       metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
                                       tags=[RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()])
 
-    def log_files(self, folder: Path, subdirs: Sequence[str] = ()) -> None:
-        """The folder's files (not its run directories) and the named subfolders."""
+    def log_files(self, folder: Path, subdirs: Sequence[str] = ()) -> str | None:
+        """The folder's files (not its run directories) and the named subfolders; None, or the
+        error (the run is tagged `artifact_error` and still ends: testbed/cluster/artifacts.py)."""
         if self.tracker is None:
-            return
-        for path in sorted(folder.iterdir()):
-            if path.is_file():
-                self.tracker.client.log_artifact(self.run_id, str(path))
-        for sub in subdirs:
-            if (folder / sub).is_dir():
-                self.tracker.client.log_artifacts(self.run_id, str(folder / sub), sub)
+            return None
+        from testbed.cluster.artifacts import log_files
+
+        error = log_files(self.tracker.client, self.run_id, [p for p in sorted(folder.iterdir()) if p.is_file()],
+                          [(folder / sub, sub) for sub in subdirs if (folder / sub).is_dir()])
+        if error:
+            print(f"warning: files of {folder} were not logged to MLflow: {error}", file=sys.stderr)
+        return error
 
     def end(self, status: str = "FINISHED") -> None:
         if self.tracker is None:

@@ -9,7 +9,8 @@ config, run info, figures, a sampled trace): the folder itself stays where it is
 opened before the experiment starts, so a crash is recorded as FAILED (KILLED when interrupted).
 
 The default store is `sqlite:///<output.dir>/mlflow.db`, with artifacts in
-`<output.dir>/mlartifacts`. Creating that database runs MLflow's schema migrations (~7 s); two
+`<output.dir>/mlartifacts`; with a tracking server the server's artifact store holds them
+(testbed/cluster/artifacts.py), and every run is tagged with its `host`. Creating that database runs MLflow's schema migrations (~7 s); two
 processes doing it at once lose a run, so creation holds a file lock (`mlflow.db.lock`).
 Optuna never shares this database (both use alembic tables).
 
@@ -69,6 +70,9 @@ def check_tracking_uri(uri: str, timeout_s: float = 3.0, key: str = "output.trac
     if scheme not in URI_SCHEMES:
         raise ConfigError(f"invalid {key}={shown!r}: unknown scheme {scheme or '(none)'!r}; "
                           f"valid schemes: {', '.join(URI_SCHEMES)}")
+    from testbed.cluster.postgres import check_driver
+
+    check_driver(uri, key)
     if scheme == "sqlite":
         path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
         folder = Path(path).expanduser().parent if path else None
@@ -90,10 +94,15 @@ def check_tracking_uri(uri: str, timeout_s: float = 3.0, key: str = "output.trac
 
 
 def _lock_for(uri: str):
-    """A file lock beside a SQLite tracking DB (schema creation races between processes);
-    a no-op context for other stores."""
+    """A file lock beside a SQLite tracking DB (schema creation races between processes), the
+    database's advisory lock for PostgreSQL (hosts race too: testbed/cluster/postgres.py); a
+    no-op context for other stores."""
     from contextlib import nullcontext
 
+    from testbed.cluster.postgres import advisory_lock, is_postgres
+
+    if is_postgres(uri):
+        return advisory_lock(uri)
     if not uri.startswith("sqlite:///"):
         return nullcontext()
     from filelock import FileLock
@@ -112,6 +121,9 @@ def run_tags(cfg: Mapping[str, Any], command: str | None = None) -> dict[str, st
             "pp": str((cfg.get("parallel") or {}).get("pp"))}
     if wl.get("rate") is not None and wl.get("arrival", "poisson") != "offline":
         tags["rate"] = str(wl["rate"])
+    from testbed.cluster.identity import host_name
+
+    tags["host"] = host_name()  # which host ran it: report's `host` column (issue 24 item 7)
     if command:
         tags["mlflow.source.name"] = command
         tags["mlflow.source.type"] = "LOCAL"
@@ -236,8 +248,11 @@ class Tracker:
         import mlflow
         from mlflow.tracking import MlflowClient
 
+        from testbed.cluster.postgres import check_driver
+
         cfg = cfg or {}
         self.uri = uri or tracking_uri(cfg)
+        check_driver(self.uri, "output.tracking_uri")
         if self.uri.startswith("sqlite:///"):
             Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(self.uri)
@@ -248,7 +263,9 @@ class Tracker:
             exp = self.client.get_experiment_by_name(name)
             if exp is None:
                 try:
-                    loc = artifact_location or artifact_root(cfg)
+                    from testbed.cluster.artifacts import experiment_location
+
+                    loc = experiment_location(self.uri, artifact_location or artifact_root(cfg))
                     self.experiment_id = self.client.create_experiment(name, artifact_location=loc)
                 except Exception:  # created concurrently by a process on another store lock (http)
                     self.experiment_id = self.client.get_experiment_by_name(name).experiment_id

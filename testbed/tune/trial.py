@@ -18,12 +18,13 @@ from typing import Any
 from optuna.trial import TrialState
 
 from engine.errors import TestbedError
+from testbed.cluster import heartbeat, identity
 from testbed.config import data_dir
 from testbed.outputs import write_run_dir
 from testbed.runner import prepare_experiment
 from testbed.tracking import Tracker
 from testbed.tune.problem import Problem, jsonable
-from testbed.tune.storage import INTERRUPTED, worker_tag
+from testbed.tune.storage import INTERRUPTED, heartbeat_of
 from workloads.base import build_workload
 
 TRIAL_SUMMARY_KEYS = ("throughput_tok_s", "ttft_p99_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment",
@@ -50,8 +51,10 @@ def open_tracker(problem: Problem) -> Any:
 class TrialRunner:
     """Runs trials in one process: suggest, build, run, log to MLflow, tell the study."""
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, index: int = 0) -> None:
         self.p = problem
+        self.worker = identity.this_worker(index)
+        self.heartbeat = heartbeat_of(problem.storage_url, problem.settings)
         self.tracker = open_tracker(problem)
         self._requests: dict[str, list] = {}
 
@@ -65,13 +68,15 @@ class TrialRunner:
 
     def run(self, study: Any, trial: Any) -> dict:
         t0 = time.perf_counter()
-        trial.set_user_attr("worker", worker_tag())
-        event: dict[str, Any] = {"number": trial.number, "worker": worker_tag()}
+        for key, value in self.worker.attrs().items():
+            trial.set_user_attr(key, value)
+        event: dict[str, Any] = {"number": trial.number, "worker": self.worker.id}
         run_id = None
         try:
             try:
-                cfg, run_id = self._start(trial, event)
-                values, violations = self._measure(trial, cfg, run_id)
+                with heartbeat.beating(study, trial, self.heartbeat):
+                    cfg, run_id = self._start(trial, event)
+                    values, violations = self._measure(trial, cfg, run_id)
             except TrialFailed as exc:
                 return self._fail(study, trial, None if exc.run_closed else run_id, str(exc), event, t0)
             study.tell(trial, values if self.p.settings.multi else values[0])
@@ -96,7 +101,8 @@ class TrialRunner:
             run_id = self.tracker.start(cfg, f"trial-{trial.number:04d}", parent_run_id=p.parent_run_id,
                                         tags={"testbed.kind": "trial", "optuna.study": p.study,
                                               "optuna.trial": str(trial.number),
-                                              "optuna.params": json.dumps(trial.params, default=str)})
+                                              "optuna.params": json.dumps(trial.params, default=str),
+                                              **self.worker.tags()})
             trial.set_user_attr("mlflow_run_id", run_id)
         return cfg, run_id
 

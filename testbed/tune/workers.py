@@ -29,7 +29,8 @@ import optuna
 
 from testbed import sweep
 from testbed.tune.problem import Problem
-from testbed.tune.storage import counted, make_sampler, make_storage, quiet_optuna
+from testbed.cluster import heartbeat
+from testbed.tune.storage import counted, heartbeat_of, make_sampler, make_storage, quiet_optuna
 from testbed.tune.trial import TrialRunner
 
 START_TIMEOUT_S = 120
@@ -42,9 +43,10 @@ def worker_loop(problem: Problem, index: int, lock: Any = None, emit: Callable[[
     parent is gone). `ready` is called once set up, before the first trial (the start barrier)."""
     quiet_optuna()
     s = problem.settings
-    study = optuna.load_study(study_name=problem.study, storage=make_storage(problem.storage_url),
+    study = optuna.load_study(study_name=problem.study,
+                              storage=make_storage(problem.storage_url, heartbeat_of(problem.storage_url, s)),
                               sampler=make_sampler(s.sampler, problem.seed + index, s.startup_trials))
-    runner = TrialRunner(problem)
+    runner = TrialRunner(problem, index)
     if ready is not None:
         ready()
     deadline = time.monotonic() + s.timeout if s.timeout else None
@@ -53,6 +55,7 @@ def worker_loop(problem: Problem, index: int, lock: Any = None, emit: Callable[[
         if parent_pid is not None and os.getppid() != parent_pid:
             break  # orphaned: never start a trial nobody will report
         with lock if lock is not None else nullcontext():
+            heartbeat.reap(study, runner.tracker)  # another host's dead worker: fail + enqueue its trial
             if counted(study.get_trials(deepcopy=False)) >= s.trials:
                 break
             trial = study.ask()
