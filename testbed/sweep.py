@@ -214,9 +214,12 @@ def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
     run_dir = Path(job.run_dir)
     write_run_dir(result, run_dir, plots=bool((job.cfg.get("output") or {}).get("plots", True)))
     row["run_dir"] = str(run_dir)
-    if tracker is not None:
-        tracker.finish(row["run_id"], result, run_dir)
     fill_row(row, result)
+    if tracker is not None:
+        try:
+            tracker.finish(row["run_id"], result, run_dir)
+        except OSError as exc:  # the artifact store cannot be written: the run ended FAILED, the grid goes on
+            row["status"], row["error"] = "failed", f"artifacts not logged: {type(exc).__name__}: {exc}"
 
 
 def fill_row(row: dict, result: Any) -> None:

@@ -48,6 +48,8 @@ def first_use_lock(url: str, out_root: Path, tracking_uri: str | None = None) ->
     the study's parent run: next to the SQLite file (`optuna.db.lock`), or in the output folder
     for other storages (the MLflow SQLite store there is created on first use too); plus the
     advisory lock of each PostgreSQL database involved, which serialises other hosts too."""
+    check_driver(url, "tune.storage")
+    check_driver(tracking_uri or "", "output.tracking_uri")
     path = sqlite_path(url)
     lock = Path(str(path) + ".lock") if path is not None else out_root.resolve() / ".tune.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
