@@ -10,6 +10,7 @@ A `testbed` command that imitates a host is `Host`: its own working folder (its 
 invisible to the other) and its own `TESTBED_HOST`."""
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import pwd
@@ -178,14 +179,28 @@ class MlflowServer:
             self.log.close()
 
 
+@functools.cache
+def own_pid_namespace() -> tuple[str, ...]:
+    """The command prefix that gives a process its own pid namespace, as another host has
+    (`unshare`, as root), or () where that is not possible."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        return ()
+    probe = subprocess.run([unshare, "--pid", "--fork", "--kill-child", "true"], capture_output=True)
+    return (unshare, "--pid", "--fork", "--kill-child") if probe.returncode == 0 else ()
+
+
 class Host:
-    """A `testbed` command run as if on its own host: own working folder, own TESTBED_HOST."""
+    """A `testbed` command run as if on its own host: own working folder, own TESTBED_HOST, and
+    its own pid namespace where the machine allows it (a pid seen from elsewhere means nothing)."""
 
     def __init__(self, workdir: Path, host: str, *args: str) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(REPO), "TESTBED_HOST": host}
         env.pop("TESTBED_WORKER_SESSION", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", *args], cwd=workdir, env=env, text=True,
+        self.isolated = bool(own_pid_namespace())
+        self.proc = subprocess.Popen([*own_pid_namespace(), sys.executable, "-m", "testbed.cli", *args], cwd=workdir,
+                                     env=env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self.out: list[str] = []
         self.err: list[str] = []
