@@ -64,12 +64,14 @@ def test_two_hosts_start_one_study_together(postgres, mlflow_server, tmp_path):
     assert {t.user_attrs["worker"] for t in trials} <= {r.data.tags["worker"] for r in trial_runs}
 
 
-def _wait_running(storage: str, name: str) -> object:
-    """The first trial RUNNING with its MLflow run open (fails loudly after WAIT_S)."""
+def _wait_running(host: Host, storage: str, name: str) -> object:
+    """The first trial RUNNING with its MLflow run open (fails loudly if the host ends first,
+    or after WAIT_S)."""
     import optuna
 
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
+        assert host.proc.poll() is None, f"exit {host.proc.poll()}: {host.output[-2000:]}"
         try:
             for t in optuna.load_study(study_name=name, storage=storage).trials:
                 if t.state.name == "RUNNING" and t.user_attrs.get("mlflow_run_id"):
@@ -93,7 +95,7 @@ def test_a_killed_hosts_trial_is_failed_and_retried_by_another(postgres, mlflow_
     if not first.isolated:  # in this pid namespace a dead worker is seen at once (marked interrupted)
         first.kill()
         pytest.skip("needs unshare --pid (root) to imitate another host's process table")
-    victim = _wait_running(storage, name)
+    victim = _wait_running(first, storage, name)
     first.kill()
     time.sleep(3)  # past the grace period: no heartbeat can come from a killed process
     second = Host(tmp_path / "b", "lab-b", *args)
