@@ -253,6 +253,8 @@ class Tracker:
         cfg = cfg or {}
         self.uri = uri or tracking_uri(cfg)
         check_driver(self.uri, "output.tracking_uri")
+        if self.uri.startswith(("http://", "https://")):  # one line now, not MLflow's minutes of retries
+            check_tracking_uri(self.uri)
         if self.uri.startswith("sqlite:///"):
             Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(self.uri)

@@ -40,6 +40,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until(ready, proc: subprocess.Popen, what: str, tail) -> None:
+    """Poll `ready()` until it is true; fail loudly if `proc` exits first or START_TIMEOUT_S passes."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode}: {tail()}")
+        if ready():
+            return
+        time.sleep(0.3)
+    pytest.fail(f"{what} not ready after {START_TIMEOUT_S} s: {tail()}")
+
+
 def _postgres_bin() -> Path | None:
     """The folder with initdb and postgres: Debian's package, else on PATH, else pgserver's."""
     for found in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True):
@@ -98,16 +110,14 @@ class Postgres:
     def _wait(self) -> None:
         import psycopg
 
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"postgres exited with {self.proc.returncode}: {self._tail()}")
+        def ready() -> bool:
             try:
                 psycopg.connect(self.url("postgres"), connect_timeout=2).close()
-                return
+                return True
             except psycopg.OperationalError:
-                time.sleep(0.2)
-        pytest.fail(f"postgres not ready after {START_TIMEOUT_S} s: {self._tail()}")
+                return False
+
+        wait_until(ready, self.proc, "postgres", self._tail)
 
     def _tail(self) -> str:
         self.log.flush()
@@ -149,18 +159,14 @@ class MlflowServer:
             cwd=workdir, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {self.proc.returncode}: {self._tail()}")
+        def healthy() -> bool:
             try:
                 with urllib.request.urlopen(f"{self.base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
+                    return r.status == 200
             except OSError:
-                pass
-            time.sleep(0.3)
-        pytest.fail(f"mlflow server not healthy after {START_TIMEOUT_S} s: {self._tail()}")
+                return False
+
+        wait_until(healthy, self.proc, "mlflow server", self._tail)
 
     def _tail(self) -> str:
         self.log.flush()
