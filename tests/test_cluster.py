@@ -38,8 +38,7 @@ def test_a_same_named_hosts_live_trial_is_not_failed(tmp_path, monkeypatch):
     me = identity.this_worker(0)
     for t, ns in ((other, "another-boot:4026531836"), (dead_here, me.namespace)):
         t.set_user_attr("worker", f"{me.host}-abc.0")  # the same host name on both
-        t.set_user_attr("worker.pid", int(dead))
-        t.set_user_attr("worker.namespace", ns)
+        t.set_user_attr("worker.process", {"host": me.host, "pid": int(dead), "namespace": ns})
     assert fail_stale(study, study._storage, None) == 1
     states = {t.number: t.state.name for t in study.get_trials()}
     assert states == {other.number: "RUNNING", dead_here.number: "FAIL"}

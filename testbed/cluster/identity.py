@@ -66,9 +66,8 @@ class WorkerIdentity:
         return f"{self.session}.{self.index}"
 
     def attrs(self) -> dict[str, object]:
-        """Optuna user attributes of a trial this worker runs."""
-        return {"worker": self.id, "worker.host": self.host, "worker.pid": self.pid,
-                "worker.namespace": self.namespace}
+        """Optuna user attributes of a trial this worker runs (two: each is a commit)."""
+        return {"worker": self.id, "worker.process": {"host": self.host, "pid": self.pid, "namespace": self.namespace}}
 
     def tags(self) -> dict[str, str]:
         """MLflow tags of a run this worker opens (the `host` tag comes with every run)."""
@@ -82,9 +81,10 @@ def this_worker(index: int) -> WorkerIdentity:
 def owned_by_dead_local_process(attrs: dict) -> bool:
     """True when a trial's worker ran in this pid namespace and its process is gone: only then
     can it be failed at once, without waiting for its heartbeat to go stale."""
-    if attrs.get("worker.namespace") != local_namespace():
+    where = attrs.get("worker.process") or {}
+    if where.get("namespace") != local_namespace():
         return False
-    pid = attrs.get("worker.pid")
+    pid = where.get("pid")
     return isinstance(pid, int) and not _alive(pid)
 
 
