@@ -86,6 +86,7 @@ class Postgres:
     """One PostgreSQL server in a temporary folder, superuser `testbed` with a password."""
 
     def __init__(self) -> None:
+        pytest.importorskip("psycopg", reason="the PostgreSQL driver: pip install -e '.[postgres]'")
         bindir = _postgres_bin()
         if bindir is None:
             pytest.skip("no PostgreSQL server binaries (apt-get install postgresql, or pip install pgserver)")

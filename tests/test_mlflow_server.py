@@ -12,6 +12,8 @@ from mlflow_db import fresh_mlflow_db
 from services import MlflowServer
 from testbed.cli import main
 
+pytestmark = pytest.mark.services  # a real mlflow server (tests/services.py)
+
 
 class Server(MlflowServer):
     """The shared server class (tests/services.py) with the REST calls this test reads through."""
