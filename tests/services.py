@@ -221,6 +221,16 @@ class Host:
     def output(self) -> str:
         return "".join(self.out) + "".join(self.err)
 
+    def terminate(self) -> int:
+        """SIGTERM to the testbed process itself (under `unshare` it is the wrapper's child)."""
+        import psutil
+
+        target = psutil.Process(self.proc.pid)
+        if self.isolated:
+            target = target.children()[0]
+        target.send_signal(signal.SIGTERM)
+        return self.wait()
+
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)  # the whole host at once: parent and workers
         self.proc.wait(timeout=WAIT_S)

@@ -151,3 +151,46 @@ def test_mlflow_store_in_fresh_postgres_two_hosts_and_no_password_shown(postgres
     bad = Host(tmp_path / "c", "lab-c", "report", "no-such-grid", "--tracking-uri", tracking)
     assert bad.wait() == 2
     assert PASSWORD not in bad.output and bad.output.count("error:") == 1, bad.output
+
+
+def _wait_two_sessions_running(hosts: list[Host], storage: str, name: str) -> None:
+    """Until each host has a trial RUNNING (fails loudly if a host ends first, or after WAIT_S)."""
+    import optuna
+
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for h in hosts:
+            assert h.proc.poll() is None, f"exit {h.proc.poll()}: {h.output[-2000:]}"
+        try:
+            running = {t.user_attrs["worker"].rsplit(".", 1)[0]
+                       for t in optuna.load_study(study_name=name, storage=storage).trials
+                       if t.state.name == "RUNNING" and t.user_attrs.get("mlflow_run_id")}
+        except KeyError:  # the study is not created yet
+            running = set()
+        if len(running) == 2:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"two hosts never ran trials of {name} at once within {WAIT_S} s")
+
+
+def test_sigterm_on_one_host_leaves_the_others_trials_alone(postgres, mlflow_server, tmp_path):
+    """SIGTERM on one host tagged the other host's live trial error=interrupted and ended its
+    run KILLED (2 of 2); `report` then listed it as finished and interrupted."""
+    import optuna
+
+    storage, name = postgres.new_database("optuna"), f"term-{secrets.token_hex(3)}"
+    args = _tune(storage, mlflow_server.base, name, "tune.trials=6", "workload.num_requests=3000")
+    a, b = (Host(tmp_path / h, f"lab-{h}", *args) for h in ("a", "b"))
+    _wait_two_sessions_running([a, b], storage, name)
+    assert a.terminate() == 143, a.output[-2000:]
+    assert b.wait() == 0, b.output[-2000:]
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    runs = {r.info.run_id: r for r in _runs(mlflow_server.base, f"tune-{name}")}
+    b_session = next(r.data.tags["testbed.session"] for r in runs.values() if r.data.tags.get("host") == "lab-b"
+                     and r.data.tags.get("testbed.kind") == "trial")
+    b_runs = [runs[t.user_attrs["mlflow_run_id"]] for t in trials if t.user_attrs["worker"].startswith(b_session)]
+    assert b_runs and {r.info.status for r in b_runs} == {"FINISHED"}
+    assert not [r.info.run_id for r in b_runs if "error" in r.data.tags]
+    a_stopped = [t for t in trials if t.user_attrs.get("interrupted")]
+    assert a_stopped and all(runs[t.user_attrs["mlflow_run_id"]].data.tags["host"] == "lab-a" for t in a_stopped)
+    assert sum(t.state.name == "COMPLETE" for t in trials) >= 6
