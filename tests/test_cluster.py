@@ -4,17 +4,13 @@ PostgreSQL driver's error line, unique comparison names, the `host` tag, artifac
 the runs. The tests with real PostgreSQL and mlflow servers are in test_services.py."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from mlflow_db import fresh_mlflow_db
 from testbed.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
 BASE = ["policy=sarathi", "workload=synthetic", "workload.num_requests=60", "workload.arrival=offline",
         "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2", "output.plots=false", "output.progress=false"]
 
@@ -25,7 +21,7 @@ def _sqlite_study(tmp_path: Path, name: str = "s"):
     return optuna.create_study(study_name=name, storage=f"sqlite:///{tmp_path}/optuna.db", direction="maximize")
 
 
-def test_a_same_named_hosts_live_trial_is_not_failed(tmp_path, monkeypatch):
+def test_a_same_named_hosts_live_trial_is_not_failed(tmp_path):
     """Two hosts with one name: the other's trial (its pid not alive here) was failed as if its
     worker were a dead local process, and that worker died with UpdateFinishedTrialError."""
     from testbed.cluster import identity

@@ -8,7 +8,6 @@ import json
 import secrets
 import shutil
 import time
-from pathlib import Path
 
 import pytest
 

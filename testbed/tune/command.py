@@ -19,7 +19,6 @@ from optuna.trial import TrialState
 from engine.errors import ConfigError
 from testbed import sweep
 from testbed.cluster import heartbeat, identity
-from testbed.cluster.artifacts import log_files
 from testbed.signals import EXIT_CODES
 from testbed.tracking import tracking_uri
 from testbed.tune.display import Display, pareto_indices, print_start, values_text
