@@ -5,8 +5,9 @@ stayed RUNNING for good and counted toward `tune.trials` (19 results for 20 tria
 item 4). With heartbeats on, each worker records one for its running trial every
 `tune.heartbeat` seconds (a thread); before asking for a trial every worker fails the trials whose
 last heartbeat is older than `tune.grace_period` (`optuna.storages.fail_stale_trials`), and
-`RetryFailedTrialCallback` enqueues each again with the same parameters. The failed one no
-longer counts toward the budget (`retried_numbers`): the retry does.
+`RetryHeartbeatStaleTrialCallback` (Optuna >= 4.9's name of RetryFailedTrialCallback) enqueues
+each again with the same parameters. The failed one no longer counts toward the budget
+(`retried_numbers`): the retry does.
 
 Heartbeats are on by default for server databases (PostgreSQL, MySQL: the storages shared by
 hosts), every 10 s with a 60 s grace period, and off for SQLite (one host: a dead local worker is
@@ -16,6 +17,7 @@ ask-and-tell, so it does it here."""
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,13 +52,13 @@ def default_for(url: str, interval: int | None, grace: int | None) -> Heartbeat:
 
 
 class RetryStale:
-    """Optuna's stale-trial callback: enqueue the trial again (RetryFailedTrialCallback) and
+    """Optuna's stale-trial callback: enqueue the trial again (RetryHeartbeatStaleTrialCallback) and
     remember it, so the worker that found it can end its MLflow run KILLED."""
 
     def __init__(self) -> None:
-        from optuna.storages import RetryFailedTrialCallback
+        from optuna.storages import RetryHeartbeatStaleTrialCallback  # Optuna >= 4.9's name
 
-        self.retry = RetryFailedTrialCallback(max_retry=MAX_RETRY)
+        self.retry = RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
         self.failed: list[Any] = []
 
     def __call__(self, study: Any, trial: Any) -> None:
@@ -68,6 +70,8 @@ def storage_kwargs(hb: Heartbeat) -> dict[str, Any]:
     """Keyword arguments of `optuna.storages.RDBStorage` for this heartbeat."""
     if not hb.on:
         return {}
+    # Optuna warns on every ask that heartbeats are meant for Study.optimize: here `beating` records them
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
     return {"heartbeat_interval": hb.interval, "grace_period": hb.grace,
             "heartbeat_stale_trial_callback": RetryStale()}
 
