@@ -52,7 +52,18 @@ def test_retried_and_interrupted_trials_do_not_count():
     retry = optuna.trial.create_trial(state=TrialState.WAITING, system_attrs={"failed_trial": 1, "retry_history": [1]})
     stopped = optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={"interrupted": True})
     done.number, retry.number, stopped.number = 0, 2, 3
-    assert counted([done, stale, retry, stopped]) == 2  # the stale trial counts once, through its retry
+    assert counted([done, stale, retry, stopped]) == 1  # the retry counts once it runs, the stale one never
+    retry.state = TrialState.RUNNING
+    assert counted([done, stale, retry, stopped]) == 2
+
+
+def test_one_trial_runs_the_enqueued_defaults(tmp_path):
+    """The enqueued trial 0 (WAITING) counted toward `tune.trials`: `tune.trials=1` ran nothing."""
+    import optuna
+
+    assert main(["tune", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", "tune.trials=1", "tune.study=one"]) == 0
+    trials = optuna.load_study(study_name="one", storage=f"sqlite:///{tmp_path}/optuna.db").trials
+    assert [(t.state.name, t.user_attrs.get("baseline")) for t in trials] == [("COMPLETE", True)]
 
 
 def test_sigterm_ends_only_this_sessions_trial_runs(tmp_path):

@@ -148,10 +148,13 @@ def create_or_load(name: str, url: str, directions: Sequence[str], metric_names:
 
 
 def counted(trials: Sequence[Any]) -> int:
-    """Trials that count toward `tune.trials`: all but those interrupted and those failed stale
-    and enqueued again (the retry counts instead)."""
+    """Trials that count toward `tune.trials`: finished and running ones, but neither those
+    interrupted nor those failed stale and enqueued again (the retry counts once it runs).
+    Enqueued (WAITING) trials count when a worker takes them: counted before, the enqueued
+    trial 0 met `tune.trials=1` and nothing ran, and a retry that met the budget never ran."""
     retried = heartbeat.retried_numbers(trials)
-    return sum(1 for t in trials if not t.user_attrs.get(INTERRUPTED) and t.number not in retried)
+    return sum(1 for t in trials if t.state != TrialState.WAITING and not t.user_attrs.get(INTERRUPTED)
+               and t.number not in retried)
 
 
 def fail_stale(study: Any, storage: Any, tracker: Any) -> int:
