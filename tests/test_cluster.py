@@ -143,3 +143,11 @@ def test_an_unwritable_artifact_store_ends_the_runs(tmp_path, capsys):
     assert len(runs) == 3 and "RUNNING" not in {r.info.status for r in runs}
     summary = next(r for r in runs if r.data.tags.get("testbed.kind") == "compare")
     assert "artifact_error" in summary.data.tags and "not logged to MLflow" in err
+
+
+def test_bad_heartbeat_settings_are_one_line(tmp_path, capsys):
+    for args, needle in ((["tune.heartbeat=5", "tune.grace_period=2"], "tune.grace_period=2 must be longer"),
+                         (["tune.heartbeat=often"], "tune.heartbeat"), (["tune.grace_period=0"], "tune.grace_period")):
+        code = main(["tune", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", *args])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("error:") == 1 and needle in err, err
