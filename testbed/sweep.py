@@ -66,10 +66,35 @@ _terminated = threading.Event()  # set by SIGTERM/SIGHUP: code that re-raises a 
 _stop_name = ["SIGTERM"]  # which of the two it was
 
 
+_interrupted = threading.Event()  # set by SIGINT where `catch_interrupts` installed its handler
+
+
 def _raise_terminated(signum, frame) -> None:
     _stop_name[0] = signal.Signals(signum).name
     _terminated.set()
     raise Terminated(_stop_name[0])
+
+
+def _raise_interrupt(signum, frame) -> None:
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def catch_interrupts() -> None:
+    """In a worker process: SIGINT raises KeyboardInterrupt as by default, and is remembered for
+    `raise_if_stopped`."""
+    signal.signal(signal.SIGINT, _raise_interrupt)
+
+
+def raise_if_stopped() -> None:
+    """Raise the stop a signal asked for if its exception was lost: a signal handler's exception
+    raised inside a garbage-collection callback (SQLAlchemy's weakref callbacks) is printed as
+    "Exception ignored in ..." and dropped, and a `tune` host went on and exited 0 after SIGTERM.
+    Loops call this before starting the next piece of work."""
+    if _terminated.is_set():
+        raise Terminated(_stop_name[0])
+    if _interrupted.is_set():
+        raise KeyboardInterrupt
 
 
 @contextmanager
@@ -78,6 +103,7 @@ def signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _terminated.clear()  # a new command: an earlier one's stop is not this one's
     previous = {s: signal.signal(s, _raise_terminated) for s in signals_mod.STOP_SIGNALS}
     try:
         yield

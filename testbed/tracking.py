@@ -10,8 +10,9 @@ opened before the experiment starts, so a crash is recorded as FAILED (KILLED wh
 
 The default store is `sqlite:///<output.dir>/mlflow.db`, with artifacts in
 `<output.dir>/mlartifacts`; with a tracking server the server's artifact store holds them
-(testbed/cluster/artifacts.py), and every run is tagged with its `host`. Creating that database runs MLflow's schema migrations (~7 s); two
-processes doing it at once lose a run, so creation holds a file lock (`mlflow.db.lock`).
+(testbed/cluster/artifacts.py), and every run is tagged with its `host`. Creating that database runs
+MLflow's schema migrations (~7 s); two processes doing it at once lose a run, so creation holds a
+file lock (`mlflow.db.lock`).
 Optuna never shares this database (both use alembic tables).
 
 `testbed run` does all of this in a background process (testbed/sidecar.py) while it simulates;

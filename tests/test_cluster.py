@@ -32,9 +32,10 @@ def test_a_same_named_hosts_live_trial_is_not_failed(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
     me = identity.this_worker(0)
-    for t, ns in ((other, "another-boot:4026531836"), (dead_here, me.namespace)):
-        t.set_user_attr("worker", f"{me.host}-abc.0")  # the same host name on both
-        t.set_user_attr("worker.process", {"host": me.host, "pid": int(dead), "namespace": ns})
+    for t, ns, wid in ((other, "another-boot:4026531836", f"{me.host}-abc.0"),
+                       (dead_here, me.namespace, f"{me.host}-def.0")):
+        t.set_user_attr("worker", wid)  # the same host name on both
+        study.set_user_attr(f"worker:{wid}", {"host": me.host, "pid": int(dead), "namespace": ns})
     assert fail_stale(study, study._storage, None) == 1
     states = {t.number: t.state.name for t in study.get_trials()}
     assert states == {other.number: "RUNNING", dead_here.number: "FAIL"}
@@ -61,7 +62,8 @@ def test_one_trial_runs_the_enqueued_defaults(tmp_path):
     """The enqueued trial 0 (WAITING) counted toward `tune.trials`: `tune.trials=1` ran nothing."""
     import optuna
 
-    assert main(["tune", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", "tune.trials=1", "tune.study=one"]) == 0
+    assert main(["tune", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", "tune.trials=1",
+                 "tune.study=one"]) == 0
     trials = optuna.load_study(study_name="one", storage=f"sqlite:///{tmp_path}/optuna.db").trials
     assert [(t.state.name, t.user_attrs.get("baseline")) for t in trials] == [("COMPLETE", True)]
 
@@ -95,7 +97,8 @@ def test_trials_carry_worker_identities_and_host_tags(tmp_path, monkeypatch):
     assert main(["tune", *BASE, f"output.dir={tmp_path}", "tune.trials=3", "tune.study=ids"]) == 0
     study = optuna.load_study(study_name="ids", storage=f"sqlite:///{tmp_path}/optuna.db")
     workers = [t.user_attrs["worker"] for t in study.trials]
-    assert len(workers) == 3 and len(set(workers)) == 2 and all(w.startswith("lab-a-") and w.endswith(".0") for w in workers), workers
+    assert len(workers) == 3 and len(set(workers)) == 2, workers
+    assert all(w.startswith("lab-a-") and w.endswith(".0") for w in workers), workers
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("tune-ids")
     runs = client.search_runs([exp.experiment_id])

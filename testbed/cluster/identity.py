@@ -65,9 +65,9 @@ class WorkerIdentity:
     def id(self) -> str:
         return f"{self.session}.{self.index}"
 
-    def attrs(self) -> dict[str, object]:
-        """Optuna user attributes of a trial this worker runs (two: each is a commit)."""
-        return {"worker": self.id, "worker.process": {"host": self.host, "pid": self.pid, "namespace": self.namespace}}
+    def process(self) -> dict[str, object]:
+        """Where this worker runs, recorded once per worker in the study (`register`)."""
+        return {"host": self.host, "pid": self.pid, "namespace": self.namespace}
 
     def tags(self) -> dict[str, str]:
         """MLflow tags of a run this worker opens (the `host` tag comes with every run)."""
@@ -78,10 +78,18 @@ def this_worker(index: int) -> WorkerIdentity:
     return WorkerIdentity(session_id(), index, host_name(), os.getpid(), local_namespace())
 
 
-def owned_by_dead_local_process(attrs: dict) -> bool:
+def register(study, worker: WorkerIdentity) -> None:
+    """Record the worker's process in the study's user attributes (`worker:<id>`), once per
+    worker: a trial then carries only its worker id, one commit before its run starts, as
+    before (a second commit per trial widened the window in which a stop finds a trial with no
+    MLflow run yet)."""
+    study.set_user_attr(f"worker:{worker.id}", worker.process())
+
+
+def owned_by_dead_local_process(trial_attrs: dict, study_attrs: dict) -> bool:
     """True when a trial's worker ran in this pid namespace and its process is gone: only then
     can it be failed at once, without waiting for its heartbeat to go stale."""
-    where = attrs.get("worker.process") or {}
+    where = study_attrs.get(f"worker:{trial_attrs.get('worker')}") or {}
     if where.get("namespace") != local_namespace():
         return False
     pid = where.get("pid")

@@ -162,8 +162,9 @@ def fail_stale(study: Any, storage: Any, tracker: Any) -> int:
     whatever its name: issue 24 item 5): mark them interrupted + FAILED. Other hosts' dead
     workers are found by their heartbeats (cluster/heartbeat.py)."""
     n = 0
+    workers = study.user_attrs
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if not identity.owned_by_dead_local_process(t.user_attrs):
+        if not identity.owned_by_dead_local_process(t.user_attrs, workers):
             continue
         w = t.user_attrs.get("worker")
         storage.set_trial_user_attr(t._trial_id, INTERRUPTED, True)

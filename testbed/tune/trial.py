@@ -68,8 +68,7 @@ class TrialRunner:
 
     def run(self, study: Any, trial: Any) -> dict:
         t0 = time.perf_counter()
-        for key, value in self.worker.attrs().items():
-            trial.set_user_attr(key, value)
+        trial.set_user_attr("worker", self.worker.id)
         event: dict[str, Any] = {"number": trial.number, "worker": self.worker.id}
         run_id = None
         try:

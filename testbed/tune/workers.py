@@ -29,7 +29,7 @@ import optuna
 
 from testbed import sweep
 from testbed.tune.problem import Problem
-from testbed.cluster import heartbeat
+from testbed.cluster import heartbeat, identity
 from testbed.tune.storage import counted, heartbeat_of, make_sampler, make_storage, quiet_optuna
 from testbed.tune.trial import TrialRunner
 
@@ -47,6 +47,7 @@ def worker_loop(problem: Problem, index: int, lock: Any = None, emit: Callable[[
                               storage=make_storage(problem.storage_url, heartbeat_of(problem.storage_url, s)),
                               sampler=make_sampler(s.sampler, problem.seed + index, s.startup_trials))
     runner = TrialRunner(problem, index)
+    identity.register(study, runner.worker)
     if ready is not None:
         ready()
     deadline = time.monotonic() + s.timeout if s.timeout else None
@@ -54,6 +55,7 @@ def worker_loop(problem: Problem, index: int, lock: Any = None, emit: Callable[[
     while deadline is None or time.monotonic() < deadline:
         if parent_pid is not None and os.getppid() != parent_pid:
             break  # orphaned: never start a trial nobody will report
+        sweep.raise_if_stopped()  # a stop whose exception was lost in a GC callback
         with lock if lock is not None else nullcontext():
             heartbeat.reap(study, runner.tracker)  # another host's dead worker: fail + enqueue its trial
             if counted(study.get_trials(deepcopy=False)) >= s.trials:
@@ -70,6 +72,7 @@ def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: An
     """Entry point of a spawned worker process."""
     parent = os.getppid()
     sweep.orphan_guard()
+    sweep.catch_interrupts()
     code = 0
 
     def ready() -> None:
