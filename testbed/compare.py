@@ -13,10 +13,10 @@ status `failed` and its reason; the rest of the grid still runs.
 Every point is one MLflow run in experiment `compare.experiment` (default
 `compare-<UTC time>-<6 hex>`, unique across hosts), beside one summary run (tag
 `testbed.kind=compare`; the points link to it with the tag `testbed.parent_run`, not by nesting,
-so MLflow's run list and charts show every point without a click) that gets the table (`table.csv`, `table.md`) and the figures as artifacts;
-each run carries its axis values as tags `axis.<key>` and the axis list as `testbed.axes`, which is
-how `testbed report` rebuilds the same table later, from any machine sharing the store. The points
-run through `testbed/sweep.py`.
+so MLflow's run list and charts show every point without a click) that gets the table
+(`table.csv`, `table.md`) and the figures as artifacts; each run carries its axis values as tags
+`axis.<key>` and the axis list as `testbed.axes`, which is how `testbed report` rebuilds the same
+table later, from any machine sharing the store. The points run through `testbed/sweep.py`.
 
 Output: `<output.dir>/compare/<experiment>/` with `table.csv`, `table.md`, figures
 (`<metric>_vs_<x>.png`, `overview.png`: x = the numeric axis, one line per value of the other
