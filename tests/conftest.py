@@ -75,3 +75,7 @@ def small_config(*overrides: str, out_dir: Path | None = None):
         base.append(f"output.dir={out_dir}")
     return compose_spec(merge(base, overrides))
 
+
+
+# session-scoped PostgreSQL and mlflow servers for the `services` tests (started only when used)
+from services import mlflow_server, postgres  # noqa: E402,F401

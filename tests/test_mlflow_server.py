@@ -3,57 +3,20 @@ study run, its nested trial runs, their params and metrics read back through the
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from mlflow_db import fresh_mlflow_db
+from services import MlflowServer
 from testbed.cli import main
 
-START_TIMEOUT_S = 120  # the server imports MLflow, FastAPI and uvicorn: ~15 s on a busy 2-core machine
+pytestmark = pytest.mark.services  # a real mlflow server (tests/services.py)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, backend_uri: str, workdir: Path) -> None:
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = open(workdir / "mlflow-server.log", "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_uri, "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1", "--artifacts-destination", str(workdir / "served")],
-            cwd=workdir, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {self.proc.returncode}: {self._tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        pytest.fail(f"mlflow server not healthy after {START_TIMEOUT_S} s: {self._tail()}")
-
-    def _tail(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-2000:]
+class Server(MlflowServer):
+    """The shared server class (tests/services.py) with the REST calls this test reads through."""
 
     def get(self, path: str, **query) -> dict:
         url = f"{self.base}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(query)}"
@@ -65,18 +28,6 @@ class Server:
                                      headers={"Content-Type": "application/json"}, method="POST")
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=15)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=15)
-        finally:
-            self.log.close()
 
 
 def test_server_serves_the_study_and_its_trials(tmp_path):

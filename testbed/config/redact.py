@@ -15,9 +15,17 @@ from typing import Any
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@:\s]*)(?P<pw>:[^/\s]*)?@")
 
 
+# libpq also takes the password as a query parameter: postgresql://user@host/db?password=secret
+_QUERY = re.compile(r"(?P<key>[?&](?:password|passwd|pwd)=)[^&\s]*", re.IGNORECASE)
+
+
 def redact(value: Any) -> Any:
     """`value` with any URI password (or bare token) replaced by `***`; non-strings unchanged."""
-    if not isinstance(value, str) or "@" not in value:
+    if not isinstance(value, str):
+        return value
+    if "=" in value:
+        value = _QUERY.sub(lambda m: f"{m.group('key')}***", value)
+    if "@" not in value:
         return value
     return _USERINFO.sub(_hide, value)
 

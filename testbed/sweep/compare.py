@@ -10,13 +10,13 @@ composed and validated before anything runs, so a typo fails at once (exit 2). A
 cannot be built (e.g. the model does not fit at that depth) or whose run fails becomes a row with
 status `failed` and its reason; the rest of the grid still runs.
 
-Every point is one MLflow run in experiment `compare.experiment` (default `compare-<UTC time>`),
-beside one summary run (tag `testbed.kind=compare`; the points link to it with the tag
-`testbed.parent_run`, not by nesting, so MLflow's run list and charts show every point without a
-click) that gets the table (`table.csv`, `table.md`) and the figures as artifacts; each run
-carries its axis values as tags `axis.<key>` and the axis list as `testbed.axes`, which is how
-`testbed report` rebuilds the same table later, from any machine sharing the store. The points
-run through `testbed/sweep/jobs.py`.
+Every point is one MLflow run in experiment `compare.experiment` (default
+`compare-<UTC time>-<6 hex>`, unique across hosts), beside one summary run (tag
+`testbed.kind=compare`; the points link to it with the tag `testbed.parent_run`, not by nesting,
+so MLflow's run list and charts show every point without a click) that gets the table
+(`table.csv`, `table.md`) and the figures as artifacts; each run carries its axis values as tags
+`axis.<key>` and the axis list as `testbed.axes`, which is how `testbed report` rebuilds the same
+table later, from any machine sharing the store. The points run through `testbed/sweep/jobs.py`.
 
 Output: `<output.dir>/compare/<experiment>/` with `table.csv`, `table.md`, figures
 (`<metric>_vs_<x>.png`, `overview.png`: x = the numeric axis, one line per value of the other
@@ -193,11 +193,19 @@ def plan(overrides: Sequence[str], confirmed: bool = True, console: Any = None) 
     specs = [compose_spec(list(p.overrides)) for p in points]
     if settings.x is not None and settings.x not in axes:
         raise ConfigError(f"compare.x={settings.x!r} is not an axis; axes: {', '.join(axes) or '(none)'}")
-    name = settings.experiment or f"compare-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+    name = settings.experiment or default_name()
     out_dir = Path(specs[0].output.dir) / "compare" / name
     if (out_dir / "table.csv").exists():
         raise ConfigError(f"comparison {name!r} already exists at {out_dir}; choose another compare.experiment=")
     return Plan(name, settings, axes, points, specs, out_dir, list(rest), backend)
+
+
+def default_name() -> str:
+    """`compare-<UTC time>-<6 hex>`: the time alone collided when two hosts started a grid in the
+    same second, and `report` then listed both grids as one (issue 24 item 7)."""
+    import secrets
+
+    return f"compare-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
 def make_jobs(p: Plan, parent_run_id: str | None) -> list[sweep.Job]:

@@ -68,10 +68,35 @@ _terminated = threading.Event()  # set by SIGTERM/SIGHUP: code that re-raises a 
 _stop_name = ["SIGTERM"]  # which of the two it was
 
 
+_interrupted = threading.Event()  # set by SIGINT where `catch_interrupts` installed its handler
+
+
 def _raise_terminated(signum, frame) -> None:
     _stop_name[0] = signal.Signals(signum).name
     _terminated.set()
     raise Terminated(_stop_name[0])
+
+
+def _raise_interrupt(signum, frame) -> None:
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def catch_interrupts() -> None:
+    """In a worker process: SIGINT raises KeyboardInterrupt as by default, and is remembered for
+    `raise_if_stopped`."""
+    signal.signal(signal.SIGINT, _raise_interrupt)
+
+
+def raise_if_stopped() -> None:
+    """Raise the stop a signal asked for if its exception was lost: a signal handler's exception
+    raised inside a garbage-collection callback (SQLAlchemy's weakref callbacks) is printed as
+    "Exception ignored in ..." and dropped, and a `tune` host went on and exited 0 after SIGTERM.
+    Loops call this before starting the next piece of work."""
+    if _terminated.is_set():
+        raise Terminated(_stop_name[0])
+    if _interrupted.is_set():
+        raise KeyboardInterrupt
 
 
 @contextmanager
@@ -80,6 +105,7 @@ def signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _terminated.clear()  # a new command: an earlier one's stop is not this one's
     previous = {s: signal.signal(s, _raise_terminated) for s in signals_mod.STOP_SIGNALS}
     try:
         yield
@@ -216,9 +242,12 @@ def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
     run_dir = Path(job.run_dir)
     write_run_dir(result, run_dir, plots=job.spec.output.plots)
     row["run_dir"] = str(run_dir)
-    if tracker is not None:
-        tracker.finish(row["run_id"], result, run_dir)
     fill_row(row, result)
+    if tracker is not None:
+        try:
+            tracker.finish(row["run_id"], result, run_dir)
+        except OSError as exc:  # the artifact store cannot be written: the run ended FAILED, the grid goes on
+            row["status"], row["error"] = "failed", f"artifacts not logged: {type(exc).__name__}: {exc}"
 
 
 def fill_row(row: dict, result: Any) -> None:
@@ -248,8 +277,10 @@ class ParentRun:
         self.tracker = self.run_id = None
         if output.mlflow:
             self.tracker = _tracker(output, experiment)
+            from testbed.cluster.identity import host_name
+
             self.run_id = self.tracker.client.create_run(self.tracker.experiment_id, run_name=run_name,
-                                                         tags=dict(tags)).info.run_id
+                                                         tags={"host": host_name(), **tags}).info.run_id
 
     def print_link(self, console: Any) -> None:
         """The experiment's chart view (tracking.chart_link), as soon as the experiment exists."""
@@ -268,16 +299,18 @@ class ParentRun:
                                       metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
                                       tags=[RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()])
 
-    def log_files(self, folder: Path, subdirs: Sequence[str] = ()) -> None:
-        """The folder's files (not its run directories) and the named subfolders."""
+    def log_files(self, folder: Path, subdirs: Sequence[str] = ()) -> str | None:
+        """The folder's files (not its run directories) and the named subfolders; None, or the
+        error (the run is tagged `artifact_error` and still ends: testbed/cluster/artifacts.py)."""
         if self.tracker is None:
-            return
-        for path in sorted(folder.iterdir()):
-            if path.is_file():
-                self.tracker.client.log_artifact(self.run_id, str(path))
-        for sub in subdirs:
-            if (folder / sub).is_dir():
-                self.tracker.client.log_artifacts(self.run_id, str(folder / sub), sub)
+            return None
+        from testbed.cluster.artifacts import log_files
+
+        error = log_files(self.tracker.client, self.run_id, [p for p in sorted(folder.iterdir()) if p.is_file()],
+                          [(folder / sub, sub) for sub in subdirs if (folder / sub).is_dir()])
+        if error:
+            print(f"warning: files of {folder} were not logged to MLflow: {error}", file=sys.stderr)
+        return error
 
     def end(self, status: str = "FINISHED") -> None:
         if self.tracker is None:

@@ -110,7 +110,7 @@ def to_markdown(df: pd.DataFrame) -> str:
 
 def table_columns(df: pd.DataFrame, axes: Sequence[str], metrics: Sequence[str]) -> list[str]:
     front = [c for c in ("point", "trial") if c in df.columns]
-    tail = [c for c in ("run_id", "error") if c in df.columns]
+    tail = [c for c in ("host", "run_id", "error") if c in df.columns]
     return front + list(axes) + ["status"] + [m for m in metrics if m in df.columns] + tail
 
 
@@ -260,8 +260,9 @@ def print_table(console: Any, df: pd.DataFrame, axes: Sequence[str], title: str,
     """A compact table for the terminal (table.md and table.csv hold every column), never cut
     to the console's width."""
     t = Table(title=title)
-    shown = [c for c in ("point", "trial") if c in df.columns] + list(axes) + ["status"] + \
-        [m for m in metrics if m in df.columns]
+    several_hosts = "host" in df.columns and df["host"].nunique() > 1  # the same grid from two hosts
+    shown = [c for c in ("point", "trial") if c in df.columns] + list(axes) + ["host"] * several_hosts + \
+        ["status"] + [m for m in metrics if m in df.columns]
     for c in shown:
         t.add_column(c, justify="right" if pd.api.types.is_numeric_dtype(df[c]) else "left", no_wrap=True)
     for _, row in df.iterrows():
@@ -308,7 +309,8 @@ def runs_frame(experiments: Sequence[str], tracking_uri: str) -> tuple[pd.DataFr
         exp = client.get_experiment_by_name(name)
         if exp is None:
             names = sorted(e.name for e in client.search_experiments())
-            raise ConfigError(f"unknown experiment {name!r} in {tracking_uri}; valid choices: {', '.join(names)}")
+            raise ConfigError(f"unknown experiment {name!r} in {redact(tracking_uri)}; "
+                              f"valid choices: {', '.join(names)}")
         ids[exp.experiment_id] = name
     mlflow.set_tracking_uri(tracking_uri)
     raw = mlflow.search_runs(experiment_ids=list(ids), output_format="pandas", max_results=100_000)
@@ -344,6 +346,8 @@ def runs_frame(experiments: Sequence[str], tracking_uri: str) -> tuple[pd.DataFr
                 row[col[len("metrics."):]] = r[col]
         err = r.get("tags.error")
         row["error"] = err if isinstance(err, str) else None
+        host = r.get("tags.host")
+        row["host"] = host if isinstance(host, str) else None  # who ran it (grids of several hosts)
         row["run_name"] = r.get("tags.mlflow.runName")
         row["experiment_id"] = r.get("experiment_id")
         row["run_id"] = r["run_id"]
@@ -362,7 +366,7 @@ def _check_store(uri: str) -> None:
     if uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
         if not path.is_file():
-            raise ConfigError(f"no tracking database at {path} (--tracking-uri {uri}); run an experiment first "
+            raise ConfigError(f"no tracking database at {path} (--tracking-uri {redact(uri)}); run an experiment first "
                               f"or point --tracking-uri at the store that has the runs")
 
 
@@ -404,14 +408,14 @@ def build_report(experiments: Sequence[str], tracking_uri: str, out: Path | None
     """`testbed report`: rebuild table and figures of experiments from the tracking store."""
     df, axes = runs_frame(experiments, tracking_uri)
     if df.empty or "run_id" not in df.columns:
-        raise ConfigError(f"experiment(s) {', '.join(experiments)} hold no runs in {tracking_uri}")
+        raise ConfigError(f"experiment(s) {', '.join(experiments)} hold no runs in {redact(tracking_uri)}")
     name = "+".join(experiments)
     out_dir = Path(out) if out else Path("runs") / "report" / _safe(name)
     table_metrics = list(metrics) if metrics else list(TABLE_METRICS)
     fig_metrics = list(metrics) if metrics else list(FIGURE_METRICS)
     for m in table_metrics:
         if m not in df.columns:
-            valid = sorted(c for c in df.columns if c not in ("run_id", "run_name", "error", "status",
+            valid = sorted(c for c in df.columns if c not in ("run_id", "run_name", "error", "status", "host",
                                                              "experiment_id", "trial", *axes))
             raise ConfigError(f"unknown metric {m!r}; valid choices: {', '.join(valid)}")
     write_comparison(df, axes, out_dir, x=x, metrics=table_metrics, figure_metrics=fig_metrics)

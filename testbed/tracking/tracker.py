@@ -9,8 +9,10 @@ config, run info, figures, a sampled trace): the folder itself stays where it is
 opened before the experiment starts, so a crash is recorded as FAILED (KILLED when interrupted).
 
 The default store is `sqlite:///<output.dir>/mlflow.db`, with artifacts in
-`<output.dir>/mlartifacts`. Creating that database runs MLflow's schema migrations (~7 s); two
-processes doing it at once lose a run, so creation holds a file lock (`mlflow.db.lock`).
+`<output.dir>/mlartifacts`; with a tracking server the server's artifact store holds them
+(testbed/cluster/artifacts.py), and every run is tagged with its `host`. Creating that database runs
+MLflow's schema migrations (~7 s); two processes doing it at once lose a run, so creation holds a
+file lock (`mlflow.db.lock`).
 Optuna never shares this database (both use alembic tables).
 
 `testbed run` does all of this in a background process (testbed/tracking/background.py) while it simulates;
@@ -71,6 +73,9 @@ def check_tracking_uri(uri: str, timeout_s: float = 3.0, key: str = "output.trac
     if scheme not in URI_SCHEMES:
         raise ConfigError(f"invalid {key}={shown!r}: unknown scheme {scheme or '(none)'!r}; "
                           f"valid schemes: {', '.join(URI_SCHEMES)}")
+    from testbed.cluster.postgres import check_driver
+
+    check_driver(uri, key)
     if scheme == "sqlite":
         path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
         folder = Path(path).expanduser().parent if path else None
@@ -92,10 +97,15 @@ def check_tracking_uri(uri: str, timeout_s: float = 3.0, key: str = "output.trac
 
 
 def _lock_for(uri: str):
-    """A file lock beside a SQLite tracking DB (schema creation races between processes);
-    a no-op context for other stores."""
+    """A file lock beside a SQLite tracking DB (schema creation races between processes), the
+    database's advisory lock for PostgreSQL (hosts race too: testbed/cluster/postgres.py); a
+    no-op context for other stores."""
     from contextlib import nullcontext
 
+    from testbed.cluster.postgres import advisory_lock, is_postgres
+
+    if is_postgres(uri):
+        return advisory_lock(uri)
     if not uri.startswith("sqlite:///"):
         return nullcontext()
     from filelock import FileLock
@@ -111,6 +121,9 @@ def run_tags(spec: RunSpec, command: str | None = None) -> dict[str, str]:
             "hardware_version": str(getattr(rc.hardware, "version", None)), "pp": str(rc.parallel.pp)}
     if getattr(wl, "rate", None) is not None and getattr(wl, "arrival", "poisson") != "offline":
         tags["rate"] = str(spec.value_at("workload.rate"))  # as given: `workload.rate=2` is "2", not "2.0"
+    from testbed.cluster.identity import host_name
+
+    tags["host"] = host_name()  # which host ran it: report's `host` column (issue 24 item 7)
     if command:
         tags["mlflow.source.name"] = command
         tags["mlflow.source.type"] = "LOCAL"
@@ -238,8 +251,13 @@ class Tracker:
         import mlflow
         from mlflow.tracking import MlflowClient
 
+        from testbed.cluster.postgres import check_driver
+
         output = output or OutputSettings()
         self.uri = uri or tracking_uri(output)
+        check_driver(self.uri, "output.tracking_uri")
+        if self.uri.startswith(("http://", "https://")):  # one line now, not MLflow's minutes of retries
+            check_tracking_uri(self.uri)
         if self.uri.startswith("sqlite:///"):
             Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(self.uri)
@@ -250,7 +268,9 @@ class Tracker:
             exp = self.client.get_experiment_by_name(name)
             if exp is None:
                 try:
-                    loc = artifact_location or artifact_root(output)
+                    from testbed.cluster.artifacts import experiment_location
+
+                    loc = experiment_location(self.uri, artifact_location or artifact_root(output))
                     self.experiment_id = self.client.create_experiment(name, artifact_location=loc)
                 except Exception:  # created concurrently by a process on another store lock (http)
                     self.experiment_id = self.client.get_experiment_by_name(name).experiment_id

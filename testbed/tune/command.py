@@ -19,13 +19,15 @@ from optuna.trial import TrialState
 from engine.errors import ConfigError
 from testbed.sweep import jobs as sweep
 from testbed.cluster.ray_backend import split_backend
+from testbed.cluster import heartbeat, identity
 from testbed.signals import EXIT_CODES
+from testbed.tracking.tracker import tracking_uri
 from testbed.tune.display import Display, pareto_indices, print_start, values_text
 from testbed.tune.figures import trials_frame, write_study_figures
 from testbed.tune.objectives import sig4
 from testbed.tune.problem import Problem, fingerprint_of, first_difference, prepare
-from testbed.tune.storage import (counted, create_or_load, fail_stale, first_use_lock, make_sampler, problem_json,
-                                  quiet_optuna, redact)
+from testbed.tune.storage import (counted, create_or_load, fail_stale, first_use_lock, heartbeat_of, make_sampler,
+                                  problem_json, quiet_optuna, redact)
 from testbed.tune.tracking import log_study, study_run
 from testbed.tune.trial import open_tracker
 from testbed.tune.workers import run_workers, worker_loop
@@ -57,7 +59,8 @@ def open_study(problem: Problem):
     s = problem.settings
     try:
         study, storage = create_or_load(problem.study, problem.storage_url, s.directions, s.objectives,
-                                        make_sampler(s.sampler, problem.seed, s.startup_trials))
+                                        make_sampler(s.sampler, problem.seed, s.startup_trials),
+                                        heartbeat_of(problem.storage_url, s))
     except ValueError as exc:  # e.g. directions differ from the stored study
         raise ConfigError(f"cannot resume study {problem.study!r}: {exc}") from None
     stored_dirs = [d.name.lower() for d in study.directions]
@@ -85,15 +88,19 @@ def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
     quiet_optuna()
     backend, overrides = split_backend(overrides)  # sweep.backend=ray: each trial a Ray task
     problem = prepare(overrides)
-    with first_use_lock(problem.storage_url, Path(problem.out_dir).parent.parent):
+    identity.new_session()
+    # one section per database, whatever the host: study, MLflow store, trial 0 and the study's
+    # parent run are created once (two hosts starting together split the parent run and ran
+    # trial 0 twice: issue 24 items 2 and 6)
+    with first_use_lock(problem.storage_url, Path(problem.out_dir).parent.parent, tracking_uri(problem.base.output)):
         study, storage = open_study(problem)
         tracker = open_tracker(problem)  # creates the MLflow DB before any worker
-    stale = fail_stale(study, storage, tracker)
-    if problem.settings.baseline and not study.trials:
-        params = problem.baseline_params()
-        if params is not None:
-            study.enqueue_trial(params, user_attrs={"baseline": True})
-    problem = dataclasses.replace(problem, parent_run_id=study_run(problem, study, tracker))
+        if problem.settings.baseline and not study.trials:
+            params = problem.baseline_params()
+            if params is not None:
+                study.enqueue_trial(params, user_attrs={"baseline": True})
+        problem = dataclasses.replace(problem, parent_run_id=study_run(problem, study, tracker))
+    stale = fail_stale(study, storage, tracker) + heartbeat.reap(study, tracker)
     Path(problem.out_dir).mkdir(parents=True, exist_ok=True)
     trials = study.get_trials(deepcopy=False)
     display = Display(console, problem.base.output.progress, problem, trials)
@@ -181,7 +188,9 @@ def finish_study(problem: Problem, study: Any, tracker: Any, trials_run: int, wa
     plots = problem.base.output.plots and not interrupted
     figures = write_study_figures(study, problem, out_dir) if plots else []
     if tracker is not None and problem.parent_run_id:
-        log_study(tracker, problem, summary, best, counts, out_dir)
+        artifact_error = log_study(tracker, problem, summary, best, counts, out_dir)
+        if artifact_error:
+            print(f"warning: the study's files were not logged to MLflow: {artifact_error}", file=sys.stderr)
         status = "KILLED" if interrupted else "FAILED" if worker_errors else "FINISHED"
         if status != "FINISHED":  # a trial run a worker opened just before it was stopped
             _kill_running_trials(tracker, problem.parent_run_id)
@@ -192,13 +201,17 @@ def finish_study(problem: Problem, study: Any, tracker: Any, trials_run: int, wa
                        objectives=s.objectives)
 
 
-def _kill_running_trials(tracker: Any, parent_run_id: str) -> None:
-    """End KILLED every trial run of the study still RUNNING once its workers are gone (a worker
-    stopped between opening its run and its own KILLED handler leaves one; seen 1 in ~3 SIGTERMs)."""
+def _kill_running_trials(tracker: Any, parent_run_id: str, session: str | None = None) -> None:
+    """End KILLED every trial run of this command's workers still RUNNING once they are gone (a
+    worker stopped between opening its run and its own KILLED handler leaves one; seen 1 in ~3
+    SIGTERMs). Only this session's: another host's live trials under the same study run are not
+    ours to end (issue 24 item 3)."""
     client = tracker.client
+    session = session or identity.session_id()
     for run in client.search_runs([tracker.experiment_id],
                                   filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' "
-                                                f"and attributes.status = 'RUNNING'"):
+                                                f"and attributes.status = 'RUNNING' "
+                                                f"and tags.`testbed.session` = '{session}'"):
         client.set_tag(run.info.run_id, "error", "interrupted")
         client.set_terminated(run.info.run_id, "KILLED")
 

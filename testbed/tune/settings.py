@@ -13,7 +13,7 @@ from testbed.tune.objectives import Constraint, default_direction, resolve_metri
 from testbed.tune.space import SpaceSpec, parse_space
 
 TUNE_KEYS = ("objective", "direction", "trials", "study", "storage", "workers", "constraints", "sampler",
-             "seed", "startup_trials", "baseline", "timeout", "experiment", "artifacts")
+             "seed", "startup_trials", "baseline", "timeout", "experiment", "artifacts", "heartbeat", "grace_period")
 SAMPLERS = ("tpe", "nsga2", "random")
 
 
@@ -34,6 +34,8 @@ class TuneSettings:
     timeout: float | None = None  # seconds; workers stop asking for trials after it
     experiment: str | None = None  # MLflow experiment; None: 'tune-<study>'
     artifacts: bool = False  # write and log each trial's run directory (trace, tables)
+    heartbeat: int | None = None  # s between a trial's heartbeats; None: 10 for server DBs, off for SQLite
+    grace_period: int | None = None  # s without a heartbeat before a trial is failed and retried
 
     @property
     def multi(self) -> bool:
@@ -111,4 +113,8 @@ def _numbers(raw: Mapping[str, str]) -> dict[str, Any]:
         kw["seed"] = as_int("tune.seed", raw["seed"])
     if "timeout" in raw:
         kw["timeout"] = as_float("tune.timeout", raw["timeout"], 0)
+    if "heartbeat" in raw:
+        kw["heartbeat"] = as_int("tune.heartbeat", raw["heartbeat"], 0)
+    if "grace_period" in raw:
+        kw["grace_period"] = as_int("tune.grace_period", raw["grace_period"], 1)
     return kw

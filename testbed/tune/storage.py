@@ -7,15 +7,17 @@ First use is serialised by a file lock next to the SQLite file (`optuna.db.lock`
 a tune creates or opens its study and the MLflow store: Optuna and MLflow both create tables
 and stamp an alembic version on first connect, and two `testbed tune` started together on a
 fresh folder lost one of them to "database is locked" or alembic's "expected to match one row"
-(issue 13 item 4). After that, workers open SQLite with a 60 s busy timeout."""
+(issue 13 item 4). After that, workers open SQLite with a 60 s busy timeout. With PostgreSQL the
+same section also holds the database's advisory lock (testbed/cluster/postgres.py): a file lock
+serialises one host only. Heartbeats and the retry of a dead worker's trial:
+testbed/cluster/heartbeat.py."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sqlite3
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,8 @@ from optuna.trial import TrialState
 from sqlalchemy import event  # sqlalchemy comes with optuna's RDB storage
 
 from engine.errors import ConfigError
+from testbed.cluster import heartbeat, identity
+from testbed.cluster.postgres import advisory_lock, check_driver
 
 SQLITE_TIMEOUT_S = 60
 LOCK_TIMEOUT_S = 300  # the first process may be migrating a fresh database (seconds on 2 cores)
@@ -38,24 +42,33 @@ def sqlite_path(uri: str) -> Path | None:
     return None
 
 
-def first_use_lock(url: str, out_root: Path) -> FileLock:
-    """A cross-process lock held while a tune creates or opens its study and the MLflow store:
-    next to the SQLite file (`optuna.db.lock`), or in the output folder for other storages (the
-    MLflow SQLite store there is created on first use too)."""
+@contextmanager
+def first_use_lock(url: str, out_root: Path, tracking_uri: str | None = None) -> Iterator[None]:
+    """A cross-process lock held while a tune creates or opens its study, the MLflow store and
+    the study's parent run: next to the SQLite file (`optuna.db.lock`), or in the output folder
+    for other storages (the MLflow SQLite store there is created on first use too); plus the
+    advisory lock of each PostgreSQL database involved, which serialises other hosts too."""
+    check_driver(url, "tune.storage")
+    check_driver(tracking_uri or "", "output.tracking_uri")
     path = sqlite_path(url)
     lock = Path(str(path) + ".lock") if path is not None else out_root.resolve() / ".tune.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(lock), timeout=LOCK_TIMEOUT_S)
+    with ExitStack() as stack:
+        stack.enter_context(FileLock(str(lock), timeout=LOCK_TIMEOUT_S))
+        for db in (url, tracking_uri or ""):
+            stack.enter_context(advisory_lock(db))
+        yield
 
 
-def make_storage(url: str):
-    """An Optuna storage from a URL: SQLite with a busy timeout, any other RDB URL, or
-    `journal:<file>` for Optuna's JournalStorage (file backend)."""
+def make_storage(url: str, hb: heartbeat.Heartbeat | None = None):
+    """An Optuna storage from a URL: SQLite with a busy timeout, any other RDB URL (with
+    heartbeats `hb`), or `journal:<file>` for Optuna's JournalStorage (file backend)."""
     if url.startswith("journal:"):
         path = Path(url[len("journal:"):])
         path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(str(path)))
-    kwargs: dict[str, Any] = {}
+    check_driver(url, "tune.storage")
+    kwargs: dict[str, Any] = heartbeat.storage_kwargs(hb or heartbeat.Heartbeat())
     sqlite_file = sqlite_path(url)
     if url.startswith("sqlite:"):
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
@@ -104,6 +117,11 @@ def redact(url: str) -> str:
     return hide(url)
 
 
+def heartbeat_of(url: str, settings: Any) -> heartbeat.Heartbeat:
+    """The heartbeat of a study: `tune.heartbeat` / `tune.grace_period`, or the storage's default."""
+    return heartbeat.default_for(url, settings.heartbeat, settings.grace_period)
+
+
 def make_sampler(sampler: str, seed: int, startup_trials: int):
     if sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
@@ -117,10 +135,11 @@ def quiet_optuna() -> None:
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
-def create_or_load(name: str, url: str, directions: Sequence[str], metric_names: Sequence[str], sampler: Any):
+def create_or_load(name: str, url: str, directions: Sequence[str], metric_names: Sequence[str], sampler: Any,
+                   hb: heartbeat.Heartbeat | None = None):
     """(study, storage), the study with its metric names set so optuna-dashboard labels the
     axes (`throughput_tok_s`, not "Objective 0"). Call under `first_use_lock`."""
-    storage = make_storage(url)
+    storage = make_storage(url, hb)
     study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True,
                                 directions=list(directions), sampler=sampler)
     if study.metric_names is None:
@@ -129,23 +148,25 @@ def create_or_load(name: str, url: str, directions: Sequence[str], metric_names:
 
 
 def counted(trials: Sequence[Any]) -> int:
-    """Trials that count toward `tune.trials`: all but those interrupted."""
-    return sum(1 for t in trials if not t.user_attrs.get(INTERRUPTED))
-
-
-def worker_tag() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """Trials that count toward `tune.trials`: finished and running ones, but neither those
+    interrupted nor those failed stale and enqueued again (the retry counts once it runs).
+    Enqueued (WAITING) trials count when a worker takes them: counted before, the enqueued
+    trial 0 met `tune.trials=1` and nothing ran, and a retry that met the budget never ran."""
+    retried = heartbeat.retried_numbers(trials)
+    return sum(1 for t in trials if t.state != TrialState.WAITING and not t.user_attrs.get(INTERRUPTED)
+               and t.number not in retried)
 
 
 def fail_stale(study: Any, storage: Any, tracker: Any) -> int:
-    """RUNNING trials of dead worker processes on this host: mark them interrupted + FAILED."""
-    host = socket.gethostname()
+    """RUNNING trials of dead worker processes in this pid namespace (never another host's,
+    whatever its name: issue 24 item 5): mark them interrupted + FAILED. Other hosts' dead
+    workers are found by their heartbeats (cluster/heartbeat.py)."""
     n = 0
+    workers = study.user_attrs
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        w = str(t.user_attrs.get("worker", ""))
-        whost, _, pid = w.rpartition(":")
-        if whost != host or not pid.isdigit() or _alive(int(pid)):
+        if not identity.owned_by_dead_local_process(t.user_attrs, workers):
             continue
+        w = t.user_attrs.get("worker")
         storage.set_trial_user_attr(t._trial_id, INTERRUPTED, True)
         storage.set_trial_user_attr(t._trial_id, "fail_reason", f"{INTERRUPTED}: worker {w} is gone")
         storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
@@ -157,16 +178,6 @@ def fail_stale(study: Any, storage: Any, tracker: Any) -> int:
                 pass
         n += 1
     return n
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def problem_json(fingerprint: dict) -> dict:

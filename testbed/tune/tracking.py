@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from testbed.cluster.artifacts import log_files
 from testbed.tune.problem import Problem
 from testbed.tune.storage import redact
 
@@ -68,7 +69,8 @@ def _best_entries(problem: Problem, summary: dict, best: list) -> tuple[dict[str
     return metrics, tags
 
 
-def log_study(tracker: Any, problem: Problem, summary: dict, best: list, counts: dict, out_dir: Path) -> None:
+def log_study(tracker: Any, problem: Problem, summary: dict, best: list, counts: dict,
+              out_dir: Path) -> str | None:
     from mlflow.entities import Metric, RunTag  # loaded already by the tracker
 
     total = sum(counts.values())
@@ -80,6 +82,6 @@ def log_study(tracker: Any, problem: Problem, summary: dict, best: list, counts:
     values.update(best_metrics)
     tracker.client.log_batch(problem.parent_run_id, metrics=[Metric(k, v, now, total) for k, v in values.items()],
                              tags=[RunTag(k, v[:5000]) for k, v in tags.items()])
-    for path in sorted(out_dir.iterdir()):  # the study's files (trial run dirs go to the trial runs)
-        if path.is_file():
-            tracker.client.log_artifact(problem.parent_run_id, str(path))
+    # the study's files (trial run dirs go to the trial runs); an error is returned, not raised,
+    # so the study run still ends (cluster/artifacts.py)
+    return log_files(tracker.client, problem.parent_run_id, [p for p in sorted(out_dir.iterdir()) if p.is_file()])

@@ -17,12 +17,13 @@ from typing import Any
 from optuna.trial import TrialState
 
 from engine.errors import TestbedError
+from testbed.cluster import heartbeat, identity
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
 from testbed.config.spec import RunSpec
 from testbed.tracking.tracker import Tracker, run_tags
 from testbed.tune.problem import Problem, jsonable
-from testbed.tune.storage import INTERRUPTED, worker_tag
+from testbed.tune.storage import INTERRUPTED, heartbeat_of
 from workloads.base import build_workload
 
 TRIAL_SUMMARY_KEYS = ("throughput_tok_s", "ttft_p99_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment",
@@ -49,8 +50,10 @@ def open_tracker(problem: Problem) -> Any:
 class TrialRunner:
     """Runs trials in one process: suggest, build, run, log to MLflow, tell the study."""
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, index: int = 0) -> None:
         self.p = problem
+        self.worker = identity.this_worker(index)
+        self.heartbeat = heartbeat_of(problem.storage_url, problem.settings)
         self.tracker = open_tracker(problem)
         self._requests: dict[str, list] = {}
         self.invalid_run_id: str | None = None  # the MLflow run of a trial whose config did not validate
@@ -65,13 +68,14 @@ class TrialRunner:
 
     def run(self, study: Any, trial: Any) -> dict:
         t0 = time.perf_counter()
-        trial.set_user_attr("worker", worker_tag())
-        event: dict[str, Any] = {"number": trial.number, "worker": worker_tag()}
+        trial.set_user_attr("worker", self.worker.id)
+        event: dict[str, Any] = {"number": trial.number, "worker": self.worker.id}
         run_id = self.invalid_run_id = None
         try:
             try:
-                spec, run_id = self._start(trial, event)
-                values, violations = self._measure(trial, spec, run_id)
+                with heartbeat.beating(study, trial, self.heartbeat):
+                    spec, run_id = self._start(trial, event)
+                    values, violations = self._measure(trial, spec, run_id)
             except TrialFailed as exc:
                 run_id = run_id or self.invalid_run_id
                 return self._fail(study, trial, None if exc.run_closed else run_id, str(exc), event, t0)
@@ -104,7 +108,7 @@ class TrialRunner:
             return None
         p = self.p
         tags = {"testbed.kind": "trial", "optuna.study": p.study, "optuna.trial": str(trial.number),
-                "optuna.params": json.dumps(trial.params, default=str)}
+                "optuna.params": json.dumps(trial.params, default=str), **self.worker.tags()}
         name = f"trial-{trial.number:04d}"
         if spec is not None:
             run_id = self.tracker.start(spec, name, parent_run_id=p.parent_run_id, tags=tags)

@@ -29,7 +29,8 @@ import optuna
 
 from testbed.sweep import jobs as sweep
 from testbed.tune.problem import Problem
-from testbed.tune.storage import counted, make_sampler, make_storage, quiet_optuna
+from testbed.cluster import heartbeat, identity
+from testbed.tune.storage import counted, heartbeat_of, make_sampler, make_storage, quiet_optuna
 from testbed.tune.trial import TrialRunner
 
 START_TIMEOUT_S = 120
@@ -42,9 +43,11 @@ def worker_loop(problem: Problem, index: int, lock: Any = None, emit: Callable[[
     parent is gone). `ready` is called once set up, before the first trial (the start barrier)."""
     quiet_optuna()
     s = problem.settings
-    study = optuna.load_study(study_name=problem.study, storage=make_storage(problem.storage_url),
+    study = optuna.load_study(study_name=problem.study,
+                              storage=make_storage(problem.storage_url, heartbeat_of(problem.storage_url, s)),
                               sampler=make_sampler(s.sampler, problem.seed + index, s.startup_trials))
-    runner = TrialRunner(problem)
+    runner = TrialRunner(problem, index)
+    identity.register(study, runner.worker)
     if ready is not None:
         ready()
     deadline = time.monotonic() + s.timeout if s.timeout else None
@@ -52,7 +55,9 @@ def worker_loop(problem: Problem, index: int, lock: Any = None, emit: Callable[[
     while deadline is None or time.monotonic() < deadline:
         if parent_pid is not None and os.getppid() != parent_pid:
             break  # orphaned: never start a trial nobody will report
+        sweep.raise_if_stopped()  # a stop whose exception was lost in a GC callback
         with lock if lock is not None else nullcontext():
+            heartbeat.reap(study, runner.tracker)  # another host's dead worker: fail + enqueue its trial
             if counted(study.get_trials(deepcopy=False)) >= s.trials:
                 break
             trial = study.ask()
@@ -67,6 +72,7 @@ def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: An
     """Entry point of a spawned worker process."""
     parent = os.getppid()
     sweep.orphan_guard()
+    sweep.catch_interrupts()
     code = 0
 
     def ready() -> None:

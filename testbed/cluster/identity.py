@@ -1,0 +1,106 @@
+"""Who ran what: a host name for tags and table columns, and worker identities that are not
+host names. Two hosts may share a name (two containers from one image, two clones imitating two
+hosts): identities keyed by the host name made one host fail the other's live trial (issue 24
+item 5). A worker's identity is `<session>.<index>`, the session a random token made once per
+command and inherited by its spawned workers; the host name is recorded beside it, never used to
+decide ownership. A pid is only compared with pids of the same pid namespace on the same boot
+(`local_namespace`), where it means something."""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+HOST_ENV = "TESTBED_HOST"  # a host name to record instead of the machine's (containers named alike)
+SESSION_ENV = "TESTBED_WORKER_SESSION"  # set by the first process, inherited by spawned workers
+
+
+def host_name() -> str:
+    """The host name recorded in the `host` tag of every run and the `host` column of reports."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+def session_id() -> str:
+    """This command's random token, shared by the workers it spawns (they inherit the environment)."""
+    sid = os.environ.get(SESSION_ENV)
+    if not sid:
+        sid = f"{host_name()}-{secrets.token_hex(4)}"
+        os.environ[SESSION_ENV] = sid
+    return sid
+
+
+def new_session() -> str:
+    """A fresh session token for a new command run in the same process (tests call main() twice)."""
+    os.environ.pop(SESSION_ENV, None)
+    return session_id()
+
+
+def local_namespace() -> str:
+    """Where a pid means this process table: the boot id and the pid namespace. Two containers
+    (or hosts) that share a host name still differ here."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        ns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        ns = "-"
+    return f"{boot}:{ns}"
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """One worker process of one command: `id` is unique across hosts, `host` is only shown."""
+
+    session: str
+    index: int
+    host: str
+    pid: int
+    namespace: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.session}.{self.index}"
+
+    def process(self) -> dict[str, object]:
+        """Where this worker runs, recorded once per worker in the study (`register`)."""
+        return {"host": self.host, "pid": self.pid, "namespace": self.namespace}
+
+    def tags(self) -> dict[str, str]:
+        """MLflow tags of a run this worker opens (the `host` tag comes with every run)."""
+        return {"worker": self.id, "testbed.session": self.session}
+
+
+def this_worker(index: int) -> WorkerIdentity:
+    return WorkerIdentity(session_id(), index, host_name(), os.getpid(), local_namespace())
+
+
+def register(study, worker: WorkerIdentity) -> None:
+    """Record the worker's process in the study's user attributes (`worker:<id>`), once per
+    worker: a trial then carries only its worker id, one commit before its run starts, as
+    before (a second commit per trial widened the window in which a stop finds a trial with no
+    MLflow run yet)."""
+    study.set_user_attr(f"worker:{worker.id}", worker.process())
+
+
+def owned_by_dead_local_process(trial_attrs: dict, study_attrs: dict) -> bool:
+    """True when a trial's worker ran in this pid namespace and its process is gone: only then
+    can it be failed at once, without waiting for its heartbeat to go stale."""
+    where = study_attrs.get(f"worker:{trial_attrs.get('worker')}") or {}
+    if where.get("namespace") != local_namespace():
+        return False
+    pid = where.get("pid")
+    return isinstance(pid, int) and not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,97 @@
+"""PostgreSQL for studies and tracking stores shared by several hosts: the driver check and the
+lock that serialises first starts.
+
+Driver. SQLAlchemy 2.1 opens `postgresql://` with psycopg 3 (`postgresql+psycopg2://` picks the
+old driver); without it, the error was a bare "No module named 'psycopg'" from deep inside
+SQLAlchemy (issue 24 item 8). `check_driver` names the module and the extra that installs it:
+`pip install -e '.[postgres]'`.
+
+First start. Optuna and MLflow create their tables (and MLflow runs its migrations) on first
+connect. Two hosts doing it at once on a fresh database lost one of them to `UniqueViolation
+pg_type_typname_nsp_index` (3 of 4 tries with Optuna; with MLflow's store, one run was lost;
+issue 24 item 2). `first_start_lock` holds a session-level advisory lock of that database
+(`pg_advisory_lock`, released with the connection, so a killed holder never leaves it taken)
+while a command creates or opens its study, its experiment and the study's parent run; the lock is
+re-entrant within a process, so nested users (the tracker inside `testbed tune`) never wait on
+themselves. An advisory lock needs no table, so it works on an empty database."""
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from engine.errors import ConfigError
+from testbed.config.redact import redact
+
+EXTRA = "pip install -e '.[postgres]'"
+LOCK_NAME = "testbed:first-start"
+_held: dict[str, int] = {}  # database (password hidden) -> nesting depth, in this process
+_held_guard = threading.Lock()
+
+
+def is_postgres(url: str) -> bool:
+    return url.split(":", 1)[0].split("+", 1)[0].lower() in ("postgresql", "postgres")
+
+
+def check_driver(url: str, key: str) -> None:
+    """Refuse a PostgreSQL URL whose driver is not installed, naming the module and the extra."""
+    if not is_postgres(url):
+        return
+    from sqlalchemy.engine import make_url
+
+    try:
+        make_url(url).get_dialect().import_dbapi()
+    except ImportError as exc:
+        module = getattr(exc, "name", None) or str(exc)
+        raise ConfigError(f"{key}={redact(url)} needs the PostgreSQL driver module {module!r}, which is not "
+                          f"installed; install it with: {EXTRA}") from None
+    except Exception as exc:  # a malformed URL
+        raise ConfigError(f"invalid {key}={redact(url)}: {type(exc).__name__}: {exc}") from None
+
+
+def lock_key(name: str = LOCK_NAME) -> int:
+    """A signed 64-bit advisory lock key from a name."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+
+
+@contextmanager
+def advisory_lock(url: str, name: str = LOCK_NAME) -> Iterator[None]:
+    """Hold `pg_advisory_lock(name)` of the database at `url` for the block (re-entrant in
+    this process). A no-op for other databases."""
+    if not is_postgres(url):
+        yield
+        return
+    db = redact(url)
+    with _held_guard:
+        depth = _held.get(db, 0)
+        _held[db] = depth + 1
+    if depth:
+        try:
+            yield
+        finally:
+            _release(db)
+        return
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": lock_key(name)})
+            conn.commit()
+            try:
+                yield
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": lock_key(name)})
+                conn.commit()
+    finally:
+        engine.dispose()
+        _release(db)
+
+
+def _release(db: str) -> None:
+    with _held_guard:
+        _held[db] -= 1
+        if not _held[db]:
+            del _held[db]

@@ -1,0 +1,156 @@
+"""Running commands side by side against shared stores, without a server (issue 24): worker
+identities that are not host names, the budget, SIGTERM touching only one's own trial runs, the
+PostgreSQL driver's error line, unique comparison names, the `host` tag, artifact errors that end
+the runs. The tests with real PostgreSQL and mlflow servers are in test_services.py."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from mlflow_db import fresh_mlflow_db
+from testbed.cli import main
+
+BASE = ["policy=sarathi", "workload=synthetic", "workload.num_requests=60", "workload.arrival=offline",
+        "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2", "output.plots=false", "output.progress=false"]
+
+
+def _sqlite_study(tmp_path: Path, name: str = "s"):
+    import optuna
+
+    return optuna.create_study(study_name=name, storage=f"sqlite:///{tmp_path}/optuna.db", direction="maximize")
+
+
+def test_a_same_named_hosts_live_trial_is_not_failed(tmp_path):
+    """Two hosts with one name: the other's trial (its pid not alive here) was failed as if its
+    worker were a dead local process, and that worker died with UpdateFinishedTrialError."""
+    from testbed.cluster import identity
+    from testbed.tune.storage import fail_stale
+
+    study = _sqlite_study(tmp_path)
+    other, dead_here = study.ask(), study.ask()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    me = identity.this_worker(0)
+    for t, ns, wid in ((other, "another-boot:4026531836", f"{me.host}-abc.0"),
+                       (dead_here, me.namespace, f"{me.host}-def.0")):
+        t.set_user_attr("worker", wid)  # the same host name on both
+        study.set_user_attr(f"worker:{wid}", {"host": me.host, "pid": int(dead), "namespace": ns})
+    assert fail_stale(study, study._storage, None) == 1
+    states = {t.number: t.state.name for t in study.get_trials()}
+    assert states == {other.number: "RUNNING", dead_here.number: "FAIL"}
+
+
+def test_retried_and_interrupted_trials_do_not_count():
+    import optuna
+    from optuna.trial import TrialState
+
+    from testbed.tune.storage import counted
+
+    done = optuna.trial.create_trial(state=TrialState.COMPLETE, value=1.0)
+    stale = optuna.trial.create_trial(state=TrialState.FAIL)
+    stale.number = 1
+    retry = optuna.trial.create_trial(state=TrialState.WAITING, system_attrs={"failed_trial": 1, "retry_history": [1]})
+    stopped = optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={"interrupted": True})
+    done.number, retry.number, stopped.number = 0, 2, 3
+    assert counted([done, stale, retry, stopped]) == 1  # the retry counts once it runs, the stale one never
+    retry.state = TrialState.RUNNING
+    assert counted([done, stale, retry, stopped]) == 2
+
+
+def test_one_trial_runs_the_enqueued_defaults(tmp_path):
+    """The enqueued trial 0 (WAITING) counted toward `tune.trials`: `tune.trials=1` ran nothing."""
+    import optuna
+
+    assert main(["tune", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", "tune.trials=1",
+                 "tune.study=one"]) == 0
+    trials = optuna.load_study(study_name="one", storage=f"sqlite:///{tmp_path}/optuna.db").trials
+    assert [(t.state.name, t.user_attrs.get("baseline")) for t in trials] == [("COMPLETE", True)]
+
+
+def test_sigterm_ends_only_this_sessions_trial_runs(tmp_path):
+    """A stopped host ended every RUNNING trial run of the study KILLED with error=interrupted,
+    the other host's live ones included (issue 24 item 3)."""
+    from testbed.tracking.tracker import Tracker
+    from testbed.tune.command import _kill_running_trials
+
+    tracker = Tracker({}, "tune-x", uri=fresh_mlflow_db(tmp_path))
+    parent = tracker.client.create_run(tracker.experiment_id).info.run_id
+    runs = {s: tracker.client.create_run(tracker.experiment_id, tags={"mlflow.parentRunId": parent,
+                                                                     "testbed.session": s, "worker": f"{s}.0"})
+            .info.run_id for s in ("host-a-1111", "host-b-2222")}
+    _kill_running_trials(tracker, parent, session="host-a-1111")
+    status = {s: tracker.client.get_run(r).info.status for s, r in runs.items()}
+    assert status == {"host-a-1111": "KILLED", "host-b-2222": "RUNNING"}
+    assert "error" not in tracker.client.get_run(runs["host-b-2222"]).data.tags
+
+
+def test_trials_carry_worker_identities_and_host_tags(tmp_path, monkeypatch):
+    """Workers are `<session>.<index>`, not host names; every run is tagged with its host."""
+    import optuna
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("TESTBED_HOST", "lab-a")
+    uri = fresh_mlflow_db(tmp_path)
+    # two commands on one study (the second resumes it): two sessions
+    assert main(["tune", *BASE, f"output.dir={tmp_path}", "tune.trials=2", "tune.study=ids"]) == 0
+    assert main(["tune", *BASE, f"output.dir={tmp_path}", "tune.trials=3", "tune.study=ids"]) == 0
+    study = optuna.load_study(study_name="ids", storage=f"sqlite:///{tmp_path}/optuna.db")
+    workers = [t.user_attrs["worker"] for t in study.trials]
+    assert len(workers) == 3 and len(set(workers)) == 2, workers
+    assert all(w.startswith("lab-a-") and w.endswith(".0") for w in workers), workers
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("tune-ids")
+    runs = client.search_runs([exp.experiment_id])
+    assert {r.data.tags.get("host") for r in runs} == {"lab-a"}
+    trial_runs = [r for r in runs if r.data.tags.get("testbed.kind") == "trial"]
+    assert sorted(r.data.tags["worker"] for r in trial_runs) == sorted(workers)
+
+
+def test_a_missing_postgres_driver_names_what_to_install(tmp_path, capsys, monkeypatch):
+    """`postgresql://` needs psycopg 3 under SQLAlchemy 2.1; the error named no module and no extra."""
+    for module in ("psycopg", "psycopg2"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    code = main(["tune", *BASE, f"output.dir={tmp_path}", "tune.trials=1",
+                 "tune.storage=postgresql://lab:s3cret-pw@127.0.0.1:1/optuna"])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "psycopg" in err and "pip install -e '.[postgres]'" in err and "s3cret-pw" not in err
+
+
+def test_default_comparison_names_differ_within_one_second():
+    """`compare-<UTC second>` collided across hosts; report then listed every point twice."""
+    from testbed.sweep.compare import default_name
+
+    names = {default_name() for _ in range(20)}
+    assert len(names) == 20 and all(n.startswith("compare-") for n in names)
+
+
+def test_an_unwritable_artifact_store_ends_the_runs(tmp_path, capsys):
+    """Where the experiment's artifact folder cannot be written, compare crashed with OSError
+    and left its MLflow runs RUNNING (issue 24 item 1)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = fresh_mlflow_db(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    client = MlflowClient(uri)
+    exp_id = client.create_experiment("grid", artifact_location=(blocker / "store").as_uri())
+    code = main(["compare", *BASE, f"output.dir={tmp_path}", "policy.token_budget=256,512",
+                 "compare.experiment=grid"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    runs = client.search_runs([exp_id])
+    assert len(runs) == 3 and "RUNNING" not in {r.info.status for r in runs}
+    summary = next(r for r in runs if r.data.tags.get("testbed.kind") == "compare")
+    assert "artifact_error" in summary.data.tags and "not logged to MLflow" in err
+
+
+def test_bad_heartbeat_settings_are_one_line(tmp_path, capsys):
+    for args, needle in ((["tune.heartbeat=5", "tune.grace_period=2"], "tune.grace_period=2 must be longer"),
+                         (["tune.heartbeat=often"], "tune.heartbeat"), (["tune.grace_period=0"], "tune.grace_period")):
+        code = main(["tune", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", *args])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("error:") == 1 and needle in err, err

@@ -1,0 +1,195 @@
+"""A study shared through PostgreSQL and an MLflow server, as two hosts would run it (issue 24):
+real servers from tests/services.py (one PostgreSQL and one mlflow server per session), each
+"host" a `testbed` process with its own working folder and TESTBED_HOST. Tiny workloads: a
+trial of 60 requests takes ~0.1 s, one of 3,000 a few seconds (long enough to be killed)."""
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import time
+
+import pytest
+
+from services import PASSWORD, WAIT_S, Host
+from testbed.config.overrides import merge
+
+pytestmark = pytest.mark.services
+
+BASE = ["policy=sarathi", "workload=synthetic", "workload.num_requests=60", "workload.arrival=offline",
+        "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2", "output.plots=false", "output.progress=false"]
+
+
+def _tune(storage: str, tracking: str, study: str, *extra: str) -> list[str]:
+    return ["tune", *merge(BASE, ["output.dir=runs", f"tune.storage={storage}", f"output.tracking_uri={tracking}",
+                                  f"tune.study={study}"], extra)]
+
+
+def _runs(tracking: str, experiment: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking)
+    return client.search_runs([client.get_experiment_by_name(experiment).experiment_id], max_results=1000)
+
+
+def _both(hosts: list[Host]) -> None:
+    codes = [h.wait() for h in hosts]
+    assert codes == [0, 0], [h.output[-2000:] for h in hosts]
+    for h in hosts:
+        assert PASSWORD not in h.output
+
+
+def test_two_hosts_start_one_study_together(postgres, mlflow_server, tmp_path):
+    """On a fresh PostgreSQL database both start (was: UniqueViolation pg_type_typname_nsp_index,
+    exit 2), the study has one parent run (was: two) and trial 0, the defaults, runs once (was:
+    twice in 4 of 10). Both hosts carry the same host name, as two containers of one image do."""
+    import optuna
+
+    storage, name = postgres.new_database("optuna"), f"shared-{secrets.token_hex(3)}"
+    hosts = [Host(tmp_path / h, "lab", *_tune(storage, mlflow_server.base, name, "tune.trials=8",
+                                            "workload.num_requests=300")) for h in ("a", "b")]
+    _both(hosts)
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    assert {t.state.name for t in trials} == {"COMPLETE"}
+    assert 8 <= len(trials) <= 9  # one ask per host may race the other's count: at most one over
+    assert sum(bool(t.user_attrs.get("baseline")) for t in trials) == 1
+    runs = _runs(mlflow_server.base, f"tune-{name}")
+    parents = [r for r in runs if r.data.tags.get("testbed.kind") == "study"]
+    assert len(parents) == 1
+    trial_runs = [r for r in runs if r.data.tags.get("testbed.kind") == "trial"]
+    assert len(trial_runs) == len(trials) and "RUNNING" not in {r.info.status for r in runs}
+    assert {r.data.tags["mlflow.parentRunId"] for r in trial_runs} == {parents[0].info.run_id}
+    assert {r.data.tags["host"] for r in runs} == {"lab"}
+    assert {t.user_attrs["worker"] for t in trials} <= {r.data.tags["worker"] for r in trial_runs}
+
+
+def _wait_running(host: Host, storage: str, name: str) -> object:
+    """The first trial RUNNING with its MLflow run open (fails loudly if the host ends first,
+    or after WAIT_S)."""
+    import optuna
+
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        assert host.proc.poll() is None, f"exit {host.proc.poll()}: {host.output[-2000:]}"
+        try:
+            for t in optuna.load_study(study_name=name, storage=storage).trials:
+                if t.state.name == "RUNNING" and t.user_attrs.get("mlflow_run_id"):
+                    return t
+        except KeyError:  # the study is not created yet
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"no trial of {name} started within {WAIT_S} s")
+
+
+def test_a_killed_hosts_trial_is_failed_and_retried_by_another(postgres, mlflow_server, tmp_path):
+    """A SIGKILLed host's trial stayed RUNNING for good and counted toward the budget (19
+    results for 20 trials). Now its heartbeat goes stale, another host fails it, runs it again
+    with the same parameters, and the budget counts finished trials."""
+    import optuna
+
+    storage, name = postgres.new_database("optuna"), f"killed-{secrets.token_hex(3)}"
+    args = _tune(storage, mlflow_server.base, name, "tune.trials=3", "workload.num_requests=3000",
+                 "tune.heartbeat=1", "tune.grace_period=2")
+    first = Host(tmp_path / "a", "lab-a", *args)
+    if not first.isolated:  # in this pid namespace a dead worker is seen at once (marked interrupted)
+        first.kill()
+        pytest.skip("needs unshare --pid (root) to imitate another host's process table")
+    victim = _wait_running(first, storage, name)
+    first.kill()
+    time.sleep(3)  # past the grace period: no heartbeat can come from a killed process
+    second = Host(tmp_path / "b", "lab-b", *args)
+    assert second.wait() == 0, second.output[-2000:]
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    dead = trials[victim.number]
+    assert dead.state.name == "FAIL"
+    retries = [t for t in trials if t.system_attrs.get("failed_trial") == victim.number]
+    assert len(retries) == 1 and retries[0].state.name == "COMPLETE" and retries[0].params == dead.params
+    assert sum(t.state.name == "COMPLETE" for t in trials) == 3
+    runs = {r.info.run_id: r for r in _runs(mlflow_server.base, f"tune-{name}")}
+    killed = runs[dead.user_attrs["mlflow_run_id"]]
+    assert killed.info.status == "KILLED" and killed.data.tags["error"].startswith("stale: worker")
+
+
+def test_artifacts_go_through_the_server_and_are_seen_from_another_host(mlflow_server, tmp_path):
+    """Artifacts were written to the local folder of the host that made the experiment: the
+    server's store stayed empty and another host listed 0 files, without an error."""
+    from mlflow.tracking import MlflowClient
+
+    name = f"grid-{secrets.token_hex(3)}"
+    a = Host(tmp_path / "a", "lab-a", "compare", *BASE, "output.dir=runs", f"output.tracking_uri={mlflow_server.base}",
+             "policy.token_budget=256,512", f"compare.experiment={name}")
+    assert a.wait() == 0, a.output[-2000:]
+    shutil.rmtree(tmp_path / "a")  # host a's files are out of reach from here on
+    client = MlflowClient(mlflow_server.base)
+    exp = client.get_experiment_by_name(name)
+    assert exp.artifact_location.startswith("mlflow-artifacts:")
+    summary = next(r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("testbed.kind") == "compare")
+    files = {f.path for f in client.list_artifacts(summary.info.run_id)}
+    assert {"table.csv", "table.md", "compare.json"} <= files
+    assert any(p.name == "table.csv" for p in mlflow_server.artifacts.rglob("*"))  # the server holds them
+    b = Host(tmp_path / "b", "lab-b", "report", name, "--tracking-uri", mlflow_server.base, "--out", "rep")
+    assert b.wait() == 0, b.output[-2000:]
+    table = (tmp_path / "b" / "rep" / "table.csv").read_text()
+    assert "host" in table.splitlines()[0] and table.count("lab-a") == 2
+
+
+def test_mlflow_store_in_fresh_postgres_two_hosts_and_no_password_shown(postgres, tmp_path):
+    """MLflow's own store in a fresh PostgreSQL database: two hosts starting together lost a
+    run; `report` wrote the database password into report.json and its error line."""
+    tracking = postgres.new_database("mlflow")
+    hosts = [Host(tmp_path / h, f"lab-{h}", "tune", *BASE, "output.dir=runs", f"output.tracking_uri={tracking}",
+                  "tune.trials=2", f"tune.study=pg-{h}") for h in ("a", "b")]
+    _both(hosts)
+    for h in ("a", "b"):
+        statuses = sorted(r.info.status for r in _runs(tracking, f"tune-pg-{h}"))
+        assert statuses == ["FINISHED"] * 3
+    rep = Host(tmp_path / "c", "lab-c", "report", "tune-pg-a", "tune-pg-b", "--tracking-uri", tracking, "--out", "rep")
+    assert rep.wait() == 0, rep.output[-2000:]
+    report = (tmp_path / "c" / "rep" / "report.json").read_text()
+    assert PASSWORD not in report + rep.output and json.loads(report)["runs"] == 4
+    bad = Host(tmp_path / "c", "lab-c", "report", "no-such-grid", "--tracking-uri", tracking)
+    assert bad.wait() == 2
+    assert PASSWORD not in bad.output and bad.output.count("error:") == 1, bad.output
+
+
+def _wait_two_sessions_running(hosts: list[Host], storage: str, name: str) -> None:
+    """Until each host has a trial RUNNING (fails loudly if a host ends first, or after WAIT_S)."""
+    import optuna
+
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for h in hosts:
+            assert h.proc.poll() is None, f"exit {h.proc.poll()}: {h.output[-2000:]}"
+        try:
+            running = {t.user_attrs["worker"].rsplit(".", 1)[0]
+                       for t in optuna.load_study(study_name=name, storage=storage).trials
+                       if t.state.name == "RUNNING" and t.user_attrs.get("mlflow_run_id")}
+        except KeyError:  # the study is not created yet
+            running = set()
+        if len(running) == 2:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"two hosts never ran trials of {name} at once within {WAIT_S} s")
+
+
+def test_sigterm_on_one_host_leaves_the_others_trials_alone(postgres, mlflow_server, tmp_path):
+    """SIGTERM on one host tagged the other host's live trial error=interrupted and ended its
+    run KILLED (2 of 2); `report` then listed it as finished and interrupted."""
+    import optuna
+
+    storage, name = postgres.new_database("optuna"), f"term-{secrets.token_hex(3)}"
+    args = _tune(storage, mlflow_server.base, name, "tune.trials=6", "workload.num_requests=3000")
+    a, b = (Host(tmp_path / h, f"lab-{h}", *args) for h in ("a", "b"))
+    _wait_two_sessions_running([a, b], storage, name)
+    assert a.terminate() == 143, a.output[-2000:]
+    assert b.wait() == 0, b.output[-2000:]
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    runs = {r.info.run_id: r for r in _runs(mlflow_server.base, f"tune-{name}")}
+    b_session = next(r.data.tags["testbed.session"] for r in runs.values() if r.data.tags.get("host") == "lab-b"
+                     and r.data.tags.get("testbed.kind") == "trial")
+    b_runs = [runs[t.user_attrs["mlflow_run_id"]] for t in trials if t.user_attrs["worker"].startswith(b_session)]
+    assert b_runs and {r.info.status for r in b_runs} == {"FINISHED"}
+    assert not [r.info.run_id for r in b_runs if "error" in r.data.tags]
+    a_stopped = [t for t in trials if t.user_attrs.get("interrupted")]
+    assert a_stopped and all(runs[t.user_attrs["mlflow_run_id"]].data.tags["host"] == "lab-a" for t in a_stopped)
+    assert sum(t.state.name == "COMPLETE" for t in trials) >= 6
