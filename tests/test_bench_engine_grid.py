@@ -21,6 +21,7 @@ def _args(tmp_path, *overrides: str, bandwidth: bool = False) -> argparse.Namesp
     return ap.parse_args(argv + (["--attention-bandwidth"] if bandwidth else []))
 
 
+@pytest.mark.slow  # long real-engine case (issue 25 item 15: the default set's CPU); `./tb test -m slow`
 def test_quick_grid_on_cpu_prints_floor_ratios(tmp_path):
     from rich.console import Console
 

@@ -88,6 +88,7 @@ def test_bf16_logits_torch_path_on_cpu(tiny):
     _check(tiny, "torch", "cpu")
 
 
+@pytest.mark.slow  # long real-engine case (issue 25 item 15: the default set's CPU); `./tb test -m slow`
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is part of the dev extra")
 def test_bf16_logits_triton_path_on_cpu(tiny):
     """Triton's interpreter on CPU (tests/conftest.py selects it where there is no GPU)."""

@@ -59,6 +59,7 @@ def test_matrix_table_marks_targets_and_failures():
     assert "failed: the real run failed: boom" in lines[4]
 
 
+@pytest.mark.slow  # long real-engine case (issue 25 item 15: the default set's CPU); `./tb test -m slow`
 def test_validate_matrix_runs_on_cpu(tmp_path, capsys):
     """Two policies x two cases, the real torch engine at P=1 and the simulator, in one invocation."""
     pytest.importorskip("torch")

@@ -131,7 +131,8 @@ def _model(path, split=(0, 8, True, True), device=DEV, attention="triton", dtype
     return m
 
 
-@pytest.mark.parametrize("split", [(0, 8, True, True), (4, 4, False, True), (0, 4, True, False)])
+@pytest.mark.parametrize("split", [(0, 8, True, True), pytest.param((4, 4, False, True), marks=pytest.mark.slow),
+                                   pytest.param((0, 4, True, False), marks=pytest.mark.slow)])
 def test_static_buffers_give_the_unpadded_rows(tiny, split):
     """The graph runner's buffers, loaded with a padded batch and run eagerly, reproduce the
     unpadded forward's rows -- after a wider batch left stale rows and columns behind."""
@@ -191,6 +192,7 @@ def _cpu_runner(m, sizes):
     return r
 
 
+@pytest.mark.slow  # long real-engine case (issue 25 item 15: the default set's CPU); `./tb test -m slow`
 def test_runner_plumbing_gives_the_eager_tokens(tiny):
     """capture_all / prepare's padding / replay / the head after it, with CPU stand-ins for the
     CUDA graph calls: P=2, chunked prefill, decode batches of 1-4 in buckets (1, 2, 4) -- the

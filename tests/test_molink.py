@@ -175,6 +175,7 @@ def _torch_molink(tmp_path, *extra):
     return res
 
 
+@pytest.mark.slow  # long real-engine case (issue 25 item 15: the default set's CPU); `./tb test -m slow`
 def test_torch_links_follow_schedule_transfer(tmp_path):
     """Paced torch links send what MoLink's Algorithm 1 picks: same greedy tokens as FIFO whole
     tensors, and a decode activation never waits behind more than one prefill transfer."""

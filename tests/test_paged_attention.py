@@ -207,7 +207,7 @@ def test_triton_path_reads_no_unwritten_slot(tiny_ckpts):
     assert torch.isfinite(m.forward(b, None)).all()
 
 
-@pytest.mark.parametrize("full", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("full", [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)])
 def test_engine_with_triton_attention_matches_hf(tiny_ckpts, full):
     """The real engine (spawned stages, P=2, chunked prefill) with executor.attention=triton -- the
     stages run the kernels under Triton's interpreter -- gives HF's greedy tokens. `full` (slow):

@@ -92,6 +92,7 @@ def baseline_tokens(tmp_path_factory):
     return _tokens(res)
 
 
+@pytest.mark.slow  # long real-engine case (issue 25 item 15: the default set's CPU); `./tb test -m slow`
 @pytest.mark.parametrize("feature", FEATURES)
 def test_each_runtime_switch_alone_keeps_greedy_tokens(feature, baseline_tokens, tmp_path):
     """Each SiPipe switch on its own (the others off) gives the baseline's greedy tokens."""

@@ -128,6 +128,7 @@ def test_greedy_pipeline_equals_hf_generate(pp, model_cache):
     _assert_no_children()
 
 
+@pytest.mark.slow  # long real-engine case (issue 25 item 15: the default set's CPU); `./tb test -m slow`
 def test_random_sampling_is_seeded_and_depth_independent(model_cache):
     """temperature/top-k/top-p sampling: the same seed gives the same tokens at P=1 and P=2 (each
     (request, position) draws from its own stream), another seed gives others, and they differ
