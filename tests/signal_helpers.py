@@ -64,7 +64,8 @@ class Command:
 def survivors(procs: list[psutil.Process]) -> list[str]:
     """The processes of the list still alive once they had time to notice (zombies count as gone)."""
     _, alive = psutil.wait_procs(procs, timeout=60)
-    return [f"{p.pid} {p.name()}" for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    return [f"{p.pid} {p.name()}: {' '.join(p.cmdline())[:200]}" for p in alive
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def run_states(db: Path) -> dict[str, dict]:

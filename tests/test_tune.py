@@ -209,11 +209,28 @@ SIGNAL_BASE = [a for a in BASE if not a.startswith(("workload.num_requests", "ou
     ["workload.num_requests=3000", "tune.trials=400", "tune.workers=2", "tune.study=sig"]
 
 
+def _wait_for_a_running_trial(db: Path, run_states) -> None:
+    """Until some trial's MLflow run is open: between two trials (or while the second worker is
+    still importing) a signal finds no trial to kill, and the test would see only FINISHED runs."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if any(r["kind"] == "trial" and r["status"] == "RUNNING" for r in run_states(db).values()):
+                return
+        except Exception:  # the store is being written: look again
+            pass
+        time.sleep(0.05)
+    raise AssertionError("no trial was ever running")
+
+
 def test_sigterm_ends_the_study_killed_with_no_worker_left(out):
     from signal_helpers import Command, run_states, survivors
 
     cmd = Command("tune", *SIGNAL_BASE, f"output.dir={out}")
     cmd.wait_for(" done ")  # a first trial finished
+    _wait_for_a_running_trial(out / "mlflow.db", run_states)  # else the signal may fall between trials
     children = cmd.descendants()
     assert children  # the spawned worker (and multiprocessing's resource tracker)
     assert cmd.terminate() == 143, "".join(cmd.err)[-2000:]

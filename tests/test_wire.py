@@ -315,11 +315,14 @@ def _listening(pids) -> dict[tuple[int, str], set]:
 def test_a_torch_run_listens_only_on_loopback(model_cache):
     """Driver, both stages (torch.distributed store, gloo) and the CPU samplers' channel."""
     seen: dict = {}
+    # the session's service fixtures (PostgreSQL, mlflow server, a Ray cluster) are children of
+    # this process too: only what the run itself starts counts
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
 
     def inspect(ex):
         if not seen:
             me = psutil.Process()
-            pids = [me.pid] + [c.pid for c in me.children(recursive=True)]
+            pids = [me.pid] + [c.pid for c in me.children(recursive=True) if c.pid not in before]
             seen.update(_listening(pids))
 
     _run(_requests()[:3], model_cache, inspect, runtime=RuntimeFeatures(cpu_sampling=True))

@@ -141,12 +141,15 @@ def shield() -> None:
             signal.signal(s, signal.SIG_IGN)
 
 
-def orphan_guard() -> None:
+def orphan_guard(parent: int | None = None) -> None:
     """Call first in a worker process: SIGTERM raises `Terminated`, and the worker gets SIGTERM
-    when its parent dies (pdeathsig on Linux, else the parent-pid poll of a daemon thread)."""
+    when its parent dies (pdeathsig on Linux, else the parent-pid poll of a daemon thread).
+    `parent`: the spawner's pid, passed by the spawner. Read here instead, it is already the
+    reaper's when the parent died while this process was still importing, and the worker then
+    outlived it."""
     for s in signals_mod.STOP_SIGNALS:
         signal.signal(s, _raise_terminated)
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -401,9 +404,9 @@ def _progress(console: Any, total: int, unit: str = "runs") -> Progress:
     return progress
 
 
-def _worker_main(tasks: Any, results: Any) -> None:
+def _worker_main(tasks: Any, results: Any, parent: int | None = None) -> None:
     """A spawned worker: run the jobs from the queue until it hands over None."""
-    orphan_guard()
+    orphan_guard(parent)
     try:
         while True:
             try:
@@ -435,7 +438,7 @@ class WorkerPool:
 
     def _spawn(self) -> None:
         # not daemonic: a torch point starts stage processes of its own; `stop` and the orphan guard end it
-        p = self.ctx.Process(target=_worker_main, args=(self.tasks, self.results), daemon=False,
+        p = self.ctx.Process(target=_worker_main, args=(self.tasks, self.results, os.getpid()), daemon=False,
                              name=f"sweep-worker-{len(self.procs)}")
         p.start()
         self.procs.append(p)

@@ -68,10 +68,9 @@ def worker_loop(problem: Problem, index: int, lock: Any = None, emit: Callable[[
     return done
 
 
-def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: Any) -> None:
-    """Entry point of a spawned worker process."""
-    parent = os.getppid()
-    sweep.orphan_guard()
+def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: Any, parent: int) -> None:
+    """Entry point of a spawned worker process (`parent`: the spawner's pid, sweep.orphan_guard)."""
+    sweep.orphan_guard(parent)
     sweep.catch_interrupts()
     code = 0
 
@@ -146,7 +145,7 @@ def run_workers(problem: Problem, display: Any) -> tuple[int, list[str]]:
     """Run the study on `tune.workers` processes; (trials run, worker errors)."""
     ctx = mp.get_context("spawn")
     lock, events, start = ctx.Lock(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_worker_main, args=(problem, i, lock, events, start), name=f"tune-worker-{i}",
+    procs = [ctx.Process(target=_worker_main, args=(problem, i, lock, events, start, os.getpid()), name=f"tune-worker-{i}",
                          daemon=False) for i in range(1, problem.settings.workers)]
     for p in procs:
         p.start()
