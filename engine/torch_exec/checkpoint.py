@@ -38,9 +38,6 @@ MAX_RANDOM_PARAMS = 2_000_000_000  # building a random 70B model on the fly is n
 FIRST_PROMPT_ID = 3
 
 
-# The real engine's former name of the model's one description (engine/models.py's ModelSpec,
-# which the cost model reads too), kept importable: the stage worker rebuilds it as `ArchConfig(**d)`.
-ArchConfig = ModelSpec
 ROPE_TYPES = ("default", "linear", "llama3")  # what the stage's `inv_freq` implements (model.py)
 
 

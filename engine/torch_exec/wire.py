@@ -160,7 +160,7 @@ class StageInit:
 
     pp: int
     path: str  # the checkpoint directory; "" = random weights built in memory from `model_seed` (CUDA)
-    arch: dict[str, Any]  # ArchConfig's fields
+    arch: dict[str, Any]  # the ModelSpec's fields (engine/models.py)
     layers: list[tuple[int, int]]  # per stage: (first layer, number of layers)
     num_blocks: int  # 0 = measure: probe memory (KvProbe) and wait for the driver's KvPool
     block_size: int

@@ -328,10 +328,10 @@ class _Stage:
                 self.fault = (kind, n)
 
     def load_model(self, init: wire.StageInit) -> None:
-        from engine.torch_exec.checkpoint import ArchConfig
+        from engine.models import ModelSpec
         from engine.torch_exec.model import StageModel
 
-        self.arch = arch = ArchConfig(**init.arch)
+        self.arch = arch = ModelSpec(**init.arch)
         first_layer, n_layers = init.layers[self.stage]
         num_blocks = init.num_blocks
         if num_blocks == 0:  # measured later: a pool just large enough for the warm-up batch

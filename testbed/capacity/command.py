@@ -258,14 +258,12 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
     targets = sorted({pt.target for pt in p.points})
     what = f"{s.criterion}: {', '.join(s.describe(t) for t in targets)}"
     console.print(f"capacity [bold]{p.name}[/bold]: {len(p.points)} point(s) over {over}; {what}; precision "
-                  f"{s.precision:.0%}; each probe {probe_text(p)}; ~{feed.planned()} probes planned; "
+                  f"{s.precision:.0%}; each probe {s.probe_text(p.run0.workload.num_requests)}; ~{feed.planned()} probes planned; "
                   f"{s.workers} worker(s)", highlight=False)
     if p.live is not None:
         p.live.print_estimate(console, p, feed)
 
 
-def probe_text(p: Plan) -> str:
-    return p.settings.probe_text(p.run0.workload.num_requests)
 
 
 def cli_capacity(overrides: Sequence[str], console: Any, live: Any = None) -> int:

@@ -12,7 +12,7 @@ pg_type_typname_nsp_index` (3 of 4 tries with Optuna; with MLflow's store, one r
 issue 24 item 2). `first_start_lock` holds a session-level advisory lock of that database
 (`pg_advisory_lock`, released with the connection, so a killed holder never leaves it taken)
 while a command creates or opens its study, its experiment and the study's parent run; the lock is
-re-entrant within a process, so nested users (the tracker inside `testbed tune`) never wait on
+re-entrant within a thread, so nested users (the tracker inside `testbed tune`) never wait on
 themselves. An advisory lock needs no table, so it works on an empty database."""
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ from testbed.config.redact import redact
 
 EXTRA = "pip install -e '.[postgres]'"
 LOCK_NAME = "testbed:first-start"
-_held: dict[str, int] = {}  # database (password hidden) -> nesting depth, in this process
+# (database with its password hidden, thread) -> nesting depth: re-entrant per thread, so that
+# two threads of one process are serialised by the database like two hosts
+_held: dict[tuple[str, int], int] = {}
 _held_guard = threading.Lock()
 
 
@@ -62,7 +64,7 @@ def advisory_lock(url: str, name: str = LOCK_NAME) -> Iterator[None]:
     if not is_postgres(url):
         yield
         return
-    db = redact(url)
+    db = (redact(url), threading.get_ident())
     with _held_guard:
         depth = _held.get(db, 0)
         _held[db] = depth + 1
@@ -90,7 +92,7 @@ def advisory_lock(url: str, name: str = LOCK_NAME) -> Iterator[None]:
         _release(db)
 
 
-def _release(db: str) -> None:
+def _release(db: tuple[str, int]) -> None:
     with _held_guard:
         _held[db] -= 1
         if not _held[db]:

@@ -150,9 +150,10 @@ def base_config() -> dict:
     return base
 
 
-def compose(overrides: Sequence[str] = ()) -> DictConfig:
+def compose_validated(overrides: Sequence[str] = ()) -> tuple[DictConfig, dict[str, Any]]:
     """Resolve `key=value` overrides (Hydra syntax) on top of the defaults, and validate the result
-    (`validate`): a config that composes is one every command can run."""
+    (`validate`): a config that composes is one every command can run. Returns the config and its
+    typed sections (testbed/config/spec.py builds the RunSpec from both, validating once)."""
     from hydra import compose as hydra_compose, initialize
     from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
@@ -177,8 +178,14 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     finally:
         GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, False)
-    _normalize(cfg, validate(container))
-    return cfg
+    typed = validate(container)
+    _normalize(cfg, typed)
+    return cfg, typed
+
+
+def compose(overrides: Sequence[str] = ()) -> DictConfig:
+    """`compose_validated` without the typed sections."""
+    return compose_validated(overrides)[0]
 
 
 def _precheck(overrides: Sequence[str], groups: Mapping[str, Mapping[str, dict]]) -> None:

@@ -28,24 +28,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cost_coefficients import CostCoefficients
-from engine.errors import bad_value
+from engine.errors import ConfigError, bad_value
 from engine.policy import make_params
 from engine.settings import OutputSettings, RunConfig
-from testbed.config.composer import compose, flatten, to_container, validate
+from testbed.config.composer import compose_validated, flatten, to_container, validate
 from testbed.serve.settings import ServeSettings
 
 MAX_RUN_NAME_BYTES = 200  # file systems allow 255 bytes per name; MLflow's run-name limit is 250 characters
 
 
 def compose_spec(overrides: Sequence[str] = ()) -> RunSpec:
-    """`compose` (testbed/config/composer.py: Hydra, every mistake one line), then the typed spec."""
-    return RunSpec.from_tree(to_container(compose(overrides)))
+    """`compose` (testbed/config/composer.py: Hydra, every mistake one line), then the typed spec
+    from the sections it validated."""
+    cfg, typed = compose_validated(overrides)
+    return RunSpec.from_validated(to_container(cfg), typed)
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What one run is made of (module docstring); build it with `RunSpec.from_tree` or
-    `testbed.config.composer.compose_spec`."""
+    """What one run is made of (module docstring); build it with `compose_spec` or
+    `RunSpec.from_tree`."""
 
     settings: RunConfig
     policy_name: str
@@ -60,12 +62,16 @@ class RunSpec:
         """Validate a composed config tree (every section by its own dataclass) into a spec.
         Raises ConfigError (one line naming the value and the valid choices) for any mistake."""
         tree = copy.deepcopy(dict(tree))
-        typed = validate(tree)
+        return cls.from_validated(tree, validate(tree))
+
+    @classmethod
+    def from_validated(cls, tree: dict[str, Any], typed: Mapping[str, Any]) -> RunSpec:
+        """A spec from a tree (owned by the spec from now on) and its sections as `validate`
+        returned them."""
         rc: RunConfig = typed[""]
         if rc.output.run_name is not None:
             check_run_name(str(rc.output.run_name))
         if "policy" not in typed:
-            from engine.errors import ConfigError
             from engine.policy import POLICIES
 
             raise ConfigError(f"no policy chosen; valid choices: {', '.join(POLICIES.names())}")

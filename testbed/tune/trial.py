@@ -32,11 +32,12 @@ TRIAL_SUMMARY_KEYS = ("throughput_tok_s", "ttft_p99_s", "tpot_p99_s", "e2el_mean
 
 class TrialFailed(Exception):
     """A trial's failure with its reason (the `fail_reason` attribute); `run_closed` when its
-    MLflow run already ended (a failed or NaN run is logged as such, then the trial fails)."""
+    MLflow run already ended (a failed or NaN run is logged as such, then the trial fails);
+    `run_id` when the failure opened the trial's run itself (a config that did not validate)."""
 
-    def __init__(self, reason: str, run_closed: bool = False) -> None:
+    def __init__(self, reason: str, run_closed: bool = False, run_id: str | None = None) -> None:
         super().__init__(reason)
-        self.run_closed = run_closed
+        self.run_closed, self.run_id = run_closed, run_id
 
 
 def open_tracker(problem: Problem) -> Any:
@@ -56,7 +57,6 @@ class TrialRunner:
         self.heartbeat = heartbeat_of(problem.storage_url, problem.settings)
         self.tracker = open_tracker(problem)
         self._requests: dict[str, list] = {}
-        self.invalid_run_id: str | None = None  # the MLflow run of a trial whose config did not validate
 
     def _requests_for(self, spec: RunSpec):
         """Build the workload once per process (it is immutable) unless a trial changes it."""
@@ -70,14 +70,14 @@ class TrialRunner:
         t0 = time.perf_counter()
         trial.set_user_attr("worker", self.worker.id)
         event: dict[str, Any] = {"number": trial.number, "worker": self.worker.id}
-        run_id = self.invalid_run_id = None
+        run_id = None
         try:
             try:
                 with heartbeat.beating(study, trial, self.heartbeat):
                     spec, run_id = self._start(trial, event)
                     values, violations = self._measure(trial, spec, run_id)
             except TrialFailed as exc:
-                run_id = run_id or self.invalid_run_id
+                run_id = run_id or exc.run_id
                 return self._fail(study, trial, None if exc.run_closed else run_id, str(exc), event, t0)
             study.tell(trial, values if self.p.settings.multi else values[0])
             event.update(state="COMPLETE", values=values, feasible=all(v <= 0 for v in violations),
@@ -98,8 +98,8 @@ class TrialRunner:
         try:
             spec = p.spec_for(assignments)
         except TestbedError as exc:  # recorded like any failed trial: its run, params and reason
-            self.invalid_run_id = self._open_run(trial, None, {**p.base.params(), **assignments})
-            raise TrialFailed(f"invalid config: {exc}") from None
+            run_id = self._open_run(trial, None, {**p.base.params(), **assignments})
+            raise TrialFailed(f"invalid config: {exc}", run_id=run_id) from None
         return spec, self._open_run(trial, spec)
 
     def _open_run(self, trial: Any, spec: RunSpec | None, params: dict | None = None) -> str | None:
