@@ -228,7 +228,11 @@ def _wait_for_a_running_trial(db: Path, run_states) -> None:
 def test_sigterm_ends_the_study_killed_with_no_worker_left(out):
     from signal_helpers import Command, run_states, survivors
 
-    cmd = Command("tune", *SIGNAL_BASE, f"output.dir={out}")
+    # trials of ~1.7 s of simulation (0.25 s with SIGNAL_BASE's 3,000 requests): the signal sent
+    # once a trial is seen running must still find it running (it ran out 1 in 3 fresh-clone CI runs)
+    long_trials = [a if not a.startswith("workload.num_requests") else "workload.num_requests=20000"
+                   for a in SIGNAL_BASE]
+    cmd = Command("tune", *long_trials, f"output.dir={out}")
     cmd.wait_for(" done ")  # a first trial finished
     _wait_for_a_running_trial(out / "mlflow.db", run_states)  # else the signal may fall between trials
     children = cmd.descendants()
