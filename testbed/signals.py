@@ -117,3 +117,47 @@ def saving() -> Iterator[None]:
         yield
     finally:
         _restore(old)
+
+
+class DeferredStop:
+    """Within `deferred_stop()`: the stop signal that arrived, if any, raised by `check()` at a
+    point of the caller's choosing."""
+
+    def __init__(self, old: dict) -> None:
+        self.old = old
+        self.signum: int | None = None
+
+    def note(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def check(self) -> None:
+        """Raise what the handler outside the block would have raised for the signal that arrived
+        (KeyboardInterrupt, `Terminated`, or nothing if it ignores it)."""
+        if self.signum is None:
+            return
+        signum, self.signum = self.signum, None
+        outer = self.old.get(signum)
+        if callable(outer):
+            outer(signum, None)
+        elif outer == signal.SIG_DFL:
+            raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signal.Signals(signum).name)
+
+
+@contextmanager
+def deferred_stop() -> Iterator[DeferredStop]:
+    """Within the block Ctrl-C, SIGTERM and SIGHUP are only noted; the block calls `check()` where
+    stopping is safe. For waits in native code that mishandle an exception raised by a signal
+    handler: one raised while Ray's `ray.wait` runs comes out as "SystemError: CoreWorker.wait
+    returned a result with an exception set" (seen with pytest-timeout's SIGALRM), not as the
+    KeyboardInterrupt every cleanup expects; a handler that only notes the signal raises nothing
+    there. Outside the main thread it changes nothing and `check()` never raises."""
+    current = {s: signal.getsignal(s) for s in ALL_SIGNALS}
+    wanted = tuple(s for s, h in current.items() if h != signal.SIG_IGN)
+    stop = DeferredStop({})
+    old = _install(stop.note, wanted)
+    stop.old = old or {}
+    try:
+        yield stop
+    finally:
+        _restore(old)

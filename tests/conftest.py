@@ -3,6 +3,7 @@ no downloads ever, and small configs."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,17 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 def _listing(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*")} if folder.is_dir() else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ctrl_c_reaches_the_tests():
+    """A suite started in the background (`./tb test &` from a script) inherits SIGINT ignored,
+    and so does every command a test starts: Python then never raises KeyboardInterrupt, and the
+    Ctrl-C tests saw runs that would not stop (and `_thread.interrupt_main` does nothing). A
+    Python handler here is reset to the default at each child's exec, as in a terminal."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(scope="session", autouse=True)

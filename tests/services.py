@@ -151,6 +151,7 @@ class MlflowServer:
 
     def __init__(self, backend_uri: str, workdir: Path) -> None:
         self.port = free_port()
+        self.backend_uri = backend_uri
         self.base = f"http://127.0.0.1:{self.port}"
         self.artifacts = workdir / "served"
         self.log = open(workdir / "mlflow-server.log", "wb")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import sqlite3
 import subprocess
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from mlflow_db import fresh_mlflow_db
 from signal_helpers import WAIT_S
@@ -23,25 +25,22 @@ SMALL = ["policy=sarathi", "workload=azure", "workload.rate=2", "hardware=a100-8
 LONG = "workload.num_requests=15000"  # a simulation of seconds: the background process is signalled within it
 
 
-def test_run_logs_to_a_real_mlflow_server_over_http(tmp_path, capsys):
+@pytest.mark.services  # the session's real mlflow server (tests/services.py)
+def test_run_logs_to_a_real_mlflow_server_over_http(mlflow_server, tmp_path, capsys):
     """MLflow prints "View run ..." to stdout over HTTP; that stdout was the reply channel."""
-    from test_mlflow_server import Server
+    from test_mlflow_server import rest_get, rest_post
 
-    server = Server(fresh_mlflow_db(tmp_path / "server"), tmp_path)
-    try:
-        server.wait_healthy()
-        code = main(["run", *SMALL, "workload.num_requests=30", f"output.dir={tmp_path / 'out'}",
-                     f"output.tracking_uri={server.base}", "output.experiment=http"])
-        cap = capsys.readouterr()
-        assert code == 0, cap.err
-        assert "Traceback" not in cap.err and "JSONDecodeError" not in cap.err
-        exp = server.get("experiments/get-by-name", experiment_name="http")["experiment"]
-        runs = server.post("runs/search", {"experiment_ids": [exp["experiment_id"]]})["runs"]
-        assert [r["info"]["status"] for r in runs] == ["FINISHED"]
-        metrics = {m["key"]: m["value"] for m in runs[0]["data"]["metrics"]}
-        assert metrics["num_requests"] == 30
-    finally:
-        server.stop()
+    experiment = f"http-{secrets.token_hex(3)}"  # the session's server is shared
+    code = main(["run", *SMALL, "workload.num_requests=30", f"output.dir={tmp_path / 'out'}",
+                 f"output.tracking_uri={mlflow_server.base}", f"output.experiment={experiment}"])
+    cap = capsys.readouterr()
+    assert code == 0, cap.err
+    assert "Traceback" not in cap.err and "JSONDecodeError" not in cap.err
+    exp = rest_get(mlflow_server, "experiments/get-by-name", experiment_name=experiment)["experiment"]
+    runs = rest_post(mlflow_server, "runs/search", {"experiment_ids": [exp["experiment_id"]]})["runs"]
+    assert [r["info"]["status"] for r in runs] == ["FINISHED"]
+    metrics = {m["key"]: m["value"] for m in runs[0]["data"]["metrics"]}
+    assert metrics["num_requests"] == 30
 
 
 def _start(tmp_path: Path, **env: str) -> subprocess.Popen:

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
     (["hardware=tpu"], "unknown hardware 'tpu'; valid choices: a100-40g"),
     (["model=gpt5"], "unknown model 'gpt5'; valid choices:"),
     (["executor=gpu"], "unknown executor 'gpu'"),
+    (["executor=torch", "executor.start_method=fork"], "executor.start_method='fork'"),
     (["foo.bar=1"], "unknown config key 'foo.bar'"),
     (["parallel.ppp=2"], "unknown config key 'parallel.ppp'; valid keys under 'parallel': layer_split, num_microbatches, pp, tp"),
     (["policy.token_budgt=5", "policy=sarathi"], "unknown config key 'policy.token_budgt'"),

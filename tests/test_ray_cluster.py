@@ -29,7 +29,7 @@ BASE = ["workload=synthetic", "workload.num_requests=40", "hardware=a100-80g", "
 WAIT_S = 120.0  # bound of every wait below (a hang fails loudly; nothing asserts a duration)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # its daemons use CPU while idle (~3% of a core): gone after this file
 def cluster():
     saved = os.environ.get("RAY_TMPDIR")
     c = start_cluster()

@@ -100,12 +100,14 @@ def _assert_no_children():
 
 
 # --- the correctness anchor ------------------------------------------------------------------------
-@pytest.mark.parametrize("pp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
-def test_greedy_pipeline_equals_hf_generate(pp, model_cache):
+# stages forked from the fork server (the default) or spawned from scratch give the same tokens
+@pytest.mark.parametrize("pp, start", [(1, "forkserver"), (2, "forkserver"), (2, "spawn"),
+                                       pytest.param(4, "forkserver", marks=pytest.mark.slow)])
+def test_greedy_pipeline_equals_hf_generate(pp, start, model_cache):
     requests = _requests()
     path = random_checkpoint(get_model("tiny-llama"), 0, model_cache)
     ctrl, ex = _run_pipeline(requests, pp=pp, model="tiny-llama", cache=model_cache,
-                             policy_params={"token_budget": 16, "max_num_seqs": 8})
+                             policy_params={"token_budget": 16, "max_num_seqs": 8}, start_method=start)
     assert ctrl.num_finished == len(requests)
     assert ctrl.num_preemptions > 0, "the tiny KV cache should have forced a preemption"
     # prompts of up to 60 tokens (+ recomputed output) through micro-batches of at most 16 prefill

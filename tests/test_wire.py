@@ -338,11 +338,11 @@ DRIVER = textwrap.dedent("""
     from testbed.config.spec import compose_spec
     from testbed.run.runner import run_experiment
 
-    def announce():  # once both stages and both CPU samplers are up
+    def announce():  # once the stages' fork server, both stages and both CPU samplers are up
         while True:
             kids = [p for p in psutil.Process().children(recursive=True)
                     if "resource_tracker" not in " ".join(p.cmdline())]
-            if len(kids) >= 4:
+            if len(kids) >= 5:
                 time.sleep(1.0)
                 print("PIDS", *[p.pid for p in kids], flush=True)
                 return
@@ -369,7 +369,7 @@ def test_stages_and_samplers_exit_when_the_driver_is_killed(model_cache, tmp_pat
         if line.startswith("PIDS"):
             pids = [int(x) for x in line.split()[1:]]
             break
-    assert len(pids) == 4, "expected 2 stages + 2 samplers: " + "".join(seen[-20:])
+    assert len(pids) == 5, "expected the fork server, 2 stages and 2 samplers: " + "".join(seen[-20:])
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(30)
     deadline = time.time() + 20  # liveness bound, not a speed assertion

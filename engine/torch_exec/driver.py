@@ -53,6 +53,7 @@ from engine.torch_exec.settings import TorchSettings
 from engine.torch_exec import wire
 from engine.torch_exec.control import ControlSocket, check_host, free_port, warn_exposed
 from engine.torch_exec.diagnosis import FailureDiagnosis
+from engine.torch_exec.stage_processes import start_stage
 from engine.trace import Tracer
 
 STOP_GRACE_S = 5.0
@@ -312,27 +313,13 @@ class TorchExecutor(FailureDiagnosis, Executor):
         return self._ctl.address
 
     def _spawn_stages(self, addr: str) -> None:
-        import torch.multiprocessing as tmp
         import zmq
 
-        from engine.torch_exec.worker import stage_main
-
-        mp = tmp.get_context("spawn")
-        # Stages inherit the environment at spawn. Passive OpenMP waits: spinning threads of
-        # P stages (plus the driver) on few cores starve each other (see testbed/bench/engine.py).
-        saved = os.environ.get("OMP_WAIT_POLICY")
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        try:
-            for s in range(self.pipeline_depth):
-                # the secret travels as a spawn argument (the pipe to the child), never over a socket
-                p = mp.Process(target=stage_main, args=(addr, s, os.getpid(), self._secret, self._run_id),
-                               name=f"pp-stage{s}", daemon=True)
-                p.start()
-                self._procs.append(p)
-                self._poller.register(p.sentinel, zmq.POLLIN)
-        finally:
-            if saved is None:
-                os.environ.pop("OMP_WAIT_POLICY", None)
+        for s in range(self.pipeline_depth):
+            # the secret travels as a start argument (the pipe to the child), never over a socket
+            p = start_stage(self.settings.start_method, addr, s, self._secret, self._run_id)
+            self._procs.append(p)
+            self._poller.register(p.sentinel, zmq.POLLIN)
 
     def _backend(self) -> str:
         st = self.settings

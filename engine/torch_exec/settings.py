@@ -15,6 +15,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 SAMPLING = ("greedy", "random")
 LAUNCH = ("spawn", "external")
+START_METHODS = ("forkserver", "spawn")  # engine/torch_exec/stage_processes.py
 BACKENDS = ("auto", "gloo", "nccl")
 ATTENTION = ("auto", "torch", "triton")
 
@@ -58,6 +59,7 @@ class TorchSettings:
     start_timeout_s: float = 180.0  # spawning, importing torch and loading weights
     # rendezvous (multi-machine: see engine/torch_exec/__init__.py)
     launch: str = "spawn"  # spawn: the driver starts every stage here; external: stages are started by hand
+    start_method: str = "forkserver"  # how launch=spawn starts them: forked from a server with torch imported, or spawn
     master_addr: str = "127.0.0.1"  # torch.distributed rendezvous (stage 0's host)
     master_port: int = 0  # 0 = pick a free port (spawn only)
     zmq_host: str = "127.0.0.1"  # where the driver's control socket binds (0.0.0.0 for remote stages)
@@ -89,6 +91,8 @@ class TorchSettings:
             raise bad_value("executor.sampling", self.sampling, f"must be one of {', '.join(SAMPLING)}")
         if self.launch not in LAUNCH:
             raise bad_value("executor.launch", self.launch, f"must be one of {', '.join(LAUNCH)}")
+        if self.start_method not in START_METHODS:
+            raise bad_value("executor.start_method", self.start_method, f"must be one of {', '.join(START_METHODS)}")
         if self.backend not in BACKENDS:
             raise bad_value("executor.backend", self.backend, f"must be one of {', '.join(BACKENDS)}")
         if self.backend == "nccl" and self.device != "cuda":

@@ -19,7 +19,7 @@ which `./tb` installs); without it `sweep.backend=ray` is one `error:` line, exi
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any

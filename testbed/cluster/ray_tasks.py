@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from testbed.cluster.ray_backend import SweepBackend, connected, task_resources
+from testbed.signals import deferred_stop
 
 POLL_S = 0.5
 
@@ -97,13 +98,14 @@ class RayPool:
     def run(self, done: Callable[[dict], Sequence[Any] | None]) -> None:
         from testbed.sweep.jobs import failed_row
 
-        with connected(self.settings) as ray:
+        with connected(self.settings) as ray, deferred_stop() as stop:
             self.ray = ray
             try:
                 for job in self.jobs:
                     self.submit(job)
                 while self.refs:
                     ready, _ = ray.wait(list(self.refs), num_returns=1, timeout=POLL_S)
+                    stop.check()
                     for ref in ready:
                         job = self.refs.pop(ref)
                         try:
@@ -164,11 +166,12 @@ def run_trials_on_ray(problem: Any, emit: Callable[[dict], None], settings: Swee
     problem = dataclasses.replace(problem, base=portable_spec(problem.base),
                                   out_dir=_absolute(problem.out_dir), storage_url=_storage_url(problem.storage_url))
     study = optuna.load_study(study_name=problem.study, storage=make_storage(problem.storage_url))
-    with connected(settings) as ray:
+    with connected(settings) as ray, deferred_stop() as stop:
         trials = _RayTrials(ray, problem, study, settings)
         try:
             while trials.fill():
                 trials.collect(emit)
+                stop.check()
         finally:
             trials.cancel()
     return trials.count, trials.errors

@@ -1,0 +1,61 @@
+"""Where stage processes come from (`executor.start_method`): by default, forked from a server
+that has imported torch once.
+
+Spawning a stage process from scratch imports torch in it: about 1.7 s of CPU per stage on the
+2-core CI machine (`python -c "import torch"`: 1.45 s user + 0.25 s sys), paid again by every run
+and every stage. multiprocessing's fork server is started once per driver process with torch and
+the stage module imported, and forks each stage from that warm copy. It is as safe as spawn
+for CUDA: the server imports torch but never touches a device, so no CUDA context exists before
+the fork (each stage initialises its own GPU, as a spawned one does).
+
+A forked stage inherits the server's state, fixed when the server started, and none of the
+driver's: its environment is the one the driver had when its first run started the server
+(`OMP_WAIT_POLICY=PASSIVE`, which the OpenMP runtime reads when torch loads it, is set for that
+moment). The stage's parent is the server, not the driver; the server exits when the driver dies
+(EOF on its pipe from the driver), and a stage dies with the server or when the driver's pid is
+gone (engine/torch_exec/orphan.py). `executor.start_method=spawn` starts each stage from scratch.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from engine.torch_exec.settings import START_METHODS
+
+# imported once in the server; each stage forked from it starts with them loaded
+PRELOAD = ["torch", "torch.distributed", "zmq", "engine.torch_exec.worker", "engine.torch_exec.model"]
+# Passive OpenMP waits: spinning threads of P stages (plus the driver) on few cores starve each
+# other (see testbed/bench/engine.py). The user's own value, if set, is kept.
+STAGE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def stage_context(method: str) -> Any:
+    """The multiprocessing context that starts stage processes (`method`: START_METHODS)."""
+    if method not in START_METHODS:
+        raise ValueError(f"start method {method!r}: must be one of {', '.join(START_METHODS)}")
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start_stage(method: str, driver_addr: str, stage: int, secret: bytes, run_id: str) -> Any:
+    """Start stage `stage` of this driver's run (a daemon: it ends with the driver's process);
+    the started `Process`."""
+    from engine.torch_exec.worker import stage_main
+
+    ctx = stage_context(method)
+    saved = {k: os.environ.get(k) for k in STAGE_ENV}
+    for k, v in STAGE_ENV.items():  # copied by a spawned stage, or by the fork server as it starts
+        os.environ.setdefault(k, v)
+    try:
+        p = ctx.Process(target=stage_main, args=(driver_addr, stage, os.getpid(), secret, run_id),
+                        name=f"pp-stage{stage}", daemon=True)
+        p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+    return p
