@@ -56,3 +56,47 @@ def test_a_store_killed_while_first_created_still_works(tmp_path):
     assert tracker.client.get_run(run_id).info.status == "FINISHED"
     assert [p.name for p in folder.iterdir() if ".creating" in p.name] == []
     assert left in ("none", _revision(db)), f"the kill left a half-made store at revision {left}"
+
+
+
+def test_a_call_sqlite_refused_as_locked_is_tried_again_and_other_errors_are_not(monkeypatch):
+    """SQLite refuses one of two writers at once ("database is locked", no busy wait) when they
+    meet inside deferred transactions; MLflow retries only "deadlock". A SIGTERMed `tune` then
+    exited 1 with a traceback. Here the client's store refuses twice, then writes."""
+    from mlflow.exceptions import MlflowException
+
+    import testbed.tracking.tracker as tracker
+
+    monkeypatch.setattr(tracker, "LOCK_RETRY_S", (0.0,) * 6)
+
+    class Store:
+        calls = 0
+
+        def log_metric(self, run_id: str, key: str, value: float) -> str:
+            self.calls += 1
+            if self.calls <= 2:
+                raise MlflowException("(sqlite3.OperationalError) database is locked")
+            return f"{run_id}:{key}={value}"
+
+        def get_run(self, run_id: str) -> str:
+            self.calls += 1
+            raise MlflowException(f"Run '{run_id}' not found")
+
+    store = Store()
+    client = tracker.LockRetryingClient(store)
+    assert client.log_metric("r", "m", 1.0) == "r:m=1.0" and store.calls == 3
+    store.calls = 0
+    try:
+        client.get_run("x")
+    except MlflowException as exc:
+        assert "not found" in str(exc) and store.calls == 1  # not retried
+    else:
+        raise AssertionError("the error was swallowed")
+    always = Store()
+    always.calls = -100  # locked on every attempt: the last error comes out after 7 tries
+    try:
+        tracker.LockRetryingClient(always).log_metric("r", "m", 1.0)
+    except MlflowException as exc:
+        assert "locked" in str(exc) and always.calls == -93
+    else:
+        raise AssertionError("the error was swallowed")

@@ -38,6 +38,37 @@ MAX_ARTIFACT_BYTES = 2_000_000
 SMALL_ARTIFACTS = ("summary.json", "run_info.json", "config.yaml", "timeline.png", "kv_usage.png", "trace.json")
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 URI_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks")
+LOCK_RETRY_S = (0.1, 0.2, 0.4, 0.8, 1.6, 3.2)  # waits between the attempts of a call SQLite refused
+
+
+class LockRetryingClient:
+    """An MlflowClient whose calls are tried again when SQLite answers "database is locked".
+    SQLite gives that answer at once, not after MLflow's 20 s busy timeout, to one of two writers
+    that meet inside deferred transactions (each read first, then wants to write: one must yield),
+    and MLflow retries only errors that say "deadlock". It happened when a SIGTERMed `tune` logged
+    the study's last metrics while its workers ended their runs KILLED: exit 1 and a traceback
+    instead of 143 (seen once in three full suite runs at load ~3). A refused transaction was
+    rolled back, so trying it again writes it once."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for wait_s in LOCK_RETRY_S:
+                try:
+                    return attr(*args, **kwargs)
+                except Exception as exc:
+                    if "database is locked" not in str(exc):
+                        raise
+                time.sleep(wait_s)
+            return attr(*args, **kwargs)
+
+        return call
 # MLflow's chart view puts sections named by a metric's prefix ("<section>/<name>") before its
 # default "Model metrics" section, and sorts charts by key inside each: these four, logged once
 # more under `headline/`, are the first charts a newcomer sees (was: chart 30 of 37)
@@ -264,7 +295,7 @@ class Tracker:
         name = experiment or output.experiment or "testbed"
         with _lock_for(self.uri):
             _seed_sqlite_store(self.uri)
-            self.client = MlflowClient(self.uri)
+            self.client = LockRetryingClient(MlflowClient(self.uri))
             exp = self.client.get_experiment_by_name(name)
             if exp is None:
                 try:
