@@ -158,7 +158,8 @@ class MlflowServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_uri, "--host", "127.0.0.1",
              "--port", str(self.port), "--workers", "1", "--artifacts-destination", str(self.artifacts)],
-            cwd=workdir, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=workdir, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # docs/beyond-one-machine.md
 
     def wait_healthy(self) -> None:
         def healthy() -> bool:
