@@ -101,7 +101,7 @@ def _assert_no_children():
 
 # --- the correctness anchor ------------------------------------------------------------------------
 # stages forked from the fork server (the default) or spawned from scratch give the same tokens
-@pytest.mark.parametrize("pp, start", [(1, "forkserver"), (2, "forkserver"), (2, "spawn"),
+@pytest.mark.parametrize("pp, start", [(1, "spawn"), (2, "forkserver"),
                                        pytest.param(4, "forkserver", marks=pytest.mark.slow)])
 def test_greedy_pipeline_equals_hf_generate(pp, start, model_cache):
     requests = _requests()
