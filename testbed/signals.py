@@ -152,10 +152,8 @@ def deferred_stop() -> Iterator[DeferredStop]:
     returned a result with an exception set" (seen with pytest-timeout's SIGALRM), not as the
     KeyboardInterrupt every cleanup expects; a handler that only notes the signal raises nothing
     there. Outside the main thread it changes nothing and `check()` never raises."""
-    current = {s: signal.getsignal(s) for s in ALL_SIGNALS}
-    wanted = tuple(s for s, h in current.items() if h != signal.SIG_IGN)
     stop = DeferredStop({})
-    old = _install(stop.note, wanted)
+    old = _install(stop.note, tuple(s for s in ALL_SIGNALS if signal.getsignal(s) != signal.SIG_IGN))
     stop.old = old or {}
     try:
         yield stop

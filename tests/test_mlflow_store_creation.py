@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from signal_helpers import WAIT_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,11 +72,13 @@ def test_a_call_sqlite_refused_as_locked_is_tried_again_and_other_errors_are_not
     monkeypatch.setattr(tracker, "LOCK_RETRY_S", (0.0,) * 6)
 
     class Store:
-        calls = 0
+        def __init__(self, locked: int) -> None:
+            self.locked = locked  # refuse this many calls, then write
+            self.calls = 0
 
         def log_metric(self, run_id: str, key: str, value: float) -> str:
             self.calls += 1
-            if self.calls <= 2:
+            if self.calls <= self.locked:
                 raise MlflowException("(sqlite3.OperationalError) database is locked")
             return f"{run_id}:{key}={value}"
 
@@ -82,21 +86,13 @@ def test_a_call_sqlite_refused_as_locked_is_tried_again_and_other_errors_are_not
             self.calls += 1
             raise MlflowException(f"Run '{run_id}' not found")
 
-    store = Store()
-    client = tracker.LockRetryingClient(store)
-    assert client.log_metric("r", "m", 1.0) == "r:m=1.0" and store.calls == 3
-    store.calls = 0
-    try:
-        client.get_run("x")
-    except MlflowException as exc:
-        assert "not found" in str(exc) and store.calls == 1  # not retried
-    else:
-        raise AssertionError("the error was swallowed")
-    always = Store()
-    always.calls = -100  # locked on every attempt: the last error comes out after 7 tries
-    try:
+    store = Store(locked=2)
+    assert tracker.LockRetryingClient(store).log_metric("r", "m", 1.0) == "r:m=1.0" and store.calls == 3
+    other = Store(locked=0)
+    with pytest.raises(MlflowException, match="not found"):
+        tracker.LockRetryingClient(other).get_run("x")
+    assert other.calls == 1  # not retried
+    always = Store(locked=10**6)
+    with pytest.raises(MlflowException, match="locked"):
         tracker.LockRetryingClient(always).log_metric("r", "m", 1.0)
-    except MlflowException as exc:
-        assert "locked" in str(exc) and always.calls == -93
-    else:
-        raise AssertionError("the error was swallowed")
+    assert always.calls == len(tracker.LOCK_RETRY_S) + 1  # then the last refusal comes out

@@ -20,8 +20,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from engine.torch_exec.settings import START_METHODS
-
 # imported once in the server; each stage forked from it starts with them loaded
 PRELOAD = ["torch", "torch.distributed", "zmq", "engine.torch_exec.worker", "engine.torch_exec.model"]
 # Passive OpenMP waits: spinning threads of P stages (plus the driver) on few cores starve each
@@ -30,9 +28,8 @@ STAGE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def stage_context(method: str) -> Any:
-    """The multiprocessing context that starts stage processes (`method`: START_METHODS)."""
-    if method not in START_METHODS:
-        raise ValueError(f"start method {method!r}: must be one of {', '.join(START_METHODS)}")
+    """The multiprocessing context that starts stage processes (`method`: one of START_METHODS,
+    checked by TorchSettings)."""
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context(method)

@@ -203,10 +203,7 @@ def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), 
             sweep.run_jobs(run.jobs, workers, console, run.run0.output.progress, job_rows, pool=remote_pool(backend))
     except KeyboardInterrupt as exc:
         _flush_partial(run, job_rows, time.perf_counter() - t0, sweep.interrupted_message(exc))
-        parent.end("KILLED")
-        if console is not None:
-            console.print(f"{sweep.interrupted_message(exc)}: the table of the {len(job_rows)} run(s) done is in "
-                          f"{run.out_dir}", highlight=False, markup=False)
+        parent.end_interrupted(exc, console, f"the table of the {len(job_rows)} run(s) done", run.out_dir)
         raise
     wall = time.perf_counter() - t0
     outcome = _write_results(run, job_rows, wall, list(overrides), argv)

@@ -234,10 +234,7 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
         sweep.run_jobs(jobs, p.settings.workers, console, out.progress, rows, pool=remote_pool(p.backend))
     except KeyboardInterrupt as exc:
         _write(p, rows, time.perf_counter() - t0, parent, plots=False, interrupted=sweep.interrupted_message(exc))
-        parent.end("KILLED")
-        if console is not None:
-            console.print(f"{sweep.interrupted_message(exc)}: the table of the {len(rows)} point(s) done is in "
-                          f"{p.out_dir}", highlight=False, markup=False)
+        parent.end_interrupted(exc, console, f"the table of the {len(rows)} point(s) done", p.out_dir)
         raise
     wall = time.perf_counter() - t0
     df = _write(p, rows, wall, parent, plots=True)

@@ -322,6 +322,13 @@ class ParentRun:
             self._kill_children()
         self.tracker.client.set_terminated(self.run_id, status)
 
+    def end_interrupted(self, exc: BaseException, console: Any, done: str, out_dir: Path) -> None:
+        """End KILLED after an interrupt and say where the partial results are (`done`: what
+        was written, e.g. "the table of the 3 point(s) done")."""
+        self.end("KILLED")
+        if console is not None:
+            console.print(f"{interrupted_message(exc)}: {done} is in {out_dir}", highlight=False, markup=False)
+
     def _kill_children(self) -> None:
         client = self.tracker.client
         runs = client.search_runs([self.tracker.experiment_id],

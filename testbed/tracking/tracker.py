@@ -69,6 +69,8 @@ class LockRetryingClient:
             return attr(*args, **kwargs)
 
         return call
+
+
 # MLflow's chart view puts sections named by a metric's prefix ("<section>/<name>") before its
 # default "Model metrics" section, and sorts charts by key inside each: these four, logged once
 # more under `headline/`, are the first charts a newcomer sees (was: chart 30 of 37)
