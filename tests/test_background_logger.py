@@ -10,6 +10,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import psutil
@@ -22,7 +23,7 @@ from testbed.cli import main
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["policy=sarathi", "workload=azure", "workload.rate=2", "hardware=a100-80g", "model=llama2-13b",
          "parallel.pp=2", "output.progress=false", "output.plots=false"]
-LONG = "workload.num_requests=15000"  # a simulation of seconds: the background process is signalled within it
+N = "workload.num_requests=200"
 
 
 @pytest.mark.services  # the session's real mlflow server (tests/services.py)
@@ -43,28 +44,57 @@ def test_run_logs_to_a_real_mlflow_server_over_http(mlflow_server, tmp_path, cap
     assert metrics["num_requests"] == 30
 
 
-def _start(tmp_path: Path, **env: str) -> subprocess.Popen:
-    fresh_mlflow_db(tmp_path)
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
-    return subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", *SMALL, LONG, f"output.dir={tmp_path}"],
-                            cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+class HeldRun:
+    """`testbed run` whose stderr is a pipe filled to the brim beforehand, so the run holds at
+    its first message there: the summary table, printed once the run's files are written and
+    after the background process was asked to open the MLflow run, before it is asked to finish it. The test does what it wants
+    to the background process meanwhile, then `release()` drains the pipe and lets the run end.
+    (A long simulation raced the same steps and cost ~8 s of CPU per test.)"""
+
+    def __init__(self, tmp_path: Path, **env: str) -> None:
+        fresh_mlflow_db(tmp_path)
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        try:
+            while True:
+                os.write(write_end, b"\n" * 4096)
+        except BlockingIOError:  # full: the run's next write blocks
+            pass
+        os.set_blocking(write_end, True)
+        full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **env}
+        self.proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", *SMALL, N, f"output.dir={tmp_path}"],
+                                     cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=write_end, text=True)
+        os.close(write_end)
+        self._stderr = os.fdopen(read_end, "r")
+        self._read: list[str] = []
+
+    def release(self) -> tuple[str, str]:
+        """Drain the held stderr until the run ends; (stdout, stderr)."""
+        reader = threading.Thread(target=lambda: self._read.append(self._stderr.read()), daemon=True)
+        reader.start()
+        out = self.proc.stdout.read()
+        self.proc.wait(timeout=WAIT_S)
+        reader.join(timeout=WAIT_S)
+        return out, self._read[0].strip("\n")
 
 
-def _wait_for_running_run(db: Path, proc: subprocess.Popen) -> None:
-    """Until the background process has opened the MLflow run (a row RUNNING in the store)."""
+def _wait_until_held(tmp_path: Path, proc: subprocess.Popen) -> None:
+    """Until the run's files are written (its simulation is over) and the background process has
+    opened the MLflow run (a row RUNNING in the store)."""
     import time
 
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
         try:
-            with sqlite3.connect(db, timeout=30) as con:
-                if con.execute("select count(*) from runs where status = 'RUNNING'").fetchone()[0]:
+            with sqlite3.connect(tmp_path / "mlflow.db", timeout=30) as con:
+                if con.execute("select count(*) from runs where status = 'RUNNING'").fetchone()[0] \
+                        and any(tmp_path.glob("sarathi_*/summary.json")):
                     return
         except sqlite3.OperationalError:
             pass
         time.sleep(0.2)
-    raise AssertionError("the MLflow run was never opened")
+    raise AssertionError("the run never reached its summary with its MLflow run open")
 
 
 def _logger(proc: subprocess.Popen) -> psutil.Process:
@@ -83,32 +113,32 @@ def _single_run(db: Path) -> tuple[str, dict]:
     return runs[0].info.status, runs[0].data.metrics
 
 
-def _check_recorded_from_main(proc: subprocess.Popen, tmp_path: Path) -> None:
-    out, err = proc.communicate(timeout=WAIT_S)
-    assert proc.returncode == 0, err
+def _check_recorded_from_main(run: HeldRun, tmp_path: Path) -> None:
+    out, err = run.release()
+    assert run.proc.returncode == 0, err
     assert "Traceback" not in err and "recorded from the main process" in " ".join(err.split())
     summary = json.loads((Path(out.strip().splitlines()[-1]) / "summary.json").read_text())
     status, metrics = _single_run(tmp_path / "mlflow.db")
     assert status == "FINISHED"
-    assert metrics["num_requests"] == summary["num_requests"] == 15000
+    assert metrics["num_requests"] == summary["num_requests"] == 200
 
 
 def test_killed_logger_the_main_process_ends_the_run(tmp_path):
     """The logger is the largest process, the OOM killer's choice: its run stayed RUNNING."""
-    proc = _start(tmp_path)
-    _wait_for_running_run(tmp_path / "mlflow.db", proc)
-    _logger(proc).kill()
-    _check_recorded_from_main(proc, tmp_path)
+    run = HeldRun(tmp_path)
+    _wait_until_held(tmp_path, run.proc)
+    _logger(run.proc).kill()
+    _check_recorded_from_main(run, tmp_path)
 
 
 def test_stopped_logger_is_not_waited_for_forever(tmp_path):
     """A stopped logger (SIGSTOP) made `testbed run` wait forever after its summary."""
-    proc = _start(tmp_path, TESTBED_BACKGROUND_TIMEOUT_S="3")
-    _wait_for_running_run(tmp_path / "mlflow.db", proc)
-    logger = _logger(proc)
+    run = HeldRun(tmp_path, TESTBED_BACKGROUND_TIMEOUT_S="3")
+    _wait_until_held(tmp_path, run.proc)
+    logger = _logger(run.proc)
     logger.send_signal(signal.SIGSTOP)
     try:
-        _check_recorded_from_main(proc, tmp_path)
+        _check_recorded_from_main(run, tmp_path)
     finally:
         if logger.is_running():
             logger.send_signal(signal.SIGCONT)
