@@ -38,6 +38,15 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> str:
+    """One folder of random-weight checkpoints for the session (engine/torch_exec/checkpoint.py:
+    `random_checkpoint` builds a model into it once, then returns it): nine modules built their
+    own copies of the same two tiny models, ~0.4 s of CPU each. Tests that change a checkpoint
+    copy it first."""
+    return str(tmp_path_factory.mktemp("models"))
+
+
 def _listing(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*")} if folder.is_dir() else set()
 

@@ -30,8 +30,8 @@ SLACK = 1.5  # our bf16 error may be at most this times HF's bf16 error against 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return random_checkpoint(get_model("tiny-llama"), 0, tmp_path_factory.mktemp("models"))
+def tiny(model_cache):
+    return random_checkpoint(get_model("tiny-llama"), 0, model_cache)
 
 
 def _prompts(vocab: int) -> list[list[int]]:

@@ -18,9 +18,8 @@ from engine.torch_exec.wire import DecodeRow, PrefillChunk  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def disk(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("models")
-    return {name: random_checkpoint(get_model(name), 0, cache) for name in ("tiny-llama", "tiny-qwen2")}
+def disk(model_cache):
+    return {name: random_checkpoint(get_model(name), 0, model_cache) for name in ("tiny-llama", "tiny-qwen2")}
 
 
 def _all_names(arch):

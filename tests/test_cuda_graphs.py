@@ -106,7 +106,7 @@ def test_padding_and_eligibility():
 
 # --- the runner's static buffers, driven eagerly (CPU: Triton interpreter) ------------------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(model_cache):
     pytest.importorskip("transformers")
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest sets it before triton's first import
@@ -114,7 +114,7 @@ def tiny(tmp_path_factory):
     from engine.models import get_model
     from engine.torch_exec.checkpoint import random_checkpoint
 
-    return random_checkpoint(get_model("tiny-llama"), 0, tmp_path_factory.mktemp("models"))
+    return random_checkpoint(get_model("tiny-llama"), 0, model_cache)
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels under Triton's interpreter

@@ -152,13 +152,12 @@ def test_kernel_matches_reference_on_cuda_bf16():
 
 # --- the model's triton path, end to end (CPU: interpreter) -----------------------------------------
 @pytest.fixture(scope="module")
-def tiny_ckpts(tmp_path_factory):
+def tiny_ckpts(model_cache):
     pytest.importorskip("transformers")
     from engine.models import get_model
     from engine.torch_exec.checkpoint import random_checkpoint
 
-    cache = tmp_path_factory.mktemp("models")
-    return {n: random_checkpoint(get_model(n), 0, cache) for n in ("tiny-llama", "tiny-qwen2")}
+    return {n: random_checkpoint(get_model(n), 0, model_cache) for n in ("tiny-llama", "tiny-qwen2")}
 
 
 def _stages(path, split, attention, num_blocks=64, block_size=4, device=DEV):

@@ -39,11 +39,10 @@ OUTPUT_LENS = (12, 8, 20, 15, 5, 10)
 
 
 @pytest.fixture(scope="session")
-def model_cache(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("models")
+def model_cache(model_cache):  # conftest's folder, with both tiny models built
     for name in ("tiny-llama", "tiny-qwen2"):
-        random_checkpoint(get_model(name), 0, cache)
-    return str(cache)
+        random_checkpoint(get_model(name), 0, model_cache)
+    return model_cache
 
 
 def _requests(vocab: int = 32000) -> list[Request]:

@@ -25,9 +25,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("models")
-    return {n: random_checkpoint(get_model(n), 0, cache) for n in ("tiny-llama", "tiny-qwen2")}
+def ckpts(model_cache):
+    return {n: random_checkpoint(get_model(n), 0, model_cache) for n in ("tiny-llama", "tiny-qwen2")}
 
 
 def _hf(path):

@@ -232,10 +232,9 @@ from test_torch_engine import _alive, _hf_greedy, _requests  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def model_cache(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("models")
-    random_checkpoint(get_model("tiny-llama"), 0, cache)
-    return str(cache)
+def model_cache(model_cache):  # conftest's folder, with tiny-llama built
+    random_checkpoint(get_model("tiny-llama"), 0, model_cache)
+    return model_cache
 
 
 def _run(requests, cache, progress, *, pp=2, runtime=RuntimeFeatures(), **settings):

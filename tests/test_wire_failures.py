@@ -19,10 +19,9 @@ from test_torch_engine import _assert_no_children  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def model_cache(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("models")
-    random_checkpoint(get_model("tiny-llama"), 0, cache)
-    return str(cache)
+def model_cache(model_cache):  # conftest's folder, with tiny-llama built
+    random_checkpoint(get_model("tiny-llama"), 0, model_cache)
+    return model_cache
 
 
 def _cfg(model_cache, tmp_path, *extra):
