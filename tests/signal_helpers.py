@@ -68,6 +68,21 @@ def survivors(procs: list[psutil.Process]) -> list[str]:
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
+def running_kinds(db: Path) -> list[tuple[str, str]]:
+    """[(testbed.kind, run name)] of the runs RUNNING in an MLflow SQLite store, read with one SQL
+    query: the waits poll it every 0.05-0.2 s, and `run_states` (an MlflowClient search) took
+    ~90 ms of CPU per call, most of a core while a test waited."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30) as con:
+            return con.execute("select coalesce(t.value, ''), r.name from runs r left join tags t "
+                               "on t.run_uuid = r.run_uuid and t.key = 'testbed.kind' "
+                               "where r.status = 'RUNNING'").fetchall()
+    except sqlite3.OperationalError:  # not created yet, or being migrated
+        return []
+
+
 def run_states(db: Path) -> dict[str, dict]:
     """{run id: {name, status, kind, parent}} of every run in an MLflow SQLite store."""
     from mlflow.tracking import MlflowClient

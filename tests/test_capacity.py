@@ -219,7 +219,7 @@ def test_a_signal_ends_the_search_and_kills_its_runs(tmp_path, send, exit_code):
     """Point 0's probes are quick; point 1's first probe (30k requests) is still running when SIGTERM comes."""
     import time
 
-    from signal_helpers import Command, run_states, survivors
+    from signal_helpers import Command, run_states, running_kinds, survivors
 
     fresh_mlflow_db(tmp_path)
     cmd = Command("capacity", "workload=synthetic", "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2",
@@ -228,8 +228,8 @@ def test_a_signal_ends_the_search_and_kills_its_runs(tmp_path, send, exit_code):
     cmd.wait_for("point   0 probe  0")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(
-            r["kind"] == "probe" and r["status"] == "RUNNING" and r["name"].startswith("workload.num_requests=30000")
-            for r in run_states(tmp_path / "mlflow.db").values()):
+            kind == "probe" and name.startswith("workload.num_requests=30000")
+            for kind, name in running_kinds(tmp_path / "mlflow.db")):
         time.sleep(0.2)
     children = cmd.descendants()
     code = cmd.terminate()

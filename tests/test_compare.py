@@ -101,14 +101,13 @@ SIGNAL_GRID = ["workload=synthetic", "model=llama2-13b", "hardware=a100-80g", "p
 
 
 def _signalled_grid(tmp_path: Path, send: str):
-    from signal_helpers import Command, run_states, survivors
+    from signal_helpers import Command, run_states, running_kinds, survivors
 
     fresh_mlflow_db(tmp_path)
     cmd = Command("compare", *SIGNAL_GRID, f"output.dir={tmp_path}", "compare.experiment=sig")
     cmd.wait_for("point   0 done")
     deadline = time.monotonic() + 60  # a 30k-request point has opened its MLflow run (slow on a loaded machine)
-    while time.monotonic() < deadline and not any(
-            r["kind"] == "point" and r["status"] == "RUNNING" for r in run_states(tmp_path / "mlflow.db").values()):
+    while time.monotonic() < deadline and not any(kind == "point" for kind, _ in running_kinds(tmp_path / "mlflow.db")):
         time.sleep(0.2)
     children = cmd.descendants()
     assert len(children) >= 2  # the two workers (and multiprocessing's resource tracker)

@@ -209,18 +209,17 @@ SIGNAL_BASE = [a for a in BASE if not a.startswith(("workload.num_requests", "ou
     ["workload.num_requests=3000", "tune.trials=400", "tune.workers=2", "tune.study=sig"]
 
 
-def _wait_for_a_running_trial(db: Path, run_states) -> None:
+def _wait_for_a_running_trial(db: Path) -> None:
     """Until some trial's MLflow run is open: between two trials (or while the second worker is
     still importing) a signal finds no trial to kill, and the test would see only FINISHED runs."""
     import time
 
+    from signal_helpers import running_kinds
+
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        try:
-            if any(r["kind"] == "trial" and r["status"] == "RUNNING" for r in run_states(db).values()):
-                return
-        except Exception:  # the store is being written: look again
-            pass
+        if any(kind == "trial" for kind, _ in running_kinds(db)):
+            return
         time.sleep(0.05)
     raise AssertionError("no trial was ever running")
 
@@ -241,7 +240,7 @@ def test_sigterm_ends_the_study_killed_with_no_worker_left(out):
                    for a in SIGNAL_BASE]
     cmd = Command("tune", *long_trials, f"output.dir={out}")
     cmd.wait_for(" done ")  # a first trial finished
-    _wait_for_a_running_trial(out / "mlflow.db", run_states)  # else the signal may fall between trials
+    _wait_for_a_running_trial(out / "mlflow.db")  # else the signal may fall between trials
     children = cmd.descendants()
     assert children  # the spawned worker (and multiprocessing's resource tracker)
     sent = datetime.now()  # Optuna's datetime_start is local time, like this
