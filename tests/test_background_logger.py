@@ -7,7 +7,6 @@ import json
 import os
 import secrets
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -17,13 +16,13 @@ import psutil
 import pytest
 
 from mlflow_db import fresh_mlflow_db
-from signal_helpers import WAIT_S
+from signal_helpers import WAIT_S, running_kinds
 from testbed.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["policy=sarathi", "workload=azure", "workload.rate=2", "hardware=a100-80g", "model=llama2-13b",
          "parallel.pp=2", "output.progress=false", "output.plots=false"]
-N = "workload.num_requests=200"
+HELD_REQUESTS = 200  # a run of ~0.2 s: it is held, not raced (HeldRun)
 
 
 @pytest.mark.services  # the session's real mlflow server (tests/services.py)
@@ -46,10 +45,10 @@ def test_run_logs_to_a_real_mlflow_server_over_http(mlflow_server, tmp_path, cap
 
 class HeldRun:
     """`testbed run` whose stderr is a pipe filled to the brim beforehand, so the run holds at
-    its first message there: the summary table, printed once the run's files are written and
-    after the background process was asked to open the MLflow run, before it is asked to finish it. The test does what it wants
-    to the background process meanwhile, then `release()` drains the pipe and lets the run end.
-    (A long simulation raced the same steps and cost ~8 s of CPU per test.)"""
+    its first message there: the summary table, printed once the run's files are written and the
+    background process was asked to open the MLflow run, before it is asked to finish it. The
+    test does what it wants to the background process meanwhile, then `release()` drains the
+    pipe and lets the run end. (A long simulation raced the same steps: ~8 s of CPU per test.)"""
 
     def __init__(self, tmp_path: Path, **env: str) -> None:
         fresh_mlflow_db(tmp_path)
@@ -62,8 +61,9 @@ class HeldRun:
             pass
         os.set_blocking(write_end, True)
         full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **env}
-        self.proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", *SMALL, N, f"output.dir={tmp_path}"],
-                                     cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=write_end, text=True)
+        args = ["run", *SMALL, f"workload.num_requests={HELD_REQUESTS}", f"output.dir={tmp_path}"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", *args], cwd=REPO, env=full_env,
+                                     stdout=subprocess.PIPE, stderr=write_end, text=True)
         os.close(write_end)
         self._stderr = os.fdopen(read_end, "r")
         self._read: list[str] = []
@@ -86,13 +86,8 @@ def _wait_until_held(tmp_path: Path, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
-        try:
-            with sqlite3.connect(tmp_path / "mlflow.db", timeout=30) as con:
-                if con.execute("select count(*) from runs where status = 'RUNNING'").fetchone()[0] \
-                        and any(tmp_path.glob("sarathi_*/summary.json")):
-                    return
-        except sqlite3.OperationalError:
-            pass
+        if running_kinds(tmp_path / "mlflow.db") and any(tmp_path.glob("sarathi_*/summary.json")):
+            return
         time.sleep(0.2)
     raise AssertionError("the run never reached its summary with its MLflow run open")
 
@@ -120,7 +115,7 @@ def _check_recorded_from_main(run: HeldRun, tmp_path: Path) -> None:
     summary = json.loads((Path(out.strip().splitlines()[-1]) / "summary.json").read_text())
     status, metrics = _single_run(tmp_path / "mlflow.db")
     assert status == "FINISHED"
-    assert metrics["num_requests"] == summary["num_requests"] == 200
+    assert metrics["num_requests"] == summary["num_requests"] == HELD_REQUESTS
 
 
 def test_killed_logger_the_main_process_ends_the_run(tmp_path):
