@@ -151,7 +151,9 @@ def run_trial(problem: Any, trial_id: int, number: int) -> dict:
     study = optuna.load_study(study_name=problem.study, storage=make_storage(problem.storage_url),
                               sampler=make_sampler(s.sampler, problem.seed + number, s.startup_trials))
     study.get_trials(deepcopy=False)  # Optuna's storage cache learns the trial (else set_trial_param: KeyError)
-    return TrialRunner(problem).run(study, optuna.trial.Trial(study, trial_id))
+    runner, trial = TrialRunner(problem), optuna.trial.Trial(study, trial_id)
+    runner.claim(trial)  # a task lost before this is marked interrupted by the driver (`_RayTrials`)
+    return runner.run(study, trial)
 
 
 def run_trials_on_ray(problem: Any, emit: Callable[[dict], None], settings: SweepBackend) -> tuple[int, list[str]]:

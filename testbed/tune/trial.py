@@ -11,6 +11,7 @@ import json
 import math
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +67,20 @@ class TrialRunner:
             self._requests[key] = build_workload(spec.workload, spec.data_dir)
         return self._requests[key]
 
-    def run(self, study: Any, trial: Any) -> dict:
-        t0 = time.perf_counter()
+    def claim(self, trial: Any) -> None:
+        """Record this worker as the trial's owner (one commit), so that a trial left RUNNING by a
+        dead process can be traced to it (`fail_stale`)."""
         trial.set_user_attr("worker", self.worker.id)
+
+    def run(self, study: Any, trial: Any, pending_stop: Callable[[], None] | None = None) -> dict:
+        """Run a claimed trial. `pending_stop` raises a stop that arrived while the trial was
+        asked for and claimed (`worker_loop` defers it there), so that it is marked interrupted."""
+        t0 = time.perf_counter()
         event: dict[str, Any] = {"number": trial.number, "worker": self.worker.id}
         run_id = None
         try:
+            if pending_stop is not None:
+                pending_stop()
             try:
                 with heartbeat.beating(study, trial, self.heartbeat):
                     spec, run_id = self._start(trial, event)
@@ -172,6 +181,11 @@ class TrialRunner:
         return event
 
     def _interrupted(self, study: Any, trial: Any, run_id: str | None) -> None:
+        """Mark the trial interrupted + FAILED and end its run KILLED, unless the stop came just
+        after it was told (setting an attribute of a finished trial raises, and that error took
+        the stop's place)."""
+        if study._storage.get_trial(trial._trial_id).state.is_finished():
+            return
         trial.set_user_attr(INTERRUPTED, True)
         trial.set_user_attr("fail_reason", INTERRUPTED)
         study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)

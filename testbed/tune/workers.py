@@ -27,6 +27,7 @@ from typing import Any
 
 import optuna
 
+from testbed.signals import deferred_stop
 from testbed.sweep import jobs as sweep
 from testbed.tune.problem import Problem
 from testbed.cluster import heartbeat, identity
@@ -60,8 +61,12 @@ def worker_loop(problem: Problem, index: int, lock: Any = None, emit: Callable[[
             heartbeat.reap(study, runner.tracker)  # another host's dead worker: fail + enqueue its trial
             if counted(study.get_trials(deepcopy=False)) >= s.trials:
                 break
-            trial = study.ask()
-        event = runner.run(study, trial)
+            # a stop between the ask and the claim left a RUNNING trial that no one marked
+            # interrupted and no process owned (a fresh-clone CI failure): deferred to `run`
+            with deferred_stop() as stop:
+                trial = study.ask()
+                runner.claim(trial)
+        event = runner.run(study, trial, stop.check)
         done += 1
         if emit is not None:
             emit(event)
