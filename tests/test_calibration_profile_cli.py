@@ -109,3 +109,25 @@ def test_profile_on_cuda_records_gpu_provenance(tmp_path, pp):
     assert prof["measured_peak_flops"] > 1e13  # a GPU's bf16 GEMM, not the host's fp32
     table = read_profile(tmp_path / f"{name}.csv")
     assert all(r.time_s > 0 for r in table.rows) and table.meta["device"] == prof["gpu"]
+
+
+def test_a_rewritten_profile_is_read_again_and_the_next_compose_uses_it(tmp_path, monkeypatch):
+    """Profiles are parsed once per file version (every compose loads the folders): a profile
+    saved again under its name (a new `testbed profile`) must reach the next compose in the same
+    process, not the cached copy."""
+    from engine.hardware import HARDWARE, get_hardware
+    from testbed.calibrate.fit import FitResult, calibrated_spec, save_hardware_profile
+    from testbed.config.spec import compose_spec
+
+    monkeypatch.setenv("TESTBED_PROFILE_DIR", str(tmp_path))
+    path = tmp_path / "h100-resaved-test.yaml"
+    args = ["hardware=h100-resaved-test", "workload=synthetic", "model=llama2-13b", "output.mlflow=false"]
+    try:
+        for eff in (0.4, 0.45):
+            spec = calibrated_spec(get_hardware("h100-80g"), "h100-resaved-test",
+                                   FitResult({"kv_read_efficiency": eff, "decode_overhead_ratio": 0.2}))
+            save_hardware_profile(spec, path, {"gpu": "test"})
+            assert load_hardware_profile(path) is load_hardware_profile(path)  # parsed once per version
+            assert compose_spec(args).settings.hardware.calibration["kv_read_efficiency"] == eff
+    finally:
+        HARDWARE.pop("h100-resaved-test", None)
