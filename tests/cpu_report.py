@@ -15,6 +15,7 @@ import resource
 import pytest
 
 _CPU: dict[str, float] = {}
+_OWN: dict[str, float] = {}  # the test process's own share (in-process simulations, imports)
 
 
 def pytest_addoption(parser) -> None:
@@ -33,6 +34,11 @@ def _machine_busy() -> float | None:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
+def _own_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _cpu_now() -> float:
     busy = _machine_busy()
     if busy is not None:
@@ -46,9 +52,10 @@ def _cpu_now() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    t0 = _cpu_now()
+    t0, own0 = _cpu_now(), _own_cpu()
     yield
     _CPU[item.nodeid] = _CPU.get(item.nodeid, 0.0) + _cpu_now() - t0
+    _OWN[item.nodeid] = _OWN.get(item.nodeid, 0.0) + _own_cpu() - own0
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
@@ -57,6 +64,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         return
     tr = terminalreporter
     what = "machine CPU" if _machine_busy() is not None else "CPU (self + reaped children)"
-    tr.write_sep("=", f"{what}: {sum(_CPU.values()):.0f} s over {len(_CPU)} tests; the {top} largest")
+    tr.write_sep("=", f"{what}: {sum(_CPU.values()):.0f} s over {len(_CPU)} tests "
+                      f"({sum(_OWN.values()):.0f} s in the test process itself); the {top} largest")
+    tr.write_line(f"{'all':>7}   {'own':>7}")
     for nodeid, cpu in sorted(_CPU.items(), key=lambda kv: -kv[1])[:top]:
-        tr.write_line(f"{cpu:7.1f} s  {nodeid}")
+        tr.write_line(f"{cpu:7.1f} s {_OWN[nodeid]:7.1f} s  {nodeid}")
