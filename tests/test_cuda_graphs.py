@@ -131,7 +131,9 @@ def _model(path, split=(0, 8, True, True), device=DEV, attention="triton", dtype
     return m
 
 
-@pytest.mark.parametrize("split", [(0, 8, True, True), pytest.param((4, 4, False, True), marks=pytest.mark.slow),
+# (first layer, layers, first stage, last stage); the first split is one stage of two layers: under Triton's
+# interpreter each layer's kernels cost the same, and all eight took 7.8 s of CPU for no other check
+@pytest.mark.parametrize("split", [(0, 2, True, True), pytest.param((4, 4, False, True), marks=pytest.mark.slow),
                                    pytest.param((0, 4, True, False), marks=pytest.mark.slow)])
 def test_static_buffers_give_the_unpadded_rows(tiny, split):
     """The graph runner's buffers, loaded with a padded batch and run eagerly, reproduce the

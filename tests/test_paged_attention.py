@@ -175,10 +175,12 @@ def _stages(path, split, attention, num_blocks=64, block_size=4, device=DEV):
     return out
 
 
-@pytest.mark.parametrize("name, split", [("tiny-llama", [8]), ("tiny-qwen2", [4, 2])])
+@pytest.mark.parametrize("name, split", [("tiny-llama", [2]), ("tiny-qwen2", [4, 2])])
 def test_triton_path_gives_the_torch_paths_greedy_tokens(tiny_ckpts, name, split):
     """Chunked prefill (chunks after a cached prefix), batched decodes, P=1 and P=2: the same
-    greedy tokens as the torch path, which tests/test_torch_model.py anchors to HF `generate`."""
+    greedy tokens as the torch path, which tests/test_torch_model.py anchors to HF `generate`.
+    P=1 is one stage over tiny-llama's first two layers: under Triton's interpreter the kernel
+    costs the same per layer, and all eight took 8 s of CPU for no other check."""
     from engine.kv import BlockManager
     from test_torch_model import _generate
 
