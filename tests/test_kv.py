@@ -1,4 +1,6 @@
 """Block manager invariants under random operations (hypothesis drives the sequences)."""
+import re
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -32,12 +34,25 @@ def test_cannot_overallocate():
     kv.check_integrity()
 
 
-def test_integrity_detects_double_ownership():
-    kv = BlockManager(num_blocks=4, block_size=4)
+CORRUPTIONS = {  # each broken invariant and the message that names it
+    "owned by sequences": lambda kv: kv._tables[2].__setitem__(0, kv._tables[1][0]),
+    "out-of-range block": lambda kv: kv._tables[1].__setitem__(0, kv.num_blocks),
+    "blocks for 4 tokens": lambda kv: kv._tables[1].append(kv._free.pop()),
+    "appears twice in the free list": lambda kv: kv._free.append(kv._free[0]),
+    "both free and owned": lambda kv: kv._free.__setitem__(0, kv._tables[1][0]),
+    "!= capacity": lambda kv: kv._free.pop(),
+}
+
+
+@pytest.mark.parametrize("message", CORRUPTIONS)
+def test_integrity_names_each_broken_invariant(message):
+    """Each invariant the simulator relies on, broken on purpose, is named by the check."""
+    kv = BlockManager(num_blocks=8, block_size=4)
     kv.allocate(1, 4)
     kv.allocate(2, 4)
-    kv._tables[2][0] = kv._tables[1][0]  # corrupt on purpose
-    with pytest.raises(AssertionError, match="owned by sequences"):
+    kv.check_integrity()
+    CORRUPTIONS[message](kv)  # corrupt on purpose
+    with pytest.raises(AssertionError, match=re.escape(message)):
         kv.check_integrity()
 
 
