@@ -222,16 +222,10 @@ class _RayTrials:
 
 def _interrupted(study: Any, trials: Sequence[Any], why: str) -> None:
     """Mark these trials interrupted + FAILED unless they finished meanwhile."""
-    from optuna.trial import TrialState
+    from testbed.tune.storage import INTERRUPTED, mark_interrupted
 
-    from testbed.tune.storage import INTERRUPTED
-
-    storage = study._storage
     for trial in trials:
-        if storage.get_trial(trial._trial_id).state == TrialState.RUNNING:
-            storage.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)
-            storage.set_trial_user_attr(trial._trial_id, "fail_reason", f"{INTERRUPTED}: {why}")
-            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        mark_interrupted(study._storage, trial._trial_id, f"{INTERRUPTED}: {why}")
 
 
 def _storage_url(url: str) -> str:

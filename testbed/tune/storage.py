@@ -157,6 +157,18 @@ def counted(trials: Sequence[Any]) -> int:
                and t.number not in retried)
 
 
+def mark_interrupted(storage: Any, trial_id: int, reason: str = INTERRUPTED) -> bool:
+    """Mark a RUNNING trial interrupted + FAILED with `reason` (it does not count toward
+    `tune.trials`). False, and nothing changed, when it finished meanwhile: setting an attribute
+    of a finished trial raises, and that error took the place of the stop being handled."""
+    if storage.get_trial(trial_id).state != TrialState.RUNNING:
+        return False
+    storage.set_trial_user_attr(trial_id, INTERRUPTED, True)
+    storage.set_trial_user_attr(trial_id, "fail_reason", reason)
+    storage.set_trial_state_values(trial_id, TrialState.FAIL)
+    return True
+
+
 def fail_stale(study: Any, storage: Any, tracker: Any) -> int:
     """RUNNING trials of dead worker processes in this pid namespace (never another host's,
     whatever its name: issue 24 item 5): mark them interrupted + FAILED. Other hosts' dead
@@ -166,10 +178,8 @@ def fail_stale(study: Any, storage: Any, tracker: Any) -> int:
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if not identity.owned_by_dead_local_process(t.user_attrs, workers):
             continue
-        w = t.user_attrs.get("worker")
-        storage.set_trial_user_attr(t._trial_id, INTERRUPTED, True)
-        storage.set_trial_user_attr(t._trial_id, "fail_reason", f"{INTERRUPTED}: worker {w} is gone")
-        storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        if not mark_interrupted(storage, t._trial_id, f"{INTERRUPTED}: worker {t.user_attrs.get('worker')} is gone"):
+            continue
         run_id = t.user_attrs.get("mlflow_run_id")
         if tracker is not None and run_id:
             try:

@@ -24,7 +24,7 @@ from testbed.run.runner import prepare_experiment
 from testbed.config.spec import RunSpec
 from testbed.tracking.tracker import Tracker, run_tags
 from testbed.tune.problem import Problem, jsonable
-from testbed.tune.storage import INTERRUPTED, heartbeat_of
+from testbed.tune.storage import INTERRUPTED, heartbeat_of, mark_interrupted
 from workloads.base import build_workload
 
 TRIAL_SUMMARY_KEYS = ("throughput_tok_s", "ttft_p99_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment",
@@ -182,13 +182,9 @@ class TrialRunner:
 
     def _interrupted(self, study: Any, trial: Any, run_id: str | None) -> None:
         """Mark the trial interrupted + FAILED and end its run KILLED, unless the stop came just
-        after it was told (setting an attribute of a finished trial raises, and that error took
-        the stop's place)."""
-        if study._storage.get_trial(trial._trial_id).state.is_finished():
+        after it was told."""
+        if not mark_interrupted(study._storage, trial._trial_id):
             return
-        trial.set_user_attr(INTERRUPTED, True)
-        trial.set_user_attr("fail_reason", INTERRUPTED)
-        study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
         if self.tracker is not None and run_id is not None:
             self.tracker.client.set_tag(run_id, "error", INTERRUPTED)
             self.tracker.client.set_terminated(run_id, "KILLED")
