@@ -81,7 +81,7 @@ def start_cluster() -> LocalCluster:
     cluster.procs.append(subprocess.Popen([_ray_cli(), "start", "--head", f"--port={port}", "--include-dashboard=false",
                                            *common], cwd=cluster.node_dirs[0], env=env, stdout=log, stderr=log))
     try:
-        _wait_for(cluster, 1)
+        _wait_for_port(cluster)
         cluster.procs.append(subprocess.Popen([_ray_cli(), "start", f"--address={cluster.address}", *common],
                                               cwd=cluster.node_dirs[1], env=env, stdout=log, stderr=log))
         _wait_for(cluster, 2)
@@ -91,10 +91,29 @@ def start_cluster() -> LocalCluster:
     return cluster
 
 
+def _wait_for_port(cluster: LocalCluster) -> None:
+    """Until the head's GCS port accepts connections: the second node can join from then on
+    (`ray start --address` waits for the rest itself), so one probe process (≈1.5 s of CPU, a
+    Ray driver) checks both nodes instead of one per node."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if cluster.procs[0].poll() is not None:
+            raise RuntimeError(f"the ray head exited: {(cluster.root / 'ray.log').read_text()[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", int(cluster.address.rsplit(':', 1)[1])), timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"the ray head did not listen within {READY_TIMEOUT_S:.0f} s")
+
+
 def _wait_for(cluster: LocalCluster, nodes: int) -> None:
     """Until the cluster lists `nodes` live nodes (checked by a short-lived client process, so this
     one never holds a Ray connection the tests would then share)."""
-    probe = ("import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False); "
+    probe = ("import ray,sys,time; ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False)\n"
+             "end = time.monotonic() + 30\n"  # a joining node shows up in ~1 s; one driver waits for it
+             "while sum(1 for n in ray.nodes() if n['Alive']) < int(sys.argv[2]) and time.monotonic() < end:\n"
+             "    time.sleep(0.2)\n"
              "print(sum(1 for n in ray.nodes() if n['Alive']))")
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -103,7 +122,7 @@ def _wait_for(cluster: LocalCluster, nodes: int) -> None:
         try:
             with socket.create_connection(("127.0.0.1", int(cluster.address.rsplit(':', 1)[1])), timeout=2):
                 pass
-            out = subprocess.run([sys.executable, "-c", probe, cluster.address], capture_output=True, text=True,
+            out = subprocess.run([sys.executable, "-c", probe, cluster.address, str(nodes)], capture_output=True, text=True,
                                  timeout=60, env={**os.environ, "RAY_TMPDIR": str(cluster.root / "t")})
             if out.stdout.strip().isdigit() and int(out.stdout.strip()) >= nodes:
                 return

@@ -91,6 +91,17 @@ def test_base_sections_come_from_the_dataclasses():
     assert run_config(to_container(compose([]))).parallel == rc.parallel
 
 
+def test_a_compose_never_changes_the_defaults_of_the_next():
+    """Composes share Hydra's ConfigStore instead of deep-copying it (composer.py:
+    `_share_config_store`): what one compose overrides in a stored node must not reach the next."""
+    base = ["model=llama2-13b", "hardware=a100-80g"]
+    first = compose(base)
+    changed = compose([*base, "model.num_layers=3", "hardware.mem_gib=7"])
+    assert (changed.model.num_layers, changed.hardware.mem_gib) == (3, 7)
+    again = compose(base)
+    assert again == first and (again.model.num_layers, again.hardware.mem_gib) != (3, 7)
+
+
 def test_run_config_is_typed():
     cfg = to_container(compose(["link.bandwidth=1Gbps", "kv.num_blocks=64", "executor.blocking_send=true"]))
     rc = run_config(cfg)
