@@ -223,15 +223,22 @@ class Host:
     def output(self) -> str:
         return "".join(self.out) + "".join(self.err)
 
-    def terminate(self) -> int:
-        """SIGTERM to the testbed process itself (under `unshare` it is the wrapper's child)."""
+    def send(self, sig: int) -> None:
+        """`sig` to the testbed process itself (under `unshare` it is the wrapper's child)."""
         import psutil
 
         target = psutil.Process(self.proc.pid)
         if self.isolated:
             target = target.children()[0]
-        target.send_signal(signal.SIGTERM)
+        target.send_signal(sig)
+
+    def terminate(self) -> int:
+        self.send(signal.SIGTERM)
         return self.wait()
+
+    def pause(self, paused: bool) -> None:
+        """SIGSTOP (or SIGCONT) every process of this host at once (its own process group)."""
+        os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
 
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)  # the whole host at once: parent and workers

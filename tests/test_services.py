@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
+import signal
 import time
 
 import pytest
@@ -156,33 +157,54 @@ def test_mlflow_store_in_fresh_postgres_two_hosts_and_no_password_shown(postgres
     assert PASSWORD not in cap.out + cap.err and cap.err.count("error:") == 1, cap.err
 
 
-def _wait_two_sessions_running(hosts: list[Host], storage: str, name: str, fresh: str = "") -> None:
-    """Until each host has a trial RUNNING (fails loudly if a host ends first, or after WAIT_S).
-    With `fresh` (a host name), that host's running trial must also have started under 1 s ago:
-    a trial of 3,000 requests lasts a few seconds, so a signal sent next lands inside it. Host a
-    often started first and was near the end of its trial by the time host b had one RUNNING,
-    and a SIGTERM that arrives between two trials rightly interrupts none (1 failure in ~10)."""
-    import datetime
-
+def _live_trials(storage: str, name: str) -> list:
+    """The study's trials RUNNING with their MLflow run open ([] before the study exists)."""
     import optuna
 
+    try:
+        trials = optuna.load_study(study_name=name, storage=storage).trials
+    except KeyError:
+        return []
+    return [t for t in trials if t.state.name == "RUNNING" and t.user_attrs.get("mlflow_run_id")]
+
+
+def _terminate_inside_a_trial(a: Host, b: Host, storage: str, name: str) -> int:
+    """SIGTERM to host a while one of its trials runs and host b runs one too; returns the
+    trial's number. A trial of 3,000 requests lasts ~0.5 s here, about what reading the study
+    takes, and a signal that arrived after a's trial ended rightly interrupted none (the test
+    failed 2 times in ~15). So a host with a trial open (RUNNING with its MLflow run, no result
+    yet) is paused (SIGSTOP) and held there until the other host has one open too (one host
+    alone had run all 6 trials before the other had started one); the study is read again
+    while both are held, and the signal is handled inside host a's trial when it resumes. A
+    pause of a few seconds is far inside the 10 s heartbeat by which a trial counts as dead."""
+    def open_on(host: str, live: list) -> list:
+        return [t for t in live if t.user_attrs["worker"].startswith(f"{host}-") and "summary" not in t.user_attrs]
+
+    hosts = {"lab-a": a, "lab-b": b}
+    held: set[str] = set()
     deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        for h in hosts:
-            assert h.proc.poll() is None, f"exit {h.proc.poll()}: {h.output[-2000:]}"
-        try:
-            live = [t for t in optuna.load_study(study_name=name, storage=storage).trials
-                    if t.state.name == "RUNNING" and t.user_attrs.get("mlflow_run_id")]
-        except KeyError:  # the study is not created yet
-            live = []
-        running = {t.user_attrs["worker"].rsplit(".", 1)[0] for t in live}
-        recent = datetime.datetime.now() - datetime.timedelta(seconds=1)
-        started = not fresh or any(t.user_attrs["worker"].startswith(f"{fresh}-") and t.datetime_start > recent
-                                   for t in live)
-        if len(running) == 2 and started:
-            return
-        time.sleep(0.05)
-    pytest.fail(f"two hosts never ran trials of {name} at once within {WAIT_S} s")
+    try:
+        while time.monotonic() < deadline:
+            for h in (a, b):
+                assert h.proc.poll() is None, f"exit {h.proc.poll()}: {h.output[-2000:]}"
+            live = _live_trials(storage, name)
+            for host in set(hosts) - held:
+                if open_on(host, live):
+                    hosts[host].pause(True)
+                    held.add(host)
+            live = _live_trials(storage, name)  # the held hosts cannot move on while this is read
+            for host in list(held):
+                if not open_on(host, live):  # its trial ended before the pause
+                    hosts[host].pause(False)
+                    held.discard(host)
+            if held == set(hosts):
+                a.send(signal.SIGTERM)
+                return open_on("lab-a", live)[0].number
+            time.sleep(0.05)
+        pytest.fail(f"the two hosts never ran trials of {name} at once within {WAIT_S} s")
+    finally:
+        for host in held:
+            hosts[host].pause(False)
 
 
 def test_sigterm_on_one_host_leaves_the_others_trials_alone(postgres, mlflow_server, tmp_path):
@@ -193,8 +215,8 @@ def test_sigterm_on_one_host_leaves_the_others_trials_alone(postgres, mlflow_ser
     storage, name = postgres.new_database("optuna"), f"term-{secrets.token_hex(3)}"
     args = _tune(storage, mlflow_server.base, name, "tune.trials=6", "workload.num_requests=3000")
     a, b = (Host(tmp_path / h, f"lab-{h}", *args) for h in ("a", "b"))
-    _wait_two_sessions_running([a, b], storage, name, fresh="lab-a")
-    assert a.terminate() == 143, a.output[-2000:]
+    stopped = _terminate_inside_a_trial(a, b, storage, name)
+    assert a.wait() == 143, a.output[-2000:]
     assert b.wait() == 0, b.output[-2000:]
     trials = optuna.load_study(study_name=name, storage=storage).trials
     runs = {r.info.run_id: r for r in _runs(mlflow_server.base, f"tune-{name}")}
@@ -205,6 +227,6 @@ def test_sigterm_on_one_host_leaves_the_others_trials_alone(postgres, mlflow_ser
     assert not [r.info.run_id for r in b_runs if "error" in r.data.tags]
     a_stopped = [t for t in trials if t.user_attrs.get("interrupted")]
     seen = [(t.number, t.state.name, t.datetime_start, t.user_attrs) for t in trials]
-    assert a_stopped, f"no trial interrupted; trials: {seen}; host a: {a.output[-1500:]}"
+    assert [t.number for t in a_stopped] == [stopped], f"trials: {seen}; host a: {a.output[-1500:]}"
     assert all(runs[t.user_attrs["mlflow_run_id"]].data.tags["host"] == "lab-a" for t in a_stopped)
     assert sum(t.state.name == "COMPLETE" for t in trials) >= 6

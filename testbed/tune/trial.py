@@ -21,6 +21,7 @@ from engine.errors import TestbedError
 from testbed.cluster import heartbeat, identity
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
+from testbed.sweep.jobs import raise_if_stopped
 from testbed.config.spec import RunSpec
 from testbed.tracking.tracker import Tracker, run_tags
 from testbed.tune.problem import Problem, jsonable
@@ -85,6 +86,9 @@ class TrialRunner:
                 with heartbeat.beating(study, trial, self.heartbeat):
                     spec, run_id = self._start(trial, event)
                     values, violations = self._measure(trial, spec, run_id)
+                    # a stop whose exception was lost in a GC callback while the trial ran: it
+                    # still interrupts the trial, as a Ctrl-C there would (not told COMPLETE)
+                    raise_if_stopped()
             except TrialFailed as exc:
                 run_id = run_id or exc.run_id
                 return self._fail(study, trial, None if exc.run_closed else run_id, str(exc), event, t0)
