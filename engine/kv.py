@@ -211,8 +211,9 @@ class BlockManager:
                 raise AssertionError(
                     f"sequence {seq_id}: {len(table)} blocks for {self._tokens[seq_id]} tokens")
         free = set(self._free)
-        if any(not 0 <= block < self.num_blocks for block in free):
-            raise AssertionError(f"out-of-range block in the free list: {sorted(free)[-1]} or {sorted(free)[0]}")
+        outside = [block for block in free if not 0 <= block < self.num_blocks]
+        if outside:
+            raise AssertionError(f"out-of-range block in the free list: {outside[0]}")
         if len(free) != len(self._free):
             raise AssertionError("a block appears twice in the free list")
         if free & owner.keys():

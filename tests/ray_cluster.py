@@ -119,9 +119,7 @@ def _wait_for(cluster: LocalCluster, nodes: int) -> None:
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in cluster.procs):
             raise RuntimeError(f"a ray node exited: {(cluster.root / 'ray.log').read_text()[-2000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", int(cluster.address.rsplit(':', 1)[1])), timeout=2):
-                pass
+        try:  # the head listens (`_wait_for_port`); the probe waits for the nodes itself
             out = subprocess.run([sys.executable, "-c", probe, cluster.address, str(nodes)], capture_output=True, text=True,
                                  timeout=60, env={**os.environ, "RAY_TMPDIR": str(cluster.root / "t")})
             if out.stdout.strip().isdigit() and int(out.stdout.strip()) >= nodes:

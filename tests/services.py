@@ -232,10 +232,6 @@ class Host:
             target = target.children()[0]
         target.send_signal(sig)
 
-    def terminate(self) -> int:
-        self.send(signal.SIGTERM)
-        return self.wait()
-
     def pause(self, paused: bool) -> None:
         """SIGSTOP (or SIGCONT) every process of this host at once (its own process group)."""
         os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)

@@ -65,20 +65,26 @@ def test_two_hosts_start_one_study_together(postgres, mlflow_server, tmp_path):
     assert {t.user_attrs["worker"] for t in trials} <= {r.data.tags["worker"] for r in trial_runs}
 
 
+def _live_trials(storage: str, name: str) -> list:
+    """The study's trials RUNNING with their MLflow run open ([] before the study exists)."""
+    import optuna
+
+    try:
+        trials = optuna.load_study(study_name=name, storage=storage).trials
+    except KeyError:
+        return []
+    return [t for t in trials if t.state.name == "RUNNING" and t.user_attrs.get("mlflow_run_id")]
+
+
 def _wait_running(host: Host, storage: str, name: str) -> object:
     """The first trial RUNNING with its MLflow run open (fails loudly if the host ends first,
     or after WAIT_S)."""
-    import optuna
-
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         assert host.proc.poll() is None, f"exit {host.proc.poll()}: {host.output[-2000:]}"
-        try:
-            for t in optuna.load_study(study_name=name, storage=storage).trials:
-                if t.state.name == "RUNNING" and t.user_attrs.get("mlflow_run_id"):
-                    return t
-        except KeyError:  # the study is not created yet
-            pass
+        live = _live_trials(storage, name)
+        if live:
+            return live[0]
         time.sleep(0.2)
     pytest.fail(f"no trial of {name} started within {WAIT_S} s")
 
@@ -155,17 +161,6 @@ def test_mlflow_store_in_fresh_postgres_two_hosts_and_no_password_shown(postgres
     assert main(["report", "no-such-grid", "--tracking-uri", tracking]) == 2
     cap = capsys.readouterr()
     assert PASSWORD not in cap.out + cap.err and cap.err.count("error:") == 1, cap.err
-
-
-def _live_trials(storage: str, name: str) -> list:
-    """The study's trials RUNNING with their MLflow run open ([] before the study exists)."""
-    import optuna
-
-    try:
-        trials = optuna.load_study(study_name=name, storage=storage).trials
-    except KeyError:
-        return []
-    return [t for t in trials if t.state.name == "RUNNING" and t.user_attrs.get("mlflow_run_id")]
 
 
 def _terminate_inside_a_trial(a: Host, b: Host, storage: str, name: str) -> int:
