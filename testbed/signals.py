@@ -48,6 +48,7 @@ def _install(handler, signums=STOP_SIGNALS) -> dict | None:
 # Set by the first stop of `testbed run` (`one_stop`): the process is ending, and at the end of
 # `testbed.cli.main` every later signal is ignored until it exits.
 _stopping = False
+_first_signal: list[str | None] = [None]  # that stop's signal, for the `one_stop` block it fell in
 
 
 def hold_if_stopping() -> None:
@@ -90,6 +91,7 @@ def _first_stop(signum, frame):
     """The first of SIGINT/SIGTERM/SIGHUP: ignore every later one, to the end of the process, then stop."""
     global _stopping
     _stopping = True
+    _first_signal[0] = signal.Signals(signum).name
     for s in ALL_SIGNALS:
         signal.signal(s, _ignore)
     if signum == signal.SIGINT:
@@ -102,11 +104,30 @@ def one_stop() -> Iterator[None]:
     """Within the block the first Ctrl-C, SIGTERM or SIGHUP stops the work (KeyboardInterrupt or
     `Terminated`) and every later one is ignored until the block ends: the stop's cleanup and the
     save of the partial results run to the end."""
+    _first_signal[0] = None
     old = _install(_first_stop, ALL_SIGNALS)
     try:
         yield
     finally:
         _restore(old)
+
+
+def lost_stop() -> str | None:
+    """Within `one_stop()`: the signal ("SIGINT", "SIGTERM", "SIGHUP") that began the stop, or None.
+    Its exception may never have reached the work: Python drops an exception a signal handler
+    raises inside a garbage-collector callback or `__del__` ("Exception ignored in ..."), which
+    let a `tune` host run on after SIGTERM (testbed/sweep/jobs.py `raise_if_stopped`), and would
+    have let `testbed run` end FINISHED with exit 0. The caller checks it where work could go on."""
+    return _first_signal[0]
+
+
+def raise_if_lost_stop() -> None:
+    """Raise the stop `lost_stop()` names: KeyboardInterrupt for Ctrl-C, else `Terminated`."""
+    name = lost_stop()
+    if name == "SIGINT":
+        raise KeyboardInterrupt()
+    if name is not None:
+        raise Terminated(name)
 
 
 @contextmanager
