@@ -9,18 +9,33 @@ reaped by pytest, and the PostgreSQL, mlflow server and Ray processes of the ser
 run beside the tests. Elsewhere: this process and the children it reaped."""
 from __future__ import annotations
 
+import gc
 import os
 import resource
+import time
 
 import pytest
 
 _CPU: dict[str, float] = {}
 _OWN: dict[str, float] = {}  # the test process's own share (in-process simulations, imports)
+_GC = [0.0, 0.0]  # seconds this process spent in the cyclic garbage collector; when the current pass began
+
+
+def _time_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC[1] = time.process_time()
+    else:
+        _GC[0] += time.process_time() - _GC[1]
 
 
 def pytest_addoption(parser) -> None:
     parser.addoption("--cpu-top", type=int, default=0, metavar="N",
                      help="print the N tests with the most CPU time (self + reaped children)")
+
+
+def pytest_configure(config) -> None:
+    if config.getoption("--cpu-top"):
+        gc.callbacks.append(_time_gc)
 
 
 def _machine_busy() -> float | None:
@@ -65,7 +80,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     tr = terminalreporter
     what = "machine CPU" if _machine_busy() is not None else "CPU (self + reaped children)"
     tr.write_sep("=", f"{what}: {sum(_CPU.values()):.0f} s over {len(_CPU)} tests "
-                      f"({sum(_OWN.values()):.0f} s in the test process itself); the {top} largest")
+                      f"({sum(_OWN.values()):.0f} s in the test process itself, {_GC[0]:.0f} s of it in its "
+                      f"garbage collector); the {top} largest")
     tr.write_line(f"{'all':>7}   {'own':>7}")
     for nodeid, cpu in sorted(_CPU.items(), key=lambda kv: -kv[1])[:top]:
         tr.write_line(f"{cpu:7.1f} s {_OWN[nodeid]:7.1f} s  {nodeid}")

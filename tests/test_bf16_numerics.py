@@ -84,6 +84,7 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+@pytest.mark.slow  # long real-engine case (issue 25 item 15: the default set's CPU); `./tb test -m slow`
 def test_bf16_logits_torch_path_on_cpu(tiny):
     _check(tiny, "torch", "cpu")
 

@@ -115,7 +115,10 @@ def _signalled_grid(tmp_path: Path, send: str):
     return code, survivors(children), run_states(tmp_path / "mlflow.db"), cmd
 
 
-@pytest.mark.parametrize("send, exit_code", [("TERM", 143), ("INT", 130)])
+# Default set (issue 25 item 15: 8-13 s of CPU a variant): Ctrl-C here, which reaches the whole process
+# group, workers included; tests/test_capacity.py sends SIGTERM to the parent alone, through the same
+# worker pool (testbed/sweep/jobs.py). SIGTERM here runs with `-m slow`.
+@pytest.mark.parametrize("send, exit_code", [pytest.param("TERM", 143, marks=pytest.mark.slow), ("INT", 130)])
 def test_a_signal_stops_the_grid_at_once_and_kills_its_runs(tmp_path, send, exit_code):
     code, alive, runs, cmd = _signalled_grid(tmp_path, send)
     assert code == exit_code, "".join(cmd.err)[-2000:]

@@ -175,7 +175,8 @@ def _stages(path, split, attention, num_blocks=64, block_size=4, device=DEV):
     return out
 
 
-@pytest.mark.parametrize("name, split", [("tiny-llama", [2]), ("tiny-qwen2", [4, 2])])
+# tiny-qwen2 at P=2 (4.5 s of CPU) is a long real-engine case (issue 25 item 15): `./tb test -m slow`
+@pytest.mark.parametrize("name, split", [("tiny-llama", [2]), pytest.param("tiny-qwen2", [4, 2], marks=pytest.mark.slow)])
 def test_triton_path_gives_the_torch_paths_greedy_tokens(tiny_ckpts, name, split):
     """Chunked prefill (chunks after a cached prefix), batched decodes, P=1 and P=2: the same
     greedy tokens as the torch path, which tests/test_torch_model.py anchors to HF `generate`.

@@ -74,6 +74,7 @@ def _tokens(res):
     return {r["request_id"]: r.get("output_token_ids") for r in res.requests}
 
 
+@pytest.mark.slow  # long real-engine case (issue 25 item 15: the default set's CPU); `./tb test -m slow`
 def test_greedy_tokens_unchanged_by_every_runtime_switch(tmp_path):
     base = _torch_run(tmp_path / "base", *[f"{f}=false" for f in FEATURES])
     all_on = _torch_run(tmp_path / "on", *[f"{f}=true" for f in FEATURES], "link.bandwidth=1Gbps",
