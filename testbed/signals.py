@@ -33,6 +33,11 @@ def signal_name(exc: BaseException) -> str:
     return "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
 
 
+def stop_exception(name: str) -> KeyboardInterrupt:
+    """What a stop by the signal `name` raises: KeyboardInterrupt for Ctrl-C, else `Terminated`."""
+    return KeyboardInterrupt() if name == "SIGINT" else Terminated(name)
+
+
 def _raise_terminated(signum, frame):
     raise Terminated(signal.Signals(signum).name)
 
@@ -48,7 +53,7 @@ def _install(handler, signums=STOP_SIGNALS) -> dict | None:
 # Set by the first stop of `testbed run` (`one_stop`): the process is ending, and at the end of
 # `testbed.cli.main` every later signal is ignored until it exits.
 _stopping = False
-_first_signal: list[str | None] = [None]  # that stop's signal, for the `one_stop` block it fell in
+_first_signal: str | None = None  # that stop's signal, for the `one_stop` block it fell in
 
 
 def hold_if_stopping() -> None:
@@ -89,14 +94,12 @@ def _ignore(signum, frame) -> None:
 
 def _first_stop(signum, frame):
     """The first of SIGINT/SIGTERM/SIGHUP: ignore every later one, to the end of the process, then stop."""
-    global _stopping
+    global _stopping, _first_signal
     _stopping = True
-    _first_signal[0] = signal.Signals(signum).name
+    _first_signal = signal.Signals(signum).name
     for s in ALL_SIGNALS:
         signal.signal(s, _ignore)
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt()
-    raise Terminated(signal.Signals(signum).name)
+    raise stop_exception(_first_signal)
 
 
 @contextmanager
@@ -104,7 +107,8 @@ def one_stop() -> Iterator[None]:
     """Within the block the first Ctrl-C, SIGTERM or SIGHUP stops the work (KeyboardInterrupt or
     `Terminated`) and every later one is ignored until the block ends: the stop's cleanup and the
     save of the partial results run to the end."""
-    _first_signal[0] = None
+    global _first_signal
+    _first_signal = None
     old = _install(_first_stop, ALL_SIGNALS)
     try:
         yield
@@ -118,16 +122,13 @@ def lost_stop() -> str | None:
     raises inside a garbage-collector callback or `__del__` ("Exception ignored in ..."), which
     let a `tune` host run on after SIGTERM (testbed/sweep/jobs.py `raise_if_stopped`), and would
     have let `testbed run` end FINISHED with exit 0. The caller checks it where work could go on."""
-    return _first_signal[0]
+    return _first_signal
 
 
 def raise_if_lost_stop() -> None:
-    """Raise the stop `lost_stop()` names: KeyboardInterrupt for Ctrl-C, else `Terminated`."""
-    name = lost_stop()
-    if name == "SIGINT":
-        raise KeyboardInterrupt()
-    if name is not None:
-        raise Terminated(name)
+    """Raise the stop `lost_stop()` names (`stop_exception`), if any."""
+    if _first_signal is not None:
+        raise stop_exception(_first_signal)
 
 
 @contextmanager
@@ -162,7 +163,7 @@ class DeferredStop:
         if callable(outer):
             outer(signum, None)
         elif outer == signal.SIG_DFL:
-            raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signal.Signals(signum).name)
+            raise stop_exception(signal.Signals(signum).name)
 
 
 @contextmanager

@@ -275,13 +275,13 @@ def test_a_stop_lost_in_a_gc_callback_during_a_trial_still_interrupts_it(tmp_pat
     assert main(["tune", *args, "tune.trials=1"]) == 0
     real = TrialRunner._simulate
 
-    def lost_stop(self, spec):
+    def simulate_then_drop_a_stop(self, spec):
         result = real(self, spec)
         jobs._stop_name[0] = "SIGTERM"
         jobs._terminated.set()  # what `_raise_terminated` leaves when its exception is dropped
         return result
 
-    monkeypatch.setattr(TrialRunner, "_simulate", lost_stop)
+    monkeypatch.setattr(TrialRunner, "_simulate", simulate_then_drop_a_stop)
     try:
         with pytest.raises(jobs.Terminated):
             worker_loop(prepare([*args, "tune.trials=2"]), 0)
