@@ -20,6 +20,7 @@ import sys
 import time
 
 T_START = time.perf_counter()  # end-to-end timing of `testbed run` starts here (after interpreter start-up)
+from contextlib import nullcontext
 from pathlib import Path
 
 from engine.errors import TestbedError
@@ -90,6 +91,8 @@ def cmd_test(pytest_args: list[str]) -> int:
 
     import pytest
 
+    from testbed.signals import terminate_on_stop_signals
+
     root = Path(__file__).resolve().parents[1]
     if not (root / "tests").is_dir():
         raise TestbedError(f"no tests folder at {root / 'tests'}: `testbed test` runs from a source checkout")
@@ -102,6 +105,7 @@ def cmd_test(pytest_args: list[str]) -> int:
     args = [a for a in args if a != "-q"]
     if not any(a.startswith("console_output_style") for a in args):
         args = ["-o", "console_output_style=count", *args]
+    terminate_on_stop_signals()  # SIGTERM and SIGHUP end the suite with pytest's summary, as Ctrl-C does
     return int(pytest.main(args))
 
 
@@ -402,7 +406,7 @@ def checkpoint_models(overrides: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from testbed.signals import EXIT_CODES, hold_if_stopping, sigterm_as_interrupt, signal_name
+    from testbed.signals import hold_if_stopping, sigterm_as_interrupt
 
     argv = sys.argv[1:] if argv is None else list(argv)
     default_data_dir()
@@ -418,17 +422,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if isinstance(getattr(args, "overrides", None), list):
             args.overrides = checkpoint_models(args.overrides)
-        with sigterm_as_interrupt():
-            return func(args)
+        # `testbed test` is no command of its own: its tests run commands in this process, each with
+        # its own record of a stop (testbed/signals.py); SIGTERM stops pytest as Ctrl-C does
+        with nullcontext() if args is None else sigterm_as_interrupt():
+            try:
+                return func(args)
+            except KeyboardInterrupt as exc:  # inside the block: its record names the stop
+                return _interrupted(exc)
     except TestbedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt as exc:
-        name = signal_name(exc)
-        print(f"interrupted ({name})", file=sys.stderr)
-        return EXIT_CODES.get(name, 130)
+    except KeyboardInterrupt as exc:  # before the block
+        return _interrupted(exc)
     finally:
         hold_if_stopping()
+
+
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    """Say which signal stopped the command; its exit code (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
+    from testbed.signals import EXIT_CODES, signal_name
+
+    name = signal_name(exc)
+    print(f"interrupted ({name})", file=sys.stderr)
+    return EXIT_CODES[name]
 
 
 if __name__ == "__main__":

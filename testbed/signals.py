@@ -5,7 +5,13 @@ KILLED), with exit code 143 (SIGTERM) or 129 (SIGHUP).
 One stop is enough: once a signal has started the stop, the results are being saved, and a
 second Ctrl-C or SIGTERM (people press twice; schedulers follow up within a second) must not cut
 that save short (it left an empty run folder). `one_stop()` gives that for `testbed run`;
-`saving()` guards any block that writes results."""
+`saving()` guards any block that writes results.
+
+One record of the stop. Every handler here notes the first stop signal of the command
+(`stopped_by()`), and every command reads that one record: for its exit code and message
+(`signal_name`, `exit_code`, `interrupted_message`), and to stop where a handler's exception was
+lost (`raise_if_stopped`). A command's record is its outermost `sigterm_as_interrupt` or
+`one_stop` block: empty at its start, cleared at its end; a worker process's, its whole life."""
 from __future__ import annotations
 
 import signal
@@ -15,6 +21,12 @@ from typing import Iterator
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 ALL_SIGNALS = (signal.SIGINT, *STOP_SIGNALS)
+
+# Set by the first stop of `testbed run` (`one_stop`): the process is ending, and at the end of
+# `testbed.cli.main` every later signal is ignored until it exits.
+_stopping = False
+_first_signal: str | None = None  # the command's first stop signal ("SIGINT", ...), or None
+_in_command = False  # inside the outermost block that began a command (`_command`)
 
 
 class Terminated(KeyboardInterrupt):
@@ -27,10 +39,26 @@ class Terminated(KeyboardInterrupt):
 
 
 def signal_name(exc: BaseException) -> str:
+    """The signal that stopped the command `exc` ends: the one `exc` names (a Terminated, a run's
+    RunInterrupted), else a SIGTERM or SIGHUP on record (code that re-raises a plain
+    KeyboardInterrupt, as Optuna's optimize loop does, must not turn exit 143 into 130), else
+    SIGINT."""
     name = getattr(exc, "signal", None)
-    if isinstance(name, str):
+    if name in ("SIGTERM", "SIGHUP"):
         return name
+    if _first_signal in ("SIGTERM", "SIGHUP"):
+        return _first_signal
     return "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+
+
+def exit_code(exc: BaseException) -> int:
+    """143 for SIGTERM, 129 for SIGHUP, 130 for Ctrl-C (`signal_name`)."""
+    return EXIT_CODES[signal_name(exc)]
+
+
+def interrupted_message(exc: BaseException) -> str:
+    name = signal_name(exc)
+    return "interrupted" if name == "SIGINT" else f"terminated ({name})"
 
 
 def stop_exception(name: str) -> KeyboardInterrupt:
@@ -38,8 +66,22 @@ def stop_exception(name: str) -> KeyboardInterrupt:
     return KeyboardInterrupt() if name == "SIGINT" else Terminated(name)
 
 
+def _note(signum) -> str:
+    """Put the signal on record if it is the command's first stop; its name."""
+    global _first_signal
+    name = signal.Signals(signum).name
+    if _first_signal is None:
+        _first_signal = name
+    return name
+
+
 def _raise_terminated(signum, frame):
-    raise Terminated(signal.Signals(signum).name)
+    raise Terminated(_note(signum))
+
+
+def _raise_interrupt(signum, frame):
+    _note(signum)
+    raise KeyboardInterrupt
 
 
 def _install(handler, signums=STOP_SIGNALS) -> dict | None:
@@ -50,10 +92,21 @@ def _install(handler, signums=STOP_SIGNALS) -> dict | None:
         return None
 
 
-# Set by the first stop of `testbed run` (`one_stop`): the process is ending, and at the end of
-# `testbed.cli.main` every later signal is ignored until it exits.
-_stopping = False
-_first_signal: str | None = None  # that stop's signal, for the `one_stop` block it fell in
+@contextmanager
+def _command(handlers: dict | None) -> Iterator[None]:
+    """The outermost of these blocks is a command: the record holds its stop from its start to its
+    end, and is empty before and after (in-process callers such as the tests run many commands
+    in one process). `handlers`: what the block installed, None outside the main thread (where
+    nothing is cleared: the main thread's command may still be running)."""
+    global _first_signal, _in_command
+    outermost = handlers is not None and not _in_command
+    if outermost:
+        _first_signal, _in_command = None, True
+    try:
+        yield
+    finally:
+        if outermost:
+            _first_signal, _in_command = None, False
 
 
 def hold_if_stopping() -> None:
@@ -75,11 +128,17 @@ def _restore(old: dict | None) -> None:
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Within the block, SIGTERM and SIGHUP raise `Terminated` in the main thread (no-op elsewhere).
-    The command line's outermost block: after a stop it hands over to `hold_if_stopping` instead of
-    putting the default handlers back (a signal in between killed a saved run with -15)."""
+    The block of `testbed.cli.main` (and of each sweep command, for callers that skip the command
+    line): after a stop it hands over to `hold_if_stopping` instead of
+    putting the default handlers back (a signal in between killed a saved run with -15). Ctrl-C
+    raises KeyboardInterrupt as by default, and is put on record; where it was ignored (a shell's
+    background job) it stays ignored."""
     old = _install(_raise_terminated)
+    if old is not None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        old.update(_install(_raise_interrupt, (signal.SIGINT,)) or {})
     try:
-        yield
+        with _command(old):
+            yield
     finally:
         if _stopping:
             hold_if_stopping()
@@ -94,12 +153,12 @@ def _ignore(signum, frame) -> None:
 
 def _first_stop(signum, frame):
     """The first of SIGINT/SIGTERM/SIGHUP: ignore every later one, to the end of the process, then stop."""
-    global _stopping, _first_signal
+    global _stopping
     _stopping = True
-    _first_signal = signal.Signals(signum).name
+    name = _note(signum)
     for s in ALL_SIGNALS:
         signal.signal(s, _ignore)
-    raise stop_exception(_first_signal)
+    raise stop_exception(name)
 
 
 @contextmanager
@@ -107,26 +166,37 @@ def one_stop() -> Iterator[None]:
     """Within the block the first Ctrl-C, SIGTERM or SIGHUP stops the work (KeyboardInterrupt or
     `Terminated`) and every later one is ignored until the block ends: the stop's cleanup and the
     save of the partial results run to the end."""
-    global _first_signal
-    _first_signal = None
     old = _install(_first_stop, ALL_SIGNALS)
     try:
-        yield
+        with _command(old):
+            yield
     finally:
         _restore(old)
 
 
-def lost_stop() -> str | None:
-    """Within `one_stop()`: the signal ("SIGINT", "SIGTERM", "SIGHUP") that began the stop, or None.
-    Its exception may never have reached the work: Python drops an exception a signal handler
-    raises inside a garbage-collector callback or `__del__` ("Exception ignored in ..."), which
-    let a `tune` host run on after SIGTERM (testbed/sweep/jobs.py `raise_if_stopped`), and would
-    have let `testbed run` end FINISHED with exit 0. The caller checks it where work could go on."""
+def record_interrupts() -> None:
+    """For the rest of the process (a worker's), Ctrl-C raises KeyboardInterrupt as by default and
+    is put on record, for `raise_if_stopped`."""
+    _install(_raise_interrupt, (signal.SIGINT,))
+
+
+def terminate_on_stop_signals() -> None:
+    """For the rest of the process (a worker's), SIGTERM and SIGHUP raise `Terminated`, on record."""
+    _install(_raise_terminated)
+
+
+def stopped_by() -> str | None:
+    """The signal ("SIGINT", "SIGTERM", "SIGHUP") of the command's first stop, or None. Its
+    exception may never have reached the work: Python drops an exception a signal handler raises
+    inside a garbage-collector callback or `__del__` ("Exception ignored in ..."; SQLAlchemy's
+    weakref callbacks), which let a `tune` host run on and exit 0 after SIGTERM, and would have let
+    `testbed run` end FINISHED with exit 0. The caller checks it where work could go on."""
     return _first_signal
 
 
-def raise_if_lost_stop() -> None:
-    """Raise the stop `lost_stop()` names (`stop_exception`), if any."""
+def raise_if_stopped() -> None:
+    """Raise the stop `stopped_by()` names (`stop_exception`), if any: loops call it before the
+    next piece of work."""
     if _first_signal is not None:
         raise stop_exception(_first_signal)
 

@@ -266,7 +266,9 @@ def test_a_stop_lost_in_a_gc_callback_during_a_trial_still_interrupts_it(tmp_pat
     weakref callbacks) is printed as "Exception ignored" and dropped: the trial in flight was
     told COMPLETE and only the next loop saw the stop (the services SIGTERM test, 1 in ~7). The
     stop is checked again before the trial is told: it ends FAILED "interrupted" like a Ctrl-C."""
-    from testbed.sweep import jobs
+    import signal
+
+    from testbed import signals
     from testbed.tune import prepare
     from testbed.tune.trial import TrialRunner
     from testbed.tune.workers import worker_loop
@@ -277,16 +279,16 @@ def test_a_stop_lost_in_a_gc_callback_during_a_trial_still_interrupts_it(tmp_pat
 
     def simulate_then_drop_a_stop(self, spec):
         result = real(self, spec)
-        jobs._stop_name[0] = "SIGTERM"
-        jobs._terminated.set()  # what `_raise_terminated` leaves when its exception is dropped
+        try:  # the SIGTERM handler runs, and its exception is dropped (as in a GC callback)
+            signals._raise_terminated(signal.SIGTERM, None)
+        except signals.Terminated:
+            pass
         return result
 
+    monkeypatch.setattr(signals, "_first_signal", None)  # and back to what it was afterwards
     monkeypatch.setattr(TrialRunner, "_simulate", simulate_then_drop_a_stop)
-    try:
-        with pytest.raises(jobs.Terminated):
-            worker_loop(prepare([*args, "tune.trials=2"]), 0)
-    finally:
-        jobs._terminated.clear()
+    with pytest.raises(signals.Terminated):
+        worker_loop(prepare([*args, "tune.trials=2"]), 0)
     trials = _study(tmp_path, "s").trials
     assert [t.state.name for t in trials] == ["COMPLETE", "FAIL"]
     assert trials[1].user_attrs.get("fail_reason") == "interrupted"

@@ -41,7 +41,7 @@ from engine.request import Request
 from engine.profile_grid import ProfileGrid, get_grid
 from engine.torch_exec.profile import device_memory_gib, device_provenance, measure_peaks, profile_engine
 from engine.torch_exec.timing import is_cuda
-from testbed.sweep import jobs as sweep
+from testbed import signals
 from testbed.config.spec import compose_spec
 from testbed.config.overrides import merge
 from testbed.run.outputs import write_run_dir
@@ -245,12 +245,12 @@ def format_table(rows: list[dict]) -> str:
 def cmd_validate(args, console) -> int:
     """`testbed validate`: 0, or 130 (Ctrl-C) / 143 (SIGTERM): the torch engine's stages are
     stopped by the executor's own cleanup, the run directories written so far are kept."""
-    with sweep.signals():
+    with signals.sigterm_as_interrupt():
         try:
             return _validate(args, console)
         except KeyboardInterrupt as exc:
-            print(sweep.interrupted_message(exc), file=sys.stderr)
-            return sweep.exit_code(exc)
+            print(signals.interrupted_message(exc), file=sys.stderr)
+            return signals.exit_code(exc)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
+from testbed import signals
 from testbed.sweep import jobs as sweep
 from testbed.capacity import results
 from testbed.capacity.search import RateSearch
@@ -212,7 +213,7 @@ def run_capacity(overrides: Sequence[str], console: Any = None, live: Any = None
     except KeyboardInterrupt as exc:
         parent.end("KILLED")
         if console is not None:
-            console.print(f"{sweep.interrupted_message(exc)}: the probes done so far are in {p.out_dir}",
+            console.print(f"{signals.interrupted_message(exc)}: the probes done so far are in {p.out_dir}",
                           highlight=False, markup=False)
         raise
     parent.end("FINISHED")
@@ -232,7 +233,7 @@ def run_searches(p: Plan, parent: sweep.ParentRun, console: Any = None) -> tuple
         sweep.run_jobs([], p.settings.workers, console, p.run0.output.progress, [],
                        feed=feed)
     except KeyboardInterrupt as exc:
-        results.write(p, feed, time.perf_counter() - t0, parent, interrupted=sweep.interrupted_message(exc))
+        results.write(p, feed, time.perf_counter() - t0, parent, interrupted=signals.interrupted_message(exc))
         raise
     wall = time.perf_counter() - t0
     df, ranking = results.write(p, feed, wall, parent)
@@ -268,12 +269,12 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
 
 def cli_capacity(overrides: Sequence[str], console: Any, live: Any = None) -> int:
     """`testbed capacity`: 0, or 130 (Ctrl-C) / 143 (SIGTERM) with the results so far written."""
-    with sweep.signals():
+    with signals.sigterm_as_interrupt():
         try:
             out_dir, _ = run_capacity(overrides, console, live)
         except KeyboardInterrupt as exc:
-            print(sweep.interrupted_message(exc), file=sys.stderr)
-            return sweep.exit_code(exc)
+            print(signals.interrupted_message(exc), file=sys.stderr)
+            return signals.exit_code(exc)
     print(out_dir.resolve())
     return 0
 

@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from engine.errors import ConfigError
+from testbed import signals
 from testbed.sweep import jobs as sweep
 from testbed.cluster.ray_backend import split_backend
 from testbed.cluster.ray_tasks import remote_pool
@@ -202,7 +203,7 @@ def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), 
         else:
             sweep.run_jobs(run.jobs, workers, console, run.run0.output.progress, job_rows, pool=remote_pool(backend))
     except KeyboardInterrupt as exc:
-        _flush_partial(run, job_rows, time.perf_counter() - t0, sweep.interrupted_message(exc))
+        _flush_partial(run, job_rows, time.perf_counter() - t0, signals.interrupted_message(exc))
         parent.end_interrupted(exc, console, f"the table of the {len(job_rows)} run(s) done", run.out_dir)
         raise
     wall = time.perf_counter() - t0
@@ -293,13 +294,13 @@ def cli_reproduce(args: Any, console: Any) -> int:
                           f"{', '.join(list_studies())}")
     quick = bool(args.quick or rest.quick)
     argv = [study, *(["--quick"] if quick else []), *overrides]
-    with sweep.signals():
+    with signals.sigterm_as_interrupt():
         try:
             outcome = run_study(study, quick=quick, overrides=overrides,
                                 workers=rest.workers if rest.workers is not None else (args.workers or 1),
                                 experiment=rest.experiment or args.experiment, console=console, argv=argv)
         except KeyboardInterrupt as exc:
-            print(sweep.interrupted_message(exc), file=sys.stderr)
-            return sweep.exit_code(exc)
+            print(signals.interrupted_message(exc), file=sys.stderr)
+            return signals.exit_code(exc)
     print(outcome.report.resolve())
     return 0

@@ -25,7 +25,7 @@ from testbed.run.outputs import (OutputWriteError, display_name, folder_name, pl
                              prepare_output_dir, reserve_run_dir, write_run_dir)
 from testbed.run.runner import RunInterrupted, RunResult
 from testbed.tracking.background import Background
-from testbed.signals import EXIT_CODES, lost_stop, one_stop, raise_if_lost_stop, saving
+from testbed.signals import EXIT_CODES, one_stop, raise_if_stopped, saving, stopped_by
 
 OVERLOAD_MARGIN = 1.10  # offered load above 110% of what was served counts as overload
 
@@ -56,7 +56,7 @@ def _run(overrides: Sequence[str], console, t_start: float, bg: Background) -> i
         bg.fit(mlflow=out.mlflow, plots=out.plots)
         progress, bar = _progress(console, enabled=out.progress)
         prepared = prepare_experiment(spec, progress=bar)
-        raise_if_lost_stop()  # a stop whose exception was dropped while the workload was built
+        raise_if_stopped()  # a stop whose exception was dropped while the workload was built
         run_dir = reserve_run_dir(base, folder_name(spec))
         if bg.tracker is not None:
             from testbed.tracking.tracker import run_tags
@@ -72,7 +72,7 @@ def _run(overrides: Sequence[str], console, t_start: float, bg: Background) -> i
                 result = prepared.run()
         except RunInterrupted as exc:
             result, stopped = exc.result, exc.signal
-        stopped = stopped or lost_stop()  # its exception dropped: the run went on, but it was stopped
+        stopped = stopped or stopped_by()  # its exception dropped: the run went on, but it was stopped
     except BaseException:
         bg.close()  # an opened run is marked KILLED by its process when its input closes
         raise

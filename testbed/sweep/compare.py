@@ -44,6 +44,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
 from engine.errors import ConfigError
+from testbed import signals
 from testbed.sweep import jobs as sweep
 from testbed.cluster.ray_backend import split_backend
 from testbed.cluster.ray_tasks import remote_pool
@@ -217,7 +218,7 @@ def make_jobs(p: Plan, parent_run_id: str | None) -> list[sweep.Job]:
 
 def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool = True) -> tuple[Path, Any]:
     """Validate the whole grid, run it, write and log the comparison. Returns (dir, table).
-    Interrupted (KeyboardInterrupt, sweep.Terminated): the table so far is written, the runs
+    Interrupted (KeyboardInterrupt, signals.Terminated): the table so far is written, the runs
     end KILLED, and the interrupt propagates."""
     p = plan(overrides, confirmed, console)
     parent = sweep.ParentRun(p.specs[0].output, p.name, p.name, {
@@ -233,7 +234,7 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
     try:
         sweep.run_jobs(jobs, p.settings.workers, console, out.progress, rows, pool=remote_pool(p.backend))
     except KeyboardInterrupt as exc:
-        _write(p, rows, time.perf_counter() - t0, parent, plots=False, interrupted=sweep.interrupted_message(exc))
+        _write(p, rows, time.perf_counter() - t0, parent, plots=False, interrupted=signals.interrupted_message(exc))
         parent.end_interrupted(exc, console, f"the table of the {len(rows)} point(s) done", p.out_dir)
         raise
     wall = time.perf_counter() - t0
@@ -272,11 +273,11 @@ def _write(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, plot
 def cli_compare(overrides: Sequence[str], console: Any, yes: bool = False) -> int:
     """`testbed compare`: 0, or 130 (Ctrl-C) / 143 (SIGTERM) with the partial table written;
     a grid over CONFIRM_POINTS points needs `yes` (--yes)."""
-    with sweep.signals():
+    with signals.sigterm_as_interrupt():
         try:
             out_dir, _ = run_compare(overrides, console, confirmed=yes)
         except KeyboardInterrupt as exc:
-            print(sweep.interrupted_message(exc), file=sys.stderr)
-            return sweep.exit_code(exc)
+            print(signals.interrupted_message(exc), file=sys.stderr)
+            return signals.exit_code(exc)
     print(out_dir.resolve())
     return 0

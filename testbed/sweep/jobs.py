@@ -9,8 +9,9 @@ and its chart view charted the summary run alone. They link to it with the tag
 tags (`compare.runs`, `compare.failed`, `compare.wall_s`), so every chart compares the points.
 
 Signals. SIGTERM (what `timeout`, schedulers and `kill` send) takes the Ctrl-C path: inside
-`signals()` it raises `Terminated`, a KeyboardInterrupt, so every `except KeyboardInterrupt`
-cleanup runs; `exit_code` turns it into 143 (Ctrl-C: 130). The sweep then stops launching points
+`testbed.signals.sigterm_as_interrupt()` it raises `Terminated`, a KeyboardInterrupt, so every
+`except KeyboardInterrupt` cleanup runs; `testbed.signals.exit_code` turns it into 143 (Ctrl-C:
+130). The sweep then stops launching points
 at once, terminates its workers, ends the point and summary runs KILLED and leaves the caller to
 flush the table of the points done so far.
 
@@ -34,8 +35,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,100 +45,24 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from engine.errors import TestbedError
 from engine.settings import OutputSettings
-from testbed import signals as signals_mod
+from testbed import signals
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
 from testbed.config.spec import RunSpec
 from testbed.tracking.tracker import Tracker, tracking_uri
 
-EXIT_SIGINT = 130
-EXIT_SIGTERM = 143
 PARENT_POLL_S = 0.5
 WORKER_STOP_S = 10.0  # a terminated worker ends its point's MLflow run, then exits
 PR_SET_PDEATHSIG = 1
 
 
-# --- signals -----------------------------------------------------------------------------------------
-
-class Terminated(signals_mod.Terminated):
-    """SIGTERM or SIGHUP, raised where Ctrl-C would be so the same cleanup runs."""
-
-
-_terminated = threading.Event()  # set by SIGTERM/SIGHUP: code that re-raises a plain KeyboardInterrupt
-# (Optuna's optimize loop does) must not turn exit 143 into 130
-_stop_name = ["SIGTERM"]  # which of the two it was
-
-
-_interrupted = threading.Event()  # set by SIGINT where `catch_interrupts` installed its handler
-
-
-def _raise_terminated(signum, frame) -> None:
-    _stop_name[0] = signal.Signals(signum).name
-    _terminated.set()
-    raise Terminated(_stop_name[0])
-
-
-def _raise_interrupt(signum, frame) -> None:
-    _interrupted.set()
-    raise KeyboardInterrupt
-
-
-def catch_interrupts() -> None:
-    """In a worker process: SIGINT raises KeyboardInterrupt as by default, and is remembered for
-    `raise_if_stopped`."""
-    signal.signal(signal.SIGINT, _raise_interrupt)
-
-
-def raise_if_stopped() -> None:
-    """Raise the stop a signal asked for if its exception was lost: a signal handler's exception
-    raised inside a garbage-collection callback (SQLAlchemy's weakref callbacks) is printed as
-    "Exception ignored in ..." and dropped, and a `tune` host went on and exited 0 after SIGTERM.
-    Loops call this before starting the next piece of work."""
-    if _terminated.is_set():
-        raise Terminated(_stop_name[0])
-    if _interrupted.is_set():
-        raise KeyboardInterrupt
-
-
-@contextmanager
-def signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise `Terminated` in the main thread while the block runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    _terminated.clear()  # a new command: an earlier one's stop is not this one's
-    previous = {s: signal.signal(s, _raise_terminated) for s in signals_mod.STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-def stop_signal(exc: BaseException) -> str | None:
-    """"SIGTERM" or "SIGHUP" when one of them caused `exc` (a run's RunInterrupted names it),
-    None for Ctrl-C."""
-    name = getattr(exc, "signal", None)
-    if name in ("SIGTERM", "SIGHUP"):
-        return name
-    return _stop_name[0] if _terminated.is_set() else None
-
-
-def exit_code(exc: BaseException) -> int:
-    name = stop_signal(exc)
-    return signals_mod.EXIT_CODES.get(name, EXIT_SIGTERM) if name else EXIT_SIGINT
-
-
-def interrupted_message(exc: BaseException) -> str:
-    name = stop_signal(exc)
-    return f"terminated ({name})" if name else "interrupted"
-
+# --- worker processes and signals (the handlers and the stop's record: testbed/signals.py) -------
 
 def shield() -> None:
     """In a worker that is cleaning up after an interrupt: ignore further signals, so a second
     one cannot cut the MLflow call that ends its run (the parent SIGKILLs stragglers)."""
     if mp.parent_process() is not None:
-        for s in signals_mod.ALL_SIGNALS:
+        for s in signals.ALL_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
 
 
@@ -147,8 +72,7 @@ def orphan_guard(parent: int | None = None) -> None:
     `parent`: the spawner's pid, passed by the spawner. Read here instead, it is already the
     reaper's when the parent died while this process was still importing, and the worker then
     outlived it."""
-    for s in signals_mod.STOP_SIGNALS:
-        signal.signal(s, _raise_terminated)
+    signals.terminate_on_stop_signals()
     parent = os.getppid() if parent is None else parent
     if sys.platform.startswith("linux"):
         try:
@@ -327,7 +251,7 @@ class ParentRun:
         was written, e.g. "the table of the 3 point(s) done")."""
         self.end("KILLED")
         if console is not None:
-            console.print(f"{interrupted_message(exc)}: {done} is in {out_dir}", highlight=False, markup=False)
+            console.print(f"{signals.interrupted_message(exc)}: {done} is in {out_dir}", highlight=False, markup=False)
 
     def _kill_children(self) -> None:
         client = self.tracker.client
@@ -398,6 +322,7 @@ def run_jobs(jobs: Sequence[Job], workers: int, console: Any, progress_on: bool,
         elif workers <= 1 or len(first) <= 1:
             pending = deque(first)
             while pending:
+                signals.raise_if_stopped()  # a stop whose exception was lost in a GC callback
                 pending.extend(done(feed.run(pending.popleft())))
         else:
             WorkerPool(first, min(workers, len(first))).run(done)
@@ -422,10 +347,11 @@ def _worker_main(tasks: Any, results: Any, parent: int | None = None) -> None:
                 continue
             if job is None:
                 return
+            signals.raise_if_stopped()  # never start a point after a stop, lost exception or not
             results.put(("start", job.index, os.getpid()))
             results.put(("row", job.index, run_point(job)))
     except KeyboardInterrupt:
-        sys.exit(EXIT_SIGINT)
+        sys.exit(signals.EXIT_CODES["SIGINT"])
 
 
 class WorkerPool:
@@ -461,6 +387,7 @@ class WorkerPool:
             for _ in range(self.n):
                 self._spawn()
             while len(self.finished) < len(self.jobs):
+                signals.raise_if_stopped()  # a stop whose exception was lost in a GC callback
                 self._step(done)
             for _ in self.procs:
                 self.tasks.put(None)

@@ -17,10 +17,9 @@ import optuna
 from optuna.trial import TrialState
 
 from engine.errors import ConfigError
-from testbed.sweep import jobs as sweep
+from testbed import signals
 from testbed.cluster.ray_backend import split_backend
 from testbed.cluster import heartbeat, identity
-from testbed.signals import EXIT_CODES
 from testbed.tracking.tracker import tracking_uri
 from testbed.tune.display import Display, pareto_indices, print_start, values_text
 from testbed.tune.figures import trials_frame, write_study_figures
@@ -80,7 +79,7 @@ def open_study(problem: Problem):
 
 def run_tune(overrides: Sequence[str], console: Any = None) -> TuneOutcome:
     """The whole command: validate, open the study and its MLflow run, run the workers, report."""
-    with sweep.signals():
+    with signals.sigterm_as_interrupt():
         return _run_tune(overrides, console)
 
 
@@ -133,7 +132,7 @@ def _run_trials(problem: Problem, display: Display, already: int, backend: Any =
                 return worker_loop(problem, 0, None, display.event), [], 0
             return (*run_workers(problem, display), 0)
     except KeyboardInterrupt as exc:
-        return 0, [], sweep.exit_code(exc)
+        return 0, [], signals.exit_code(exc)
 
 
 def best_trials(study: Any, directions: Sequence[str]) -> list:
@@ -249,8 +248,8 @@ def cli_tune(overrides: Sequence[str], console: Any) -> int:
     outcome = run_tune(overrides, console)
     print_outcome(outcome)
     if outcome.interrupted:
-        names = {code: name for name, code in EXIT_CODES.items() if name != "SIGINT"}
+        names = {code: name for name, code in signals.EXIT_CODES.items() if name != "SIGINT"}
         what = f"terminated ({names[outcome.exit_code]})" if outcome.exit_code in names else "interrupted"
         print(f"{what}: run the same command again to resume the study", file=sys.stderr)
-        return outcome.exit_code or sweep.EXIT_SIGINT
+        return outcome.exit_code or signals.EXIT_CODES["SIGINT"]
     return 1 if outcome.worker_errors else 0

@@ -21,7 +21,7 @@ from engine.errors import TestbedError
 from testbed.cluster import heartbeat, identity
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
-from testbed.sweep.jobs import raise_if_stopped
+from testbed.signals import raise_if_stopped
 from testbed.config.spec import RunSpec
 from testbed.tracking.tracker import Tracker, run_tags
 from testbed.tune.problem import Problem, jsonable

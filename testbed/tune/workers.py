@@ -27,7 +27,7 @@ from typing import Any
 
 import optuna
 
-from testbed.signals import deferred_stop
+from testbed import signals
 from testbed.sweep import jobs as sweep
 from testbed.tune.problem import Problem
 from testbed.cluster import heartbeat, identity
@@ -56,14 +56,14 @@ def worker_loop(problem: Problem, index: int, lock: Any = None, emit: Callable[[
     while deadline is None or time.monotonic() < deadline:
         if parent_pid is not None and os.getppid() != parent_pid:
             break  # orphaned: never start a trial nobody will report
-        sweep.raise_if_stopped()  # a stop whose exception was lost in a GC callback
+        signals.raise_if_stopped()  # a stop whose exception was lost in a GC callback
         with lock if lock is not None else nullcontext():
             heartbeat.reap(study, runner.tracker)  # another host's dead worker: fail + enqueue its trial
             if counted(study.get_trials(deepcopy=False)) >= s.trials:
                 break
             # a stop between the ask and the claim left a RUNNING trial that no one marked
             # interrupted and no process owned (a fresh-clone CI failure): deferred to `run`
-            with deferred_stop() as stop:
+            with signals.deferred_stop() as stop:
                 trial = study.ask()
                 runner.claim(trial)
         event = runner.run(study, trial, stop.check)
@@ -76,7 +76,7 @@ def worker_loop(problem: Problem, index: int, lock: Any = None, emit: Callable[[
 def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: Any, parent: int) -> None:
     """Entry point of a spawned worker process (`parent`: the spawner's pid, sweep.orphan_guard)."""
     sweep.orphan_guard(parent)
-    sweep.catch_interrupts()
+    signals.record_interrupts()
     code = 0
 
     def ready() -> None:
@@ -86,7 +86,7 @@ def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: An
     try:
         worker_loop(problem, index, lock, events.put, ready, parent_pid=parent)
     except KeyboardInterrupt:
-        code = sweep.EXIT_SIGINT
+        code = signals.EXIT_CODES["SIGINT"]
     except BaseException as exc:  # a bug: report it to the parent, then die loudly
         events.put({"worker_error": f"worker {index}: {type(exc).__name__}: {exc}",
                     "traceback": traceback.format_exc()})
@@ -126,7 +126,7 @@ class _Drain:
 
     def _reap(self) -> None:
         for i, p in enumerate(self.procs, start=1):  # a worker killed without a word (OOM, signal)
-            if not p.is_alive() and i not in self.done and p.exitcode not in (0, None, sweep.EXIT_SIGINT):
+            if not p.is_alive() and i not in self.done and p.exitcode not in (0, None, signals.EXIT_CODES["SIGINT"]):
                 self.done.add(i)
                 self.errors.append(f"worker {i} died with exit code {p.exitcode}")
                 self._settled()
@@ -168,7 +168,7 @@ def run_workers(problem: Problem, display: Any) -> tuple[int, list[str]]:
         for p in procs:  # the others finish the trials they hold, then find the target reached
             p.join()
     except KeyboardInterrupt as exc:  # SIGTERM inside a trial arrives as RunInterrupted, not Terminated
-        if sweep.stop_signal(exc):
+        if signals.signal_name(exc) != "SIGINT":
             _pass_on(procs)  # only this process was told (Ctrl-C reached the whole group)
         raise
     finally:
