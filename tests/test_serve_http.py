@@ -51,6 +51,13 @@ def test_text_json_allows_but_no_tokenizer_takes_is_a_400(server, route, raw, wo
     _assert_openai_error(_post(server, raw, route), 400, words)
 
 
+@pytest.mark.parametrize("raw", [b'{"prompt": "hi", "max_tokens": \xc2\xb2}', b'{"prompt": "hi",}', b"{"])
+def test_a_body_that_is_not_json_says_so_and_where(server, raw):
+    r = _post(server, raw)
+    _assert_openai_error(r, 400, "the request body is not valid JSON")
+    assert r.json()["error"]["param"] is None and " at character " in r.json()["error"]["message"]
+
+
 def test_unicode_digits_are_text_not_token_ids(server):
     """"²" and "٣" are digits to str.isdigit() but not ids: the fallback codec encodes them as bytes."""
     r = _post(server, '{"prompt": "1 2 \u00b2 \u0663", "max_tokens": 2}'.encode())

@@ -219,6 +219,12 @@ def build_app(state: ServeState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req, exc: RequestValidationError):
         errs = exc.errors()
+        broken = next((e for e in errs if e.get("type") == "json_invalid"), None)
+        if broken is not None:  # its path is ("body", <character>): say so, not "40: JSON decode error"
+            at = broken.get("loc", ())[-1]
+            why = (broken.get("ctx") or {}).get("error", "JSON decode error")
+            return JSONResponse(ApiError(400, f"the request body is not valid JSON: {why} at character {at}").body(),
+                                status_code=400)
         # a union field fails once per member: a validator's own message says most
         first = next((e for e in errs if e.get("type") == "value_error"), errs[0] if errs else {})
         # pydantic names union members and validators in the path ("str", "function-after[...]")
