@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}
+SIGNAL_OF_EXIT_CODE = {code: name for name, code in EXIT_CODES.items()}
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 ALL_SIGNALS = (signal.SIGINT, *STOP_SIGNALS)
 
@@ -57,7 +58,11 @@ def exit_code(exc: BaseException) -> int:
 
 
 def interrupted_message(exc: BaseException) -> str:
-    name = signal_name(exc)
+    return stop_message(signal_name(exc))
+
+
+def stop_message(name: str) -> str:
+    """What a command prints when the signal `name` stopped it."""
     return "interrupted" if name == "SIGINT" else f"terminated ({name})"
 
 

@@ -245,6 +245,7 @@ def test_sigterm_ends_the_study_killed_with_no_worker_left(out):
     assert children  # the spawned worker (and multiprocessing's resource tracker)
     sent = datetime.now()  # Optuna's datetime_start is local time, like this
     assert cmd.terminate() == 143, "".join(cmd.err)[-9000:]
+    assert "terminated (SIGTERM): run the same command again" in "".join(cmd.err)
     assert survivors(children) == []
     study = _study(out, "sig")
     late = [t.number for t in study.trials if t.datetime_start is not None and t.datetime_start > sent]

@@ -248,8 +248,7 @@ def cli_tune(overrides: Sequence[str], console: Any) -> int:
     outcome = run_tune(overrides, console)
     print_outcome(outcome)
     if outcome.interrupted:
-        names = {code: name for name, code in signals.EXIT_CODES.items() if name != "SIGINT"}
-        what = f"terminated ({names[outcome.exit_code]})" if outcome.exit_code in names else "interrupted"
+        what = signals.stop_message(signals.SIGNAL_OF_EXIT_CODE.get(outcome.exit_code, "SIGINT"))
         print(f"{what}: run the same command again to resume the study", file=sys.stderr)
         return outcome.exit_code or signals.EXIT_CODES["SIGINT"]
     return 1 if outcome.worker_errors else 0
