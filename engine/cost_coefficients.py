@@ -89,6 +89,29 @@ class CostCoefficients:
     # per_layer_overhead_s x layers): a decode-only step can replay a CUDA graph, whose launch
     # costs one replay instead of ~10 kernel launches per layer. 1 = eager (no graphs).
     decode_overhead_ratio: float = 1.0
+    # ---- Engine terms (docs/calibration.md#engine-terms): the host around the kernels, fitted
+    # from a real engine's traced runs (`testbed calibrate runs`). Neutral (0) by default.
+    # An eager (not graph-replayed) step cannot finish before the host has launched its kernels:
+    # its forward is at least this x the stage's layers. The project's torch engine on an H100
+    # launched a mixed micro-batch's ~1,000 kernels in ~37 ms for 18 ms of GPU work (qwen2.5-7b,
+    # 28 layers), so mixed steps took 1.2-4.9x their kernels.
+    launch_floor_per_layer_s: float = 0.0
+    # ... plus this per sequence (host work per sequence in an eager step): launch-bound mixed steps
+    # took ~25 ms with 10-20 decodes and ~30 ms with 100-190 on that engine (its `testbed profile`
+    # table: 20.6 ms for 256 + 8 decodes, 30.6 ms for 256 + 192).
+    launch_floor_per_seq_s: float = 0.0
+    # From the completion that freed a pipeline slot until stage 0 starts preparing the next
+    # micro-batch: the controller's own step (policy, commit), the metadata's serialisation and
+    # its trip to the stage. Measured 1.1 ms a decode step on that H100 engine (0.24 ms in the
+    # controller, 0.86 ms from launch to the stage's prepare).
+    dispatch_fixed_s: float = 0.0
+    dispatch_per_seq_s: float = 0.0
+    # A step with a prefill chunk takes longer to dispatch (its token ids travel, the policy builds
+    # chunks): +1.0 ms on that engine (mixed 2.1 ms vs decode 1.1 ms, median).
+    dispatch_prefill_s: float = 0.0
+    # From the last stage's sampling end until the driver holds the ids (the reply's trip and
+    # decoding): 0.78 ms a decode step on that engine.
+    return_fixed_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -15,6 +15,9 @@ Roofline per operator group, for the layers a stage holds (docs/calibration.md):
   `kv_read_efficiency`; GEMM efficiency rising with M (`linear_half_tokens`); attention efficiency
   rising with context (`attention_half_context`); a decode-only step's fixed overhead scaled by
   `decode_overhead_ratio` (a CUDA-graph replay instead of eager launches).
+- engine terms (docs/calibration.md#engine-terms), neutral by default: an eager step's launch
+  floor, the driver's dispatch of a micro-batch to stage 0 and the ids' return (`dispatch_s`,
+  `return_s`, which the simulator places on the critical path).
 Sampling, CPU input preparation and transfers are separate methods because the simulator places
 them on different resources (SiPipe moves sampling to CPUs and overlaps input preparation).
 
@@ -268,6 +271,30 @@ class CostModel:
         self.kernels = None  # a KernelPricer when the hardware profile has fitted kernels
         if hardware.kernels is not None:
             self._use_kernels(consts, decode_fixed)
+        if c.launch_floor_per_layer_s or c.launch_floor_per_seq_s:
+            self._use_launch_floor(c.launch_floor_per_layer_s, c.launch_floor_per_seq_s)
+
+    def _use_launch_floor(self, per_layer_s: float, per_seq_s: float) -> None:
+        """Eager steps (any with a prefill chunk) last at least `per_layer_s` x the stage's layers
+        + `per_seq_s` x the sequences: the host launches their kernels one by one (engine terms
+        `launch_floor_*`). Decode-only steps replay a CUDA graph and keep the kernels' time.
+        Swapped in per instance, so a profile without the terms pays no branch."""
+        floors = tuple(per_layer_s * n for n in self.layers)
+        plain_one, plain_all = self.stage_compute_s, self.stage_compute_all_s
+
+        def one(stage: int, shape: BatchShape) -> float:
+            t = plain_one(stage, shape)
+            return max(t, floors[stage] + per_seq_s * shape.num_seqs) if shape.num_prefill_tokens else t
+
+        def every(shape: BatchShape) -> tuple[float, ...]:
+            times = plain_all(shape)
+            if not shape.num_prefill_tokens:
+                return times
+            seqs = per_seq_s * shape.num_seqs
+            return tuple([t if t > f + seqs else f + seqs for t, f in zip(times, floors)])
+
+        self.stage_compute_s = one  # type: ignore[method-assign]
+        self.stage_compute_all_s = every  # type: ignore[method-assign]
 
     def _use_kernels(self, consts: list[tuple], decode_fixed: list[float]) -> None:
         """Price operators with the hardware profile's fitted kernels (engine/kernels.py) instead of
@@ -446,6 +473,18 @@ class CostModel:
             return 0.0
         c = self.coefficients
         return c.sample_fixed_s + c.sample_per_token_vocab_s * rows * self._vocab
+
+    def dispatch_s(self, shape: BatchShape) -> float:
+        """Driver to stage 0: from the completion that freed the slot until stage 0 prepares
+        `shape` (engine terms `dispatch_*`; 0 unless calibrated from a real engine's runs)."""
+        c = self.coefficients
+        t = c.dispatch_fixed_s + c.dispatch_per_seq_s * shape.num_seqs
+        return t + c.dispatch_prefill_s if shape.num_prefill_tokens else t
+
+    def return_s(self, shape: BatchShape) -> float:
+        """Last stage to driver: from the end of sampling until the driver holds the ids, on top
+        of the link's latency (engine term `return_fixed_s`)."""
+        return self.coefficients.return_fixed_s
 
     def cpu_sample_s(self, shape: BatchShape, workers: int = 1) -> float:
         """CPU sampling of `shape`'s rows spread over `workers` sampler processes (SiPipe)."""

@@ -13,7 +13,8 @@ What one micro-batch does, stage s = 0..P-1:
   `cpu_sampling`) -> the activation crosses link s->s+1, a server with bandwidth whose data lands
   `latency` later; which pending activation (or chunk of one) a link sends is the policy's
   `schedule_transfer` choice; without `structure_aware_transfer` every send pays the cost model's
-  per-hop metadata rounds. Token ids return to the driver after one link latency.
+  per-hop metadata rounds. Token ids return to the driver after one link latency (plus the engine terms `dispatch_s` before
+  stage 0 and `return_s` after sampling, 0 unless calibrated from a real engine).
 
 The common case needs no events at all: with FIFO sends, GPU sampling, serial input preparation
 and asynchronous sends every stage and link serves micro-batches in launch order, so one batch's
@@ -97,6 +98,7 @@ class SimExecutor(Executor):
         self._link_busy = [False] * max(0, P - 1)
         self._inbound: dict[tuple[int, int], int] = {}  # (stage, mb) -> bytes still to arrive
         self._sampler_free_at = [0.0] * max(1, num_cpu_samplers)
+        self._dispatched = 0.0  # when the driver's last dispatch reached stage 0 (engine terms)
         self._blocked_since: list[float | None] = [None] * P  # blocking send: stage held since
         self._stage_tracks = [f"stage{s}" for s in range(P)]
         self._link_tracks = [f"link{s}-{s + 1}" for s in range(P - 1)]
@@ -139,7 +141,12 @@ class SimExecutor(Executor):
             for s in range(self.pipeline_depth):
                 self._prep_queue[s].append(mb.mb_id)
                 self._try_prep(s)
-        self._arrive(0, mb.mb_id)
+        dispatch = self._priced[mb.mb_id].dispatch
+        if dispatch:  # the driver's step and message before stage 0 sees the batch (engine terms)
+            self._dispatched = arrive = max(self._clock + dispatch, self._dispatched)  # one driver: in launch order
+            heapq.heappush(self._heap, (arrive, ARRIVE, next(self._counter), (0, mb.mb_id, None)))
+        else:
+            self._arrive(0, mb.mb_id)
 
     def next_completion(self, deadline: float | None = None) -> Completion | None:
         if self._fifo is not None:
@@ -181,8 +188,8 @@ class SimExecutor(Executor):
 
     def _price(self, mb: MicroBatch) -> _Priced:
         cost, shape = self.cost, mb.shape
-        return _Priced(cost.stage_compute_all_s(shape),
-                       f"forward:{mb.kind}", cost.prep_s(shape), cost.sample_s(shape), cost.activation_bytes(shape))
+        return _Priced(cost.stage_compute_all_s(shape), f"forward:{mb.kind}", cost.prep_s(shape),
+                       cost.sample_s(shape), cost.activation_bytes(shape), cost.dispatch_s(shape), cost.return_s(shape))
 
     # --- stages ------------------------------------------------------------------------------------
     def _arrive(self, stage: int, mb_id: int) -> None:
@@ -251,7 +258,8 @@ class SimExecutor(Executor):
         self._try_start(s)
 
     def _complete_after_return(self, mb_id: int) -> None:
-        heapq.heappush(self._heap, (self._clock + self.latency, COMPLETE, next(self._counter), (mb_id,)))
+        done = self._clock + self.latency + self._priced[mb_id].ret  # + 0.0 unless calibrated: the same float
+        heapq.heappush(self._heap, (done, COMPLETE, next(self._counter), (mb_id,)))
 
     # --- overlapped preparation ------------------------------------------------------------------
     def _try_prep(self, s: int) -> None:
@@ -315,8 +323,8 @@ class SimExecutor(Executor):
             self._try_start(link)
         self._try_send(link)
 
-    def _on_arrive(self, stage: int, mb_id: int, nbytes: int) -> None:
-        if self._fifo_sends:
+    def _on_arrive(self, stage: int, mb_id: int, nbytes: int | None) -> None:
+        if self._fifo_sends or nbytes is None:  # whole activations, or the driver's dispatch to stage 0
             self._arrive(stage, mb_id)
             return
         key = (stage, mb_id)
@@ -360,6 +368,7 @@ class _FifoPipeline:
         self.done: deque[tuple[float, int]] = deque()  # (completion time, mb id), in time order
         self.spans: list[tuple] = []  # heap of (trigger key, span index, spans)
         self.launches = 0
+        self.dispatched = 0.0  # when the driver's last dispatch reached stage 0 (engine terms)
 
     def launch(self, mb_id: int, priced: _Priced, now: float) -> None:
         self.launches += 1
@@ -371,6 +380,9 @@ class _FifoPipeline:
         if self.metadata_s is not None:
             send_s += self.metadata_s
         arrive, arrive_key = now, (now, _LAUNCH, (), self.launches)
+        if priced.dispatch:  # the event loop's ARRIVE pushed by the launch (engine terms)
+            self.dispatched = arrive = max(now + priced.dispatch, self.dispatched)
+            arrive_key = (arrive, ARRIVE, (now, _LAUNCH, self.launches), 0)
         for s in range(last + 1):
             if stage_free[s] > arrive:  # busy: starts when the previous batch's forward ends
                 start, trigger, index = stage_free[s], stage_key[s], 1
@@ -380,7 +392,7 @@ class _FifoPipeline:
             stage_free[s] = end
             stage_key[s] = key = (end, STAGE_DONE, (trigger[0], trigger[1], trigger[3]), index)
             if s == last:
-                self.done.append((end + self.latency, mb_id))
+                self.done.append((end + self.latency + priced.ret, mb_id))
                 return
             if link_free[s] >= end:  # busy: sends when the previous activation has left
                 start, trigger, index = link_free[s], link_key[s], 1
@@ -447,6 +459,8 @@ class _Priced(NamedTuple):
     prep: float  # input preparation (the same on every stage)
     sample: float  # GPU sampling on the last stage
     nbytes: int  # activation bytes per hop
+    dispatch: float  # driver -> stage 0 before the first stage prepares (engine terms; 0 by default)
+    ret: float  # last stage -> driver after sampling, on top of the link latency (0 by default)
 
 
 @dataclass(frozen=True)

@@ -200,13 +200,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Run one workload on the torch engine and in the calibrated simulator; print the errors."""
+    if args.runs:
+        from testbed.calibrate.offline import cmd_validate_runs
+
+        return cmd_validate_runs(args, _console())
     from testbed.calibrate.profile import cmd_validate as run
 
     return run(args, _console())
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """Fit the cost model to published GPU kernel tables (or report a profile's error)."""
+    """Fit the cost model to published GPU kernel tables (or report a profile's error), or fit a
+    hardware profile from real runs."""
+    if args.calibrate == "runs":
+        from testbed.calibrate.offline import cmd_calibrate_runs
+
+        return cmd_calibrate_runs(args, _console())
     from testbed.calibrate.report import cli_calibrate
 
     return cli_calibrate(args, _console())
@@ -287,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("--case", action="append", metavar="'NAME: key=value ...'",
                     help="a named bundle of overrides, repeatable: the matrix is cases x comma-list axes "
                          "(e.g. --case 'azure-r2: workload=azure workload.rate=2' policy=sarathi,vllm)")
+    va.add_argument("--runs", nargs="+", metavar="RUN_DIR",
+                    help="offline: replay these real run directories in the simulator on hardware=<profile>, "
+                         "each with its own requests and settings; no engine runs")
     va.set_defaults(func=cmd_validate)
     ca = sub.add_parser("calibrate", help="fit the cost model to measured GPU kernel tables and report its error")
     casub = ca.add_subparsers(dest="calibrate", metavar="SOURCE")
@@ -304,6 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("--out", help="report folder (default: runs/calibrate/tables-<time>)")
     ct.add_argument("--json", action="store_true", help="print the headline errors as JSON")
     ct.set_defaults(func=cmd_calibrate)
+    cr = casub.add_parser("runs", help="fit a hardware profile from real runs (testbed run executor=torch "
+                                       "output.trace=full): forward, prepare, sample, dispatch, return per stage")
+    cr.add_argument("runs", nargs="+", metavar="RUN_DIR", help="real run directories (traced: output.trace=full)")
+    cr.add_argument("--name", required=True, help="the profile's name (hardware=<name>)")
+    cr.add_argument("--base", required=True, help="the hardware profile whose kernels (or roofline) the engine "
+                                                  "terms sit on, e.g. h100-80g; a CPU profile from testbed profile")
+    cr.add_argument("--table", help="a testbed profile table (CSV) fitted together with the runs")
+    cr.add_argument("--out", help="directory (default: $TESTBED_PROFILE_DIR or runs/profiles; the shipped "
+                                  "profiles: engine/hardware_profiles)")
+    cr.set_defaults(func=cmd_calibrate)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = b.add_subparsers(dest="bench", metavar="BENCH")
     bs = bsub.add_parser("sim", help="simulator wall time, peak memory and micro-batches per second")

@@ -1,0 +1,308 @@
+"""Fit a hardware profile from real runs: what `testbed calibrate runs` does.
+
+Each traced micro-batch of a real run (testbed/calibrate/runs.py) gives, per stage, its forward,
+prepare and (last stage) sample spans; the driver's dispatch (from the completion its launch
+followed, or its launch, until stage 0 starts preparing it, taken only where stage 0 was idle);
+the return (sampling's end until the driver recorded the completion); and between stages the
+transfer (send start to receive end). The fit:
+
+- forward: bounded least squares on the error in seconds of `CostModel.stage_compute_s` with the
+  micro-batch's rebuilt shape (seconds, not relative error: a run's throughput is a sum of times,
+  and relative least squares under-predicted the H100 run's eager steps by 12% in total where
+  this is unbiased). On a kernel-table base (`h100-80g`: operators priced by fitted
+  kernels) the kernels stay as fitted and two engine terms around them are fitted: the GPU time
+  the engine spends above the kernels (`per_layer_overhead_s`, plus `stage_overhead_s` when the
+  runs have stages of different depths: the unfused small kernels, the same in a graph replay
+  and eagerly, so `decode_overhead_ratio` stays 1) and an eager step's launch floor
+  (`launch_floor_per_layer_s` + `launch_floor_per_seq_s` x sequences). On the H100 run this puts the 2,048-token prefill at 60.4 ms
+  (measured 60.2 ms), where one additive overhead for eager steps said 78 ms. On a roofline base (a
+  CPU profile) the roofline's efficiencies and overheads are fitted as `testbed profile` does;
+- prepare, sample, dispatch, return, transfer: non-negative linear least squares (in seconds) on their
+  measured forms (prepare: fixed + per sequence + per token; sample: fixed + per row x vocab,
+  flat when the engine samples greedily on the device; dispatch: fixed + per sequence + a step
+  with a prefill chunk; return: fixed; transfer: latency + bytes / bandwidth);
+- a profile table (`testbed profile`'s CSV) may be fitted together with the runs: its forward
+  rows join the forward fit.
+
+The first micro-batch of a run pays for first use (CUDA kernels' lazy loading, allocator growth:
+7.1 ms of sampling instead of 0.35 ms on the H100): it is left out of the fit and its excess
+reported (`first_use_s`), since the engine should warm up before serving rather than the
+simulator price it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from engine.costmodel import BatchShape, CostCoefficients, CostModel
+from engine.errors import ConfigError
+from engine.hardware import HardwareSpec
+from engine.profile_table import ProfileTable
+from testbed.calibrate.fit import FORWARD_PARAMS, _nnls
+from testbed.calibrate.runs import RealRun, ReplayedBatch, replayed_batches
+
+# The engine terms fitted above a kernel-table base (module docstring).
+KERNEL_BASE_PARAMS = ("per_layer_overhead_s", "launch_floor_per_layer_s", "launch_floor_per_seq_s")
+_BOUNDS = {"decode_overhead_ratio": (1e-3, 10.0), "linear_half_tokens": (1e-3, 1e5),
+           "attention_half_context": (1e-3, 1e6)}
+KINDS = ("decode", "mixed", "prefill")
+
+
+@dataclass(frozen=True)
+class ForwardSample:
+    """One stage's forward of one micro-batch."""
+
+    kind: str
+    stage: int
+    shape: BatchShape
+    time_s: float
+
+
+@dataclass(frozen=True)
+class EngineSamples:
+    """Everything the runs measured, ready for the fits (module docstring)."""
+
+    forward: list[ForwardSample]
+    prepare: list[tuple[str, BatchShape, float]]
+    sample: list[tuple[str, BatchShape, float]]
+    dispatch: list[tuple[str, BatchShape, float]]
+    ret: list[tuple[str, BatchShape, float]]
+    transfer: list[tuple[str, int, float]]  # (kind, bytes, seconds)
+    first_use_s: list[float]  # the first micro-batch's excess over the fitted model, per run (filled by the fit)
+    first: list[tuple[ReplayedBatch, int]]  # each run's first micro-batch and its P
+
+
+def engine_samples(runs: Sequence[RealRun], cost_for_bytes: CostModel) -> EngineSamples:
+    """The measured spans of every traced run (module docstring)."""
+    fw, prep, samp, disp, ret, tr, first = [], [], [], [], [], [], []
+    for run in runs:
+        batches = replayed_batches(run)
+        first.append((batches[0], run.pp))
+        last = run.pp - 1
+        prev: ReplayedBatch | None = None
+        for b in batches[1:]:
+            prev = prev or batches[0]
+            for s, st in enumerate(b.stages):
+                if st.forward is not None:
+                    fw.append(ForwardSample(b.kind, s, b.shape, st.forward))
+                if st.prepare is not None:
+                    prep.append((b.kind, b.shape, st.prepare))
+                if s < last and st.send_start is not None and b.stages[s + 1].recv_end is not None:
+                    tr.append((b.kind, cost_for_bytes.activation_bytes(b.shape), b.stages[s + 1].recv_end - st.send_start))
+            lst = b.stages[last]
+            if lst.sample is not None and b.shape.num_sampled:
+                samp.append((b.kind, b.shape, lst.sample))
+            if lst.sample_end is not None:
+                ret.append((b.kind, b.shape, b.completed_s - lst.sample_end))
+            launched = b.after_completion_s if b.after_completion_s is not None else b.scheduled_s
+            s0 = b.stages[0]
+            idle = prev.stages[0].busy_end is not None and prev.stages[0].busy_end <= launched
+            if s0.prepare_start is not None and idle:
+                disp.append((b.kind, b.shape, s0.prepare_start - launched))
+            prev = b
+    if not fw:
+        raise ConfigError("the runs' traces hold no forward spans: rerun them with output.trace=full")
+    return EngineSamples(fw, prep, samp, disp, ret, tr, [], first)
+
+
+@dataclass
+class RunFit:
+    """The fitted coefficients, the link, and the fit's errors per span and micro-batch kind."""
+
+    coefficients: dict[str, float]
+    p2p_bw_gbs: float | None = None
+    p2p_latency_s: float | None = None
+    errors: list[dict] = field(default_factory=list)  # {op, kind, n, median, p90, bias}
+    first_use_s: list[float] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def summary_lines(self) -> list[str]:
+        out = [f"  {k} = {v:.6g}" for k, v in self.coefficients.items()]
+        if self.p2p_bw_gbs is not None:
+            out.append(f"  p2p_bw_gbs = {self.p2p_bw_gbs:.6g}   p2p_latency_s = {self.p2p_latency_s:.6g}")
+        out.append("  fit errors |rel| by span and micro-batch kind (median / p90, bias = mean signed):")
+        for e in self.errors:
+            out.append(f"    {e['op']:<9} {e['kind']:<8} n={e['n']:<5d} {100 * e['median']:5.1f}% / "
+                       f"{100 * e['p90']:5.1f}%   bias {100 * e['bias']:+.1f}%")
+        if self.first_use_s:
+            out.append("  first micro-batch of each run above the model (first use, not fitted): "
+                       + ", ".join(f"{1e3 * x:.1f} ms" for x in self.first_use_s))
+        return out
+
+
+def _error_rows(op: str, kinds: Sequence[str], pred: Sequence[float], meas: Sequence[float]) -> list[dict]:
+    rel = np.array([p / m - 1.0 for p, m in zip(pred, meas)])
+    kinds_arr = np.array(list(kinds))
+    rows = []
+    for kind in ("all",) + KINDS:
+        sel = rel if kind == "all" else rel[kinds_arr == kind]
+        if len(sel) == 0 or (kind != "all" and len(sel) == len(rel)):
+            continue
+        a = np.abs(sel)
+        rows.append({"op": op, "kind": kind, "n": int(len(sel)), "median": float(np.median(a)),
+                     "p90": float(np.quantile(a, 0.9)), "bias": float(np.mean(sel))})
+    return rows
+
+
+def _cost(model, hw: HardwareSpec, pp: int, layers, values: dict) -> CostModel:
+    return CostModel(model, hw, pp, layer_split=list(layers) if layers else None, coefficients=CostCoefficients(**values))
+
+
+def _bounds(name: str) -> tuple[float, float]:
+    lo, hi = _BOUNDS.get(name, (1e-5, 1.0) if name.endswith("efficiency") else (1e-9, 1.0))
+    return math.log(lo), math.log(hi)
+
+
+def fit_forward_samples(samples: Sequence[ForwardSample], model, hw: HardwareSpec, pp: int, layers,
+                        base_vals: dict, names: Sequence[str]) -> dict[str, float]:
+    """Least squares on the error in seconds over `names` (log-space, bounded, a few starts: the
+    max() of the roofline and of the launch floor make the surface piecewise)."""
+    from scipy.optimize import least_squares
+
+    names = list(names)
+    meas = np.array([x.time_s for x in samples])
+    scale = float(np.mean(meas))
+    lo = np.array([_bounds(n)[0] for n in names])
+    hi = np.array([_bounds(n)[1] for n in names])
+    start = {"per_layer_overhead_s": 1e-4, "decode_overhead_ratio": 1.0, "launch_floor_per_layer_s": 1e-3,
+             "launch_floor_per_seq_s": 1e-5, "stage_overhead_s": 1e-4, "linear_half_tokens": 32.0, "attention_half_context": 32.0,
+             "kv_read_efficiency": base_vals["memory_efficiency"]}
+    start.update(_data_starts(samples, model, hw, pp, layers, base_vals))
+    x0 = np.clip(np.log([base_vals[n] if base_vals[n] > 0 else start.get(n, 1e-4) for n in names]), lo + 1e-9, hi - 1e-9)
+
+    def values(x) -> dict:
+        return dict(base_vals, **{n: float(math.exp(v)) for n, v in zip(names, x)})
+
+    def resid(x):
+        cost = _cost(model, hw, pp, layers, values(x))
+        return (np.array([cost.stage_compute_s(s.stage, s.shape) for s in samples]) - meas) / scale
+
+    best = None
+    for k in range(5):
+        x = x0 if k == 0 else np.clip(x0 + np.log(10.0) * np.array(
+            [(-1) ** (k + i) * (0.5 + 0.5 * (k % 2)) for i in range(len(names))]), lo + 1e-9, hi - 1e-9)
+        res = least_squares(resid, x, bounds=(lo, hi), max_nfev=300)
+        if best is None or res.cost < best.cost:
+            best = res
+    return {n: float(math.exp(v)) for n, v in zip(names, best.x)}
+
+
+def _data_starts(samples: Sequence[ForwardSample], model, hw: HardwareSpec, pp: int, layers,
+                 base_vals: dict) -> dict[str, float]:
+    """Starting values read off the data: the decodes' median time above the base model per layer,
+    the eager steps' median time per layer (a launch floor the optimiser can grow or shrink; a
+    start where the floor is inactive leaves it there, its gradient being 0)."""
+    cost = _cost(model, hw, pp, layers, base_vals)
+    n_layers = {s: n for s, n in enumerate(cost.layers)}
+    over = [(x.time_s - cost.stage_compute_s(x.stage, x.shape)) / n_layers[x.stage] for x in samples if x.kind == "decode"]
+    eager = [x.time_s / n_layers[x.stage] for x in samples if x.kind != "decode"]
+    out = {}
+    if over and np.median(over) > 0:
+        out["per_layer_overhead_s"] = float(np.median(over))
+    if eager:
+        out["launch_floor_per_layer_s"] = float(np.median(eager))
+    return out
+
+
+def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | None = None) -> RunFit:
+    """Fit `base`'s engine terms (or, on a roofline base, its coefficients) to the runs (module
+    docstring). Every run must use the same model, P and layer split."""
+    first = runs[0].spec
+    model, pp, split = first.settings.model, first.settings.parallel.pp, first.settings.parallel.layer_split
+    for run in runs[1:]:
+        rc = run.spec.settings
+        if (rc.model.name, rc.parallel.pp, rc.parallel.layer_split) != (model.name, pp, split):
+            raise ConfigError(f"run {run.path} has model={rc.model.name} parallel.pp={rc.parallel.pp}; "
+                              f"{runs[0].path} has model={model.name} parallel.pp={pp}: fit one setting at a time")
+    base_vals = asdict(CostCoefficients(**(base.calibration or {})))
+    probe = _cost(model, base, pp, split, base_vals)
+    data = engine_samples(runs, probe)
+    fwd = list(data.forward)
+    if table is not None:
+        fwd += [ForwardSample(r.kind, r.stage if r.stage is not None else pp - 1, r.shape(), r.time_s)
+                for r in table.select("forward") if r.kind in KINDS]
+    if base.kernels is not None:
+        names = list(KERNEL_BASE_PARAMS)
+        if len(set(probe.layers)) > 1:  # stages of different depths separate a stage's fixed cost from a layer's
+            names.append("stage_overhead_s")
+        else:
+            base_vals["stage_overhead_s"] = 0.0
+        if not any(s.kind != "decode" for s in fwd):
+            names = [n for n in names if not n.startswith("launch_floor")]
+    else:
+        names = [n for n in FORWARD_PARAMS if n != "decode_overhead_ratio"] + ["decode_overhead_ratio"]
+        if not any(s.kind == "decode" for s in fwd):
+            names = ["linear_efficiency", "attention_efficiency", "stage_overhead_s"]
+    fitted = dict(base.calibration or {})
+    if base.kernels is not None:
+        fitted["stage_overhead_s"] = base_vals["stage_overhead_s"]
+    fitted.update(fit_forward_samples(fwd, model, base, pp, split, base_vals, names))
+    result = RunFit(fitted, counts={"forward": len(fwd), "runs": len(runs)})
+    _fit_linear_terms(result, data, model.vocab_size)
+    cost = _cost(model, base, pp, split, dict(base_vals, **result.coefficients))
+    result.errors = _error_rows("forward", [s.kind for s in fwd],
+                                [cost.stage_compute_s(s.stage, s.shape) for s in fwd], [s.time_s for s in fwd])
+    result.errors += _linear_errors(result, data, cost)
+    result.first_use_s = [_first_use(b, P, cost) for b, P in data.first]
+    return result
+
+
+def _fit_linear_terms(result: RunFit, data: EngineSamples, vocab: int) -> None:
+    """prepare, sample, dispatch, return and transfer by non-negative least squares."""
+    c = result.coefficients
+    if data.prepare:
+        shapes = [sh for _, sh, _ in data.prepare]
+        c["prep_fixed_s"], c["prep_per_seq_s"], c["prep_per_token_s"] = _nnls(
+            [[1.0] * len(shapes), [float(s.num_seqs) for s in shapes], [float(s.num_tokens) for s in shapes]],
+            [t for _, _, t in data.prepare], relative=False)
+    if data.sample:
+        c["sample_fixed_s"], c["sample_per_token_vocab_s"] = _nnls(
+            [[1.0] * len(data.sample), [float(sh.num_sampled * vocab) for _, sh, _ in data.sample]],
+            [t for _, _, t in data.sample], relative=False)
+    if data.dispatch:
+        shapes = [sh for _, sh, _ in data.dispatch]
+        c["dispatch_fixed_s"], c["dispatch_per_seq_s"], c["dispatch_prefill_s"] = _nnls(
+            [[1.0] * len(shapes), [float(s.num_seqs) for s in shapes],
+             [1.0 if s.num_prefill_tokens else 0.0 for s in shapes]], [t for _, _, t in data.dispatch], relative=False)
+    if data.ret:
+        c["return_fixed_s"] = float(np.mean([t for _, _, t in data.ret]))
+    if data.transfer:
+        lat, per_byte = _nnls([[1.0] * len(data.transfer), [float(b) for _, b, _ in data.transfer]],
+                              [t for _, _, t in data.transfer], relative=False)
+        result.p2p_latency_s = lat
+        result.p2p_bw_gbs = 1.0 / per_byte / 1e9 if per_byte > 0 else 1e3
+
+
+def _linear_errors(result: RunFit, data: EngineSamples, cost: CostModel) -> list[dict]:
+    rows = []
+    for op, items, pred in (("prepare", data.prepare, cost.prep_s), ("sample", data.sample, cost.sample_s),
+                            ("dispatch", data.dispatch, cost.dispatch_s), ("return", data.ret, cost.return_s)):
+        items = [x for x in items if x[2] > 0]
+        if items:
+            rows += _error_rows(op, [k for k, _, _ in items], [pred(sh) for _, sh, _ in items], [t for _, _, t in items])
+    if data.transfer and result.p2p_bw_gbs:
+        bw = result.p2p_bw_gbs * 1e9
+        rows += _error_rows("transfer", [k for k, _, _ in data.transfer],
+                            [result.p2p_latency_s + b / bw for _, b, _ in data.transfer], [t for _, _, t in data.transfer])
+    return rows
+
+
+def _first_use(b: ReplayedBatch, pp: int, cost: CostModel) -> float:
+    """How much longer the run's first micro-batch took than the fitted model says."""
+    model = sum(cost.stage_compute_s(s, b.shape) + cost.prep_s(b.shape) for s in range(pp)) + cost.sample_s(b.shape)
+    spans = sum((st.forward or 0.0) + (st.prepare or 0.0) for st in b.stages) + (b.stages[-1].sample or 0.0)
+    return spans - model
+
+
+def fitted_spec(base: HardwareSpec, name: str, fit: RunFit, description: str) -> HardwareSpec:
+    """`base` (its kernels kept) with the fitted coefficients and link, under `name`."""
+    import datetime as _dt
+
+    kw = {"name": name, "description": description, "calibration": dict(fit.coefficients),
+          "version": f"runs-{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}"}
+    if fit.p2p_bw_gbs is not None:
+        kw.update(p2p_bw_gbs=max(fit.p2p_bw_gbs, 1e-6), p2p_latency_s=fit.p2p_latency_s)
+    return replace(base, **kw)
