@@ -66,6 +66,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         if g not in groups:
             raise TestbedError(f"unknown group {g!r}; valid choices: {', '.join(groups)}")
         print(f"{g}: {', '.join(sorted(groups[g]))}")
+    if args.group == "hardware":  # one group asked: what each profile is (a vLLM-class fit or a measured engine)
+        for name in sorted(groups["hardware"]):
+            print(f"  {name}: {groups['hardware'][name].get('description', '')}")
     return 0
 
 

@@ -48,7 +48,7 @@ def cmd_calibrate_runs(args, console) -> int:
     spec = fitted_spec(base, args.name, fit, desc)
     out = Path(args.out) if args.out else profile_dir()
     provenance = {"source": "real runs (testbed calibrate runs)", "base": base.name,
-                  "base_version": base.version, "command": "testbed calibrate " + " ".join(map(shlex.quote, sys.argv[2:])),
+                  "base_version": base.version, "command": _portable("testbed calibrate " + " ".join(map(shlex.quote, sys.argv[2:]))),
                   "date": time.strftime("%Y-%m-%d", time.gmtime()), "runs": [_run_record(r) for r in runs],
                   "model": rc.model.name, "pp": rc.parallel.pp, "device": rc.executor.settings.device,
                   "sampling": rc.executor.settings.sampling, "cuda_graphs": rc.executor.settings.cuda_graphs,
@@ -59,6 +59,15 @@ def cmd_calibrate_runs(args, console) -> int:
     console.print(f"fitted in {time.perf_counter() - t0:.1f} s; use it as hardware={args.name}")
     print(path.resolve())
     return 0
+
+
+def _portable(command: str) -> str:
+    """The command as recorded: the data directory written as $TESTBED_DATA_DIR (another machine's
+    absolute paths mean nothing in a shipped profile)."""
+    import os
+
+    data = os.environ.get("TESTBED_DATA_DIR")
+    return command.replace(str(Path(data).resolve()), "$TESTBED_DATA_DIR") if data else command
 
 
 def _run_record(run: RealRun) -> dict:
