@@ -13,8 +13,9 @@ What one micro-batch does, stage s = 0..P-1:
   `cpu_sampling`) -> the activation crosses link s->s+1, a server with bandwidth whose data lands
   `latency` later; which pending activation (or chunk of one) a link sends is the policy's
   `schedule_transfer` choice; without `structure_aware_transfer` every send pays the cost model's
-  per-hop metadata rounds. Token ids return to the driver after one link latency (plus the engine terms `dispatch_s` before
-  stage 0 and `return_s` after sampling, 0 unless calibrated from a real engine).
+  per-hop metadata rounds. Token ids return to the driver after one link latency. A profile
+  calibrated from a real engine's runs adds the driver's dispatch before stage 0 and the ids'
+  return after sampling (`CostModel.dispatch_s`, `return_s`; 0 otherwise).
 
 The common case needs no events at all: with FIFO sends, GPU sampling, serial input preparation
 and asynchronous sends every stage and link serves micro-batches in launch order, so one batch's
