@@ -100,6 +100,11 @@ class CostCoefficients:
     # took ~25 ms with 10-20 decodes and ~30 ms with 100-190 on that engine (its `testbed profile`
     # table: 20.6 ms for 256 + 8 decodes, 30.6 ms for 256 + 192).
     launch_floor_per_seq_s: float = 0.0
+    # How far the host's launches hide behind the GPU in an eager step: its time is
+    # (kernels^p + floor^p)^(1/p); 0 = max(kernels, floor), full overlap. On that engine a large mixed
+    # step took kernels + ~60% of the floor (2,043 + 10 decodes: 69 ms for 59 ms of kernels and a
+    # 27 ms floor), a small one about the floor: p ~ 1.7.
+    launch_overlap_exponent: float = 0.0
     # From the completion that freed a pipeline slot until stage 0 starts preparing the next
     # micro-batch: the controller's own step (policy, commit), the metadata's serialisation and
     # its trip to the stage. Measured 1.1 ms a decode step on that H100 engine (0.24 ms in the

@@ -50,6 +50,11 @@ def test_engine_terms_are_neutral_by_default_and_priced_when_set():
     assert terms.stage_compute_s(0, decode) == pytest.approx(plain.stage_compute_s(0, decode) + 28 * 1.5e-4)
     big = BatchShape.prefill(2048)
     assert terms.stage_compute_s(0, big) == pytest.approx(plain.stage_compute_s(0, big) + 28 * 1.5e-4)
+    # launches that hide only partly behind the GPU: the p-norm of kernels and floor
+    partly = _cost(**dict(ENGINE_TERMS, launch_overlap_exponent=2.0))
+    kernels, floor = plain.stage_compute_s(0, big) + 28 * 1.5e-4, 28 * 9e-4 + 5e-5
+    assert partly.stage_compute_s(0, big) == pytest.approx((kernels ** 2 + floor ** 2) ** 0.5)
+    assert partly.stage_compute_s(0, decode) == terms.stage_compute_s(0, decode)
 
 
 def _sim(tmp_path: Path, name: str, *extra: str):

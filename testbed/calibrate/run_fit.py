@@ -45,8 +45,9 @@ from testbed.calibrate.fit import FORWARD_PARAMS, _nnls
 from testbed.calibrate.runs import RealRun, ReplayedBatch, replayed_batches
 
 # The engine terms fitted above a kernel-table base (module docstring).
-KERNEL_BASE_PARAMS = ("per_layer_overhead_s", "launch_floor_per_layer_s", "launch_floor_per_seq_s")
-_BOUNDS = {"decode_overhead_ratio": (1e-3, 10.0), "linear_half_tokens": (1e-3, 1e5),
+KERNEL_BASE_PARAMS = ("per_layer_overhead_s", "launch_floor_per_layer_s", "launch_floor_per_seq_s",
+                      "launch_overlap_exponent")
+_BOUNDS = {"decode_overhead_ratio": (1e-3, 10.0), "launch_overlap_exponent": (1.0, 30.0), "linear_half_tokens": (1e-3, 1e5),
            "attention_half_context": (1e-3, 1e6)}
 KINDS = ("decode", "mixed", "prefill")
 
@@ -168,7 +169,7 @@ def fit_forward_samples(samples: Sequence[ForwardSample], model, hw: HardwareSpe
     lo = np.array([_bounds(n)[0] for n in names])
     hi = np.array([_bounds(n)[1] for n in names])
     start = {"per_layer_overhead_s": 1e-4, "decode_overhead_ratio": 1.0, "launch_floor_per_layer_s": 1e-3,
-             "launch_floor_per_seq_s": 1e-5, "stage_overhead_s": 1e-4, "linear_half_tokens": 32.0, "attention_half_context": 32.0,
+             "launch_floor_per_seq_s": 1e-5, "launch_overlap_exponent": 4.0, "stage_overhead_s": 1e-4, "linear_half_tokens": 32.0, "attention_half_context": 32.0,
              "kv_read_efficiency": base_vals["memory_efficiency"]}
     start.update(_data_starts(samples, model, hw, pp, layers, base_vals))
     x0 = np.clip(np.log([base_vals[n] if base_vals[n] > 0 else start.get(n, 1e-4) for n in names]), lo + 1e-9, hi - 1e-9)
