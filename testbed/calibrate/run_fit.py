@@ -4,7 +4,7 @@ Each traced micro-batch of a real run (testbed/calibrate/runs.py) gives, per sta
 prepare and (last stage) sample spans; the driver's dispatch (from the completion its launch
 followed, or its launch, until stage 0 starts preparing it, taken only where stage 0 was idle);
 the return (sampling's end until the driver recorded the completion); and between stages the
-transfer (send start to receive end). The fit:
+transfer (from when both the send and the receive had started to the receive's end). The fit:
 
 - forward: bounded least squares on the error in seconds of `CostModel.stage_compute_s` with the
   micro-batch's rebuilt shape (seconds, not relative error: a run's throughput is a sum of times,
@@ -91,8 +91,12 @@ def engine_samples(runs: Sequence[RealRun], cost_for_bytes: CostModel) -> Engine
                     fw.append(ForwardSample(b.kind, s, b.shape, st.forward))
                 if st.prepare is not None:
                     prep.append((b.kind, b.shape, st.prepare))
-                if s < last and st.send_start is not None and b.stages[s + 1].recv_end is not None:
-                    tr.append((b.kind, cost_for_bytes.activation_bytes(b.shape), b.stages[s + 1].recv_end - st.send_start))
+                nxt = b.stages[s + 1] if s < last else None
+                if nxt is not None and None not in (st.send_start, nxt.recv_start, nxt.recv_end):
+                    # from when both ends were ready: a receiver still busy with the previous batch
+                    # is the pipeline's wait, not the link's
+                    tr.append((b.kind, cost_for_bytes.activation_bytes(b.shape),
+                               nxt.recv_end - max(st.send_start, nxt.recv_start)))
             lst = b.stages[last]
             if lst.sample is not None and b.shape.num_sampled:
                 samp.append((b.kind, b.shape, lst.sample))

@@ -51,6 +51,7 @@ class StageSpans:
     sample_end: float | None
     sample: float | None
     send_start: float | None
+    recv_start: float | None
     recv_end: float | None
     busy_end: float | None  # when the stage was done with this micro-batch (its last span but waits)
 
@@ -310,7 +311,7 @@ def _stage_spans(spans: dict[str, tuple[float, float]]) -> StageSpans:
 
     ends = [s + d for name, (s, d) in spans.items() if name != "wait"]
     return StageSpans(start("prepare"), dur("prepare"), dur("forward"), end("sample"), dur("sample"),
-                      start("send"), end("recv"), max(ends) if ends else None)
+                      start("send"), start("recv"), end("recv"), max(ends) if ends else None)
 
 
 def group_by_setting(runs: Sequence[RealRun]) -> dict[str, list[RealRun]]:
