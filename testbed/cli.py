@@ -326,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--base", required=True, help="the hardware profile whose kernels (or roofline) the engine "
                                                   "terms sit on, e.g. h100-80g; a CPU profile from testbed profile")
     cr.add_argument("--table", help="a testbed profile table (CSV) fitted together with the runs")
+    cr.add_argument("--commit", help="the project commit the runs measured (recorded in the profile's provenance)")
     cr.add_argument("--out", help="directory (default: $TESTBED_PROFILE_DIR or runs/profiles; the shipped "
                                   "profiles: engine/hardware_profiles)")
     cr.set_defaults(func=cmd_calibrate)

@@ -52,7 +52,8 @@ def cmd_calibrate_runs(args, console) -> int:
                   "date": time.strftime("%Y-%m-%d", time.gmtime()), "runs": [_run_record(r) for r in runs],
                   "model": rc.model.name, "pp": rc.parallel.pp, "device": rc.executor.settings.device,
                   "sampling": rc.executor.settings.sampling, "cuda_graphs": rc.executor.settings.cuda_graphs,
-                  "table": args.table, "errors": fit.errors,
+                  "engine_commit": args.commit, "table": _portable(args.table) if args.table else None,
+                  "errors": fit.errors,
                   "first_use_s": [round(x, 6) for x in fit.first_use_s]}
     path = save_hardware_profile(spec, out / f"{args.name}.yaml", provenance)
     console.print("\n".join(fit.summary_lines()))
@@ -74,7 +75,7 @@ def _run_record(run: RealRun) -> dict:
     s = run.summary
     return {"dir": run.label, "policy": run.spec.policy_name, "workload": run.spec.workload_name,
             "num_microbatches": int(s.get("num_microbatches", len(run.microbatches))),
-            "throughput_tok_s": round(float(s["throughput_tok_s"]), 1), "commit": s.get("git_commit")}
+            "throughput_tok_s": round(float(s["throughput_tok_s"]), 1)}
 
 
 def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None):
