@@ -195,11 +195,14 @@ def _cpu_runner(m, sizes):
 
 
 @pytest.mark.slow  # long real-engine case (issue 25 item 15: the default set's CPU); `./tb test -m slow`
-def test_runner_plumbing_gives_the_eager_tokens(tiny):
+@pytest.mark.parametrize("pieces", [False, True])
+def test_runner_plumbing_gives_the_eager_tokens(tiny, pieces):
     """capture_all / prepare's padding / replay / the head after it, with CPU stand-ins for the
     CUDA graph calls: P=2, chunked prefill, decode batches of 1-4 in buckets (1, 2, 4) -- the
-    same greedy tokens as without graphs."""
+    same greedy tokens as without graphs; with `pieces`, the mixed and prefill batches also run
+    through piecewise graphs of 16 and 32 tokens (engine/torch_exec/piecewise.py)."""
     from engine.kv import BlockManager
+    from test_piecewise import _cpu_pieces
     from test_torch_model import _generate
 
     torch.set_num_threads(1)
@@ -209,9 +212,10 @@ def test_runner_plumbing_gives_the_eager_tokens(tiny):
     graphed = [_model(tiny, (0, 3, True, False)), _model(tiny, (3, 5, False, True))]
     for m in graphed:
         m.graphs = _cpu_runner(m, (1, 2, 4))
+        m.pieces = _cpu_pieces(m, (16, 32)) if pieces else None
     want = _generate(plain, prompts, 5, chunk=8, kv=BlockManager(64, 4))
     got = _generate(graphed, prompts, 5, chunk=8, kv=BlockManager(64, 4))
-    assert all(m.graphs.replays > 0 for m in graphed)
+    assert all(m.graphs.replays > 0 and (not pieces or m.pieces.replays > 0) for m in graphed)
     assert got == want
 
 

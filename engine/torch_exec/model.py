@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from engine.torch_exec.batch_inputs import BatchInputs
 from engine.torch_exec.inputs import ARRAYS, HostBatch, host_batch, pack, packed_size, pad_rows
+from engine.torch_exec.piecewise import pad_tokens
 from engine.models import ModelSpec
 from engine.torch_exec.checkpoint import EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
 from engine.torch_exec import fused
@@ -164,6 +165,7 @@ class StageModel:
         self.num_slots = num_blocks * self.block_size
         self._zeroed = np.zeros(num_blocks, dtype=bool)
         self.graphs = None  # captured by `configure(cuda_graphs=True)`, for these pools only
+        self.pieces = None  # piecewise graphs of mixed / prefill batches (engine/torch_exec/piecewise.py), the same
         shape = (self.arch.num_kv_heads, num_blocks, self.block_size, self.arch.head_dim)
         self.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -217,18 +219,24 @@ class StageModel:
                 g("self_attn.v_proj.bias"), g("mlp.gate_proj.bias"), g("mlp.up_proj.bias"), g("mlp.down_proj.bias")))
 
     # --- set-up -------------------------------------------------------------------------------------
-    def configure(self, attention: str | None = None, cuda_graphs: bool = False) -> None:
+    def configure(self, attention: str | None = None, cuda_graphs: bool = False, max_tokens: int = 0) -> None:
         """After `load`: the attention path (`executor.attention`) and, on CUDA with the Triton path,
-        CUDA graphs for decode-only micro-batches (captured now, for every bucket size; ignored
-        elsewhere: the torch path's shapes depend on the batch's contexts)."""
+        CUDA graphs, all captured now: one per decode-only bucket (engine/torch_exec/cuda_graphs.py)
+        and the piecewise graphs of every token bucket up to `max_tokens` (the policy's token
+        budget, `executor.profile_tokens`; 0: 8,192) plus 256 decode rows for mixed and prefill batches
+        (engine/torch_exec/piecewise.py). Ignored elsewhere: the torch path's shapes depend on the
+        batch's contexts."""
         if attention is not None:
             self.attention = resolve_attention(attention, self.device)
-        self.graphs = None
+        self.graphs = self.pieces = None
         if cuda_graphs and self.device.type == "cuda" and self.attention == "triton":
             from engine.torch_exec.cuda_graphs import CudaGraphRunner
+            from engine.torch_exec.piecewise import PiecewiseGraphs, stage_sizes
 
             self.graphs = CudaGraphRunner(self)
             self.graphs.capture_all()
+            self.pieces = PiecewiseGraphs(self, stage_sizes(max_tokens))
+            self.pieces.capture_all()
 
     # --- inputs -------------------------------------------------------------------------------------
     def prepare(self, prefills, decodes) -> BatchInputs:
@@ -244,6 +252,8 @@ class StageModel:
         rows = self.graphs.rows_for(hb) if self.graphs is not None else 0
         if rows:
             hb = pad_rows(hb, rows)
+        elif self.pieces is not None and (tokens := self.pieces.rows_for(hb)):
+            hb = pad_tokens(hb, tokens)  # token-level arrays only: the attention's indices stay the batch's
         t = self._to_device(hb)
         if len(hb.positions) and hb.positions.max() < len(self.rope_cos):
             cos, sin = self.rope_cos.index_select(0, t["positions"]), self.rope_sin.index_select(0, t["positions"])
@@ -305,9 +315,12 @@ class StageModel:
     def forward(self, b: BatchInputs, hidden: torch.Tensor | None) -> torch.Tensor:
         """Stage 0 embeds `b.token_ids`; others take `hidden` [T, hidden]. Returns the hidden
         states for the next stage, or, on the last stage, the logits of the sampled rows (float32).
-        A batch padded to a CUDA-graph bucket replays that graph."""
+        A batch padded to a CUDA-graph bucket replays that graph; one padded to a token bucket
+        replays its pieces with the attentions between them."""
         if b.graph_rows:
             return self.graphs.replay(b, hidden)
+        if self.pieces is not None and self.pieces.covers(b):
+            return self.pieces.run(b, hidden)
         return self.forward_eager(b, hidden)
 
     def forward_eager(self, b: BatchInputs, hidden: torch.Tensor | None, head: bool = True) -> torch.Tensor:
