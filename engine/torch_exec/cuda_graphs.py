@@ -15,7 +15,8 @@ of n sequences replays the smallest bucket >= n:
   a batch copies only its own columns, and a batch wider than that runs eagerly;
 - capture runs largest bucket first into one shared memory pool (PyTorch's CUDA-graph docs:
   graphs that replay in turn may share a pool), after an eager warm-up on a side stream that
-  compiles the Triton kernels outside the capture. Mixed and prefill micro-batches run eagerly.
+  compiles the Triton kernels outside the capture. Mixed and prefill micro-batches replay
+  piecewise graphs (engine/torch_exec/piecewise.py), with their attention run eagerly.
 
 A graph ends at the last layer's hidden states (all buckets' outputs together: 16 MB for
 qwen2.5-7b's shape); the last stage's final norm and lm_head run after the replay on the real

@@ -31,7 +31,12 @@ That is the `torch` attention path (the default on CPU). The `triton` path (the 
 `executor.attention`) makes one launch per layer for the whole micro-batch, reading K/V through
 the block tables (engine/torch_exec/paged_attention.py), and one launch writing the new K/V; its
 forward has no Python loop over sequences and no host synchronisation, so decode-only micro-batches
-can be replayed from CUDA graphs (engine/torch_exec/cuda_graphs.py). Both paths take their
+can be replayed from CUDA graphs (engine/torch_exec/cuda_graphs.py), and mixed and prefill ones
+from piecewise graphs around their attentions (engine/torch_exec/piecewise.py: a layer is split
+into `attention_in`, `attend` and `attention_out` for them). On CUDA it also runs fused Triton
+kernels for the residual add + RMSNorm, RoPE with the K/V write, and SiLU x up
+(engine/torch_exec/fused.py); the residual stream travels apart from each sub-layer's output so
+the add happens inside the next norm. Both paths take their
 indices from `host_batch` (engine/torch_exec/inputs.py: numpy, nothing per token), which cross to
 the GPU in one copy from pinned memory.
 """
