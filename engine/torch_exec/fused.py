@@ -57,9 +57,10 @@ if HAVE_TRITON:
         tl.store(h_ptr + row * stride_h + cols, (w * y).to(h_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rotate(x1, x2, c, s, dt: tl.constexpr):
-        """(x1 * c - x2 * s, x2 * c + x1 * s), each product and sum rounded to dt as torch's
-        `x * cos + cat(-x2, x1) * sin` rounds them."""
+    def _rotate(x1, x2, c, s, like_ptr):
+        """(x1 * c - x2 * s, x2 * c + x1 * s), each product and sum rounded to the dtype `like_ptr`
+        points to, as torch's `x * cos + cat(-x2, x1) * sin` rounds them."""
+        dt = like_ptr.dtype.element_ty
         a = (x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)
         b = (x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)
         return a.to(dt), b.to(dt)
@@ -82,7 +83,7 @@ if HAVE_TRITON:
         qp = q_ptr + t * stride_qt + h[:, None] * stride_qh + j[None, :]
         q1 = tl.load(qp, mask=qm, other=0.0).to(tl.float32)
         q2 = tl.load(qp + HALF, mask=qm, other=0.0).to(tl.float32)
-        a, b = _rotate(q1, q2, c, s, dt)
+        a, b = _rotate(q1, q2, c, s, q_ptr)
         op = qo_ptr + t * stride_qot + h[:, None] * stride_qoh + j[None, :]
         tl.store(op, a, mask=qm)
         tl.store(op + HALF, b, mask=qm)
@@ -94,7 +95,7 @@ if HAVE_TRITON:
         kp = k_ptr + t * stride_kt + kh[:, None] * stride_kh + j[None, :]
         k1 = tl.load(kp, mask=km, other=0.0).to(tl.float32)
         k2 = tl.load(kp + HALF, mask=km, other=0.0).to(tl.float32)
-        a, b = _rotate(k1, k2, c, s, dt)
+        a, b = _rotate(k1, k2, c, s, q_ptr)
         dst = kh.to(tl.int64)[:, None] * stride_ch + tl.maximum(slot, 0) * stride_cs + j[None, :]
         tl.store(kc_ptr + dst, a.to(kc_ptr.dtype.element_ty), mask=km)
         tl.store(kc_ptr + dst + HALF, b.to(kc_ptr.dtype.element_ty), mask=km)
