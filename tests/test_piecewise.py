@@ -8,6 +8,7 @@ With CUDA (`gpu`): replays equal the same pieces run without graphs bit for bit,
 float32 tokens equal the eager engine's."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -48,6 +49,27 @@ def test_pad_tokens_pads_only_the_token_level_arrays():
     assert p.max_query_len == hb.max_query_len and p.num_prefills == 1
     with pytest.raises(ValueError, match="does not pad"):
         pad_tokens(hb, 6)
+
+
+def test_batches_past_the_attention_buffers_run_eagerly():
+    """More sequences, table columns or row tiles than the static index buffers hold: no bucket."""
+    from types import SimpleNamespace
+
+    from engine.models import get_model
+    from engine.torch_exec.piecewise import PiecewiseGraphs
+
+    arch = dataclasses.replace(get_model("tiny-llama"), max_position_embeddings=64)
+    model = SimpleNamespace(arch=arch, device=torch.device("cpu"), dtype=torch.float32, first=True, block_size=4,
+                            num_blocks=100)
+    r = PiecewiseGraphs(model, (16, 32))
+    r.graphs = {16: [], 32: []}  # as if captured
+    assert r.width == 16 and r.max_seqs == 32 and r.max_tiles == 64
+    dec = [(i, 10, [i, 50 + i, 80 + i], 5) for i in range(3)]
+    assert r.rows_for(host_batch([(9, 0, 20, True, list(range(20, 25)), [3] * 20)], dec, 4)) == 32
+    assert r.rows_for(host_batch([], [(0, 70, list(range(18)), 5)], 4)) == 0  # 18 table columns > 16
+    assert r.rows_for(host_batch([(9, 0, 40, True, list(range(20, 30)), [3] * 40)], [], 4)) == 0  # 40 tokens
+    r.max_seqs = 2
+    assert r.rows_for(host_batch([], dec, 4)) == 0
 
 
 # --- the runner through CPU stand-ins (Triton's interpreter) ------------------------------------------

@@ -48,7 +48,9 @@ import numpy as np
 import torch
 
 from engine.torch_exec.batch_inputs import BatchInputs
-from engine.torch_exec.cuda_graphs import GraphCapture
+from engine.torch_exec.cuda_graphs import GraphCapture, graph_width
+
+MAX_SEQS = 1024  # sequences of a batch the attention's static index buffers hold (more: eager)
 
 def stage_sizes(token_budget: int) -> tuple[int, ...]:
     """A stage's buckets: up to the policy's token budget (0: unknown, vLLM's 8,192) plus the
@@ -106,18 +108,37 @@ class PiecewiseGraphs(GraphCapture):
         self.out = torch.zeros(B, a.hidden_size, dtype=dt, device=dev)
         self.q = torch.zeros(B, a.num_heads, a.head_dim, dtype=dt, device=dev)
         self.o = torch.zeros(B, a.num_heads, a.head_dim, dtype=dt, device=dev)
+        # the attention's indices, copied here too: Triton specialises a kernel on its pointers'
+        # 16-byte alignment and on integer arguments (a table's row stride) that are 1 or multiples
+        # of 16, so indices at varying offsets of the packed input would compile new variants
+        # mid-run; from fixed buffers, the two variants (decode-sized and prefill-sized row tiles)
+        # compile at capture (`warm_attention`)
+        S = self.max_seqs = min(B, MAX_SEQS)
+        self.width = graph_width(getattr(a, "max_position_embeddings", None), model.block_size, model.num_blocks)
+        self.block_tables = torch.zeros(S, self.width, dtype=torch.long, device=dev)
+        self.query_start = torch.zeros(S + 1, dtype=torch.long, device=dev)
+        self.context_lens = torch.zeros(S, dtype=torch.long, device=dev)
+        self.max_tiles = B + S  # row tiles: at most rows x group / 16 + one per sequence (group <= 16)
+        self.tile_seq = torch.zeros(self.max_tiles, dtype=torch.long, device=dev)
+        self.tile_idx = torch.zeros(self.max_tiles, dtype=torch.long, device=dev)
         self.graphs: dict[int, list] = {}
         self.pool = None
         self.replays = 0
 
     def rows_for(self, hb) -> int:
-        """The bucket a host batch runs in (0: eagerly, more tokens than the largest bucket)."""
+        """The bucket a host batch runs in (0: eagerly: more tokens than the largest bucket, or more
+        sequences, table columns or row tiles than the attention's buffers hold)."""
         rows = token_bucket(hb.num_tokens, self.sizes)
-        return rows if rows in self.graphs else 0
+        fits = self._fits(hb.num_seqs, hb.block_tables.shape[1], len(hb.tile_seq))
+        return rows if rows in self.graphs and fits else 0
 
     def covers(self, b: BatchInputs) -> bool:
         """Whether `prepare` padded `b` to a captured bucket (its slots have the bucket's rows)."""
-        return not b.graph_rows and b.slots.shape[0] in self.graphs
+        return (not b.graph_rows and b.slots.shape[0] in self.graphs and b.tiles is not None
+                and self._fits(b.context_lens.shape[0], b.block_tables.shape[1], b.tiles[0].shape[0]))
+
+    def _fits(self, seqs: int, width: int, tiles: int) -> bool:
+        return seqs <= self.max_seqs and width <= self.width and tiles <= self.max_tiles
 
     def pieces(self, rows: int) -> list:
         """The functions each piece of bucket `rows` runs: they read and write only static buffers."""
@@ -143,7 +164,8 @@ class PiecewiseGraphs(GraphCapture):
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Every piece of every bucket, largest bucket first, each warmed up once before its capture."""
+        """Every piece of every bucket, largest bucket first, each warmed up once before its capture;
+        then the attention's two kernel variants."""
         self._sync()
         for rows in reversed(self.sizes):
             recorded = []
@@ -151,7 +173,25 @@ class PiecewiseGraphs(GraphCapture):
                 self._warm_up(fn)
                 recorded.append(self._record(fn)[0])
             self.graphs[rows] = recorded
+        self.warm_attention()
         self._sync()
+
+    def warm_attention(self) -> None:
+        """One launch of each attention variant a run uses (one decode; one chunk of 17 queries,
+        more than a 16-row tile) on empty contexts, through the static buffers as a run launches
+        it: nothing is read, o's rows are scratch."""
+        rows, group = self.sizes[-1], self.model.arch.num_heads // self.model.arch.num_kv_heads
+        for q_len in (1, 17):
+            if q_len <= rows:
+                hb = _one_chunk(q_len, group)
+                t = {k: torch.from_numpy(getattr(hb, k)).to(self.q.device) for k in
+                     ("block_tables", "query_start", "context_lens", "tile_seq", "tile_idx")}
+                b = BatchInputs(num_tokens=q_len, token_ids=None, cos=self.cos, sin=self.sin, slots=self.slots,
+                                sample_rows=self.slots[:0], chunks=[], decode_row0=0, decode_blocks=None,
+                                decode_mask=None, block_tables=t["block_tables"], query_start=t["query_start"],
+                                context_lens=t["context_lens"], max_query_len=q_len,
+                                tiles=(t["tile_seq"], t["tile_idx"]))
+                self.model.attend(0, self.q[:rows], self._attention_batch(b), out=self.o[:rows])
 
     def run(self, b: BatchInputs, hidden: torch.Tensor | None, replay: bool = True) -> torch.Tensor:
         """The forward of `b` (padded to a bucket by `prepare`): the pieces replayed (or, with
@@ -159,10 +199,10 @@ class PiecewiseGraphs(GraphCapture):
         rows, n = b.slots.shape[0], b.num_tokens
         self.load(b, hidden)
         steps = self.graphs[rows] if replay else [_Eager(fn) for fn in self.pieces(rows)]
-        q, o = self.q[:rows], self.o[:rows]
+        q, o, ab = self.q[:rows], self.o[:rows], self._attention_batch(b)
         steps[0].replay()
         for li in range(self.model.num_layers):
-            self.model.attend(li, q, b, out=o)
+            self.model.attend(li, q, ab, out=o)
             steps[li + 1].replay()
         self.replays += replay
         x = self.out[:n]
@@ -178,6 +218,29 @@ class PiecewiseGraphs(GraphCapture):
         self.cos[:rows].copy_(b.cos)
         self.sin[:rows].copy_(b.sin)
         self.slots[:rows].copy_(b.slots)
+
+
+    def _attention_batch(self, b: BatchInputs) -> BatchInputs:
+        """b's attention indices copied into the static buffers, as the batch the attention reads
+        (the tables' columns past b's own are stale: the kernel reads only a context's blocks)."""
+        S, w, nt = b.context_lens.shape[0], b.block_tables.shape[1], b.tiles[0].shape[0]
+        self.block_tables[:S, :w].copy_(b.block_tables)
+        self.query_start[:S + 1].copy_(b.query_start)
+        self.context_lens[:S].copy_(b.context_lens)
+        self.tile_seq[:nt].copy_(b.tiles[0])
+        self.tile_idx[:nt].copy_(b.tiles[1])
+        return dataclasses.replace(b, block_tables=self.block_tables[:S], query_start=self.query_start[:S + 1],
+                                   context_lens=self.context_lens[:S],
+                                   tiles=(self.tile_seq[:nt], self.tile_idx[:nt]))
+
+
+def _one_chunk(q_len: int, group: int):
+    """The host indices of one chunk of q_len (<= 64) queries over an empty context, one block of
+    64 in its table (`warm_attention`)."""
+    from engine.torch_exec.inputs import host_batch
+
+    hb = host_batch([(0, 0, q_len, False, [0], [0] * q_len)], [], 64, group)
+    return dataclasses.replace(hb, context_lens=np.zeros(1, np.int64))
 
 
 class _Eager:
