@@ -198,24 +198,29 @@ def test_kernels_at_qwen_7b_shapes_on_cuda_bf16():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_stage_on_cuda_matches_the_unfused(tiny, dtype):
-    """All eight layers of tiny-llama on CUDA, a prefill then decodes: the fused stage's logits
-    against the unfused triton path's (float32: to rounding; bf16: within its tolerance) and the
-    same greedy tokens in float32."""
+def test_fused_stage_on_cuda_matches_the_unfused(tiny):
+    """All eight layers of tiny-llama on CUDA, a 30-token prefill: in float32 the fused stage's
+    logits equal the unfused triton path's to rounding; in bf16 they are no further from the
+    float32 logits than the unfused bf16 stage's are (x2: a different rounding, not a wrong
+    model); float32 greedy generation gives the same tokens."""
     from engine.kv import BlockManager
     from test_torch_model import _generate
 
+    torch.backends.cuda.matmul.allow_tf32 = False
     path = tiny["tiny-llama"]
-    plain, fused = _stage(path, 8, False, "cuda", dtype), _stage(path, 8, True, "cuda", dtype)
-    assert fused.fused
     pre = [(0, 0, 30, True, list(range(8)), list(range(5, 35)))]
-    a, b = plain.forward(plain.prepare(pre, []), None), fused.forward(fused.prepare(pre, []), None)
-    tol = dict(atol=1e-3, rtol=1e-3) if dtype == "float32" else dict(atol=0.15, rtol=0.05)
-    torch.testing.assert_close(b, a, **tol)
-    if dtype == "float32":
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (7, 3, 25, 14)]
-        torch.backends.cuda.matmul.allow_tf32 = False
-        want = _generate([_stage(path, 8, False, "cuda")], prompts, 9, chunk=5, kv=BlockManager(64, 4))
-        assert _generate([_stage(path, 8, True, "cuda")], prompts, 9, chunk=5, kv=BlockManager(64, 4)) == want
+
+    def logits(fused, dtype):
+        m = _stage(path, 8, fused, "cuda", dtype)
+        assert m.fused == fused
+        return m.forward(m.prepare(pre, []), None).float()
+
+    ref = logits(False, "float32")
+    torch.testing.assert_close(logits(True, "float32"), ref, atol=1e-3, rtol=1e-3)
+    plain_err = (logits(False, "bfloat16") - ref).abs().max().item()
+    fused_err = (logits(True, "bfloat16") - ref).abs().max().item()
+    assert 0 < plain_err and fused_err <= 2 * plain_err, (fused_err, plain_err)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (7, 3, 25, 14)]
+    want = _generate([_stage(path, 8, False, "cuda")], prompts, 9, chunk=5, kv=BlockManager(64, 4))
+    assert _generate([_stage(path, 8, True, "cuda")], prompts, 9, chunk=5, kv=BlockManager(64, 4)) == want
