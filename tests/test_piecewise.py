@@ -136,7 +136,8 @@ def test_pieces_give_the_eager_forward(tiny, split, fused):
     m.forward(m.prepare(pre, []), hp)  # fill the KV (no pieces yet: eager)
     pieces = _cpu_pieces(m, (16, 32))
     batches = [  # (prefill chunks, decodes): 24 tokens (bucket 32), then 7 (bucket 16) over stale rows
-        ([(4, 0, 20, True, [40, 41, 42, 43, 44], list(range(100, 120)))], [(i, lens[i], tables[i], 11 + i) for i in range(4)]),
+        ([(4, 0, 20, True, [40, 41, 42, 43, 44], list(range(100, 120)))],
+         [(i, lens[i], tables[i], 11 + i) for i in range(4)]),
         ([(5, 0, 4, False, [50], [7, 8, 9, 10])], [(0, lens[0] + 1, tables[0], 3), (2, lens[2] + 1, tables[2], 4),
                                                     (3, lens[3] + 1, tables[3], 5)]),
     ]
