@@ -170,7 +170,7 @@ class StageModel:
         self.num_slots = num_blocks * self.block_size
         self._zeroed = np.zeros(num_blocks, dtype=bool)
         self.graphs = None  # captured by `configure(cuda_graphs=True)`, for these pools only
-        self.pieces = None  # piecewise graphs of mixed / prefill batches (engine/torch_exec/piecewise.py), the same
+        self.pieces = None  # piecewise graphs of mixed and prefill batches (piecewise.py), also for these pools only
         shape = (self.arch.num_kv_heads, num_blocks, self.block_size, self.arch.head_dim)
         self.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
