@@ -195,11 +195,14 @@ def _cpu_runner(m, sizes):
 
 
 @pytest.mark.slow  # long real-engine case (issue 25 item 15: the default set's CPU); `./tb test -m slow`
-def test_runner_plumbing_gives_the_eager_tokens(tiny):
+@pytest.mark.parametrize("pieces", [False, True])
+def test_runner_plumbing_gives_the_eager_tokens(tiny, pieces):
     """capture_all / prepare's padding / replay / the head after it, with CPU stand-ins for the
     CUDA graph calls: P=2, chunked prefill, decode batches of 1-4 in buckets (1, 2, 4) -- the
-    same greedy tokens as without graphs."""
+    same greedy tokens as without graphs; with `pieces`, the mixed and prefill batches also run
+    through piecewise graphs of 16 and 32 tokens (engine/torch_exec/piecewise.py)."""
     from engine.kv import BlockManager
+    from test_piecewise import _cpu_pieces
     from test_torch_model import _generate
 
     torch.set_num_threads(1)
@@ -209,9 +212,10 @@ def test_runner_plumbing_gives_the_eager_tokens(tiny):
     graphed = [_model(tiny, (0, 3, True, False)), _model(tiny, (3, 5, False, True))]
     for m in graphed:
         m.graphs = _cpu_runner(m, (1, 2, 4))
+        m.pieces = _cpu_pieces(m, (16, 32)) if pieces else None
     want = _generate(plain, prompts, 5, chunk=8, kv=BlockManager(64, 4))
     got = _generate(graphed, prompts, 5, chunk=8, kv=BlockManager(64, 4))
-    assert all(m.graphs.replays > 0 for m in graphed)
+    assert all(m.graphs.replays > 0 and (not pieces or m.pieces.replays > 0) for m in graphed)
     assert got == want
 
 
@@ -235,7 +239,7 @@ def test_graph_replay_equals_the_same_batch_run_eagerly(tiny, dtype):
     """Bit for bit: a replay and the eager forward over the same padded buffers (same shapes, same
     kernels), for buckets 1, 4 and 8, after a prefill filled the KV."""
     m = _model(tiny, device="cuda", dtype=dtype)
-    m.configure(cuda_graphs=True)
+    m.configure(cuda_graphs=True, max_tokens=64)  # pieces up to 64 + 256 tokens: fewer captures
     assert m.graphs is not None and set(m.graphs.graphs) == set(GRAPH_SIZES)
     g = torch.Generator().manual_seed(0)
     tables = {i: list(range(8 * i, 8 * i + 8)) for i in range(7)}
@@ -262,7 +266,7 @@ def test_graph_replay_gives_the_eager_tokens(tiny):
     eager = _model(tiny, device="cuda")
     eager.configure(cuda_graphs=False)
     graphed = _model(tiny, device="cuda")
-    graphed.configure(cuda_graphs=True)
+    graphed.configure(cuda_graphs=True, max_tokens=64)
     a = _generate([eager], prompts, 12, chunk=8, kv=BlockManager(64, 4))
     b = _generate([graphed], prompts, 12, chunk=8, kv=BlockManager(64, 4))
     assert graphed.graphs.replays > 0 and eager.graphs is None
@@ -288,6 +292,6 @@ def test_greedy_tokens_match_hf_on_cuda(tiny):
         ref[i] = out[0, len(p):].tolist()
     stages = [_model(tiny, (0, 3, True, False), device="cuda"), _model(tiny, (3, 5, False, True), device="cuda")]
     for s in stages:
-        s.configure(cuda_graphs=True)
+        s.configure(cuda_graphs=True, max_tokens=64)
     got = _generate(stages, prompts, 9, chunk=5, kv=BlockManager(64, 4))
     assert got == ref

@@ -30,7 +30,8 @@ def _run(tmp_path, *overrides: str):
 
 
 def test_measured_pool_and_bf16_by_default_with_two_stages_on_one_gpu(tmp_path):
-    res, prep, tokens = _run(tmp_path, "parallel.pp=2")
+    # small_config names a pool (kv.num_blocks=4096); unset, the stages measure one
+    res, prep, tokens = _run(tmp_path, "parallel.pp=2", "kv.num_blocks=null")
     ex = prep.controller.executor
     assert ex.settings.resolved_dtype == "bfloat16"
     assert ex.kv_pool is not None and ex.kv_pool.num_blocks == res.info["kv_num_blocks"] > 1000

@@ -170,6 +170,23 @@ def test_driver_sizes_the_pool_from_the_second_round_of_probes():
     ex.shutdown()
 
 
+def test_an_explicit_pool_is_kept_on_cuda():
+    """kv.num_blocks set: a CUDA executor measures nothing (the block manager keeps its size); unset,
+    it measures. The engine tests' helper names its pool in the run's settings (issue 34: on the H100
+    it did not, the executor resized its 24-block manager and no preemption happened)."""
+    pytest.importorskip("zmq")
+    from engine.torch_exec.driver import TorchExecutor
+    from test_torch_engine import pipeline_spec
+
+    spec = pipeline_spec("tiny-llama", 2, 24, 4)
+    assert spec.settings.kv.num_blocks == 24 and spec.settings.kv.block_size == 4
+    kept = TorchExecutor(TorchSettings(device="cuda"), pp=2, run_config=spec.settings)
+    measured = TorchExecutor(TorchSettings(device="cuda"), pp=2)
+    assert not kept.measure_kv and measured.measure_kv
+    kept.shutdown()
+    measured.shutdown()
+
+
 def test_profile_run_warms_up_probes_and_releases_the_warmup_pool(monkeypatch):
     """The stage side on CPU tensors with torch.cuda's memory calls faked: one warm-up forward on
     a pool sized by warmup_shape, the pool released, a probe with this stage's block bytes."""

@@ -68,15 +68,24 @@ def _hf_greedy(path: str, requests: list[Request]) -> dict[int, list[int]]:
     return out
 
 
+def pipeline_spec(model: str, pp: int, num_blocks: int, block_size: int):
+    """The run spec `_run_pipeline` gives the executor. Its kv settings name the pool: without
+    kv.num_blocks a CUDA executor measures one and resizes the block manager to it (issue 34: the
+    H100 run of test_engine_on_cuda_matches_hf got ~10^6 blocks instead of 24, so no preemption)."""
+    from testbed.config.spec import compose_spec
+
+    return compose_spec([f"model={model}", f"parallel.pp={pp}", "hardware=l20-48g", f"kv.num_blocks={num_blocks}",
+                         f"kv.block_size={block_size}"])
+
+
 def _run_pipeline(requests, *, pp: int, model: str, cache: str, policy: str = "sarathi",
                   policy_params: dict | None = None, num_blocks: int = 24, block_size: int = 4,
                   **settings) -> tuple[Controller, object]:
     """The runner's path (factory + Controller), keeping the controller for its token ids."""
     from engine.settings import Link
-    from testbed.config.spec import compose_spec
     from testbed.run.runner import build_cost_model
 
-    run = compose_spec([f"model={model}", f"parallel.pp={pp}", "hardware=l20-48g"])
+    run = pipeline_spec(model, pp, num_blocks, block_size)
     cost = build_cost_model(run)
     pol = POLICIES.get(policy).from_config(policy_params or {})
     st = TorchSettings(model_cache_dir=cache, stage_timeout_s=settings.pop("stage_timeout_s", 60.0), **settings)

@@ -15,7 +15,8 @@ of n sequences replays the smallest bucket >= n:
   a batch copies only its own columns, and a batch wider than that runs eagerly;
 - capture runs largest bucket first into one shared memory pool (PyTorch's CUDA-graph docs:
   graphs that replay in turn may share a pool), after an eager warm-up on a side stream that
-  compiles the Triton kernels outside the capture. Mixed and prefill micro-batches run eagerly.
+  compiles the Triton kernels outside the capture. Mixed and prefill micro-batches replay
+  piecewise graphs (engine/torch_exec/piecewise.py), with their attention run eagerly.
 
 A graph ends at the last layer's hidden states (all buckets' outputs together: 16 MB for
 qwen2.5-7b's shape); the last stage's final norm and lm_head run after the replay on the real
@@ -54,7 +55,37 @@ def graph_rows(hb, width: int, sizes: tuple[int, ...] = GRAPH_SIZES) -> int:
     return bucket(hb.num_seqs, sizes)
 
 
-class CudaGraphRunner:
+class GraphCapture:
+    """The CUDA calls of capturing (apart, so that a CPU test can stand in for them), shared by the
+    decode graphs here and the piecewise graphs (engine/torch_exec/piecewise.py): every graph
+    of a runner is recorded into one memory pool."""
+
+    model = None
+    pool = None
+
+    def _sync(self) -> None:
+        torch.cuda.synchronize(self.model.device)
+
+    def _warm_up(self, fn) -> None:
+        """One eager run on a side stream: Triton compiles its kernels (and cuBLAS makes its
+        handle) outside the capture."""
+        dev = self.model.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(dev).wait_stream(side)
+
+    def _record(self, fn):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
+
+
+class CudaGraphRunner(GraphCapture):
     """One captured forward per bucket size for a StageModel (engine/torch_exec/model.py)."""
 
     def __init__(self, model, sizes: tuple[int, ...] = GRAPH_SIZES) -> None:
@@ -102,27 +133,6 @@ class CudaGraphRunner:
             self._warm_up(fn)
             self.graphs[rows] = self._record(fn)
         self._sync()
-
-    # the CUDA calls, apart so that a CPU test can stand in for them
-    def _sync(self) -> None:
-        torch.cuda.synchronize(self.model.device)
-
-    def _warm_up(self, fn) -> None:
-        """One eager run on a side stream: Triton compiles its kernels outside the capture."""
-        dev = self.model.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(dev).wait_stream(side)
-
-    def _record(self, fn):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn()
-        if self.pool is None:
-            self.pool = graph.pool()
-        return graph, out
 
     def replay(self, b, hidden: torch.Tensor | None) -> torch.Tensor:
         """Run the padded decode-only batch `b` (its `graph_rows` rows, `num_tokens` of them real)."""

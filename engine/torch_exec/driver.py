@@ -355,8 +355,8 @@ class TorchExecutor(FailureDiagnosis, Executor):
             link_bandwidth_Bps=self.link_bandwidth_Bps, link_latency_s=self.link_latency_s,
             link_chunk_bytes=st.link_chunk_bytes, driver_addr=addr, policy_class=policy_class,
             policy_params=policy_params, model_seed=st.model_seed,
-            profile_tokens=profile_tokens(st.profile_tokens, getattr(self.policy, "params", None))
-            if num_blocks == 0 else 0, attention=st.attention, cuda_graphs=st.cuda_graphs,
+            profile_tokens=profile_tokens(st.profile_tokens, getattr(self.policy, "params", None)),
+            attention=st.attention, cuda_graphs=st.cuda_graphs,
             socket_ifname=st.socket_ifname or "")
 
     def _layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:

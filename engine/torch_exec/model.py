@@ -31,7 +31,12 @@ That is the `torch` attention path (the default on CPU). The `triton` path (the 
 `executor.attention`) makes one launch per layer for the whole micro-batch, reading K/V through
 the block tables (engine/torch_exec/paged_attention.py), and one launch writing the new K/V; its
 forward has no Python loop over sequences and no host synchronisation, so decode-only micro-batches
-can be replayed from CUDA graphs (engine/torch_exec/cuda_graphs.py). Both paths take their
+can be replayed from CUDA graphs (engine/torch_exec/cuda_graphs.py), and mixed and prefill ones
+from piecewise graphs around their attentions (engine/torch_exec/piecewise.py: a layer is split
+into `attention_in`, `attend` and `attention_out` for them). On CUDA it also runs fused Triton
+kernels for the residual add + RMSNorm, RoPE with the K/V write, and SiLU x up
+(engine/torch_exec/fused.py); the residual stream travels apart from each sub-layer's output so
+the add happens inside the next norm. Both paths take their
 indices from `host_batch` (engine/torch_exec/inputs.py: numpy, nothing per token), which cross to
 the GPU in one copy from pinned memory.
 """
@@ -48,8 +53,11 @@ import torch.nn.functional as F
 
 from engine.torch_exec.batch_inputs import BatchInputs
 from engine.torch_exec.inputs import ARRAYS, HostBatch, host_batch, pack, packed_size, pad_rows
+from engine.torch_exec.piecewise import pad_tokens
 from engine.models import ModelSpec
 from engine.torch_exec.checkpoint import EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
+from engine.torch_exec import fused
+from engine.torch_exec.fused import rms_norm, rope
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION = ("auto", "torch", "triton")
@@ -125,24 +133,10 @@ class Layer:
     b_down: torch.Tensor | None = None
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return w * x.to(dtype)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin [T, 1, d] already in x's dtype."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
-
-
 class StageModel:
     def __init__(self, arch: ModelSpec, first_layer: int, num_layers: int, first: bool, last: bool,
                  num_blocks: int, block_size: int, dtype: str = "float32", device: str = "cpu",
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", fused: bool | None = None) -> None:
         self.arch = arch
         self.first_layer = first_layer
         self.num_layers = num_layers
@@ -163,6 +157,7 @@ class StageModel:
         self.norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
         self.attention = resolve_attention(attention, self.device)
+        self.fused = self._resolve_fused(fused)
         # torch.empty: pages are committed only as blocks are used (CPU), see module docstring
         self.allocate_kv(num_blocks)
 
@@ -175,9 +170,20 @@ class StageModel:
         self.num_slots = num_blocks * self.block_size
         self._zeroed = np.zeros(num_blocks, dtype=bool)
         self.graphs = None  # captured by `configure(cuda_graphs=True)`, for these pools only
+        self.pieces = None  # piecewise graphs of mixed and prefill batches (piecewise.py), also for these pools only
         shape = (self.arch.num_kv_heads, num_blocks, self.block_size, self.arch.head_dim)
         self.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def _resolve_fused(self, fused_kernels: bool | None) -> bool:
+        """The fused Triton kernels (engine/torch_exec/fused.py): by default on CUDA with the Triton
+        attention path; on CPU only when asked (tests: Triton's interpreter, which the triton
+        attention path has selected)."""
+        if fused_kernels is None:
+            return self.device.type == "cuda" and self.attention == "triton"
+        if fused_kernels and self.attention != "triton":
+            raise ValueError("fused kernels need executor.attention=triton (Triton, or its interpreter on CPU)")
+        return fused_kernels
 
     # --- weights ----------------------------------------------------------------------------------
     def load(self, path: str) -> None:
@@ -218,18 +224,24 @@ class StageModel:
                 g("self_attn.v_proj.bias"), g("mlp.gate_proj.bias"), g("mlp.up_proj.bias"), g("mlp.down_proj.bias")))
 
     # --- set-up -------------------------------------------------------------------------------------
-    def configure(self, attention: str | None = None, cuda_graphs: bool = False) -> None:
+    def configure(self, attention: str | None = None, cuda_graphs: bool = False, max_tokens: int = 0) -> None:
         """After `load`: the attention path (`executor.attention`) and, on CUDA with the Triton path,
-        CUDA graphs for decode-only micro-batches (captured now, for every bucket size; ignored
-        elsewhere: the torch path's shapes depend on the batch's contexts)."""
+        CUDA graphs, all captured now: one per decode-only bucket (engine/torch_exec/cuda_graphs.py)
+        and the piecewise graphs of every token bucket up to `max_tokens` (the policy's token
+        budget, `executor.profile_tokens`; 0: 8,192) plus 256 decode rows for mixed and prefill batches
+        (engine/torch_exec/piecewise.py). Ignored elsewhere: the torch path's shapes depend on the
+        batch's contexts."""
         if attention is not None:
             self.attention = resolve_attention(attention, self.device)
-        self.graphs = None
+        self.graphs = self.pieces = None
         if cuda_graphs and self.device.type == "cuda" and self.attention == "triton":
             from engine.torch_exec.cuda_graphs import CudaGraphRunner
+            from engine.torch_exec.piecewise import PiecewiseGraphs, stage_sizes
 
             self.graphs = CudaGraphRunner(self)
             self.graphs.capture_all()
+            self.pieces = PiecewiseGraphs(self, stage_sizes(max_tokens))
+            self.pieces.capture_all()
 
     # --- inputs -------------------------------------------------------------------------------------
     def prepare(self, prefills, decodes) -> BatchInputs:
@@ -245,6 +257,8 @@ class StageModel:
         rows = self.graphs.rows_for(hb) if self.graphs is not None else 0
         if rows:
             hb = pad_rows(hb, rows)
+        elif self.pieces is not None and (tokens := self.pieces.rows_for(hb)):
+            hb = pad_tokens(hb, tokens)  # token-level arrays only: the attention's indices stay the batch's
         t = self._to_device(hb)
         if len(hb.positions) and hb.positions.max() < len(self.rope_cos):
             cos, sin = self.rope_cos.index_select(0, t["positions"]), self.rope_sin.index_select(0, t["positions"])
@@ -306,59 +320,102 @@ class StageModel:
     def forward(self, b: BatchInputs, hidden: torch.Tensor | None) -> torch.Tensor:
         """Stage 0 embeds `b.token_ids`; others take `hidden` [T, hidden]. Returns the hidden
         states for the next stage, or, on the last stage, the logits of the sampled rows (float32).
-        A batch padded to a CUDA-graph bucket replays that graph."""
+        A batch padded to a CUDA-graph bucket replays that graph; one padded to a token bucket
+        replays its pieces with the attentions between them."""
         if b.graph_rows:
             return self.graphs.replay(b, hidden)
+        if self.pieces is not None and self.pieces.covers(b):
+            return self.pieces.run(b, hidden)
         return self.forward_eager(b, hidden)
 
     def forward_eager(self, b: BatchInputs, hidden: torch.Tensor | None, head: bool = True) -> torch.Tensor:
         """The forward itself (what a CUDA graph captures, with head=False: the last stage's logits
         are computed after the replay, so no bucket keeps a [rows, vocab] output alive): on the
         triton path it launches a fixed sequence of kernels whose shapes depend only on the row
-        count, and never reads a device value back to the host."""
-        a = self.arch
+        count, and never reads a device value back to the host. The residual stream travels apart
+        from each sub-layer's output (`res`), so the fused path adds it inside the next norm."""
+        self.zero_new_blocks(b)
+        x, res = self.embed_input(b, hidden), None
+        for li in range(self.num_layers):
+            q, res = self.attention_in(li, x, res, b)
+            x, res = self.attention_out(li, self.attend(li, q, b), res)
+        x = x + res
+        if not self.last or not head:
+            return x
+        return self.logits(x.index_select(0, b.sample_rows))
+
+    # --- a layer in two halves around its attention (piecewise CUDA graphs capture each half) -------
+    def zero_new_blocks(self, b: BatchInputs) -> None:
         if b.new_blocks is not None:
             for kc, vc in zip(self.k_cache, self.v_cache):
                 kc.index_fill_(1, b.new_blocks, 0)
                 vc.index_fill_(1, b.new_blocks, 0)
-        x = F.embedding(b.token_ids, self.embed) if self.first else hidden
-        cos = b.cos.to(self.dtype)[:, None, :]
-        sin = b.sin.to(self.dtype)[:, None, :]
-        T = x.shape[0]  # a CUDA-graph bucket's rows include its padding
-        kvh, d = a.num_kv_heads, a.head_dim
-        for li, L in enumerate(self.layers):
-            h = rms_norm(x, L.ln1, a.rms_norm_eps)
-            q = F.linear(h, L.wq, L.bq).view(T, a.num_heads, d)
-            k = F.linear(h, L.wk, L.bk).view(T, kvh, d)
-            v = F.linear(h, L.wv, L.bv).view(T, kvh, d)
-            q = rope(q, cos, sin)
-            k = rope(k, cos, sin)
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            if self.attention == "triton":
-                o = self._paged(b, q, k, v, kc, vc)
-            else:
-                kc.view(kvh, -1, d).index_copy_(1, b.slots, k.transpose(0, 1))
-                vc.view(kvh, -1, d).index_copy_(1, b.slots, v.transpose(0, 1))
-                o = self._attention(b, q, kc, vc)
-            x = x + F.linear(o.reshape(T, a.num_heads * d), L.wo)
-            h = rms_norm(x, L.ln2, a.rms_norm_eps)
-            x = x + F.linear(F.silu(F.linear(h, L.w_gate, L.b_gate)) * F.linear(h, L.w_up, L.b_up), L.w_down, L.b_down)
-        if not self.last or not head:
-            return x
-        return self.logits(x.index_select(0, b.sample_rows))
+
+    def embed_input(self, b: BatchInputs, hidden: torch.Tensor | None) -> torch.Tensor:
+        return F.embedding(b.token_ids, self.embed) if self.first else hidden
+
+    def add_norm(self, x: torch.Tensor, res: torch.Tensor | None, w: torch.Tensor,
+                 res_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + res) * w, x + res); res None: the stream starts at x. Fused: one kernel, the
+        sum written over x (or res_out)."""
+        eps = self.arch.rms_norm_eps
+        if self.fused:
+            return fused.add_rms_norm(x, res, w, eps, residual_out=res_out)
+        res = x if res is None else x + res
+        if res_out is not None:
+            res = res_out.copy_(res)
+        return rms_norm(res, w, eps), res
+
+    def attention_in(self, li: int, x: torch.Tensor, res: torch.Tensor | None, b: BatchInputs,
+                     q_out: torch.Tensor | None = None,
+                     res_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer li up to its attention: residual add and input norm, q/k/v, RoPE, the new K/V in
+        their slots. Returns (q [T, heads, head_dim], the residual stream)."""
+        a, L = self.arch, self.layers[li]
+        h, res = self.add_norm(x, res, L.ln1, res_out)
+        T, kvh, d = h.shape[0], a.num_kv_heads, a.head_dim  # a CUDA-graph bucket's rows include its padding
+        q = F.linear(h, L.wq, L.bq).view(T, a.num_heads, d)
+        k = F.linear(h, L.wk, L.bk).view(T, kvh, d)
+        v = F.linear(h, L.wv, L.bv).view(T, kvh, d)
+        kc, vc = self.k_cache[li], self.v_cache[li]
+        if self.fused:
+            return fused.rope_write_kv(q, k, v, b.cos, b.sin, kc, vc, b.slots, q_out=q_out), res
+        cos, sin = b.cos.to(self.dtype)[:, None, :], b.sin.to(self.dtype)[:, None, :]
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        if self.attention == "triton":
+            from engine.torch_exec import paged_attention as pa  # already imported by resolve_attention
+
+            pa.write_kv(k, v, kc, vc, b.slots)
+        else:
+            kc.view(kvh, -1, d).index_copy_(1, b.slots, k.transpose(0, 1))
+            vc.view(kvh, -1, d).index_copy_(1, b.slots, v.transpose(0, 1))
+        return (q if q_out is None else q_out.copy_(q)), res
+
+    def attend(self, li: int, q: torch.Tensor, b: BatchInputs, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer li's attention over the pools (the K/V of this batch already written)."""
+        kc, vc = self.k_cache[li], self.v_cache[li]
+        if self.attention == "triton":
+            from engine.torch_exec import paged_attention as pa
+
+            return pa.paged_attention(q, kc, vc, b.block_tables, b.query_start, b.context_lens, self.scale,
+                                      b.max_query_len, out=out, tiles=b.tiles)
+        return self._attention(b, q, kc, vc)
+
+    def attention_out(self, li: int, o: torch.Tensor, res: torch.Tensor,
+                      res_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer li after its attention: o_proj, residual add and norm, the MLP. Returns (the MLP's
+        output, the residual stream): the next layer's norm adds them."""
+        a, L = self.arch, self.layers[li]
+        x = F.linear(o.reshape(o.shape[0], a.num_heads * a.head_dim), L.wo)
+        h, res = self.add_norm(x, res, L.ln2, res_out)
+        gate, up = F.linear(h, L.w_gate, L.b_gate), F.linear(h, L.w_up, L.b_up)
+        act = fused.silu_mul(gate, up) if self.fused else F.silu(gate) * up
+        return F.linear(act, L.w_down, L.b_down), res
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The last stage's head: final norm and lm_head of the sampled rows, float32."""
         h = rms_norm(x, self.norm, self.arch.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
-
-    def _paged(self, b: BatchInputs, q, k, v, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-        """The triton path: one launch writes the new K/V into their slots, one attends."""
-        from engine.torch_exec import paged_attention as pa  # already imported by resolve_attention
-
-        pa.write_kv(k, v, kc, vc, b.slots)
-        return pa.paged_attention(q, kc, vc, b.block_tables, b.query_start, b.context_lens, self.scale,
-                                  b.max_query_len, tiles=b.tiles)
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """[kvh, nb, bs, d] by block ids [B] -> [kvh, B * bs, d] (contiguous).

@@ -184,7 +184,7 @@ class StageInit:
     policy_class: str  # "module:qualname" of the run's policy (schedule_transfer), "" = the default
     policy_params: dict[str, Any]
     model_seed: int = 0  # random weights when `path` is ""
-    profile_tokens: int = 0  # tokens of the warm-up micro-batch, when num_blocks is 0
+    profile_tokens: int = 0  # the warm-up micro-batch (when num_blocks is 0), the piecewise graphs' budget
     attention: str = "auto"  # executor.attention: auto | torch | triton
     cuda_graphs: bool = True  # executor.cuda_graphs
     socket_ifname: str = ""  # executor.socket_ifname: GLOO_/NCCL_SOCKET_IFNAME unless the stage host sets them

@@ -365,7 +365,7 @@ class _Stage:
                 return
 
     def setup_runtime(self, init: wire.StageInit) -> None:
-        self.model.configure(init.attention, init.cuda_graphs)  # attention path; CUDA graphs captured here
+        self.model.configure(init.attention, init.cuda_graphs, init.profile_tokens)  # attention path; CUDA graphs
         self.overlap = init.overlap_input_prep
         self.prepared: dict[int, object] = {}  # mb id -> future of its prepared inputs (<= 2 buffers)
         self.aware = init.structure_aware_transfer
