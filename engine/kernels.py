@@ -141,6 +141,8 @@ class KernelCoefficients:
         if unknown:
             raise ConfigError(f"unknown kernels keys {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
         data = dict(values)
+        if "gemm_floor_s" in data and "gemm_memory_floor_s" not in data:  # a profile of the one-floor form
+            data["gemm_memory_floor_s"] = data["gemm_floor_s"]
         if "decode_kv_efficiency" in data:
             data["decode_kv_efficiency"] = tuple(tuple(float(v) for v in p) for p in data["decode_kv_efficiency"])
         for key in ("gemm_token_quantum", "decode_waves", "prefill_tile"):

@@ -214,3 +214,15 @@ def test_one_attention_shape_falls_back_to_alternate_grid_points(tmp_path):
     fit = fit_kernels(list(t.compute.values()), t.attention, {}, [], DEVICE, fit_models=("Llama-2-7b-hf",))
     assert len(attention_shapes(t.attention)) == 1 and fit.held_out == {}
     assert fit.rows_used["attention"] < len(t.attention[0].rows)
+
+
+def test_a_profile_of_the_one_floor_gemm_form_keeps_its_prices():
+    """Profiles saved before the memory-bound floor existed price GEMMs as floor + max(...)."""
+    c = KernelCoefficients.from_mapping({"gemm_floor_s": 7e-6})
+    assert c.gemm_memory_floor_s == 7e-6
+    lk = LayerKernels(LayerShape(4096, 32, 32, 128, 11008), c, **A100)
+    k, n = 4096, 11008
+    for m in (1, 64, 2048):
+        comp = 2.0 * np.ceil(m / 64) * 64 * n * k / (A100["peak_flops"] * c.gemm_compute_efficiency)
+        mem = (k * n + m * (k + n)) * 2 / (A100["mem_bw_Bps"] * c.gemm_memory_efficiency)
+        assert float(lk.gemm_s(m, k, n)) == pytest.approx(7e-6 + max(comp, mem))
