@@ -47,7 +47,7 @@ class KernelCoefficients:
     # The floor of a weight-streaming (memory-bound) GEMM: time = max(floor + compute, memory floor
     # + memory); equal floors are the form above. One shared floor made the fit trade small against
     # large weights: on H100 it put the streaming efficiency at 0.96 of peak and priced TP=1
-    # GEMMs of 1-128 tokens (the largest weights) 8% low; with its own floor, 0.81 and +1%.
+    # GEMMs of 1-128 tokens (the largest weights) 8% low; with its own floor, 0.88 and -4%.
     gemm_memory_floor_s: float = 5e-6
     # Elementwise ops (RMSNorm x2, rotary, SiLU x mul, residual add, embedding gather): bandwidth
     # bound with a launch floor. Measured norms reach a third of peak bandwidth (fp32 accumulation,
@@ -62,8 +62,9 @@ class KernelCoefficients:
     elementwise_floor_s: float = 2e-6
     # Decode attention: floor + KV bytes / (bandwidth * efficiency(g)), g = query heads per KV head.
     # The floor is the A100's 10-20 us for one short sequence (-73% to -94% without it). The
-    # efficiency points (g, fraction) are interpolated in log2(g): 0.87 at g=1, ~0.7 at 8 and
-    # 0.3-0.4 at 16 on the published A100 rows, where the roofline assumed 0.8 for every g.
+    # efficiency points (g, fraction) are interpolated in log2(g), flat beyond them. The fit
+    # (testbed/calibrate/kernel_fit.py) sets one point (one read rate for every g) and lets
+    # `decode_compute_efficiency` make large g FLOP bound; a profile may carry several points.
     decode_floor_s: float = 12e-6
     decode_kv_efficiency: tuple[tuple[float, float], ...] = ((1.0, 0.85), (8.0, 0.75), (16.0, 0.4))
     # Once a decode batch has more (sequence, KV head) blocks than the GPU holds at once
