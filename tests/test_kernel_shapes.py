@@ -226,3 +226,24 @@ def test_a_profile_of_the_one_floor_gemm_form_keeps_its_prices():
         comp = 2.0 * np.ceil(m / 64) * 64 * n * k / (A100["peak_flops"] * c.gemm_compute_efficiency)
         mem = (k * n + m * (k + n)) * 2 / (A100["mem_bw_Bps"] * c.gemm_memory_efficiency)
         assert float(lk.gemm_s(m, k, n)) == pytest.approx(7e-6 + max(comp, mem))
+
+
+def test_a_held_out_non_gated_model_is_priced_by_its_own_mlp(tmp_path):
+    """A phi-2-like table (use_gated_mlp False) next to the fixture's gated ones: fitted on the
+    gated models only, its held-out linear part is priced as what it is (priced as gated, +30%)."""
+    import pandas as pd
+
+    from kernel_tables import TOKENS, _write, mlp_records
+    from testbed.calibrate.tables import fitted_spec, linear_rows
+
+    top = write_tables(tmp_path)
+    _write(top / "compute" / "a100" / "microsoft" / "phi-like" / "mlp.csv",
+           mlp_records((2560, 32, 32, 10240, 51200), False, TRUTH))
+    t = read_published(top.parent, "a100")
+    assert t.compute["phi-like"].meta["gated"] == "false" and t.compute["phi-like"].meta["hidden_act"] == "gelu_new"
+    fit = fit_kernels(list(t.compute.values()), [], {}, [], DEVICE, fit_models=("Llama-2-7b-hf", "Llama-2-70b-hf"))
+    roof = get_hardware("a100-80g-roofline")
+    df = pd.DataFrame(linear_rows(t, fitted_spec(roof, "x", fit, "fit", "fit"), roof))
+    phi = df[(df.model == "phi-like") & (df.family == "linear")]
+    assert phi.held.all() and len(phi) == 2 * len(TOKENS)
+    assert (phi.fitted / phi.measured - 1).abs().median() < 0.02
