@@ -180,7 +180,7 @@ def test_prefill_waves_slow_a_chunk_with_few_heads_a_gpu():
 
 
 # ---- the report ----------------------------------------------------------------------------------
-def test_calibrate_tables_reports_per_shape_gqa_and_tp(tmp_path):
+def test_calibrate_tables_reports_per_shape_gqa_and_tp(tmp_path, capsys):
     """The fixture's A100 tables plus two more attention shapes: every shape is held out once."""
     import pandas as pd
 
@@ -199,7 +199,9 @@ def test_calibrate_tables_reports_per_shape_gqa_and_tp(tmp_path):
                      f"{shape.kv_heads} kv heads)\nD 1 2048 0.001 | {decode}\nP 1 1024 0.030 | {prefill}\n")
         (samples / f"a100_{name}.txt").write_text(lines[-1])
     out = tmp_path / "report"
-    assert main(["calibrate", "tables", str(top), "--device", "a100", "--out", str(out), "--json"]) == 0
+    assert main(["calibrate", "tables", str(top), "--device", "a100", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "attention by held-out shape" in printed and "a100_gqa16/tp1" in printed
     by_shape = pd.read_csv(out / "errors_by_shape.csv")
     assert set(by_shape["shape"]) == {"a100-test-shape/tp2", "a100_mha/tp1", "a100_gqa16/tp1"}
     assert {"decode", "prefill", "kv_write"} >= set(by_shape.family) >= {"decode", "prefill"}

@@ -2,9 +2,10 @@
 
 Reads `gpu-op-profiles/` through the data-directory rule (testbed/calibrate/gpu_tables.py), fits the
 operator-level kernel coefficients, links and host costs per device (testbed/calibrate/kernel_fit.py), and
-reports median / p90 / max error and bias by operator family and by token / context bucket, for
-the fitted profile and for the hand-set roofline it replaces, on held-out models (compute) and
-held-out grid points (attention). `--save DIR` writes the fitted hardware profiles (the shipped
+reports median / p90 / max error and bias by operator family, by bucket, per attention shape, GQA
+ratio, model and TP degree, for the fitted profile and for the hand-set roofline it replaces, on
+held-out models (compute) and held-out shapes (attention: each shape predicted by a fit of the
+others; alternate grid points when a device has one shape). `--save DIR` writes the fitted hardware profiles (the shipped
 defaults are regenerated with `--save engine/hardware_profiles`); `--profile CSV` reports the
 same families for a profile measured on the user's own GPU against a hardware profile.
 """
