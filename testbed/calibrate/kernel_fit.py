@@ -367,6 +367,12 @@ def fit_kernels(compute: Sequence[ProfileTable], attention: Sequence[ProfileTabl
             rows = [r for r in table.rows if r.link == link]
             result.links[f"{name}/{link}"] = fit_link(rows)
     result.host = fit_host(host)
+    measured_g = sorted({s.shape.gqa for s in shapes if s.of("attn_decode")})
+    if measured_g:
+        result.notes.append(
+            f"decode: one KV read efficiency ({fitted.decode_efficiency(1.0):.2f} of peak bandwidth, bounded by "
+            f"{kv_read_cap(shapes, device):.2f}, the most a measured row reached) and one FLOP rate for every g; "
+            f"measured at g = {', '.join(f'{g:g}' for g in measured_g)}")
     if not attention:
         result.notes.append("no attention table for this device: attention coefficients are the base profile's")
     if not network:
