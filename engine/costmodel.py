@@ -219,7 +219,7 @@ class CostModel:
         self.kv_bytes_per_token_per_layer_gpu = 2 * kv_heads_gpu * hd * db
         act_bytes_per_token = db * (
             10 * h  # norms, residual adds, GEMM inputs of hidden width (replicated under tp)
-            + (2 * model.q_size + 2 * model.kv_size + 3 * model.intermediate_size) / tp
+            + (2 * model.q_size + 2 * model.kv_size + (3 if model.gated_mlp else 2) * model.intermediate_size) / tp
         )
         self._lin_c = 2.0 * lin_params / lin_rate
         self._lin_w = (lin_params + model.norm_params_per_layer) * db / mem_rate
@@ -311,7 +311,8 @@ class CostModel:
 
         m, hw, tp, db, pp = self.model, self.hardware, self.tp, self.dtype_bytes, self.pp
         shape = LayerShape(hidden=m.hidden_size, q_heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                           intermediate=m.intermediate_size, vocab=m.vocab_size, tp=tp, dtype_bytes=db)
+                           intermediate=m.intermediate_size, vocab=m.vocab_size, gated_mlp=m.gated_mlp, tp=tp,
+                           dtype_bytes=db, hidden_act=m.hidden_act)
         kernels = LayerKernels(shape, KernelCoefficients.from_mapping(hw.kernels), hw.peak_flops, hw.mem_bw_Bps,
                                hw.sm_count)
         ar_lat = hw.p2p_latency_s if hw.allreduce_latency_s is None else hw.allreduce_latency_s
@@ -411,18 +412,20 @@ class CostModel:
             layer += tokens * self._ar_tok + self._ar_fix
         return layer
 
-    def layer_parts_s(self, shape: BatchShape) -> tuple[float, float, float, float]:
+    def layer_parts_s(self, shape: BatchShape) -> tuple[float, float, float, float, float]:
         """One layer's (linear part, tensor-parallel all-reduces, decode attention, prefill
-        attention) for `shape`: the operator families `testbed calibrate tables` compares with
-        measured kernels. The linear part holds the GEMMs and the elementwise ops."""
+        attention, KV write) for `shape`: the operator families `testbed calibrate tables` compares
+        with measured kernels, summing to what the simulation prices. The linear part holds the
+        GEMMs and the elementwise ops; the roofline counts the KV write in its attention bytes (0 here)."""
         tokens = shape.num_tokens
         allreduce = tokens * self._ar_tok + self._ar_fix if self._ar_tok else 0.0
         if self.kernels is not None:
-            k = self.kernels.k
+            p, k = self.kernels, self.kernels.k
             dec = k.decode_s(shape.num_decode_seqs, shape.decode_context_sum)
             pre = k.prefill_s(shape.num_prefill_tokens, shape.num_seqs - shape.num_decode_seqs,
                               shape.prefill_attention_pairs, shape.prefill_context_sum)
-            return float(k.token_part_s(tokens)), allreduce, dec, pre
+            allreduce = tokens * p._ar_tok + p._ar_fix if p._ar_tok else 0.0  # allreduce_latency_s, as simulated
+            return float(k.token_part_s(tokens)), allreduce, dec, pre, float(k.kv_write_s(tokens))
         linear = max((tokens + self._m_half) * self._lin_c, self._lin_w + tokens * self._lin_a)
         dec = pre = 0.0
         if shape.num_decode_seqs:
@@ -431,7 +434,7 @@ class CostModel:
         if shape.num_prefill_tokens:
             pre = max(shape.prefill_attention_pairs * self._attn_c,
                       shape.prefill_context_sum * self._kv_r + shape.num_prefill_tokens * self._qo)
-        return linear, allreduce, dec, pre
+        return linear, allreduce, dec, pre, 0.0
 
     @staticmethod
     def _stage_total(consts: tuple, layer: float, tokens: int, shape: BatchShape) -> float:

@@ -44,6 +44,11 @@ class KernelCoefficients:
     gemm_memory_efficiency: float = 0.77
     gemm_floor_s: float = 5e-6
     gemm_token_quantum: int = 64
+    # The floor of a weight-streaming (memory-bound) GEMM: time = max(floor + compute, memory floor
+    # + memory); equal floors are the form above. One shared floor made the fit trade small against
+    # large weights: on H100 it put the streaming efficiency at 0.96 of peak and priced TP=1
+    # GEMMs of 1-128 tokens (the largest weights) 8% low; with its own floor, 0.88 and -4%.
+    gemm_memory_floor_s: float = 5e-6
     # Elementwise ops (RMSNorm x2, rotary, SiLU x mul, residual add, embedding gather): bandwidth
     # bound with a launch floor. Measured norms reach a third of peak bandwidth (fp32 accumulation,
     # two passes), so they are not free as the roofline's activation traffic assumed.
@@ -57,8 +62,9 @@ class KernelCoefficients:
     elementwise_floor_s: float = 2e-6
     # Decode attention: floor + KV bytes / (bandwidth * efficiency(g)), g = query heads per KV head.
     # The floor is the A100's 10-20 us for one short sequence (-73% to -94% without it). The
-    # efficiency points (g, fraction) are interpolated in log2(g): 0.87 at g=1, ~0.7 at 8 and
-    # 0.3-0.4 at 16 on the published A100 rows, where the roofline assumed 0.8 for every g.
+    # efficiency points (g, fraction) are interpolated in log2(g), flat beyond them. The fit
+    # (testbed/calibrate/kernel_fit.py) sets one point (one read rate for every g) and lets
+    # `decode_compute_efficiency` make large g FLOP bound; a profile may carry several points.
     decode_floor_s: float = 12e-6
     decode_kv_efficiency: tuple[tuple[float, float], ...] = ((1.0, 0.85), (8.0, 0.75), (16.0, 0.4))
     # Once a decode batch has more (sequence, KV head) blocks than the GPU holds at once
@@ -68,6 +74,22 @@ class KernelCoefficients:
     # select 2 (a 1.4x step at batch 34 with 8 KV heads: 272 > 264 blocks); on the A100 table the
     # median is no better with it, so the shipped A100 profile has 0.
     decode_waves: int = 2
+    # The decode kernel's FLOPs (QK and PV: 4 x query heads x head_dim per KV token) at
+    # `decode_compute_efficiency` of peak: a KV token costs max(KV bytes / read rate, FLOPs / FLOP
+    # rate), so the read rate falls as 1/g once g query heads per KV head make the kernel FLOP
+    # bound. One read efficiency and this FLOP rate describe all three A100 shapes (g = 1, 8, 16;
+    # ~0.05 of the dense peak: the 405B shape, g = 16, reads at 0.44 of peak where g = 1 reaches
+    # 0.97); per-g efficiency points fitted the shapes they saw and missed the held-out g by 40%.
+    decode_compute_efficiency: float = 1.0
+    # Per (sequence, KV head) block: a block's fixed work (its query load, softmax reductions, output
+    # write) amortised over the SMs. MHA Llama-2-7B at 32 tokens of context tops out at 0.17 of
+    # A100's bandwidth for batch >= 20 (45 ns per block); without it decode at context < 512 and
+    # batch >= 9 was priced 31-65% low.
+    decode_block_s: float = 0.0
+    # Few blocks leave SMs idle even with split-KV: the KV term is scaled by 1 + half / blocks
+    # (blocks = sequences x KV heads a GPU). A100 70B shape at TP 2 (4 KV heads): batch 1 reads at
+    # 0.23 of what batch 128 reaches, batch 4 at 0.54; without it batch <= 8 was priced 26-45% low.
+    decode_half_blocks: float = 0.0
     # Prefill attention (causal, one chunk of x new tokens after a cached prefix of L):
     # floor + 4 * heads * head_dim * pairs / (peak * efficiency(x, L)), pairs = x*L + x(x+1)/2, with
     # efficiency = prefill_efficiency * k / (k + prefill_half_keys), k = L + x/2 the mean keys a
@@ -76,6 +98,22 @@ class KernelCoefficients:
     prefill_floor_s: float = 12e-6
     prefill_efficiency: float = 0.25
     prefill_half_keys: float = 500.0
+    # A prefill chunk also reads its prefix's KV from HBM: time = floor + max(the FLOP term above,
+    # context KV bytes / (bandwidth * decode_efficiency(g))). No published prefill row is KV-bound
+    # (the shortest chunk is 64 tokens after at most 4,032 at g = 8, 10x more FLOP time than KV
+    # time), so the read rate is the decode kernel's measured one at the same g; without it a
+    # 16-token chunk after 4,000 tokens on A100 with an MHA model was priced at 1/10 of its KV read.
+    # KV write (the kernel storing each new token's K and V into the paged cache, one call per layer
+    # for all the step's tokens): floor + tokens * KV bytes / (bandwidth * kv_write_efficiency).
+    # The newer tables' `attn_kv_cache_save` column: ~0.05 of peak bandwidth on A100 and H100.
+    kv_write_floor_s: float = 4e-6
+    kv_write_efficiency: float = 0.05
+    # Prefill waves: the kernel runs one block per (query head, `prefill_tile` query rows) of a
+    # chunk; blocks beyond a whole number of waves over the SMs leave the last wave part empty, so
+    # the FLOP rate is scaled by blocks / (waves * SMs). On H100's 405B samples at TP 8 (16 heads a
+    # GPU) a 2,112-token chunk is 272 blocks of 128 rows on 132 SMs, 3 waves at 0.69: the FLOP
+    # term alone priced it 20% low and TP 1 (128 heads) 20% high. 0 = no wave term.
+    prefill_tile: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -89,6 +127,8 @@ class KernelCoefficients:
                 raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be in (0, 1]")
             if value < 0:
                 raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be >= 0")
+        if not isinstance(self.prefill_tile, int):
+            raise ConfigError(f"invalid kernels.prefill_tile={self.prefill_tile!r}: must be an integer >= 0")
         if not isinstance(self.decode_waves, int):
             raise ConfigError(f"invalid kernels.decode_waves={self.decode_waves!r}: must be an integer >= 0")
         if not isinstance(self.gemm_token_quantum, int) or self.gemm_token_quantum < 1:
@@ -102,9 +142,11 @@ class KernelCoefficients:
         if unknown:
             raise ConfigError(f"unknown kernels keys {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
         data = dict(values)
+        if "gemm_floor_s" in data and "gemm_memory_floor_s" not in data:  # a profile of the one-floor form
+            data["gemm_memory_floor_s"] = data["gemm_floor_s"]
         if "decode_kv_efficiency" in data:
             data["decode_kv_efficiency"] = tuple(tuple(float(v) for v in p) for p in data["decode_kv_efficiency"])
-        for key in ("gemm_token_quantum", "decode_waves"):
+        for key in ("gemm_token_quantum", "decode_waves", "prefill_tile"):
             if key in data:
                 data[key] = int(data[key])
         return cls(**data)
@@ -140,7 +182,10 @@ def _check_points(points: object) -> None:
 @dataclass(frozen=True)
 class LayerShape:
     """The shape of one decoder layer on one GPU of a tensor-parallel group (what a table row or
-    a `ModelSpec` describes)."""
+    a `ModelSpec` describes). `gated_mlp`: gate and up projections multiplied (SwiGLU: the up GEMM
+    is twice as wide and the activation reads two tensors), else one up projection and an
+    activation of one tensor (phi-2's GELU MLP: pricing it as gated made its linear part 25-32%
+    too slow)."""
 
     hidden: int
     q_heads: int
@@ -148,9 +193,10 @@ class LayerShape:
     head_dim: int
     intermediate: int
     vocab: int = 32000
-    gated: bool = True
+    gated_mlp: bool = True
     tp: int = 1
     dtype_bytes: int = 2
+    hidden_act: str = "silu"
 
     @property
     def q_heads_gpu(self) -> int:
@@ -167,16 +213,16 @@ class LayerShape:
     def gemm_dims(self) -> dict[str, tuple[int, int]]:
         """(K, N) of each GEMM on one GPU: column-parallel QKV and gate+up, row-parallel O and down."""
         h, hd, tp = self.hidden, self.head_dim, self.tp
-        up = (2 if self.gated else 1) * self.intermediate // tp
+        up = (2 if self.gated_mlp else 1) * self.intermediate // tp
         return {"gemm_qkv": (h, (self.q_heads_gpu + 2 * self.kv_heads_gpu) * hd),
                 "gemm_o": (self.q_heads_gpu * hd, h), "gemm_up": (h, up), "gemm_down": (self.intermediate // tp, h)}
 
     def elementwise_bytes(self) -> dict[str, float]:
         """Bytes per token moved by each elementwise op (read + write)."""
         h, db = self.hidden, self.dtype_bytes
+        act_tensors = 3.0 if self.gated_mlp else 2.0  # gate and up read, product written; or one in, one out
         return {"norm": 2.0 * h * db, "rope": 2.0 * (self.q_heads_gpu + self.kv_heads_gpu) * self.head_dim * db,
-                "act": 3.0 * self.intermediate // self.tp * db if self.gated else 2.0 * self.intermediate // self.tp * db,
-                "add": 3.0 * h * db, "emb": 2.0 * h * db}
+                "act": act_tensors * (self.intermediate // self.tp) * db, "add": 3.0 * h * db, "emb": 2.0 * h * db}
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -203,13 +249,18 @@ class LayerKernels:
         self._ew = shape.elementwise_bytes()
         c = coefficients
         self._units_cap = (sm_count or 0) * c.decode_waves
+        self._sms = sm_count or 0
         self._dec_rate = mem_bw_Bps * c.decode_efficiency(shape.gqa)
         self._pre_flops_per_pair = 4.0 * shape.q_heads_gpu * shape.head_dim
+        # one decode KV token: its read or its FLOPs, whichever is slower; one sequence's blocks
+        self._dec_per_token = max(shape.kv_bytes_per_token / self._dec_rate,
+                                  self._pre_flops_per_pair / (peak_flops * c.decode_compute_efficiency))
+        self._dec_per_seq = shape.kv_heads_gpu * c.decode_block_s
 
     # ---- token-count ops (numpy arrays or scalars) ------------------------------------------
     def gemm_s(self, m, k: int, n: int):
-        """floor + max(compute on the token count rounded up to the tile quantum, weight and
-        activation traffic)."""
+        """max(floor + compute on the token count rounded up to the tile quantum, memory floor +
+        weight and activation traffic)."""
         import numpy as np
 
         c, db = self.c, self.shape.dtype_bytes
@@ -217,7 +268,7 @@ class LayerKernels:
         mq = np.ceil(np.asarray(m, dtype=float) / q) * q
         comp = 2.0 * mq * n * k / (self.peak * c.gemm_compute_efficiency)
         mem = (k * n + np.asarray(m, dtype=float) * (k + n)) * db / (self.bw * c.gemm_memory_efficiency)
-        return c.gemm_floor_s + np.maximum(comp, mem)
+        return np.maximum(c.gemm_floor_s + comp, c.gemm_memory_floor_s + mem)
 
     def op_s(self, op: str, m):
         """A GEMM or an elementwise op (`GEMMS`, `ELEMENTWISE`, or `emb`) on `m` tokens."""
@@ -231,32 +282,57 @@ class LayerKernels:
 
     def token_part_s(self, m):
         """Everything in a layer that depends only on the token count: the four GEMMs and the
-        elementwise ops (all-reduces are the link's, added by the cost model)."""
+        elementwise ops (all-reduces are the link's, added by the cost model; the KV write is
+        `kv_write_s`)."""
         total = sum(self.op_s(op, m) for op in GEMMS)
         return total + sum(n * self.op_s(op, m) for op, n in ELEMENTWISE_PER_LAYER.items())
+
+    def kv_write_s(self, m):
+        """Storing the K and V of `m` new tokens (prefill and decode alike) into the paged cache."""
+        import numpy as np
+
+        m = np.asarray(m, dtype=float)
+        per_token = self.shape.kv_bytes_per_token / (self.bw * self.c.kv_write_efficiency)
+        return np.where(m > 0, self.c.kv_write_floor_s + m * per_token, 0.0)
 
     # ---- attention (scalar) -------------------------------------------------------------------
     def decode_s(self, num_seqs: int, context_sum: int) -> float:
         """One decode-attention call over `num_seqs` sequences attending `context_sum` KV tokens."""
         if not num_seqs:
             return 0.0
-        kv = context_sum * self.shape.kv_bytes_per_token
+        kv = context_sum * self._dec_per_token
+        units = num_seqs * self.shape.kv_heads_gpu
         cap = self._units_cap
-        if cap:
-            units = num_seqs * self.shape.kv_heads_gpu
-            if units > cap:  # whole waves of `cap` blocks, each streaming one (sequence, KV head)
-                kv *= (-(-units // cap) * cap) / units
-        return self.c.decode_floor_s + kv / self._dec_rate
+        if cap and units > cap:  # whole waves of `cap` blocks, each streaming one (sequence, KV head)
+            kv *= (-(-units // cap) * cap) / units
+        kv *= 1.0 + self.c.decode_half_blocks / units
+        return self.c.decode_floor_s + kv + num_seqs * self._dec_per_seq
 
     def prefill_s(self, tokens: int, chunks: int, pairs: float, context_sum: int) -> float:
         """One prefill-attention call over `chunks` chunks of `tokens` new tokens in all, with
-        `pairs` causal query-key pairs and `context_sum` KV tokens (prefixes + chunks)."""
+        `pairs` causal query-key pairs and `context_sum` KV tokens (prefixes + chunks): the FLOP
+        term, or reading the KV at the decode kernel's rate when that takes longer (a short chunk
+        after a long prefix)."""
         if not tokens:
             return 0.0
         c = self.c
         keys = (context_sum - tokens / 2.0) / chunks  # the mean over chunks of L + x/2
         eff = c.prefill_efficiency * keys / (keys + c.prefill_half_keys)
-        return c.prefill_floor_s + self._pre_flops_per_pair * pairs / (self.peak * eff)
+        compute = self._pre_flops_per_pair * pairs / (self.peak * eff) / self.prefill_wave_fill(tokens, chunks)
+        return c.prefill_floor_s + max(compute, self.prefill_kv_read_s(context_sum))
+
+    def prefill_wave_fill(self, tokens: int, chunks: int) -> float:
+        """Fraction of the SMs' block slots a prefill call fills over its waves (1 without the
+        term): blocks = query heads x tiles, tiles ~ ceil(tokens / tile) + chunks - 1."""
+        tile, sms = self.c.prefill_tile, self._sms
+        if not tile or not sms:
+            return 1.0
+        blocks = self.shape.q_heads_gpu * (-(-tokens // tile) + chunks - 1)
+        return blocks / (-(-blocks // sms) * sms)
+
+    def prefill_kv_read_s(self, context_sum: int) -> float:
+        """Reading `context_sum` tokens of KV (a prefill call's prefixes and chunks) once."""
+        return context_sum * self.shape.kv_bytes_per_token / self._dec_rate
 
 
 class KernelPricer:
@@ -277,9 +353,11 @@ class KernelPricer:
         self._emb: list[float] = [0.0]
         self._lm: dict[int, float] = {}
         c, sh = kernels.c, kernels.shape
-        self._dec_per_token = sh.kv_bytes_per_token / kernels._dec_rate
+        self._dec_per_token, self._dec_per_seq = kernels._dec_per_token, kernels._dec_per_seq
+        self._kv_per_token = sh.kv_bytes_per_token / kernels._dec_rate  # a prefill call's KV read
         self._cap, self._kv_heads, self._dec_floor = kernels._units_cap, sh.kv_heads_gpu, c.decode_floor_s
-        self._pre_floor, self._pre_half = c.prefill_floor_s, c.prefill_half_keys
+        self._dec_half = c.decode_half_blocks
+        self._pre_floor, self._pre_half, self._pre_tile = c.prefill_floor_s, c.prefill_half_keys, c.prefill_tile
         self._pre_per_pair = kernels._pre_flops_per_pair / (kernels.peak * c.prefill_efficiency)
 
     def _extend(self, m: int) -> None:
@@ -287,7 +365,7 @@ class KernelPricer:
 
         start, stop = len(self._tok), max(m + 1, 2 * len(self._tok))
         ms = np.arange(start, stop, dtype=float)
-        part = self.k.token_part_s(ms) + (ms * self._ar_tok + self._ar_fix if self._ar_tok else 0.0)
+        part = self.k.token_part_s(ms) + self.k.kv_write_s(ms) + (ms * self._ar_tok + self._ar_fix if self._ar_tok else 0.0)
         self._tok += [float(v) for v in part]
         self._emb += [float(v) for v in self.k.op_s("emb", ms)]
 
@@ -298,7 +376,8 @@ class KernelPricer:
 
     def layer_s(self, shape, tokens: int) -> float:
         """One layer's time for a `BatchShape` with `tokens` > 0 (decodes and prefill chunks are
-        separate attention calls, as in the serving engines the tables were measured on). The
+        separate attention calls, as in the serving engines the tables were measured on; the KV
+        write of every new token is in the token table). The
         attention terms are `LayerKernels.decode_s` / `prefill_s` inlined on precomputed constants
         (1.9 -> 1.5 us a micro-batch, shared 2-core machine); a test checks they agree."""
         tok = self._tok
@@ -309,16 +388,20 @@ class KernelPricer:
         n_dec = shape.num_decode_seqs
         if n_dec:
             kv = shape.decode_context_sum * self._dec_per_token
+            units = n_dec * self._kv_heads
             cap = self._cap
-            if cap:
-                units = n_dec * self._kv_heads
-                if units > cap:
-                    kv *= (-(-units // cap) * cap) / units
-            layer += self._dec_floor + kv
+            if cap and units > cap:
+                kv *= (-(-units // cap) * cap) / units
+            layer += self._dec_floor + kv * (1.0 + self._dec_half / units) + n_dec * self._dec_per_seq
         n_pre = tokens - n_dec
         if n_pre:
-            keys = (shape.prefill_context_sum - 0.5 * n_pre) / (shape.num_seqs - n_dec)
-            layer += self._pre_floor + self._pre_per_pair * shape.prefill_attention_pairs * (keys + self._pre_half) / keys
+            ctx = shape.prefill_context_sum
+            keys = (ctx - 0.5 * n_pre) / (shape.num_seqs - n_dec)
+            comp = self._pre_per_pair * shape.prefill_attention_pairs * (keys + self._pre_half) / keys
+            if self._pre_tile:
+                comp /= self.k.prefill_wave_fill(n_pre, shape.num_seqs - n_dec)
+            kv = ctx * self._kv_per_token
+            layer += self._pre_floor + (comp if comp > kv else kv)
         return layer
 
     def lm_head_s(self, rows: int) -> float:

@@ -29,7 +29,8 @@ _HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a Llama/Qwen2-style decoder: RMSNorm, rotary attention with GQA, SwiGLU MLP.
+    """Shape of a Llama/Qwen2-style decoder: RMSNorm, rotary attention with GQA, a SwiGLU MLP (or,
+    for the cost model only, a non-gated one: `gated_mlp`).
 
     All counts are parameters (not bytes) unless the name says bytes; `dtype_bytes` is the weight
     and KV-cache element size (2 for fp16/bf16).
@@ -55,6 +56,10 @@ class ModelSpec:
     # (a dict has none) so that a spec stays hashable
     rope_scaling: dict | None = field(default=None, hash=False)
     hidden_act: str = "silu"
+    # Gate and up projections multiplied (SwiGLU, every Llama / Qwen2 checkpoint) or one up
+    # projection then the activation (phi-2's GELU MLP, GPT-style): the cost model prices the MLP's
+    # GEMM widths and activation traffic from it; the real engine implements gated MLPs only.
+    gated_mlp: bool = True
     # What a spec may say is what config.json says; which rope types and activations the real
     # engine's forward implements is its own check (engine/torch_exec/checkpoint.py,
     # `check_forward`), so that the simulator still costs any checkpoint's shapes.
@@ -93,8 +98,9 @@ class ModelSpec:
 
     @property
     def mlp_params_per_layer(self) -> int:
-        """SwiGLU: gate, up (hidden -> intermediate) and down (intermediate -> hidden)."""
-        return 3 * self.hidden_size * self.intermediate_size
+        """SwiGLU: gate, up (hidden -> intermediate) and down (intermediate -> hidden); a non-gated
+        MLP has no gate."""
+        return (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
 
     @property
     def linear_params_per_layer(self) -> int:

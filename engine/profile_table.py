@@ -37,10 +37,12 @@ COLUMNS = ("op", "stage", "kind", "batch", "tokens", "prefix", "context", "nbyte
 # tensor-parallel degree of the measurement and the link a collective ran on.
 EXTRA_COLUMNS = ("tp", "link")
 # Operator-level rows: one kernel of one decoder layer on one GPU (tokens = M), attention calls
-# (attn_decode: batch x context; attn_prefill: a chunk of tokens after prefix), NCCL collectives by
-# nbytes, and the host's per-iteration scheduling.
+# (attn_decode: batch x context; attn_prefill: a chunk of tokens after prefix; kv_write: storing the
+# K/V of `tokens` new tokens in the paged cache), NCCL collectives by nbytes, and the host's
+# per-iteration scheduling.
 TOKEN_OPS = ("gemm_qkv", "gemm_o", "gemm_up", "gemm_down", "norm", "rope", "act", "add", "emb")
-OPERATOR_OPS = TOKEN_OPS + ("attn_decode", "attn_prefill", "send_recv", "all_reduce", "schedule")
+ATTENTION_OPS = ("attn_decode", "attn_prefill", "kv_write")
+OPERATOR_OPS = TOKEN_OPS + ATTENTION_OPS + ("send_recv", "all_reduce", "schedule")
 OPS = ("forward", "prepare", "sample", "transfer") + OPERATOR_OPS
 KINDS = ("prefill", "decode", "mixed", "")
 @dataclass(frozen=True)
@@ -91,8 +93,8 @@ def _check_row(row: ProfileRow, where: str) -> None:
         raise ConfigError(f"{where}: op={row.op} needs tokens >= 1")
     if row.op == "attn_decode" and (row.batch < 1 or row.context < 1):
         raise ConfigError(f"{where}: op=attn_decode needs batch >= 1 and context >= 1")
-    if row.op == "attn_prefill" and row.tokens < 1:
-        raise ConfigError(f"{where}: op=attn_prefill needs tokens >= 1")
+    if row.op in ("attn_prefill", "kv_write") and row.tokens < 1:
+        raise ConfigError(f"{where}: op={row.op} needs tokens >= 1")
     if row.op in ("send_recv", "all_reduce") and row.nbytes < 1:
         raise ConfigError(f"{where}: op={row.op} needs nbytes >= 1")
     if row.tp < 1:
@@ -193,4 +195,4 @@ def rows_from_iter(items: Iterable[ProfileRow]) -> ProfileTable:
 
 
 __all__ = ["ProfileRow", "ProfileTable", "read_profile", "parse_profile", "write_profile", "rows_from_iter",
-           "TOKEN_OPS", "OPERATOR_OPS"]
+           "TOKEN_OPS", "ATTENTION_OPS", "OPERATOR_OPS"]

@@ -37,6 +37,25 @@ def _write(path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+def mlp_records(shape: tuple[int, int, int, int, int], gated: bool, truth: KernelCoefficients,
+                ms=lambda t: t * 1e3) -> list[dict]:
+    """`mlp.csv` records of one model (hidden, heads, KV heads, intermediate, vocab) at TP 1 and 2."""
+    h, q, kv, inter, vocab = shape
+    rows = []
+    for tp in (1, 2):
+        lk = LayerKernels(LayerShape(h, q, kv, h // q, inter, vocab, gated, tp), truth, **A100)
+        for m in TOKENS:
+            rec: dict = {}
+            for op, col in MLP_COLUMNS.items():
+                rec |= _stats(col, ms(float(lk.op_s(op, m))))
+            norm = ms(float(lk.op_s("norm", m)))
+            rec |= _stats("input_layernorm", norm) | _stats("post_attention_layernorm", norm)
+            rec |= {"n_head": q, "n_kv_head": kv, "n_embd": h, "n_expanded_embd": inter, "vocab_size": vocab,
+                    "use_gated_mlp": gated, "num_tokens": m, "num_tensor_parallel_workers": tp}
+            rows.append(rec)
+    return rows
+
+
 def write_tables(root: Path, truth: KernelCoefficients = TRUTH, noise: float = 0.0, seed: int = 0) -> Path:
     """gpu-op-profiles/ under `root`: A100 compute for MODELS (TP 1 and 2), one attention table of
     the 70B shape at TP 2, send/recv and all-reduce of one setup, one host table."""
@@ -46,20 +65,8 @@ def write_tables(root: Path, truth: KernelCoefficients = TRUTH, noise: float = 0
         return float(t * 1e3 * (1.0 + noise * rng.uniform(-1, 1)))
 
     top = root / "gpu-op-profiles"
-    for name, (h, q, kv, inter, vocab) in MODELS.items():
-        rows = []
-        for tp in (1, 2):
-            lk = LayerKernels(LayerShape(h, q, kv, h // q, inter, vocab, True, tp), truth, **A100)
-            for m in TOKENS:
-                rec: dict = {}
-                for op, col in MLP_COLUMNS.items():
-                    rec |= _stats(col, ms(float(lk.op_s(op, m))))
-                norm = ms(float(lk.op_s("norm", m)))
-                rec |= _stats("input_layernorm", norm) | _stats("post_attention_layernorm", norm)
-                rec |= {"n_head": q, "n_kv_head": kv, "n_embd": h, "n_expanded_embd": inter, "vocab_size": vocab,
-                        "use_gated_mlp": True, "num_tokens": m, "num_tensor_parallel_workers": tp}
-                rows.append(rec)
-        _write(top / "compute" / "a100" / "org" / name / "mlp.csv", rows)
+    for name, shape in MODELS.items():
+        _write(top / "compute" / "a100" / "org" / name / "mlp.csv", mlp_records(shape, True, truth, ms))
     lk = LayerKernels(LayerShape(8192, 64, 8, 128, 28672, 32000, True, 2), truth, **A100)
     att = []
     base = {"n_embd": 8192, "n_q_head": 64, "n_kv_head": 8, "block_size": 16, "num_tensor_parallel_workers": 2,

@@ -78,7 +78,7 @@ def test_samples_file_keeps_flash_attention_and_reports_what_it_skips(tmp_path):
     table, skipped = read_attention_samples(d / "attention_samples" / "a100_x.txt", "a100")
     assert [(r.op, r.tp, r.batch, r.context, r.tokens, r.prefix, r.time_s) for r in table.rows] == [
         ("attn_decode", 1, 1, 512, 0, 0, pytest.approx(10e-6)), ("attn_decode", 1, 4, 512, 0, 0, pytest.approx(20e-6)),
-        ("attn_prefill", 2, 1, 0, 256, 0, pytest.approx(50e-6)), ("attn_prefill", 2, 1, 0, 256, 128, pytest.approx(70e-6))]
+        ("kv_write", 2, 1, 0, 256, 0, pytest.approx(4e-6)), ("attn_prefill", 2, 1, 0, 256, 0, pytest.approx(50e-6)), ("attn_prefill", 2, 1, 0, 256, 128, pytest.approx(70e-6))]
     assert any("'DB'" in s for s in skipped) and any("FLASHINFER" in s for s in skipped)
 
 
@@ -114,7 +114,7 @@ def test_fit_of_noisy_tables_predicts_the_held_out_model(tmp_path):
 
 def test_attention_split_holds_out_alternate_grid_points(tables_dir):
     table = read_published(tables_dir.parent, "a100").attention[0]
-    fit, held = attention_split(table)
+    fit, held = attention_split(table.rows)
     assert len(fit) + len(held) == len(table.rows)
     assert not {r.context for r in fit if r.op == "attn_decode"} & {r.context for r in held if r.op == "attn_decode"}
 
@@ -146,7 +146,7 @@ def test_cost_model_prices_stages_from_the_fitted_kernels():
     assert cost.coefficients.per_layer_overhead_s == 0.0  # kernel floors are priced per operator instead
     lk = cost.kernels.k
     shape = BatchShape.decode(32, 512)
-    layer = float(lk.token_part_s(32)) + lk.decode_s(32, 32 * 512)
+    layer = float(lk.token_part_s(32)) + float(lk.kv_write_s(32)) + lk.decode_s(32, 32 * 512)
     middle = cost.stage_compute_s(1, shape)
     assert middle == pytest.approx(20 * layer + cost.coefficients.stage_overhead_s, rel=1e-12)
     last = cost.stage_compute_s(3, shape)
@@ -191,24 +191,36 @@ needs_tables = pytest.mark.skipif(SHARED is None, reason="the published GPU tabl
 
 @needs_tables
 def test_shipped_a100_profile_meets_the_targets_on_held_out_rows():
-    from testbed.calibrate.tables import attention_rows, layer_rows, linear_rows
+    """Linear part and whole layer on held-out models (phi-2 included); attention per shape with
+    the shipped coefficients (fitted on every shape: the leave-one-shape-out errors are the
+    report's, docs/calibration.md)."""
+    from testbed.calibrate.kernel_fit import KernelFit, attention_shapes
+    from testbed.calibrate.tables import as_device, attention_rows, layer_rows, linear_rows
     import pandas as pd
 
     t = read_published(SHARED, "a100")
     fitted, roof = get_hardware("a100-80g"), get_hardware("a100-80g-roofline")
-    df = pd.DataFrame(linear_rows(t, fitted, roof) + attention_rows(t, fitted, roof) + layer_rows(t, fitted, roof))
+    shipped, shapes = KernelCoefficients.from_mapping(fitted.kernels), attention_shapes(t.attention)
+    fit = KernelFit(shipped, as_device("a100"), attention=shapes, held_out={s.label: shipped for s in shapes})
+    df = pd.DataFrame(linear_rows(t, fitted, roof) + attention_rows(fit, fitted, roof)
+                      + layer_rows(t, fit, fitted, roof))
     df = df[df.held]
-    err = (df.fitted / df.measured - 1).abs().groupby(df.family)
-    med, p90 = err.median(), err.quantile(0.9)
-    assert med["linear"] <= 0.05 and p90["linear"] <= 0.12
-    assert med["decode"] <= 0.10 and med["prefill"] <= 0.15 and med["layer"] <= 0.08
+    assert "phi-2" in set(df[df.family == "linear"].model)
+    err = (df.fitted / df.measured - 1).abs()
+    med, p90 = err.groupby(df.family).median(), err.groupby(df.family).quantile(0.9)
+    assert med["linear"] <= 0.05 and p90["linear"] <= 0.12 and med["layer"] <= 0.08
+    att = df.family.isin(["decode", "prefill"])
+    per_shape = err[att].groupby([df.family[att], df.model[att]]).median()
+    assert (per_shape["decode"] <= 0.12).all() and (per_shape["prefill"] <= 0.15).all()
     roof_err = (df.default / df.measured - 1).abs().groupby(df.family).median()
     assert (med[["linear", "decode", "prefill", "layer"]] < roof_err[["linear", "decode", "prefill", "layer"]]).all()
 
 
 @needs_tables
-@pytest.mark.parametrize("device", ["h100", "a40"])
-def test_shipped_h100_a40_linear_part_meets_the_median_target(device):
+@pytest.mark.parametrize("device, p90_max", [("h100", 0.14), ("a40", 0.12)])
+def test_shipped_h100_a40_linear_part_meets_the_median_target(device, p90_max):
+    """phi-2 held out and priced as a GELU MLP; H100's p90 (13.5%, was 18.1%) still misses 12%:
+    tile steps at different token counts per GEMM shape (docs/calibration.md)."""
     from testbed.calibrate.tables import DEVICE_HARDWARE, linear_rows
     import pandas as pd
 
@@ -216,7 +228,8 @@ def test_shipped_h100_a40_linear_part_meets_the_median_target(device):
     name = DEVICE_HARDWARE[device]
     df = pd.DataFrame(linear_rows(t, get_hardware(name), get_hardware(f"{name}-roofline")))
     df = df[df.held & (df.family == "linear")]
-    assert (df.fitted / df.measured - 1).abs().median() <= 0.05
+    err = (df.fitted / df.measured - 1).abs()
+    assert "phi-2" in set(df.model) and err.median() <= 0.05 and err.quantile(0.9) <= p90_max
 
 
 @needs_tables
@@ -283,7 +296,8 @@ def test_inlined_attention_of_the_hot_path_equals_the_kernel_definitions(hw):
                               ([], [17] * 5), ([], [4000] * 200)):
         shape = BatchShape.from_parts(prefills, decodes)
         chunks = len(prefills)
-        expected = (float(lk.token_part_s(shape.num_tokens)) + cost.kernels._ar_tok * shape.num_tokens
+        expected = (float(lk.token_part_s(shape.num_tokens)) + float(lk.kv_write_s(shape.num_tokens))
+                    + cost.kernels._ar_tok * shape.num_tokens
                     + cost.kernels._ar_fix + lk.decode_s(shape.num_decode_seqs, shape.decode_context_sum)
                     + lk.prefill_s(shape.num_prefill_tokens, chunks, shape.prefill_attention_pairs,
                                    shape.prefill_context_sum))

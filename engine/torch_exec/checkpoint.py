@@ -69,6 +69,8 @@ def check_forward(spec: ModelSpec) -> None:
     if kind not in ROPE_TYPES:
         raise ConfigError(f"model checkpoint {spec.name!r}: rope type {kind!r} is not supported "
                           f"(supported: {', '.join(ROPE_TYPES)})")
+    if not spec.gated_mlp:
+        raise ConfigError(f"model checkpoint {spec.name!r}: a non-gated MLP is not supported (SwiGLU only)")
     if spec.hidden_act != "silu":
         raise ConfigError(f"model checkpoint {spec.name!r}: hidden_act {spec.hidden_act!r} is not supported "
                           f"(silu only)")

@@ -3,7 +3,7 @@
 - `linear.png`: one decoder layer's linear part (GEMMs + elementwise) against tokens, measured,
   fitted and roofline, for held-out models at TP=1, one panel per device: the tile steps show.
 - `attention.png`: decode attention against batch x context and prefill attention against chunk
-  tokens (held-out grid points), measured vs fitted vs roofline.
+  tokens (each shape as held out), measured vs fitted vs roofline.
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ one fitting path (testbed/calibrate/kernel_fit.py) serves the published tables a
 - `compute/<device>/<org>/<model>/mlp.csv` -> per-layer operator rows (`gemm_qkv`, `gemm_o`,
   `gemm_up`, `gemm_down`, `norm` x2, `rope`, `act`, `add`, `emb`) by `tokens` and `tp`;
 - `attention/*.csv` and `attention_samples/*.txt` -> `attn_decode` (`batch` sequences at KV length
-  `context`) and `attn_prefill` (a chunk of `tokens` after `prefix` cached tokens);
+  `context`), `attn_prefill` (a chunk of `tokens` after `prefix` cached tokens) and, where a sample
+  line has it, `kv_write` (storing a chunk's K/V in the paged cache);
 - `network/<setup>/{send_recv,all_reduce}.csv` -> `send_recv` / `all_reduce` rows by `nbytes`,
   `tp` (GPUs taking part) and `link` (`node`: all in one node; `cross-node`);
 - `cpu_overheads/<device>-<commit>.csv` -> `prepare`, `sample` and `schedule` rows by batch.
@@ -62,8 +63,12 @@ class PublishedTables:
 
 def shape_meta(hidden: int, q_heads: int, kv_heads: int, intermediate: int = 0, vocab: int = 0,
                gated: bool = True) -> dict[str, str]:
+    """The layer shape of a table. `mlp.csv` says whether the MLP is gated (`use_gated_mlp`) but not
+    its activation: the tables' gated models are SwiGLU (SiLU), their one non-gated model is phi-2,
+    whose config.json names `gelu_new`."""
     return {"hidden": str(hidden), "q_heads": str(q_heads), "kv_heads": str(kv_heads),
-            "intermediate": str(intermediate), "vocab": str(vocab), "gated": str(bool(gated)).lower()}
+            "intermediate": str(intermediate), "vocab": str(vocab), "gated": str(bool(gated)).lower(),
+            "hidden_act": "silu" if gated else "gelu_new"}
 
 
 def _ms(value: str) -> float:
@@ -122,10 +127,12 @@ _SAMPLE_HEAD = re.compile(r"\((?P<backend>[A-Z_]+), n_embd (?P<h>\d+), (?P<q>\d+
 
 
 def read_attention_samples(path: Path, device: str) -> tuple[ProfileTable | None, list[str]]:
-    """A samples file: `D tp kv extra | batch:ms ...` (decode) and `P tp chunk extra | kv:ms ...`
-    (prefill) lines after a `# source` line naming the backend and head counts. Only lines of a
-    FLASH_ATTENTION source are kept (the other backends are other kernels); other line kinds are
-    reported as skipped."""
+    """A samples file: `D tp kv extra | batch:ms ...` (decode) and `P tp chunk kv_save | kv:ms ...`
+    (prefill) lines after a `# source` line naming the backend and head counts. A prefill line's
+    fourth field is the `attn_kv_cache_save` median of its chunk (the column layout the files'
+    common source, vidur_hbf_hbm_backend @a336807, writes: one `kv_write` row per line); a decode
+    line's is the output reshape (not read). Only lines of a FLASH_ATTENTION source are kept (the
+    other backends are other kernels); other line kinds are reported as skipped."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -153,6 +160,8 @@ def read_attention_samples(path: Path, device: str) -> tuple[ProfileTable | None
         if not backend_ok:
             continue
         tp, size = int(parts[1]), int(parts[2])
+        if parts[0] == "P" and len(parts) > 3:
+            rows.append(ProfileRow("kv_write", None, "", 1, size, 0, 0, 0, _ms(parts[3]), tp=tp))
         for item in body.split():
             key, _, ms = item.partition(":")
             if parts[0] == "D":
@@ -225,7 +234,7 @@ def tables_from_profile(table: ProfileTable, device: str) -> PublishedTables:
     `send_recv`, `all_reduce`, `prepare`/`sample`/`schedule` rows and the layer shape in its
     `# hidden=... q_heads=... kv_heads=... intermediate=... vocab=...` metadata) as the tables of
     one device, so the published tables' fit and report apply to it unchanged."""
-    from engine.profile_table import TOKEN_OPS
+    from engine.profile_table import ATTENTION_OPS, TOKEN_OPS
 
     missing = [k for k in ("hidden", "q_heads", "kv_heads") if k not in table.meta]
     if missing:
@@ -240,7 +249,7 @@ def tables_from_profile(table: ProfileTable, device: str) -> PublishedTables:
     compute = part(TOKEN_OPS)
     if compute.rows:
         out.compute[meta["model"]] = compute
-    attention = part(("attn_decode", "attn_prefill"))
+    attention = part(ATTENTION_OPS)
     if attention.rows:
         out.attention.append(attention)
     for collective in ("send_recv", "all_reduce"):

@@ -5,9 +5,11 @@ the same form. Every fit minimises relative error (a 10 us kernel matters as muc
 a 2 ms one: decode steps are made of the short ones) with bounded least squares on log-parameters.
 
 Held out by default (`DEFAULT_FIT_MODELS`): the fit sees the Llama-2 pair's compute tables; every
-other model is reported as held out. Attention data exist for few shapes, so attention rows are
-split within each table instead: rows at an even index of their KV-length (decode) or chunk
-(prefill) grid are fitted, the odd ones reported (`attention_split`).
+other model is reported as held out. Attention is fitted per device on every attention shape it
+has (a table's head counts at one TP degree), each shape weighted equally (the A100 70B table at
+TP 2 has 99% of the A100 rows), and judged leave-one-shape-out: each shape is predicted by a fit
+of the others (`held_out_attention`). A device with one attention shape (a user's own profile)
+falls back to alternate grid points (`attention_split`).
 """
 from __future__ import annotations
 
@@ -17,12 +19,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from engine.profile_table import ProfileRow, ProfileTable
+from engine.profile_table import ATTENTION_OPS, ProfileRow, ProfileTable
 from engine.errors import ConfigError
 from engine.kernels import ELEMENTWISE_PER_LAYER, GEMMS, KernelCoefficients, LayerKernels, LayerShape
 
-__all__ = ["DEFAULT_FIT_MODELS", "Device", "LinkFit", "HostFit", "KernelFit", "fit_kernels", "layer_shape",
-           "attention_split", "fit_link", "fit_host", "QUANTA"]
+__all__ = ["DEFAULT_FIT_MODELS", "Device", "LinkFit", "HostFit", "KernelFit", "AttentionShape", "fit_kernels",
+           "layer_shape", "attention_shapes", "attention_split", "held_out_attention", "fit_link", "fit_host", "QUANTA"]
 
 DEFAULT_FIT_MODELS = ("Llama-2-7b-hf", "Llama-2-70b-hf")
 QUANTA = (1, 16, 32, 64, 128)  # candidate GEMM token quanta (cuBLAS tile heights)
@@ -59,6 +61,18 @@ class HostFit:
     rows: int
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """One attention shape of a device's tables: a table's head counts at one TP degree, its rows."""
+
+    label: str  # "<table>/tp<n>"
+    shape: LayerShape
+    rows: tuple[ProfileRow, ...]
+
+    def of(self, op: str) -> list[ProfileRow]:
+        return [r for r in self.rows if r.op == op]
+
+
 @dataclass
 class KernelFit:
     coefficients: KernelCoefficients
@@ -67,13 +81,18 @@ class KernelFit:
     host: HostFit | None = None
     rows_used: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what was extrapolated, and from what
+    attention: list[AttentionShape] = field(default_factory=list)
+    # shape label -> the coefficients fitted without that shape (leave-one-shape-out); empty when
+    # the device has one attention shape (then alternate grid points are held out)
+    held_out: dict[str, KernelCoefficients] = field(default_factory=dict)
 
 
 def layer_shape(meta: dict, tp: int) -> LayerShape:
     """A table's layer shape at TP degree `tp` (meta from engine/gpu_tables.shape_meta)."""
     h, q, kv = int(meta["hidden"]), int(meta["q_heads"]), int(meta["kv_heads"])
     return LayerShape(hidden=h, q_heads=q, kv_heads=kv, head_dim=h // q, intermediate=int(meta.get("intermediate") or 0),
-                      vocab=int(meta.get("vocab") or 0), gated=meta.get("gated", "true") == "true", tp=tp)
+                      vocab=int(meta.get("vocab") or 0), gated_mlp=meta.get("gated", "true") == "true", tp=tp,
+                      hidden_act=meta.get("hidden_act", "silu"))
 
 
 def _solve(resid, x0: Sequence[float], lo: Sequence[float], hi: Sequence[float]):
@@ -117,9 +136,10 @@ def fit_gemms(tables: Sequence[ProfileTable], device: Device, base: KernelCoeffi
     for q in QUANTA:
         def make(x=None, q=q):
             return replace(base, gemm_token_quantum=q, **({} if x is None else dict(
-                gemm_compute_efficiency=x[0], gemm_memory_efficiency=x[1], gemm_floor_s=x[2])))
-        x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), [0.7, 0.8, 5e-6],
-                   [0.05, 0.05, 1e-7], [1.0, 1.0, 1e-3])
+                gemm_compute_efficiency=x[0], gemm_memory_efficiency=x[1], gemm_floor_s=x[2],
+                gemm_memory_floor_s=x[3])))
+        x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), [0.7, 0.8, 5e-6, 3e-6],
+                   [0.05, 0.05, 1e-7, 1e-7], [1.0, 1.0, 1e-3, 1e-3])
         err = float(np.median(np.abs(_token_resid(groups, device, lambda: make(x)))))
         if best is None or err < best[0]:
             best = (err, make(x))
@@ -144,77 +164,140 @@ def fit_elementwise(tables: Sequence[ProfileTable], device: Device, base: Kernel
 
 
 # ---- attention -------------------------------------------------------------------------------
-def attention_split(table: ProfileTable) -> tuple[list[ProfileRow], list[ProfileRow]]:
-    """(fit rows, held-out rows): alternate points of each table's KV-length / chunk grid."""
+def attention_shapes(tables: Iterable[ProfileTable]) -> list[AttentionShape]:
+    """Every (table, TP degree) with attention or KV-write rows."""
+    out = []
+    for table in tables:
+        by_tp: dict[int, list[ProfileRow]] = {}
+        for r in table.rows:
+            if r.op in ATTENTION_OPS:
+                by_tp.setdefault(r.tp, []).append(r)
+        out += [AttentionShape(f"{table.meta.get('model', '?')}/tp{tp}", layer_shape(table.meta, tp), tuple(rs))
+                for tp, rs in sorted(by_tp.items())]
+    return out
+
+
+def attention_split(rows: Sequence[ProfileRow]) -> tuple[list[ProfileRow], list[ProfileRow]]:
+    """(fit rows, held-out rows): alternate points of the KV-length (decode) or chunk (prefill,
+    KV write) grid; the held-out rule of a device with a single attention shape."""
     fit, held = [], []
-    for op, key in (("attn_decode", "context"), ("attn_prefill", "tokens")):
-        rows = [r for r in table.rows if r.op == op]
-        grid = sorted({getattr(r, key) for r in rows})
-        index = {v: i for i, v in enumerate(grid)}
-        for r in rows:
+    for op, key in (("attn_decode", "context"), ("attn_prefill", "tokens"), ("kv_write", "tokens")):
+        of_op = [r for r in rows if r.op == op]
+        index = {v: i for i, v in enumerate(sorted({getattr(r, key) for r in of_op}))}
+        for r in of_op:
             (fit if index[getattr(r, key)] % 2 == 0 else held).append(r)
     return fit, held
 
 
-def _decode_resid(items, device: Device, coeffs: KernelCoefficients) -> np.ndarray:
+def _balanced(items, device: Device, coeffs: KernelCoefficients, resid_of) -> np.ndarray:
+    """Relative residuals, each shape's scaled by 1/sqrt(rows) so that every shape weighs the same."""
     out = []
     for shape, rows in items:
         lk = LayerKernels(shape, coeffs, device.peak_flops, device.mem_bw_Bps, device.sm_count)
-        out += [lk.decode_s(r.batch, r.batch * r.context) / r.time_s - 1.0 for r in rows]
-    return np.array(out)
+        out.append(np.array([resid_of(lk, r) for r in rows]) / math.sqrt(len(rows)))
+    return np.concatenate(out) if out else np.zeros(0)
 
 
-def _prefill_resid(items, device: Device, coeffs: KernelCoefficients) -> np.ndarray:
-    out = []
+def _shape_score(items, device: Device, coeffs: KernelCoefficients, resid_of) -> float:
+    """The mean over shapes of the median absolute error (how a discrete choice is made)."""
+    meds = []
     for shape, rows in items:
         lk = LayerKernels(shape, coeffs, device.peak_flops, device.mem_bw_Bps, device.sm_count)
-        for r in rows:
-            x, L = r.tokens, r.prefix
-            out.append(lk.prefill_s(x, 1, x * L + x * (x + 1) / 2, L + x) / r.time_s - 1.0)
-    return np.array(out)
+        meds.append(float(np.median(np.abs([resid_of(lk, r) for r in rows]))))
+    return float(np.mean(meds))
 
 
-def _by_shape(tables: Sequence[ProfileTable], op: str, fit_rows: bool = True):
-    items = []
-    for table in tables:
-        rows = attention_split(table)[0 if fit_rows else 1]
-        by_tp: dict[int, list[ProfileRow]] = {}
-        for r in rows:
-            if r.op == op:
-                by_tp.setdefault(r.tp, []).append(r)
-        items += [(layer_shape(table.meta, tp), rs) for tp, rs in sorted(by_tp.items())]
-    return items
+def _decode_resid(lk: LayerKernels, r: ProfileRow) -> float:
+    return lk.decode_s(r.batch, r.batch * r.context) / r.time_s - 1.0
 
 
-def fit_decode(tables: Sequence[ProfileTable], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    """Floor, one KV-read efficiency per GQA ratio present, and whether SM waves help."""
-    items = _by_shape(tables, "attn_decode")
+def _prefill_resid(lk: LayerKernels, r: ProfileRow) -> float:
+    x, L = r.tokens, r.prefix
+    return lk.prefill_s(x, 1, x * L + x * (x + 1) / 2, L + x) / r.time_s - 1.0
+
+
+def _kv_write_resid(lk: LayerKernels, r: ProfileRow) -> float:
+    return float(lk.kv_write_s(r.tokens)) / r.time_s - 1.0
+
+
+def _items(shapes: Sequence[AttentionShape], op: str) -> list[tuple[LayerShape, list[ProfileRow]]]:
+    return [(s.shape, rows) for s in shapes if (rows := s.of(op))]
+
+
+def fit_decode(shapes: Sequence[AttentionShape], device: Device, base: KernelCoefficients) -> KernelCoefficients:
+    """Floor, one KV-read efficiency (at most the highest fraction of peak bandwidth a measured row
+    reached), the kernel's FLOP efficiency, a per-block cost, and whether SM waves help."""
+    items = _items(shapes, "attn_decode")
     if not items:
         return base
-    gqas = sorted({s.gqa for s, _ in items})
+    cap = min(1.0, kv_read_cap(shapes, device) or 1.0)
     best = None
     for waves in (0, 1, 2, 4):
         def make(x, waves=waves):
-            return replace(base, decode_waves=waves, decode_floor_s=x[0],
-                           decode_kv_efficiency=tuple((g, float(e)) for g, e in zip(gqas, x[1:])))
-        x = _solve(lambda x: _decode_resid(items, device, make(x)), [12e-6] + [0.7] * len(gqas),
-                   [1e-7] + [0.02] * len(gqas), [1e-3] + [1.0] * len(gqas))
-        err = float(np.median(np.abs(_decode_resid(items, device, make(x)))))
+            return replace(base, decode_waves=waves, decode_floor_s=x[0], decode_kv_efficiency=((1.0, float(x[1])),),
+                           decode_compute_efficiency=x[2], decode_block_s=x[3], decode_half_blocks=x[4])
+        x = _solve(lambda x: _balanced(items, device, make(x), _decode_resid), [12e-6, 0.9 * cap, 0.05, 1e-8, 4.0],
+                   [1e-7, 0.02, 1e-3, 1e-12, 1e-3], [1e-3, cap, 1.0, 1e-6, 1e4])
+        err = _shape_score(items, device, make(x), _decode_resid)
         if best is None or err < best[0]:
             best = (err, make(x))
     return best[1]
 
 
-def fit_prefill(tables: Sequence[ProfileTable], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    items = _by_shape(tables, "attn_prefill")
+PREFILL_TILES = (0, 64, 128)  # candidate query rows per prefill block (0: no wave term)
+
+
+def fit_prefill(shapes: Sequence[AttentionShape], device: Device, base: KernelCoefficients) -> KernelCoefficients:
+    """Floor, efficiency and half-keys, for each candidate tile; the best mean per-shape median wins.
+    The floor is bounded by twice the decode floor: H100's shortest measured prefill takes 144 us,
+    which cannot tell a launch floor from the FLOP term (unbounded, the fit put 69 us there)."""
+    items = _items(shapes, "attn_prefill")
+    if not items:
+        return base
+    floor_max = 2.0 * base.decode_floor_s
+    best = None
+    for tile in PREFILL_TILES:
+        def make(x, tile=tile):
+            return replace(base, prefill_tile=tile, prefill_floor_s=x[0], prefill_efficiency=x[1],
+                           prefill_half_keys=x[2])
+        x = _solve(lambda x: _balanced(items, device, make(x), _prefill_resid), [0.5 * floor_max, 0.25, 500.0],
+                   [1e-7, 0.01, 1.0], [floor_max, 1.0, 1e6])
+        err = _shape_score(items, device, make(x), _prefill_resid)
+        if best is None or err < best[0]:
+            best = (err, make(x))
+    return best[1]
+
+
+def fit_kv_write(shapes: Sequence[AttentionShape], device: Device, base: KernelCoefficients) -> KernelCoefficients:
+    """Floor and bandwidth efficiency of the paged-cache store, where a table measured it."""
+    items = _items(shapes, "kv_write")
     if not items:
         return base
 
     def make(x):
-        return replace(base, prefill_floor_s=x[0], prefill_efficiency=x[1], prefill_half_keys=x[2])
-    x = _solve(lambda x: _prefill_resid(items, device, make(x)), [12e-6, 0.25, 500.0], [1e-7, 0.01, 1.0],
-               [1e-3, 1.0, 1e6])
+        return replace(base, kv_write_floor_s=x[0], kv_write_efficiency=x[1])
+    x = _solve(lambda x: _balanced(items, device, make(x), _kv_write_resid), [4e-6, 0.05], [1e-7, 0.002], [1e-3, 1.0])
     return make(x)
+
+
+def fit_attention(shapes: Sequence[AttentionShape], device: Device, base: KernelCoefficients) -> KernelCoefficients:
+    return fit_kv_write(shapes, device, fit_prefill(shapes, device, fit_decode(shapes, device, base)))
+
+
+def held_out_attention(shapes: Sequence[AttentionShape], device: Device,
+                       base: KernelCoefficients) -> dict[str, KernelCoefficients]:
+    """Leave one shape out: each shape's label -> the attention fitted on the other shapes (a GQA
+    ratio no other shape has takes the nearest fitted one's efficiency: no extrapolation)."""
+    if len(shapes) < 2:
+        return {}
+    return {s.label: fit_attention([o for o in shapes if o.label != s.label], device, base) for s in shapes}
+
+
+def kv_read_cap(shapes: Sequence[AttentionShape], device: Device) -> float | None:
+    """The highest fraction of peak bandwidth any measured decode row reached (KV bytes / time)."""
+    fracs = [r.batch * r.context * s.shape.kv_bytes_per_token / r.time_s / device.mem_bw_Bps
+             for s in shapes for r in s.of("attn_decode")]
+    return max(fracs) if fracs else None
 
 
 # ---- links and host ---------------------------------------------------------------------------
@@ -269,15 +352,27 @@ def fit_kernels(compute: Sequence[ProfileTable], attention: Sequence[ProfileTabl
         raise ConfigError(f"no compute table of the fit models {', '.join(fit_models)}; "
                           f"have {', '.join(sorted(t.meta.get('model', '?') for t in compute))}")
     c = fit_elementwise(fit_tables, device, fit_gemms(fit_tables, device, base))
-    c = fit_prefill(attention, device, fit_decode(attention, device, c))
-    result = KernelFit(c, device)
+    shapes = attention_shapes(attention)
+    if len(shapes) == 1:  # one shape: alternate grid points are fitted, the others held out
+        s = shapes[0]
+        fitted = fit_attention([replace(s, rows=tuple(attention_split(s.rows)[0]))], device, c)
+    else:
+        fitted = fit_attention(shapes, device, c)
+    result = KernelFit(fitted, device, attention=shapes, held_out=held_out_attention(shapes, device, c))
     result.rows_used = {"compute": sum(len(t.rows) for t in fit_tables),
-                        "attention": sum(len(attention_split(t)[0]) for t in attention)}
+                        "attention": sum(len(s.rows) for s in shapes) if len(shapes) > 1
+                        else sum(len(attention_split(s.rows)[0]) for s in shapes)}
     for name, table in sorted(network.items()):
         for link in sorted({r.link for r in table.rows}):
             rows = [r for r in table.rows if r.link == link]
             result.links[f"{name}/{link}"] = fit_link(rows)
     result.host = fit_host(host)
+    measured_g = sorted({s.shape.gqa for s in shapes if s.of("attn_decode")})
+    if measured_g:
+        result.notes.append(
+            f"decode: one KV read efficiency ({fitted.decode_efficiency(1.0):.2f} of peak bandwidth, bounded by "
+            f"{kv_read_cap(shapes, device):.2f}, the most a measured row reached) and one FLOP rate for every g; "
+            f"measured at g = {', '.join(f'{g:g}' for g in measured_g)}")
     if not attention:
         result.notes.append("no attention table for this device: attention coefficients are the base profile's")
     if not network:
@@ -287,10 +382,13 @@ def fit_kernels(compute: Sequence[ProfileTable], attention: Sequence[ProfileTabl
     return result
 
 
-def gqa_points_from(reference: KernelCoefficients, fitted: KernelCoefficients) -> tuple[tuple[float, float], ...]:
+def gqa_points_from(reference: KernelCoefficients, fitted: KernelCoefficients,
+                    cap: float = 1.0) -> tuple[tuple[float, float], ...]:
     """`fitted`'s decode efficiencies at its GQA ratios, extended to `reference`'s other ratios by
     the reference's ratio to the nearest fitted point (how H100's single 405B-shape point, g=16,
-    is carried to other g with A100's measured dependence on g)."""
+    is carried to other g with A100's measured dependence on g), capped at `cap`: the highest
+    fraction of peak bandwidth the device's own decode rows reached (without the cap H100's g <= 8
+    came out at 0.998-1.0 of peak; the project's own paged kernel reached 0.48 on an H100)."""
     have = dict(fitted.decode_kv_efficiency)
     out = dict(have)
     for g, _ in reference.decode_kv_efficiency:
@@ -298,5 +396,5 @@ def gqa_points_from(reference: KernelCoefficients, fitted: KernelCoefficients) -
             continue
         anchor = min(have, key=lambda a: abs(math.log2(a / g)))
         scaled = have[anchor] * reference.decode_efficiency(g) / reference.decode_efficiency(anchor)
-        out[g] = min(1.0, scaled)
+        out[g] = min(1.0, scaled, max(cap, have[anchor]))
     return tuple(sorted(out.items()))

@@ -72,6 +72,11 @@ def cli_calibrate(args, console) -> int:
                                         "default_median", "default_bias", "target"]].astype({"rows": int})
             print(f"\n{device}: held-out error by family (fitted = the shipped profile; default = the roofline)")
             print(table.to_string(index=False, na_rep="", float_format=lambda v: f"{100 * v:.1f}%"))
+        if report["by_shape"]:
+            shapes = pd.DataFrame(report["by_shape"])[["device", "family", "shape", "gqa", "rows", "fitted_median",
+                                                       "fitted_bias", "default_median"]]
+            print("\nattention by held-out shape (fitted on the other shapes)")
+            print(shapes.to_string(index=False, na_rep="", float_format=lambda v: f"{100 * v:.1f}%"))
     console.print(f"report: {out / 'report.md'} (figures: linear.png, attention.png)")
     return 0
 

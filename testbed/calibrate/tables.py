@@ -2,9 +2,10 @@
 
 Reads `gpu-op-profiles/` through the data-directory rule (testbed/calibrate/gpu_tables.py), fits the
 operator-level kernel coefficients, links and host costs per device (testbed/calibrate/kernel_fit.py), and
-reports median / p90 / max error and bias by operator family and by token / context bucket, for
-the fitted profile and for the hand-set roofline it replaces, on held-out models (compute) and
-held-out grid points (attention). `--save DIR` writes the fitted hardware profiles (the shipped
+reports median / p90 / max error and bias by operator family, by bucket, per attention shape, GQA
+ratio, model and TP degree, for the fitted profile and for the hand-set roofline it replaces, on
+held-out models (compute) and held-out shapes (attention: each shape predicted by a fit of the
+others; alternate grid points when a device has one shape). `--save DIR` writes the fitted hardware profiles (the shipped
 defaults are regenerated with `--save engine/hardware_profiles`); `--profile CSV` reports the
 same families for a profile measured on the user's own GPU against a hardware profile.
 """
@@ -22,17 +23,21 @@ from engine.costmodel import BatchShape, CostModel
 from engine.errors import ConfigError
 from testbed.calibrate.gpu_tables import PublishedTables, read_published
 from engine.hardware import HardwareSpec, get_hardware
-from testbed.calibrate.kernel_fit import (DEFAULT_FIT_MODELS, LINEAR_OPS, Device, KernelFit, attention_split, fit_kernels,
-                               gqa_points_from, layer_shape, link_features)
-from engine.kernels import LayerShape
+from testbed.calibrate.kernel_fit import (DEFAULT_FIT_MODELS, LINEAR_OPS, AttentionShape, Device, KernelFit,
+                                          attention_split, fit_kernels, gqa_points_from, kv_read_cap, layer_shape,
+                                          link_features)
+from engine.kernels import KernelCoefficients, LayerShape
 from engine.models import ModelSpec
 
 # The device each table was measured on, and the names its fit is shipped under.
 DEVICE_HARDWARE = {"a100": "a100-80g", "h100": "h100-80g", "a40": "a40-48g"}
 TOKEN_BUCKETS = [0, 16, 128, 512, 2048, 4096, 1 << 20]
-KV_BUCKETS = [0, 4096, 65536, 524288, 1 << 40]
-FAMILY_ORDER = ["linear", "gemm", "elementwise", "decode", "prefill", "layer", "send_recv", "all_reduce", "host"]
-TARGETS = {"linear": "median <= 5%, p90 <= 12%", "decode": "median <= 10%", "prefill": "median <= 15%",
+CONTEXT_BUCKETS = [0, 511, 2047, 1 << 20]  # decode context: < 512, 512-2,047, >= 2,048
+BATCH_BUCKETS = [0, 8, 32, 1 << 20]
+FAMILY_ORDER = ["linear", "gemm", "elementwise", "decode", "prefill", "kv_write", "layer", "send_recv", "all_reduce",
+                "host"]
+ATTENTION_FAMILIES = ("decode", "prefill", "kv_write")
+TARGETS = {"linear": "median <= 5%, p90 <= 12%", "decode": "median <= 12% per shape", "prefill": "median <= 15% per shape",
            "layer": "median <= 8%", "send_recv": ">= 1 MiB: <= 10%"}
 
 
@@ -54,7 +59,8 @@ def spec_model(shape: LayerShape) -> ModelSpec:
     """A one-layer model of a table's shape (the cost model's unit)."""
     return ModelSpec(name="table-shape", architecture="llama", num_layers=1, hidden_size=shape.hidden,
                      num_heads=shape.q_heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                     intermediate_size=max(1, shape.intermediate), vocab_size=max(1, shape.vocab))
+                     intermediate_size=max(1, shape.intermediate), vocab_size=max(1, shape.vocab),
+                     gated_mlp=shape.gated_mlp, hidden_act=shape.hidden_act)
 
 
 def _cost(hw: HardwareSpec, shape: LayerShape) -> CostModel:
@@ -142,51 +148,68 @@ def linear_rows(tables: PublishedTables, fitted: HardwareSpec, default: Hardware
     return out
 
 
-def attention_rows(tables: PublishedTables, fitted: HardwareSpec, default: HardwareSpec) -> list[dict]:
+def _held_split(fit: KernelFit, s: AttentionShape) -> tuple[list, list, KernelCoefficients]:
+    """(in-sample rows, held-out rows, the coefficients that predict the held-out ones): every row
+    twice under leave-one-shape-out, alternate grid points with one shape."""
+    if s.label in fit.held_out:
+        return list(s.rows), list(s.rows), fit.held_out[s.label]
+    fit_rows, held = attention_split(s.rows)
+    return fit_rows, held, fit.coefficients
+
+
+def _attention_kind(r) -> tuple[str, int, float, str]:
+    """(family, index in `layer_parts_s`, x, bucket) of an attention-table row."""
+    if r.op == "attn_decode":
+        return "decode", 2, r.batch * r.context, f"ctx {_bucket(r.context, CONTEXT_BUCKETS)}, batch {_bucket(r.batch, BATCH_BUCKETS)}"
+    if r.op == "kv_write":
+        return "kv_write", 4, r.tokens, _bucket(r.tokens, TOKEN_BUCKETS)
+    return "prefill", 3, r.tokens, f"chunk {_bucket(r.tokens, TOKEN_BUCKETS)}, {'prefix' if r.prefix else 'no prefix'}"
+
+
+def attention_rows(fit: KernelFit, fitted: HardwareSpec, default: HardwareSpec) -> list[dict]:
+    """Attention and KV-write rows of every shape: in sample (the shipped fit) and held out."""
     out = []
-    for table in tables.attention:
-        costs = _cost_pairs(table.meta, fitted, default)
-        fit_rows, held_rows = attention_split(table)
+    for s in fit.attention:
+        fit_rows, held_rows, held_c = _held_split(fit, s)
+        cms = {False: _cost(fitted, s.shape), True: _cost(replace(fitted, kernels=held_c.to_mapping()), s.shape)}
+        def_cm = _cost(default, s.shape)
         for held, rows in ((False, fit_rows), (True, held_rows)):
             for r in rows:
-                fit_cm, def_cm = costs(r.tp)
+                fam, i, x, bucket = _attention_kind(r)
                 sh = _row_shape(r)
-                if r.op == "attn_decode":
-                    i, fam, x = 2, "decode", r.batch * r.context
-                    bucket = _bucket(x, KV_BUCKETS)
-                else:
-                    i, fam, x = 3, "prefill", r.tokens
-                    bucket = _bucket(x, TOKEN_BUCKETS)
-                out.append(dict(family=fam, model=table.meta["model"], tp=r.tp, x=x, bucket=bucket, measured=r.time_s,
-                                fitted=fit_cm.layer_parts_s(sh)[i], default=def_cm.layer_parts_s(sh)[i], held=held))
+                d = def_cm.layer_parts_s(sh)[i]
+                out.append(dict(family=fam, model=s.label, tp=r.tp, x=x, bucket=bucket, measured=r.time_s,
+                                fitted=cms[held].layer_parts_s(sh)[i], default=d if d else np.nan, held=held,
+                                gqa=f"{s.shape.gqa:g}"))
     return out
 
 
-def layer_rows(tables: PublishedTables, fitted: HardwareSpec, default: HardwareSpec) -> list[dict]:
-    """A whole decoder layer where one model's linear ops and an attention table share a shape:
-    measured linear part + measured attention against the same sum predicted (held-out attention
-    rows; the model is held out when it is not a fit model)."""
+def layer_rows(tables: PublishedTables, fit: KernelFit, fitted: HardwareSpec, default: HardwareSpec) -> list[dict]:
+    """A whole decoder layer where one model's linear ops and an attention shape agree: measured
+    linear part + measured attention against the same sum predicted (the attention by the fit that
+    held the shape out; the model is held out when it is not a fit model)."""
     out = []
-    for table in tables.attention:
-        meta = table.meta
+    for s in fit.attention:
+        sh0 = s.shape
         for model, ctable in tables.compute.items():
             cm = ctable.meta
-            if (cm["hidden"], cm["q_heads"], cm["kv_heads"]) != (meta["hidden"], meta["q_heads"], meta["kv_heads"]):
+            if (int(cm["hidden"]), int(cm["q_heads"]), int(cm["kv_heads"])) != (sh0.hidden, sh0.q_heads, sh0.kv_heads):
                 continue
             lin = {k: v for k, ops in _ops_by_count(ctable).items() if (v := _linear_sum(ops)) is not None}
-            shape_meta = {**meta, "intermediate": cm["intermediate"], "vocab": cm["vocab"], "gated": cm["gated"]}
-            costs = _cost_pairs(shape_meta, fitted, default)
-            for r in attention_split(table)[1]:
+            shape = layer_shape(cm, sh0.tp)
+            _, held_rows, held_c = _held_split(fit, s)
+            fit_cm, def_cm = _cost(fitted, shape), _cost(default, shape)
+            att_cm = _cost(replace(fitted, kernels=held_c.to_mapping()), shape)
+            for r in held_rows:
                 m = r.batch if r.op == "attn_decode" else r.tokens
-                if (r.tp, m) not in lin:
+                if r.op == "kv_write" or (r.tp, m) not in lin:
                     continue
-                fit_cm, def_cm = costs(r.tp)
                 sh = _row_shape(r)
-                fit_p, def_p = fit_cm.layer_parts_s(sh), def_cm.layer_parts_s(sh)
+                att, def_p = att_cm.layer_parts_s(sh), def_cm.layer_parts_s(sh)
                 out.append(dict(family="layer", model=model, tp=r.tp, x=m, bucket=r.op.removeprefix("attn_"),
-                                measured=lin[(r.tp, m)] + r.time_s, fitted=fit_p[0] + fit_p[2] + fit_p[3],
-                                default=def_p[0] + def_p[2] + def_p[3],
-                                held=model not in DEFAULT_FIT_MODELS))
+                                measured=lin[(r.tp, m)] + r.time_s,
+                                fitted=fit_cm.layer_parts_s(sh)[0] + att[2] + att[3],
+                                default=def_p[0] + def_p[2] + def_p[3], held=model not in DEFAULT_FIT_MODELS))
     return out
 
 
@@ -216,8 +239,8 @@ def host_rows(tables: PublishedTables, fit: KernelFit) -> list[dict]:
 
 
 def error_frame(tables: PublishedTables, fit: KernelFit, fitted: HardwareSpec, default: HardwareSpec) -> pd.DataFrame:
-    rows = (linear_rows(tables, fitted, default) + attention_rows(tables, fitted, default)
-            + layer_rows(tables, fitted, default) + link_rows(tables, fit, default) + host_rows(tables, fit))
+    rows = (linear_rows(tables, fitted, default) + attention_rows(fit, fitted, default)
+            + layer_rows(tables, fit, fitted, default) + link_rows(tables, fit, default) + host_rows(tables, fit))
     df = pd.DataFrame(rows)
     df["err_fitted"] = df.fitted / df.measured - 1.0
     df["err_default"] = df.default / df.measured - 1.0
@@ -242,7 +265,7 @@ def headline(df: pd.DataFrame) -> pd.DataFrame:
     parts = []
     for fam in FAMILY_ORDER:
         sel = df[df.family == fam]
-        if fam in ("linear", "gemm", "elementwise", "decode", "prefill", "layer"):
+        if fam in ("linear", "gemm", "elementwise", "layer", *ATTENTION_FAMILIES):
             sel = sel[sel.held]
         if fam == "send_recv":
             sel = sel[sel.x >= 1 << 20]
@@ -270,13 +293,15 @@ def fit_device(tables: PublishedTables, fit_models, reference: KernelFit | None)
     fit = fit_kernels(list(tables.compute.values()), tables.attention, tables.network, tables.host,
                       as_device(tables.device), fit_models=fit_models, base=base)
     if reference is not None and tables.attention:
-        points = gqa_points_from(reference.coefficients, fit.coefficients)
+        cap = kv_read_cap(fit.attention, fit.device) or 1.0
+        points = gqa_points_from(reference.coefficients, fit.coefficients, cap)
         if points != fit.coefficients.decode_kv_efficiency:
             fit.coefficients = replace(fit.coefficients, decode_kv_efficiency=points)
             measured = sorted({layer_shape(t.meta, 1).gqa for t in tables.attention})
             others = [g for g, _ in points if g not in measured]
             fit.notes.append(f"decode KV efficiency measured only at g={', '.join(f'{g:g}' for g in measured)}; "
-                             f"g={', '.join(f'{g:g}' for g in others)} follow {reference.device.name}'s dependence on g")
+                             f"g={', '.join(f'{g:g}' for g in others)} follow {reference.device.name}'s dependence on g, "
+                             f"capped at {cap:.2f} of peak bandwidth (the most any measured decode row reached)")
     elif reference is not None:
         fit.notes.append(f"attention terms are {reference.device.name}'s fit (no attention table for {tables.device})")
     return fit
@@ -387,15 +412,33 @@ def markdown_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+SHORT_COLUMNS = ["rows", "fitted_median", "fitted_p90", "fitted_max", "fitted_bias", "default_median", "default_bias"]
+
+
+def breakdowns(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """The errors beside the headline: held-out attention per shape and per GQA ratio (leave one
+    shape out), the linear part per model family and per TP degree, every family per bucket."""
+    held = df[df.held]
+    att = held[held.family.isin(ATTENTION_FAMILIES)]
+    lin = df[df.family == "linear"]
+    out = {"shape": summarise(att, ["device", "family", "model", "gqa"]).rename(columns={"model": "shape"}),
+           "gqa": summarise(att, ["device", "family", "gqa"]),
+           "model": summarise(lin, ["device", "model", "held"]),
+           "tp": summarise(lin[lin.held], ["device", "tp"]),
+           "bucket": summarise(df[df.held | df.family.isin(["send_recv", "all_reduce", "host"])],
+                               ["device", "family", "bucket"])}
+    return {k: v.astype({"rows": int}).round(4) for k, v in out.items()}
+
+
 def write_report(df: pd.DataFrame, fits: dict[str, KernelFit], out_dir: Path) -> dict:
     head = {d: headline(g).to_dict("records") for d, g in df.groupby("device", sort=False)}
-    buckets = summarise(df[df.held | df.family.isin(["send_recv", "all_reduce", "host"])],
-                        ["device", "family", "bucket"]).round(4)
-    models = summarise(df[df.family == "linear"], ["device", "model", "held"]).round(4)
-    buckets.to_csv(out_dir / "errors_by_bucket.csv", index=False)
-    models.to_csv(out_dir / "errors_by_model.csv", index=False)
+    parts = breakdowns(df)
+    for name, table in parts.items():
+        table.to_csv(out_dir / f"errors_by_{name}.csv", index=False)
     coeffs = {d: f.coefficients.to_mapping() for d, f in fits.items()}
     report = {"headline": head, "coefficients": coeffs,
+              "by_shape": parts["shape"].to_dict("records"), "by_gqa": parts["gqa"].to_dict("records"),
+              "by_tp": parts["tp"].to_dict("records"),
               "links": {d: {k: vars(v) for k, v in f.links.items()} for d, f in fits.items()},
               "notes": {d: f.notes for d, f in fits.items()}}
     (out_dir / "report.json").write_text(json.dumps(report, indent=1, default=float))
@@ -403,6 +446,10 @@ def write_report(df: pd.DataFrame, fits: dict[str, KernelFit], out_dir: Path) ->
     for d, rows in head.items():
         md.append(f"\n## {d} (held-out rows; fitted vs roofline)\n")
         md.append(markdown_table(pd.DataFrame(rows)))
+    titles = {"shape": "Attention per held-out shape (leave one shape out)", "gqa": "Attention per GQA ratio (held out)",
+              "model": "Linear part per model", "tp": "Linear part per TP degree (held-out models)"}
+    for name, title in titles.items():
+        md += [f"\n## {title}\n", markdown_table(parts[name])]
     (out_dir / "report.md").write_text("\n".join(md) + "\n")
     from testbed.calibrate.figures import error_figures
 
