@@ -103,7 +103,7 @@ class CostCoefficients:
     # How far the host's launches hide behind the GPU in an eager step: its time is
     # (kernels^p + floor^p)^(1/p); 0 = max(kernels, floor), full overlap. On that engine a large mixed
     # step took kernels + ~60% of the floor (2,043 + 10 decodes: 69 ms for 59 ms of kernels and a
-    # 27 ms floor), a small one about the floor: p ~ 1.7.
+    # 27 ms floor), a small one about the floor: p ~ 2.4.
     launch_overlap_exponent: float = 0.0
     # From the completion that freed a pipeline slot until stage 0 starts preparing the next
     # micro-batch: the controller's own step (policy, commit), the metadata's serialisation and

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from engine.cost_coefficients import CostCoefficients
 from engine.errors import ConfigError, ImpossibleFitError
 from engine.hardware import HardwareSpec
+from engine.launch_floor import use_launch_floor
 from engine.models import ModelSpec
 
 __all__ = ["split_layers", "CostCoefficients", "BatchShape", "CostModel"]
@@ -272,37 +273,7 @@ class CostModel:
         if hardware.kernels is not None:
             self._use_kernels(consts, decode_fixed)
         if c.launch_floor_per_layer_s or c.launch_floor_per_seq_s:
-            self._use_launch_floor(c.launch_floor_per_layer_s, c.launch_floor_per_seq_s, c.launch_overlap_exponent)
-
-    def _use_launch_floor(self, per_layer_s: float, per_seq_s: float, exponent: float) -> None:
-        """Eager steps (any with a prefill chunk) last at least `per_layer_s` x the stage's layers
-        + `per_seq_s` x the sequences: the host launches their kernels one by one (engine terms
-        `launch_floor_*`), combined with the kernels' time by max, or by the p-norm of
-        `launch_overlap_exponent` where the launches hide only partly. Decode-only steps replay a
-        CUDA graph and keep the kernels' time. Swapped in per instance, so a profile without the
-        terms pays no branch."""
-        floors = tuple(per_layer_s * n for n in self.layers)
-        plain_one, plain_all = self.stage_compute_s, self.stage_compute_all_s
-        p = float(exponent)
-
-        def combine(t: float, floor: float) -> float:
-            if not p:
-                return t if t > floor else floor
-            return (t ** p + floor ** p) ** (1.0 / p)
-
-        def one(stage: int, shape: BatchShape) -> float:
-            t = plain_one(stage, shape)
-            return combine(t, floors[stage] + per_seq_s * shape.num_seqs) if shape.num_prefill_tokens else t
-
-        def every(shape: BatchShape) -> tuple[float, ...]:
-            times = plain_all(shape)
-            if not shape.num_prefill_tokens:
-                return times
-            seqs = per_seq_s * shape.num_seqs
-            return tuple([combine(t, f + seqs) for t, f in zip(times, floors)])
-
-        self.stage_compute_s = one  # type: ignore[method-assign]
-        self.stage_compute_all_s = every  # type: ignore[method-assign]
+            use_launch_floor(self, c.launch_floor_per_layer_s, c.launch_floor_per_seq_s, c.launch_overlap_exponent)
 
     def _use_kernels(self, consts: list[tuple], decode_fixed: list[float]) -> None:
         """Price operators with the hardware profile's fitted kernels (engine/kernels.py) instead of
