@@ -83,6 +83,9 @@ def test_resume_adds_trials_and_keeps_one_study_run(out, capsys):
     parent = parents[0]
     assert {r.data.tags["mlflow.parentRunId"] for r in trials} == {parent.info.run_id}
     assert parent.info.status == "FINISHED"
+    # the printed link's view expands the study run, so its trials are charted, not `best.*` alone
+    view = json.loads(json.loads(exp.tags[f"mlflow.sharedViewState.testbed-study-{parent.info.run_id}"])["state"])
+    assert view["runsExpanded"] == {parent.info.run_id: True} and view["runsHiddenMode"] == "SHOW_ALL"
     best = study.best_trial
     assert parent.data.metrics["best.throughput_tok_s"] == pytest.approx(best.value)
     assert parent.data.tags["best.params"] == json.dumps(best.params)

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
 from engine.settings import OutputSettings
-from testbed.tracking.views import ALL_RUNS, HEADLINE_SECTION, TAG_PREFIX, View, headline_view, view_link
+from testbed.tracking.views import (ALL_RUNS, HEADLINE_METRICS, HEADLINE_SECTION, TAG_PREFIX, View, headline_view,
+                                    view_link)
 
 if TYPE_CHECKING:
     from testbed.config.spec import RunSpec
@@ -75,7 +76,6 @@ class LockRetryingClient:
 # MLflow's chart view puts sections named by a metric's prefix ("<section>/<name>") before its
 # default "Model metrics" section, and sorts charts by key inside each: these four, logged once
 # more under `headline/`, are the first charts a newcomer sees (was: chart 30 of 37)
-HEADLINE_METRICS = ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s", "slo_attainment")
 HEADLINE = (("throughput_tok_s", "throughput tok/s", "{:.0f}"), ("ttft_mean_s", "TTFT mean s", "{:.3g}"),
             ("ttft_p99_s", "TTFT p99 s", "{:.3g}"), ("tpot_mean_s", "TPOT mean s", "{:.3g}"),
             ("slo_attainment", "SLO attainment", "{:.1%}"), ("bubble_ratio", "bubble ratio", "{:.3f}"))
@@ -189,6 +189,12 @@ def run_metrics(result, steps: bool = True) -> list[tuple[str, float, int]]:
     return out
 
 
+# 2 processes instead of 15 (4 uvicorn workers, a job runner and its huey consumers, each importing
+# MLflow's server): the first page after 27 s instead of 102 s, 5 s of CPU instead of 14 (2-core
+# machine at load ~20; docs/tuning-and-comparing.md#looking-at-the-results)
+MLFLOW_UI = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1"
+
+
 def chart_link(uri: str, experiment_id: str, view: str = ALL_RUNS) -> str:
     """The line that opens this experiment's runs as charts in MLflow's UI, in the saved `view`
     (testbed/tracking/views.py: every run shown, headline section first, two charts a row)."""
@@ -196,7 +202,7 @@ def chart_link(uri: str, experiment_id: str, view: str = ALL_RUNS) -> str:
 
     if uri.startswith(("http://", "https://")):  # the tracking server serves the UI itself
         return f"MLflow charts: {view_link(redact(uri.rstrip('/')), experiment_id, view)}"
-    return (f"MLflow charts: mlflow ui --workers 1 --backend-store-uri {redact(uri)}, then open "
+    return (f"MLflow charts: {MLFLOW_UI} --backend-store-uri {redact(uri)}, then open "
             f"{view_link('http://127.0.0.1:5000', experiment_id, view)}")
 
 

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 TAG_PREFIX = "mlflow.sharedViewState."
+# logged once more under `headline/` (testbed/tracking/tracker.run_metrics): the first charts a newcomer sees
+HEADLINE_METRICS = ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s", "slo_attainment")
 ALL_RUNS = "testbed-all-runs"  # every experiment's view (written by Tracker when it opens one)
 HEADLINE_SECTION = "headline"
 
@@ -76,7 +78,8 @@ def study_view(headline: Sequence[str], study_run_id: str) -> View:
     return View(f"testbed-study-{study_run_id}", headline_view(headline).sections, expanded=(study_run_id,))
 
 
-CAPACITY = View("testbed-capacity", (("capacity", ("capacity/passed_rate",)),), group_by="capacity.label")
+CAPACITY = View("testbed-capacity", (("capacity", ("capacity/passed_rate",)),
+                                     *headline_view(HEADLINE_METRICS).sections), group_by="capacity.label")
 """A capacity search: its probes grouped by grid point (tag `capacity.label`, e.g. `gllm`), each
 group's bar in the first chart the highest rate that passed (`capacity/passed_rate`, logged by
 every passing probe, aggregated by max): the point's capacity. Other charts show each group's max."""
