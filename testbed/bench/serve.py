@@ -324,7 +324,7 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
     (RunResult, run_dir); the MLflow run id is `info["run_id"]`. The run is tagged with the
     server's set-up (`ServerSetup`); with a `console`, the replay shows its progress there."""
     from testbed.config.spec import compose_spec
-    from testbed.run.outputs import run_name, write_run_dir
+    from testbed.run.outputs import display_name, run_name, write_run_dir
     from testbed.run.runner import RunResult
     from workloads.base import build_workload
 
@@ -346,7 +346,10 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
 
         tracker = Tracker(spec.output, experiment)
         params = {k: v for k, v in spec.params().items() if k.split(".", 1)[0] not in SERVER_GROUPS}
-        run_id = tracker.start_flat({**params, **server.params()}, name, {
+        # `testbed run`'s naming style, with the server's policy: `gllm · azure · rate=1 · bench-serve`
+        shown = spec.output.run_name or " · ".join([server.tags["policy"], *display_name(spec).split(" · ")[1:],
+                                                    "bench-serve"])
+        run_id = tracker.start_flat({**params, **server.params()}, shown, {
             **run_tags(spec), **server.tags, "mode": "bench-serve", "base_url": base_url, **(tags or {})})
     try:
         t_wall = time.perf_counter()

@@ -187,7 +187,9 @@ def build_server(spec: RunSpec, console=None) -> Server:
         from testbed.tracking.tracker import Tracker
 
         tracker = Tracker(spec.output)
-        run_id = tracker.start(spec, info["run_name"], tags={"mode": "serve"})
+        # the MLflow run's name in `testbed run`'s style (`gllm · serve · sim`), the folder's as always
+        shown = spec.output.run_name or f"{prepared.info['policy']} · serve · {ex_name}"
+        run_id = tracker.start(spec, shown, tags={"mode": "serve"})
     try:
         codec_vocab = model.vocab_size
         engine = EngineLoop(ctrl, None, poll_interval_s=settings.poll_interval_s)  # codec set after start
