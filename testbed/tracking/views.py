@@ -40,7 +40,11 @@ class View:
     aggregate: str = "max"
     columns: int = 2  # charts per row: three cut the titles at 1,600 px
     card_height: int = 420  # pixels: 13 bars stay readable
-    expanded: tuple[str, ...] = ()  # run ids whose nested runs are shown (a study's trials)
+    # the run list's filter and order (MLflow search syntax): with an order other than the start
+    # time MLflow lists nested runs flat, one row and one bar each, instead of under their parent
+    search_filter: str = ""
+    order_by: str | None = None
+    order_asc: bool = False
 
     def state(self) -> dict:
         charts, sections = [], []
@@ -52,8 +56,8 @@ class View:
                         "isGenerated": True, "metricKey": key, "dataAccessKey": key} for key in keys]
         state: dict = {"runsHiddenMode": "SHOW_ALL", "compareRunsMode": "CHART", "isDirty": True,
                        "compareRunCharts": charts, "compareRunSections": sections, "useGroupedValuesInCharts": True}
-        if self.expanded:
-            state["runsExpanded"] = {run_id: True for run_id in self.expanded}
+        if self.order_by:
+            state.update(searchFilter=self.search_filter, orderByKey=self.order_by, orderByAsc=self.order_asc)
         if self.group_by:
             state["groupBy"] = {"aggregateFunction": self.aggregate,
                                 "groupByKeys": [{"mode": "tag", "groupByData": self.group_by}]}
@@ -71,11 +75,12 @@ def headline_view(headline: Sequence[str], key: str = ALL_RUNS) -> View:
     return View(key, ((HEADLINE_SECTION, tuple(f"{HEADLINE_SECTION}/{m}" for m in headline)),))
 
 
-def study_view(headline: Sequence[str], study_run_id: str) -> View:
+def study_view(study: str, objective: str, maximize: bool) -> View:
     """A tuning study: its trials are runs nested under the study's run, which MLflow shows
-    collapsed (the chart view then charted the study run's `best.*` alone); expanded here, every
-    trial is a bar of the headline charts."""
-    return View(f"testbed-study-{study_run_id}", headline_view(headline).sections, expanded=(study_run_id,))
+    collapsed (the chart view then charted the study run's `best.*` alone). Here the trials only
+    (tag `testbed.kind=trial`), best objective first: every trial is a bar of the headline charts."""
+    return View(f"testbed-study-{study}", headline_view(HEADLINE_METRICS).sections,
+                search_filter="tags.`testbed.kind` = 'trial'", order_by=f"metrics.`{objective}`", order_asc=not maximize)
 
 
 CAPACITY = View("testbed-capacity", (("capacity", ("capacity/passed_rate",)),
