@@ -71,8 +71,10 @@ class WritesUnder:
         self.seen: list[str] = []
         self.active = True
 
+    EVENTS = frozenset({"open", "os.mkdir", "sqlite3.connect", "os.rename", "os.replace"})
+
     def __call__(self, event: str, args: tuple) -> None:
-        if not self.active:
+        if event not in self.EVENTS or not self.active:  # first: the hook sees every audited event
             return
         if event == "open":
             path, mode, flags = args
@@ -82,8 +84,6 @@ class WritesUnder:
             path, writes = args[0], True
         elif event in ("os.rename", "os.replace"):
             path, writes = args[1], True
-        else:
-            return
         if writes and isinstance(path, (str, bytes, os.PathLike)):
             try:
                 full = os.path.abspath(os.fsdecode(path))
