@@ -131,6 +131,7 @@ class OutputSettings:
     experiment: str = "testbed"
     max_trace_spans: int = setting(200_000, min=0)
     trace: str = setting("sampled", choices=("sampled", "full", "off"))  # what trace.json keeps (simulator)
+    requests: bool = True  # requests.csv and microbatches.csv (per-request and per-micro-batch tables)
     plots: bool = True
     progress: bool = True
 

@@ -241,8 +241,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="testbed", description="Pipeline-parallel LLM serving testbed.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    r = sub.add_parser("run", help="run one experiment (key=value overrides, e.g. policy=gllm workload=azure)")
-    r.add_argument("overrides", nargs="*", help="Hydra-style overrides: group=choice or key.sub=value")
+    r = sub.add_parser("run", help="run one experiment (key=value overrides, e.g. policy=gllm workload=azure)",
+                       epilog="`testbed list` shows every group's choices (`testbed list policy`); "
+                              "docs/configuration.md every key and its default")
+    r.add_argument("overrides", nargs="*", help="Hydra-style overrides: group=choice or key.sub=value "
+                                                 "(choices: testbed list)")
     r.set_defaults(func=cmd_run)
     ls = sub.add_parser("list", help="list the choices of every config group")
     ls.add_argument("group", nargs="?")

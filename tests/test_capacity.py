@@ -4,6 +4,7 @@ with its probes and their MLflow runs; a deployment grid is ranked with the poin
 fit as rows; bad input is one `error:` line. No simulated number is asserted."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -82,10 +83,16 @@ def test_capacity_table_agrees_with_its_probes_and_their_mlflow_runs(tmp_path, c
     code = main(["capacity", *BASE, f"output.dir={tmp_path}", "policy=sarathi", "parallel.pp=1,2",
                  "capacity.experiment=cap", "capacity.price.rtx4090=0.4", "capacity.max_probes=8"])
     assert code == 0
-    out_dir = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    out_dir = Path(captured.out.strip().splitlines()[-1])
     table = pd.read_csv(out_dir / "table.csv")
     probes = pd.read_csv(out_dir / "probes.csv")
     assert list(table["parallel.pp"]) == [1, 2]
+    # the printed link opens the view that groups the probes by point (issue 40 items 1 and 6)
+    assert "compareRunsMode=CHART&viewStateShareKey=testbed-capacity" in captured.err
+    # each probe's folder: its summary only (the run folder budget)
+    assert {p.name for p in Path(probes["run_dir"].dropna().iloc[0]).iterdir()} == {
+        "summary.json", "config.yaml", "run_info.json"}
     unfit, fit = table.iloc[0], table.iloc[1]
     assert unfit["status"] == "does not fit" and math.isnan(unfit["capacity_req_s"])
     assert fit["status"] == "finished" and fit["probes"] == (probes["point"] == 1).sum()
@@ -115,9 +122,19 @@ def test_capacity_table_agrees_with_its_probes_and_their_mlflow_runs(tmp_path, c
         assert run.data.tags["testbed.parent_run"] == parent[0].info.run_id
         assert run.data.tags["capacity.point"] == str(p["point"]) and run.data.tags["capacity.probe"] == str(p["probe"])
         assert float(run.data.params["workload.rate"]) == p["workload.rate"]
+        assert run.data.tags["capacity.label"] == f"pp={p['parallel.pp']}"  # the point, the view's group
         if p["status"] == "finished":
             assert run.data.metrics["slo_attainment"] == pytest.approx(p["slo_attainment"], rel=1e-12)
             assert run.data.metrics["capacity.passed"] == float(p["capacity.passed"])
+            assert run.data.metrics.get("capacity/passed_rate") == (p["workload.rate"] if p["capacity.passed"] else None)
+            assert run.info.run_name == f"pp={p['parallel.pp']} · rate={p['workload.rate']:g}"
+    exp = client.get_experiment_by_name("cap")
+    view = json.loads(json.loads(exp.tags["mlflow.sharedViewState.testbed-capacity"])["state"])
+    assert view["groupBy"] == {"aggregateFunction": "max", "groupByKeys": [{"mode": "tag", "groupByData": "capacity.label"}]}
+    # the group's max of capacity/passed_rate is the point's capacity
+    passed = [r.data.metrics["capacity/passed_rate"] for r in runs if r.data.tags.get("capacity.label") == "pp=2"
+              and "capacity/passed_rate" in r.data.metrics]
+    assert max(passed) == fit["capacity_req_s"]
 
 
 def test_two_workers_search_points_side_by_side(tmp_path, capsys):
@@ -163,7 +180,7 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
     fresh_mlflow_db(tmp_path)
     with cli_server(tmp_path / "server", *SERVER) as (url, outcome):
         code = main(["capacity", "--base-url", url, "--time-scale", "10", "workload=synthetic",
-                     "output.progress=false", f"output.dir={tmp_path}", "capacity.precision=0.1",
+                     "output.progress=false", f"output.dir={tmp_path}", "output.requests=true", "capacity.precision=0.1",
                      "capacity.duration_s=10", "capacity.start=2", "capacity.max_probes=6", "capacity.experiment=live"])
     assert code == 0 and outcome["code"] == 0, outcome["err"][-2000:]
     out_dir = tmp_path / "capacity" / "live"
@@ -182,6 +199,9 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
     served = [r for r in runs if r.data.tags.get("mode") == "bench-serve"]
     assert sorted(r.info.run_id for r in served) == sorted(probes["run_id"])
     assert all(r.data.tags["testbed.parent_run"] == parent.info.run_id and r.info.status == "FINISHED" for r in served)
+    # tagged with the server's set-up, not the client's defaults (issue 40 item 3)
+    assert {(r.data.tags["policy"], r.data.tags["model"], r.data.tags["hardware"], r.data.tags["pp"]) for r in served} == {
+        ("sarathi", "llama2-13b", "rtx4090", "2")}
 
 
 def test_the_gllm_capacity_study_compares_capacities_with_the_verdict_rules(tmp_path, capsys):

@@ -157,3 +157,11 @@ def test_bench_sim_main_setting_is_the_main_jobs_workload(capsys):
                  "workload.num_requests=60", "model=llama2-13b"])
     out = capsys.readouterr().out
     assert code == 0 and "simulator benchmark (main): workload=azure" in " ".join(out.split())
+
+
+def test_run_help_points_to_testbed_list(capsys):
+    """`testbed run --help` says where the choices are (issue 40 item 6)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exit_.value.code == 0 and "`testbed list` shows every group's choices" in out

@@ -2,6 +2,7 @@
 fails is a failed row, not a failed grid; a typo fails before anything runs."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -45,6 +46,10 @@ def test_grid_rows_match_their_mlflow_runs(tmp_path, capsys):
     assert len(parent) == 1 and len(runs) == 5
     # the printed link opens this experiment's chart view (issue 25, item 11)
     assert f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&compareRunsMode=CHART" in captured.err
+    # ... in a saved view that shows every run (MLflow shows the first 10 otherwise: issue 40 item 1)
+    assert "viewStateShareKey=testbed-all-runs" in captured.err
+    state = json.loads(json.loads(exp.tags["mlflow.sharedViewState.testbed-all-runs"])["state"])
+    assert state["runsHiddenMode"] == "SHOW_ALL" and state["compareRunSections"][0]["name"] == "headline"
     for _, row in table.iterrows():
         run = runs[row["run_id"]]
         assert run.data.tags["testbed.parent_run"] == parent[0].info.run_id
@@ -52,6 +57,7 @@ def test_grid_rows_match_their_mlflow_runs(tmp_path, capsys):
         assert run.data.params["policy.name"] == row["policy"]
         assert run.data.params["parallel.pp"] == str(row["parallel.pp"])
         assert run.data.tags["axis.parallel.pp"] == str(row["parallel.pp"])
+        assert run.info.run_name == f"{row['policy']} · pp={row['parallel.pp']}"  # what varies, `testbed run`'s style
         if row["status"] == "finished":
             assert run.info.status == "FINISHED"
             for m in METRICS:
@@ -70,6 +76,26 @@ def test_grid_rows_match_their_mlflow_runs(tmp_path, capsys):
     assert {"table.csv", "table.md", "overview.png"} <= {a.path for a in client.list_artifacts(parent[0].info.run_id)}
     assert sorted(p.name for p in (out_dir / "runs").iterdir()) == [  # run directories of the finished points
         "001_policy=sarathi_parallel.pp=2", "003_policy=vllm_parallel.pp=2"]
+    # the run folder budget: summaries by default, no trace or per-request tables (output.* asks for them)
+    assert sorted(p.name for p in (out_dir / "runs" / "001_policy=sarathi_parallel.pp=2").iterdir()) == [
+        "config.yaml", "run_info.json", "summary.json"]
+
+
+def test_points_keep_traces_and_tables_when_asked_and_overload_is_warned(tmp_path, capsys):
+    """`output.requests=true output.trace=sampled` keep what the budget leaves out; a point offered
+    more than it serves gets `testbed run`'s overload warning (issue 40 item 2)."""
+    code = main(["compare", "workload=synthetic", "workload.num_requests=300", "model=llama2-13b", "hardware=a100-80g",
+                 "parallel.pp=2", "output.mlflow=false", "output.progress=false", f"output.dir={tmp_path}",
+                 "output.requests=true", "output.trace=sampled", "workload.rate=0.5,200", "compare.experiment=load"])
+    captured = capsys.readouterr()
+    assert code == 0
+    table = pd.read_csv(tmp_path / "compare" / "load" / "table.csv")
+    assert (table["offered_tok_s"] > 0).all()
+    warning = " ".join(captured.err.split())  # the console wraps lines
+    assert "warning: overloaded: 1 of 2 points" in warning and "points 1 (workload.rate=200.0);" in warning
+    assert "(workload.rate=0.5)" not in warning
+    for run_dir in (tmp_path / "compare" / "load" / "runs").iterdir():
+        assert {"requests.csv", "microbatches.csv", "trace.json"} <= {p.name for p in run_dir.iterdir()}
 
 
 def test_a_typo_in_the_grid_fails_before_anything_runs(tmp_path, capsys):
@@ -127,7 +153,7 @@ def test_a_signal_stops_the_grid_at_once_and_kills_its_runs(tmp_path, send, exit
     parent = [r for r in runs.values() if r["kind"] == "compare"]
     assert len(parent) == 1 and parent[0]["status"] == "KILLED"
     points = {r["name"]: r["status"] for r in runs.values() if r["kind"] == "point"}
-    assert points["workload.num_requests=40"] == "FINISHED"
+    assert points["num_requests=40"] == "FINISHED"  # named by what varies
     assert "KILLED" in points.values()  # the 30k-request point(s) in flight
     assert len(points) <= 4  # 2 workers: no point was launched after the signal (6 in the grid)
     # the table of the points done so far

@@ -4,6 +4,7 @@ pattern."""
 from __future__ import annotations
 
 import os
+import json
 import re
 import subprocess
 import sys
@@ -75,8 +76,12 @@ def test_run_prints_its_experiments_chart_view_with_the_headline_first(tmp_path,
     link = [ln for ln in err.splitlines() if ln.startswith("MLflow charts:")]
     assert len(link) == 1 and link[0].endswith(
         f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
-        f"&compareRunsMode=CHART"), err
-    assert f"--backend-store-uri {uri}" in link[0]
+        f"&compareRunsMode=CHART&viewStateShareKey=testbed-all-runs"), err
+    assert f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {uri}" in link[0]
+    # the view the link opens: every run, headline first (MLflow's chart view shows the first 10 runs)
+    state = json.loads(json.loads(exp.tags["mlflow.sharedViewState.testbed-all-runs"])["state"])
+    assert state["runsHiddenMode"] == "SHOW_ALL"
+    assert [c["metricKey"] for c in state["compareRunCharts"]] == [f"headline/{m}" for m in HEADLINE_METRICS]
     metrics = client.search_runs([exp.experiment_id])[0].data.metrics
     assert {k for k in metrics if "/" in k} == {f"headline/{m}" for m in HEADLINE_METRICS}
     assert all(metrics[f"headline/{m}"] == metrics[m] for m in HEADLINE_METRICS)

@@ -52,9 +52,26 @@ def test_bench_serve_reproduces_testbed_run(tmp_path):
 
     offline = run_experiment(compose_spec(SIM + WORKLOAD + [f"output.dir={tmp_path}",
                                                                      "output.mlflow=false"])).summary
+    from io import StringIO
+
+    from mlflow.tracking import MlflowClient
+    from rich.console import Console
+
+    log = StringIO()  # not a terminal: one progress line per interval, and one at the end
     with _cli_server(tmp_path / "server", "output.mlflow=false", "check_integrity=true") as (url, outcome):
-        result, run_dir = run_bench_serve(url, WORKLOAD + [f"output.dir={tmp_path}", "output.mlflow=false"])
+        listed = httpx.get(url + "/v1/models").json()["data"][0]
+        result, run_dir = run_bench_serve(url, WORKLOAD + [f"output.dir={tmp_path}"],
+                                          console=Console(file=log, force_terminal=False))
     assert outcome["code"] == 0, outcome["err"]
+    # the server's set-up, as it lists it, on the client's run: never the client's defaults (issue 40 item 3)
+    setup = {"policy": "gllm", "model": "llama2-70b", "hardware": "a100-80g", "executor": "sim", "pp": "4"}
+    assert {k: listed["testbed"][k] for k in setup} == setup
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(result.info["run_id"])
+    assert {k: run.data.tags[k] for k in setup} == setup and run.data.tags["mode"] == "bench-serve"
+    assert run.data.params["model.name"] == "llama2-70b" and run.data.params["hardware.name"] == "a100-80g"
+    assert not any(k.startswith(("kv.", "cost.", "runtime.")) for k in run.data.params)  # the client's defaults
+    assert json.loads((run_dir / "summary.json").read_text())["hardware_profile"] == "a100-80g"
+    assert "bench serve: 16/16 requests done (0 failed)" in log.getvalue()
     server_side = json.loads((outcome["run_dir"] / "summary.json").read_text())
     served = result.summary
     assert served["num_finished"] == offline["num_finished"] == server_side["num_finished"] == 16
@@ -65,6 +82,19 @@ def test_bench_serve_reproduces_testbed_run(tmp_path):
     assert run_dir.name.startswith("served_synthetic_")  # named after its label, not a policy it did not run
     assert outcome["run_dir"].name.startswith("gllm_serve-sim_")
     assert not math.isnan(served["itl_mean_s"]) and served["goodput_req_s"] > 0
+
+
+def test_bench_serve_tags_another_server_with_what_it_lists(monkeypatch):
+    """A server that lists only a model id (vLLM): that id, `unknown` hardware, executor and P,
+    and --label as the policy; never the client's config (qwen2.5-32b on l20-48g, gllm, sim)."""
+    from testbed.bench import serve
+
+    listing = {"data": [{"id": "meta-llama/Llama-2-70b-hf", "object": "model"}]}
+    monkeypatch.setattr(httpx, "get", lambda url, **kw: httpx.Response(200, json=listing))
+    setup = serve.server_setup("http://127.0.0.1:1", label="vllm-0.11")
+    assert setup.model_id == "meta-llama/Llama-2-70b-hf"
+    assert setup.tags == {"policy": "vllm-0.11", "model": "meta-llama/Llama-2-70b-hf", "hardware": "unknown",
+                          "hardware_version": "unknown", "executor": "unknown", "pp": "unknown"}
 
 
 def test_full_queue_answers_429_and_metrics_count_it(tmp_path):
@@ -109,6 +139,10 @@ def test_streamed_placeholders_and_mlflow_run(tmp_path):
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         health = httpx.get(srv.base_url + "/health")
         assert health.status_code == 200
+        # an unknown model: 404 with the `type` of every other client error (was "NotFoundError")
+        wrong = httpx.post(srv.base_url + "/v1/completions", json={"model": "nope", "prompt": [1], "max_tokens": 1})
+        assert wrong.status_code == 404
+        assert wrong.json()["error"]["type"] == "invalid_request_error" and wrong.json()["error"]["code"] == "model_not_found"
     finally:
         srv.shutdown()
     runs = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_runs(

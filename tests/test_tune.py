@@ -83,6 +83,11 @@ def test_resume_adds_trials_and_keeps_one_study_run(out, capsys):
     parent = parents[0]
     assert {r.data.tags["mlflow.parentRunId"] for r in trials} == {parent.info.run_id}
     assert parent.info.status == "FINISHED"
+    # the printed link's view lists the trials flat, best first, so they are charted, not `best.*` alone
+    view = json.loads(json.loads(exp.tags["mlflow.sharedViewState.testbed-study-resume"])["state"])
+    assert view["searchFilter"] == "tags.`testbed.kind` = 'trial'" and view["runsHiddenMode"] == "SHOW_ALL"
+    assert view["orderByKey"] == "metrics.`throughput_tok_s`" and view["orderByAsc"] is False
+    assert len(client.search_runs([exp.experiment_id], view["searchFilter"])) == 5
     best = study.best_trial
     assert parent.data.metrics["best.throughput_tok_s"] == pytest.approx(best.value)
     assert parent.data.tags["best.params"] == json.dumps(best.params)

@@ -26,6 +26,7 @@ import asyncio
 import json
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,10 @@ from engine.request import Request
 from engine.trace import Tracer
 
 DEFAULT_VOCAB = 32000
+PROGRESS_INTERVAL_S = 10.0  # without a terminal: one progress line this often
+# config groups that describe the server, not this client: their values are the client's defaults,
+# so the run's params carry the server's own (ServerSetup.params) instead
+SERVER_GROUPS = ("model", "hardware", "policy", "executor", "parallel", "kv", "cost", "runtime", "link", "serve")
 
 
 @dataclass
@@ -70,7 +75,67 @@ def _payload(req: Request, model: str | None, endpoint: str, vocab: int, seed: i
     return body
 
 
-async def _one(client, url: str, body: dict, out: Outcome, t0: float, headers: dict) -> None:
+class ReplayProgress:
+    """How far a replay is: a rich bar on a terminal (as `vllm bench serve` shows one), else one
+    line every `interval_s` (a log file or CI gets no bar redraws; 145 s of silence before)."""
+
+    def __init__(self, console, total: int, interval_s: float = PROGRESS_INTERVAL_S) -> None:
+        self.console, self.total, self.interval_s = console, total, interval_s
+        self.done = self.failed = 0
+        self.t0 = self.last = time.perf_counter()
+        self.bar = None
+        if console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[failed]}"),
+                                TimeElapsedColumn(), console=console, transient=True)
+            self.task = self.bar.add_task("replay", total=total, failed="")
+
+    def __enter__(self) -> ReplayProgress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        elif exc[0] is None:
+            self.line()
+
+    def finished(self, out: Outcome) -> None:
+        self.done += 1
+        self.failed += bool(out.error)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.done, failed=f"{self.failed} failed" if self.failed else "")
+
+    def tick(self) -> None:
+        """Called about once a second: prints the line when `interval_s` has passed (no bar)."""
+        now = time.perf_counter()
+        if self.bar is None and now - self.last >= self.interval_s:
+            self.last = now
+            self.line()
+
+    def line(self) -> None:
+        self.console.print(f"bench serve: {self.done}/{self.total} requests done ({self.failed} failed), "
+                           f"{time.perf_counter() - self.t0:.0f} s", highlight=False)
+
+
+async def _ticker(progress: ReplayProgress | None) -> None:
+    while progress is not None:
+        await asyncio.sleep(1.0)
+        progress.tick()
+
+
+async def _one(client, url: str, body: dict, out: Outcome, t0: float, headers: dict,
+               progress: ReplayProgress | None = None) -> None:
+    try:
+        await _send(client, url, body, out, t0, headers)
+    finally:
+        if progress is not None:
+            progress.finished(out)
+
+
+async def _send(client, url: str, body: dict, out: Outcome, t0: float, headers: dict) -> None:
     out.sent_s = time.perf_counter() - t0
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
@@ -104,7 +169,8 @@ async def _one(client, url: str, body: dict, out: Outcome, t0: float, headers: d
 
 async def replay(base_url: str, requests: list[Request], *, endpoint: str = "completions", model: str | None = None,
                  time_scale: float = 1.0, vocab: int = DEFAULT_VOCAB, seed: int = 0, max_concurrency: int | None = None,
-                 api_key: str | None = None, timeout_s: float = 3600.0) -> tuple[list[Outcome], float]:
+                 api_key: str | None = None, timeout_s: float = 3600.0,
+                 progress: ReplayProgress | None = None) -> tuple[list[Outcome], float]:
     """Send every request at its (scaled) arrival time; returns the outcomes and the client's wall time."""
     import httpx
 
@@ -125,12 +191,16 @@ async def replay(base_url: str, requests: list[Request], *, endpoint: str = "com
             if delay > 0:
                 await asyncio.sleep(delay)
             if sem is None:
-                await _one(client, url, bodies[i], outcomes[i], t0, headers)
+                await _one(client, url, bodies[i], outcomes[i], t0, headers, progress)
             else:
                 async with sem:
-                    await _one(client, url, bodies[i], outcomes[i], t0, headers)
+                    await _one(client, url, bodies[i], outcomes[i], t0, headers, progress)
 
-        await asyncio.gather(*(run(i) for i in range(len(requests))))
+        ticker = asyncio.create_task(_ticker(progress))
+        try:
+            await asyncio.gather(*(run(i) for i in range(len(requests))))
+        finally:
+            ticker.cancel()
         wall = time.perf_counter() - t0
     return outcomes, wall
 
@@ -142,6 +212,45 @@ async def _first_model(client, base_url: str, headers: dict) -> str | None:
         return data[0]["id"] if data else None
     except Exception:
         return None
+
+
+@dataclass(frozen=True)
+class ServerSetup:
+    """What the server says it runs: `testbed serve` lists its model, hardware, executor, policy
+    and P in `/v1/models` (entry key `testbed`); another server (vLLM) only its model id, and the
+    rest is `unknown`, never this client's config defaults."""
+
+    model_id: str | None
+    tags: dict[str, str]
+
+    def params(self) -> dict[str, str]:
+        """The run's params for the server's side: `<group>.name` as `testbed run` logs them, and P."""
+        t = self.tags
+        return {"model.name": t["model"], "hardware.name": t["hardware"], "policy.name": t["policy"],
+                "executor.name": t["executor"], "parallel.pp": t["pp"]}
+
+
+def server_setup(base_url: str, api_key: str | None = None, label: str = "served") -> ServerSetup:
+    """The first `/v1/models` entry of the server; `label` is the policy when the server names none."""
+    import httpx
+
+    from testbed.tracking.tracker import SETUP_TAGS
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    entry: dict = {}
+    try:
+        data = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0).json().get("data") or []
+        entry = data[0] if data and isinstance(data[0], dict) else {}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    told = entry.get("testbed") if isinstance(entry.get("testbed"), dict) else {}
+    model_id = entry.get("id")
+    tags = {k: str(told.get(k, "unknown")) for k in SETUP_TAGS}
+    if "model" not in told and model_id:
+        tags["model"] = str(model_id)
+    if "policy" not in told:
+        tags["policy"] = label
+    return ServerSetup(model_id, tags)
 
 
 # --- per-request rows and the summary ----------------------------------------------------------------
@@ -208,12 +317,14 @@ def summarize(rows: list[dict], slo: SLO) -> dict:
 def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "completions", model: str | None = None,
                     time_scale: float = 1.0, vocab: int = DEFAULT_VOCAB, max_concurrency: int | None = None,
                     api_key: str | None = None, label: str = "served", requests: list[Request] | None = None,
-                    tags: dict | None = None, experiment: str | None = None, run_dir: Path | None = None):
+                    tags: dict | None = None, experiment: str | None = None, run_dir: Path | None = None,
+                    console=None):
     """Build the workload from the config overrides, replay it, write the run dir, log to MLflow
     (extra `tags`, `experiment`: for `testbed capacity`, whose probes these are). Returns
-    (RunResult, run_dir); the MLflow run id is `info["run_id"]`."""
+    (RunResult, run_dir); the MLflow run id is `info["run_id"]`. The run is tagged with the
+    server's set-up (`ServerSetup`); with a `console`, the replay shows its progress there."""
     from testbed.config.spec import compose_spec
-    from testbed.run.outputs import run_name, write_run_dir
+    from testbed.run.outputs import display_name, run_name, write_run_dir
     from testbed.run.runner import RunResult
     from workloads.base import build_workload
 
@@ -228,18 +339,24 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
     if requests is None:
         requests = build_workload(spec.workload, spec.data_dir)
     name = run_name(spec, who=label)  # not the policy: the server ran its own
+    server = server_setup(base_url, api_key, label)
     tracker = run_id = None
     if spec.output.mlflow:
-        from testbed.tracking.tracker import Tracker
+        from testbed.tracking.tracker import Tracker, run_tags
 
         tracker = Tracker(spec.output, experiment)
-        run_id = tracker.start(spec, name, tags={"mode": "bench-serve", "policy": label, "base_url": base_url,
-                                                **(tags or {})})
+        params = {k: v for k, v in spec.params().items() if k.split(".", 1)[0] not in SERVER_GROUPS}
+        # `testbed run`'s naming style, with the server's policy: `gllm · azure · rate=1 · bench-serve`
+        shown = spec.output.run_name or " · ".join([server.tags["policy"], *display_name(spec).split(" · ")[1:],
+                                                    "bench-serve"])
+        run_id = tracker.start_flat({**params, **server.params()}, shown, {
+            **run_tags(spec), **server.tags, "mode": "bench-serve", "base_url": base_url, **(tags or {})})
     try:
         t_wall = time.perf_counter()
-        outcomes, wall = asyncio.run(replay(base_url, requests, endpoint=endpoint, model=model, time_scale=time_scale,
-                                            vocab=vocab, seed=spec.settings.seed, max_concurrency=max_concurrency,
-                                            api_key=api_key))
+        with ReplayProgress(console, len(requests)) if console is not None else nullcontext() as progress:
+            outcomes, wall = asyncio.run(replay(base_url, requests, endpoint=endpoint, model=model or server.model_id,
+                                                time_scale=time_scale, vocab=vocab, seed=spec.settings.seed,
+                                                max_concurrency=max_concurrency, api_key=api_key, progress=progress))
     except BaseException as exc:
         if tracker is not None:  # Ctrl-C / SIGTERM: KILLED, as every interrupted run
             stopped = isinstance(exc, KeyboardInterrupt)
@@ -252,8 +369,8 @@ def run_bench_serve(base_url: str, overrides: list[str], *, endpoint: str = "com
         del r["_itl"]
     errors = [r["fail_reason"] for r in rows if r["fail_reason"]]
     info = {"mode": "bench-serve", "base_url": base_url, "endpoint": endpoint, "time_scale": time_scale,
-            "wall_s": time.perf_counter() - t_wall, "replay_wall_s": wall, "policy": label, "executor": "served",
-            "run_id": run_id}
+            "wall_s": time.perf_counter() - t_wall, "replay_wall_s": wall, "policy": server.tags["policy"],
+            "executor": "served", "server": server.tags, "run_id": run_id}
     if errors:
         info["failures"] = f"{len(errors)} of {len(rows)} requests failed; first: {errors[0]}"
     # the run failed only if nothing was served (429s under overload are a result, not a failure)
@@ -275,7 +392,7 @@ def add_client_arguments(parser, required: bool) -> None:
     parser.add_argument("--time-scale", type=float, default=1.0, help="the server's clock speed (serve.time_scale)")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB, help="range of derived prompt token ids")
     parser.add_argument("--max-concurrency", type=int, help="requests in flight at most (default: unbounded)")
-    parser.add_argument("--label", default="served", help="the run's policy tag in MLflow (default: served)")
+    parser.add_argument("--label", default="served", help="the run's name; its policy tag when the server names no policy (default: served)")
 
 
 def cli_bench_serve(args, console) -> int:
@@ -285,7 +402,7 @@ def cli_bench_serve(args, console) -> int:
         raise ConfigError(f"invalid --max-concurrency {args.max_concurrency}: must be >= 1")
     result, run_dir = run_bench_serve(args.base_url, list(args.overrides), endpoint=args.endpoint, model=args.model,
                                       time_scale=args.time_scale, vocab=args.vocab_size,
-                                      max_concurrency=args.max_concurrency, label=args.label)
+                                      max_concurrency=args.max_concurrency, label=args.label, console=console)
     s = result.summary
     t = Table(title=f"bench serve {args.base_url} ({result.spec.workload_name}, {s['num_requests']} requests)")
     t.add_column("metric")

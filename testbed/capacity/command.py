@@ -39,7 +39,9 @@ from testbed.capacity.settings import CapacitySettings, check_prices, parse
 from testbed.sweep.compare import Point, axis_value, grid
 from testbed.config.spec import compose_spec
 from testbed.config.spec import RunSpec
+from testbed.run.outputs import axis_name
 from testbed.config.overrides import explicit_keys, merge, split_prefixed
+from testbed.tracking.views import CAPACITY
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,8 @@ def plan(overrides: Sequence[str], live: Any = None) -> Plan:
 
 
 def _point_spec(pt: Point, settings: CapacitySettings, user: set[str]) -> PointSpec:
-    ovs = list(pt.overrides)
-    if "output.plots" not in user:
-        ovs.append("output.plots=false")  # per-probe timeline plots: ~1 s each, not what a search is for
+    # per-probe traces, tables and plots (~1 s each) only when asked; a warm-up re-reads requests.csv
+    ovs = list(pt.overrides) + sweep.point_budget(user, ("output.requests",) if settings.warmup_s else ())
     run = compose_spec(ovs)
     if getattr(run.workload, "arrival", None) == "offline":
         raise ConfigError(f"workload.arrival=offline has no request rate to search (point {pt.label}); "
@@ -163,7 +164,9 @@ class CapacityFeed(sweep.Feed):
                     "capacity.metrics": metrics})
         self.probe_rows[pt.index].append(row)
         if row.get("run_id"):
-            self.parent.log({"capacity.value": value, "capacity.passed": float(passed)},
+            # capacity/passed_rate: grouped by point and aggregated by max in the printed link's view, the capacity
+            self.parent.log({"capacity.value": value, "capacity.passed": float(passed),
+                             **({"capacity/passed_rate": rate} if passed else {})},
                             {"capacity.phase": search.probes[-1].phase}, run_id=row["run_id"])
         job = self._next(pt)
         return [job] if job is not None else []
@@ -194,7 +197,8 @@ def probe_job(p: Plan, pt: PointSpec, rate: float, k: int, index: int, parent_ru
                      axis_values={**pt.axis_values, "workload.rate": rate}, experiment=p.name,
                      parent_run_id=parent_run_id,
                      run_dir=str(p.out_dir / "runs" / pt.dirname / f"{k:02d}_rate={rate:g}"),
-                     tags={"testbed.kind": "probe", "capacity.point": pt.index, "capacity.probe": k})
+                     tags={"testbed.kind": "probe", "capacity.point": pt.index, "capacity.probe": k,
+                           "capacity.label": axis_name(pt.axis_values)})
 
 
 # --- the command ------------------------------------------------------------------------------------
@@ -207,7 +211,7 @@ def run_capacity(overrides: Sequence[str], console: Any = None, live: Any = None
         "testbed.kind": "capacity", "testbed.axes": json.dumps(p.axes),
         "capacity.overrides": " ".join(p.overrides)[:5000],
         "capacity.points": str(len(p.points)), "capacity.criterion": p.settings.criterion,
-        **({"capacity.base_url": live.base_url} if live is not None else {})})
+        **({"capacity.base_url": live.base_url} if live is not None else {})}, view=CAPACITY)
     try:
         df, ranking, wall = run_searches(p, parent, console)
     except KeyboardInterrupt as exc:
@@ -228,6 +232,7 @@ def run_searches(p: Plan, parent: sweep.ParentRun, console: Any = None) -> tuple
     feed = p.live.feed(p, parent) if p.live is not None else CapacityFeed(p, parent)
     if console is not None:
         _print_start(console, p, feed)
+        parent.print_link(console)
     t0 = time.perf_counter()
     try:
         sweep.run_jobs([], p.settings.workers, console, p.run0.output.progress, [],

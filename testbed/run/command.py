@@ -160,13 +160,18 @@ def offered_load(result: RunResult) -> tuple[float, float] | None:
     return tokens / span, (len(reqs) - 1) / span
 
 
+def overloaded(offered_tok_s: float, served_tok_s: float) -> bool:
+    """More offered than served (beyond OVERLOAD_MARGIN): queues grow for the whole run."""
+    return served_tok_s > 0 and offered_tok_s > OVERLOAD_MARGIN * served_tok_s
+
+
 def warn_overload(console, result: RunResult) -> bool:
     """One yellow line when the workload offered more than the simulated system served: then
     queues grow for the whole run and TTFT measures the backlog, not the policy."""
     offered = offered_load(result)
     s = result.summary
     served = s["throughput_tok_s"]
-    if offered is None or result.error or served <= 0 or offered[0] <= OVERLOAD_MARGIN * served:
+    if offered is None or result.error or not overloaded(offered[0], served):
         return False
     req_served = s.get("request_throughput") or 0.0
     suggest = 0.8 * req_served
@@ -227,4 +232,4 @@ def print_summary(console, result: RunResult) -> None:
     console.print(t)
 
 
-__all__ = ["run_command", "print_summary", "warn_overload"]
+__all__ = ["run_command", "print_summary", "warn_overload", "overloaded", "offered_load"]

@@ -4,8 +4,8 @@
       summary.json        stable keys (engine/metrics.SUMMARY_KEYS), deterministic for a seed
       run_info.json       wall time, memory, derived sizes (not deterministic, so kept apart)
       config.yaml         the fully resolved config
-      requests.csv        one row per request (TTFT, TPOT, E2EL, status, fail reason)
-      microbatches.csv    one row per micro-batch (tokens, kind, KV usage, policy tags)
+      requests.csv        one row per request (TTFT, TPOT, E2EL, status, fail reason)  } output.requests
+      microbatches.csv    one row per micro-batch (tokens, kind, KV usage, policy tags) } (true)
       trace.json          Chrome/Perfetto trace, one track per stage, link and sampler
                           (output.trace=sampled: a subset of micro-batches; full: every span; off: none)
       timeline.png        the pipeline timeline of 40 consecutive traced micro-batches
@@ -115,6 +115,14 @@ def display_name(spec: RunSpec, overrides: Sequence[str] = ()) -> str:
         seen.add(key)
         parts.append(value if "." not in key else f"{key.rsplit('.', 1)[1]}={value}")
     return " · ".join(parts)
+
+
+def axis_name(axis_values: Mapping[str, Any]) -> str:
+    """The MLflow run name of a sweep point, in `display_name`'s style but only what varies
+    across the sweep: `sarathi · rate=0.5` (was `policy=sarathi,workload.rate=0.5`, cut to
+    `policy=sarathi,workload.r...` in MLflow's run list)."""
+    parts = [_short(v) if "." not in k else f"{k.rsplit('.', 1)[1]}={_short(v)}" for k, v in axis_values.items()]
+    return " · ".join(parts) or "base"
 
 
 def _short(v: Any) -> str:
@@ -249,14 +257,18 @@ def _write_files(result: RunResult, out_dir: Path, trace: str | None) -> None:
     hardware = result.spec.settings.hardware
     # which cost profile priced the run (docs/calibration.md#measured-kernels): name and version
     summary |= {"hardware_profile": getattr(hardware, "name", None), "hardware_version": getattr(hardware, "version", None)}
+    if "server" in result.info:  # `bench serve`: the server's hardware, not the client's config default
+        summary |= {"hardware_profile": result.info["server"]["hardware"],
+                    "hardware_version": result.info["server"]["hardware_version"]}
     _write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     info = redacted(dict(result.info))
     info["error"] = result.error
     _write_text(out_dir / "run_info.json", json.dumps(info, indent=2, default=str) + "\n")
     _write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(redacted(result.spec.tree()))))
-    write_csv(result.requests, out_dir / "requests.csv")
-    # 9 digits: 1 us at 1,000 s; exact reprs made the main job's file 3 MB (requests.csv stays exact)
-    write_csv(result.microbatches, out_dir / "microbatches.csv")  # exact: byte-comparable across versions
+    if result.spec.output.requests:  # off by default for sweep points (testbed/sweep/jobs.point_budget)
+        write_csv(result.requests, out_dir / "requests.csv")
+        # 9 digits: 1 us at 1,000 s; exact reprs made the main job's file 3 MB (requests.csv stays exact)
+        write_csv(result.microbatches, out_dir / "microbatches.csv")  # exact: byte-comparable across versions
     mode = trace or result.spec.output.trace
     if mode != "off":
         write_trace(result, out_dir / "trace.json")

@@ -45,12 +45,13 @@ class ServeState:
     max_model_len: int | None  # the real model's context; None under executor=sim (as `testbed run`: KV only)
     open: int = 0
     created: int = 0
+    setup: dict[str, str] | None = None  # model, hardware, executor, policy, pp: `testbed bench serve` logs these
 
     # --- validation ----------------------------------------------------------------------------------
     def spec(self, body: _Sampling, prompt_ids: list[int], default_max: int, max_tokens: int | None) -> GenerateSpec:
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", type_="NotFoundError", code="model_not_found")
+                           param="model", code="model_not_found")
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty (no tokens)", param="prompt")
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
@@ -257,7 +258,8 @@ def build_app(state: ServeState) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "testbed",
-                                            "max_model_len": state.max_model_len or kv_tokens}]}
+                                            "max_model_len": state.max_model_len or kv_tokens,
+                                            "testbed": state.setup or {}}]}
 
     @app.get("/metrics")
     async def metrics():

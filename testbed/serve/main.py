@@ -187,7 +187,9 @@ def build_server(spec: RunSpec, console=None) -> Server:
         from testbed.tracking.tracker import Tracker
 
         tracker = Tracker(spec.output)
-        run_id = tracker.start(spec, info["run_name"], tags={"mode": "serve"})
+        # the MLflow run's name in `testbed run`'s style (`gllm · serve · sim`), the folder's as always
+        shown = spec.output.run_name or f"{prepared.info['policy']} · serve · {ex_name}"
+        run_id = tracker.start(spec, shown, tags={"mode": "serve"})
     try:
         codec_vocab = model.vocab_size
         engine = EngineLoop(ctrl, None, poll_interval_s=settings.poll_interval_s)  # codec set after start
@@ -206,7 +208,8 @@ def build_server(spec: RunSpec, console=None) -> Server:
         metrics = ServeMetrics(ctrl, name)
         engine.metrics = metrics
         context = model.max_position_embeddings if ex_name != "sim" else None
-        state = ServeState(engine, codec, settings, name, metrics, codec_vocab, context, created=int(time.time()))
+        state = ServeState(engine, codec, settings, name, metrics, codec_vocab, context, created=int(time.time()),
+                           setup=server_setup(spec))
         app = build_app(state)
     except BaseException as exc:
         executor.shutdown()
@@ -215,6 +218,15 @@ def build_server(spec: RunSpec, console=None) -> Server:
         raise
     info["codec"] = codec.name
     return Server(spec, settings, ctrl, engine, app, info, tracker, run_id)
+
+
+def server_setup(spec: RunSpec) -> dict[str, str]:
+    """What this server runs, as `/v1/models` lists it (entry key `testbed`) and `testbed run`
+    tags it: `testbed bench serve` logs these, not its own config's defaults."""
+    from testbed.tracking.tracker import SETUP_TAGS, run_tags
+
+    tags = run_tags(spec)
+    return {k: tags[k] for k in SETUP_TAGS}
 
 
 def _check_bind(st: ServeSettings) -> None:

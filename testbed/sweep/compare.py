@@ -49,7 +49,7 @@ from testbed.sweep import jobs as sweep
 from testbed.cluster.ray_backend import split_backend
 from testbed.cluster.ray_tasks import remote_pool
 from testbed.config.spec import compose_spec
-from testbed.config.overrides import as_int, check_keys, split_list, split_prefixed
+from testbed.config.overrides import as_int, check_keys, explicit_keys, split_list, split_prefixed
 from testbed.config.spec import RunSpec
 from testbed.sweep.report import FIGURE_METRICS, print_table, sort_rows, write_comparison
 from testbed.tune.objectives import SCALAR_KEYS, resolve_metric
@@ -191,7 +191,8 @@ def plan(overrides: Sequence[str], confirmed: bool = True, console: Any = None) 
     axes, points = grid(rest, confirmed)
     if console is not None and len(points) > CONFIRM_POINTS:
         console.print(f"composing and checking {len(points):,} grid points first ...", highlight=False)
-    specs = [compose_spec(list(p.overrides)) for p in points]
+    budget = sweep.point_budget(explicit_keys(rest))  # run folders of ~10 kB: jobs.POINT_BUDGET
+    specs = [compose_spec([*p.overrides, *budget]) for p in points]
     if settings.x is not None and settings.x not in axes:
         raise ConfigError(f"compare.x={settings.x!r} is not an axis; axes: {', '.join(axes) or '(none)'}")
     name = settings.experiment or default_name()
@@ -242,7 +243,26 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
     parent.end("FINISHED")
     if console is not None:
         print_table(console, df, p.axes, f"{p.name} ({len(df)} runs, {wall:.1f} s)")
+        warn_overloaded(console, df, p.axes)
     return p.out_dir, df
+
+
+def warn_overloaded(console: Any, df: pd.DataFrame, axes: Sequence[str]) -> list[int]:
+    """One yellow line naming the points whose workload offered more than they served, as
+    `testbed run` warns for its run: there TTFT and SLO attainment measure a backlog that grows
+    with the run's length, not the policy. Returns those points."""
+    from testbed.run.command import overloaded
+
+    if not {"offered_tok_s", "throughput_tok_s"} <= set(df.columns):
+        return []
+    over = df[[overloaded(o, t) for o, t in zip(df["offered_tok_s"].fillna(0.0), df["throughput_tok_s"].fillna(0.0))]]
+    if over.empty:
+        return []
+    names = ", ".join(f"{int(r['point'])} ({', '.join(f'{a}={r[a]}' for a in axes)})" for r in over.to_dict("records"))
+    console.print(f"[yellow]warning: overloaded: {len(over)} of {len(df)} points were offered more load than they "
+                  f"served, so queues grow and TTFT measures the backlog: points {names}; `testbed capacity` "
+                  f"finds each setup's highest sustainable rate[/yellow]", soft_wrap=True)
+    return [int(pt) for pt in over["point"]]
 
 
 def _print_start(console: Any, p: Plan) -> None:

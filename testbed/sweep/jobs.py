@@ -46,7 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from engine.errors import TestbedError
 from engine.settings import OutputSettings
 from testbed import signals
-from testbed.run.outputs import write_run_dir
+from testbed.run.outputs import axis_name, write_run_dir
 from testbed.run.runner import prepare_experiment
 from testbed.config.spec import RunSpec
 from testbed.tracking.tracker import Tracker, tracking_uri
@@ -107,6 +107,19 @@ class Job:
     tags: dict = field(default_factory=dict)  # extra tags of its MLflow run (e.g. capacity.point / capacity.probe)
 
 
+# A sweep point's run folder by default: summary, config, run info (~10 kB). Traces, per-request
+# and per-micro-batch tables and per-run figures only when the user sets these keys: with them, one
+# 32-probe capacity search of the main job wrote 330 MB (the azure trace's 2,000 requests at every
+# probe), and the README tour's runs/ 638 MB.
+POINT_BUDGET = ("output.trace=off", "output.requests=false", "output.plots=false")
+
+
+def point_budget(user: set[str], keep: Sequence[str] = ()) -> list[str]:
+    """The POINT_BUDGET overrides whose key the user did not set (`user`: the keys given) and
+    that are not in `keep` (a capacity warm-up re-reads requests.csv)."""
+    return [ov for ov in POINT_BUDGET if (key := ov.partition("=")[0]) not in user and key not in keep]
+
+
 _TRACKERS: dict[tuple[str, str], Any] = {}
 PARENT_TAG = "testbed.parent_run"  # a point run's link to its sweep's summary run (not MLflow nesting)
 
@@ -124,7 +137,7 @@ def _open_point_run(job: Job) -> tuple[Any, str | None]:
     if not job.spec.output.mlflow:
         return None, None
     tracker = _tracker(job.spec.output, job.experiment)
-    return tracker, tracker.start(job.spec, job.label, tags=point_tags(job))
+    return tracker, tracker.start(job.spec, axis_name(job.axis_values), tags=point_tags(job))
 
 
 def point_tags(job: Job) -> dict[str, str]:
@@ -178,10 +191,15 @@ def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
 
 
 def fill_row(row: dict, result: Any) -> None:
-    """A point's row from its RunResult: status, error and the summary's numbers (per-stage lists
-    as `<key>.stage<i>`)."""
+    """A point's row from its RunResult: status, error, the load the workload offered
+    (`offered_tok_s`, `offered_req_s`: `compare` warns where it exceeds what was served) and the
+    summary's numbers (per-stage lists as `<key>.stage<i>`)."""
+    from testbed.run.command import offered_load
+
     row["error"] = result.error
     row["status"] = "failed" if result.error else "finished"
+    offered = offered_load(result)
+    row["offered_tok_s"], row["offered_req_s"] = offered if offered is not None else (math.nan, math.nan)
     for k, v in result.summary.items():
         if isinstance(v, list):
             row.update({f"{k}.stage{i}": float(x) for i, x in enumerate(v)})
@@ -200,10 +218,14 @@ class ParentRun:
     worker starts (which also creates the database and the experiment), ended FINISHED, or
     KILLED together with every point run (tag `testbed.parent_run`) still RUNNING."""
 
-    def __init__(self, output: OutputSettings, experiment: str, run_name: str, tags: Mapping[str, str]) -> None:
+    def __init__(self, output: OutputSettings, experiment: str, run_name: str, tags: Mapping[str, str],
+                 view: Any = None) -> None:
+        """`view`: the saved MLflow view (testbed/tracking/views.py) the printed link opens."""
         self.tracker = self.run_id = None
         if output.mlflow:
             self.tracker = _tracker(output, experiment)
+            if view is not None:
+                self.tracker.save_view(view)
             from testbed.cluster.identity import host_name
 
             self.run_id = self.tracker.client.create_run(self.tracker.experiment_id, run_name=run_name,

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
 from engine.settings import OutputSettings
+from testbed.tracking.views import (ALL_RUNS, HEADLINE_METRICS, HEADLINE_SECTION, TAG_PREFIX, View, headline_view,
+                                    view_link)
 
 if TYPE_CHECKING:
     from testbed.config.spec import RunSpec
@@ -74,8 +76,6 @@ class LockRetryingClient:
 # MLflow's chart view puts sections named by a metric's prefix ("<section>/<name>") before its
 # default "Model metrics" section, and sorts charts by key inside each: these four, logged once
 # more under `headline/`, are the first charts a newcomer sees (was: chart 30 of 37)
-HEADLINE_SECTION = "headline"
-HEADLINE_METRICS = ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s", "slo_attainment")
 HEADLINE = (("throughput_tok_s", "throughput tok/s", "{:.0f}"), ("ttft_mean_s", "TTFT mean s", "{:.3g}"),
             ("ttft_p99_s", "TTFT p99 s", "{:.3g}"), ("tpot_mean_s", "TPOT mean s", "{:.3g}"),
             ("slo_attainment", "SLO attainment", "{:.1%}"), ("bubble_ratio", "bubble ratio", "{:.3f}"))
@@ -146,6 +146,10 @@ def _lock_for(uri: str):
     return FileLock(uri[len("sqlite:///"):] + ".lock", timeout=600)
 
 
+# the tags that say which system ran: a `testbed serve` lists them, `testbed bench serve` logs the server's
+SETUP_TAGS = ("policy", "model", "hardware", "hardware_version", "executor", "pp")
+
+
 def run_tags(spec: RunSpec, command: str | None = None) -> dict[str, str]:
     """Tags shown in MLflow's run table and usable as filters (`tags.policy = 'gllm'`)."""
     rc, wl = spec.settings, spec.workload
@@ -185,16 +189,21 @@ def run_metrics(result, steps: bool = True) -> list[tuple[str, float, int]]:
     return out
 
 
-def chart_link(uri: str, experiment_id: str) -> str:
-    """The line that opens this experiment's runs as charts in MLflow's UI (MLflow 3's route
-    `#/experiments/<id>/runs`; `workflowType=machine_learning` skips the GenAI view, which
-    lists no runs; `compareRunsMode=CHART` the chart view, headline section first)."""
+# 2 processes instead of 15 (4 uvicorn workers, a job runner and its huey consumers, each importing
+# MLflow's server): the first page after 27 s instead of 102 s, 5 s of CPU instead of 14 (2-core
+# machine at load ~20; docs/tuning-and-comparing.md#looking-at-the-results)
+MLFLOW_UI = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1"
+
+
+def chart_link(uri: str, experiment_id: str, view: str = ALL_RUNS) -> str:
+    """The line that opens this experiment's runs as charts in MLflow's UI, in the saved `view`
+    (testbed/tracking/views.py: every run shown, headline section first, two charts a row)."""
     from testbed.config.redact import redact
 
-    view = f"#/experiments/{experiment_id}/runs?workflowType=machine_learning&compareRunsMode=CHART"
     if uri.startswith(("http://", "https://")):  # the tracking server serves the UI itself
-        return f"MLflow charts: {redact(uri.rstrip('/'))}/{view}"
-    return f"MLflow charts: mlflow ui --backend-store-uri {redact(uri)}, then open http://127.0.0.1:5000/{view}"
+        return f"MLflow charts: {view_link(redact(uri.rstrip('/')), experiment_id, view)}"
+    return (f"MLflow charts: {MLFLOW_UI} --backend-store-uri {redact(uri)}, then open "
+            f"{view_link('http://127.0.0.1:5000', experiment_id, view)}")
 
 
 def note(result) -> str:
@@ -314,10 +323,18 @@ class Tracker:
                 # in its GenAI mode, "Traces 0", until "Model training" is picked once or the link
                 # carries ?workflowType=machine_learning, as `testbed run` prints it.)
                 self.client.set_experiment_tag(self.experiment_id, *EXPERIMENT_KIND)
+            self.view = ALL_RUNS
+            if exp is None or TAG_PREFIX + ALL_RUNS not in (exp.tags or {}):
+                self.client.set_experiment_tag(self.experiment_id, *headline_view(HEADLINE_METRICS).tag())
+
+    def save_view(self, view: View) -> None:
+        """Write `view` on the experiment; `link` opens it from now on."""
+        self.client.set_experiment_tag(self.experiment_id, *view.tag())
+        self.view = view.key
 
     @property
     def link(self) -> str:
-        return chart_link(self.uri, self.experiment_id)
+        return chart_link(self.uri, self.experiment_id, self.view)
 
     def start(self, spec: RunSpec, run_name: str, parent_run_id: str | None = None,
               tags: Mapping[str, str] | None = None) -> str:

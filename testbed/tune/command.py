@@ -21,6 +21,7 @@ from testbed import signals
 from testbed.cluster.ray_backend import split_backend
 from testbed.cluster import heartbeat, identity
 from testbed.tracking.tracker import tracking_uri
+from testbed.tracking.views import study_view
 from testbed.tune.display import Display, pareto_indices, print_start, values_text
 from testbed.tune.figures import trials_frame, write_study_figures
 from testbed.tune.objectives import sig4
@@ -99,6 +100,9 @@ def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
             if params is not None:
                 study.enqueue_trial(params, user_attrs={"baseline": True})
         problem = dataclasses.replace(problem, parent_run_id=study_run(problem, study, tracker))
+        if tracker is not None:  # the link shows every trial (views.study_view)
+            s = problem.settings
+            tracker.save_view(study_view(problem.study, s.objectives[0], s.directions[0] == "maximize"))
     stale = fail_stale(study, storage, tracker) + heartbeat.reap(study, tracker)
     Path(problem.out_dir).mkdir(parents=True, exist_ok=True)
     trials = study.get_trials(deepcopy=False)

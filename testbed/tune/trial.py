@@ -122,7 +122,7 @@ class TrialRunner:
         p = self.p
         tags = {"testbed.kind": "trial", "optuna.study": p.study, "optuna.trial": str(trial.number),
                 "optuna.params": json.dumps(trial.params, default=str), **self.worker.tags()}
-        name = f"trial-{trial.number:04d}"
+        name = f"{p.base.policy_name} · trial={trial.number}"  # `testbed run`'s naming style
         if spec is not None:
             run_id = self.tracker.start(spec, name, parent_run_id=p.parent_run_id, tags=tags)
         else:
