@@ -36,7 +36,7 @@ def test_a_same_named_hosts_live_trial_is_not_failed(tmp_path):
                        (dead_here, me.namespace, f"{me.host}-def.0")):
         t.set_user_attr("worker", wid)  # the same host name on both
         study.set_user_attr(f"worker:{wid}", {"host": me.host, "pid": int(dead), "namespace": ns})
-    assert fail_stale(study, study._storage, None) == 1
+    assert len(fail_stale(study, study._storage, None)) == 1
     states = {t.number: t.state.name for t in study.get_trials()}
     assert states == {other.number: "RUNNING", dead_here.number: "FAIL"}
 

@@ -8,6 +8,7 @@ import json
 import secrets
 import shutil
 import signal
+import threading
 import time
 
 import pytest
@@ -225,3 +226,79 @@ def test_sigterm_on_one_host_leaves_the_others_trials_alone(postgres, mlflow_ser
     assert [t.number for t in a_stopped] == [stopped], f"trials: {seen}; host a: {a.output[-1500:]}"
     assert all(runs[t.user_attrs["mlflow_run_id"]].data.tags["host"] == "lab-a" for t in a_stopped)
     assert sum(t.state.name == "COMPLETE" for t in trials) >= 6
+
+
+def _study_ended_clean(storage: str, name: str, tracking: str, complete: int) -> list:
+    """The study's trials: `complete` of them COMPLETE, none RUNNING, and no MLflow run RUNNING."""
+    import optuna
+
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    states = [t.state.name for t in trials]
+    assert states.count("COMPLETE") >= complete and "RUNNING" not in states, states
+    runs = _runs(tracking, f"tune-{name}")
+    assert "RUNNING" not in {r.info.status for r in runs}, [(r.info.run_name, r.info.status) for r in runs]
+    return trials
+
+
+def test_a_postgres_restart_mid_study_is_ridden_out(postgres, mlflow_server, tmp_path):
+    """A PostgreSQL restart mid-study crashed the host (exit 1, a 118-line StorageInternalError)
+    and left its trial RUNNING while its MLflow run had FINISHED. Now the host says it waits,
+    reconnects, and the study ends with every trial complete."""
+    storage, name = postgres.new_database("optuna"), f"pgrestart-{secrets.token_hex(3)}"
+    host = Host(tmp_path / "a", "lab-a", *_tune(storage, mlflow_server.base, name, "tune.trials=8",
+                                                "workload.num_requests=3000"))
+    _wait_running(host, storage, name)
+    postgres.restart(down_s=3)
+    assert host.wait() == 0, host.output[-3000:]
+    out = host.output
+    assert "is unreachable" in out and "reachable again" in out, out[-3000:]
+    assert "Traceback" not in out and PASSWORD not in out
+    trials = _study_ended_clean(storage, name, mlflow_server.base, 8)
+    assert not [t.number for t in trials if t.state.name == "FAIL"]
+
+
+def test_postgres_gone_for_good_ends_this_hosts_runs_and_a_rerun_finishes(postgres, mlflow_server, tmp_path,
+                                                                         monkeypatch):
+    """PostgreSQL down for longer than the reconnect window: one `error:` line and exit 1 (was: a
+    traceback), no MLflow run of the host left RUNNING; the same command run again once the
+    database is back reclaims the stranded trial and completes the study."""
+    storage, name = postgres.new_database("optuna"), f"pgdown-{secrets.token_hex(3)}"
+    args = _tune(storage, mlflow_server.base, name, "tune.trials=6", "workload.num_requests=3000",
+                 "tune.heartbeat=1", "tune.grace_period=2")
+    monkeypatch.setenv("TESTBED_RECONNECT_S", "2")
+    first = Host(tmp_path / "a", "lab-a", *args)
+    _wait_running(first, storage, name)
+    stopper = threading.Thread(target=postgres.restart, args=(15,))
+    stopper.start()
+    try:
+        assert first.wait() == 1, first.output[-3000:]
+    finally:
+        stopper.join()
+    err = "".join(first.err)
+    assert err.count("error:") == 1 and "stayed unreachable" in err and "Traceback" not in err, err[-3000:]
+    assert PASSWORD not in first.output
+    runs = _runs(mlflow_server.base, f"tune-{name}")
+    assert "RUNNING" not in {r.info.status for r in runs}, [(r.info.run_name, r.info.status) for r in runs]
+    assert {r.info.status for r in runs if r.data.tags.get("testbed.kind") == "study"} == {"FAILED"}
+    time.sleep(3)  # past the grace period of the stranded trial's last heartbeat
+    monkeypatch.delenv("TESTBED_RECONNECT_S")
+    second = Host(tmp_path / "a", "lab-a", *args)
+    assert second.wait() == 0, second.output[-3000:]
+    _study_ended_clean(storage, name, mlflow_server.base, 6)
+
+
+def test_an_mlflow_server_restart_mid_study_is_ridden_out(postgres, mlflow_server, tmp_path):
+    """The MLflow server going away mid-study hung the host ~4 min (MLflow's own HTTP retries)
+    and then crashed it with a traceback from log_batch, trials and study run left RUNNING. Now
+    the host waits for the server, says so, and the study ends complete with every run ended."""
+    storage, name = postgres.new_database("optuna"), f"mlrestart-{secrets.token_hex(3)}"
+    host = Host(tmp_path / "a", "lab-a", *_tune(storage, mlflow_server.base, name, "tune.trials=8",
+                                                "workload.num_requests=3000"))
+    _wait_running(host, storage, name)
+    mlflow_server.restart()
+    assert host.wait() == 0, host.output[-3000:]
+    out = host.output
+    assert "is unreachable" in out and "reachable again" in out, out[-3000:]
+    assert "Traceback" not in out
+    trials = _study_ended_clean(storage, name, mlflow_server.base, 8)
+    assert not [t.number for t in trials if t.state.name == "FAIL" and not t.user_attrs.get("interrupted")]
