@@ -177,11 +177,12 @@ class MlflowServer:
             cwd=self.workdir, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # docs/beyond-one-machine.md
 
-    def restart(self) -> None:
-        """Stop the server (SIGKILL: it goes away at once, as a crashed or rebooted one does)
-        and start it again on the same port and store; returns once it answers."""
+    def restart(self, down_s: float = 0.0) -> None:
+        """Stop the server (SIGKILL: it goes away at once, as a crashed or rebooted one does),
+        stay down `down_s` seconds, start it again on the same port and store; returns once it answers."""
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
+        time.sleep(down_s)
         self._start()
         self.wait_healthy()
 

@@ -302,3 +302,31 @@ def test_an_mlflow_server_restart_mid_study_is_ridden_out(postgres, mlflow_serve
     assert "Traceback" not in out
     trials = _study_ended_clean(storage, name, mlflow_server.base, 8)
     assert not [t.number for t in trials if t.state.name == "FAIL" and not t.user_attrs.get("interrupted")]
+
+
+def test_mlflow_server_gone_for_good_fails_fast_and_a_rerun_cleans_up(postgres, mlflow_server, tmp_path,
+                                                                       monkeypatch):
+    """The MLflow server away for longer than the reconnect window: one `error:` line and exit 1
+    (was: ~4 min of silence, then a traceback from log_batch), the host's trial interrupted in
+    the study (was: RUNNING); run again once the server is back, the same command ends the
+    trial run left RUNNING there and completes the study, with no manual step."""
+    storage, name = postgres.new_database("optuna"), f"mldown-{secrets.token_hex(3)}"
+    args = _tune(storage, mlflow_server.base, name, "tune.trials=6", "workload.num_requests=3000")
+    monkeypatch.setenv("TESTBED_RECONNECT_S", "3")
+    first = Host(tmp_path / "a", "lab-a", *args)
+    _wait_running(first, storage, name)
+    restarter = threading.Thread(target=mlflow_server.restart, args=(20,))
+    restarter.start()
+    try:
+        assert first.wait() == 1, first.output[-3000:]
+    finally:
+        restarter.join()
+    err = "".join(first.err)
+    assert err.count("error:") == 1 and "stayed unreachable" in err and "Traceback" not in err, err[-3000:]
+    import optuna
+
+    assert "RUNNING" not in {t.state.name for t in optuna.load_study(study_name=name, storage=storage).trials}
+    monkeypatch.delenv("TESTBED_RECONNECT_S")
+    second = Host(tmp_path / "a", "lab-a", *args)
+    assert second.wait() == 0, second.output[-3000:]
+    _study_ended_clean(storage, name, mlflow_server.base, 6)

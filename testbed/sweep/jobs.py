@@ -49,6 +49,7 @@ from testbed import signals
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
 from testbed.config.spec import RunSpec
+from testbed.cluster.artifacts import ArtifactStoreError
 from testbed.tracking.tracker import Tracker, tracking_uri
 
 PARENT_POLL_S = 0.5
@@ -173,8 +174,8 @@ def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
     if tracker is not None:
         try:
             tracker.finish(row["run_id"], result, run_dir)
-        except OSError as exc:  # the artifact store cannot be written: the run ended FAILED, the grid goes on
-            row["status"], row["error"] = "failed", f"artifacts not logged: {type(exc).__name__}: {exc}"
+        except ArtifactStoreError as exc:  # the store cannot be written: the run ended FAILED, the grid goes on
+            row["status"], row["error"] = "failed", str(exc)
 
 
 def fill_row(row: dict, result: Any) -> None:
@@ -238,6 +239,22 @@ class ParentRun:
         if error:
             print(f"warning: files of {folder} were not logged to MLflow: {error}", file=sys.stderr)
         return error
+
+    def check_store(self, path: Path) -> None:
+        """Log one file now, so that an artifact store that cannot be written fails the sweep
+        before any point runs: `ArtifactStoreError`, with this run ended FAILED and tagged
+        `artifact_error`. Before, `compare` on a server whose store refused files stalled ~4 min
+        in MLflow's retries, printed a 93-line traceback and left this run RUNNING (issue 38 item 3)."""
+        if self.tracker is None:
+            return
+        from testbed.cluster.artifacts import log_files
+
+        error = log_files(self.tracker.client, self.run_id, [path])
+        if error:
+            self.end("FAILED")
+            raise ArtifactStoreError(f"the MLflow artifact store of experiment {self.tracker.experiment_id} cannot "
+                                     f"be written ({error}); nothing was run. Check the store (mlflow server "
+                                     f"--artifacts-destination) or name a new experiment")
 
     def end(self, status: str = "FINISHED") -> None:
         if self.tracker is None:

@@ -393,13 +393,14 @@ class Tracker:
         tag_list = [RunTag(k, str(v)) for k, v in tags.items()]
         for i in range(0, max(len(ms), 1), 1000):
             self.client.log_batch(run_id, metrics=ms[i:i + 1000], tags=tag_list if i == 0 else [])
-        try:
-            for path in artifacts:
-                self.client.log_artifact(run_id, str(path))
-        except Exception as exc:  # e.g. a full disk under the artifact store: the run still ends, FAILED
-            self.client.set_tag(run_id, "artifact_error", f"{type(exc).__name__}: {exc}"[:5000])
+        from testbed.cluster.artifacts import log_files
+
+        error = log_files(self.client, run_id, artifacts)  # tags the run `artifact_error`
+        if error:  # e.g. a full disk under the artifact store, a server's HTTP 500: the run still ends, FAILED
             self.client.set_terminated(run_id, "FAILED")
-            raise
+            from testbed.cluster.artifacts import ArtifactStoreError
+
+            raise ArtifactStoreError(f"the files of MLflow run {run_id} were not logged: {error}")
         self.client.set_terminated(run_id, status)
 
     def running_run_with_tag(self, key: str, value: str) -> str | None:

@@ -26,7 +26,7 @@ from testbed.tune.figures import trials_frame, write_study_figures
 from testbed.tune.objectives import sig4
 from testbed.tune.problem import Problem, fingerprint_of, first_difference, prepare
 from testbed.cluster.reconnect import ServiceLost
-from testbed.tune.reclaim import reclaim, settle
+from testbed.tune.reclaim import end_stray_runs, reclaim, settle
 from testbed.tune.storage import (INTERRUPTED, counted, create_or_load, fail_stale, first_use_lock, heartbeat_of,
                                   make_sampler, mark_interrupted, problem_json, quiet_optuna, redact)
 from testbed.tune.tracking import log_study, study_run
@@ -108,7 +108,7 @@ def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
 def _study_session(problem: Problem, study: Any, storage: Any, tracker: Any, console: Any,
                    backend: Any) -> TuneOutcome:
     """Reclaim stranded trials, run this host's trials, settle the study's end, report."""
-    stale = reclaim(study, storage, tracker, problem)
+    stale = reclaim(study, storage, tracker, problem) + end_stray_runs(study, tracker, problem.parent_run_id)
     Path(problem.out_dir).mkdir(parents=True, exist_ok=True)
     trials = study.get_trials(deepcopy=False)
     display = Display(console, problem.base.output.progress, problem, trials)

@@ -75,6 +75,27 @@ def reclaim(study: Any, storage: Any, tracker: Any, problem: Problem) -> list[st
     return fail_stale(study, storage, tracker, recover) + heartbeat.reap(study, tracker, recover)
 
 
+def end_stray_runs(study: Any, tracker: Any, parent_run_id: str | None) -> list[str]:
+    """Trial runs left RUNNING under the study's run while their trial has ended: their worker
+    ended the trial but could not reach the tracking server any more (it stayed away past the
+    reconnect window). Ended KILLED once the server is back, so none needs a manual step."""
+    if tracker is None or not parent_run_id:
+        return []
+    states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
+    notes = []
+    for run in tracker.client.search_runs([tracker.experiment_id],
+                                          filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' "
+                                                        f"and attributes.status = 'RUNNING'"):
+        number = run.data.tags.get("optuna.trial", "")
+        state = states.get(int(number)) if number.isdigit() else None
+        if state is None or state == TrialState.RUNNING:
+            continue  # a live trial's run, or not a trial's
+        tracker.fail(run.info.run_id, f"interrupted: trial {number} ended {state.name} while its run could "
+                                      f"not be reached", status="KILLED")
+        notes.append(f"trial {number}: its MLflow run {run.info.run_id} was left RUNNING; ended KILLED")
+    return notes
+
+
 def recoverer(study: Any, tracker: Any, problem: Problem) -> Callable[[Any], bool]:
     """`recover(trial)`: complete a stranded trial from its recorded results, if it has some."""
     def recover(trial: Any) -> bool:

@@ -19,6 +19,7 @@ from optuna.trial import TrialState
 
 from engine.errors import TestbedError
 from testbed.cluster import heartbeat, identity
+from testbed.cluster.artifacts import ArtifactStoreError
 from testbed.cluster.reconnect import ServiceLost
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
@@ -177,10 +178,13 @@ class TrialRunner:
                                     plots=spec.output.plots)
         if self.tracker is None:
             return
-        if self.p.settings.artifacts:
-            self.tracker.finish(run_id, result, run_dir)  # everything, as `testbed run` logs it
-        else:
-            self.tracker.finish(run_id, result, None, steps=False)
+        try:
+            if self.p.settings.artifacts:
+                self.tracker.finish(run_id, result, run_dir)  # everything, as `testbed run` logs it
+            else:
+                self.tracker.finish(run_id, result, None, steps=False)
+        except ArtifactStoreError as exc:  # the run ended FAILED with `artifact_error`: a failed trial
+            raise TrialFailed(str(exc), run_closed=True) from None
 
     def _fail(self, study, trial, run_id, reason: str, event: dict, t0: float) -> dict:
         trial.set_user_attr("fail_reason", reason[:2000])
