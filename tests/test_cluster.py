@@ -156,3 +156,64 @@ def test_bad_heartbeat_settings_are_one_line(tmp_path, capsys):
         code = main(["tune", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", *args])
         err = capsys.readouterr().err
         assert code == 2 and err.count("error:") == 1 and needle in err, err
+
+
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip())
+
+
+def test_a_stranded_trial_whose_run_recorded_results_is_completed_not_run_again(tmp_path):
+    """A worker that lost the study's database after its trial's MLflow run FINISHED left the
+    trial RUNNING, and the next command failed it and ran the work again (issue 38 item 1). Now
+    it is completed with the values its run recorded, and reported by name."""
+    from testbed.cluster import identity
+    from testbed.tune.problem import prepare
+    from testbed.tune.reclaim import reclaim
+    from testbed.tune.storage import create_or_load, make_sampler
+    from testbed.tune.trial import open_tracker
+
+    fresh_mlflow_db(tmp_path)
+    problem = prepare([*BASE, f"output.dir={tmp_path}", "tune.study=rec"])
+    s = problem.settings
+    study, storage = create_or_load(problem.study, problem.storage_url, s.directions, s.objectives,
+                                    make_sampler("random", 0, 1))
+    tracker = open_tracker(problem)
+    done, lost = study.ask(), study.ask()
+    me = identity.this_worker(0)
+    for t, wid in ((done, f"{me.host}-aaa.0"), (lost, f"{me.host}-bbb.0")):
+        t.set_user_attr("worker", wid)
+        study.set_user_attr(f"worker:{wid}", {"host": me.host, "pid": _dead_pid(), "namespace": me.namespace})
+        run_id = tracker.start_flat({}, f"trial-{t.number:04d}", {"optuna.trial": str(t.number)})
+        t.set_user_attr("mlflow_run_id", run_id)
+    tracker.finish_flat(study.trials[0].user_attrs["mlflow_run_id"], [("throughput_tok_s", 1234.5, 0), ("slo_attainment", 0.75, 0)], {}, [],
+                        "FINISHED")
+    notes = reclaim(study, storage, tracker, problem)
+    trials = study.get_trials()
+    assert trials[0].state.name == "COMPLETE" and trials[0].value == 1234.5
+    assert trials[0].user_attrs["summary"]["slo_attainment"] == 0.75
+    assert trials[1].state.name == "FAIL" and trials[1].user_attrs["interrupted"]  # no results: runs again
+    assert notes == [f"trial 0 (worker {me.host}-aaa.0, gone): completed from its recorded results",
+                     f"trial 1 (worker {me.host}-bbb.0, gone): failed (interrupted); it runs again"]
+
+
+def test_an_interrupted_baseline_is_enqueued_again(tmp_path):
+    """Trial 0, the defaults, interrupted (a stop, a lost Ray task) was never run again, while
+    one reclaimed through its heartbeat was (issue 38 item 5)."""
+    from testbed.tune.command import enqueue_baseline
+    from testbed.tune.problem import prepare
+    from testbed.tune.storage import create_or_load, make_sampler, mark_interrupted
+
+    problem = prepare([*BASE, f"output.dir={tmp_path}", "tune.study=base", "tune.trials=3"])
+    s = problem.settings
+    study, storage = create_or_load(problem.study, problem.storage_url, s.directions, s.objectives,
+                                    make_sampler("random", 0, 1))
+    enqueue_baseline(problem, study)
+    first = study.ask()
+    assert first.user_attrs.get("baseline")
+    assert mark_interrupted(storage, first._trial_id)
+    enqueue_baseline(problem, study)
+    again = study.ask()
+    assert again.user_attrs.get("baseline") and again.params == first.params
+    enqueue_baseline(problem, study)  # the rerun is running: not enqueued a third time
+    assert [t.state.name for t in study.get_trials()] == ["FAIL", "RUNNING"]

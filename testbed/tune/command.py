@@ -96,19 +96,21 @@ def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
     with first_use_lock(problem.storage_url, Path(problem.out_dir).parent.parent, tracking_uri(problem.base.output)):
         study, storage = open_study(problem)
         tracker = open_tracker(problem)  # creates the MLflow DB before any worker
+        stale = reclaim(study, storage, tracker, problem)  # first: an interrupted baseline is enqueued again
         enqueue_baseline(problem, study)
         problem = dataclasses.replace(problem, parent_run_id=study_run(problem, study, tracker))
     try:
-        return _study_session(problem, study, storage, tracker, console, backend)
+        return _study_session(problem, study, storage, tracker, console, backend, stale)
     except ServiceLost as exc:  # the database or the tracking server stayed away: one error line, exit 1
         abandon(problem, study, tracker, exc)
         raise
 
 
 def _study_session(problem: Problem, study: Any, storage: Any, tracker: Any, console: Any,
-                   backend: Any) -> TuneOutcome:
-    """Reclaim stranded trials, run this host's trials, settle the study's end, report."""
-    stale = reclaim(study, storage, tracker, problem) + end_stray_runs(study, tracker, problem.parent_run_id)
+                   backend: Any, stale: list[str]) -> TuneOutcome:
+    """Run this host's trials, settle the study's end, report (`stale`: the trials reclaimed at
+    the start)."""
+    stale = stale + end_stray_runs(study, tracker, problem.parent_run_id)
     Path(problem.out_dir).mkdir(parents=True, exist_ok=True)
     trials = study.get_trials(deepcopy=False)
     display = Display(console, problem.base.output.progress, problem, trials)
