@@ -90,6 +90,17 @@ def _wait_running(host: Host, storage: str, name: str) -> object:
     pytest.fail(f"no trial of {name} started within {WAIT_S} s")
 
 
+def _killed_in_a_trial(host: Host, storage: str, name: str) -> object:
+    """SIGKILL the host inside its first trial, which is returned; skips where the host cannot
+    have its own pid namespace (in this one a dead worker is seen at once: marked interrupted)."""
+    if not host.isolated:
+        host.kill()
+        pytest.skip("needs unshare --pid (root) to imitate another host's process table")
+    victim = _wait_running(host, storage, name)
+    host.kill()
+    return victim
+
+
 def test_a_killed_hosts_trial_is_failed_and_retried_by_another(postgres, mlflow_server, tmp_path):
     """A SIGKILLed host's trial stayed RUNNING for good and counted toward the budget (19
     results for 20 trials). Now its heartbeat goes stale, another host fails it, runs it again
@@ -99,12 +110,7 @@ def test_a_killed_hosts_trial_is_failed_and_retried_by_another(postgres, mlflow_
     storage, name = postgres.new_database("optuna"), f"killed-{secrets.token_hex(3)}"
     args = _tune(storage, mlflow_server.base, name, "tune.trials=3", "workload.num_requests=3000",
                  "tune.heartbeat=1", "tune.grace_period=2")
-    first = Host(tmp_path / "a", "lab-a", *args)
-    if not first.isolated:  # in this pid namespace a dead worker is seen at once (marked interrupted)
-        first.kill()
-        pytest.skip("needs unshare --pid (root) to imitate another host's process table")
-    victim = _wait_running(first, storage, name)
-    first.kill()
+    victim = _killed_in_a_trial(Host(tmp_path / "a", "lab-a", *args), storage, name)
     time.sleep(3)  # past the grace period: no heartbeat can come from a killed process
     second = Host(tmp_path / "b", "lab-b", *args)
     assert second.wait() == 0, second.output[-2000:]
@@ -338,12 +344,7 @@ def test_a_dead_hosts_baseline_is_reclaimed_at_the_end_of_a_short_study(postgres
     storage, name = postgres.new_database("optuna"), f"settle-{secrets.token_hex(3)}"
     args = _tune(storage, mlflow_server.base, name, "tune.trials=2", "workload.num_requests=3000",
                  "tune.heartbeat=1", "tune.grace_period=30")  # longer than the second host's start
-    first = Host(tmp_path / "a", "lab-a", *args)
-    if not first.isolated:  # in this pid namespace a dead worker is seen at once (marked interrupted)
-        first.kill()
-        pytest.skip("needs unshare --pid (root) to imitate another host's process table")
-    victim = _wait_running(first, storage, name)
-    first.kill()
+    victim = _killed_in_a_trial(Host(tmp_path / "a", "lab-a", *args), storage, name)
     second = Host(tmp_path / "b", "lab-b", *args)  # within the grace period: trial 0 still looks alive
     assert second.wait() == 0, second.output[-3000:]
     assert victim.number == 0 and victim.user_attrs.get("baseline")
