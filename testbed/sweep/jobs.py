@@ -106,6 +106,7 @@ class Job:
     parent_run_id: str | None
     run_dir: str
     tags: dict = field(default_factory=dict)  # extra tags of its MLflow run (e.g. capacity.point / capacity.probe)
+    requests: Any = None  # the resolved request list, shipped with a Ray task (or a Ray ObjectRef to it)
 
 
 _TRACKERS: dict[tuple[str, str], Any] = {}
@@ -147,7 +148,7 @@ def run_point(job: Job) -> dict:
                            "run_id": None, "run_dir": None}
     tracker, row["run_id"] = _open_point_run(job)
     try:
-        result = prepare_experiment(job.spec).run()
+        result = prepare_experiment(job.spec, requests=None if job.requests is None else list(job.requests)).run()
     except TestbedError as exc:
         row["error"] = str(exc)
     except Exception as exc:  # a policy bug at this point: one failed row, not a dead grid

@@ -20,6 +20,7 @@ from optuna.trial import TrialState
 from engine.errors import TestbedError
 from testbed.cluster import heartbeat, identity
 from testbed.cluster.artifacts import ArtifactStoreError
+from testbed.cluster.ray_tasks import workload_key
 from testbed.cluster.reconnect import ServiceLost
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
@@ -63,9 +64,13 @@ class TrialRunner:
         self.opened: str | None = None  # the MLflow run of the trial running now, once opened
         self._requests: dict[str, list] = {}
 
+    def preload(self, spec: RunSpec, requests: list) -> None:
+        """The requests of `spec`'s workload, built elsewhere (a Ray task's come from the driver)."""
+        self._requests = {workload_key(spec): requests}
+
     def _requests_for(self, spec: RunSpec):
         """Build the workload once per process (it is immutable) unless a trial changes it."""
-        key = repr((spec.workload, spec.data_dir))
+        key = workload_key(spec)
         if key not in self._requests:
             self._requests.clear()
             self._requests[key] = build_workload(spec.workload, spec.data_dir)
