@@ -9,9 +9,15 @@ Paths. A Ray worker's working directory is wherever its node was started, not th
 every path a job names (`output.dir`, its run directory, `data_dir`, the table-model cache) is
 made absolute here before the job leaves (`portable`): a relative `runs/` would otherwise land
 beside each node's `ray start`. The data directory the CLI found (`$TESTBED_DATA_DIR`, set from
-../shared/data) becomes the job's `data_dir`: workers have their node's environment, not ours. On several hosts those absolute paths must exist on every node
-(a shared filesystem), or `output.tracking_uri` must name an `mlflow server` that stores the
-artifacts; docs/beyond-one-machine.md says which.
+../shared/data) becomes the job's `data_dir`: workers have their node's environment, not ours.
+
+Workload files. The driver builds each workload's request list once (`resolved_requests`) and
+puts it in Ray's object store; each task runs on it, so a node needs no workload files: before,
+every point placed on a host without the driver's files failed ("does not exist", issue 38
+item 4). A table model's checkpoint goes to the node's own cache (`on_this_node`). Run
+directories are written at the driver's absolute path on the node that ran the point: on
+several hosts a shared filesystem, or an `mlflow server` that stores the artifacts, brings them
+together; docs/beyond-one-machine.md says which.
 
 Results are the same as local ones: the task runs `sweep.run_point`, the very function a local
 worker runs, on the same config and seed, so a simulated point's summary is bit-identical
