@@ -217,3 +217,76 @@ def test_an_interrupted_baseline_is_enqueued_again(tmp_path):
     assert again.user_attrs.get("baseline") and again.params == first.params
     enqueue_baseline(problem, study)  # the rerun is running: not enqueued a third time
     assert [t.state.name for t in study.get_trials()] == ["FAIL", "RUNNING"]
+
+
+def test_a_lost_service_is_waited_for_said_so_and_then_given_up(monkeypatch, capsys):
+    """What a PostgreSQL or mlflow server restart meets (issue 38 items 1-2): calls that cannot
+    reach the service are tried again, with one line when the wait starts and one when it ends;
+    other errors are not retried; past the window, ServiceLost (exit 1), and at once after that."""
+    import time
+
+    import pytest
+
+    from testbed.cluster import reconnect
+
+    monkeypatch.setattr(reconnect, "WAITS_S", (0.01,))
+    monkeypatch.setenv(reconnect.ENV, "0.3")
+    svc = reconnect.Service(f"svc-{time.monotonic_ns()}", lambda e: isinstance(e, ConnectionRefusedError))
+    calls = []
+
+    def flaky() -> int:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionRefusedError("refused")
+        return 42
+
+    assert reconnect.call(svc, flaky) == 42 and len(calls) == 3
+    err = capsys.readouterr().err
+    assert err.count(f"warning: {svc.name} is unreachable (ConnectionRefusedError: refused); waiting") == 1
+    assert f"{svc.name} is reachable again after" in err
+
+    def wrong() -> None:
+        calls.append(1)
+        raise ValueError("bad request")
+
+    calls.clear()
+    with pytest.raises(ValueError):
+        reconnect.call(svc, wrong)
+    assert len(calls) == 1
+
+    def down() -> None:
+        calls.append(1)
+        raise ConnectionRefusedError("refused")
+
+    calls.clear()
+    with pytest.raises(reconnect.ServiceLost, match=f"{svc.name} stayed unreachable for 0.3 s") as lost:
+        reconnect.call(svc, down)
+    assert lost.value.exit_code == 1 and len(calls) > 1
+    calls.clear()
+    with pytest.raises(reconnect.ServiceLost):
+        reconnect.call(svc, down)  # given up already: the cleanup that follows does not wait again
+    assert len(calls) == 1
+    monkeypatch.setenv(reconnect.ENV, "soon")
+    with pytest.raises(Exception, match="invalid TESTBED_RECONNECT_S='soon'"):
+        reconnect.window_s()
+
+
+def test_storage_errors_that_mean_a_lost_database_are_told_apart():
+    import optuna
+    from sqlalchemy import exc as sa_exc
+
+    from testbed.tune.storage import connection_lost
+
+    def wrapped(cause: BaseException) -> BaseException:
+        try:
+            try:
+                raise cause
+            except Exception as inner:
+                raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from inner
+        except Exception as outer:
+            return outer
+
+    closed = sa_exc.OperationalError("SELECT 1", {}, Exception("server closed the connection unexpectedly"))
+    assert connection_lost(wrapped(closed))
+    assert not connection_lost(wrapped(sa_exc.IntegrityError("INSERT", {}, Exception("duplicate key"))))
+    assert not connection_lost(ValueError("bad"))

@@ -35,6 +35,7 @@ from typing import Any
 from engine.errors import TestbedError
 from testbed.cluster.ray_backend import SweepBackend, connected, task_resources
 from testbed.signals import deferred_stop
+from workloads.base import workload_key
 
 POLL_S = 0.5
 
@@ -58,11 +59,6 @@ def portable_spec(spec: Any) -> Any:
 def portable(job: Any) -> Any:
     """A sweep job whose paths mean the same on any node of this machine's filesystem."""
     return dataclasses.replace(job, spec=portable_spec(job.spec), run_dir=_absolute(job.run_dir))
-
-
-def workload_key(spec: Any) -> str:
-    """What a run's request list depends on: runs with the same key share one list."""
-    return repr((spec.workload, spec.data_dir))
 
 
 def resolved_requests(spec: Any) -> tuple:
@@ -124,7 +120,7 @@ class RayPool:
 
     def submit(self, job: Any) -> None:
         job = portable(job)
-        key = workload_key(job.spec)  # points that share a workload share one copy
+        key = workload_key(job.spec.workload, job.spec.data_dir)  # points that share a workload share one copy
         if key not in self.requests:  # a workload that cannot be built fails its points, as locally
             try:
                 self.requests[key] = self.ray.put(resolved_requests(job.spec))

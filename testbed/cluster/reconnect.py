@@ -110,7 +110,8 @@ def call(service: Service, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T
             if deadline is None:
                 window = 0.0 if service.name in _given_up else window_s()
                 deadline = now + window
-                _announce(service, exc, window)
+                if window:
+                    _announce(service, exc, window)
             if now >= deadline:
                 with _outages_guard:
                     _given_up.add(service.name)

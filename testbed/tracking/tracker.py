@@ -97,9 +97,10 @@ def server_service(uri: str) -> Any:
     """The tracking server at `uri` as a reconnecting service (None for a database store)."""
     if not uri.startswith(("http://", "https://")):
         return None
-    from testbed.cluster.reconnect import Service
+    from testbed.cluster.reconnect import Service, window_s
     from testbed.config.redact import redact
 
+    window_s()  # a bad TESTBED_RECONNECT_S is refused now, not at the first outage
     for key, value in HTTP_DEFAULTS.items():  # a user's own setting wins
         os.environ.setdefault(key, value)
     return Service(f"output.tracking_uri={redact(uri)}", server_unreachable)

@@ -76,6 +76,7 @@ def make_storage(url: str, hb: heartbeat.Heartbeat | None = None):
             _sqlite_wal(sqlite_file)
     else:  # a server database: a pooled connection that a restart closed is replaced before use
         kwargs["engine_kwargs"] = {"pool_pre_ping": True}
+        reconnect.window_s()  # a bad TESTBED_RECONNECT_S is refused now, not at the first outage
     try:
         storage = (optuna.storages.RDBStorage if url.startswith("sqlite:") else ReconnectingStorage)(url, **kwargs)
         if sqlite_file is not None:

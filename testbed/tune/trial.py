@@ -20,7 +20,6 @@ from optuna.trial import TrialState
 from engine.errors import TestbedError
 from testbed.cluster import heartbeat, identity
 from testbed.cluster.artifacts import ArtifactStoreError
-from testbed.cluster.ray_tasks import workload_key
 from testbed.cluster.reconnect import ServiceLost
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
@@ -29,7 +28,7 @@ from testbed.config.spec import RunSpec
 from testbed.tracking.tracker import Tracker, run_tags
 from testbed.tune.problem import Problem, jsonable
 from testbed.tune.storage import INTERRUPTED, heartbeat_of, mark_interrupted
-from workloads.base import build_workload
+from workloads.base import build_workload, workload_key
 
 TRIAL_SUMMARY_KEYS = ("throughput_tok_s", "ttft_p99_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment",
                       "num_finished", "num_preemptions")
@@ -66,11 +65,11 @@ class TrialRunner:
 
     def preload(self, spec: RunSpec, requests: list) -> None:
         """The requests of `spec`'s workload, built elsewhere (a Ray task's come from the driver)."""
-        self._requests = {workload_key(spec): requests}
+        self._requests = {workload_key(spec.workload, spec.data_dir): requests}
 
     def _requests_for(self, spec: RunSpec):
         """Build the workload once per process (it is immutable) unless a trial changes it."""
-        key = workload_key(spec)
+        key = workload_key(spec.workload, spec.data_dir)
         if key not in self._requests:
             self._requests.clear()
             self._requests[key] = build_workload(spec.workload, spec.data_dir)
