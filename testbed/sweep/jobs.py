@@ -50,6 +50,7 @@ from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
 from testbed.config.spec import RunSpec
 from testbed.cluster.artifacts import ArtifactStoreError
+from testbed.cluster.reconnect import ServiceLost
 from testbed.tracking.tracker import Tracker, tracking_uri
 
 PARENT_POLL_S = 0.5
@@ -142,10 +143,20 @@ def point_tags(job: Job) -> dict[str, str]:
 def run_point(job: Job) -> dict:
     """Run one grid point as `testbed run` would, logged beside the sweep's summary run. Never
     raises for a user-level failure (that becomes the row's error); an interrupt ends the
-    point's run KILLED and propagates."""
+    point's run KILLED and propagates. A tracking server that stayed away past the reconnect
+    window (cluster/reconnect.py) fails the point, not its worker process, with a traceback."""
     t0 = time.perf_counter()
     row: dict[str, Any] = {"point": job.index, **job.axis_values, "status": "failed", "error": None,
                            "run_id": None, "run_dir": None}
+    try:
+        _run_point(job, row)
+    except ServiceLost as exc:  # its run, if opened, stays RUNNING on the server that is gone
+        row["status"], row["error"] = "failed", str(exc)
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def _run_point(job: Job, row: dict) -> None:
     tracker, row["run_id"] = _open_point_run(job)
     try:
         result = prepare_experiment(job.spec, requests=None if job.requests is None else list(job.requests)).run()
@@ -163,8 +174,6 @@ def run_point(job: Job) -> dict:
         _record(job, row, tracker, result)
     if row["error"] and tracker is not None and row["run_dir"] is None:
         tracker.fail(row["run_id"], row["error"])
-    row["wall_s"] = time.perf_counter() - t0
-    return row
 
 
 def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
