@@ -20,13 +20,13 @@ from engine.errors import ConfigError
 from testbed import signals
 from testbed.cluster.ray_backend import split_backend
 from testbed.cluster import identity
+from testbed.cluster.reconnect import ServiceLost
 from testbed.tracking.tracker import tracking_uri
 from testbed.tune.display import Display, pareto_indices, print_start, values_text
 from testbed.tune.figures import trials_frame, write_study_figures
 from testbed.tune.objectives import sig4
 from testbed.tune.problem import Problem, fingerprint_of, first_difference, prepare
-from testbed.cluster.reconnect import ServiceLost
-from testbed.tune.reclaim import end_stray_runs, reclaim, settle
+from testbed.tune.reclaim import end_stray_runs, reclaim, recoverer, settle
 from testbed.tune.storage import (INTERRUPTED, counted, create_or_load, fail_stale, first_use_lock, heartbeat_of,
                                   make_sampler, mark_interrupted, problem_json, quiet_optuna, redact)
 from testbed.tune.tracking import log_study, study_run
@@ -157,13 +157,14 @@ def enqueue_baseline(problem: Problem, study: Any) -> None:
 
 def abandon(problem: Problem, study: Any, tracker: Any, exc: ServiceLost) -> None:
     """After giving up on the study's database or the tracking server: end what this command
-    holds wherever it can still be reached (its trials interrupted + FAILED, its trial runs
-    KILLED, the study run FAILED). What cannot be reached is reclaimed by the next command or
+    holds wherever it can still be reached (its trials completed from their recorded results, or
+    interrupted + FAILED; its trial runs KILLED, the study run FAILED). What cannot be reached is reclaimed by the next command or
     another host (tune/reclaim.py), and a trial whose run recorded its results is completed from it."""
     session = identity.session_id()
+    recover = recoverer(study, tracker, problem)
     try:
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if str(t.user_attrs.get("worker", "")).startswith(session):
+            if str(t.user_attrs.get("worker", "")).startswith(session) and not recover(t):
                 mark_interrupted(study._storage, t._trial_id, f"{INTERRUPTED}: {exc}")
     except Exception:  # the database is the one lost
         pass

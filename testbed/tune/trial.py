@@ -207,23 +207,21 @@ class TrialRunner:
             self.tracker.client.set_tag(run_id, "error", INTERRUPTED)
             self.tracker.client.set_terminated(run_id, "KILLED")
 
-
     def _lost(self, study: Any, trial: Any, run_id: str | None, exc: ServiceLost) -> None:
         """The study's database or the tracking server stayed unreachable (cluster/reconnect.py):
         end what this trial holds wherever it can still be reached. The trial is marked
         interrupted + FAILED (it runs again); its run ends KILLED unless it FINISHED with its
         results, which a later command then completes the trial from (tune/reclaim.py). What
         cannot be reached now is reclaimed by the next command or another host."""
+        status = None
         try:
-            if self.tracker is not None and run_id is not None \
-                    and self.tracker.client.get_run(run_id).info.status == "RUNNING":
-                self.tracker.fail(run_id, f"{INTERRUPTED}: {exc}", status="KILLED")
-                finished = False
-            else:
-                finished = self.tracker is not None and run_id is not None
+            if self.tracker is not None and run_id is not None:
+                status = self.tracker.client.get_run(run_id).info.status
+                if status == "RUNNING":
+                    self.tracker.fail(run_id, f"{INTERRUPTED}: {exc}", status="KILLED")
         except Exception:  # the tracking server is the one lost
-            finished = False
-        if finished:
+            pass
+        if status == "FINISHED":
             return  # results recorded: leave the trial RUNNING for `reclaim` to complete
         try:
             mark_interrupted(study._storage, trial._trial_id, f"{INTERRUPTED}: {exc}")
