@@ -88,8 +88,10 @@ def _recovered(service: Service) -> None:
 
 
 def first_line(exc: BaseException) -> str:
-    """The exception's type and the first line of its innermost cause (the driver's own words)."""
-    inner = chain(exc)[-1]
+    """The exception's type and the first line of its innermost cause that says something (the
+    driver's own words; SQLAlchemy's `InvalidatePoolError` at the end of the chain says "()")."""
+    said = [e for e in chain(exc) if str(e).strip() not in ("", "()")]
+    inner = said[-1] if said else exc
     text = str(inner).strip().splitlines()
     return f"{type(inner).__name__}: {text[0][:300]}" if text else type(inner).__name__
 
