@@ -458,9 +458,9 @@ def main(argv: list[str] | None = None) -> int:
                 return func(args)
             except KeyboardInterrupt as exc:  # inside the block: its record names the stop
                 return _interrupted(exc)
-    except TestbedError as exc:
+    except TestbedError as exc:  # exit 2, or the error's own code (1: a service lost mid-command)
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return getattr(exc, "exit_code", EXIT_USER_ERROR)
     except KeyboardInterrupt as exc:  # before the block
         return _interrupted(exc)
     finally:

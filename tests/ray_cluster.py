@@ -34,6 +34,7 @@ class LocalCluster:
     root: Path
     node_dirs: list[Path]
     procs: list[subprocess.Popen] = field(default_factory=list)
+    hidden: Path | None = None  # a folder the driver sees and no node does (None: not possible here)
 
     def stop(self) -> None:
         for p in reversed(self.procs):  # the second node first, then the head
@@ -77,18 +78,35 @@ def start_cluster() -> LocalCluster:
     cluster = LocalCluster(f"127.0.0.1:{port}", root, [root / "head", root / "node2"])
     for d in cluster.node_dirs:
         d.mkdir()
+    wrap = _hiding(root / "driver-only")
+    if wrap:
+        cluster.hidden = root / "driver-only"
     log = open(root / "ray.log", "ab")
-    cluster.procs.append(subprocess.Popen([_ray_cli(), "start", "--head", f"--port={port}", "--include-dashboard=false",
+    cluster.procs.append(subprocess.Popen([*wrap, _ray_cli(), "start", "--head", f"--port={port}", "--include-dashboard=false",
                                            *common], cwd=cluster.node_dirs[0], env=env, stdout=log, stderr=log))
     try:
         _wait_for_port(cluster)
-        cluster.procs.append(subprocess.Popen([_ray_cli(), "start", f"--address={cluster.address}", *common],
+        cluster.procs.append(subprocess.Popen([*wrap, _ray_cli(), "start", f"--address={cluster.address}", *common],
                                               cwd=cluster.node_dirs[1], env=env, stdout=log, stderr=log))
         _wait_for(cluster, 2)
     except BaseException:
         cluster.stop()
         raise
     return cluster
+
+
+def _hiding(folder: Path) -> list[str]:
+    """The command prefix that starts a node in a private mount namespace where `folder` is an
+    empty tmpfs, as on a host without the driver's filesystem ([] where the machine cannot:
+    not root, or no `unshare`). `folder` is made here; its processes (raylet, workers) inherit
+    the namespace."""
+    folder.mkdir()
+    if not shutil.which("unshare") or os.geteuid() != 0:
+        return []
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs none '{folder}'"], capture_output=True)
+    if probe.returncode:
+        return []
+    return ["unshare", "-m", "sh", "-c", f"mount -t tmpfs none '{folder}' && exec \"$@\"", "sh"]
 
 
 def _wait_for_port(cluster: LocalCluster) -> None:

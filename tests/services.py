@@ -101,12 +101,24 @@ class Postgres:
                         f"--pwfile={self.root / 'pw'}", "--auth-local=trust", "--auth-host=scram-sha-256",
                         "-E", "UTF8", "--no-sync"], check=True, capture_output=True, **self.drop)
         self.log = open(self.root / "server.log", "wb")
-        self.proc = subprocess.Popen(
-            [str(bindir / "postgres"), "-D", str(self.root / "data"), "-h", "127.0.0.1", "-p", str(self.port),
-             "-k", str(self.root), "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
-             "-c", "max_connections=200"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, **self.drop)
+        self.argv = [str(bindir / "postgres"), "-D", str(self.root / "data"), "-h", "127.0.0.1", "-p", str(self.port),
+                     "-k", str(self.root), "-c", "fsync=off", "-c", "synchronous_commit=off",
+                     "-c", "full_page_writes=off", "-c", "max_connections=200"]
+        self._start()
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     **self.drop)
         self._wait()
+
+    def restart(self, down_s: float) -> None:
+        """Stop the server (fast shutdown: every client connection is closed), stay down for
+        `down_s` seconds, start it again on the same port and data: what a restart looks like
+        to the clients."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        self.proc.wait(timeout=60)
+        time.sleep(down_s)
+        self._start()
 
     def _wait(self) -> None:
         import psycopg
@@ -154,12 +166,25 @@ class MlflowServer:
         self.backend_uri = backend_uri
         self.base = f"http://127.0.0.1:{self.port}"
         self.artifacts = workdir / "served"
+        self.workdir = workdir
         self.log = open(workdir / "mlflow-server.log", "wb")
+        self._start()
+
+    def _start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_uri, "--host", "127.0.0.1",
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.backend_uri, "--host", "127.0.0.1",
              "--port", str(self.port), "--workers", "1", "--artifacts-destination", str(self.artifacts)],
-            cwd=workdir, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=self.workdir, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # docs/beyond-one-machine.md
+
+    def restart(self, down_s: float = 0.0) -> None:
+        """Stop the server (SIGKILL: it goes away at once, as a crashed or rebooted one does),
+        stay down `down_s` seconds, start it again on the same port and store; returns once it answers."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        time.sleep(down_s)
+        self._start()
+        self.wait_healthy()
 
     def wait_healthy(self) -> None:
         def healthy() -> bool:

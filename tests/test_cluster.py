@@ -36,7 +36,7 @@ def test_a_same_named_hosts_live_trial_is_not_failed(tmp_path):
                        (dead_here, me.namespace, f"{me.host}-def.0")):
         t.set_user_attr("worker", wid)  # the same host name on both
         study.set_user_attr(f"worker:{wid}", {"host": me.host, "pid": int(dead), "namespace": ns})
-    assert fail_stale(study, study._storage, None) == 1
+    assert len(fail_stale(study, study._storage, None)) == 1
     states = {t.number: t.state.name for t in study.get_trials()}
     assert states == {other.number: "RUNNING", dead_here.number: "FAIL"}
 
@@ -128,9 +128,11 @@ def test_default_comparison_names_differ_within_one_second():
     assert len(names) == 20 and all(n.startswith("compare-") for n in names)
 
 
-def test_an_unwritable_artifact_store_ends_the_runs(tmp_path, capsys):
-    """Where the experiment's artifact folder cannot be written, compare crashed with OSError
-    and left its MLflow runs RUNNING (issue 24 item 1)."""
+def test_an_unwritable_artifact_store_fails_compare_before_any_point(tmp_path, capsys):
+    """Where the experiment's artifact store cannot be written, compare crashed with OSError and
+    left its MLflow runs RUNNING (issue 24 item 1); on a server it then stalled ~4 min and printed
+    a 93-line traceback (issue 38 item 3). Now it stops before any point with one `error:` line,
+    exit 1, and its summary run FAILED with the reason."""
     from mlflow.tracking import MlflowClient
 
     uri = fresh_mlflow_db(tmp_path)
@@ -141,11 +143,11 @@ def test_an_unwritable_artifact_store_ends_the_runs(tmp_path, capsys):
     code = main(["compare", *BASE, f"output.dir={tmp_path}", "policy.token_budget=256,512",
                  "compare.experiment=grid"])
     err = capsys.readouterr().err
-    assert code == 0, err
+    assert code == 1, err
+    assert err.count("error:") == 1 and "cannot be written" in err and "Traceback" not in err, err
     runs = client.search_runs([exp_id])
-    assert len(runs) == 3 and "RUNNING" not in {r.info.status for r in runs}
-    summary = next(r for r in runs if r.data.tags.get("testbed.kind") == "compare")
-    assert "artifact_error" in summary.data.tags and "not logged to MLflow" in err
+    assert [r.data.tags.get("testbed.kind") for r in runs] == ["compare"]  # no point ran
+    assert runs[0].info.status == "FAILED" and "artifact_error" in runs[0].data.tags
 
 
 def test_bad_heartbeat_settings_are_one_line(tmp_path, capsys):
@@ -154,3 +156,137 @@ def test_bad_heartbeat_settings_are_one_line(tmp_path, capsys):
         code = main(["tune", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", *args])
         err = capsys.readouterr().err
         assert code == 2 and err.count("error:") == 1 and needle in err, err
+
+
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip())
+
+
+def test_a_stranded_trial_whose_run_recorded_results_is_completed_not_run_again(tmp_path):
+    """A worker that lost the study's database after its trial's MLflow run FINISHED left the
+    trial RUNNING, and the next command failed it and ran the work again (issue 38 item 1). Now
+    it is completed with the values its run recorded, and reported by name."""
+    from testbed.cluster import identity
+    from testbed.tune.problem import prepare
+    from testbed.tune.reclaim import reclaim
+    from testbed.tune.storage import create_or_load, make_sampler
+    from testbed.tune.trial import open_tracker
+
+    fresh_mlflow_db(tmp_path)
+    problem = prepare([*BASE, f"output.dir={tmp_path}", "tune.study=rec"])
+    s = problem.settings
+    study, storage = create_or_load(problem.study, problem.storage_url, s.directions, s.objectives,
+                                    make_sampler("random", 0, 1))
+    tracker = open_tracker(problem)
+    done, lost = study.ask(), study.ask()
+    me = identity.this_worker(0)
+    for t, wid in ((done, f"{me.host}-aaa.0"), (lost, f"{me.host}-bbb.0")):
+        t.set_user_attr("worker", wid)
+        study.set_user_attr(f"worker:{wid}", {"host": me.host, "pid": _dead_pid(), "namespace": me.namespace})
+        run_id = tracker.start_flat({}, f"trial-{t.number:04d}", {"optuna.trial": str(t.number)})
+        t.set_user_attr("mlflow_run_id", run_id)
+    tracker.finish_flat(study.trials[0].user_attrs["mlflow_run_id"], [("throughput_tok_s", 1234.5, 0), ("slo_attainment", 0.75, 0)], {}, [],
+                        "FINISHED")
+    notes = reclaim(study, storage, tracker, problem)
+    trials = study.get_trials()
+    assert trials[0].state.name == "COMPLETE" and trials[0].value == 1234.5
+    assert trials[0].user_attrs["summary"]["slo_attainment"] == 0.75
+    assert trials[1].state.name == "FAIL" and trials[1].user_attrs["interrupted"]  # no results: runs again
+    assert notes == [f"trial 0 (worker {me.host}-aaa.0, gone): completed from its recorded results",
+                     f"trial 1 (worker {me.host}-bbb.0, gone): failed (interrupted); it runs again"]
+
+
+def test_an_interrupted_baseline_is_enqueued_again(tmp_path):
+    """Trial 0, the defaults, interrupted (a stop, a lost Ray task) was never run again, while
+    one reclaimed through its heartbeat was (issue 38 item 5)."""
+    from testbed.tune.command import enqueue_baseline
+    from testbed.tune.problem import prepare
+    from testbed.tune.storage import create_or_load, make_sampler, mark_interrupted
+
+    problem = prepare([*BASE, f"output.dir={tmp_path}", "tune.study=base", "tune.trials=3"])
+    s = problem.settings
+    study, storage = create_or_load(problem.study, problem.storage_url, s.directions, s.objectives,
+                                    make_sampler("random", 0, 1))
+    enqueue_baseline(problem, study)
+    first = study.ask()
+    assert first.user_attrs.get("baseline")
+    assert mark_interrupted(storage, first._trial_id)
+    enqueue_baseline(problem, study)
+    again = study.ask()
+    assert again.user_attrs.get("baseline") and again.params == first.params
+    enqueue_baseline(problem, study)  # the rerun is running: not enqueued a third time
+    assert [t.state.name for t in study.get_trials()] == ["FAIL", "RUNNING"]
+
+
+def test_a_lost_service_is_waited_for_said_so_and_then_given_up(monkeypatch, capsys):
+    """What a PostgreSQL or mlflow server restart meets (issue 38 items 1-2): calls that cannot
+    reach the service are tried again, with one line when the wait starts and one when it ends;
+    other errors are not retried; past the window, ServiceLost (exit 1), and at once after that."""
+    import time
+
+    import pytest
+
+    from testbed.cluster import reconnect
+
+    monkeypatch.setattr(reconnect, "WAITS_S", (0.01,))
+    monkeypatch.setenv(reconnect.ENV, "0.3")
+    svc = reconnect.Service(f"svc-{time.monotonic_ns()}", lambda e: isinstance(e, ConnectionRefusedError))
+    calls = []
+
+    def flaky() -> int:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionRefusedError("refused")
+        return 42
+
+    assert reconnect.call(svc, flaky) == 42 and len(calls) == 3
+    err = capsys.readouterr().err
+    assert err.count(f"warning: {svc.name} is unreachable (ConnectionRefusedError: refused); waiting") == 1
+    assert f"{svc.name} is reachable again after" in err
+
+    def wrong() -> None:
+        calls.append(1)
+        raise ValueError("bad request")
+
+    calls.clear()
+    with pytest.raises(ValueError):
+        reconnect.call(svc, wrong)
+    assert len(calls) == 1
+
+    def down() -> None:
+        calls.append(1)
+        raise ConnectionRefusedError("refused")
+
+    calls.clear()
+    with pytest.raises(reconnect.ServiceLost, match=f"{svc.name} stayed unreachable for 0.3 s") as lost:
+        reconnect.call(svc, down)
+    assert lost.value.exit_code == 1 and len(calls) > 1
+    calls.clear()
+    with pytest.raises(reconnect.ServiceLost):
+        reconnect.call(svc, down)  # given up already: the cleanup that follows does not wait again
+    assert len(calls) == 1
+    monkeypatch.setenv(reconnect.ENV, "soon")
+    with pytest.raises(Exception, match="invalid TESTBED_RECONNECT_S='soon'"):
+        reconnect.window_s()
+
+
+def test_storage_errors_that_mean_a_lost_database_are_told_apart():
+    import optuna
+    from sqlalchemy import exc as sa_exc
+
+    from testbed.tune.storage import connection_lost
+
+    def wrapped(cause: BaseException) -> BaseException:
+        try:
+            try:
+                raise cause
+            except Exception as inner:
+                raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from inner
+        except Exception as outer:
+            return outer
+
+    closed = sa_exc.OperationalError("SELECT 1", {}, Exception("server closed the connection unexpectedly"))
+    assert connection_lost(wrapped(closed))
+    assert not connection_lost(wrapped(sa_exc.IntegrityError("INSERT", {}, Exception("duplicate key"))))
+    assert not connection_lost(ValueError("bad"))

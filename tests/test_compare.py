@@ -25,8 +25,9 @@ def test_grid_rows_match_their_mlflow_runs(tmp_path, capsys):
     fresh_mlflow_db(tmp_path)
     code = main(["compare", *BASE, f"output.dir={tmp_path}", "policy=sarathi,vllm", "parallel.pp=1,2",
                  "compare.workers=2", "compare.experiment=grid"])
-    assert code == 0
     captured = capsys.readouterr()
+    assert code == 1  # two points do not fit: the command fails, after writing the whole table
+    assert captured.err.count("error: 2 of 4 point(s) failed") == 1 and "does not fit" in captured.err
     out_dir = Path(captured.out.strip().splitlines()[-1])
     assert out_dir == (tmp_path / "compare" / "grid").resolve()
     table = pd.read_csv(out_dir / "table.csv")

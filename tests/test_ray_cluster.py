@@ -266,3 +266,32 @@ def test_each_point_asks_for_what_it_runs_on():
     assert task_resources(torch_cpu) == {"num_cpus": 4}  # P stage processes of 2 threads each
     torch_gpu = compose_spec(["executor=torch", "model=tiny-llama", "parallel.pp=2", "executor.device=cuda"])
     assert task_resources(torch_gpu) == {"num_cpus": 1, "num_gpus": 1}
+
+
+def test_a_node_without_the_drivers_files_runs_its_points_and_a_failed_point_fails_the_command(cluster, tmp_path,
+                                                                                               capsys):
+    """Workload files that only the driver can read (here: hidden from both nodes under an
+    empty tmpfs, as on hosts without a shared filesystem) failed every point ("does not exist":
+    the driver's path travelled) and compare still exited 0 (issue 38 item 4). Now the driver
+    resolves the request list and ships it: the points run on the nodes, bit-identical to a
+    local run; a point that fails (70B at pp=1 does not fit) makes the command exit 1."""
+    if cluster.hidden is None:
+        pytest.skip("needs unshare -m (root) to hide a folder from the Ray nodes")
+    trace = cluster.hidden / "conv.csv"
+    source = Path(os.environ["TESTBED_DATA_DIR"]) / "azure" / "AzureLLMInferenceTrace_conv.csv"
+    trace.write_text("".join(source.open().readlines()[:200]))
+    grid = [*(b for b in BASE if not b.startswith(("workload=", "parallel.pp=", "model="))), "workload=azure",
+            f"workload.path={trace}", "workload.rate=2", "policy=sarathi", "model=llama2-70b",
+            "parallel.pp=1,4", "output.mlflow=false"]  # 70B on one A100-80GB does not fit
+
+    def table(where: str, *extra: str) -> pd.DataFrame:
+        code = main(["compare", *grid, f"output.dir={tmp_path / where}", "compare.experiment=g", *extra])
+        err = capsys.readouterr().err
+        assert code == 1 and err.count("error: 1 of 2 point(s) failed") == 1 and "does not fit" in err, err
+        return pd.read_csv(tmp_path / where / "compare" / "g" / "table.csv")
+
+    local = table("local")
+    remote = table("ray", "sweep.backend=ray", f"ray.address={cluster.address}")
+    assert list(remote["status"]) == ["failed", "finished"], remote[["status", "error"]]
+    numbers = [c for c in local.columns if c not in ("run_id", "run_dir", "wall_s", "error") and c in remote.columns]
+    pd.testing.assert_frame_equal(local[numbers], remote[numbers], check_exact=True)

@@ -8,6 +8,7 @@ import json
 import secrets
 import shutil
 import signal
+import threading
 import time
 
 import pytest
@@ -89,6 +90,17 @@ def _wait_running(host: Host, storage: str, name: str) -> object:
     pytest.fail(f"no trial of {name} started within {WAIT_S} s")
 
 
+def _killed_in_a_trial(host: Host, storage: str, name: str) -> object:
+    """SIGKILL the host inside its first trial, which is returned; skips where the host cannot
+    have its own pid namespace (in this one a dead worker is seen at once: marked interrupted)."""
+    if not host.isolated:
+        host.kill()
+        pytest.skip("needs unshare --pid (root) to imitate another host's process table")
+    victim = _wait_running(host, storage, name)
+    host.kill()
+    return victim
+
+
 def test_a_killed_hosts_trial_is_failed_and_retried_by_another(postgres, mlflow_server, tmp_path):
     """A SIGKILLed host's trial stayed RUNNING for good and counted toward the budget (19
     results for 20 trials). Now its heartbeat goes stale, another host fails it, runs it again
@@ -98,12 +110,7 @@ def test_a_killed_hosts_trial_is_failed_and_retried_by_another(postgres, mlflow_
     storage, name = postgres.new_database("optuna"), f"killed-{secrets.token_hex(3)}"
     args = _tune(storage, mlflow_server.base, name, "tune.trials=3", "workload.num_requests=3000",
                  "tune.heartbeat=1", "tune.grace_period=2")
-    first = Host(tmp_path / "a", "lab-a", *args)
-    if not first.isolated:  # in this pid namespace a dead worker is seen at once (marked interrupted)
-        first.kill()
-        pytest.skip("needs unshare --pid (root) to imitate another host's process table")
-    victim = _wait_running(first, storage, name)
-    first.kill()
+    victim = _killed_in_a_trial(Host(tmp_path / "a", "lab-a", *args), storage, name)
     time.sleep(3)  # past the grace period: no heartbeat can come from a killed process
     second = Host(tmp_path / "b", "lab-b", *args)
     assert second.wait() == 0, second.output[-2000:]
@@ -225,3 +232,124 @@ def test_sigterm_on_one_host_leaves_the_others_trials_alone(postgres, mlflow_ser
     assert [t.number for t in a_stopped] == [stopped], f"trials: {seen}; host a: {a.output[-1500:]}"
     assert all(runs[t.user_attrs["mlflow_run_id"]].data.tags["host"] == "lab-a" for t in a_stopped)
     assert sum(t.state.name == "COMPLETE" for t in trials) >= 6
+
+
+def _study_ended_clean(storage: str, name: str, tracking: str, complete: int) -> list:
+    """The study's trials: `complete` of them COMPLETE, none RUNNING, and no MLflow run RUNNING."""
+    import optuna
+
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    states = [t.state.name for t in trials]
+    assert states.count("COMPLETE") >= complete and "RUNNING" not in states, states
+    runs = _runs(tracking, f"tune-{name}")
+    assert "RUNNING" not in {r.info.status for r in runs}, [(r.info.run_name, r.info.status) for r in runs]
+    return trials
+
+
+def test_a_postgres_restart_mid_study_is_ridden_out(postgres, mlflow_server, tmp_path):
+    """A PostgreSQL restart mid-study crashed the host (exit 1, a 118-line StorageInternalError)
+    and left its trial RUNNING while its MLflow run had FINISHED. Now the host says it waits,
+    reconnects, and the study ends with every trial complete."""
+    storage, name = postgres.new_database("optuna"), f"pgrestart-{secrets.token_hex(3)}"
+    host = Host(tmp_path / "a", "lab-a", *_tune(storage, mlflow_server.base, name, "tune.trials=8",
+                                                "workload.num_requests=3000"))
+    _wait_running(host, storage, name)
+    postgres.restart(down_s=3)
+    assert host.wait() == 0, host.output[-3000:]
+    out = host.output
+    assert "is unreachable" in out and "reachable again" in out, out[-3000:]
+    assert "Traceback" not in out and PASSWORD not in out
+    trials = _study_ended_clean(storage, name, mlflow_server.base, 8)
+    assert not [t.number for t in trials if t.state.name == "FAIL"]
+
+
+def _gives_up(args: list[str], storage: str, name: str, tmp_path, monkeypatch, restart, down_s: float) -> Host:
+    """A host whose service goes away (`restart(down_s)`, in a thread) for longer than its
+    2 s reconnect window, mid-trial: it ends with exit 1 and one `error:` line, no traceback."""
+    monkeypatch.setenv("TESTBED_RECONNECT_S", "2")
+    host = Host(tmp_path / "a", "lab-a", *args)
+    _wait_running(host, storage, name)
+    away = threading.Thread(target=restart, args=(down_s,))
+    away.start()
+    try:
+        assert host.wait() == 1, host.output[-3000:]
+    finally:
+        away.join()
+    monkeypatch.delenv("TESTBED_RECONNECT_S")
+    err = "".join(host.err)
+    assert err.count("error:") == 1 and "stayed unreachable" in err and "Traceback" not in err, err[-3000:]
+    assert PASSWORD not in host.output
+    return host
+
+
+def test_postgres_gone_for_good_ends_this_hosts_runs_and_a_rerun_finishes(postgres, mlflow_server, tmp_path,
+                                                                         monkeypatch):
+    """PostgreSQL down for longer than the reconnect window: one `error:` line and exit 1 (was: a
+    traceback), no MLflow run of the host left RUNNING; the same command run again once the
+    database is back reclaims the stranded trial and completes the study."""
+    storage, name = postgres.new_database("optuna"), f"pgdown-{secrets.token_hex(3)}"
+    args = _tune(storage, mlflow_server.base, name, "tune.trials=6", "workload.num_requests=3000",
+                 "tune.heartbeat=1", "tune.grace_period=2")
+    _gives_up(args, storage, name, tmp_path, monkeypatch, postgres.restart, 15)
+    runs = _runs(mlflow_server.base, f"tune-{name}")
+    assert "RUNNING" not in {r.info.status for r in runs}, [(r.info.run_name, r.info.status) for r in runs]
+    assert {r.info.status for r in runs if r.data.tags.get("testbed.kind") == "study"} == {"FAILED"}
+    time.sleep(3)  # past the grace period of the stranded trial's last heartbeat
+    second = Host(tmp_path / "a", "lab-a", *args)
+    assert second.wait() == 0, second.output[-3000:]
+    _study_ended_clean(storage, name, mlflow_server.base, 6)
+
+
+def test_an_mlflow_server_restart_mid_study_is_ridden_out(postgres, mlflow_server, tmp_path):
+    """The MLflow server going away mid-study hung the host ~4 min (MLflow's own HTTP retries)
+    and then crashed it with a traceback from log_batch, trials and study run left RUNNING. Now
+    the host waits for the server, says so, and the study ends complete with every run ended."""
+    storage, name = postgres.new_database("optuna"), f"mlrestart-{secrets.token_hex(3)}"
+    host = Host(tmp_path / "a", "lab-a", *_tune(storage, mlflow_server.base, name, "tune.trials=8",
+                                                "workload.num_requests=3000"))
+    _wait_running(host, storage, name)
+    mlflow_server.restart()
+    assert host.wait() == 0, host.output[-3000:]
+    out = host.output
+    assert "is unreachable" in out and "reachable again" in out, out[-3000:]
+    assert "Traceback" not in out
+    trials = _study_ended_clean(storage, name, mlflow_server.base, 8)
+    assert not [t.number for t in trials if t.state.name == "FAIL" and not t.user_attrs.get("interrupted")]
+
+
+def test_mlflow_server_gone_for_good_fails_fast_and_a_rerun_cleans_up(postgres, mlflow_server, tmp_path,
+                                                                       monkeypatch):
+    """The MLflow server away for longer than the reconnect window: one `error:` line and exit 1
+    (was: ~4 min of silence, then a traceback from log_batch), the host's trial interrupted in
+    the study (was: RUNNING); run again once the server is back, the same command ends the
+    trial run left RUNNING there and completes the study, with no manual step."""
+    storage, name = postgres.new_database("optuna"), f"mldown-{secrets.token_hex(3)}"
+    args = _tune(storage, mlflow_server.base, name, "tune.trials=6", "workload.num_requests=3000")
+    _gives_up(args, storage, name, tmp_path, monkeypatch, mlflow_server.restart, 20)
+    import optuna
+
+    assert "RUNNING" not in {t.state.name for t in optuna.load_study(study_name=name, storage=storage).trials}
+    second = Host(tmp_path / "a", "lab-a", *args)
+    assert second.wait() == 0, second.output[-3000:]
+    _study_ended_clean(storage, name, mlflow_server.base, 6)
+
+
+def test_a_dead_hosts_baseline_is_reclaimed_at_the_end_of_a_short_study(postgres, mlflow_server, tmp_path):
+    """A host killed inside trial 0 (the defaults) while another finishes the study: the
+    survivor exited 0 ("2 complete, 0 failed") with trial 0 RUNNING for good and no word about
+    it; only a command started after the grace period reclaimed it. Now the survivor waits out
+    the grace period, reclaims the trial by name and runs the defaults again."""
+    import optuna
+
+    storage, name = postgres.new_database("optuna"), f"settle-{secrets.token_hex(3)}"
+    args = _tune(storage, mlflow_server.base, name, "tune.trials=2", "workload.num_requests=3000",
+                 "tune.heartbeat=1", "tune.grace_period=30")  # longer than the second host's start
+    victim = _killed_in_a_trial(Host(tmp_path / "a", "lab-a", *args), storage, name)
+    second = Host(tmp_path / "b", "lab-b", *args)  # within the grace period: trial 0 still looks alive
+    assert second.wait() == 0, second.output[-3000:]
+    assert victim.number == 0 and victim.user_attrs.get("baseline")
+    assert f"reclaimed at the end: trial 0 (worker {victim.user_attrs['worker']}" in second.output, second.output
+    trials = _study_ended_clean(storage, name, mlflow_server.base, 2)
+    reruns = [t for t in trials if t.system_attrs.get("failed_trial") == 0]
+    assert len(reruns) == 1 and reruns[0].state.name == "COMPLETE" and reruns[0].user_attrs.get("baseline")
+    assert optuna.load_study(study_name=name, storage=storage).trials[0].state.name == "FAIL"

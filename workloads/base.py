@@ -101,6 +101,11 @@ def workload_config(name_or_cfg: str | Mapping[str, Any] | Any) -> Any:
     return typed.build(spec.config_cls, {**settings, "name": name}, PREFIX)
 
 
+def workload_key(cfg: Any, data_dir: str | os.PathLike | None) -> str:
+    """What a built request list depends on: runs with the same key can share one list."""
+    return repr((cfg, data_dir))
+
+
 def build_workload(name_or_cfg: str | Mapping[str, Any] | Any, data_dir: str | os.PathLike | None = None
                    ) -> list[Request]:
     """Build the requests of a workload: sorted by arrival, `request_id` 0..n-1 in that order."""

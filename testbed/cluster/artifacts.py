@@ -14,7 +14,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from engine.errors import TestbedError
+
 SERVER_SCHEMES = ("http://", "https://")
+
+
+class ArtifactStoreError(TestbedError, OSError):
+    """The artifact store refused a run's files (an unwritable folder, a server's HTTP 500): one
+    line, exit 1. An OSError too, as the local store's own failure was before."""
+
+    exit_code = 1
 
 
 def experiment_location(tracking_uri: str, local_root: str | None) -> str | None:
@@ -34,10 +43,15 @@ def log_files(client: Any, run_id: str, paths: Iterable[Path], folders: Iterable
         for folder, name in folders:
             client.log_artifacts(run_id, str(folder), name)
     except Exception as exc:  # OSError of an unwritable store, an HTTP error of a server
-        text = f"{type(exc).__name__}: {exc}".splitlines()[0][:1000]
+        text = one_line(exc)
         try:
             client.set_tag(run_id, "artifact_error", text)
         except Exception:
             pass
         return text
     return None
+
+
+def one_line(exc: BaseException) -> str:
+    """An artifact store's error as one line: MLflow's HTTP errors span a page."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:1000]

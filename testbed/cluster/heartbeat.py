@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -91,24 +91,39 @@ def retried_numbers(trials: Sequence[Any]) -> set[int]:
     return out
 
 
-def reap(study: Any, tracker: Any = None) -> int:
+def reap(study: Any, tracker: Any = None, recover: Callable[[Any], bool] | None = None) -> list[str]:
     """Fail and re-enqueue the study's stale trials (no-op without heartbeats); end their MLflow
-    runs KILLED with the reason. Returns how many this call failed."""
+    runs KILLED with the reason. A stale trial that `recover(trial)` completes (its results were
+    recorded before its worker lost the database: tune/reclaim.py) is neither failed nor run
+    again. One line per trial, naming it and its worker."""
     import optuna
 
     storage = study._storage  # what optuna.storages.fail_stale_trials reads as well
     callback = getattr(storage, "get_heartbeat_stale_trial_callback", lambda: None)()
     if not isinstance(callback, RetryStale):
-        return 0
+        return []
+    notes = []
+    if recover is not None:
+        stale = set(storage._get_stale_trial_ids(study._study_id))
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            if t._trial_id in stale and recover(t):
+                notes.append(f"trial {t.number} (worker {t.user_attrs.get('worker', '?')}, no heartbeat): "
+                             f"completed from its recorded results")
     before = len(callback.failed)
     optuna.storages.fail_stale_trials(study)
-    found = callback.failed[before:]
-    for t in found:
+    for t in callback.failed[before:]:
         run_id = t.user_attrs.get("mlflow_run_id")
+        why = f"stale: worker {t.user_attrs.get('worker', '?')} stopped sending heartbeats"
         if tracker is not None and run_id:
-            _kill_run(tracker, run_id, f"stale: worker {t.user_attrs.get('worker', '?')} stopped sending "
-                                       f"heartbeats; trial {t.number} enqueued again")
-    return len(found)
+            _kill_run(tracker, run_id, f"{why}; trial {t.number} enqueued again")
+        notes.append(f"trial {t.number} (worker {t.user_attrs.get('worker', '?')}, no heartbeat for "
+                     f"{_grace(storage)} s): failed; enqueued again")
+    return notes
+
+
+def _grace(storage: Any) -> Any:
+    backend = getattr(storage, "_backend", storage)
+    return getattr(backend, "grace_period", None) or "?"
 
 
 def _kill_run(tracker: Any, run_id: str, reason: str) -> None:

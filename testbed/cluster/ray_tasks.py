@@ -9,9 +9,15 @@ Paths. A Ray worker's working directory is wherever its node was started, not th
 every path a job names (`output.dir`, its run directory, `data_dir`, the table-model cache) is
 made absolute here before the job leaves (`portable`): a relative `runs/` would otherwise land
 beside each node's `ray start`. The data directory the CLI found (`$TESTBED_DATA_DIR`, set from
-../shared/data) becomes the job's `data_dir`: workers have their node's environment, not ours. On several hosts those absolute paths must exist on every node
-(a shared filesystem), or `output.tracking_uri` must name an `mlflow server` that stores the
-artifacts; docs/beyond-one-machine.md says which.
+../shared/data) becomes the job's `data_dir`: workers have their node's environment, not ours.
+
+Workload files. The driver builds each workload's request list once (`resolved_requests`) and
+puts it in Ray's object store; each task runs on it, so a node needs no workload files: before,
+every point placed on a host without the driver's files failed ("does not exist", issue 38
+item 4). A table model's checkpoint goes to the node's own cache (`on_this_node`). Run
+directories are written at the driver's absolute path on the node that ran the point: on
+several hosts a shared filesystem, or an `mlflow server` that stores the artifacts, brings them
+together; docs/beyond-one-machine.md says which.
 
 Results are the same as local ones: the task runs `sweep.run_point`, the very function a local
 worker runs, on the same config and seed, so a simulated point's summary is bit-identical
@@ -26,8 +32,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine.errors import TestbedError
 from testbed.cluster.ray_backend import SweepBackend, connected, task_resources
 from testbed.signals import deferred_stop
+from workloads.base import workload_key
 
 POLL_S = 0.5
 
@@ -53,16 +61,38 @@ def portable(job: Any) -> Any:
     return dataclasses.replace(job, spec=portable_spec(job.spec), run_dir=_absolute(job.run_dir))
 
 
+def resolved_requests(spec: Any) -> tuple:
+    """The point's requests, built here on the driver from the workload files it can read."""
+    from workloads.base import build_workload
+
+    return tuple(build_workload(spec.workload, spec.data_dir))
+
+
+def on_this_node(spec: Any) -> Any:
+    """The spec as a Ray task runs it: a table model's checkpoint (`executor=torch` on CPU) is
+    written to this node's own cache (`<cache>/testbed/models`) unless `executor.model_cache_dir`
+    names a folder; before, it went under the driver's `output.dir`, a path another host may not
+    have. A real checkpoint (`model=/path`) must exist at the same path on every node."""
+    if spec.settings.executor.name != "torch" or getattr(spec.settings.executor.settings, "model_cache_dir", None):
+        return spec
+    from workloads.data import cache_dir
+
+    return spec.with_values({"executor.model_cache_dir": str(cache_dir().parent / "models")})
+
+
 def _run_point(job: Any) -> dict:
     """`sweep.run_point` in a Ray worker; its MLflow run is tagged with where it ran
-    (`testbed.ray_node`: the node id, `testbed.worker`: host:pid), to trace a point to a node."""
+    (`testbed.ray_node`: the node id, `testbed.worker`: host:pid), to trace a point to a node.
+    Its requests came with the job (resolved on the driver), so the node needs no workload files."""
     import ray
 
     from testbed.sweep.jobs import run_point
 
+    requests = ray.get(job.requests) if isinstance(job.requests, ray.ObjectRef) else job.requests
     here = {"testbed.backend": "ray", "testbed.ray_node": ray.get_runtime_context().get_node_id(),
             "testbed.worker": f"{socket.gethostname()}:{os.getpid()}"}
-    return run_point(dataclasses.replace(job, tags={**job.tags, **here}))
+    return run_point(dataclasses.replace(job, spec=on_this_node(job.spec), requests=requests,
+                                         tags={**job.tags, **here}))
 
 
 def remote_pool(backend: SweepBackend | None) -> Callable[[Sequence[Any]], RayPool] | None:
@@ -85,10 +115,18 @@ class RayPool:
         self.task = task
         self.refs: dict[Any, Any] = {}  # ObjectRef -> job
         self.remotes: dict[tuple, Any] = {}  # resources -> the task as a Ray remote function
+        self.requests: dict[str, Any] = {}  # workload_key -> ObjectRef of its request list (one copy each)
         self.ray: Any = None
 
     def submit(self, job: Any) -> None:
         job = portable(job)
+        key = workload_key(job.spec.workload, job.spec.data_dir)  # points that share a workload share one copy
+        if key not in self.requests:  # a workload that cannot be built fails its points, as locally
+            try:
+                self.requests[key] = self.ray.put(resolved_requests(job.spec))
+            except TestbedError:
+                self.requests[key] = None
+        job = dataclasses.replace(job, requests=self.requests[key])
         need = task_resources(job.spec)
         key = tuple(sorted(need.items()))
         if key not in self.remotes:  # one remote function per kind of point, not one export per point
@@ -136,11 +174,12 @@ def _first_line(exc: BaseException) -> str:
 
 # --- tuning trials ---------------------------------------------------------------------------------
 
-def run_trial(problem: Any, trial_id: int, number: int) -> dict:
+def run_trial(problem: Any, trial_id: int, number: int, requests: Any = None) -> dict:
     """One trial asked by the driver, run in a Ray worker against the study's own storage (the
     same SQLite file on this machine, or PostgreSQL across hosts): suggest, run, log, tell.
     The sampler is seeded per trial (`tune.seed` + trial number), so a retried trial draws the
-    same values."""
+    same values. `requests`: the base workload's requests, resolved on the driver (a trial that
+    tunes a workload key builds its own on the node)."""
     import optuna
 
     from testbed.tune.storage import make_sampler, make_storage, quiet_optuna
@@ -151,7 +190,10 @@ def run_trial(problem: Any, trial_id: int, number: int) -> dict:
     study = optuna.load_study(study_name=problem.study, storage=make_storage(problem.storage_url),
                               sampler=make_sampler(s.sampler, problem.seed + number, s.startup_trials))
     study.get_trials(deepcopy=False)  # Optuna's storage cache learns the trial (else set_trial_param: KeyError)
+    problem = dataclasses.replace(problem, base=on_this_node(problem.base))
     runner, trial = TrialRunner(problem), optuna.trial.Trial(study, trial_id)
+    if requests is not None:
+        runner.preload(problem.base, list(requests))
     runner.claim(trial)  # a task lost before this is marked interrupted by the driver (`_RayTrials`)
     return runner.run(study, trial)
 
@@ -185,6 +227,10 @@ class _RayTrials:
     def __init__(self, ray: Any, problem: Any, study: Any, settings: SweepBackend) -> None:
         self.ray, self.problem, self.study = ray, problem, study
         self.remote = ray.remote(max_retries=settings.retries, **task_resources(problem.base))(run_trial)
+        try:  # shipped once, so a node needs no workload files (the trials resolve it to the list)
+            self.requests = ray.put(resolved_requests(problem.base))
+        except TestbedError:  # the driver cannot build it: each trial fails (or builds it) on its node
+            self.requests = None
         timeout = problem.settings.timeout
         self.deadline = time.monotonic() + timeout if timeout else None
         self.refs: dict[Any, Any] = {}
@@ -199,7 +245,7 @@ class _RayTrials:
         open_slots = self.deadline is None or time.monotonic() < self.deadline
         while open_slots and len(self.refs) < s.workers and counted(self.study.get_trials(deepcopy=False)) < s.trials:
             trial = self.study.ask()
-            self.refs[self.remote.remote(self.problem, trial._trial_id, trial.number)] = trial
+            self.refs[self.remote.remote(self.problem, trial._trial_id, trial.number, self.requests)] = trial
         return bool(self.refs)
 
     def collect(self, emit: Callable[[dict], None]) -> None:

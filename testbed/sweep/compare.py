@@ -226,6 +226,9 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
         "testbed.kind": "compare", "testbed.axes": json.dumps(p.axes),
         "compare.overrides": " ".join(p.overrides)[:5000], "compare.points": str(len(p.points))})
     jobs = make_jobs(p, parent.run_id)
+    p.out_dir.mkdir(parents=True, exist_ok=True)
+    (p.out_dir / "compare.json").write_text(json.dumps(_summary(p, [], 0.0), indent=2) + "\n")
+    parent.check_store(p.out_dir / "compare.json")  # an unwritable artifact store: fails here, nothing run
     if console is not None:
         _print_start(console, p)
         parent.print_link(console)
@@ -279,9 +282,8 @@ def _write(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, plot
         pd.DataFrame(columns=["point", *p.axes, "status"])
     write_comparison(df, p.axes, p.out_dir, x=p.settings.x, figure_metrics=p.settings.metrics or FIGURE_METRICS,
                      plots=plots, title=setup_title(p.specs[0], p.axes))
-    failed = int((df["status"] != "finished").sum())
-    summary = {"experiment": p.name, "axes": p.axes, "overrides": p.overrides, "points": len(p.points),
-               "workers": p.settings.workers, "wall_s": wall, "failed": failed}
+    summary = _summary(p, rows, wall)
+    failed = summary["failed"]
     if interrupted:
         summary.update(interrupted=interrupted, done=len(rows))
     (p.out_dir / "compare.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -290,14 +292,40 @@ def _write(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, plot
     return df
 
 
+def _summary(p: Plan, rows: list[dict], wall: float) -> dict:
+    """compare.json: what ran and how it went (written once before the grid, as the artifact
+    store's check, and again at the end)."""
+    return {"experiment": p.name, "axes": p.axes, "overrides": p.overrides, "points": len(p.points),
+            "workers": p.settings.workers, "wall_s": wall,
+            "failed": sum(1 for r in rows if r.get("status") != "finished")}
+
+
+def failed_points(df: pd.DataFrame) -> str | None:
+    """One line naming the failed points and the first one's reason, or None if none failed."""
+    if df.empty or "status" not in df:
+        return None
+    failed = df[df["status"] != "finished"]
+    if failed.empty:
+        return None
+    first = failed.iloc[0]
+    reason = str(first.get("error") or "?").splitlines()[0][:300]
+    return (f"{len(failed)} of {len(df)} point(s) failed (the table's `error` column says why); "
+            f"point {first['point']}: {reason}")
+
+
 def cli_compare(overrides: Sequence[str], console: Any, yes: bool = False) -> int:
-    """`testbed compare`: 0, or 130 (Ctrl-C) / 143 (SIGTERM) with the partial table written;
+    """`testbed compare`: 0; 1 when a point failed (the table is written) or the artifact store
+    cannot be written (nothing runs); 130 (Ctrl-C) / 143 (SIGTERM) with the partial table written;
     a grid over CONFIRM_POINTS points needs `yes` (--yes)."""
     with signals.sigterm_as_interrupt():
         try:
-            out_dir, _ = run_compare(overrides, console, confirmed=yes)
+            out_dir, table = run_compare(overrides, console, confirmed=yes)
         except KeyboardInterrupt as exc:
             print(signals.interrupted_message(exc), file=sys.stderr)
             return signals.exit_code(exc)
     print(out_dir.resolve())
+    failed = failed_points(table)
+    if failed:  # a failed point is a failed command: scripts and CI see it (was: exit 0, issue 38 item 4)
+        print(f"error: {failed}", file=sys.stderr)
+        return 1
     return 0

@@ -49,6 +49,8 @@ from testbed import signals
 from testbed.run.outputs import axis_name, write_run_dir
 from testbed.run.runner import prepare_experiment
 from testbed.config.spec import RunSpec
+from testbed.cluster.artifacts import ArtifactStoreError
+from testbed.cluster.reconnect import ServiceLost
 from testbed.tracking.tracker import Tracker, tracking_uri
 
 PARENT_POLL_S = 0.5
@@ -105,6 +107,7 @@ class Job:
     parent_run_id: str | None
     run_dir: str
     tags: dict = field(default_factory=dict)  # extra tags of its MLflow run (e.g. capacity.point / capacity.probe)
+    requests: Any = None  # the resolved request list, shipped with a Ray task (or a Ray ObjectRef to it)
 
 
 # A sweep point's run folder by default: summary, config, run info (~10 kB). Traces, per-request
@@ -153,13 +156,23 @@ def point_tags(job: Job) -> dict[str, str]:
 def run_point(job: Job) -> dict:
     """Run one grid point as `testbed run` would, logged beside the sweep's summary run. Never
     raises for a user-level failure (that becomes the row's error); an interrupt ends the
-    point's run KILLED and propagates."""
+    point's run KILLED and propagates. A tracking server that stayed away past the reconnect
+    window (cluster/reconnect.py) fails the point, not its worker process, with a traceback."""
     t0 = time.perf_counter()
     row: dict[str, Any] = {"point": job.index, **job.axis_values, "status": "failed", "error": None,
                            "run_id": None, "run_dir": None}
+    try:
+        _run_point(job, row)
+    except ServiceLost as exc:  # its run, if opened, stays RUNNING on the server that is gone
+        row["status"], row["error"] = "failed", str(exc)
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def _run_point(job: Job, row: dict) -> None:
     tracker, row["run_id"] = _open_point_run(job)
     try:
-        result = prepare_experiment(job.spec).run()
+        result = prepare_experiment(job.spec, requests=None if job.requests is None else list(job.requests)).run()
     except TestbedError as exc:
         row["error"] = str(exc)
     except Exception as exc:  # a policy bug at this point: one failed row, not a dead grid
@@ -174,8 +187,6 @@ def run_point(job: Job) -> dict:
         _record(job, row, tracker, result)
     if row["error"] and tracker is not None and row["run_dir"] is None:
         tracker.fail(row["run_id"], row["error"])
-    row["wall_s"] = time.perf_counter() - t0
-    return row
 
 
 def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
@@ -186,8 +197,8 @@ def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
     if tracker is not None:
         try:
             tracker.finish(row["run_id"], result, run_dir)
-        except OSError as exc:  # the artifact store cannot be written: the run ended FAILED, the grid goes on
-            row["status"], row["error"] = "failed", f"artifacts not logged: {type(exc).__name__}: {exc}"
+        except ArtifactStoreError as exc:  # the store cannot be written: the run ended FAILED, the grid goes on
+            row["status"], row["error"] = "failed", str(exc)
 
 
 def fill_row(row: dict, result: Any) -> None:
@@ -260,6 +271,22 @@ class ParentRun:
         if error:
             print(f"warning: files of {folder} were not logged to MLflow: {error}", file=sys.stderr)
         return error
+
+    def check_store(self, path: Path) -> None:
+        """Log one file now, so that an artifact store that cannot be written fails the sweep
+        before any point runs: `ArtifactStoreError`, with this run ended FAILED and tagged
+        `artifact_error`. Before, `compare` on a server whose store refused files stalled ~4 min
+        in MLflow's retries, printed a 93-line traceback and left this run RUNNING (issue 38 item 3)."""
+        if self.tracker is None:
+            return
+        from testbed.cluster.artifacts import log_files
+
+        error = log_files(self.tracker.client, self.run_id, [path])
+        if error:
+            self.end("FAILED")
+            raise ArtifactStoreError(f"the MLflow artifact store of experiment {self.tracker.experiment_id} cannot "
+                                     f"be written ({error}); nothing was run. Check the store (mlflow server "
+                                     f"--artifacts-destination) or name a new experiment")
 
     def end(self, status: str = "FINISHED") -> None:
         if self.tracker is None:

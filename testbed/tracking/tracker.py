@@ -52,15 +52,16 @@ class LockRetryingClient:
     instead of 143 (seen once in three full suite runs at load ~3). A refused transaction was
     rolled back, so trying it again writes it once."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, service: Any = None) -> None:
         self._client = client
+        self._service = service  # a tracking server: its calls ride out a restart (cluster/reconnect.py)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._client, name)
         if not callable(attr):
             return attr
 
-        def call(*args: Any, **kwargs: Any) -> Any:
+        def locked(*args: Any, **kwargs: Any) -> Any:
             for wait_s in LOCK_RETRY_S:
                 try:
                     return attr(*args, **kwargs)
@@ -70,7 +71,41 @@ class LockRetryingClient:
                 time.sleep(wait_s)
             return attr(*args, **kwargs)
 
-        return call
+        if self._service is None:
+            return locked
+        from testbed.cluster.reconnect import call as reconnecting
+
+        return lambda *args, **kwargs: reconnecting(self._service, locked, *args, **kwargs)
+
+
+# MLflow's own HTTP retries, bounded: its defaults (7 retries, backoff factor 2, 120 s timeout) hung
+# a command ~4 min on a stopped server or an unwritable artifact store before any error (issue 38
+# items 2 and 3); a server that is down is waited for by `reconnect` instead, with a message
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
+
+
+def server_unreachable(exc: BaseException) -> bool:
+    """Whether an MLflow client error means the tracking server could not be reached (refused,
+    reset, a connect timeout), not that it answered with an error."""
+    import requests
+
+    from testbed.cluster.reconnect import caused_by
+
+    return caused_by(exc, (requests.exceptions.ConnectionError, ConnectionError))
+
+
+def server_service(uri: str) -> Any:
+    """The tracking server at `uri` as a reconnecting service (None for a database store)."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    from testbed.cluster.reconnect import Service, window_s
+    from testbed.config.redact import redact
+
+    window_s()  # a bad TESTBED_RECONNECT_S is refused now, not at the first outage
+    for key, value in HTTP_DEFAULTS.items():  # a user's own setting wins
+        os.environ.setdefault(key, value)
+    return Service(f"output.tracking_uri={redact(uri)}", server_unreachable)
 
 
 # MLflow's chart view puts sections named by a metric's prefix ("<section>/<name>") before its
@@ -306,7 +341,7 @@ class Tracker:
         name = experiment or output.experiment or "testbed"
         with _lock_for(self.uri):
             _seed_sqlite_store(self.uri)
-            self.client = LockRetryingClient(MlflowClient(self.uri))
+            self.client = LockRetryingClient(MlflowClient(self.uri), server_service(self.uri))
             exp = self.client.get_experiment_by_name(name)
             if exp is None:
                 try:
@@ -376,13 +411,14 @@ class Tracker:
         tag_list = [RunTag(k, str(v)) for k, v in tags.items()]
         for i in range(0, max(len(ms), 1), 1000):
             self.client.log_batch(run_id, metrics=ms[i:i + 1000], tags=tag_list if i == 0 else [])
-        try:
-            for path in artifacts:
-                self.client.log_artifact(run_id, str(path))
-        except Exception as exc:  # e.g. a full disk under the artifact store: the run still ends, FAILED
-            self.client.set_tag(run_id, "artifact_error", f"{type(exc).__name__}: {exc}"[:5000])
+        from testbed.cluster.artifacts import log_files
+
+        error = log_files(self.client, run_id, artifacts)  # tags the run `artifact_error`
+        if error:  # e.g. a full disk under the artifact store, a server's HTTP 500: the run still ends, FAILED
             self.client.set_terminated(run_id, "FAILED")
-            raise
+            from testbed.cluster.artifacts import ArtifactStoreError
+
+            raise ArtifactStoreError(f"the files of MLflow run {run_id} were not logged: {error}")
         self.client.set_terminated(run_id, status)
 
     def running_run_with_tag(self, key: str, value: str) -> str | None:

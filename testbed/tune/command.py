@@ -19,15 +19,17 @@ from optuna.trial import TrialState
 from engine.errors import ConfigError
 from testbed import signals
 from testbed.cluster.ray_backend import split_backend
-from testbed.cluster import heartbeat, identity
+from testbed.cluster import identity
+from testbed.cluster.reconnect import ServiceLost
 from testbed.tracking.tracker import tracking_uri
 from testbed.tracking.views import study_view
 from testbed.tune.display import Display, pareto_indices, print_start, values_text
 from testbed.tune.figures import trials_frame, write_study_figures
 from testbed.tune.objectives import sig4
 from testbed.tune.problem import Problem, fingerprint_of, first_difference, prepare
-from testbed.tune.storage import (counted, create_or_load, fail_stale, first_use_lock, heartbeat_of, make_sampler,
-                                  problem_json, quiet_optuna, redact)
+from testbed.tune.reclaim import end_stray_runs, reclaim, recoverer, settle
+from testbed.tune.storage import (INTERRUPTED, counted, create_or_load, fail_stale, first_use_lock, heartbeat_of,
+                                  make_sampler, mark_interrupted, problem_json, quiet_optuna, redact)
 from testbed.tune.tracking import log_study, study_run
 from testbed.tune.trial import open_tracker
 from testbed.tune.workers import run_workers, worker_loop
@@ -95,15 +97,24 @@ def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
     with first_use_lock(problem.storage_url, Path(problem.out_dir).parent.parent, tracking_uri(problem.base.output)):
         study, storage = open_study(problem)
         tracker = open_tracker(problem)  # creates the MLflow DB before any worker
-        if problem.settings.baseline and not study.trials:
-            params = problem.baseline_params()
-            if params is not None:
-                study.enqueue_trial(params, user_attrs={"baseline": True})
+        stale = reclaim(study, storage, tracker, problem)  # first: an interrupted baseline is enqueued again
+        enqueue_baseline(problem, study)
         problem = dataclasses.replace(problem, parent_run_id=study_run(problem, study, tracker))
         if tracker is not None:  # the link shows every trial (views.study_view)
             s = problem.settings
             tracker.save_view(study_view(problem.study, s.objectives[0], s.directions[0] == "maximize"))
-    stale = fail_stale(study, storage, tracker) + heartbeat.reap(study, tracker)
+    try:
+        return _study_session(problem, study, storage, tracker, console, backend, stale)
+    except ServiceLost as exc:  # the database or the tracking server stayed away: one error line, exit 1
+        abandon(problem, study, tracker, exc)
+        raise
+
+
+def _study_session(problem: Problem, study: Any, storage: Any, tracker: Any, console: Any,
+                   backend: Any, stale: list[str]) -> TuneOutcome:
+    """Run this host's trials, settle the study's end, report (`stale`: the trials reclaimed at
+    the start)."""
+    stale = stale + end_stray_runs(study, tracker, problem.parent_run_id)
     Path(problem.out_dir).mkdir(parents=True, exist_ok=True)
     trials = study.get_trials(deepcopy=False)
     display = Display(console, problem.base.output.progress, problem, trials)
@@ -113,12 +124,67 @@ def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
             console.print(tracker.link, highlight=False, soft_wrap=True, markup=False)
     t0 = time.perf_counter()
     run_count, worker_errors, code = _run_trials(problem, display, counted(trials), backend)
+    if not code and not worker_errors:  # other hosts' trials still RUNNING: wait for them, or reclaim them
+        def run_more() -> bool:
+            nonlocal run_count, worker_errors, code
+            more, worker_errors, code = _run_trials(problem, display, counted(study.get_trials(deepcopy=False)),
+                                                    backend)
+            run_count += more
+            return not code and not worker_errors
+
+        _print_reclaimed(console, settle(problem, study, storage, tracker, run_more), "at the end")
     run_count = max(run_count, display.events)  # an interrupted loop returns no count
     study = optuna.load_study(study_name=problem.study, storage=storage)
     if code:  # trials of workers stopped before their own handler ran: FAIL (interrupted), runs KILLED
         fail_stale(study, storage, tracker)
     outcome = finish_study(problem, study, tracker, run_count, time.perf_counter() - t0, bool(code), worker_errors)
     return dataclasses.replace(outcome, exit_code=code)
+
+
+def enqueue_baseline(problem: Problem, study: Any) -> None:
+    """Trial 0, the defaults: enqueued once per study, and again when it was interrupted (a stop,
+    a lost Ray task or database) rather than failed by its own config. Before, an interrupted
+    baseline never ran again while one reclaimed through its heartbeat did (issue 38 item 5).
+    Call under `first_use_lock`: once per study, whatever the hosts."""
+    if not problem.settings.baseline:
+        return
+    trials = study.get_trials(deepcopy=False)
+    baselines = [t for t in trials if t.user_attrs.get("baseline")]
+    if any(t.state != TrialState.FAIL or not t.user_attrs.get(INTERRUPTED) for t in baselines):
+        return  # done, running, waiting, retried through its heartbeat, or failed on its own
+    if baselines and counted(trials) >= problem.settings.trials:
+        return
+    params = problem.baseline_params()
+    if params is not None:
+        study.enqueue_trial(params, user_attrs={"baseline": True})
+
+
+def abandon(problem: Problem, study: Any, tracker: Any, exc: ServiceLost) -> None:
+    """After giving up on the study's database or the tracking server: end what this command
+    holds wherever it can still be reached (its trials completed from their recorded results, or
+    interrupted + FAILED; its trial runs KILLED, the study run FAILED). What cannot be reached is reclaimed by the next command or
+    another host (tune/reclaim.py), and a trial whose run recorded its results is completed from it."""
+    session = identity.session_id()
+    recover = recoverer(study, tracker, problem)
+    try:
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if str(t.user_attrs.get("worker", "")).startswith(session) and not recover(t):
+                mark_interrupted(study._storage, t._trial_id, f"{INTERRUPTED}: {exc}")
+    except Exception:  # the database is the one lost
+        pass
+    if tracker is None or not problem.parent_run_id:
+        return
+    try:
+        _kill_running_trials(tracker, problem.parent_run_id)
+        tracker.fail(problem.parent_run_id, str(exc))
+    except Exception:  # the tracking server is the one lost
+        pass
+
+
+def _print_reclaimed(console: Any, notes: list[str], when: str) -> None:
+    if console is not None:
+        for note in notes:
+            console.print(f"reclaimed {when}: {note}", highlight=False, markup=False)
 
 
 def _run_trials(problem: Problem, display: Display, already: int, backend: Any = None) -> tuple[int, list[str], int]:

@@ -119,7 +119,7 @@ class Display:
                                f"{escape(ev.get('fail_reason', '')[:120])}  {params}", highlight=False)
 
 
-def print_start(console: Any, problem: Problem, trials: Sequence[Any], stale: int) -> None:
+def print_start(console: Any, problem: Problem, trials: Sequence[Any], stale: Sequence[str]) -> None:
     s = problem.settings
     desc = ", ".join(f"{name} {dist_text(d)}" for name, d in problem.space().items())
     finished = sum(1 for t in trials if t.state in (TrialState.COMPLETE, TrialState.FAIL)
@@ -133,5 +133,5 @@ def print_start(console: Any, problem: Problem, trials: Sequence[Any], stale: in
     if problem.pinned:
         console.print("fixed: " + ", ".join(f"policy.{k}={sig4(v)}" for k, v in problem.pinned.items()),
                       highlight=False, markup=False)
-    if stale:
-        console.print(f"{stale} trial(s) left RUNNING by dead workers were marked failed (interrupted)")
+    for note in stale:  # trials left RUNNING by dead workers, by name (tune/reclaim.py)
+        console.print(f"reclaimed at the start: {note}", highlight=False, markup=False)

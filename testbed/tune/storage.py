@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from optuna.trial import TrialState
 from sqlalchemy import event  # sqlalchemy comes with optuna's RDB storage
 
 from engine.errors import ConfigError
-from testbed.cluster import heartbeat, identity
+from testbed.cluster import heartbeat, identity, reconnect
 from testbed.cluster.postgres import advisory_lock, check_driver
 
 SQLITE_TIMEOUT_S = 60
@@ -74,8 +74,11 @@ def make_storage(url: str, hb: heartbeat.Heartbeat | None = None):
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
         if sqlite_file is not None:
             _sqlite_wal(sqlite_file)
+    else:  # a server database: a pooled connection that a restart closed is replaced before use
+        kwargs["engine_kwargs"] = {"pool_pre_ping": True}
+        reconnect.window_s()  # a bad TESTBED_RECONNECT_S is refused now, not at the first outage
     try:
-        storage = optuna.storages.RDBStorage(url, **kwargs)
+        storage = (optuna.storages.RDBStorage if url.startswith("sqlite:") else ReconnectingStorage)(url, **kwargs)
         if sqlite_file is not None:
             _sqlite_fast_commits(storage.engine)
         return storage
@@ -84,6 +87,69 @@ def make_storage(url: str, hb: heartbeat.Heartbeat | None = None):
     except Exception as exc:  # bad URL, unreachable server
         raise ConfigError(f"cannot open tune.storage={redact(url)}: {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether a storage error means the database could not be reached (refused, closed by a
+    restart), which is worth waiting for, rather than a wrong request."""
+    from sqlalchemy import exc as sa_exc
+
+    return any(isinstance(e, (sa_exc.OperationalError, sa_exc.InterfaceError))
+               or getattr(e, "connection_invalidated", False) for e in reconnect.chain(exc))
+
+
+# the storage calls a tune makes; each is tried again while the database is unreachable
+_RECONNECTING = ("create_new_study", "set_study_user_attr", "set_study_system_attr", "get_study_id_from_name",
+                 "get_study_name_from_id", "get_study_directions", "get_study_user_attrs", "get_study_system_attrs",
+                 "get_trial_user_attrs", "get_trial_system_attrs", "get_all_studies", "create_new_trial",
+                 "set_trial_param", "get_trial_param", "set_trial_intermediate_value", "set_trial_user_attr",
+                 "set_trial_system_attr", "get_trial_id_from_study_id_trial_number", "get_trial", "get_all_trials",
+                 "get_best_trial", "record_heartbeat", "_get_stale_trial_ids")
+
+
+class ReconnectingStorage(optuna.storages.RDBStorage):
+    """Optuna's RDB storage for a server database whose calls ride out a restart of the server
+    (testbed/cluster/reconnect.py): before, a PostgreSQL restart mid-study ended every host with
+    a 118-line `StorageInternalError` and left its trials RUNNING (issue 38 item 1). Optuna
+    itself retries only `create_new_trial`, five times within ~5 s, and pre-pings its pool only
+    on MySQL; `make_storage` turns `pool_pre_ping` on here. Still an `RDBStorage`, so Optuna's
+    cache and heartbeats treat it as theirs."""
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.service = reconnect.Service(f"tune.storage={redact(url)}", connection_lost)
+
+    def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
+        """Tell a trial's end; a retry that finds it already ended by this very call (the commit
+        got through, the answer did not) is a success, not Optuna's UpdateFinishedTrialError."""
+        tries = [0]
+
+        def once() -> bool:
+            tries[0] += 1
+            try:
+                return optuna.storages.RDBStorage.set_trial_state_values(self, trial_id, state, values)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                if tries[0] == 1 or self.get_trial(trial_id).state != state:
+                    raise
+                return True
+
+        return reconnect.call(self.service, once)
+
+
+def _reconnecting(name: str) -> Any:
+    method = getattr(optuna.storages.RDBStorage, name)
+
+    def call(self: ReconnectingStorage, *args: Any, **kwargs: Any) -> Any:
+        return reconnect.call(self.service, method, self, *args, **kwargs)
+
+    call.__name__ = name
+    call.__doc__ = method.__doc__
+    return call
+
+
+for _name in _RECONNECTING:
+    if hasattr(optuna.storages.RDBStorage, _name):
+        setattr(ReconnectingStorage, _name, _reconnecting(_name))
 
 
 def _sqlite_wal(path: Path) -> None:
@@ -169,14 +235,20 @@ def mark_interrupted(storage: Any, trial_id: int, reason: str = INTERRUPTED) -> 
     return True
 
 
-def fail_stale(study: Any, storage: Any, tracker: Any) -> int:
+def fail_stale(study: Any, storage: Any, tracker: Any, recover: Callable[[Any], bool] | None = None) -> list[str]:
     """RUNNING trials of dead worker processes in this pid namespace (never another host's,
-    whatever its name: issue 24 item 5): mark them interrupted + FAILED. Other hosts' dead
-    workers are found by their heartbeats (cluster/heartbeat.py)."""
-    n = 0
+    whatever its name: issue 24 item 5): completed by `recover(trial)` when it can (its results
+    were recorded: tune/reclaim.py), else marked interrupted + FAILED with their MLflow runs
+    KILLED. Other hosts' dead workers are found by their heartbeats (cluster/heartbeat.py).
+    One line per trial, naming it and its worker."""
+    notes = []
     workers = study.user_attrs
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if not identity.owned_by_dead_local_process(t.user_attrs, workers):
+            continue
+        who = f"trial {t.number} (worker {t.user_attrs.get('worker')}, gone)"
+        if recover is not None and recover(t):
+            notes.append(f"{who}: completed from its recorded results")
             continue
         if not mark_interrupted(storage, t._trial_id, f"{INTERRUPTED}: worker {t.user_attrs.get('worker')} is gone"):
             continue
@@ -186,8 +258,8 @@ def fail_stale(study: Any, storage: Any, tracker: Any) -> int:
                 tracker.client.set_terminated(run_id, "KILLED")
             except Exception:
                 pass
-        n += 1
-    return n
+        notes.append(f"{who}: failed (interrupted); it runs again")
+    return notes
 
 
 def problem_json(fingerprint: dict) -> dict:

@@ -19,6 +19,8 @@ from optuna.trial import TrialState
 
 from engine.errors import TestbedError
 from testbed.cluster import heartbeat, identity
+from testbed.cluster.artifacts import ArtifactStoreError
+from testbed.cluster.reconnect import ServiceLost
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
 from testbed.signals import raise_if_stopped
@@ -26,7 +28,7 @@ from testbed.config.spec import RunSpec
 from testbed.tracking.tracker import Tracker, run_tags
 from testbed.tune.problem import Problem, jsonable
 from testbed.tune.storage import INTERRUPTED, heartbeat_of, mark_interrupted
-from workloads.base import build_workload
+from workloads.base import build_workload, workload_key
 
 TRIAL_SUMMARY_KEYS = ("throughput_tok_s", "ttft_p99_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment",
                       "num_finished", "num_preemptions")
@@ -58,11 +60,16 @@ class TrialRunner:
         self.worker = identity.this_worker(index)
         self.heartbeat = heartbeat_of(problem.storage_url, problem.settings)
         self.tracker = open_tracker(problem)
+        self.opened: str | None = None  # the MLflow run of the trial running now, once opened
         self._requests: dict[str, list] = {}
+
+    def preload(self, spec: RunSpec, requests: list) -> None:
+        """The requests of `spec`'s workload, built elsewhere (a Ray task's come from the driver)."""
+        self._requests = {workload_key(spec.workload, spec.data_dir): requests}
 
     def _requests_for(self, spec: RunSpec):
         """Build the workload once per process (it is immutable) unless a trial changes it."""
-        key = repr((spec.workload, spec.data_dir))
+        key = workload_key(spec.workload, spec.data_dir)
         if key not in self._requests:
             self._requests.clear()
             self._requests[key] = build_workload(spec.workload, spec.data_dir)
@@ -78,7 +85,7 @@ class TrialRunner:
         asked for and claimed (`worker_loop` defers it there), so that it is marked interrupted."""
         t0 = time.perf_counter()
         event: dict[str, Any] = {"number": trial.number, "worker": self.worker.id}
-        run_id = None
+        run_id = self.opened = None
         try:
             if pending_stop is not None:
                 pending_stop()
@@ -98,6 +105,9 @@ class TrialRunner:
             return event
         except KeyboardInterrupt:
             self._interrupted(study, trial, run_id)
+            raise
+        except ServiceLost as exc:
+            self._lost(study, trial, run_id or self.opened, exc)
             raise
 
     def _start(self, trial: Any, event: dict) -> tuple[RunSpec, str | None]:
@@ -127,6 +137,7 @@ class TrialRunner:
             run_id = self.tracker.start(spec, name, parent_run_id=p.parent_run_id, tags=tags)
         else:
             run_id = self.tracker.start_flat(params or {}, name, {**run_tags(p.base), **tags}, p.parent_run_id)
+        self.opened = run_id  # for `_lost`, should the study's database be gone for the next line
         trial.set_user_attr("mlflow_run_id", run_id)
         return run_id
 
@@ -149,7 +160,7 @@ class TrialRunner:
         for c, v in zip(self.p.settings.constraints, violations):
             trial.set_constraint(c.text, v)
         # one attribute (one commit): trials.csv expands it into columns
-        trial.set_user_attr("summary", {k: _finite(s.get(k)) for k in TRIAL_SUMMARY_KEYS})
+        trial.set_user_attr("summary", {k: finite_or_none(s.get(k)) for k in TRIAL_SUMMARY_KEYS})
         return values, violations
 
     def _simulate(self, spec: RunSpec):
@@ -171,10 +182,13 @@ class TrialRunner:
                                     plots=spec.output.plots)
         if self.tracker is None:
             return
-        if self.p.settings.artifacts:
-            self.tracker.finish(run_id, result, run_dir)  # everything, as `testbed run` logs it
-        else:
-            self.tracker.finish(run_id, result, None, steps=False)
+        try:
+            if self.p.settings.artifacts:
+                self.tracker.finish(run_id, result, run_dir)  # everything, as `testbed run` logs it
+            else:
+                self.tracker.finish(run_id, result, None, steps=False)
+        except ArtifactStoreError as exc:  # the run ended FAILED with `artifact_error`: a failed trial
+            raise TrialFailed(str(exc), run_closed=True) from None
 
     def _fail(self, study, trial, run_id, reason: str, event: dict, t0: float) -> dict:
         trial.set_user_attr("fail_reason", reason[:2000])
@@ -193,6 +207,27 @@ class TrialRunner:
             self.tracker.client.set_tag(run_id, "error", INTERRUPTED)
             self.tracker.client.set_terminated(run_id, "KILLED")
 
+    def _lost(self, study: Any, trial: Any, run_id: str | None, exc: ServiceLost) -> None:
+        """The study's database or the tracking server stayed unreachable (cluster/reconnect.py):
+        end what this trial holds wherever it can still be reached. The trial is marked
+        interrupted + FAILED (it runs again); its run ends KILLED unless it FINISHED with its
+        results, which a later command then completes the trial from (tune/reclaim.py). What
+        cannot be reached now is reclaimed by the next command or another host."""
+        status = None
+        try:
+            if self.tracker is not None and run_id is not None:
+                status = self.tracker.client.get_run(run_id).info.status
+                if status == "RUNNING":
+                    self.tracker.fail(run_id, f"{INTERRUPTED}: {exc}", status="KILLED")
+        except Exception:  # the tracking server is the one lost
+            pass
+        if status == "FINISHED":
+            return  # results recorded: leave the trial RUNNING for `reclaim` to complete
+        try:
+            mark_interrupted(study._storage, trial._trial_id, f"{INTERRUPTED}: {exc}")
+        except Exception:  # the database is the one lost: its heartbeat goes stale instead
+            pass
+
 
 def _where(exc: BaseException) -> str:
     """file:line of the innermost frame, so a failed trial's reason points at the bug."""
@@ -203,5 +238,5 @@ def _where(exc: BaseException) -> str:
     return f"{Path(f.filename).name}:{f.lineno} in {f.name}"
 
 
-def _finite(v: Any) -> float | None:
+def finite_or_none(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None

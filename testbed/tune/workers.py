@@ -29,8 +29,10 @@ import optuna
 
 from testbed import signals
 from testbed.sweep import jobs as sweep
+from testbed.tune import reclaim
 from testbed.tune.problem import Problem
 from testbed.cluster import heartbeat, identity
+from testbed.cluster.reconnect import ServiceLost
 from testbed.tune.storage import counted, heartbeat_of, make_sampler, make_storage, quiet_optuna
 from testbed.tune.trial import TrialRunner
 
@@ -58,7 +60,8 @@ def worker_loop(problem: Problem, index: int, lock: Any = None, emit: Callable[[
             break  # orphaned: never start a trial nobody will report
         signals.raise_if_stopped()  # a stop whose exception was lost in a GC callback
         with lock if lock is not None else nullcontext():
-            heartbeat.reap(study, runner.tracker)  # another host's dead worker: fail + enqueue its trial
+            # another host's dead worker: its trial completed from its recorded results, or failed + enqueued
+            heartbeat.reap(study, runner.tracker, reclaim.recoverer(study, runner.tracker, problem))
             if counted(study.get_trials(deepcopy=False)) >= s.trials:
                 break
             # a stop between the ask and the claim left a RUNNING trial that no one marked
@@ -87,6 +90,9 @@ def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: An
         worker_loop(problem, index, lock, events.put, ready, parent_pid=parent)
     except KeyboardInterrupt:
         code = signals.EXIT_CODES["SIGINT"]
+    except ServiceLost as exc:  # its trial is ended already (TrialRunner._lost): the reason, no traceback
+        events.put({"worker_error": f"worker {index}: {exc}"})
+        code = 1
     except BaseException as exc:  # a bug: report it to the parent, then die loudly
         events.put({"worker_error": f"worker {index}: {type(exc).__name__}: {exc}",
                     "traceback": traceback.format_exc()})

@@ -1,0 +1,142 @@
+"""Riding out a restart of a shared service: the PostgreSQL server of a study, the `mlflow server`
+of the runs (issue 38 items 1 and 2).
+
+A restart takes seconds (PostgreSQL: ~1 s; `mlflow server`: ~15 s of imports on a busy 2-core
+machine). Before, the first call that met it ended the command: a PostgreSQL restart crashed every
+host with a 118-line `StorageInternalError` (their trials stayed RUNNING), and a stopped MLflow
+server hung every host ~4 min in MLflow's own HTTP retries (7 retries, backoff factor 2) and then
+crashed it. Now each call that finds its service unreachable is tried again with a growing wait
+(0.5, 1, 2, 4, then every 8 s) for up to `window_s()` seconds (`TESTBED_RECONNECT_S`, 120 by
+default), saying once on stderr what it waits for and once when the service answers again. A
+call that fails for any other reason is not retried. After the window, `ServiceLost`: one
+`error:` line, exit 1, and the caller ends what this host holds (docs/beyond-one-machine.md).
+
+Only failures that mean "the service did not get the request" are retried (a refused or reset
+connection, a connection the server closed), so a write is not applied twice in practice; the
+rare write whose commit reached the server just before the connection broke is handled where it
+matters (a trial told twice: `storage.py`)."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from engine.errors import TestbedError
+
+DEFAULT_WINDOW_S = 120.0
+ENV = "TESTBED_RECONNECT_S"
+WAITS_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # then 8 s between tries until the window ends
+T = TypeVar("T")
+
+
+class ServiceLost(TestbedError):
+    """A service stayed unreachable for the whole reconnect window: exit 1, not a user error."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class Service:
+    """A shared service as its calls see it: `name` as shown (no password: e.g.
+    `tune.storage=postgresql://lab:***@db/optuna`), and `lost(exc)`: whether an exception means
+    that the service could not be reached (retried) rather than that the call was wrong."""
+
+    name: str
+    lost: Callable[[BaseException], bool]
+
+
+def window_s() -> float:
+    """How long a call waits for its service: `$TESTBED_RECONNECT_S` (seconds, >= 0) or 120."""
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return DEFAULT_WINDOW_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        from engine.errors import ConfigError
+
+        raise ConfigError(f"invalid {ENV}={raw!r}: seconds, a number >= 0 (default {DEFAULT_WINDOW_S:g})")
+    return value
+
+
+_outages: dict[str, float] = {}  # service name -> when this process first found it unreachable
+_given_up: set[str] = set()  # services this process waited the whole window for: fail at once
+_outages_guard = threading.Lock()
+
+
+def _announce(service: Service, exc: BaseException, window: float) -> None:
+    with _outages_guard:
+        if service.name in _outages:
+            return
+        _outages[service.name] = time.monotonic()
+    print(f"warning: {service.name} is unreachable ({first_line(exc)}); waiting for it, up to {window:g} s "
+          f"({ENV})", file=sys.stderr, flush=True)
+
+
+def _recovered(service: Service) -> None:
+    with _outages_guard:
+        _given_up.discard(service.name)
+        since = _outages.pop(service.name, None)
+    if since is not None:
+        print(f"{service.name} is reachable again after {time.monotonic() - since:.1f} s", file=sys.stderr, flush=True)
+
+
+def first_line(exc: BaseException) -> str:
+    """The exception's type and the first line of its innermost cause that says something (the
+    driver's own words; SQLAlchemy's `InvalidatePoolError` at the end of the chain says "()")."""
+    said = [e for e in chain(exc) if str(e).strip() not in ("", "()")]
+    inner = said[-1] if said else exc
+    text = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {text[0][:300]}" if text else type(inner).__name__
+
+
+def call(service: Service, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)`, tried again while `service` is unreachable, for up to `window_s()`.
+    Once this process has waited a whole window for the service, its next calls fail at once
+    (the cleanup after giving up must not wait a window per call) until one gets through."""
+    deadline: float | None = None
+    attempt = 0
+    while True:
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:
+            if not service.lost(exc):
+                raise
+            now = time.monotonic()
+            if deadline is None:
+                window = 0.0 if service.name in _given_up else window_s()
+                deadline = now + window
+                if window:
+                    _announce(service, exc, window)
+            if now >= deadline:
+                with _outages_guard:
+                    _given_up.add(service.name)
+                raise ServiceLost(f"{service.name} stayed unreachable for {window_s():g} s ({first_line(exc)}); "
+                                  f"run the same command again once it is back (or set {ENV})") from None
+            time.sleep(min(WAITS_S[min(attempt, len(WAITS_S) - 1)], max(0.0, deadline - now)))
+            attempt += 1
+            continue
+        if deadline is not None:
+            _recovered(service)
+        return result
+
+
+def chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from or while handling, outermost first."""
+    out: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and all(cur is not e for e in out):
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
+def caused_by(exc: BaseException, types: tuple[type, ...]) -> bool:
+    """Whether `exc` or any exception in its cause/context chain is one of `types`."""
+    return any(isinstance(e, types) for e in chain(exc))
