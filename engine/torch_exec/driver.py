@@ -54,6 +54,7 @@ from engine.torch_exec import wire
 from engine.torch_exec.control import ControlSocket, check_host, free_port, warn_exposed
 from engine.torch_exec.diagnosis import FailureDiagnosis
 from engine.torch_exec.stage_processes import start_stage
+from engine.torch_exec.tables import DriverTables
 from engine.trace import Tracer
 
 STOP_GRACE_S = 5.0
@@ -87,6 +88,8 @@ class TorchExecutor(FailureDiagnosis, Executor):
         # which the Controller calls when it is built.
         self.kv: Any = None
         self.block_table: Callable[[int], list[int]] | None = None
+        self._live: Callable[[int], bool] = lambda seq_id: False  # does the run still hold its blocks?
+        self._tables = DriverTables()  # what the stages hold: launches send table deltas (tables.py)
         self.stage_info: list[dict] = []
         self.model_path: str | None = None
         self.arch: Any = None
@@ -143,7 +146,10 @@ class TorchExecutor(FailureDiagnosis, Executor):
         t = time.perf_counter()
         sampling = [wire.RequestSampling(c.seq.seq_id, *c.seq.request.sampling.as_tuple()) for c in mb.prefills
                     if c.seq.request.sampling is not None]  # served requests' own, set with their prefill
-        msg = self._codec.encode(wire.Launch(mb.mb_id, mb.kind, *self._metadata(mb), sampling))
+        released = self._tables.released(self._live)
+        for seq_id in released:
+            self._prompts.pop(seq_id, None)
+        msg = self._codec.encode(wire.Launch(mb.mb_id, mb.kind, *self._metadata(mb), sampling, released))
         for s in range(self.pipeline_depth):
             self._ctl.send_raw(self._ident(s), msg)
         if not self._inflight:
@@ -220,6 +226,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         """Follow this block manager's tables (what the runner should call before `start()`)."""
         self.kv = kv
         self.block_table = kv.block_table
+        self._live = kv.holds
 
     @property
     def dropped_frames(self) -> int:
@@ -510,8 +517,8 @@ class TorchExecutor(FailureDiagnosis, Executor):
             self.tracer.span(track, name, a, b, mb_id, busy=busy)
 
     # --- metadata --------------------------------------------------------------------------------------
-    def _metadata(self, mb: MicroBatch) -> tuple[list[wire.PrefillChunk], list[wire.DecodeRow]]:
-        table = self.block_table
+    def _metadata(self, mb: MicroBatch) -> tuple[list[wire.PrefillMeta], list[wire.DecodeMeta]]:
+        table, delta = self.block_table, self._tables.delta
         prefills = []
         for c in mb.prefills:
             seq = c.seq
@@ -522,14 +529,14 @@ class TorchExecutor(FailureDiagnosis, Executor):
                 toks = prompt[c.start:end]
             else:
                 toks = (prompt + seq.output_token_ids)[c.start:end]
-            prefills.append(wire.PrefillChunk(seq.seq_id, c.start, c.num_tokens, bool(c.samples),
-                                              table(seq.seq_id), toks))
+            prefills.append(wire.PrefillMeta(seq.seq_id, c.start, c.num_tokens, bool(c.samples),
+                                             *delta(seq.seq_id, table(seq.seq_id), c.start == 0), toks))
         decodes = []
         for seq in mb.decodes:
             pos = seq.num_computed
             prompt = self._prompt(seq.request)
             tok = prompt[pos] if pos < len(prompt) else seq.output_token_ids[pos - len(prompt)]
-            decodes.append(wire.DecodeRow(seq.seq_id, pos, table(seq.seq_id), tok))
+            decodes.append(wire.DecodeMeta(seq.seq_id, pos, *delta(seq.seq_id, table(seq.seq_id)), tok))
         return prefills, decodes
 
     def _prompt(self, request) -> list[int]:

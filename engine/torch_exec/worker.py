@@ -8,7 +8,8 @@ process's clock; then serve `Launch` messages in order until `Stop`. Every messa
 HMAC-authenticated msgpack frame (engine/torch_exec/wire.py); a frame that fails the check is
 dropped and logged, never decoded.
 
-Per micro-batch, stage s: wait for its metadata (span `wait`), build index tensors (`prepare`),
+Launches carry block tables as deltas; each is resolved into whole tables when it arrives
+(tables.py). Per micro-batch, stage s: wait for its metadata (span `wait`), build index tensors (`prepare`),
 stage > 0 receives the previous stage's hidden states (`recv`), runs its layers (`forward:<kind>`),
 then either posts an asynchronous send to stage s+1 (`send`; a send still pending from the
 previous micro-batch is awaited first, `send_wait`) or, on the last stage, samples (`sample`)
@@ -51,6 +52,7 @@ from collections import deque
 from engine.torch_exec import wire
 from engine.torch_exec.diagnosis import REPORTED_EXIT
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
+from engine.torch_exec.tables import StageLaunch, StageTables
 from engine.torch_exec.timing import timer_for
 from engine.torch_exec.wire import SpanRec
 
@@ -106,25 +108,7 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
 
 
 class _Stopped(Exception):
-    pass
-
-
-def build_policy(class_path: str, params: dict):
-    """The run's policy for `schedule_transfer`, imported by its "module:qualname" (no import of
-    `policies` here: the engine stays below the policies)."""
-    import importlib
-
-    from engine.policy import Policy
-
-    if not class_path:
-        return Policy()
-    mod, _, qualname = class_path.partition(":")
-    obj = importlib.import_module(mod)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not (isinstance(obj, type) and issubclass(obj, Policy)):
-        raise RuntimeError(f"{class_path} is not an engine.policy.Policy")
-    return obj.from_config(params)  # the link arrives with each LinkState
+    """The driver said stop, or is gone."""
 
 
 class _Stage:
@@ -142,6 +126,7 @@ class _Stage:
         self.link_in = self.link_out = None
         self.samplers = None
         self._moved_reported = 0
+        self.tables = StageTables()
 
     # --- control plane ----------------------------------------------------------------------------
     def send(self, msg) -> None:
@@ -157,6 +142,8 @@ class _Stage:
             return None
         if isinstance(msg, wire.Stop):
             raise _Stopped()
+        if isinstance(msg, wire.Launch):  # whole tables from the deltas, in arrival (= launch) order
+            return self.tables.resolve(msg)
         return msg
 
     def recv(self, timeout_s: float | None):
@@ -197,12 +184,12 @@ class _Stage:
             msg = self.backlog.popleft() if self.backlog else self.recv(None)
             if isinstance(msg, wire.Ping):
                 self.pong()
-            elif isinstance(msg, wire.Launch):
+            elif isinstance(msg, StageLaunch):
                 self.step(msg, t_wait, self.peek_ahead() if self.overlap else None)
             else:
                 raise RuntimeError(f"unexpected message {msg._wire_tag!r}")
 
-    def peek_ahead(self) -> wire.Launch | None:
+    def peek_ahead(self) -> StageLaunch | None:
         """Double buffer: micro-batch i+1's inputs are prepared by the prep thread while i runs
         (consecutive micro-batches hold disjoint sequences: token-safe)."""
         import zmq
@@ -211,7 +198,7 @@ class _Stage:
             nxt = self.read(self.sock.recv())
             if nxt is not None:
                 self.backlog.append(nxt)
-        if self.backlog and isinstance(self.backlog[0], wire.Launch):
+        if self.backlog and isinstance(self.backlog[0], StageLaunch):
             return self.backlog[0]
         return None
 
@@ -225,7 +212,7 @@ class _Stage:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.notify, zmq.POLLIN)
-        known: dict[int, wire.Launch] = {}  # mb id -> its message, launch order (dicts keep insertion order)
+        known: dict[int, StageLaunch] = {}  # mb id -> its message, launch order (dicts keep insertion order)
         t_wait = time.perf_counter()
         while True:
             ready = next((m for i, m in known.items() if self.link_in.has(i)), None)
@@ -259,7 +246,7 @@ class _Stage:
             msg = self.read(self.sock.recv())
             if isinstance(msg, wire.Ping):
                 self.pong()
-            elif isinstance(msg, wire.Launch):
+            elif isinstance(msg, StageLaunch):
                 known[msg.mb_id] = msg
             elif msg is not None:
                 raise RuntimeError(f"unexpected message {msg._wire_tag!r}")
@@ -387,7 +374,7 @@ class _Stage:
 
         comm_dev = "cpu" if (self.transfer_via_cpu or self.device == "cpu") else self.device
         if not self.last:
-            policy = build_policy(init.policy_class, init.policy_params)
+            policy = transfer.link_policy(init.policy_class, init.policy_params)
             self.link_out = transfer.LinkSender(self.dist, self.stage, self.stage + 1, policy, self.bw,
                                                 self.lat, self.chunk, comm_dev, self.link_info)
         if not self.first:
@@ -438,7 +425,7 @@ class _Stage:
                                f"{exc}") from None
 
     # --- one micro-batch ----------------------------------------------------------------------------------
-    def step(self, msg: wire.Launch, t_wait: float, ahead: wire.Launch | None = None) -> None:
+    def step(self, msg: StageLaunch, t_wait: float, ahead: StageLaunch | None = None) -> None:
         t = time.perf_counter()
         spans = [SpanRec("wait", t_wait, t, False)]
         self.count += 1
@@ -462,7 +449,7 @@ class _Stage:
         else:
             self.sample(msg, out, spans, t2)
 
-    def inputs(self, msg: wire.Launch, spans: list, t: float):
+    def inputs(self, msg: StageLaunch, spans: list, t: float):
         """This micro-batch's index tensors: prepared ahead by the prep thread, or now."""
         fut = self.prepared.pop(msg.mb_id, None) if self.overlap else None
         if fut is not None:
@@ -510,7 +497,7 @@ class _Stage:
             time.sleep(min(late, self.lat))  # the link's latency: delivered L after sending
         return buf
 
-    def forward(self, msg: wire.Launch, b, hidden, t1: float, spans: list):
+    def forward(self, msg: StageLaunch, b, hidden, t1: float, spans: list):
         kind = msg.kind
         self.fwd_kind = kind
         self.fwd_start = t1
@@ -525,7 +512,7 @@ class _Stage:
         spans.append(SpanRec(f"forward:{kind}", t1, t2, True))
         return out, t2
 
-    def send_paced(self, msg: wire.Launch, out, spans: list) -> None:
+    def send_paced(self, msg: StageLaunch, out, spans: list) -> None:
         from engine.torch_exec.transfer import _MbRef
 
         t3 = time.perf_counter()
@@ -536,7 +523,7 @@ class _Stage:
         self.flush_link_events()
         self.send(wire.Spans(self.stage, msg.mb_id, spans))
 
-    def send_next(self, msg: wire.Launch, out, spans: list, t2: float) -> None:
+    def send_next(self, msg: StageLaunch, out, spans: list, t2: float) -> None:
         torch = self.torch
         while self.pending_sends:
             work, _tensor = self.pending_sends.popleft()
@@ -558,7 +545,7 @@ class _Stage:
         spans.append(SpanRec("send", t3, time.perf_counter(), True))
         self.send(wire.Spans(self.stage, msg.mb_id, spans))
 
-    def sample(self, msg: wire.Launch, out, spans: list, t2: float) -> None:
+    def sample(self, msg: StageLaunch, out, spans: list, t2: float) -> None:
         prefills, decodes = msg.prefills, msg.decodes
         keys = [(p.seq_id, p.start + p.num_tokens) for p in prefills if p.samples] + \
                [(d.seq_id, d.position + 1) for d in decodes]

@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.batch import MicroBatch
+
 if TYPE_CHECKING:
     from testbed.config.spec import RunSpec
 
@@ -42,6 +44,8 @@ GRID = {"decode_batch": (1, 8, 32, 64, 128, 256), "decode_context": (128, 512, 2
 QUICK = {"decode_batch": (1, 8), "decode_context": (32, 128), "prefill_tokens": (32, 128)}
 BASE = ["executor=torch", "model=tiny-llama", "workload=synthetic", "workload.arrival=offline", "output.trace=full",
         "output.mlflow=false", "output.plots=false", "output.progress=false"]
+# the synthetic workload's lengths apply only when the run keeps it; another workload (sharegpt,
+# azure) has its own lengths and only takes the request count
 QUICK_WORKLOAD = ["workload.num_requests=6", "workload.input_mean=48", "workload.output_mean=8"]
 FULL_WORKLOAD = ["workload.num_requests=64", "workload.input_mean=512", "workload.output_mean=128"]
 BANDWIDTH_POINTS = ((32, 512), (128, 512), (128, 2048), (256, 2048))
@@ -90,7 +94,7 @@ def _config(overrides: list[str], quick: bool, grid: dict) -> RunSpec:
     from testbed.config.spec import compose_spec
     from testbed.config.overrides import merge
 
-    spec = compose_spec(merge(BASE, QUICK_WORKLOAD if quick else FULL_WORKLOAD, overrides))
+    spec = compose_spec(merge(BASE, workload_defaults(overrides, quick), overrides))
     rc = spec.settings
     if rc.executor.name != "torch":
         from engine.errors import ConfigError
@@ -107,6 +111,14 @@ def _config(overrides: list[str], quick: bool, grid: dict) -> RunSpec:
         per_seq = -(-(max(max(grid["decode_context"]), max(grid["prefill_tokens"])) + 1) // bs) + 1
         values["kv.num_blocks"] = max(per_seq * max(grid["decode_batch"]), 1024)
     return spec.with_values(values)
+
+
+def workload_defaults(overrides: list[str], quick: bool) -> list[str]:
+    """The bench's workload size for the workload the overrides name: the synthetic one's lengths
+    only when it is the synthetic workload (`workload=sharegpt` has no `workload.input_mean`)."""
+    named = [ov.partition("=")[2] for ov in overrides if ov.partition("=")[0] == "workload"]
+    layer = QUICK_WORKLOAD if quick else FULL_WORKLOAD
+    return layer if not named or named[-1] == "synthetic" else layer[:1]
 
 
 def run_grid(args: argparse.Namespace, console=None) -> dict:
@@ -181,7 +193,6 @@ def _bandwidth(arch, dtype: str, device: str, block_size: int, copy_rate, attent
 def _engine(spec: RunSpec, points: list[Point], repeats: int):
     """Start the engine once: the end-to-end run first (clean bubbles and window), then the grid."""
     from engine.metrics import SLO, summarize
-    from engine.torch_exec.profile import _Designer, _round_robin_tables
     from testbed.run.runner import prepare_experiment
 
     prep = prepare_experiment(spec)
@@ -198,10 +209,8 @@ def _engine(spec: RunSpec, points: list[Point], repeats: int):
                "total_tok_s": s["throughput_tok_s"], "output_tok_s": s["output_throughput_tok_s"],
                "tpot_p50_s": s["tpot_p50_s"], "stage_bubble_ratio": s["stage_bubble_ratio"], "policy": ctrl.policy.name}
         bs = ctrl.kv.block_size
-        ctx = max(max(p.context for p in points), max(p.tokens for p in points))
-        ex.block_table = _round_robin_tables(ex, ctx, bs)
-        des = _Designer()
-        steps = {p: _time_point(ex, des, p, repeats) for p in points}
+        batches = SteadyBatches(ctrl.kv)
+        steps = {p: _time_point(ex, batches, p, repeats) for p in points}
         info = {"device": ex.settings.device, "dtype": ex.settings.resolved_dtype, "pp": P,
                 "kv_num_blocks": ctrl.kv.num_blocks, "block_size": bs, "stages": ex.stage_info}
     finally:
@@ -209,19 +218,83 @@ def _engine(spec: RunSpec, points: list[Point], repeats: int):
     return e2e, steps, info
 
 
-def _time_point(ex, des, p: Point, repeats: int) -> tuple[float, float]:
-    """(median launch-to-tokens seconds, median summed stage forward seconds) of one point."""
-    ex.launch(des.batch(p.kind, p.batch, p.tokens, 0, p.context))  # warm-up (first-touch, lazy inits)
-    ex.next_completion()
+class SteadyBatches:
+    """The grid's micro-batches in steady state, as a serving engine sees them: a decode point's
+    sequences are made once, hold their blocks in the run's block manager and advance one token per
+    launch (their tables are reused; a new block only when a sequence crosses a block boundary),
+    so `step - forward` is the host's per-step cost, not the set-up of new sequences and tables.
+    A prefill is a new sequence each time, as in serving."""
+
+    def __init__(self, kv) -> None:
+        self.kv = kv
+        self.next_seq = 20_000_000
+        self.next_mb = 2_000_000
+        self.live: list = []
+
+    def decodes(self, batch: int, context: int) -> list:
+        """`batch` sequences that hold `context - 1` tokens: the next token is at position context - 1."""
+        from engine.request import Request, Sequence
+
+        self.release()
+        for _ in range(batch):
+            self.next_seq += 1
+            seq = Sequence(Request(self.next_seq, 0.0, context, 1 << 20))
+            seq.num_computed = context - 1
+            self.kv.allocate(seq.seq_id, context - 1)
+            self.live.append(seq)
+        return self.live
+
+    def decode_step(self) -> MicroBatch:
+        """The live sequences' next decode (committed as the controller commits one)."""
+        self.kv.append_one_each([s.seq_id for s in self.live])
+        return self._mb((), tuple(self.live))
+
+    def advance(self, tokens) -> None:
+        """The step completed: each sequence holds its new token (the next decode feeds it)."""
+        for seq, tok in zip(self.live, tokens):
+            seq.num_computed += 1
+            seq.output_token_ids.append(tok)
+
+    def prefill(self, tokens: int) -> MicroBatch:
+        from engine.batch import PrefillChunk
+        from engine.request import Request, Sequence
+
+        self.release()
+        self.next_seq += 1
+        seq = Sequence(Request(self.next_seq, 0.0, tokens, 1))
+        self.kv.allocate(seq.seq_id, tokens)
+        self.live.append(seq)
+        return self._mb((PrefillChunk(seq, 0, tokens, True),), ())
+
+    def release(self) -> None:
+        for seq in self.live:
+            self.kv.free(seq.seq_id)
+        self.live = []
+
+    def _mb(self, prefills: tuple, decodes: tuple) -> MicroBatch:
+        self.next_mb += 1
+        return MicroBatch(self.next_mb, prefills, decodes)
+
+
+def _time_point(ex, batches: SteadyBatches, p: Point, repeats: int) -> tuple[float, float]:
+    """(median launch-to-tokens seconds, median summed stage forward seconds) of one point, after
+    one untimed launch (first touch, lazy inits, the stages learning the tables)."""
+    if p.kind == "decode":
+        batches.decodes(p.batch, p.context)
     step, fwd = [], []
-    for _ in range(repeats):
-        mb = des.batch(p.kind, p.batch, p.tokens, 0, p.context)
+    for i in range(repeats + 1):
+        mb = batches.decode_step() if p.kind == "decode" else batches.prefill(p.tokens)
         t = time.perf_counter()
         ex.launch(mb)
-        ex.next_completion()
-        step.append(time.perf_counter() - t)
-        fwd.append(sum(b - a for track, name, a, b, mb_id in ex.tracer.spans
-                       if mb_id == mb.mb_id and name.startswith("forward")))
+        done = ex.next_completion()
+        dt = time.perf_counter() - t
+        if p.kind == "decode":
+            batches.advance(done.token_ids)
+        if i:
+            step.append(dt)
+            fwd.append(sum(b - a for track, name, a, b, mb_id in ex.tracer.spans
+                           if mb_id == mb.mb_id and name.startswith("forward")))
+    batches.release()
     return statistics.median(step), statistics.median(fwd)
 
 
