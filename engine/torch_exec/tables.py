@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.batch import MicroBatch
 from engine.torch_exec import wire
 
 
@@ -49,6 +50,48 @@ class DriverTables:
         for s in gone:
             del self.known[s]
         return gone
+
+
+class LaunchRows:
+    """The driver's rows of each launch: per prefill chunk its token ids (the prompt's, then the
+    sequence's generated ids, so a recomputation after preemption re-feeds exactly what was there),
+    per decode its last token, every block table as a delta; and the sequences released since the
+    last launch (their prompt ids are dropped too)."""
+
+    def __init__(self, vocab: int, prompt_seed: int) -> None:
+        self.vocab, self.prompt_seed = vocab, prompt_seed
+        self.tables = DriverTables()
+        self.prompts: dict[int, list[int]] = {}
+
+    def rows(self, mb: MicroBatch, table: Callable[[int], list[int]], live: Callable[[int], bool]
+             ) -> tuple[list[wire.PrefillMeta], list[wire.DecodeMeta], list[int]]:
+        released = self.tables.released(live)
+        for seq_id in released:
+            self.prompts.pop(seq_id, None)
+        delta = self.tables.delta
+        prefills = []
+        for c in mb.prefills:
+            seq = c.seq
+            prompt = self.prompt(seq.request)
+            end = c.start + c.num_tokens
+            toks = prompt[c.start:end] if end <= len(prompt) else (prompt + seq.output_token_ids)[c.start:end]
+            prefills.append(wire.PrefillMeta(seq.seq_id, c.start, c.num_tokens, bool(c.samples),
+                                             *delta(seq.seq_id, table(seq.seq_id), c.start == 0), toks))
+        decodes = []
+        for seq in mb.decodes:
+            pos = seq.num_computed
+            prompt = self.prompt(seq.request)
+            tok = prompt[pos] if pos < len(prompt) else seq.output_token_ids[pos - len(prompt)]
+            decodes.append(wire.DecodeMeta(seq.seq_id, pos, *delta(seq.seq_id, table(seq.seq_id)), tok))
+        return prefills, decodes, released
+
+    def prompt(self, request) -> list[int]:
+        ids = self.prompts.get(request.request_id)
+        if ids is None:
+            from engine.torch_exec.checkpoint import prompt_ids
+
+            ids = self.prompts[request.request_id] = prompt_ids(request, self.vocab, self.prompt_seed)
+        return ids
 
 
 @dataclass(frozen=True)

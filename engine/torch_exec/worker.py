@@ -51,6 +51,7 @@ from collections import deque
 
 from engine.torch_exec import wire
 from engine.torch_exec.diagnosis import REPORTED_EXIT
+from engine.torch_exec.lane import ACTIVE_WINDOW_S, POLL_SLICE_S, Lane, LaneClosed, StageLine
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
 from engine.torch_exec.tables import StageLaunch, StageTables
 from engine.torch_exec.timing import timer_for
@@ -61,8 +62,9 @@ log = logging.getLogger(__name__)
 
 
 def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secret: bytes | None = None,
-               run: str = "") -> None:
-    """Entry point of a stage process (spawned by the driver, or run by hand)."""
+               run: str = "", lane=None) -> None:
+    """Entry point of a stage process (spawned by the driver, or run by hand). `lane`: a spawned
+    stage's end of its socketpair to the driver (lane.py), used from `Ready` on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
     secret = secret or wire.secret_from_env()
@@ -83,7 +85,7 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
     code, st = 0, None
     try:
         sock.send(codec.encode(wire.Hello(stage, socket.gethostname(), os.getpid())))
-        st = _Stage(sock, codec, stage, parent_pid, secret)
+        st = _Stage(sock, codec, stage, parent_pid, secret, Lane(lane) if lane is not None else None)
         st.run()
     except _Stopped:
         pass
@@ -112,8 +114,11 @@ class _Stopped(Exception):
 
 
 class _Stage:
-    def __init__(self, sock, codec: wire.Codec, stage: int, parent_pid: int | None, secret: bytes) -> None:
+    def __init__(self, sock, codec: wire.Codec, stage: int, parent_pid: int | None, secret: bytes,
+                 lane: Lane | None = None) -> None:
         self.sock = sock
+        self.line = StageLine(sock, lane)  # ZeroMQ, then the lane from Ready on (spawned stages)
+        self.last_step = 0.0  # when the last micro-batch ended (recv's short polls follow it)
         self.codec = codec
         self.secret = secret
         self.stage = stage
@@ -130,7 +135,13 @@ class _Stage:
 
     # --- control plane ----------------------------------------------------------------------------
     def send(self, msg) -> None:
-        self.sock.send(self.codec.encode(msg))
+        self.line.send(self.codec.encode(msg))
+
+    def frame(self, timeout_s: float) -> bytes | None:
+        try:
+            return self.line.frame(timeout_s)
+        except LaneClosed:
+            raise _Stopped() from None  # the driver is gone: nobody to report to
 
     def read(self, frame: bytes):
         """The driver's message in `frame`; None (dropped, logged) if it is not authentic."""
@@ -147,21 +158,26 @@ class _Stage:
         return msg
 
     def recv(self, timeout_s: float | None):
-        """Next driver message; raises if the driver vanished or `timeout_s` passed."""
-        import zmq
-
-        waited = 0.0
+        """Next driver message; raises if the driver vanished or `timeout_s` passed. Right after a
+        micro-batch it waits in `POLL_SLICE_S` slices (lane.py: a long sleeper wakes late on a
+        loaded machine), later in `IDLE_POLL_S` ones."""
+        since = checked = time.perf_counter()
         while True:
-            if self.sock.poll(int(IDLE_POLL_S * 1000), zmq.POLLIN):
-                msg = self.read(self.sock.recv())
+            active = time.perf_counter() - self.last_step < ACTIVE_WINDOW_S
+            frame = self.frame(POLL_SLICE_S if active else IDLE_POLL_S)
+            if frame is not None:
+                msg = self.read(frame)
                 if msg is not None:
                     return msg
                 continue
-            waited += IDLE_POLL_S
+            now = time.perf_counter()
+            if active and now - checked < IDLE_POLL_S:
+                continue
+            checked = now
             self.flush_link_events()
             if parent_gone(self.parent_pid):
                 raise _Stopped()  # the driver is gone: nobody to report to
-            if timeout_s is not None and waited > timeout_s:
+            if timeout_s is not None and now - since > timeout_s:
                 raise TimeoutError(f"no message from the driver for {timeout_s:.0f} s")
 
     def pong(self) -> None:
@@ -192,10 +208,8 @@ class _Stage:
     def peek_ahead(self) -> StageLaunch | None:
         """Double buffer: micro-batch i+1's inputs are prepared by the prep thread while i runs
         (consecutive micro-batches hold disjoint sequences: token-safe)."""
-        import zmq
-
-        if not self.backlog and self.sock.poll(0, zmq.POLLIN):
-            nxt = self.read(self.sock.recv())
+        if not self.backlog and (frame := self.frame(0)) is not None:
+            nxt = self.read(frame)
             if nxt is not None:
                 self.backlog.append(nxt)
         if self.backlog and isinstance(self.backlog[0], StageLaunch):
@@ -210,7 +224,7 @@ class _Stage:
         import zmq
 
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.line.pollable, zmq.POLLIN)
         poller.register(self.notify, zmq.POLLIN)
         known: dict[int, StageLaunch] = {}  # mb id -> its message, launch order (dicts keep insertion order)
         t_wait = time.perf_counter()
@@ -226,9 +240,8 @@ class _Stage:
             events = dict(poller.poll(int(IDLE_POLL_S * 1000)))
             if self.notify in events:
                 self.check_receiver()
-            if self.sock in events:
-                self.take_control(known)
-            elif not events and parent_gone(self.parent_pid):
+            self.take_control(known)  # also frames an earlier read left in the inbox
+            if not events and parent_gone(self.parent_pid):
                 raise _Stopped()
 
     def check_receiver(self) -> None:
@@ -240,10 +253,8 @@ class _Stage:
                                    f"{self.link_in.error!r}") from self.link_in.error
 
     def take_control(self, known: dict) -> None:
-        import zmq
-
-        while self.sock.poll(0, zmq.POLLIN):
-            msg = self.read(self.sock.recv())
+        while (frame := self.frame(0)) is not None:
+            msg = self.read(frame)
             if isinstance(msg, wire.Ping):
                 self.pong()
             elif isinstance(msg, StageLaunch):
@@ -289,6 +300,7 @@ class _Stage:
         if self.last:
             self.setup_sampling(init)
         self.send(wire.Ready(self.stage, os.getpid(), str(self.device), t_load, time.perf_counter() - t0))
+        self.line.use_lane()  # the driver writes to the lane from Ready on
 
     def setup_device(self, init: wire.StageInit) -> None:
         torch = self.torch
@@ -448,6 +460,7 @@ class _Stage:
             self.send_next(msg, out, spans, t2)
         else:
             self.sample(msg, out, spans, t2)
+        self.last_step = time.perf_counter()
 
     def inputs(self, msg: StageLaunch, spans: list, t: float):
         """This micro-batch's index tensors: prepared ahead by the prep thread, or now."""
