@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import logging
 import math
 import os
 import socket
@@ -55,13 +54,12 @@ from engine.torch_exec.settings import TorchSettings
 from engine.torch_exec import wire
 from engine.torch_exec.control import ControlSocket, check_host, free_port, warn_exposed
 from engine.torch_exec.diagnosis import FailureDiagnosis
-from engine.torch_exec.lane import POLL_SLICE_S, DriverLanes, Lane, LaneClosed
+from engine.torch_exec.lane import DriverLanes, Lane, LaneClosed, WakePlan
 from engine.torch_exec.stage_processes import start_stage
 from engine.torch_exec.tables import LaunchRows
 from engine.trace import Tracer
 
 STOP_GRACE_S = 5.0
-log = logging.getLogger(__name__)
 
 
 class TorchExecutor(FailureDiagnosis, Executor):
@@ -104,6 +102,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self.kv_pool = None  # the sizing (kv_sizing.PoolSize) when measured
         self._procs: list[Any] = []
         self._lanes = DriverLanes()  # spawned stages' socketpairs (lane.py), used from Ready on
+        self._wake = WakePlan()  # when to poll in short slices (lane.py)
         self._ctl: ControlSocket | None = None
         self._sock = None
         self._poller = None
@@ -157,6 +156,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         if not self._inflight:
             self._last_progress = time.perf_counter()
         self._inflight.append(mb.mb_id)
+        self._wake.launch(mb.mb_id, mb.kind, t)
         t2 = time.perf_counter()
         self.launch_overhead_s += t2 - t
         self.num_launched += 1
@@ -180,7 +180,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
                 if deadline is not None and now - self._t0 >= deadline:
                     return None
                 self._fail(self._hang_message())
-            self._poll(min(wait, POLL_SLICE_S))  # short polls: woken late otherwise (lane.py)
+            self._poll(min(wait, self._wake.sleep_s(self._inflight[0], now)))  # short polls near the end (lane.py)
 
     def wait_until(self, t: float) -> None:
         """Idle until the run clock reads `t`, still watching the stages."""
@@ -455,7 +455,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         if self._sock in events:
             while (msg := self._ctl.recv()) is not None:
                 self._dispatch(msg, expect, out)
-        msgs, closed = self._lanes.messages(events, self._codec, self._dropped)
+        msgs, closed = self._lanes.messages(events, self._codec, self._ctl.drop)
         for msg in msgs:
             self._dispatch(msg, expect, out)
         for s in closed:  # its process is ending: name how it ended, not the closed line
@@ -466,9 +466,6 @@ class TorchExecutor(FailureDiagnosis, Executor):
             self._fail(f"stage {closed[0]} closed its line to the driver while the run was in progress")
         return out
 
-    def _dropped(self, s: int, exc: Exception) -> None:
-        self._ctl.dropped += 1
-        log.warning("dropped a frame on stage %d's lane: %s", s, exc)
 
     def _dispatch(self, msg, expect: type | None, out: list) -> None:
         if isinstance(msg, wire.StageError):
@@ -524,6 +521,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
     def _retire(self, who: str, mb_id: int) -> None:
         """A micro-batch completed: in launch order, or -- behind policy-scheduled links -- any in flight."""
         head = self._inflight[0] if self._inflight else None
+        self._wake.complete(mb_id, time.perf_counter())
         if head == mb_id:
             self._inflight.popleft()
         elif self.reorder and mb_id in self._inflight:

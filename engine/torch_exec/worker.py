@@ -51,7 +51,8 @@ from collections import deque
 
 from engine.torch_exec import wire
 from engine.torch_exec.diagnosis import REPORTED_EXIT
-from engine.torch_exec.lane import ACTIVE_WINDOW_S, POLL_SLICE_S, Lane, LaneClosed, StageLine
+from engine.torch_exec.linked import LinkedStage
+from engine.torch_exec.lane import ACTIVE_WINDOW_S, POLL_SLICE_S, Lane, LaneClosed, StageLine, Stopped
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
 from engine.torch_exec.tables import StageLaunch, StageTables
 from engine.torch_exec.timing import timer_for
@@ -87,7 +88,7 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
         sock.send(codec.encode(wire.Hello(stage, socket.gethostname(), os.getpid())))
         st = _Stage(sock, codec, stage, parent_pid, secret, Lane(lane) if lane is not None else None)
         st.run()
-    except _Stopped:
+    except Stopped:
         pass
     except BaseException as exc:  # report, then exit non-zero
         code = REPORTED_EXIT
@@ -109,11 +110,7 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
         os._exit(0)
 
 
-class _Stopped(Exception):
-    """The driver said stop, or is gone."""
-
-
-class _Stage:
+class _Stage(LinkedStage):
     def __init__(self, sock, codec: wire.Codec, stage: int, parent_pid: int | None, secret: bytes,
                  lane: Lane | None = None) -> None:
         self.sock = sock
@@ -141,7 +138,7 @@ class _Stage:
         try:
             return self.line.frame(timeout_s)
         except LaneClosed:
-            raise _Stopped() from None  # the driver is gone: nobody to report to
+            raise Stopped() from None  # the driver is gone: nobody to report to
 
     def read(self, frame: bytes):
         """The driver's message in `frame`; None (dropped, logged) if it is not authentic."""
@@ -152,7 +149,7 @@ class _Stage:
             log.warning("stage %d dropped a frame: %s", self.stage, exc)
             return None
         if isinstance(msg, wire.Stop):
-            raise _Stopped()
+            raise Stopped()
         if isinstance(msg, wire.Launch):  # whole tables from the deltas, in arrival (= launch) order
             return self.tables.resolve(msg)
         return msg
@@ -176,7 +173,7 @@ class _Stage:
             checked = now
             self.flush_link_events()
             if parent_gone(self.parent_pid):
-                raise _Stopped()  # the driver is gone: nobody to report to
+                raise Stopped()  # the driver is gone: nobody to report to
             if timeout_s is not None and now - since > timeout_s:
                 raise TimeoutError(f"no message from the driver for {timeout_s:.0f} s")
 
@@ -201,7 +198,7 @@ class _Stage:
             if isinstance(msg, wire.Ping):
                 self.pong()
             elif isinstance(msg, StageLaunch):
-                self.step(msg, t_wait, self.peek_ahead() if self.overlap else None)
+                self.step(msg, t_wait, self.peek_ahead() if self.look_ahead else None)
             else:
                 raise RuntimeError(f"unexpected message {msg._wire_tag!r}")
 
@@ -215,64 +212,6 @@ class _Stage:
         if self.backlog and isinstance(self.backlog[0], StageLaunch):
             return self.backlog[0]
         return None
-
-    def run_linked(self) -> None:
-        """Main loop of a stage > 0 behind a policy-scheduled link: micro-batches run in the order
-        their activations complete (a decode may overtake a prefill still on the link), launch
-        order among those complete. Token-safe: micro-batches in flight hold disjoint sequences,
-        and each one's KV writes and reads touch only its own sequences' blocks."""
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self.line.pollable, zmq.POLLIN)
-        poller.register(self.notify, zmq.POLLIN)
-        known: dict[int, StageLaunch] = {}  # mb id -> its message, launch order (dicts keep insertion order)
-        t_wait = time.perf_counter()
-        while True:
-            ready = next((m for i, m in known.items() if self.link_in.has(i)), None)
-            if ready is not None:
-                del known[ready.mb_id]
-                ahead = next(iter(known.values()), None) if self.overlap else None
-                self.step(ready, t_wait, ahead)
-                t_wait = time.perf_counter()
-                continue
-            self.flush_link_events()
-            events = dict(poller.poll(int(IDLE_POLL_S * 1000)))
-            if self.notify in events:
-                self.check_receiver()
-            self.take_control(known)  # also frames an earlier read left in the inbox
-            if not events and parent_gone(self.parent_pid):
-                raise _Stopped()
-
-    def check_receiver(self) -> None:
-        import zmq
-
-        while self.notify.poll(0, zmq.POLLIN):
-            if self.notify.recv() == b"error":
-                raise RuntimeError(f"link {self.stage - 1}->{self.stage} receiver failed: "
-                                   f"{self.link_in.error!r}") from self.link_in.error
-
-    def take_control(self, known: dict) -> None:
-        while (frame := self.frame(0)) is not None:
-            msg = self.read(frame)
-            if isinstance(msg, wire.Ping):
-                self.pong()
-            elif isinstance(msg, StageLaunch):
-                known[msg.mb_id] = msg
-            elif msg is not None:
-                raise RuntimeError(f"unexpected message {msg._wire_tag!r}")
-
-    def flush_link_events(self) -> None:
-        if self.link_out is None:
-            return
-        if self.link_out.error is not None:
-            raise RuntimeError(f"link {self.stage}->{self.stage + 1} sender failed: "
-                               f"{self.link_out.error!r}") from self.link_out.error
-        ev = self.link_out.drain_events()
-        moved = int(self.link_out.moved_bytes)
-        if ev or moved > self._moved_reported:
-            self._moved_reported = moved
-            self.send(wire.LinkEvents(self.stage, [wire.LinkSpan(*e) for e in ev], moved))
 
     # --- set-up ------------------------------------------------------------------------------------------
     def setup(self, init: wire.StageInit) -> None:
@@ -366,7 +305,11 @@ class _Stage:
     def setup_runtime(self, init: wire.StageInit) -> None:
         self.model.configure(init.attention, init.cuda_graphs)  # attention path; CUDA graphs captured here
         self.overlap = init.overlap_input_prep
+        # the next micro-batch, when it is known, is prepared while this one runs: by SiPipe's prep
+        # thread, or on a GPU between a forward's launch and its end (the host is idle then)
+        self.look_ahead = self.overlap or self.device != "cpu"
         self.prepared: dict[int, object] = {}  # mb id -> future of its prepared inputs (<= 2 buffers)
+        self.ready: dict[int, object] = {}  # mb id -> its inputs, prepared on the main thread
         self.aware = init.structure_aware_transfer
         self.bw = init.link_bandwidth_Bps
         self.lat = init.link_latency_s
@@ -380,26 +323,6 @@ class _Stage:
         self.fwd_ema: dict[str, float] = {}  # kind -> mean forward time
         self.decode_starts: deque = deque(maxlen=8)  # recent decode forward starts (next decode's ETA)
 
-    def setup_links(self, init: wire.StageInit) -> None:
-        """Paced links: activations go through a policy-scheduled sender thread (transfer.py)."""
-        from engine.torch_exec import transfer
-
-        comm_dev = "cpu" if (self.transfer_via_cpu or self.device == "cpu") else self.device
-        if not self.last:
-            policy = transfer.link_policy(init.policy_class, init.policy_params)
-            self.link_out = transfer.LinkSender(self.dist, self.stage, self.stage + 1, policy, self.bw,
-                                                self.lat, self.chunk, comm_dev, self.link_info)
-        if not self.first:
-            import zmq
-
-            self.izctx = zmq.Context()  # never terminated: the receiver thread may sit in recv
-            addr = f"inproc://link-recv-{self.stage}"
-            self.notify = self.izctx.socket(zmq.PAIR)
-            self.notify.setsockopt(zmq.LINGER, 0)
-            self.notify.bind(addr)
-            self.link_in = transfer.LinkReceiver(self.dist, self.stage - 1, comm_dev, self.chunk, addr,
-                                                 self.izctx, self.read_meta)
-
     def setup_sampling(self, init: wire.StageInit) -> None:
         from engine.torch_exec.sampling import Sampler
 
@@ -410,20 +333,6 @@ class _Stage:
             self.samplers = SamplerPool(init.num_cpu_samplers, init.driver_addr, self.secret,
                                         self.arch.vocab_size, init.sampling, timeout_s=120.0,
                                         me=self.codec.me, run=self.codec.run)
-
-    def link_info(self, now: float) -> dict:
-        """What the sending stage knows for the policy's idle-time prediction (LinkState.info)."""
-        info: dict = {"upstream_busy": False}
-        start, kind = self.fwd_start, self.fwd_kind
-        if start is not None:
-            info["upstream_busy"] = True
-            info["upstream_end_s"] = start + self.fwd_ema.get(kind, 0.0)
-        elif len(self.decode_starts) >= 2:
-            ds = self.decode_starts
-            period = (ds[-1] - ds[0]) / (len(ds) - 1)
-            if ds[-1] + period > now:
-                info["next_decode_s"] = ds[-1] + period
-        return info
 
     # --- data-plane metadata (vLLM-style tensor-dict sends) ---------------------------------------------
     def meta_blob(self, payload) -> bytes:
@@ -444,8 +353,11 @@ class _Stage:
         if self.fault is not None and self.count == self.fault[1]:
             self.misbehave(self.fault[0])
         b, t1 = self.inputs(msg, spans, t)
-        if ahead is not None and ahead.mb_id not in self.prepared:
+        if ahead is not None and (ahead.mb_id in self.prepared or ahead.mb_id in self.ready):
+            ahead = None
+        if ahead is not None and self.overlap:  # SiPipe's prep thread
             self.prepared[ahead.mb_id] = self.prep_pool.submit(self.model.prepare, ahead.prefills, ahead.decodes)
+            ahead = None
         hidden = None
         if not self.first:
             mark = timer_for(self.device).start()
@@ -453,7 +365,7 @@ class _Stage:
             t2 = timer_for(self.device).stop(mark)[1]
             spans.append(SpanRec("recv", t1, t2, False))
             t1 = t2
-        out, t2 = self.forward(msg, b, hidden, t1, spans)
+        out, t2 = self.forward(msg, b, hidden, t1, spans, ahead)
         if self.link_out is not None:
             self.send_paced(msg, out, spans)
         elif not self.last:
@@ -463,7 +375,11 @@ class _Stage:
         self.last_step = time.perf_counter()
 
     def inputs(self, msg: StageLaunch, spans: list, t: float):
-        """This micro-batch's index tensors: prepared ahead by the prep thread, or now."""
+        """This micro-batch's index tensors: prepared ahead (the prep thread, or while the previous
+        forward ran on the GPU), or now."""
+        b = self.ready.pop(msg.mb_id, None)  # prepared while the previous forward ran on the GPU
+        if b is not None:
+            return b, t
         fut = self.prepared.pop(msg.mb_id, None) if self.overlap else None
         if fut is not None:
             b = fut.result()
@@ -497,44 +413,29 @@ class _Stage:
             self.dist.recv(buf, src=self.stage - 1)
         return buf.to(self.device) if self.transfer_via_cpu else buf
 
-    def take_linked(self, mb_id: int, buf):
-        flat, ready_s, shape = self.link_in.take(mb_id)
-        if shape is not None and tuple(shape) != tuple(buf.shape):
-            raise RuntimeError(f"metadata says {shape}, schedule says {tuple(buf.shape)}")
-        if flat.numel() != buf.numel() * buf.element_size():
-            raise RuntimeError(f"micro-batch {mb_id}: {flat.numel()} bytes arrived, the schedule "
-                               f"needs {buf.numel() * buf.element_size()}")
-        buf = flat.view(buf.dtype).view(buf.shape)
-        late = ready_s - time.perf_counter()
-        if late > 0:
-            time.sleep(min(late, self.lat))  # the link's latency: delivered L after sending
-        return buf
-
-    def forward(self, msg: StageLaunch, b, hidden, t1: float, spans: list):
+    def forward(self, msg: StageLaunch, b, hidden, t1: float, spans: list, ahead: StageLaunch | None = None):
+        """The forward; on a GPU, `ahead`'s inputs are prepared while its kernels run (the host
+        launches them and returns: the next micro-batch's index arrays, pinned copy included, are
+        built before this span's end event is waited on)."""
         kind = msg.kind
         self.fwd_kind = kind
         self.fwd_start = t1
         if not msg.prefills:
             self.decode_starts.append(t1)
-        mark = timer_for(self.device).start()
+        timer = timer_for(self.device)
+        mark = timer.start()
         out = self.model.forward(b, hidden)
-        t2 = timer_for(self.device).stop(mark)[1]  # CUDA events on a GPU (timing.py)
+        pending = timer.record(mark)  # CUDA events on a GPU (timing.py)
+        if ahead is not None:
+            a = time.perf_counter()
+            self.ready[ahead.mb_id] = self.model.prepare(ahead.prefills, ahead.decodes)
+            spans.append(SpanRec("prepare_ahead", a, time.perf_counter(), True))
+        t2 = timer.wait(pending)[1]
         self.fwd_start = None
         prev = self.fwd_ema.get(kind)
         self.fwd_ema[kind] = (t2 - t1) if prev is None else 0.7 * prev + 0.3 * (t2 - t1)
         spans.append(SpanRec(f"forward:{kind}", t1, t2, True))
         return out, t2
-
-    def send_paced(self, msg: StageLaunch, out, spans: list) -> None:
-        from engine.torch_exec.transfer import _MbRef
-
-        t3 = time.perf_counter()
-        payload = (out.cpu() if self.transfer_via_cpu else out).contiguous()
-        meta = None if self.aware else self.meta_blob(payload)
-        self.link_out.put(_MbRef(msg.mb_id, msg.kind, msg.prefills, msg.decodes), payload, meta)
-        spans.append(SpanRec("send", t3, time.perf_counter(), True))
-        self.flush_link_events()
-        self.send(wire.Spans(self.stage, msg.mb_id, spans))
 
     def send_next(self, msg: StageLaunch, out, spans: list, t2: float) -> None:
         torch = self.torch

@@ -87,6 +87,8 @@ def add_grid_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, default=None, help="timed launches per point (default 5; quick 2)")
     ap.add_argument("--attention-bandwidth", action="store_true",
                     help="also the paged-attention kernel's K/V bytes/s against the device's copy rate")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also the top kernels of a decode, a mixed and a prefill forward (torch.profiler)")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the figures as JSON here")
 
 
@@ -133,14 +135,23 @@ def run_grid(args: argparse.Namespace, console=None) -> dict:
     spec = _config(list(args.overrides), args.quick, grid)
     points = grid_points(grid)
     floors, arch, bandwidth = _floors(spec, points, repeats, args.attention_bandwidth)
+    kernels = None
+    if args.kernels:  # in this process, released before the stages start (their KV pool is measured)
+        from testbed.bench.engine_kernels import kernel_tables
+
+        kernels = kernel_tables(spec, args.quick, repeats)
     e2e, steps, info = _engine(spec, points, repeats)
     rows = [Row(p, steps[p][0], steps[p][1], floors[p].linear_s, floors[p].attention_s) for p in points]
     out = {"info": {**info, "model": arch.name, "load_avg": _load_avg(), "repeats": repeats},
            "end_to_end": e2e, "rows": [{**asdict(r.point), "step_s": r.step_s, "forward_s": r.forward_s,
                                          "linear_floor_s": r.linear_floor_s,
                                          "attention_floor_s": r.attention_floor_s, "x_floor": r.x_floor}
-                                        for r in rows], "attention_bandwidth": bandwidth}
+                                        for r in rows], "attention_bandwidth": bandwidth, "kernels": kernels}
     print_tables(out, console)
+    if kernels is not None:
+        from testbed.bench.engine_kernels import print_kernels
+
+        print_kernels(kernels, console)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(out, indent=1))
