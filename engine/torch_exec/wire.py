@@ -275,8 +275,9 @@ class Stop:
 class Launch:
     """One micro-batch's metadata, the same for every stage: block tables as deltas against the
     tables the stages already hold, and the sequences whose tables they may forget
-    (engine/torch_exec/tables.py). A steady decode of 256 sequences at context 2,048 sends ~2 kB
-    of table data instead of 32,768 block ids."""
+    (engine/torch_exec/tables.py). A steady decode of 256 sequences at context 2,048 is a frame of
+    2.6 kB instead of 101 kB with whole tables, authenticated and validated in 1.4 ms instead of
+    19.5 ms (shared 2-core machine at load ~15)."""
 
     mb_id: int
     kind: str

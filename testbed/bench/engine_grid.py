@@ -12,11 +12,17 @@ in one process and one run:
    first and released, so that on CUDA the stages' measured KV pool is not squeezed by it;
 2. end to end: the run's workload through the controller and policy on the started engine,
    total and output tokens/s over the run, TPOT p50 and the stages' bubble ratios;
-3. the grid, on the same started engine, driven like `testbed profile` (engine/torch_exec/profile.py):
-   one designed micro-batch at a time -- decodes of batch 1-256 at context 128-2,048, prefills of
-   128-4,096 tokens -- `step` is the driver's wall time from launch to the sampled ids back (every
-   stage, every hop, the sampler), `forward` the sum of the stages' own forward spans. `x floor`
-   = step / floor.
+3. the grid, on the same started engine: one designed micro-batch at a time -- decodes of batch
+   1-256 at context 128-2,048, prefills of 128-4,096 tokens -- in steady state (`SteadyBatches`:
+   a decode point's sequences hold their blocks in the run's block manager and advance one token
+   per launch, as in serving), `step` is the driver's wall time from launch to the sampled ids
+   back (every stage, every hop, the sampler), `forward` the sum of the stages' own forward spans,
+   so `step - forward` is the host's cost per step. `x floor` = step / floor.
+
+`workload=sharegpt` (or any workload) replaces the default synthetic one of step 2; the synthetic
+lengths apply only to the synthetic workload. `--kernels` adds the top kernels per micro-batch
+kind from `torch.profiler` (testbed/bench/engine_kernels.py), measured in this process before the
+stages start.
 
 Host timing (`perf_counter`) for the engine, which spans processes; CUDA events for the in-process
 floor (the stages synchronise the device before closing a forward span). `--attention-bandwidth`
