@@ -54,7 +54,7 @@ from engine.torch_exec.settings import TorchSettings
 from engine.torch_exec import wire
 from engine.torch_exec.control import ControlSocket, check_host, free_port, warn_exposed
 from engine.torch_exec.diagnosis import FailureDiagnosis
-from engine.torch_exec.lane import DriverLanes, Lane, LaneClosed, WakePlan
+from engine.torch_exec.lane import POLL_SLICE_S, DriverLanes, Lane, LaneClosed
 from engine.torch_exec.stage_processes import start_stage
 from engine.torch_exec.tables import LaunchRows
 from engine.trace import Tracer
@@ -102,7 +102,6 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self.kv_pool = None  # the sizing (kv_sizing.PoolSize) when measured
         self._procs: list[Any] = []
         self._lanes = DriverLanes()  # spawned stages' socketpairs (lane.py), used from Ready on
-        self._wake = WakePlan()  # when to poll in short slices (lane.py)
         self._ctl: ControlSocket | None = None
         self._sock = None
         self._poller = None
@@ -156,7 +155,6 @@ class TorchExecutor(FailureDiagnosis, Executor):
         if not self._inflight:
             self._last_progress = time.perf_counter()
         self._inflight.append(mb.mb_id)
-        self._wake.launch(mb.mb_id, mb.kind, t)
         t2 = time.perf_counter()
         self.launch_overhead_s += t2 - t
         self.num_launched += 1
@@ -180,7 +178,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
                 if deadline is not None and now - self._t0 >= deadline:
                     return None
                 self._fail(self._hang_message())
-            self._poll(min(wait, self._wake.sleep_s(self._inflight[0], now)))  # short polls near the end (lane.py)
+            self._poll(min(wait, POLL_SLICE_S))  # short polls: a long sleeper wakes late (lane.py)
 
     def wait_until(self, t: float) -> None:
         """Idle until the run clock reads `t`, still watching the stages."""
@@ -521,7 +519,6 @@ class TorchExecutor(FailureDiagnosis, Executor):
     def _retire(self, who: str, mb_id: int) -> None:
         """A micro-batch completed: in launch order, or -- behind policy-scheduled links -- any in flight."""
         head = self._inflight[0] if self._inflight else None
-        self._wake.complete(mb_id, time.perf_counter())
         if head == mb_id:
             self._inflight.popleft()
         elif self.reorder and mb_id in self._inflight:

@@ -12,12 +12,12 @@ ZeroMQ; spawned ones use ZeroMQ for the start-up handshake and their lane from `
 
 Waiting: on the same machine at load 15-20 (EEVDF scheduler, Linux 6.18) the driver, asleep in
 one long poll while a forward ran, woke 3.5-4.5 ms after the stage's sampled ids were sent; polling
-in 1 ms slices it woke after 0.17-0.26 ms (medians of 30 steps). Polling in slices for the whole
-forward, though, slowed the stage's forward by ~20% on the 2 shared cores (each wake-up takes a
-core from it). So the driver sleeps until `EARLY` of a micro-batch's expected time in flight (the
-mean of its kind's last ones, `WakePlan`) and polls in `POLL_SLICE_S` slices from then on; a stage
-waits for its next launch in such slices for `ACTIVE_WINDOW_S` after a micro-batch (then in long
-ones: an idle engine does not wake 1,000 times a second).
+in 1 ms slices it woke after 0.17-0.26 ms (medians of 30 steps). So while micro-batches are in
+flight the driver waits in `POLL_SLICE_S` slices (about 1,000 wake-ups a second, ~1-2% of a
+core); sleeping until 80% of a micro-batch's expected time first lost most of the gain (forward
+times vary too much on a loaded machine). A stage waits for its next launch in such slices for
+`ACTIVE_WINDOW_S` after a micro-batch, then in long ones (an idle engine does not wake 1,000
+times a second).
 
 Sends block (a stage's messages are small, a launch at most a token budget's ids: far below the
 socket buffers); reads take what has arrived and return whole frames.
@@ -32,7 +32,6 @@ from collections import deque
 HEADER = struct.Struct("<I")
 POLL_SLICE_S = 0.001
 ACTIVE_WINDOW_S = 0.05
-EARLY = 0.8
 READ_BYTES = 1 << 20
 MAX_FRAME_BYTES = 64 << 20  # a corrupt length ends the line instead of buffering without bound
 
@@ -185,25 +184,3 @@ class StageLine:
         if not self.inbox and self.lane.poll(timeout_s):
             self.inbox.extend(self.lane.frames())
         return self.inbox.popleft() if self.inbox else None
-
-
-class WakePlan:
-    """How long the driver may sleep before it polls in short slices: until `EARLY` of the oldest
-    micro-batch's expected time in flight (an average over its kind's completions)."""
-
-    def __init__(self) -> None:
-        self.mean: dict[str, float] = {}  # kind -> mean seconds from launch to completion
-        self.launched: dict[int, tuple[float, str]] = {}
-
-    def launch(self, mb_id: int, kind: str, t: float) -> None:
-        self.launched[mb_id] = (t, kind)
-
-    def complete(self, mb_id: int, t: float) -> None:
-        start, kind = self.launched.pop(mb_id, (t, ""))
-        old = self.mean.get(kind)
-        self.mean[kind] = t - start if old is None else 0.7 * old + 0.3 * (t - start)
-
-    def sleep_s(self, oldest: int, now: float) -> float:
-        start, kind = self.launched.get(oldest, (now, ""))
-        mean = self.mean.get(kind)
-        return POLL_SLICE_S if mean is None else max(POLL_SLICE_S, EARLY * mean - (now - start))
