@@ -100,9 +100,12 @@ def main() -> None:
     ap.add_argument("new")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--new-first", action="store_true",
+                    help="start the new checkout's engine first (run both orders: the order of start may matter)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args()
-    procs = {"old": start(args.old, args.overrides), "new": start(args.new, args.overrides)}
+    order = ("new", "old") if args.new_first else ("old", "new")
+    procs = {name: start(getattr(args, name), args.overrides) for name in order}
     got: dict = {(name, pt): {"step": [], "forward": []} for name in procs for pt in POINTS}
     load = [os.getloadavg()[0]]
     try:
@@ -118,7 +121,7 @@ def main() -> None:
             p.stdin.close()
             p.wait(60)
     print(f"load (1-min average) during the run: {min(load):.2f}-{max(load):.2f}; {args.rounds} rounds x "
-          f"{args.steps} steps per point and checkout, alternated; medians in ms")
+          f"{args.steps} steps per point and checkout, alternated, {order[0]} started first; medians in ms")
     print(f"{'batch':>5} {'context':>7} | {'old step':>8} {'old fwd':>8} {'old host':>8} | "
           f"{'new step':>8} {'new fwd':>8} {'new host':>8} | {'host new/old':>12}")
     for pt in POINTS:

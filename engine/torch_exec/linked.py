@@ -2,10 +2,15 @@
 names link.bandwidth / link.latency and P > 1.
 
 A stage's activations are queued at its outgoing link and a sender thread sends what the run's
-policy picks with `schedule_transfer` (transfer.py), chunk by chunk; a receiver thread reassembles
-each micro-batch's chunks, so a decode may overtake a prefill's remaining chunks. A stage behind
-such a link runs the micro-batches whose activations are complete (`run_linked`), in launch order
-among them. Link spans and the bytes moved so far go to the driver as `LinkEvents`.
+policy picks with `schedule_transfer` (the policy is rebuilt from the "module:qualname" and params
+in `StageInit`, imported by name and checked to be an `engine.policy.Policy`:
+`transfer.link_policy`; the link arrives with each `LinkState`), chunk by chunk; a receiver thread
+reassembles each micro-batch's chunks (interleaved: a decode may overtake a prefill's remaining
+chunks), see transfer.py. A stage behind such a link runs the micro-batches whose activations are
+complete (`run_linked`), in launch order among them, so micro-batches may finish out of launch
+order (the driver accepts that then). This is token-safe: the micro-batches in flight hold
+disjoint sequences. Link spans (`queue:<kind>`, `xfer:<kind>`) and the bytes moved so far go to
+the driver as `LinkEvents`, traced on track `link<s>`.
 """
 from __future__ import annotations
 

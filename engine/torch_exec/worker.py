@@ -1,10 +1,11 @@
-"""A pipeline stage process: control messages over ZeroMQ, activations over torch.distributed.
+"""A pipeline stage process: control messages from the driver, activations over torch.distributed.
 
 Lifecycle (all waits bounded): connect a DEALER socket (identity `stage<s>`) to the driver's
 ROUTER and say `Hello`; receive `StageInit` (checkpoint, layer range, KV pool size, rendezvous,
 sampling); load this stage's tensors; join the process group (world = the P stages; the driver
-is not a member; engine/torch_exec/rendezvous.py); say `Ready`; answer `Ping`s with this
-process's clock; then serve `Launch` messages in order until `Stop`. Every message is a typed,
+is not a member; engine/torch_exec/rendezvous.py); say `Ready`; from then on a spawned stage
+talks to the driver over its own socketpair (lane.py; external stages stay on ZeroMQ); answer
+`Ping`s with this process's clock; then serve `Launch` messages in order until `Stop`. Every message is a typed,
 HMAC-authenticated msgpack frame (engine/torch_exec/wire.py); a frame that fails the check is
 dropped and logged, never decoded.
 
@@ -15,21 +16,14 @@ then either posts an asynchronous send to stage s+1 (`send`; a send still pendin
 previous micro-batch is awaited first, `send_wait`) or, on the last stage, samples (`sample`)
 and returns the token ids. Spans carry this process's `time.perf_counter()` (CLOCK_MONOTONIC on
 Linux, shared by every process of one machine); the driver maps them onto the run's clock. On a
-GPU, prepare/recv/forward/sample end at their CUDA events' elapsed time (timing.py).
+GPU, prepare/recv/forward/sample end at their CUDA events' elapsed time (timing.py), and when
+the next launch is already there its inputs are built while the forward runs (`prepare_ahead`,
+before the forward's end event is waited on).
 `wait`, `recv` and `send_wait` are idle time (the stage waits on someone else) and are not
 counted as busy.
 
-Paced links (the run names link.bandwidth / link.latency): a stage's activations are queued at
-its outgoing link and a sender thread sends what the run's policy picks with
-`schedule_transfer` (the policy is rebuilt here from the "module:qualname" and params in
-`StageInit`, imported by name and checked to be an `engine.policy.Policy`; the link arrives with
-each `LinkState`), chunk by chunk; a receiver thread reassembles each micro-batch's chunks
-(interleaved: a decode may overtake a prefill's remaining chunks), see transfer.py. A stage
-behind such a link runs the micro-batches whose activations are complete, in launch order among
-them, so micro-batches may finish out of launch order (the driver accepts that then). This is
-token-safe: the micro-batches in flight hold disjoint sequences. Link spans (`queue:<kind>`,
-`xfer:<kind>`) and the bytes moved so far go to the driver as `LinkEvents`, traced on track
-`link<s>`.
+Paced links (the run names link.bandwidth / link.latency): the stage runs the micro-batches whose
+activations arrived, in launch order among them (linked.py, transfer.py).
 
 Any exception is reported to the driver as `StageError` with its traceback, then the process
 exits. Spawned stages die with the driver (orphan.py: PR_SET_PDEATHSIG, a parent check while
