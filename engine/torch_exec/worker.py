@@ -423,7 +423,8 @@ class _Stage(LinkedStage):
         if ahead is not None:
             a = time.perf_counter()
             self.ready[ahead.mb_id] = self.model.prepare(ahead.prefills, ahead.decodes)
-            spans.append(SpanRec("prepare_ahead", a, time.perf_counter(), True))
+            # host work inside the forward's span: not counted busy twice (the bubble ratio)
+            spans.append(SpanRec("prepare_ahead", a, time.perf_counter(), False))
         t2 = timer.wait(pending)[1]
         self.fwd_start = None
         prev = self.fwd_ema.get(kind)
