@@ -64,3 +64,52 @@ def test_bad_input_is_one_error_line(override, words, capsys, tmp_path):
     assert main(["bench", "engine", override, f"output.dir={tmp_path}", "--quick"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and words in err and "\n" not in err
+
+
+def test_workload_sharegpt_composes_and_synthetic_keeps_its_lengths(tmp_path):
+    from testbed.bench.engine_grid import QUICK, _config
+
+    spec = _config(["model=tiny-llama", "workload=sharegpt", f"output.dir={tmp_path}"], True, QUICK)
+    assert spec.workload.name == "sharegpt" and spec.workload.num_requests == 6
+    spec = _config(["model=tiny-llama", f"output.dir={tmp_path}"], True, QUICK)
+    assert spec.workload.name == "synthetic" and spec.workload.input_mean == 48
+
+
+def test_steady_decodes_reuse_their_tables_and_launch_without_blocks():
+    from engine.kv import BlockManager
+    from engine.torch_exec.tables import LaunchRows
+    from testbed.bench.engine_grid import SteadyBatches
+
+    kv = BlockManager(256, 16)
+    batches = SteadyBatches(kv)
+    seqs = batches.decodes(4, 40)  # 39 tokens held: 3 blocks each; the steps cross no block boundary
+    rows = LaunchRows(vocab=1000, prompt_seed=0)
+    sent = []
+    for step in range(5):
+        mb = batches.decode_step()
+        _, decodes, released = rows.rows(mb, kv.block_table, kv.holds)
+        sent.append(sum(len(d.blocks) for d in decodes))
+        assert [d.position for d in decodes] == [39 + step] * 4 and not released
+        batches.advance([7] * 4)
+    assert sent == [12, 0, 0, 0, 0]  # whole tables once, then nothing: the sequences keep their blocks
+    assert all(s.output_token_ids == [7] * 5 for s in seqs)
+    batches.release()
+    assert kv.num_free == 256
+
+
+def test_kernel_tables_on_cpu_name_the_top_ops_of_each_kind(tmp_path):
+    from rich.console import Console
+
+    from testbed.bench.engine_grid import QUICK, _config
+    from testbed.bench.engine_kernels import kernel_tables, print_kernels
+
+    spec = _config(["model=tiny-llama", f"output.dir={tmp_path}"], True, QUICK)
+    out = kernel_tables(spec, quick=True, repeats=1, top=5)
+    assert out["device"] == "cpu" and [k["kind"] for k in out["kinds"]] == ["decode", "mixed", "prefill"]
+    for k in out["kinds"]:
+        assert 0 < len(k["rows"]) <= 5 and k["forward_s"] > 0 and k["host_ms"] > 0
+        assert "aten::mm" in [r["name"] for r in k["rows"]]  # the linear layers lead on CPU
+        assert 0 < sum(r["share"] for r in k["rows"]) <= 1.0 + 1e-9
+    console = Console(file=io.StringIO(), width=200)
+    print_kernels(out, console)
+    assert "mixed 64 prefill + 8 decodes x 128" in console.file.getvalue()

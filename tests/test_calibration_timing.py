@@ -58,6 +58,19 @@ def test_cuda_event_timer_path_with_a_fake_event():
     assert b - a == pytest.approx(end.t - begin.t) and b - a >= 0.005
 
 
+def test_a_span_ended_on_the_stream_is_awaited_later_and_excludes_the_host_work_between():
+    """`record` ends the span on the stream at once; `wait` synchronises later, so a stage can
+    prepare the next micro-batch while the GPU runs this one (worker.py) without the span growing."""
+    FakeEvent.log = []
+    timer = CudaEventTimer(event=FakeEvent, clock=iter([5.0]).__next__)
+    pending = timer.record(timer.start())
+    assert [k for k, _ in FakeEvent.log] == ["record", "record"]  # not synchronised yet
+    time.sleep(0.02)  # host work while the device runs
+    a, b = timer.wait(pending)
+    assert FakeEvent.log[-1][0] == "sync" and a == 5.0 and b - a < 0.02
+    assert WallTimer().wait(WallTimer().record(1.0))[0] == 1.0
+
+
 def test_timer_for_cpu_and_availability_check():
     assert isinstance(timer_for("cpu"), WallTimer) and timer_for("cpu") is timer_for("cpu")
     assert is_cuda("cuda:1") and is_cuda("cuda") and not is_cuda("cpu")

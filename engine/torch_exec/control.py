@@ -120,9 +120,14 @@ class ControlSocket:
                     raise wire.WireError(f"{sender!r} already speaks from another connection")
                 return msg
             except wire.WireError as exc:
-                self.dropped += 1
-                if self.dropped <= LOGGED_DROPS:
-                    log.warning("dropped a frame from %r on the control socket: %s", frames[0][:32], exc)
+                self.drop(frames[0][:32], exc)
+
+    def drop(self, source, exc: Exception) -> None:
+        """Count (and log the first `LOGGED_DROPS` of) the frames that failed the codec, here or on a
+        stage's lane (lane.py)."""
+        self.dropped += 1
+        if self.dropped <= LOGGED_DROPS:
+            log.warning("dropped a frame from %r on the control line: %s", source, exc)
 
     def close(self) -> None:
         if self.sock is not None:

@@ -49,6 +49,7 @@ class FailureDiagnosis:
         while self._sock is not None and time.perf_counter() < deadline:
             if self._sock.poll(20, zmq.POLLIN) and (msg := self._ctl.recv()) is not None:
                 yield msg
+            yield from self._lanes.messages(None, self._codec, self._ctl.drop)[0]  # spawned stages' lanes (lane.py)
 
     def _stage_error(self, err: wire.StageError) -> None:
         """A stage reported an exception. Its neighbours' communication then fails too, so the root

@@ -1,14 +1,14 @@
 """The driver side of the real engine: `TorchExecutor`, the `Executor` the controller drives.
 
 It lives in the controller's process and never touches a tensor: `launch(mb)` turns a
-micro-batch into plain metadata (per prefill chunk: sequence id, start, token count, whether it
-samples, the controller's block table and the chunk's token ids = prompt ids followed by the
-sequence's generated ids, so recomputation after preemption re-feeds exactly what was there;
-per decode: id, position, block table, last token) and sends the same `Launch` message to every
-stage over one ZeroMQ ROUTER socket. Every frame is a typed msgpack message behind an HMAC of the
-run's secret (engine/torch_exec/wire.py); frames that fail the check -- a port scanner, a stray
-client, a pickle -- are dropped, logged and counted in `dropped_frames`, never decoded further.
-The last stage answers with the sampled ids; every stage ships its spans per micro-batch, which the driver records in the run's Tracer on tracks
+micro-batch into plain metadata (engine/torch_exec/tables.py `LaunchRows`: per prefill chunk its
+token ids, per decode its last token, block tables as deltas against what the stages hold) and
+sends the same `Launch` message to every stage: over the stage's own socketpair (lane.py) for
+spawned stages once they are ready, else over one ZeroMQ ROUTER socket. Every frame is a typed
+msgpack message behind an HMAC of the run's secret (engine/torch_exec/wire.py); frames that fail
+the check -- a port scanner, a stray client, a pickle -- are dropped, logged and counted in
+`dropped_frames`, never decoded further. The last stage answers with the sampled ids; every stage
+ships its spans per micro-batch, which the driver records in the run's Tracer on tracks
 `stage<s>` (and its own `launch` spans on track `driver`).
 
 Completion order: micro-batches complete in launch order, except behind paced links (link.bandwidth
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import math
 import os
 import socket
 import time
@@ -53,7 +54,9 @@ from engine.torch_exec.settings import TorchSettings
 from engine.torch_exec import wire
 from engine.torch_exec.control import ControlSocket, check_host, free_port, warn_exposed
 from engine.torch_exec.diagnosis import FailureDiagnosis
+from engine.torch_exec.lane import POLL_SLICE_S, DriverLanes, Lane, LaneClosed
 from engine.torch_exec.stage_processes import start_stage
+from engine.torch_exec.tables import LaunchRows
 from engine.trace import Tracer
 
 STOP_GRACE_S = 5.0
@@ -87,6 +90,8 @@ class TorchExecutor(FailureDiagnosis, Executor):
         # which the Controller calls when it is built.
         self.kv: Any = None
         self.block_table: Callable[[int], list[int]] | None = None
+        self._live: Callable[[int], bool] = lambda seq_id: False  # does the run still hold its blocks?
+        self._rows: LaunchRows | None = None  # a launch's rows, tables as deltas (tables.py); set at start
         self.stage_info: list[dict] = []
         self.model_path: str | None = None
         self.arch: Any = None
@@ -96,6 +101,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self.measure_kv = settings.device == "cuda" and self.run_config.kv.num_blocks is None
         self.kv_pool = None  # the sizing (kv_sizing.PoolSize) when measured
         self._procs: list[Any] = []
+        self._lanes = DriverLanes()  # spawned stages' socketpairs (lane.py), used from Ready on
         self._ctl: ControlSocket | None = None
         self._sock = None
         self._poller = None
@@ -105,7 +111,6 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self._ready: deque[Completion] = deque()
         self._stage_done: list[set[int]] = [set() for _ in range(pp)]  # in-flight mb ids each stage finished
         self._last_progress = time.perf_counter()
-        self._prompts: dict[int, list[int]] = {}
         self._failed: str | None = None
         self._started = False
         self._closed = False
@@ -143,9 +148,10 @@ class TorchExecutor(FailureDiagnosis, Executor):
         t = time.perf_counter()
         sampling = [wire.RequestSampling(c.seq.seq_id, *c.seq.request.sampling.as_tuple()) for c in mb.prefills
                     if c.seq.request.sampling is not None]  # served requests' own, set with their prefill
-        msg = self._codec.encode(wire.Launch(mb.mb_id, mb.kind, *self._metadata(mb), sampling))
+        prefills, decodes, released = self._rows.rows(mb, self.block_table, self._live)
+        msg = self._codec.encode(wire.Launch(mb.mb_id, mb.kind, prefills, decodes, sampling, released))
         for s in range(self.pipeline_depth):
-            self._ctl.send_raw(self._ident(s), msg)
+            self._send_frame(s, msg)
         if not self._inflight:
             self._last_progress = time.perf_counter()
         self._inflight.append(mb.mb_id)
@@ -172,7 +178,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
                 if deadline is not None and now - self._t0 >= deadline:
                     return None
                 self._fail(self._hang_message())
-            self._pump(wait)
+            self._poll(min(wait, POLL_SLICE_S))  # short polls: a long sleeper wakes late (lane.py)
 
     def wait_until(self, t: float) -> None:
         """Idle until the run clock reads `t`, still watching the stages."""
@@ -181,7 +187,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
             left = t + self._t0 - time.perf_counter()
             if left <= 0:
                 return
-            self._pump(left)
+            self._poll(left)
 
     def shutdown(self) -> None:
         if self._closed:
@@ -191,7 +197,10 @@ class TorchExecutor(FailureDiagnosis, Executor):
         if self._sock is not None:
             for s in range(self.pipeline_depth):
                 try:
-                    self._ctl.send(self._ident(s), wire.Stop(), nonblocking=True)
+                    if self._lanes.carries(s):
+                        self._lanes.lanes[s].send(self._codec.encode(wire.Stop(), to=self._ident(s)))
+                    else:
+                        self._ctl.send(self._ident(s), wire.Stop(), nonblocking=True)
                 except Exception:
                     pass
         # after a failure some stage may be hung or blocked on a dead peer: do not wait for it long
@@ -212,6 +221,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
                 p.close()
             except Exception:
                 pass
+        self._lanes.close()
         if self._ctl is not None:
             self._ctl.close()
             self._sock = None
@@ -220,6 +230,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         """Follow this block manager's tables (what the runner should call before `start()`)."""
         self.kv = kv
         self.block_table = kv.block_table
+        self._live = kv.holds
 
     @property
     def dropped_frames(self) -> int:
@@ -249,6 +260,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
             self._size_pool(deadline)
         for s, r in enumerate(self._gather(wire.Ready, deadline)):
             self.stage_info[s].update(load_s=r.load_s, init_s=r.init_s, pid=r.pid, device=r.device)
+        self._lanes.on = bool(self._lanes.lanes)  # each spawned stage reads its lane from Ready on
         self._clock_offsets(deadline)
         self._t0 = time.perf_counter()
         self._last_progress = self._t0
@@ -280,8 +292,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         num_blocks, block_size = self.kv.num_blocks, self.kv.block_size
         check_kv_memory(self.settings, arch, num_blocks, block_size)
         seed = st.prompt_seed if st.prompt_seed is not None else self.run_config.seed
-        self._prompt_seed = seed
-        self._vocab = arch.vocab_size
+        self._rows = LaunchRows(arch.vocab_size, seed)
         return num_blocks, block_size
 
     def _size_pool(self, deadline: float) -> None:
@@ -316,10 +327,17 @@ class TorchExecutor(FailureDiagnosis, Executor):
         import zmq
 
         for s in range(self.pipeline_depth):
-            # the secret travels as a start argument (the pipe to the child), never over a socket
-            p = start_stage(self.settings.start_method, addr, s, self._secret, self._run_id)
+            # the secret travels as a start argument (the pipe to the child), never over a socket;
+            # so does the child's end of its lane
+            lane, child_end = Lane.pair()
+            try:
+                p = start_stage(self.settings.start_method, addr, s, self._secret, self._run_id, child_end)
+            finally:
+                child_end.close()
             self._procs.append(p)
+            self._lanes.add(s, lane)
             self._poller.register(p.sentinel, zmq.POLLIN)
+            self._poller.register(lane, zmq.POLLIN)
 
     def _backend(self) -> str:
         st = self.settings
@@ -414,26 +432,46 @@ class TorchExecutor(FailureDiagnosis, Executor):
         return f"stage{s}"
 
     def _send(self, s: int, msg) -> None:
-        self._ctl.send(self._ident(s), msg)
+        self._send_frame(s, self._codec.encode(msg, to=self._ident(s)))
+
+    def _send_frame(self, s: int, frame: bytes) -> None:
+        """An encoded message to stage s: its lane once the stages are ready, else the control socket."""
+        if self._lanes.carries(s):
+            try:
+                self._lanes.lanes[s].send(frame)
+            except LaneClosed:
+                self._procs[s].join(2.0)
+                self._check_processes()
+                self._fail(f"stage {s} closed its line to the driver while the run was in progress")
+        else:
+            self._ctl.send_raw(self._ident(s), frame)
 
     def _poll(self, timeout_s: float, expect: type | None = None) -> list:
         """Wait up to `timeout_s` for messages; handle spans/done/error; return `expect` messages."""
-        events = dict(self._poller.poll(max(0, int(timeout_s * 1000) + 1)))
-        out = []
+        events = dict(self._poller.poll(max(0, math.ceil(timeout_s * 1000))))
+        out: list = []
         if self._sock in events:
             while (msg := self._ctl.recv()) is not None:
-                if isinstance(msg, wire.StageError):
-                    self._stage_error(msg)
-                elif expect is not None and isinstance(msg, expect):
-                    out.append(msg)
-                else:
-                    self._handle(msg)
-        if len(events) > (1 if self._sock in events else 0):
+                self._dispatch(msg, expect, out)
+        msgs, closed = self._lanes.messages(events, self._codec, self._ctl.drop)
+        for msg in msgs:
+            self._dispatch(msg, expect, out)
+        for s in closed:  # its process is ending: name how it ended, not the closed line
+            self._procs[s].join(2.0)
+        if closed or any(k not in self._lanes.fds for k in events if k is not self._sock):  # a sentinel: a stage ended
             self._check_processes()
+        if closed:
+            self._fail(f"stage {closed[0]} closed its line to the driver while the run was in progress")
         return out
 
-    def _pump(self, timeout_s: float) -> None:
-        self._poll(timeout_s)
+
+    def _dispatch(self, msg, expect: type | None, out: list) -> None:
+        if isinstance(msg, wire.StageError):
+            self._stage_error(msg)
+        elif expect is not None and isinstance(msg, expect):
+            out.append(msg)
+        else:
+            self._handle(msg)
 
     def _handle(self, msg) -> None:
         if isinstance(msg, wire.Spans):
@@ -508,37 +546,6 @@ class TorchExecutor(FailureDiagnosis, Executor):
             a = max(a - off, 0.0)
             b = max(b - off, a)
             self.tracer.span(track, name, a, b, mb_id, busy=busy)
-
-    # --- metadata --------------------------------------------------------------------------------------
-    def _metadata(self, mb: MicroBatch) -> tuple[list[wire.PrefillChunk], list[wire.DecodeRow]]:
-        table = self.block_table
-        prefills = []
-        for c in mb.prefills:
-            seq = c.seq
-            prompt = self._prompt(seq.request)
-            end = c.start + c.num_tokens
-            plen = len(prompt)
-            if end <= plen:
-                toks = prompt[c.start:end]
-            else:
-                toks = (prompt + seq.output_token_ids)[c.start:end]
-            prefills.append(wire.PrefillChunk(seq.seq_id, c.start, c.num_tokens, bool(c.samples),
-                                              table(seq.seq_id), toks))
-        decodes = []
-        for seq in mb.decodes:
-            pos = seq.num_computed
-            prompt = self._prompt(seq.request)
-            tok = prompt[pos] if pos < len(prompt) else seq.output_token_ids[pos - len(prompt)]
-            decodes.append(wire.DecodeRow(seq.seq_id, pos, table(seq.seq_id), tok))
-        return prefills, decodes
-
-    def _prompt(self, request) -> list[int]:
-        ids = self._prompts.get(request.request_id)
-        if ids is None:
-            from engine.torch_exec.checkpoint import prompt_ids
-
-            ids = self._prompts[request.request_id] = prompt_ids(request, self._vocab, self._prompt_seed)
-        return ids
 
 def _shutdown_ref(ref) -> None:
     ex = ref()

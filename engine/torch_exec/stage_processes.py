@@ -38,9 +38,9 @@ def stage_context(method: str) -> Any:
     return ctx
 
 
-def start_stage(method: str, driver_addr: str, stage: int, secret: bytes, run_id: str) -> Any:
+def start_stage(method: str, driver_addr: str, stage: int, secret: bytes, run_id: str, lane=None) -> Any:
     """Start stage `stage` of this driver's run (a daemon: it ends with the driver's process);
-    the started `Process`."""
+    the started `Process`. `lane`: the child's end of its socketpair to the driver (lane.py)."""
     from engine.torch_exec.worker import stage_main
 
     ctx = stage_context(method)
@@ -48,7 +48,7 @@ def start_stage(method: str, driver_addr: str, stage: int, secret: bytes, run_id
     for k, v in STAGE_ENV.items():  # copied by a spawned stage, or by the fork server as it starts
         os.environ.setdefault(k, v)
     try:
-        p = ctx.Process(target=stage_main, args=(driver_addr, stage, os.getpid(), secret, run_id),
+        p = ctx.Process(target=stage_main, args=(driver_addr, stage, os.getpid(), secret, run_id, lane),
                         name=f"pp-stage{stage}", daemon=True)
         p.start()
     finally:

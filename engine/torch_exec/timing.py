@@ -12,6 +12,7 @@ start + the events' elapsed time (docs/calibration.md#timing).
     mark = timer.start()
     ...work...
     t_start, t_end = timer.stop(mark)  # perf_counter seconds
+    pending = timer.record(mark); ...host work while the GPU runs...; timer.wait(pending)  # the same, split
 
 `timer_for` is behind an availability check: a CUDA device without CUDA raises RuntimeError
 naming the device; "cpu" never imports CUDA.
@@ -31,6 +32,10 @@ class SpanTimer(Protocol):
 
     def stop(self, mark: Any) -> tuple[float, float]: ...
 
+    def record(self, mark: Any) -> Any: ...
+
+    def wait(self, pending: Any) -> tuple[float, float]: ...
+
 
 class WallTimer:
     """The host clock: what a CPU stage's work takes."""
@@ -43,6 +48,12 @@ class WallTimer:
 
     def stop(self, mark: float) -> tuple[float, float]:
         return mark, time.perf_counter()
+
+    def record(self, mark: float) -> tuple[float, float]:
+        return self.stop(mark)
+
+    def wait(self, pending: tuple[float, float]) -> tuple[float, float]:
+        return pending
 
 
 class CudaEventTimer:
@@ -67,9 +78,17 @@ class CudaEventTimer:
         return t, ev
 
     def stop(self, mark: tuple[float, Any]) -> tuple[float, float]:
+        return self.wait(self.record(mark))
+
+    def record(self, mark: tuple[float, Any]) -> tuple[float, Any, Any]:
+        """End the span on the stream now, without waiting: the host may work while the GPU runs."""
         t, begin = mark
         end = self._event()
         end.record()
+        return t, begin, end
+
+    def wait(self, pending: tuple[float, Any, Any]) -> tuple[float, float]:
+        t, begin, end = pending
         end.synchronize()
         return t, t + begin.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
 

@@ -320,3 +320,21 @@ class LinkReceiver:
     def has(self, mb_id: int) -> bool:
         with self.lock:
             return mb_id in self.done
+
+
+def link_policy(class_path: str, params: dict):
+    """The run's policy for `schedule_transfer`, imported by its "module:qualname" (no import of
+    `policies` here: the engine stays below the policies)."""
+    import importlib
+
+    from engine.policy import Policy
+
+    if not class_path:
+        return Policy()
+    mod, _, qualname = class_path.partition(":")
+    obj = importlib.import_module(mod)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Policy)):
+        raise RuntimeError(f"{class_path} is not an engine.policy.Policy")
+    return obj.from_config(params)  # the link arrives with each LinkState

@@ -1,34 +1,29 @@
-"""A pipeline stage process: control messages over ZeroMQ, activations over torch.distributed.
+"""A pipeline stage process: control messages from the driver, activations over torch.distributed.
 
 Lifecycle (all waits bounded): connect a DEALER socket (identity `stage<s>`) to the driver's
 ROUTER and say `Hello`; receive `StageInit` (checkpoint, layer range, KV pool size, rendezvous,
 sampling); load this stage's tensors; join the process group (world = the P stages; the driver
-is not a member; engine/torch_exec/rendezvous.py); say `Ready`; answer `Ping`s with this
-process's clock; then serve `Launch` messages in order until `Stop`. Every message is a typed,
+is not a member; engine/torch_exec/rendezvous.py); say `Ready`; from then on a spawned stage
+talks to the driver over its own socketpair (lane.py; external stages stay on ZeroMQ); answer
+`Ping`s with this process's clock; then serve `Launch` messages in order until `Stop`. Every message is a typed,
 HMAC-authenticated msgpack frame (engine/torch_exec/wire.py); a frame that fails the check is
 dropped and logged, never decoded.
 
-Per micro-batch, stage s: wait for its metadata (span `wait`), build index tensors (`prepare`),
+Launches carry block tables as deltas; each is resolved into whole tables when it arrives
+(tables.py). Per micro-batch, stage s: wait for its metadata (span `wait`), build index tensors (`prepare`),
 stage > 0 receives the previous stage's hidden states (`recv`), runs its layers (`forward:<kind>`),
 then either posts an asynchronous send to stage s+1 (`send`; a send still pending from the
 previous micro-batch is awaited first, `send_wait`) or, on the last stage, samples (`sample`)
 and returns the token ids. Spans carry this process's `time.perf_counter()` (CLOCK_MONOTONIC on
 Linux, shared by every process of one machine); the driver maps them onto the run's clock. On a
-GPU, prepare/recv/forward/sample end at their CUDA events' elapsed time (timing.py).
+GPU, prepare/recv/forward/sample end at their CUDA events' elapsed time (timing.py), and when
+the next launch is already there its inputs are built while the forward runs (`prepare_ahead`,
+before the forward's end event is waited on).
 `wait`, `recv` and `send_wait` are idle time (the stage waits on someone else) and are not
 counted as busy.
 
-Paced links (the run names link.bandwidth / link.latency): a stage's activations are queued at
-its outgoing link and a sender thread sends what the run's policy picks with
-`schedule_transfer` (the policy is rebuilt here from the "module:qualname" and params in
-`StageInit`, imported by name and checked to be an `engine.policy.Policy`; the link arrives with
-each `LinkState`), chunk by chunk; a receiver thread reassembles each micro-batch's chunks
-(interleaved: a decode may overtake a prefill's remaining chunks), see transfer.py. A stage
-behind such a link runs the micro-batches whose activations are complete, in launch order among
-them, so micro-batches may finish out of launch order (the driver accepts that then). This is
-token-safe: the micro-batches in flight hold disjoint sequences. Link spans (`queue:<kind>`,
-`xfer:<kind>`) and the bytes moved so far go to the driver as `LinkEvents`, traced on track
-`link<s>`.
+Paced links (the run names link.bandwidth / link.latency): the stage runs the micro-batches whose
+activations arrived, in launch order among them (linked.py, transfer.py).
 
 Any exception is reported to the driver as `StageError` with its traceback, then the process
 exits. Spawned stages die with the driver (orphan.py: PR_SET_PDEATHSIG, a parent check while
@@ -50,7 +45,10 @@ from collections import deque
 
 from engine.torch_exec import wire
 from engine.torch_exec.diagnosis import REPORTED_EXIT
+from engine.torch_exec.linked import LinkedStage
+from engine.torch_exec.lane import ACTIVE_WINDOW_S, POLL_SLICE_S, Lane, LaneClosed, StageLine, Stopped
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
+from engine.torch_exec.tables import StageLaunch, StageTables
 from engine.torch_exec.timing import timer_for
 from engine.torch_exec.wire import SpanRec
 
@@ -59,8 +57,9 @@ log = logging.getLogger(__name__)
 
 
 def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secret: bytes | None = None,
-               run: str = "") -> None:
-    """Entry point of a stage process (spawned by the driver, or run by hand)."""
+               run: str = "", lane=None) -> None:
+    """Entry point of a stage process (spawned by the driver, or run by hand). `lane`: a spawned
+    stage's end of its socketpair to the driver (lane.py), used from `Ready` on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
     secret = secret or wire.secret_from_env()
@@ -81,9 +80,9 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
     code, st = 0, None
     try:
         sock.send(codec.encode(wire.Hello(stage, socket.gethostname(), os.getpid())))
-        st = _Stage(sock, codec, stage, parent_pid, secret)
+        st = _Stage(sock, codec, stage, parent_pid, secret, Lane(lane) if lane is not None else None)
         st.run()
-    except _Stopped:
+    except Stopped:
         pass
     except BaseException as exc:  # report, then exit non-zero
         code = REPORTED_EXIT
@@ -105,31 +104,12 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
         os._exit(0)
 
 
-class _Stopped(Exception):
-    pass
-
-
-def build_policy(class_path: str, params: dict):
-    """The run's policy for `schedule_transfer`, imported by its "module:qualname" (no import of
-    `policies` here: the engine stays below the policies)."""
-    import importlib
-
-    from engine.policy import Policy
-
-    if not class_path:
-        return Policy()
-    mod, _, qualname = class_path.partition(":")
-    obj = importlib.import_module(mod)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not (isinstance(obj, type) and issubclass(obj, Policy)):
-        raise RuntimeError(f"{class_path} is not an engine.policy.Policy")
-    return obj.from_config(params)  # the link arrives with each LinkState
-
-
-class _Stage:
-    def __init__(self, sock, codec: wire.Codec, stage: int, parent_pid: int | None, secret: bytes) -> None:
+class _Stage(LinkedStage):
+    def __init__(self, sock, codec: wire.Codec, stage: int, parent_pid: int | None, secret: bytes,
+                 lane: Lane | None = None) -> None:
         self.sock = sock
+        self.line = StageLine(sock, lane)  # ZeroMQ, then the lane from Ready on (spawned stages)
+        self.last_step = 0.0  # when the last micro-batch ended (recv's short polls follow it)
         self.codec = codec
         self.secret = secret
         self.stage = stage
@@ -142,10 +122,17 @@ class _Stage:
         self.link_in = self.link_out = None
         self.samplers = None
         self._moved_reported = 0
+        self.tables = StageTables()
 
     # --- control plane ----------------------------------------------------------------------------
     def send(self, msg) -> None:
-        self.sock.send(self.codec.encode(msg))
+        self.line.send(self.codec.encode(msg))
+
+    def frame(self, timeout_s: float) -> bytes | None:
+        try:
+            return self.line.frame(timeout_s)
+        except LaneClosed:
+            raise Stopped() from None  # the driver is gone: nobody to report to
 
     def read(self, frame: bytes):
         """The driver's message in `frame`; None (dropped, logged) if it is not authentic."""
@@ -156,25 +143,32 @@ class _Stage:
             log.warning("stage %d dropped a frame: %s", self.stage, exc)
             return None
         if isinstance(msg, wire.Stop):
-            raise _Stopped()
+            raise Stopped()
+        if isinstance(msg, wire.Launch):  # whole tables from the deltas, in arrival (= launch) order
+            return self.tables.resolve(msg)
         return msg
 
     def recv(self, timeout_s: float | None):
-        """Next driver message; raises if the driver vanished or `timeout_s` passed."""
-        import zmq
-
-        waited = 0.0
+        """Next driver message; raises if the driver vanished or `timeout_s` passed. Right after a
+        micro-batch it waits in `POLL_SLICE_S` slices (lane.py: a long sleeper wakes late on a
+        loaded machine), later in `IDLE_POLL_S` ones."""
+        since = checked = time.perf_counter()
         while True:
-            if self.sock.poll(int(IDLE_POLL_S * 1000), zmq.POLLIN):
-                msg = self.read(self.sock.recv())
+            active = time.perf_counter() - self.last_step < ACTIVE_WINDOW_S
+            frame = self.frame(POLL_SLICE_S if active else IDLE_POLL_S)
+            if frame is not None:
+                msg = self.read(frame)
                 if msg is not None:
                     return msg
                 continue
-            waited += IDLE_POLL_S
+            now = time.perf_counter()
+            if active and now - checked < IDLE_POLL_S:
+                continue
+            checked = now
             self.flush_link_events()
             if parent_gone(self.parent_pid):
-                raise _Stopped()  # the driver is gone: nobody to report to
-            if timeout_s is not None and waited > timeout_s:
+                raise Stopped()  # the driver is gone: nobody to report to
+            if timeout_s is not None and now - since > timeout_s:
                 raise TimeoutError(f"no message from the driver for {timeout_s:.0f} s")
 
     def pong(self) -> None:
@@ -197,84 +191,21 @@ class _Stage:
             msg = self.backlog.popleft() if self.backlog else self.recv(None)
             if isinstance(msg, wire.Ping):
                 self.pong()
-            elif isinstance(msg, wire.Launch):
-                self.step(msg, t_wait, self.peek_ahead() if self.overlap else None)
+            elif isinstance(msg, StageLaunch):
+                self.step(msg, t_wait, self.peek_ahead() if self.look_ahead else None)
             else:
                 raise RuntimeError(f"unexpected message {msg._wire_tag!r}")
 
-    def peek_ahead(self) -> wire.Launch | None:
+    def peek_ahead(self) -> StageLaunch | None:
         """Double buffer: micro-batch i+1's inputs are prepared by the prep thread while i runs
         (consecutive micro-batches hold disjoint sequences: token-safe)."""
-        import zmq
-
-        if not self.backlog and self.sock.poll(0, zmq.POLLIN):
-            nxt = self.read(self.sock.recv())
+        if not self.backlog and (frame := self.frame(0)) is not None:
+            nxt = self.read(frame)
             if nxt is not None:
                 self.backlog.append(nxt)
-        if self.backlog and isinstance(self.backlog[0], wire.Launch):
+        if self.backlog and isinstance(self.backlog[0], StageLaunch):
             return self.backlog[0]
         return None
-
-    def run_linked(self) -> None:
-        """Main loop of a stage > 0 behind a policy-scheduled link: micro-batches run in the order
-        their activations complete (a decode may overtake a prefill still on the link), launch
-        order among those complete. Token-safe: micro-batches in flight hold disjoint sequences,
-        and each one's KV writes and reads touch only its own sequences' blocks."""
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.notify, zmq.POLLIN)
-        known: dict[int, wire.Launch] = {}  # mb id -> its message, launch order (dicts keep insertion order)
-        t_wait = time.perf_counter()
-        while True:
-            ready = next((m for i, m in known.items() if self.link_in.has(i)), None)
-            if ready is not None:
-                del known[ready.mb_id]
-                ahead = next(iter(known.values()), None) if self.overlap else None
-                self.step(ready, t_wait, ahead)
-                t_wait = time.perf_counter()
-                continue
-            self.flush_link_events()
-            events = dict(poller.poll(int(IDLE_POLL_S * 1000)))
-            if self.notify in events:
-                self.check_receiver()
-            if self.sock in events:
-                self.take_control(known)
-            elif not events and parent_gone(self.parent_pid):
-                raise _Stopped()
-
-    def check_receiver(self) -> None:
-        import zmq
-
-        while self.notify.poll(0, zmq.POLLIN):
-            if self.notify.recv() == b"error":
-                raise RuntimeError(f"link {self.stage - 1}->{self.stage} receiver failed: "
-                                   f"{self.link_in.error!r}") from self.link_in.error
-
-    def take_control(self, known: dict) -> None:
-        import zmq
-
-        while self.sock.poll(0, zmq.POLLIN):
-            msg = self.read(self.sock.recv())
-            if isinstance(msg, wire.Ping):
-                self.pong()
-            elif isinstance(msg, wire.Launch):
-                known[msg.mb_id] = msg
-            elif msg is not None:
-                raise RuntimeError(f"unexpected message {msg._wire_tag!r}")
-
-    def flush_link_events(self) -> None:
-        if self.link_out is None:
-            return
-        if self.link_out.error is not None:
-            raise RuntimeError(f"link {self.stage}->{self.stage + 1} sender failed: "
-                               f"{self.link_out.error!r}") from self.link_out.error
-        ev = self.link_out.drain_events()
-        moved = int(self.link_out.moved_bytes)
-        if ev or moved > self._moved_reported:
-            self._moved_reported = moved
-            self.send(wire.LinkEvents(self.stage, [wire.LinkSpan(*e) for e in ev], moved))
 
     # --- set-up ------------------------------------------------------------------------------------------
     def setup(self, init: wire.StageInit) -> None:
@@ -302,6 +233,7 @@ class _Stage:
         if self.last:
             self.setup_sampling(init)
         self.send(wire.Ready(self.stage, os.getpid(), str(self.device), t_load, time.perf_counter() - t0))
+        self.line.use_lane()  # the driver writes to the lane from Ready on
 
     def setup_device(self, init: wire.StageInit) -> None:
         torch = self.torch
@@ -367,7 +299,11 @@ class _Stage:
     def setup_runtime(self, init: wire.StageInit) -> None:
         self.model.configure(init.attention, init.cuda_graphs, init.profile_tokens)  # attention path; CUDA graphs
         self.overlap = init.overlap_input_prep
+        # the next micro-batch, when it is known, is prepared while this one runs: by SiPipe's prep
+        # thread, or on a GPU between a forward's launch and its end (the host is idle then)
+        self.look_ahead = self.overlap or self.device != "cpu"
         self.prepared: dict[int, object] = {}  # mb id -> future of its prepared inputs (<= 2 buffers)
+        self.ready: dict[int, object] = {}  # mb id -> its inputs, prepared on the main thread
         self.aware = init.structure_aware_transfer
         self.bw = init.link_bandwidth_Bps
         self.lat = init.link_latency_s
@@ -381,26 +317,6 @@ class _Stage:
         self.fwd_ema: dict[str, float] = {}  # kind -> mean forward time
         self.decode_starts: deque = deque(maxlen=8)  # recent decode forward starts (next decode's ETA)
 
-    def setup_links(self, init: wire.StageInit) -> None:
-        """Paced links: activations go through a policy-scheduled sender thread (transfer.py)."""
-        from engine.torch_exec import transfer
-
-        comm_dev = "cpu" if (self.transfer_via_cpu or self.device == "cpu") else self.device
-        if not self.last:
-            policy = build_policy(init.policy_class, init.policy_params)
-            self.link_out = transfer.LinkSender(self.dist, self.stage, self.stage + 1, policy, self.bw,
-                                                self.lat, self.chunk, comm_dev, self.link_info)
-        if not self.first:
-            import zmq
-
-            self.izctx = zmq.Context()  # never terminated: the receiver thread may sit in recv
-            addr = f"inproc://link-recv-{self.stage}"
-            self.notify = self.izctx.socket(zmq.PAIR)
-            self.notify.setsockopt(zmq.LINGER, 0)
-            self.notify.bind(addr)
-            self.link_in = transfer.LinkReceiver(self.dist, self.stage - 1, comm_dev, self.chunk, addr,
-                                                 self.izctx, self.read_meta)
-
     def setup_sampling(self, init: wire.StageInit) -> None:
         from engine.torch_exec.sampling import Sampler
 
@@ -411,20 +327,6 @@ class _Stage:
             self.samplers = SamplerPool(init.num_cpu_samplers, init.driver_addr, self.secret,
                                         self.arch.vocab_size, init.sampling, timeout_s=120.0,
                                         me=self.codec.me, run=self.codec.run)
-
-    def link_info(self, now: float) -> dict:
-        """What the sending stage knows for the policy's idle-time prediction (LinkState.info)."""
-        info: dict = {"upstream_busy": False}
-        start, kind = self.fwd_start, self.fwd_kind
-        if start is not None:
-            info["upstream_busy"] = True
-            info["upstream_end_s"] = start + self.fwd_ema.get(kind, 0.0)
-        elif len(self.decode_starts) >= 2:
-            ds = self.decode_starts
-            period = (ds[-1] - ds[0]) / (len(ds) - 1)
-            if ds[-1] + period > now:
-                info["next_decode_s"] = ds[-1] + period
-        return info
 
     # --- data-plane metadata (vLLM-style tensor-dict sends) ---------------------------------------------
     def meta_blob(self, payload) -> bytes:
@@ -438,15 +340,18 @@ class _Stage:
                                f"{exc}") from None
 
     # --- one micro-batch ----------------------------------------------------------------------------------
-    def step(self, msg: wire.Launch, t_wait: float, ahead: wire.Launch | None = None) -> None:
+    def step(self, msg: StageLaunch, t_wait: float, ahead: StageLaunch | None = None) -> None:
         t = time.perf_counter()
         spans = [SpanRec("wait", t_wait, t, False)]
         self.count += 1
         if self.fault is not None and self.count == self.fault[1]:
             self.misbehave(self.fault[0])
         b, t1 = self.inputs(msg, spans, t)
-        if ahead is not None and ahead.mb_id not in self.prepared:
+        if ahead is not None and (ahead.mb_id in self.prepared or ahead.mb_id in self.ready):
+            ahead = None
+        if ahead is not None and self.overlap:  # SiPipe's prep thread
             self.prepared[ahead.mb_id] = self.prep_pool.submit(self.model.prepare, ahead.prefills, ahead.decodes)
+            ahead = None
         hidden = None
         if not self.first:
             mark = timer_for(self.device).start()
@@ -454,16 +359,21 @@ class _Stage:
             t2 = timer_for(self.device).stop(mark)[1]
             spans.append(SpanRec("recv", t1, t2, False))
             t1 = t2
-        out, t2 = self.forward(msg, b, hidden, t1, spans)
+        out, t2 = self.forward(msg, b, hidden, t1, spans, ahead)
         if self.link_out is not None:
             self.send_paced(msg, out, spans)
         elif not self.last:
             self.send_next(msg, out, spans, t2)
         else:
             self.sample(msg, out, spans, t2)
+        self.last_step = time.perf_counter()
 
-    def inputs(self, msg: wire.Launch, spans: list, t: float):
-        """This micro-batch's index tensors: prepared ahead by the prep thread, or now."""
+    def inputs(self, msg: StageLaunch, spans: list, t: float):
+        """This micro-batch's index tensors: prepared ahead (the prep thread, or while the previous
+        forward ran on the GPU), or now."""
+        b = self.ready.pop(msg.mb_id, None)  # prepared while the previous forward ran on the GPU
+        if b is not None:
+            return b, t
         fut = self.prepared.pop(msg.mb_id, None) if self.overlap else None
         if fut is not None:
             b = fut.result()
@@ -497,46 +407,32 @@ class _Stage:
             self.dist.recv(buf, src=self.stage - 1)
         return buf.to(self.device) if self.transfer_via_cpu else buf
 
-    def take_linked(self, mb_id: int, buf):
-        flat, ready_s, shape = self.link_in.take(mb_id)
-        if shape is not None and tuple(shape) != tuple(buf.shape):
-            raise RuntimeError(f"metadata says {shape}, schedule says {tuple(buf.shape)}")
-        if flat.numel() != buf.numel() * buf.element_size():
-            raise RuntimeError(f"micro-batch {mb_id}: {flat.numel()} bytes arrived, the schedule "
-                               f"needs {buf.numel() * buf.element_size()}")
-        buf = flat.view(buf.dtype).view(buf.shape)
-        late = ready_s - time.perf_counter()
-        if late > 0:
-            time.sleep(min(late, self.lat))  # the link's latency: delivered L after sending
-        return buf
-
-    def forward(self, msg: wire.Launch, b, hidden, t1: float, spans: list):
+    def forward(self, msg: StageLaunch, b, hidden, t1: float, spans: list, ahead: StageLaunch | None = None):
+        """The forward; on a GPU, `ahead`'s inputs are prepared while its kernels run (the host
+        launches them and returns: the next micro-batch's index arrays, pinned copy included, are
+        built before this span's end event is waited on)."""
         kind = msg.kind
         self.fwd_kind = kind
         self.fwd_start = t1
         if not msg.prefills:
             self.decode_starts.append(t1)
-        mark = timer_for(self.device).start()
+        timer = timer_for(self.device)
+        mark = timer.start()
         out = self.model.forward(b, hidden)
-        t2 = timer_for(self.device).stop(mark)[1]  # CUDA events on a GPU (timing.py)
+        pending = timer.record(mark)  # CUDA events on a GPU (timing.py)
+        if ahead is not None:
+            a = time.perf_counter()
+            self.ready[ahead.mb_id] = self.model.prepare(ahead.prefills, ahead.decodes)
+            # host work inside the forward's span: not counted busy twice (the bubble ratio)
+            spans.append(SpanRec("prepare_ahead", a, time.perf_counter(), False))
+        t2 = timer.wait(pending)[1]
         self.fwd_start = None
         prev = self.fwd_ema.get(kind)
         self.fwd_ema[kind] = (t2 - t1) if prev is None else 0.7 * prev + 0.3 * (t2 - t1)
         spans.append(SpanRec(f"forward:{kind}", t1, t2, True))
         return out, t2
 
-    def send_paced(self, msg: wire.Launch, out, spans: list) -> None:
-        from engine.torch_exec.transfer import _MbRef
-
-        t3 = time.perf_counter()
-        payload = (out.cpu() if self.transfer_via_cpu else out).contiguous()
-        meta = None if self.aware else self.meta_blob(payload)
-        self.link_out.put(_MbRef(msg.mb_id, msg.kind, msg.prefills, msg.decodes), payload, meta)
-        spans.append(SpanRec("send", t3, time.perf_counter(), True))
-        self.flush_link_events()
-        self.send(wire.Spans(self.stage, msg.mb_id, spans))
-
-    def send_next(self, msg: wire.Launch, out, spans: list, t2: float) -> None:
+    def send_next(self, msg: StageLaunch, out, spans: list, t2: float) -> None:
         torch = self.torch
         while self.pending_sends:
             work, _tensor = self.pending_sends.popleft()
@@ -558,7 +454,7 @@ class _Stage:
         spans.append(SpanRec("send", t3, time.perf_counter(), True))
         self.send(wire.Spans(self.stage, msg.mb_id, spans))
 
-    def sample(self, msg: wire.Launch, out, spans: list, t2: float) -> None:
+    def sample(self, msg: StageLaunch, out, spans: list, t2: float) -> None:
         prefills, decodes = msg.prefills, msg.decodes
         keys = [(p.seq_id, p.start + p.num_tokens) for p in prefills if p.samples] + \
                [(d.seq_id, d.position + 1) for d in decodes]

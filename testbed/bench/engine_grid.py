@@ -12,11 +12,17 @@ in one process and one run:
    first and released, so that on CUDA the stages' measured KV pool is not squeezed by it;
 2. end to end: the run's workload through the controller and policy on the started engine,
    total and output tokens/s over the run, TPOT p50 and the stages' bubble ratios;
-3. the grid, on the same started engine, driven like `testbed profile` (engine/torch_exec/profile.py):
-   one designed micro-batch at a time -- decodes of batch 1-256 at context 128-2,048, prefills of
-   128-4,096 tokens -- `step` is the driver's wall time from launch to the sampled ids back (every
-   stage, every hop, the sampler), `forward` the sum of the stages' own forward spans. `x floor`
-   = step / floor.
+3. the grid, on the same started engine: one designed micro-batch at a time -- decodes of batch
+   1-256 at context 128-2,048, prefills of 128-4,096 tokens -- in steady state (`SteadyBatches`:
+   a decode point's sequences hold their blocks in the run's block manager and advance one token
+   per launch, as in serving), `step` is the driver's wall time from launch to the sampled ids
+   back (every stage, every hop, the sampler), `forward` the sum of the stages' own forward spans,
+   so `step - forward` is the host's cost per step. `x floor` = step / floor.
+
+`workload=sharegpt` (or any workload) replaces the default synthetic one of step 2; the synthetic
+lengths apply only to the synthetic workload. `--kernels` adds the top kernels per micro-batch
+kind from `torch.profiler` (testbed/bench/engine_kernels.py), measured in this process before the
+stages start.
 
 Host timing (`perf_counter`) for the engine, which spans processes; CUDA events for the in-process
 floor (the stages synchronise the device before closing a forward span). `--attention-bandwidth`
@@ -34,6 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.batch import MicroBatch
+
 if TYPE_CHECKING:
     from testbed.config.spec import RunSpec
 
@@ -42,6 +50,8 @@ GRID = {"decode_batch": (1, 8, 32, 64, 128, 256), "decode_context": (128, 512, 2
 QUICK = {"decode_batch": (1, 8), "decode_context": (32, 128), "prefill_tokens": (32, 128)}
 BASE = ["executor=torch", "model=tiny-llama", "workload=synthetic", "workload.arrival=offline", "output.trace=full",
         "output.mlflow=false", "output.plots=false", "output.progress=false"]
+# the synthetic workload's lengths apply only when the run keeps it; another workload (sharegpt,
+# azure) has its own lengths and only takes the request count
 QUICK_WORKLOAD = ["workload.num_requests=6", "workload.input_mean=48", "workload.output_mean=8"]
 FULL_WORKLOAD = ["workload.num_requests=64", "workload.input_mean=512", "workload.output_mean=128"]
 BANDWIDTH_POINTS = ((32, 512), (128, 512), (128, 2048), (256, 2048))
@@ -83,6 +93,8 @@ def add_grid_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, default=None, help="timed launches per point (default 5; quick 2)")
     ap.add_argument("--attention-bandwidth", action="store_true",
                     help="also the paged-attention kernel's K/V bytes/s against the device's copy rate")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also the top kernels of a decode, a mixed and a prefill forward (torch.profiler)")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the figures as JSON here")
 
 
@@ -90,7 +102,7 @@ def _config(overrides: list[str], quick: bool, grid: dict) -> RunSpec:
     from testbed.config.spec import compose_spec
     from testbed.config.overrides import merge
 
-    spec = compose_spec(merge(BASE, QUICK_WORKLOAD if quick else FULL_WORKLOAD, overrides))
+    spec = compose_spec(merge(BASE, workload_defaults(overrides, quick), overrides))
     rc = spec.settings
     if rc.executor.name != "torch":
         from engine.errors import ConfigError
@@ -109,6 +121,14 @@ def _config(overrides: list[str], quick: bool, grid: dict) -> RunSpec:
     return spec.with_values(values)
 
 
+def workload_defaults(overrides: list[str], quick: bool) -> list[str]:
+    """The bench's workload size for the workload the overrides name: the synthetic one's lengths
+    only when it is the synthetic workload (`workload=sharegpt` has no `workload.input_mean`)."""
+    named = [ov.partition("=")[2] for ov in overrides if ov.partition("=")[0] == "workload"]
+    layer = QUICK_WORKLOAD if quick else FULL_WORKLOAD
+    return layer if not named or named[-1] == "synthetic" else layer[:1]
+
+
 def run_grid(args: argparse.Namespace, console=None) -> dict:
     """Measure, print the tables, return the figures (also written to --json)."""
     import engine.torch_exec  # noqa: F401
@@ -121,14 +141,23 @@ def run_grid(args: argparse.Namespace, console=None) -> dict:
     spec = _config(list(args.overrides), args.quick, grid)
     points = grid_points(grid)
     floors, arch, bandwidth = _floors(spec, points, repeats, args.attention_bandwidth)
+    kernels = None
+    if args.kernels:  # in this process, released before the stages start (their KV pool is measured)
+        from testbed.bench.engine_kernels import kernel_tables
+
+        kernels = kernel_tables(spec, args.quick, repeats)
     e2e, steps, info = _engine(spec, points, repeats)
     rows = [Row(p, steps[p][0], steps[p][1], floors[p].linear_s, floors[p].attention_s) for p in points]
     out = {"info": {**info, "model": arch.name, "load_avg": _load_avg(), "repeats": repeats},
            "end_to_end": e2e, "rows": [{**asdict(r.point), "step_s": r.step_s, "forward_s": r.forward_s,
                                          "linear_floor_s": r.linear_floor_s,
                                          "attention_floor_s": r.attention_floor_s, "x_floor": r.x_floor}
-                                        for r in rows], "attention_bandwidth": bandwidth}
+                                        for r in rows], "attention_bandwidth": bandwidth, "kernels": kernels}
     print_tables(out, console)
+    if kernels is not None:
+        from testbed.bench.engine_kernels import print_kernels
+
+        print_kernels(kernels, console)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(out, indent=1))
@@ -181,7 +210,6 @@ def _bandwidth(arch, dtype: str, device: str, block_size: int, copy_rate, attent
 def _engine(spec: RunSpec, points: list[Point], repeats: int):
     """Start the engine once: the end-to-end run first (clean bubbles and window), then the grid."""
     from engine.metrics import SLO, summarize
-    from engine.torch_exec.profile import _Designer, _round_robin_tables
     from testbed.run.runner import prepare_experiment
 
     prep = prepare_experiment(spec)
@@ -198,10 +226,8 @@ def _engine(spec: RunSpec, points: list[Point], repeats: int):
                "total_tok_s": s["throughput_tok_s"], "output_tok_s": s["output_throughput_tok_s"],
                "tpot_p50_s": s["tpot_p50_s"], "stage_bubble_ratio": s["stage_bubble_ratio"], "policy": ctrl.policy.name}
         bs = ctrl.kv.block_size
-        ctx = max(max(p.context for p in points), max(p.tokens for p in points))
-        ex.block_table = _round_robin_tables(ex, ctx, bs)
-        des = _Designer()
-        steps = {p: _time_point(ex, des, p, repeats) for p in points}
+        batches = SteadyBatches(ctrl.kv)
+        steps = {p: _time_point(ex, batches, p, repeats) for p in points}
         info = {"device": ex.settings.device, "dtype": ex.settings.resolved_dtype, "pp": P,
                 "kv_num_blocks": ctrl.kv.num_blocks, "block_size": bs, "stages": ex.stage_info}
     finally:
@@ -209,19 +235,83 @@ def _engine(spec: RunSpec, points: list[Point], repeats: int):
     return e2e, steps, info
 
 
-def _time_point(ex, des, p: Point, repeats: int) -> tuple[float, float]:
-    """(median launch-to-tokens seconds, median summed stage forward seconds) of one point."""
-    ex.launch(des.batch(p.kind, p.batch, p.tokens, 0, p.context))  # warm-up (first-touch, lazy inits)
-    ex.next_completion()
+class SteadyBatches:
+    """The grid's micro-batches in steady state, as a serving engine sees them: a decode point's
+    sequences are made once, hold their blocks in the run's block manager and advance one token per
+    launch (their tables are reused; a new block only when a sequence crosses a block boundary),
+    so `step - forward` is the host's per-step cost, not the set-up of new sequences and tables.
+    A prefill is a new sequence each time, as in serving."""
+
+    def __init__(self, kv) -> None:
+        self.kv = kv
+        self.next_seq = 20_000_000
+        self.next_mb = 2_000_000
+        self.live: list = []
+
+    def decodes(self, batch: int, context: int) -> list:
+        """`batch` sequences that hold `context - 1` tokens: the next token is at position context - 1."""
+        from engine.request import Request, Sequence
+
+        self.release()
+        for _ in range(batch):
+            self.next_seq += 1
+            seq = Sequence(Request(self.next_seq, 0.0, context, 1 << 20))
+            seq.num_computed = context - 1
+            self.kv.allocate(seq.seq_id, context - 1)
+            self.live.append(seq)
+        return self.live
+
+    def decode_step(self) -> MicroBatch:
+        """The live sequences' next decode (committed as the controller commits one)."""
+        self.kv.append_one_each([s.seq_id for s in self.live])
+        return self._mb((), tuple(self.live))
+
+    def advance(self, tokens) -> None:
+        """The step completed: each sequence holds its new token (the next decode feeds it)."""
+        for seq, tok in zip(self.live, tokens):
+            seq.num_computed += 1
+            seq.output_token_ids.append(tok)
+
+    def prefill(self, tokens: int) -> MicroBatch:
+        from engine.batch import PrefillChunk
+        from engine.request import Request, Sequence
+
+        self.release()
+        self.next_seq += 1
+        seq = Sequence(Request(self.next_seq, 0.0, tokens, 1))
+        self.kv.allocate(seq.seq_id, tokens)
+        self.live.append(seq)
+        return self._mb((PrefillChunk(seq, 0, tokens, True),), ())
+
+    def release(self) -> None:
+        for seq in self.live:
+            self.kv.free(seq.seq_id)
+        self.live = []
+
+    def _mb(self, prefills: tuple, decodes: tuple) -> MicroBatch:
+        self.next_mb += 1
+        return MicroBatch(self.next_mb, prefills, decodes)
+
+
+def _time_point(ex, batches: SteadyBatches, p: Point, repeats: int) -> tuple[float, float]:
+    """(median launch-to-tokens seconds, median summed stage forward seconds) of one point, after
+    one untimed launch (first touch, lazy inits, the stages learning the tables)."""
+    if p.kind == "decode":
+        batches.decodes(p.batch, p.context)
     step, fwd = [], []
-    for _ in range(repeats):
-        mb = des.batch(p.kind, p.batch, p.tokens, 0, p.context)
+    for i in range(repeats + 1):
+        mb = batches.decode_step() if p.kind == "decode" else batches.prefill(p.tokens)
         t = time.perf_counter()
         ex.launch(mb)
-        ex.next_completion()
-        step.append(time.perf_counter() - t)
-        fwd.append(sum(b - a for track, name, a, b, mb_id in ex.tracer.spans
-                       if mb_id == mb.mb_id and name.startswith("forward")))
+        done = ex.next_completion()
+        dt = time.perf_counter() - t
+        if p.kind == "decode":
+            batches.advance(done.token_ids)
+        if i:
+            step.append(dt)
+            fwd.append(sum(b - a for track, name, a, b, mb_id in ex.tracer.spans
+                           if mb_id == mb.mb_id and name.startswith("forward")))
+    batches.release()
     return statistics.median(step), statistics.median(fwd)
 
 
