@@ -138,7 +138,7 @@ def _lock_for(uri: str):
     from testbed.cluster.postgres import advisory_lock, is_postgres
 
     if is_postgres(uri):
-        return advisory_lock(uri)
+        return advisory_lock(uri, key="output.tracking_uri")
     if not uri.startswith("sqlite:///"):
         return nullcontext()
     from filelock import FileLock

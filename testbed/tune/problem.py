@@ -153,6 +153,8 @@ def prepare(overrides: Sequence[str]) -> Problem:
         if sp.key in explicit:
             raise ConfigError(f"{sp.key} is both set ({sp.key}={base.value_at(sp.key)}) and searched "
                               f"(tune.space.{sp.key}); drop one of them")
+    for sp in settings.space:
+        _check_space_values(base, sp)
     search_mb = MICROBATCH_KEY not in explicit and all(s.key != MICROBATCH_KEY for s in settings.space)
     out_root = Path(base.output.dir)
     fp = problem_fingerprint(base, settings, pinned, search_mb)
@@ -161,7 +163,7 @@ def prepare(overrides: Sequence[str]) -> Problem:
     if "/" in study or study.startswith("."):
         raise ConfigError(f"invalid tune.study={study!r}: no '/' and no leading '.'")
     storage = settings.storage or f"sqlite:///{(out_root.resolve() / 'optuna.db')}"
-    _check_storage(storage, base)
+    _check_storage(storage, base, given=settings.storage is not None)
     problem = Problem(base=base, settings=settings, study=study, storage_url=storage,
                       experiment=settings.experiment or f"tune-{study}", pinned=pinned,
                       seed=settings.seed if settings.seed is not None else base.settings.seed,
@@ -173,10 +175,30 @@ def prepare(overrides: Sequence[str]) -> Problem:
     return problem
 
 
-def _check_storage(storage: str, base: RunSpec) -> None:
-    path = sqlite_path(storage)
+def _check_space_values(base: RunSpec, spec: SpaceSpec) -> None:
+    """Every value a searched key can take is one its setting accepts: the choices, or a range's
+    ends. `tune.space.policy.T=a,b` for an integer T used to start a study whose every trial
+    failed (issue 38 item 9). Only the key's own check counts here: a value that conflicts with
+    another setting may still be fine in a trial that moves that setting too."""
+    values = spec.choices if spec.kind == "categorical" else (spec.low, spec.high)
+    for value in values:
+        try:
+            base.with_values({spec.key: value})
+        except ConfigError as exc:
+            if str(exc).startswith(f"invalid {spec.key}="):
+                raise ConfigError(f"tune.space.{spec.key}={spec.text}: {exc}") from None
+
+
+def _check_storage(storage: str, base: RunSpec, given: bool) -> None:
+    """The default SQLite file's folder is made; a file the user named must be in a folder that
+    exists: `tune.storage=journal:/nonexistent/dir/j.log` created /nonexistent/dir (issue 38 item 9),
+    where a typo in the path means a study nobody else will find."""
+    path = sqlite_path(storage) or (Path(storage[len("journal:"):]).resolve() if storage.startswith("journal:") else None)
     if path is None:
         return
+    if given and not path.parent.is_dir():
+        raise ConfigError(f"invalid tune.storage={storage}: the folder {path.parent} does not exist; "
+                          f"create it first or name a file in an existing folder")
     path.parent.mkdir(parents=True, exist_ok=True)
     if base.output.mlflow and path == sqlite_path(tracking_uri(base.output)):
         raise ConfigError(f"tune.storage={storage} is the MLflow tracking database; Optuna and MLflow must "
