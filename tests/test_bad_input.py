@@ -242,3 +242,34 @@ def test_azure_token_counts_past_the_token_range_are_refused(tmp_path, capsys):
 def test_a_vocabulary_of_zero_is_refused(tmp_path, capsys, command):
     code = main([*command, "--vocab-size", "0", f"output.dir={tmp_path}"])
     _one_error_line(capsys, code, "--vocab-size 0", ">= 1")
+
+
+def test_tune_against_an_mlflow_server_that_refuses_the_host_name_stops_before_the_study(tmp_path, capsys):
+    """MLflow 3's server answers 403 "Invalid Host header" outside `--allowed-hosts`: tune found out
+    from a 46-line traceback after its study was created (issue 38 item 7). A stand-in server answers
+    as MLflow's does."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class RefusesHost(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"Invalid Host header - possible DNS rebinding attack detected"
+            self.send_response(403)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), RefusesHost)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        code = main(["tune", f"output.dir={tmp_path}", "workload=synthetic", "workload.num_requests=20",
+                     "output.plots=false", "output.progress=false", "tune.trials=1",
+                     f"output.tracking_uri=http://127.0.0.1:{port}"])
+    finally:
+        server.shutdown()
+    _one_error_line(capsys, code, "403 Invalid Host header", f"--allowed-hosts 127.0.0.1:{port}")
+    assert not (tmp_path / "optuna.db").exists()
