@@ -157,3 +157,19 @@ def test_socket_interfaces_come_from_the_host_then_the_config_then_loopback():
     assert TorchSettings(socket_ifname="eth0,eth1").socket_ifname == "eth0,eth1"
     with pytest.raises(ConfigError, match="executor.socket_ifname"):
         TorchSettings(socket_ifname="eth0; rm")
+
+
+def test_a_stage_started_by_hand_for_a_driver_that_never_comes_gives_up(tmp_path):
+    """Its hello sat in a queue and the stage waited silently (issue 38 item 11): now one line
+    and exit 69 after --wait-driver-s."""
+    from engine.torch_exec.worker import EXIT_NO_DRIVER
+
+    port = _free_port()  # nobody listens there
+    env = {**os.environ, "TESTBED_STAGE_SECRET": secrets.token_hex(32), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "engine.torch_exec.worker", "--driver", f"tcp://127.0.0.1:{port}",
+                             "--stage", "1", "--wait-driver-s", "2"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code, err = _finish(proc)
+    assert code == EXIT_NO_DRIVER, err[-2000:]
+    assert f"stage 1: no driver at tcp://127.0.0.1:{port} within --wait-driver-s=2 s" in err
+    assert "Traceback" not in err

@@ -44,6 +44,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections import deque
@@ -54,13 +55,38 @@ from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
 from engine.torch_exec.timing import timer_for
 from engine.torch_exec.wire import SpanRec
 
+WAIT_DRIVER_S = 600.0  # a stage started by hand: how long its driver may take to appear
+EXIT_NO_DRIVER = 69  # EX_UNAVAILABLE: the driver never came
 CONTROL = (wire.StageInit, wire.KvPool, wire.Launch, wire.Ping, wire.Stop)  # what the driver may send a stage
 log = logging.getLogger(__name__)
 
 
+def _say_hello(sock, codec: wire.Codec, stage: int, driver_addr: str, wait_s: float | None) -> None:
+    """The stage's first message. A DEALER socket holds a send until a peer is connected, so a
+    stage started by hand for a driver that never comes waited for ever, silently (issue 38 item
+    11): with `wait_s` the wait is bounded, and its end is one line on stderr and exit
+    EXIT_NO_DRIVER."""
+    import zmq
+
+    hello = codec.encode(wire.Hello(stage, socket.gethostname(), os.getpid()))
+    if wait_s is None:
+        sock.send(hello)
+        return
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(wait_s * 1000)))  # with ZMQ_IMMEDIATE (set before connect)
+    try:
+        sock.send(hello)
+    except zmq.Again:
+        print(f"stage {stage}: no driver at {driver_addr} within --wait-driver-s={wait_s:g} s; start the driver "
+              f"(testbed run ... executor.launch=external) and then this stage again", file=sys.stderr, flush=True)
+        sock.close(linger=0)
+        os._exit(EXIT_NO_DRIVER)
+    sock.setsockopt(zmq.SNDTIMEO, -1)
+
+
 def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secret: bytes | None = None,
-               run: str = "") -> None:
-    """Entry point of a stage process (spawned by the driver, or run by hand)."""
+               run: str = "", wait_driver_s: float | None = None) -> None:
+    """Entry point of a stage process (spawned by the driver, or run by hand; `wait_driver_s`:
+    how long a stage started by hand waits for its driver)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
     secret = secret or wire.secret_from_env()
@@ -77,10 +103,11 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
         from engine.torch_exec.driver_watch import watch_driver
 
         watch_driver(sock, stage, driver_addr)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # the hello waits for a connected driver, not in a queue
     sock.connect(driver_addr)
     code, st = 0, None
     try:
-        sock.send(codec.encode(wire.Hello(stage, socket.gethostname(), os.getpid())))
+        _say_hello(sock, codec, stage, driver_addr, parent_pid is None and wait_driver_s or None)
         st = _Stage(sock, codec, stage, parent_pid, secret)
         st.run()
     except _Stopped:
@@ -88,6 +115,8 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
     except BaseException as exc:  # report, then exit non-zero
         code = REPORTED_EXIT
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
+        if parent_pid is None:  # started by hand: its own terminal is where it is read
+            print(f"stage {stage}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         try:
             sock.send(codec.encode(wire.StageError(stage, text, time.perf_counter())), zmq.NOBLOCK)
         except Exception:
@@ -592,8 +621,12 @@ def main(argv: list[str] | None = None) -> None:
                                              f"(the run's secret in {wire.SECRET_ENV} or {wire.SECRET_FILE_ENV}).")
     ap.add_argument("--driver", required=True, help="the driver's control address, tcp://HOST:PORT")
     ap.add_argument("--stage", type=int, required=True, help="this stage's index, 0..P-1")
+    ap.add_argument("--wait-driver-s", type=float, default=WAIT_DRIVER_S,
+                    help=f"how long to wait for the driver to be there (default {WAIT_DRIVER_S:g} s)")
     args = ap.parse_args(argv)
-    stage_main(args.driver, args.stage, None)
+    if not args.wait_driver_s > 0:
+        ap.error(f"--wait-driver-s={args.wait_driver_s} must be > 0")
+    stage_main(args.driver, args.stage, None, wait_driver_s=args.wait_driver_s)
 
 
 if __name__ == "__main__":
