@@ -179,3 +179,29 @@ def test_a_killed_sweep_kills_its_own_running_points_only(tmp_path):
     status = {rid: tracker.client.get_run(rid).info.status for rid in (summary.run_id, point, unrelated)}
     assert status == {summary.run_id: "KILLED", point: "KILLED", unrelated: "RUNNING"}
     assert tracker.client.get_run(point).data.tags["error"] == "interrupted"
+
+
+def test_runs_left_running_by_a_killed_sweep_are_ended_by_the_next_one(tmp_path, capsys):
+    """SIGKILL (or the OOM killer) leaves no handler to end the summary run: it stayed RUNNING for
+    good (issue 38 item 6). The next sweep on this host ends it KILLED, with its point runs, and
+    says so; its own runs are not touched."""
+    from signal_helpers import Command, run_states, running_kinds, survivors
+
+    fresh_mlflow_db(tmp_path)
+    cmd = Command("compare", *SIGNAL_GRID, f"output.dir={tmp_path}", "compare.experiment=killed")
+    cmd.wait_for("point   0 done")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(kind == "point" for kind, _ in running_kinds(tmp_path / "mlflow.db")):
+        time.sleep(0.2)
+    children = cmd.descendants()
+    cmd.kill()
+    assert survivors(children) == []
+    assert "compare" in {kind for kind, _ in running_kinds(tmp_path / "mlflow.db")}
+    code = main(["compare", *BASE, f"output.dir={tmp_path}", "parallel.pp=2", "policy=sarathi",
+                 "compare.experiment=next"])
+    assert code == 0
+    assert "note: ended KILLED 1 run(s) left RUNNING by a sweep that was killed: killed" in capsys.readouterr().err
+    runs = run_states(tmp_path / "mlflow.db")
+    assert "RUNNING" not in {r["status"] for r in runs.values()}, runs
+    assert [r["status"] for r in runs.values() if r["kind"] == "compare" and r["name"] == "killed"] == ["KILLED"]
+    assert [r["status"] for r in runs.values() if r["kind"] == "compare" and r["name"] == "next"] == ["FINISHED"]
