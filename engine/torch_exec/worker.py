@@ -61,26 +61,15 @@ CONTROL = (wire.StageInit, wire.KvPool, wire.Launch, wire.Ping, wire.Stop)  # wh
 log = logging.getLogger(__name__)
 
 
-def _say_hello(sock, codec: wire.Codec, stage: int, driver_addr: str, wait_s: float | None) -> None:
-    """The stage's first message. A DEALER socket holds a send until a peer is connected, so a
-    stage started by hand for a driver that never comes waited for ever, silently (issue 38 item
-    11): with `wait_s` the wait is bounded, and its end is one line on stderr and exit
-    EXIT_NO_DRIVER."""
-    import zmq
-
-    hello = codec.encode(wire.Hello(stage, socket.gethostname(), os.getpid()))
-    if wait_s is None:
-        sock.send(hello)
+def _wait_for_driver(connected, stage: int, driver_addr: str, wait_s: float) -> None:
+    """A stage started by hand: its hello waits in ZeroMQ's queue for a connection, and with no
+    driver it waited silently for ever (issue 38 item 11). Now the connection must come within
+    `wait_s`, else one line on stderr and exit EXIT_NO_DRIVER."""
+    if connected.wait(wait_s):
         return
-    sock.setsockopt(zmq.SNDTIMEO, max(1, int(wait_s * 1000)))  # with ZMQ_IMMEDIATE (set before connect)
-    try:
-        sock.send(hello)
-    except zmq.Again:
-        print(f"stage {stage}: no driver at {driver_addr} within --wait-driver-s={wait_s:g} s; start the driver "
-              f"(testbed run ... executor.launch=external) and then this stage again", file=sys.stderr, flush=True)
-        sock.close(linger=0)
-        os._exit(EXIT_NO_DRIVER)
-    sock.setsockopt(zmq.SNDTIMEO, -1)
+    print(f"stage {stage}: no driver at {driver_addr} within --wait-driver-s={wait_s:g} s; start the driver "
+          f"(testbed run ... executor.launch=external) and then this stage again", file=sys.stderr, flush=True)
+    os._exit(EXIT_NO_DRIVER)
 
 
 def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secret: bytes | None = None,
@@ -102,12 +91,13 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
     if parent_pid is None:  # started by hand: no parent to die with, so end when the driver goes
         from engine.torch_exec.driver_watch import watch_driver
 
-        watch_driver(sock, stage, driver_addr)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # the hello waits for a connected driver, not in a queue
+        connected = watch_driver(sock, stage, driver_addr)
     sock.connect(driver_addr)
     code, st = 0, None
     try:
-        _say_hello(sock, codec, stage, driver_addr, parent_pid is None and wait_driver_s or None)
+        sock.send(codec.encode(wire.Hello(stage, socket.gethostname(), os.getpid())))
+        if parent_pid is None:
+            _wait_for_driver(connected, stage, driver_addr, wait_driver_s or WAIT_DRIVER_S)
         st = _Stage(sock, codec, stage, parent_pid, secret)
         st.run()
     except _Stopped:
