@@ -163,7 +163,7 @@ def test_socket_interfaces_come_from_the_host_then_the_config_then_loopback():
 def test_a_stage_started_by_hand_for_a_driver_that_never_comes_gives_up(tmp_path):
     """Its hello sat in a queue and the stage waited silently (issue 38 item 11): now one line
     and exit 69 after --wait-driver-s."""
-    from engine.torch_exec.worker import EXIT_NO_DRIVER
+    from engine.torch_exec.driver_watch import EXIT_NO_DRIVER
 
     port = _free_port()  # nobody listens there
     env = {**os.environ, "TESTBED_STAGE_SECRET": secrets.token_hex(32), "PYTHONPATH": str(REPO)}

@@ -29,6 +29,19 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 GRACE_S = 2.0
 EXIT_DRIVER_GONE = 75  # EX_TEMPFAIL: nothing failed here; the run it served is over
+WAIT_DRIVER_S = 600.0  # a stage started by hand: how long its driver may take to appear (--wait-driver-s)
+EXIT_NO_DRIVER = 69  # EX_UNAVAILABLE: the driver never came
+
+
+def wait_for_driver(connected: threading.Event, stage: int, address: str, wait_s: float) -> None:
+    """A stage started by hand: its hello waits in ZeroMQ's queue for a connection, and with no
+    driver it waited silently for ever (issue 38 item 11). Now the connection must come within
+    `wait_s`, else one line on stderr and exit EXIT_NO_DRIVER."""
+    if connected.wait(wait_s):
+        return
+    print(f"stage {stage}: no driver at {address} within --wait-driver-s={wait_s:g} s; start the driver "
+          f"(testbed run ... executor.launch=external) and then this stage again", file=sys.stderr, flush=True)
+    os._exit(EXIT_NO_DRIVER)
 
 
 def watch_driver(sock, stage: int, address: str) -> threading.Event:

@@ -51,31 +51,18 @@ from collections import deque
 
 from engine.torch_exec import wire
 from engine.torch_exec.diagnosis import REPORTED_EXIT
+from engine.torch_exec.driver_watch import WAIT_DRIVER_S, wait_for_driver, watch_driver
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
 from engine.torch_exec.timing import timer_for
 from engine.torch_exec.wire import SpanRec
 
-WAIT_DRIVER_S = 600.0  # a stage started by hand: how long its driver may take to appear
-EXIT_NO_DRIVER = 69  # EX_UNAVAILABLE: the driver never came
 CONTROL = (wire.StageInit, wire.KvPool, wire.Launch, wire.Ping, wire.Stop)  # what the driver may send a stage
 log = logging.getLogger(__name__)
 
 
-def _wait_for_driver(connected, stage: int, driver_addr: str, wait_s: float) -> None:
-    """A stage started by hand: its hello waits in ZeroMQ's queue for a connection, and with no
-    driver it waited silently for ever (issue 38 item 11). Now the connection must come within
-    `wait_s`, else one line on stderr and exit EXIT_NO_DRIVER."""
-    if connected.wait(wait_s):
-        return
-    print(f"stage {stage}: no driver at {driver_addr} within --wait-driver-s={wait_s:g} s; start the driver "
-          f"(testbed run ... executor.launch=external) and then this stage again", file=sys.stderr, flush=True)
-    os._exit(EXIT_NO_DRIVER)
-
-
 def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secret: bytes | None = None,
-               run: str = "", wait_driver_s: float | None = None) -> None:
-    """Entry point of a stage process (spawned by the driver, or run by hand; `wait_driver_s`:
-    how long a stage started by hand waits for its driver)."""
+               run: str = "", wait_driver_s: float = WAIT_DRIVER_S) -> None:
+    """Entry point of a stage process (spawned by the driver, or run by hand: then `wait_driver_s`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
     secret = secret or wire.secret_from_env()
@@ -89,15 +76,13 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
     sock = ctx.socket(zmq.DEALER)  # no chosen identity: the driver binds "stage<i>" to this connection
     sock.setsockopt(zmq.LINGER, 2000)
     if parent_pid is None:  # started by hand: no parent to die with, so end when the driver goes
-        from engine.torch_exec.driver_watch import watch_driver
-
         connected = watch_driver(sock, stage, driver_addr)
     sock.connect(driver_addr)
     code, st = 0, None
     try:
         sock.send(codec.encode(wire.Hello(stage, socket.gethostname(), os.getpid())))
         if parent_pid is None:
-            _wait_for_driver(connected, stage, driver_addr, wait_driver_s or WAIT_DRIVER_S)
+            wait_for_driver(connected, stage, driver_addr, wait_driver_s)
         st = _Stage(sock, codec, stage, parent_pid, secret)
         st.run()
     except _Stopped:
@@ -611,11 +596,8 @@ def main(argv: list[str] | None = None) -> None:
                                              f"(the run's secret in {wire.SECRET_ENV} or {wire.SECRET_FILE_ENV}).")
     ap.add_argument("--driver", required=True, help="the driver's control address, tcp://HOST:PORT")
     ap.add_argument("--stage", type=int, required=True, help="this stage's index, 0..P-1")
-    ap.add_argument("--wait-driver-s", type=float, default=WAIT_DRIVER_S,
-                    help=f"how long to wait for the driver to be there (default {WAIT_DRIVER_S:g} s)")
+    ap.add_argument("--wait-driver-s", type=float, default=WAIT_DRIVER_S, help="seconds to wait for the driver")
     args = ap.parse_args(argv)
-    if not args.wait_driver_s > 0:
-        ap.error(f"--wait-driver-s={args.wait_driver_s} must be > 0")
     stage_main(args.driver, args.stage, None, wait_driver_s=args.wait_driver_s)
 
 
