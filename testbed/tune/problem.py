@@ -176,17 +176,37 @@ def prepare(overrides: Sequence[str]) -> Problem:
 
 
 def _check_space_values(base: RunSpec, spec: SpaceSpec) -> None:
-    """Every value a searched key can take is one its setting accepts: the choices, or a range's
-    ends. `tune.space.policy.T=a,b` for an integer T used to start a study whose every trial
-    failed (issue 38 item 9). Only the key's own check counts here: a value that conflicts with
-    another setting may still be fine in a trial that moves that setting too."""
+    """A searched key's values against its setting: a value of the wrong kind (text or a fraction
+    for an integer: `tune.space.policy.T=a,b` started a study whose every trial failed, issue 38
+    item 9), or a space none of whose values the setting accepts, is refused before any study; a
+    value that is only out of bounds fails its own trials with the reason, as documented. Only the
+    key's own check counts: a value that conflicts with another setting may suit a trial that
+    moves that setting too."""
     values = spec.choices if spec.kind == "categorical" else (spec.low, spec.high)
+    try:
+        current = base.value_at(spec.key)
+    except KeyError:  # a policy field the tree does not spell out: its kind is unknown here
+        current = None
+    bad = []
     for value in values:
         try:
             base.with_values({spec.key: value})
         except ConfigError as exc:
             if str(exc).startswith(f"invalid {spec.key}="):
-                raise ConfigError(f"tune.space.{spec.key}={spec.text}: {exc}") from None
+                bad.append((value, exc))
+    wrong = next((exc for value, exc in bad if not _same_kind(value, current)), None)
+    if wrong is not None or (bad and len(bad) == len(values)):
+        raise ConfigError(f"tune.space.{spec.key}={spec.text}: {wrong or bad[0][1]}")
+
+
+def _same_kind(value: Any, current: Any) -> bool:
+    if isinstance(current, bool):
+        return isinstance(value, bool)
+    if isinstance(current, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(current, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return True
 
 
 def _check_storage(storage: str, base: RunSpec, given: bool) -> None:
