@@ -5,7 +5,11 @@ KILLED), with exit code 143 (SIGTERM) or 129 (SIGHUP).
 One stop is enough: once a signal has started the stop, the results are being saved, and a
 second Ctrl-C or SIGTERM (people press twice; schedulers follow up within a second) must not cut
 that save short (it left an empty run folder). `one_stop()` gives that for `testbed run`;
-`saving()` guards any block that writes results.
+`saving()` guards any block that writes results; under `sigterm_as_interrupt` (the sweeps, tune)
+a signal that comes once a stop is on record is ignored, so the stop's cleanup (workers stopped,
+tables written, runs ended KILLED) runs to its end: a second SIGTERM 0.3 s after the first left
+`capacity`'s summary run and its in-flight probe's run RUNNING (issue 38 item 6). A loop still
+stops after a stop whose exception was lost (`raise_if_stopped`).
 
 One record of the stop. Every handler here notes the first stop signal of the command
 (`stopped_by()`), and every command reads that one record: for its exit code and message
@@ -81,10 +85,14 @@ def _note(signum) -> str:
 
 
 def _raise_terminated(signum, frame):
+    if _first_signal is not None:  # the command is stopping already: its cleanup runs to the end
+        return
     raise Terminated(_note(signum))
 
 
 def _raise_interrupt(signum, frame):
+    if _first_signal is not None:
+        return
     _note(signum)
     raise KeyboardInterrupt
 
@@ -112,6 +120,14 @@ def _command(handlers: dict | None) -> Iterator[None]:
     finally:
         if outermost:
             _first_signal, _in_command = None, False
+
+
+def stopping_for_good() -> None:
+    """The process ends after this stop (`testbed.cli.main`, once a command was stopped): every
+    block then hands over to `hold_if_stopping` instead of putting default handlers back (a
+    second SIGTERM in that instant killed `compare` by the raw signal, status -15: issue 38 item 6)."""
+    global _stopping
+    _stopping = True
 
 
 def hold_if_stopping() -> None:

@@ -52,6 +52,20 @@ class Command:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=WAIT_S)
 
+    def terminate_repeatedly(self, every_s: float = 0.1, for_s: float = 3.0) -> int:
+        """SIGTERM, then another every `every_s` while it runs, for `for_s` (schedulers follow up;
+        the cleanup's timing varies with the machine's load, so one second signal at a fixed
+        delay may miss it)."""
+        import time
+
+        self.proc.send_signal(signal.SIGTERM)
+        for _ in range(int(for_s / every_s)):
+            time.sleep(every_s)
+            if self.proc.poll() is not None:
+                break
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=WAIT_S)
+
     def interrupt(self) -> int:
         os.killpg(self.proc.pid, signal.SIGINT)
         return self.proc.wait(timeout=WAIT_S)

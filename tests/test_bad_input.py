@@ -186,3 +186,90 @@ def test_uri_passwords_are_redacted_in_params_and_config_yaml(tmp_path):
     assert "hunter2" not in text and "bob:***@db.example" in text
     assert redact("https://tok123@mlflow.example") == "https://***@mlflow.example"
     assert redact("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"
+
+
+# ---- issue 38, items 7 and 9: the last tracebacks and silent accepts of the command line ----------
+@pytest.mark.parametrize("args, needles", [
+    (["tune.heartbeat=1e12"], ("tune.heartbeat=", "[0, 86400]")),
+    (["tune.grace_period=1e15"], ("tune.grace_period=", "[1, 604800]")),
+    (["tune.space.policy.T=a,b"], ("tune.space.policy.T=", "policy.T='a'", "must be an integer")),
+    (["tune.space.policy.T=1.5:8"], ("tune.space.policy.T=1.5:8", "policy.T=1.5", "must be an integer")),
+    (["tune.storage=journal:/nonexistent-38/dir/j.log"], ("tune.storage=journal:/nonexistent-38/dir/j.log",
+                                                          "/nonexistent-38/dir does not exist")),
+])
+def test_tune_settings_that_crashed_or_were_taken(tmp_path, capsys, args, needles):
+    code = main(["tune", f"output.dir={tmp_path}", *QUICK, "tune.trials=1", *args])
+    _one_error_line(capsys, code, *needles)
+    assert not Path("/nonexistent-38").exists()
+    assert not (tmp_path / "optuna.db").exists()  # refused before any study was made
+
+
+@pytest.mark.parametrize("uri", ["postgresql://lab:pw@127.0.0.1:1/optuna", "postgresql://lab@no-such-host.invalid/db",
+                                 "postgresql://"])
+def test_tune_with_an_unreachable_postgres_is_one_line(tmp_path, capsys, uri):
+    pytest.importorskip("psycopg")
+    code = main(["tune", f"output.dir={tmp_path}", *QUICK, "tune.trials=1", f"tune.storage={uri}"])
+    err = _one_error_line(capsys, code, "cannot reach tune.storage=postgresql://", "is the server running")
+    assert "pw" not in err
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["workload.input_mean=9e18"], ("workload.input_mean=9e+18", "<= 2147483647")),
+    (["workload.output_dist=uniform", "workload.output_max=1e10"], ("workload.output_max=", "<= 2147483647")),
+])
+def test_synthetic_lengths_that_are_no_token_counts(tmp_path, capsys, args, needles):
+    _one_error_line(capsys, _run(tmp_path, *args), *needles)
+
+
+def test_a_run_whose_requests_all_failed_says_so(tmp_path, capsys):
+    code = _run(tmp_path, "workload.input_mean=1000000000", "workload.num_requests=3")
+    cap = capsys.readouterr()
+    out = cap.out + cap.err
+    assert code == 0
+    assert "warning: 3 of 3 requests failed: needs" in " ".join(out.split()), out
+
+
+def test_azure_token_counts_past_the_token_range_are_refused(tmp_path, capsys):
+    trace = tmp_path / "AzureLLMInferenceTrace_conv.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     f"2023-11-16 18:15:46.6805900,{2**62},10\n")
+    code = _run(tmp_path, "workload=azure", f"workload.path={trace}", "workload.num_requests=1")
+    _one_error_line(capsys, code, "line 2", f"ContextTokens='{2**62}'", "[0, 2147483647]")
+
+
+@pytest.mark.parametrize("command", [["capacity", "--base-url", "http://127.0.0.1:9"],
+                                     ["bench", "serve", "--base-url", "http://127.0.0.1:9"]])
+def test_a_vocabulary_of_zero_is_refused(tmp_path, capsys, command):
+    code = main([*command, "--vocab-size", "0", f"output.dir={tmp_path}"])
+    _one_error_line(capsys, code, "--vocab-size 0", ">= 1")
+
+
+def test_tune_against_an_mlflow_server_that_refuses_the_host_name_stops_before_the_study(tmp_path, capsys):
+    """MLflow 3's server answers 403 "Invalid Host header" outside `--allowed-hosts`: tune found out
+    from a 46-line traceback after its study was created (issue 38 item 7). A stand-in server answers
+    as MLflow's does."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class RefusesHost(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"Invalid Host header - possible DNS rebinding attack detected"
+            self.send_response(403)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), RefusesHost)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        code = main(["tune", f"output.dir={tmp_path}", "workload=synthetic", "workload.num_requests=20",
+                     "output.plots=false", "output.progress=false", "tune.trials=1",
+                     f"output.tracking_uri=http://127.0.0.1:{port}"])
+    finally:
+        server.shutdown()
+    _one_error_line(capsys, code, "403 Invalid Host header", f"--allowed-hosts 127.0.0.1:{port}")
+    assert not (tmp_path / "optuna.db").exists()

@@ -27,9 +27,9 @@ pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 120.0  # bound of each wait (a hang fails loudly; no duration is asserted)
 RUN = ["executor=torch", "executor.launch=external", "model=tiny-llama", "parallel.pp=2", "kv.num_blocks=256",
-       "workload=synthetic", "workload.num_requests=3", "workload.arrival=offline", "output.mlflow=false",
+       "workload=synthetic", "workload.arrival=offline", "output.mlflow=false",
        "output.plots=false", "output.progress=false", "executor.start_timeout_s=90", "executor.stage_timeout_s=60"]
-
+THREE = ("workload.num_requests=3",)
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -59,8 +59,9 @@ class Pipeline:
         self.driver_dir.mkdir(parents=True)
 
     def driver(self, *extra: str) -> subprocess.Popen:
+        """The driver's run: 3 requests unless `extra` sets the workload's size."""
         cmd = [sys.executable, "-m", "testbed.cli", "run", *RUN, f"executor.zmq_port={self.zmq_port}",
-               f"executor.master_port={self.master_port}", "output.dir=runs", *extra]
+               f"executor.master_port={self.master_port}", "output.dir=runs", *(extra or THREE)]
         return subprocess.Popen(cmd, cwd=self.driver_dir, env=self.env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
@@ -157,3 +158,47 @@ def test_socket_interfaces_come_from_the_host_then_the_config_then_loopback():
     assert TorchSettings(socket_ifname="eth0,eth1").socket_ifname == "eth0,eth1"
     with pytest.raises(ConfigError, match="executor.socket_ifname"):
         TorchSettings(socket_ifname="eth0; rm")
+
+
+def test_a_stage_started_by_hand_for_a_driver_that_never_comes_gives_up(tmp_path):
+    """Its hello sat in a queue and the stage waited silently (issue 38 item 11): now one line
+    and exit 69 after --wait-driver-s."""
+    from engine.torch_exec.driver_watch import EXIT_NO_DRIVER
+
+    port = _free_port()  # nobody listens there
+    env = {**os.environ, "TESTBED_STAGE_SECRET": secrets.token_hex(32), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "engine.torch_exec.worker", "--driver", f"tcp://127.0.0.1:{port}",
+                             "--stage", "1", "--wait-driver-s", "2"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code, err = _finish(proc)
+    assert code == EXIT_NO_DRIVER, err[-2000:]
+    assert f"stage 1: no driver at tcp://127.0.0.1:{port} within --wait-driver-s=2 s" in err
+    assert "Traceback" not in err
+
+
+def test_a_dead_external_stage_is_the_one_blamed(tmp_path):
+    """The driver cannot watch stages started by hand: when stage 1 died, stage 0's failed send
+    was reported as the cause ("stage 0 failed: ... Connection closed by peer"; issue 38 item 11).
+    The driver now pings the stages that reported nothing; the silent one is named."""
+    import time
+
+    import psutil
+
+    pipe = Pipeline(tmp_path)
+    driver = pipe.driver("workload.num_requests=3000", "workload.output_mean=128")
+    stages = [pipe.stage(s, f"dead-stage{s}") for s in range(2)]
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:  # serving: start-up (torch, the weights) takes ~5 s of its CPU
+        cpu = psutil.Process(stages[1].pid).cpu_times()
+        if cpu.user + cpu.system > 8.0:
+            break
+        time.sleep(0.5)
+    stages[1].kill()
+    code, err = _finish(driver)
+    for p in stages:
+        _finish(p)
+    text = " ".join(err.split())  # the console wraps long lines
+    assert code not in (0, None), err[-3000:]
+    assert "run failed: stage 1 (host " in text and "stopped answering while the run was in progress" in text, \
+        err[-3000:]
+    assert "Traceback" not in text

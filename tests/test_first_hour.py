@@ -95,3 +95,21 @@ def test_test_command_keeps_its_summary_with_q_and_counts_as_it_goes():
     lines = proc.stdout.strip().splitlines()
     passed = re.search(r"(\d+) passed", lines[-1])
     assert passed and f"/{passed.group(1)}]" in proc.stdout, proc.stdout  # counts as it goes: [n/N]
+
+
+def test_the_multi_host_recipe_installs_what_it_runs():
+    """docs/beyond-one-machine.md ran `optuna-dashboard` after installing only the postgres extra,
+    and its `mlflow server` refused workers that name it by host name (MLflow 3 needs
+    `--allowed-hosts`): issue 38 item 11 and item 7."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    text = (REPO / "docs" / "beyond-one-machine.md").read_text()
+    installed: set[str] = set()
+    for line in text.splitlines():
+        for group in re.findall(r"pip install -e '\.\[([a-z,]+)\]'", line):
+            installed.update(dep for extra in group.split(",") for dep in extras[extra])
+        if line.startswith("optuna-dashboard "):
+            assert any(dep.startswith("optuna-dashboard") for dep in installed), line
+    server = text[text.index("mlflow server --backend-store-uri"):]
+    assert "--allowed-hosts" in server[:server.index("```")]

@@ -276,6 +276,67 @@ def test_calibrate_tables_bad_input_is_one_error_line(tables_dir, capsys):
     assert "valid models: Held-Out-13b, Llama-2-70b-hf, Llama-2-7b-hf" in capsys.readouterr().err
 
 
+def _edit_csv(path: Path, edit) -> None:
+    import csv
+
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    edit(rows)
+    with path.open("w", newline="") as f:
+        csv.writer(f).writerows(rows)
+
+
+def _set_cell(column: str, value: str):
+    def edit(rows):
+        rows[3][rows[0].index(column)] = value
+    return edit
+
+
+MLP_7B = "compute/a100/org/Llama-2-7b-hf/mlp.csv"  # under the fixture's gpu-op-profiles/
+SEND_RECV = "network/a100_testbox/send_recv.csv"
+
+
+@pytest.mark.parametrize("table, edit, words", [
+    (MLP_7B, _set_cell("time_stats.attn_pre_proj.median", "nan"), "line 4: invalid time_stats.attn_pre_proj.median='nan'"),
+    (MLP_7B, _set_cell("time_stats.attn_pre_proj.median", "inf"), "line 4: invalid time_stats.attn_pre_proj.median='inf'"),
+    (SEND_RECV, _set_cell("time_stats.send_recv.median", "0"), "line 4: invalid time_stats.send_recv.median='0'"),
+    (SEND_RECV, lambda rows: rows[0].__setitem__(rows[0].index("num_workers"), "n_workers"),
+     "has no column(s) num_workers"),
+    (MLP_7B, lambda rows: rows[0].__setitem__(rows[0].index("num_tokens"), "tokens"), "has no column(s) num_tokens"),
+])
+def test_tables_with_broken_cells_or_other_columns_are_one_error_line(tables_dir, tmp_path, capsys, table, edit,
+                                                                      words):
+    """nan/0 cells ended in "Residuals are not finite" from the fit, other network columns in a
+    KeyError, inf was fitted silently (issue 38 item 7)."""
+    import shutil
+
+    from testbed.cli import main
+
+    root = tmp_path / "gpu-op-profiles"
+    shutil.copytree(tables_dir, root)
+    _edit_csv(root / table, edit)
+    assert main(["calibrate", "tables", str(root), "--device", "a100", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    assert words in err and table in err, err
+
+
+def test_tables_without_network_or_an_op_column_are_reported_with_a_warning(tables_dir, tmp_path, capsys):
+    import shutil
+
+    from testbed.cli import main
+
+    root = tmp_path / "gpu-op-profiles"
+    shutil.copytree(tables_dir, root)
+    shutil.rmtree(root / "network")
+    _edit_csv(root / MLP_7B, lambda rows: [r.pop(rows[0].index("time_stats.mlp_act.median")) for r in rows[::-1]])
+    assert main(["calibrate", "tables", str(root), "--device", "a100", "--out", str(tmp_path / "out")]) == 0
+    cap = capsys.readouterr()
+    out = " ".join((cap.out + cap.err).split())
+    assert "warning: a100: no network tables" in out and "links are not fitted" in out, out
+    assert "warning: a100: Llama-2-7b-hf/mlp.csv has no column time_stats.mlp_act.median (act not measured)" in out
+
+
 def test_summary_names_the_cost_profile(tmp_path):
     from testbed.cli import main
 

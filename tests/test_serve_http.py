@@ -6,6 +6,7 @@ a string `code`. The paced simulator serves (no torch)."""
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -114,24 +115,24 @@ def test_limits_are_validated():
         ServeSettings(header_timeout_s=0)
 
 
-def test_requests_cut_at_shutdown_make_the_mlflow_run_killed(tmp_path):
-    """docs/serving.md: KILLED when requests had to be aborted at shutdown (they were recorded
-    FINISHED: uvicorn cancels the open handlers first, so none looked open any more)."""
+def _stream_through_shutdown(srv) -> list[str]:
+    """Stream a long reply, shut the server down once it flows; the stream's non-empty lines
+    (a transport error is an entry of its own)."""
     import threading
 
-    from mlflow.tracking import MlflowClient
-
-    srv = _server(tmp_path, "serve.time_scale=1", "serve.drain_timeout_s=0.5", mlflow=True)
+    lines: list[str] = []
     first = threading.Event()
 
     def stream():
         body = {"prompt": [1] * 16, "max_tokens": 5000, "stream": True}
         try:
             with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=60) as r:
-                for _ in r.iter_lines():
-                    first.set()
-        except httpx.HTTPError:
-            pass
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first.set()
+        except httpx.HTTPError as exc:
+            lines.append(f"transport error: {exc!r}")
         first.set()
 
     reader = threading.Thread(target=stream)
@@ -139,7 +140,87 @@ def test_requests_cut_at_shutdown_make_the_mlflow_run_killed(tmp_path):
     assert first.wait(60)
     srv.shutdown()
     reader.join(60)
+    return lines
+
+
+def test_requests_cut_at_shutdown_make_the_mlflow_run_killed(tmp_path):
+    """docs/serving.md: KILLED when requests had to be aborted at shutdown (they were recorded
+    FINISHED: uvicorn cancels the open handlers first, so none looked open any more)."""
+    from mlflow.tracking import MlflowClient
+
+    srv = _server(tmp_path, "serve.time_scale=1", "serve.drain_timeout_s=0.5", mlflow=True)
+    _stream_through_shutdown(srv)
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name("testbed").experiment_id])[0]
     assert run.info.status == "KILLED"
     assert run.data.metrics["num_finished"] == 0
+
+
+# ---- issue 38, items 8 to 10 --------------------------------------------------------------------
+@pytest.mark.parametrize("raw, words", [
+    (b'{"prompt": "' + b"7" * 4301 + b'", "max_tokens": 2}', "4301 digits"),
+    (b'{"prompt": [1, 2], "max_tokens": 2, "stop_token_ids": [18446744073709551616]}', "stop_token_ids"),
+    (b'{"prompt": [1, 2], "max_tokens": 2, "stop_token_ids": [-1]}', "stop_token_ids"),
+    (b'{"prompt": [1, 2], "max_tokens": 2, "stop_token_ids": [40000000]}', "stop token id 40000000"),
+    (b'{"prompt": [1, 2], "max_tokens": 2, "stream": "yes"}', "stream"),
+    (b'{"prompt": [1, 2], "max_tokens": 2, "ignore_eos": "no"}', "ignore_eos"),
+    (b'{"prompt": [true, false], "max_tokens": 2}', "prompt"),
+    (b'{"prompt": true, "max_tokens": 2}', "prompt"),
+])
+def test_values_that_were_a_500_or_silently_coerced_are_a_400(server, raw, words):
+    _assert_openai_error(_post(server, raw), 400, words)
+
+
+def test_a_body_drip_fed_within_the_gap_limit_is_still_cut(server):
+    """serve.body_timeout_s bounds the whole body: one byte every 0.2 s never tripped a 0.5 s gap limit."""
+    body = b'{"prompt": [1, 2], "max_tokens": 2}'
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(head)
+        try:
+            for i in range(len(body)):
+                s.sendall(body[i:i + 1])
+                time.sleep(0.2)
+        except OSError:
+            pass  # closed by the server after its 408
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except OSError:
+            pass
+    assert got.startswith(b"HTTP/1.1 408") and b"serve.body_timeout_s" in got, got[:200]
+
+
+def test_one_address_holds_at_most_max_connections_per_client(tmp_path):
+    srv = _server(tmp_path, "serve.time_scale=50", "serve.max_connections_per_client=2")
+    try:
+        held = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(2)]
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as third:
+            reply = b""
+            while chunk := third.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 429") and b"serve.max_connections_per_client=2" in reply, reply
+        held.pop().close()
+        deadline = time.monotonic() + 10
+        while True:  # the server sees the close a moment later
+            r = _post(srv, b'{"prompt": [1, 2], "max_tokens": 2}')
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+        for s in held:
+            s.close()
+    finally:
+        srv.shutdown()
+
+
+def test_streams_cut_at_shutdown_end_with_an_error_event_and_done(tmp_path, capfd):
+    """After serve.drain_timeout_s the open streams get an error event and `[DONE]`; uvicorn
+    cancelled them mid-body before (no event, no [DONE], one console traceback each)."""
+    srv = _server(tmp_path, "serve.time_scale=1", "serve.drain_timeout_s=0.5")
+    lines = _stream_through_shutdown(srv)
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert '"code":"service_unavailable"' in lines[-2] and "shutting down" in lines[-2], lines[-3:]
+    assert "Traceback" not in capfd.readouterr().err

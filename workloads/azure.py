@@ -26,7 +26,7 @@ from engine.errors import ConfigError, TestbedError, bad_value
 from engine.request import Request
 from engine.typed import setting
 from workloads.arrivals import MAX_RATE, MIN_RATE
-from workloads.base import WORKLOADS, WorkloadSpec, check_range, check_types, key, make_requests
+from workloads.base import MAX_TOKENS, WORKLOADS, WorkloadSpec, check_range, check_types, key, make_requests
 from workloads.data import resolve_data_file
 
 TRACE_FILES = {"conv": "azure/AzureLLMInferenceTrace_conv.csv", "code": "azure/AzureLLMInferenceTrace_code.csv"}
@@ -123,14 +123,14 @@ def _token_column(path: str, lines: list[int], raw: list[str], column: str) -> n
     for i, (line, text) in enumerate(zip(lines, raw)):
         value = _whole_number(text.strip())
         if value is None:
-            _bad(path, line, column, text, "a whole number >= 0")
+            _bad(path, line, column, text, f"a whole number in [0, {MAX_TOKENS}]")
         out[i] = value
     return out
 
 
 def _whole_number(text: str) -> int | None:
     """`text` as an int >= 0 when it is one ("12", "12.0", "1.2e3"); None for blanks, words,
-    fractions, negatives, infinities and values past 2**62."""
+    fractions, negatives, infinities and counts past MAX_TOKENS."""
     if text.isascii() and text.isdigit():
         value = int(text)
     else:
@@ -141,7 +141,7 @@ def _whole_number(text: str) -> int | None:
         if not number.is_integer():  # also NaN and infinities
             return None
         value = int(number)
-    return value if 0 <= value <= 2 ** 62 else None
+    return value if 0 <= value <= MAX_TOKENS else None
 
 
 def _bad(path: str, line: int, column: str, value: str, expected: str) -> None:

@@ -18,6 +18,10 @@ from engine.registry import Registry
 from engine.request import Request
 
 PREFIX = "workload"  # config keys are reported as workload.<field>, as in the Hydra config
+# Tokens in one prompt or one reply, at most: larger counts are not token counts (no model has
+# such a context) and overflow the int64 sums of a run (a synthetic input_mean=9e18 ran with every
+# request failed, an Azure row of 2**62 tokens was read as is: issue 38 item 9).
+MAX_TOKENS = 2**31 - 1
 
 
 class WorkloadSpec(NamedTuple):

@@ -25,11 +25,10 @@ from engine.errors import TestbedError, bad_value
 from engine.request import Request
 from engine.typed import setting
 from workloads.arrivals import ARRIVAL_PROCESSES, MAX_RATE, MIN_RATE, arrival_times, check_arrival
-from workloads.base import WORKLOADS, WorkloadSpec, check_range, check_types, key, make_requests
+from workloads.base import MAX_TOKENS, WORKLOADS, WorkloadSpec, check_range, check_types, key, make_requests
 from workloads.data import SHAREGPT_PAIRS, resolve_data_file
 
 TOKENIZERS = {"llama3": ("input_tokens", "output_tokens", 1), "qwen3": ("input_tokens_qwen3", "output_tokens_qwen3", 0)}
-MAX_COUNT = 2**31 - 1  # tokens in one prompt or reply; larger counts are not token counts (and overflow int64)
 FIELDS = ("id", "prompt", "input_tokens", "output_tokens", "input_tokens_qwen3", "output_tokens_qwen3")
 
 
@@ -108,8 +107,8 @@ def _record(path: str, lineno: int, line: str) -> dict:
     for f in FIELDS[2:]:
         v = rec[f]
         ok = isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
-        if not ok or not 0 <= v <= MAX_COUNT:
-            raise TestbedError(f"{where}: invalid {f}={v!r}: must be a whole number in [0, {MAX_COUNT}]")
+        if not ok or not 0 <= v <= MAX_TOKENS:
+            raise TestbedError(f"{where}: invalid {f}={v!r}: must be a whole number in [0, {MAX_TOKENS}]")
         rec[f] = int(v)
     return rec
 

@@ -24,7 +24,7 @@ from engine.errors import ConfigError, bad_value
 from engine.request import Request
 from engine.typed import setting
 from workloads.arrivals import ARRIVAL_PROCESSES, MAX_RATE, MIN_RATE, arrival_times, check_arrival
-from workloads.base import WORKLOADS, WorkloadSpec, check_min, check_range, check_types, key, make_requests
+from workloads.base import MAX_TOKENS, WORKLOADS, WorkloadSpec, check_min, check_range, check_types, key, make_requests
 
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")
 MIN_ACCEPT = 1e-3  # lognormal bounds must keep at least this fraction of draws
@@ -36,14 +36,14 @@ class SyntheticConfig:
     name: str = "synthetic"
     num_requests: int = setting(1000, min=1, max=MAX_REQUESTS)
     input_dist: str = setting("fixed", choices=LENGTH_DISTS)
-    input_mean: float = 512
-    input_min: int = 1
-    input_max: int | None = None  # None = no upper bound (not allowed for uniform)
+    input_mean: float = setting(512, max=MAX_TOKENS)
+    input_min: int = setting(1, max=MAX_TOKENS)
+    input_max: int | None = setting(None, max=MAX_TOKENS)  # None = no upper bound (not allowed for uniform)
     input_sigma: float = 1.0  # lognormal only: sigma of the underlying normal
     output_dist: str = setting("fixed", choices=LENGTH_DISTS)
-    output_mean: float = 128
-    output_min: int = 1
-    output_max: int | None = None
+    output_mean: float = setting(128, max=MAX_TOKENS)
+    output_min: int = setting(1, max=MAX_TOKENS)
+    output_max: int | None = setting(None, max=MAX_TOKENS)
     output_sigma: float = 1.0
     arrival: str = setting("poisson", choices=ARRIVAL_PROCESSES)
     rate: float | None = setting(4.0, min=MIN_RATE, max=MAX_RATE)  # req/s; required > 0 unless offline

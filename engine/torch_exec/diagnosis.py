@@ -5,6 +5,8 @@ processes, the control socket, the in-flight micro-batches and which stage finis
 
 - A stage process that died without a word (a signal, `os._exit`) is the root cause: its
   neighbours' communication fails next and they report errors that are only consequences.
+- Stages started by hand have no process here: when a report says a peer's connection closed,
+  the stages that reported nothing are pinged, and one that does not answer is named.
 - Otherwise the earliest error report (stage clocks mapped onto the driver's) names the stage.
   A stage that reported its exception exits with `REPORTED_EXIT`, which is not a silent death.
 - No progress for `executor.stage_timeout_s` with work in flight: the first stage that has not
@@ -20,6 +22,8 @@ from engine.errors import RunFailedError
 from engine.torch_exec import wire
 
 REPORTED_EXIT = 70  # exit code of a stage that reported its exception (EX_SOFTWARE; worker.py)
+LOST_PEER = "Connection closed by peer"  # gloo's words when the stage at the other end is gone
+PING_S = 2.0  # how long a stage started by hand has to answer before it is taken for dead
 
 
 class FailureDiagnosis:
@@ -65,6 +69,15 @@ class FailureDiagnosis:
                 if isinstance(msg, wire.StageError):
                     errors.setdefault(msg.stage, msg)
         root = min(errors.values(), key=lambda e: e.clock - self._offsets[e.stage])
+        if not silent and not self._procs and LOST_PEER in root.text:
+            silent = self._unanswering(set(errors))
+        if silent and isinstance(silent[0], int):  # external stages: no process to read an exit code from
+            s = silent[0]
+            info = self.stage_info[s] if s < len(self.stage_info) else {}
+            first = root.text.strip().splitlines()[0] if root.text.strip() else "error"
+            self._fail(f"stage {s} (host {info.get('host', '?')}, pid {info.get('pid', '?')}) stopped answering "
+                       f"while the run was in progress (its process died or its host is unreachable); then stage "
+                       f"{root.stage} lost it: {first}")
         if silent:
             s, p = silent[0]
             sig = -p.exitcode if p.exitcode < 0 else None
@@ -73,6 +86,24 @@ class FailureDiagnosis:
             self._fail(f"stage {s} (pid {p.pid}) {how} while the run was in progress; "
                        f"then stage {root.stage} failed: {first}")
         self._fail(f"stage {root.stage} failed: {root.text.strip()}")
+
+    def _unanswering(self, reported: set[int]) -> list[int]:
+        """Stages started by hand that do not answer a ping within PING_S: the driver has no
+        process of theirs to watch, and the neighbour that lost one reported the error first,
+        so the dead stage went unnamed (issue 38 item 11)."""
+        import zmq
+
+        others = [s for s in range(self.pipeline_depth) if s not in reported]
+        answered: set[int] = set()
+        for s in list(others):
+            try:
+                self._send(s, wire.Ping())
+            except zmq.ZMQError:  # its connection is gone already (the control socket is mandatory-routing)
+                return [s]
+        deadline = time.monotonic() + PING_S
+        while time.monotonic() < deadline and len(answered) < len(others):
+            answered |= {m.stage for m in self._drain(0.05) if isinstance(m, wire.Pong)}
+        return [s for s in others if s not in answered]
 
     def _hang_message(self) -> str:
         oldest = self._inflight[0]

@@ -39,6 +39,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections import deque
@@ -47,6 +48,7 @@ from engine.torch_exec import wire
 from engine.torch_exec.diagnosis import REPORTED_EXIT
 from engine.torch_exec.linked import LinkedStage
 from engine.torch_exec.lane import ACTIVE_WINDOW_S, POLL_SLICE_S, Lane, LaneClosed, StageLine, Stopped
+from engine.torch_exec.driver_watch import WAIT_DRIVER_S, wait_for_driver, watch_driver
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
 from engine.torch_exec.tables import StageLaunch, StageTables
 from engine.torch_exec.timing import timer_for
@@ -57,9 +59,9 @@ log = logging.getLogger(__name__)
 
 
 def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secret: bytes | None = None,
-               run: str = "", lane=None) -> None:
-    """Entry point of a stage process (spawned by the driver, or run by hand). `lane`: a spawned
-    stage's end of its socketpair to the driver (lane.py), used from `Ready` on."""
+               run: str = "", lane=None, wait_driver_s: float = WAIT_DRIVER_S) -> None:
+    """Entry point of a stage process (spawned by the driver, or run by hand: then `wait_driver_s`).
+    `lane`: a spawned stage's end of its socketpair to the driver (lane.py), used from `Ready` on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
     secret = secret or wire.secret_from_env()
@@ -73,13 +75,13 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
     sock = ctx.socket(zmq.DEALER)  # no chosen identity: the driver binds "stage<i>" to this connection
     sock.setsockopt(zmq.LINGER, 2000)
     if parent_pid is None:  # started by hand: no parent to die with, so end when the driver goes
-        from engine.torch_exec.driver_watch import watch_driver
-
-        watch_driver(sock, stage, driver_addr)
+        connected = watch_driver(sock, stage, driver_addr)
     sock.connect(driver_addr)
     code, st = 0, None
     try:
         sock.send(codec.encode(wire.Hello(stage, socket.gethostname(), os.getpid())))
+        if parent_pid is None:
+            wait_for_driver(connected, stage, driver_addr, wait_driver_s)
         st = _Stage(sock, codec, stage, parent_pid, secret, Lane(lane) if lane is not None else None)
         st.run()
     except Stopped:
@@ -87,6 +89,8 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
     except BaseException as exc:  # report, then exit non-zero
         code = REPORTED_EXIT
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
+        if parent_pid is None:  # started by hand: its own terminal is where it is read
+            print(f"stage {stage}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         try:
             sock.send(codec.encode(wire.StageError(stage, text, time.perf_counter())), zmq.NOBLOCK)
         except Exception:
@@ -488,8 +492,9 @@ def main(argv: list[str] | None = None) -> None:
                                              f"(the run's secret in {wire.SECRET_ENV} or {wire.SECRET_FILE_ENV}).")
     ap.add_argument("--driver", required=True, help="the driver's control address, tcp://HOST:PORT")
     ap.add_argument("--stage", type=int, required=True, help="this stage's index, 0..P-1")
+    ap.add_argument("--wait-driver-s", type=float, default=WAIT_DRIVER_S, help="seconds to wait for the driver")
     args = ap.parse_args(argv)
-    stage_main(args.driver, args.stage, None)
+    stage_main(args.driver, args.stage, None, wait_driver_s=args.wait_driver_s)
 
 
 if __name__ == "__main__":

@@ -395,11 +395,19 @@ def add_client_arguments(parser, required: bool) -> None:
     parser.add_argument("--label", default="served", help="the run's name; its policy tag when the server names no policy (default: served)")
 
 
+def check_client_arguments(args) -> None:
+    """The numeric client options, each one `error:` line (a vocabulary of 0 ended in numpy's
+    "high <= 0" traceback inside the first probe: issue 38 item 7)."""
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ConfigError(f"invalid --max-concurrency {args.max_concurrency}: must be >= 1")
+    if args.vocab_size < 1:
+        raise ConfigError(f"invalid --vocab-size {args.vocab_size}: must be >= 1 (the range of derived prompt token ids)")
+
+
 def cli_bench_serve(args, console) -> int:
     from rich.table import Table
 
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ConfigError(f"invalid --max-concurrency {args.max_concurrency}: must be >= 1")
+    check_client_arguments(args)
     result, run_dir = run_bench_serve(args.base_url, list(args.overrides), endpoint=args.endpoint, model=args.model,
                                       time_scale=args.time_scale, vocab=args.vocab_size,
                                       max_concurrency=args.max_concurrency, label=args.label, console=console)

@@ -22,6 +22,7 @@ Each table's `meta` holds the layer shape (`hidden`, `q_heads`, `kv_heads`, `int
 from __future__ import annotations
 
 import csv
+import math
 import re
 import statistics
 from collections import defaultdict
@@ -38,6 +39,7 @@ DEVICES = ("a100", "h100", "a40")
 _MLP_OPS = {"attn_pre_proj": "gemm_qkv", "attn_post_proj": "gemm_o", "mlp_up_proj": "gemm_up",
             "mlp_down_proj": "gemm_down", "input_layernorm": "norm", "post_attention_layernorm": "norm",
             "attn_rope": "rope", "mlp_act": "act", "add": "add", "emb": "emb"}
+_MLP_SHAPE = ("n_embd", "n_head", "n_kv_head", "n_expanded_embd", "vocab_size", "use_gated_mlp")
 _HOST_OPS = {"prepare_inputs_e2e": "prepare", "sampler_e2e": "sample", "schedule": "schedule"}
 # The host tables' decode steps ran 256-token prompts (their README); the context is recorded for
 # completeness, the host cost model does not depend on it.
@@ -71,55 +73,94 @@ def shape_meta(hidden: int, q_heads: int, kv_heads: int, intermediate: int = 0, 
             "hidden_act": "silu" if gated else "gelu_new"}
 
 
-def _ms(value: str) -> float:
-    return float(value) * 1e-3
+def _ms(value: str, path: Path, line: int, column: str) -> float:
+    """A table's time in ms -> seconds. A cell that is no finite time > 0 is an error naming the
+    file, line and column: nan or 0 ended in "Residuals are not finite" from the fit, inf was fitted
+    silently (issue 38 item 7)."""
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not (math.isfinite(ms) and ms > 0):
+        raise ConfigError(f"{path} line {line}: invalid {column}={value!r}: must be a time in ms > 0 (finite)")
+    return ms * 1e-3
 
 
-def _rows(path: Path) -> list[dict[str, str]]:
+def _int(value: str, path: Path, line: int, column: str) -> int:
+    try:
+        return int(float(value))
+    except (ValueError, OverflowError):
+        raise ConfigError(f"{path} line {line}: invalid {column}={value!r}: must be a whole number") from None
+
+
+def _rows(path: Path, required: tuple[str, ...] = ()) -> list[tuple[int, dict[str, str]]]:
+    """(line number, record) of a CSV table whose header has every `required` column (a table
+    with other columns was a KeyError traceback: issue 38 item 7)."""
     try:
         with path.open(newline="") as f:
-            return list(csv.DictReader(f))
+            reader = csv.DictReader(f)
+            header = [c for c in (reader.fieldnames or []) if c]
+            missing = [c for c in required if c not in header]
+            if missing:
+                raise ConfigError(f"{path} has no column(s) {', '.join(missing)}; its header: {', '.join(header)}")
+            return [(reader.line_num, rec) for rec in reader]
     except (OSError, csv.Error, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from None
 
 
 def read_mlp(path: Path, device: str) -> ProfileTable:
     """One model's `mlp.csv` -> operator rows for every token count and TP degree."""
-    recs = _rows(path)
+    recs = _rows(path, _MLP_SHAPE + ("num_tokens", "num_tensor_parallel_workers"))
     if not recs:
         raise ConfigError(f"{path}: no rows")
-    first = recs[0]
+    line, first = recs[0]
+    shape = [_int(first[c], path, line, c) for c in _MLP_SHAPE[:-1]]
     meta = {"device": device, "model": path.parent.name, "source": str(path),
-            **shape_meta(int(first["n_embd"]), int(first["n_head"]), int(first["n_kv_head"]),
-                         int(first["n_expanded_embd"]), int(first["vocab_size"]),
-                         first["use_gated_mlp"].strip().lower() == "true")}
+            **shape_meta(*shape, first["use_gated_mlp"].strip().lower() == "true")}
     rows = []
-    for rec in recs:
-        tokens, tp = int(rec["num_tokens"]), int(rec["num_tensor_parallel_workers"])
+    for line, rec in recs:
+        tokens = _int(rec["num_tokens"], path, line, "num_tokens")
+        tp = _int(rec["num_tensor_parallel_workers"], path, line, "num_tensor_parallel_workers")
         for column, op in _MLP_OPS.items():
-            value = rec.get(f"time_stats.{column}.median")
+            name = f"time_stats.{column}.median"
+            value = rec.get(name)
             if value:
-                rows.append(ProfileRow(op, None, "", 0, tokens, 0, 0, 0, _ms(value), tp=tp))
+                rows.append(ProfileRow(op, None, "", 0, tokens, 0, 0, 0, _ms(value, path, line, name), tp=tp))
     return ProfileTable(rows, meta)
+
+
+def missing_ops(path: Path) -> list[str]:
+    """What a model's `mlp.csv` does not measure (phi-2 has no post_attention_layernorm; a table
+    without a GEMM column loses its linear rows): said, not passed over in silence."""
+    with path.open(newline="") as f:
+        header = next(csv.reader(f), [])
+    return [f"{path.parent.name}/mlp.csv has no column time_stats.{c}.median ({op} not measured)"
+            for c, op in _MLP_OPS.items() if f"time_stats.{c}.median" not in header]
 
 
 def read_attention_csv(path: Path, device: str) -> ProfileTable:
     """A complete attention table: decode rows (batch x KV length) and prefill rows (chunk x prefix)."""
-    recs = _rows(path)
+    recs = _rows(path, ("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers", "is_prefill",
+                        "prefill_chunk_size", "kv_cache_size", "batch_size", "time_stats.attn_prefill.median",
+                        "time_stats.attn_decode.median"))
     if not recs:
         raise ConfigError(f"{path}: no rows")
-    first = recs[0]
+    line, first = recs[0]
     meta = {"device": device, "model": path.stem, "source": str(path), "backend": first.get("attention_backend", ""),
-            **shape_meta(int(first["n_embd"]), int(first["n_q_head"]), int(first["n_kv_head"]))}
+            **shape_meta(*(_int(first[c], path, line, c) for c in ("n_embd", "n_q_head", "n_kv_head")))}
     rows = []
-    for rec in recs:
-        tp = int(rec["num_tensor_parallel_workers"])
+    for line, rec in recs:
+        def num(c: str) -> int:
+            return _int(rec[c], path, line, c)
+
         if rec["is_prefill"].strip() == "True":
-            rows.append(ProfileRow("attn_prefill", None, "", 1, int(rec["prefill_chunk_size"]),
-                                   int(rec["kv_cache_size"]), 0, 0, _ms(rec["time_stats.attn_prefill.median"]), tp=tp))
+            t = _ms(rec["time_stats.attn_prefill.median"], path, line, "time_stats.attn_prefill.median")
+            rows.append(ProfileRow("attn_prefill", None, "", 1, num("prefill_chunk_size"), num("kv_cache_size"), 0, 0,
+                                   t, tp=num("num_tensor_parallel_workers")))
         else:
-            rows.append(ProfileRow("attn_decode", None, "", int(rec["batch_size"]), 0, 0, int(rec["kv_cache_size"]), 0,
-                                   _ms(rec["time_stats.attn_decode.median"]), tp=tp))
+            t = _ms(rec["time_stats.attn_decode.median"], path, line, "time_stats.attn_decode.median")
+            rows.append(ProfileRow("attn_decode", None, "", num("batch_size"), 0, 0, num("kv_cache_size"), 0, t,
+                                   tp=num("num_tensor_parallel_workers")))
     return ProfileTable(rows, meta)
 
 
@@ -159,26 +200,29 @@ def read_attention_samples(path: Path, device: str) -> tuple[ProfileTable | None
             continue
         if not backend_ok:
             continue
-        tp, size = int(parts[1]), int(parts[2])
+        tp, size = _int(parts[1], path, lineno, "tp"), _int(parts[2], path, lineno, "size")
         if parts[0] == "P" and len(parts) > 3:
-            rows.append(ProfileRow("kv_write", None, "", 1, size, 0, 0, 0, _ms(parts[3]), tp=tp))
+            rows.append(ProfileRow("kv_write", None, "", 1, size, 0, 0, 0, _ms(parts[3], path, lineno, "kv_write"),
+                                   tp=tp))
         for item in body.split():
             key, _, ms = item.partition(":")
+            n, t = _int(key, path, lineno, "key"), _ms(ms, path, lineno, f"{key}:")
             if parts[0] == "D":
-                rows.append(ProfileRow("attn_decode", None, "", int(key), 0, 0, size, 0, _ms(ms), tp=tp))
+                rows.append(ProfileRow("attn_decode", None, "", n, 0, 0, size, 0, t, tp=tp))
             else:
-                rows.append(ProfileRow("attn_prefill", None, "", 1, size, int(key), 0, 0, _ms(ms), tp=tp))
+                rows.append(ProfileRow("attn_prefill", None, "", 1, size, n, 0, 0, t, tp=tp))
     return (ProfileTable(rows, meta) if rows and meta else None), skipped
 
 
 def read_network(path: Path, setup: str) -> ProfileTable:
     """NCCL times: the median over ranks of each (GPUs, GPUs per node, size) point."""
-    recs = _rows(path)
     collective = path.stem  # send_recv or all_reduce
+    time_col = f"time_stats.{collective}.median"
+    recs = _rows(path, ("num_workers", "devices_per_node", "size", time_col))
     groups: dict[tuple[int, int, int], list[float]] = defaultdict(list)
-    for rec in recs:
-        key = (int(rec["num_workers"]), int(rec["devices_per_node"]), int(rec["size"]))
-        groups[key].append(_ms(rec[f"time_stats.{collective}.median"]))
+    for line, rec in recs:
+        key = tuple(_int(rec[c], path, line, c) for c in ("num_workers", "devices_per_node", "size"))
+        groups[key].append(_ms(rec[time_col], path, line, time_col))
     rows = [ProfileRow(collective, None, "", 0, 0, 0, 0, size, statistics.median(times), tp=nw,
                        link="node" if dpn >= nw else "cross-node")
             for (nw, dpn, size), times in sorted(groups.items())]
@@ -187,16 +231,19 @@ def read_network(path: Path, setup: str) -> ProfileTable:
 
 def read_host(path: Path) -> list[ProfileTable]:
     """Per-iteration host costs by batch size, one table per model (median columns, any case)."""
-    recs = _rows(path)
     by_model: dict[str, list[ProfileRow]] = defaultdict(list)
-    for rec in recs:
+    for line, rec in _rows(path):
         low = {k.lower(): v for k, v in rec.items() if k}
-        batch, tp = int(float(low["batch_size"])), int(float(low["tensor_parallel_degree"]))
+        missing = [c for c in ("model_name", "batch_size", "tensor_parallel_degree") if c not in low]
+        if missing:
+            raise ConfigError(f"{path} has no column(s) {', '.join(missing)}")
+        batch = _int(low["batch_size"], path, line, "batch_size")
+        tp = _int(low["tensor_parallel_degree"], path, line, "tensor_parallel_degree")
         for column, op in _HOST_OPS.items():
             value = low.get(f"{column}_median")
             if value:
-                by_model[low["model_name"]].append(
-                    ProfileRow(op, None, "decode", batch, 0, 0, _HOST_CONTEXT, 0, _ms(value), tp=tp))
+                by_model[low["model_name"]].append(ProfileRow(op, None, "decode", batch, 0, 0, _HOST_CONTEXT, 0,
+                                                              _ms(value, path, line, f"{column}_median"), tp=tp))
     return [ProfileTable(rows, {"model": model, "source": str(path)}) for model, rows in by_model.items()]
 
 
@@ -213,6 +260,7 @@ def read_published(data_dir: str | Path, device: str) -> PublishedTables:
     out = PublishedTables(device)
     for path in sorted((root / "compute" / device).glob("*/*/mlp.csv")):
         out.compute[path.parent.name] = read_mlp(path, device)
+        out.skipped += missing_ops(path)
     for path in sorted((root / "attention").glob(f"{device}-*.csv")):
         out.attention.append(read_attention_csv(path, device))
     for path in sorted((root / "attention_samples").glob(f"{device}_*.txt")):
@@ -226,6 +274,9 @@ def read_published(data_dir: str | Path, device: str) -> PublishedTables:
         out.host += read_host(path)
     if not out.compute:
         raise ConfigError(f"no compute tables for {device} under {root / 'compute' / device}")
+    if not out.network:
+        out.skipped.append(f"no network tables (network/{device}_*/send_recv.csv, all_reduce.csv): links are not "
+                           f"fitted, the hardware profile's own link figures stay")
     return out
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from rich.markup import escape
 
 from engine.costmodel import BatchShape, CostModel
 from engine.errors import ConfigError
@@ -384,6 +385,8 @@ def run_tables(directory: Path, devices: list[str], fit_models, out_dir: Path, s
         frames.append(error_frame(tables, fit, fitted, default).assign(device=device))
         console.print(f"[bold]{device}[/]: {tables.num_rows:,} rows read, fitted in the same pass; "
                       + ("; ".join(fit.notes) or "no extrapolation"))
+        for note in tables.skipped:  # what was not read: said, not passed over (issue 38 item 9)
+            console.print(f"[yellow]warning:[/] {device}: {escape(note)}", highlight=False, soft_wrap=True)
     df = pd.concat(frames, ignore_index=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = write_report(df, fits, out_dir)

@@ -64,10 +64,12 @@ class LiveOptions:
 
 def options(args: argparse.Namespace) -> LiveOptions | None:
     """The client options of `testbed capacity`; None without --base-url (they must not be set then)."""
+    from testbed.bench.serve import DEFAULT_VOCAB, check_client_arguments
+
     if not args.base_url:
         defaults = (("--endpoint", args.endpoint, "completions"), ("--model", args.model, None),
                     ("--time-scale", args.time_scale, 1.0), ("--max-concurrency", args.max_concurrency, None),
-                    ("--label", args.label, "served"))
+                    ("--label", args.label, "served"), ("--vocab-size", args.vocab_size, DEFAULT_VOCAB))
         given = [flag for flag, value, default in defaults if value != default]
         if given:
             raise ConfigError(f"{given[0]} is an option of a live search; add --base-url URL")
@@ -76,8 +78,7 @@ def options(args: argparse.Namespace) -> LiveOptions | None:
         raise ConfigError(f"invalid --base-url {args.base_url!r}: must start with http:// or https://")
     if not args.time_scale > 0:
         raise ConfigError(f"invalid --time-scale {args.time_scale}: must be > 0")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ConfigError(f"invalid --max-concurrency {args.max_concurrency}: must be >= 1")
+    check_client_arguments(args)
     return LiveOptions(args.base_url, args.endpoint, args.model, args.time_scale, args.vocab_size,
                        args.max_concurrency, args.label)
 

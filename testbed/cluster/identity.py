@@ -89,7 +89,12 @@ def register(study, worker: WorkerIdentity) -> None:
 def owned_by_dead_local_process(trial_attrs: dict, study_attrs: dict) -> bool:
     """True when a trial's worker ran in this pid namespace and its process is gone: only then
     can it be failed at once, without waiting for its heartbeat to go stale."""
-    where = study_attrs.get(f"worker:{trial_attrs.get('worker')}") or {}
+    return dead_local_process(study_attrs.get(f"worker:{trial_attrs.get('worker')}") or {})
+
+
+def dead_local_process(where: dict) -> bool:
+    """True when `where` ({"namespace", "pid"}, as `WorkerIdentity.process` records it) names a
+    process of this pid namespace that is gone."""
     if where.get("namespace") != local_namespace():
         return False
     pid = where.get("pid")

@@ -57,10 +57,23 @@ def lock_key(name: str = LOCK_NAME) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
 
 
+CONNECT_TIMEOUT_S = 10  # an unroutable host otherwise waits for the kernel's TCP timeout (minutes)
+
+
+def unreachable(key: str, url: str, exc: BaseException) -> ConfigError:
+    """One line for a database that cannot be reached (wrong port, unknown or unroutable host, no
+    local socket): it was a 40-line traceback from the first-use lock (issue 38 item 7)."""
+    cause = getattr(exc, "orig", None) or exc
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    return ConfigError(f"cannot reach {key}={redact(url)}: {first}; is the server running, and are host, port "
+                       f"and database right?")
+
+
 @contextmanager
-def advisory_lock(url: str, name: str = LOCK_NAME) -> Iterator[None]:
+def advisory_lock(url: str, name: str = LOCK_NAME, key: str = "database") -> Iterator[None]:
     """Hold `pg_advisory_lock(name)` of the database at `url` for the block (re-entrant in
-    this process). A no-op for other databases."""
+    this process). A no-op for other databases. A database that cannot be reached is a
+    ConfigError naming `key` (the setting that holds the URL)."""
     if not is_postgres(url):
         yield
         return
@@ -75,11 +88,16 @@ def advisory_lock(url: str, name: str = LOCK_NAME) -> Iterator[None]:
             _release(db)
         return
     from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import OperationalError
     from sqlalchemy.pool import NullPool
 
-    engine = create_engine(url, poolclass=NullPool)
+    engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
     try:
-        with engine.connect() as conn:
+        try:
+            conn = engine.connect()
+        except OperationalError as exc:
+            raise unreachable(key, url, exc) from None
+        with conn:
             conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": lock_key(name)})
             conn.commit()
             try:

@@ -92,12 +92,16 @@ def scalar(raw: str) -> Any:
         return text
 
 
-def as_int(key: str, raw: str, minimum: int | None = None) -> int:
-    return coerce(key, scalar(raw), int, None if minimum is None else {"min": minimum})
+def _bounds(minimum: float | None, maximum: float | None) -> dict[str, float]:
+    return {k: v for k, v in (("min", minimum), ("max", maximum)) if v is not None}
 
 
-def as_float(key: str, raw: str, minimum: float | None = None) -> float:
-    return coerce(key, scalar(raw), float, None if minimum is None else {"min": minimum})
+def as_int(key: str, raw: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    return coerce(key, scalar(raw), int, _bounds(minimum, maximum))
+
+
+def as_float(key: str, raw: str, minimum: float | None = None, maximum: float | None = None) -> float:
+    return coerce(key, scalar(raw), float, _bounds(minimum, maximum))
 
 
 def as_bool(key: str, raw: str) -> bool:

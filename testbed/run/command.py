@@ -12,6 +12,8 @@ Order matters for the first-hour experience:
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import os
 import resource
 import time
@@ -101,6 +103,8 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
     status = "KILLED" if stopped else ("FAILED" if result.error or unwritten else "FINISHED")
     print_summary(console, result)  # while the figures are rendered
     warn_overload(console, result)
+    if not stopped:
+        warn_failed(console, result)
     errors = []
     if bg.figures is not None:  # before MLflow, which logs them
         errors += bg.figures.finish(run_dir=None, metrics=[], tags={}, status=status)
@@ -179,6 +183,20 @@ def warn_overload(console, result: RunResult) -> bool:
                   f"({offered[1]:.3g} req/s) but the system served {served:,.0f} tok/s ({req_served:.3g} req/s), "
                   f"so queues grow and TTFT measures the backlog; lower workload.rate "
                   f"(e.g. workload.rate={suggest:.2g}) for a steady state[/yellow]", soft_wrap=True)
+    return True
+
+
+def warn_failed(console, result: RunResult) -> bool:
+    """One yellow line when requests failed, with the commonest reason: a workload whose every
+    request exceeded the KV cache ended with exit 0 and NaN latencies and nothing else said
+    (issue 38 item 9)."""
+    reasons = Counter(r["fail_reason"] for r in result.requests if r.get("fail_reason"))
+    if result.error or not reasons:
+        return False
+    reason, count = reasons.most_common(1)[0]
+    more = f" ({count} of them: {escape(reason)})" if len(reasons) > 1 else f": {escape(reason)}"
+    console.print(f"[yellow]warning: {sum(reasons.values())} of {len(result.requests)} requests failed{more}"
+                  f"[/yellow]", soft_wrap=True, highlight=False)
     return True
 
 

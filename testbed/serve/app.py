@@ -58,6 +58,10 @@ class ServeState:
         if bad is not None:
             raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         stop_ids = frozenset(body.stop_token_ids or ())
+        bad = next((t for t in sorted(stop_ids) if t >= self.vocab_size), None)
+        if bad is not None:  # it could never match: the request would run to max_tokens unstopped
+            raise ApiError(400, f"stop token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                           param="stop_token_ids")
         max_tokens = max_tokens if max_tokens is not None else min(default_max, self.max_model_len or default_max)
         total = len(prompt_ids) + max_tokens
         if self.max_model_len is not None and total > self.max_model_len:
@@ -160,6 +164,16 @@ def _release(state: ServeState, gen: Generation) -> None:
         state.engine.abort(gen, "client disconnected")
 
 
+FAILED = ("error", "shutdown")
+
+
+def _failure(ev: tuple) -> ApiError:
+    """The error of a request's failed end: 503 when the shutdown cut it, else 500."""
+    if ev[1] == "shutdown":
+        return ApiError(503, f"the request was cut: {public_message(ev[4])}", type_="service_unavailable")
+    return ApiError(500, f"the request failed: {public_message(ev[4])}", type_="server_error")
+
+
 async def _collect(state: ServeState, request: Request, gen: Generation, reply: _Reply):
     parts = []
     check_at = time.monotonic() + DISCONNECT_POLL_S
@@ -177,8 +191,8 @@ async def _collect(state: ServeState, request: Request, gen: Generation, reply: 
         if ev[0] == "delta":
             parts.append(ev[1])
             continue
-        if ev[1] == "error":
-            raise ApiError(500, f"the request failed: {public_message(ev[4])}", type_="server_error")
+        if ev[1] in FAILED:
+            raise _failure(ev)
         return JSONResponse(reply.full("".join(parts), ev[1], _usage(ev)))
 
 
@@ -192,8 +206,8 @@ async def _stream(state: ServeState, gen: Generation, reply: _Reply, include_usa
                 if ev[1]:
                     yield _sse(reply.chunk(ev[1]))
                 continue
-            if ev[1] == "error":
-                yield _sse(ApiError(500, f"the request failed: {public_message(ev[4])}", type_="server_error").body())
+            if ev[1] in FAILED:
+                yield _sse(_failure(ev).body())
             else:
                 yield _sse(reply.chunk(None if reply.chat else "", finish=ev[1]))
                 if include_usage:
@@ -211,7 +225,7 @@ def _is_tag(part) -> bool:
 def build_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="testbed serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
-    app.add_middleware(BodyLimit, max_bytes=state.settings.max_body_bytes, idle_s=state.settings.body_timeout_s)
+    app.add_middleware(BodyLimit, max_bytes=state.settings.max_body_bytes, deadline_s=state.settings.body_timeout_s)
 
     @app.exception_handler(ApiError)
     async def _api_error(_req, exc: ApiError):
@@ -269,7 +283,10 @@ def build_app(state: ServeState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         body.check_supported()
         prompt = single_prompt(body.prompt)
-        ids = state.codec.encode(prompt) if isinstance(prompt, str) else prompt
+        try:
+            ids = state.codec.encode(prompt) if isinstance(prompt, str) else prompt
+        except ValueError as exc:  # the fallback's digits that are no token id
+            raise ApiError(400, str(exc), param="prompt") from None
         spec = state.spec(body, ids, 16, body.max_tokens)
         return await _generate(state, request, body, spec, chat=False)
 

@@ -14,7 +14,8 @@ Fallback (checkpoints without a tokenizer, random weights built on the GPUs, `ex
 - output token id `t` renders as the text `" t"` (a space, then the decimal id), so a reply is
   the readable list of ids the model sampled: `" 17 30512 8"`;
 - a text prompt made only of whitespace-separated ASCII decimal integers is read back as those ids (so a reply
-  can be fed back as a prompt); any other text is encoded as its UTF-8 bytes, one id per byte;
+  can be fed back as a prompt; one of more than 19 digits is refused as outside the vocabulary, as a
+  large id is); any other text is encoded as its UTF-8 bytes, one id per byte;
 - chat messages are joined as `"<role>: <content>\n"` lines followed by `"assistant:"`;
 - there is no EOS: a request ends at `max_tokens` or a stop string.
 `executor=sim` samples nothing: its placeholder token k of a reply is id k (text `" 0 1 2 ..."`).
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+
+MAX_ID_DIGITS = 19  # a token id is an int64; Python refuses int() of more than 4,300 digits (HTTP 500: issue 38 item 8)
 
 
 class Codec:
@@ -37,6 +40,10 @@ class Codec:
     def encode(self, text: str) -> list[int]:
         parts = text.split()
         if parts and all(p.isascii() and p.isdigit() for p in parts):  # not "²" or "٣": text
+            long = next((p for p in parts if len(p) > MAX_ID_DIGITS), None)
+            if long is not None:
+                raise ValueError(f"token id of {len(long)} digits ({long[:12]}...) is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
             return [int(p) for p in parts]
         return list(text.encode("utf-8"))
 

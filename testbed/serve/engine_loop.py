@@ -8,7 +8,8 @@ samples EOS (unless `ignore_eos`), one of its `stop_token_ids` or completes a st
 with that token (`Controller.finish_early`). Text deltas go to each request's asyncio queue with
 `loop.call_soon_threadsafe`, as `("delta", text, tokens)` events and one final
 `("end", finish_reason, prompt_tokens, completion_tokens, error)`; finish_reason is
-"stop", "length", "abort" or "error".
+"stop", "length", "abort", "error" or "shutdown" (cut by the server's shutdown after
+`serve.drain_timeout_s`: `cut_open`; its client gets an error event and `[DONE]`, or a 503).
 
 Waiting for work: the paced simulator is woken at once by a new arrival (`PacedExecutor.wake`);
 the real engine's executor blocks on its sockets, so the thread waits at most
@@ -129,6 +130,13 @@ class EngineLoop:
     def abort(self, gen: Generation, reason: str) -> None:
         self._post(("abort", gen, reason))
 
+    def cut_open(self, reason: str) -> None:
+        """End every open request with a "shutdown" event (the drain time is over): their
+        handlers then answer and return, so uvicorn need not cancel them (a cancelled stream was
+        cut off mid-body with no error event or `[DONE]`, and printed a traceback: issue 38
+        item 10)."""
+        self._post(("cut", reason))
+
     def reset_statistics(self, timeout_s: float = 60.0) -> None:
         """Forget the requests served so far (after the warm-up), on the engine thread, which
         owns the controller; waits until done."""
@@ -200,6 +208,8 @@ class EngineLoop:
             if not (self.gens or self.ctrl.waiting or self.ctrl.running or self.ctrl.inflight):
                 self.ctrl.reset_statistics()
             item[1].set()
+        elif kind == "cut":
+            self._cut(item[1])
         elif kind == "abort":
             gen, reason = item[1], item[2]
             if self.gens.pop(gen.request_id, None) is not None:
@@ -268,6 +278,15 @@ class EngineLoop:
                 self.gens.pop(gen.request_id)
                 self._end(gen, "error", error)
         self._touched.clear()
+
+    def _cut(self, reason: str) -> None:
+        for gen in list(self.gens.values()):
+            self.gens.pop(gen.request_id)
+            self.ctrl.abort(gen.request_id, f"aborted: {reason}")
+            self._end(gen, "shutdown", reason)
+            self.aborted_at_shutdown += 1
+            if self.metrics is not None:
+                self.metrics.on_abort()
 
     def _abort_open(self, reason: str) -> None:
         """At shutdown: every open request is aborted and its KV freed, in flight or not (the

@@ -6,10 +6,14 @@ client that sends its headers or body one byte at a time kept a connection forev
 
 - `BodyLimit` (ASGI middleware) reads each request body itself before the app sees it: more than
   `serve.max_body_bytes` (declared in Content-Length, or counted as it arrives) is answered 413
-  at once, and a body that stalls for `serve.body_timeout_s` between chunks is answered 408. Both
-  close the connection. The app then gets the body in one piece.
+  at once, and a body not complete `serve.body_timeout_s` after the app began reading it is
+  answered 408 (a deadline for the whole body: a limit between chunks never cut a body drip-fed
+  one byte every 5 s, issue 38 item 10). Both close the connection. The app then gets the body
+  in one piece.
 - `GuardedH11Protocol` (uvicorn's h11 protocol) closes a connection whose request line and headers
-  are not complete `serve.header_timeout_s` after its first byte (or after it opened). Idle
+  are not complete `serve.header_timeout_s` after its first byte (or after it opened), and answers
+  429 and closes a new connection from an address that already holds
+  `serve.max_connections_per_client` (slow clients cannot pile up connections instead). Idle
   keep-alive connections are closed by uvicorn after `serve.keep_alive_s`.
 """
 from __future__ import annotations
@@ -32,10 +36,10 @@ def _error(status: int, message: str) -> tuple[dict, dict]:
 
 
 class BodyLimit:
-    """Read a request body within `max_bytes` and with no gap longer than `idle_s`, else 413/408."""
+    """Read a request body within `max_bytes` and `deadline_s` seconds, else 413/408."""
 
-    def __init__(self, app, max_bytes: int, idle_s: float) -> None:
-        self.app, self.max_bytes, self.idle_s = app, max_bytes, idle_s
+    def __init__(self, app, max_bytes: int, deadline_s: float) -> None:
+        self.app, self.max_bytes, self.deadline_s = app, max_bytes, deadline_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -63,11 +67,14 @@ class BodyLimit:
     async def _read(self, receive, send) -> bytes | None:
         """The whole body, or None once the client has been answered (413/408) or has gone."""
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deadline_s
         while True:
             try:
-                message = await asyncio.wait_for(receive(), self.idle_s)
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
-                await self._refuse(send, 408, f"the request body stalled for serve.body_timeout_s={self.idle_s:g} s")
+                await self._refuse(send, 408, f"the request body was not complete within "
+                                              f"serve.body_timeout_s={self.deadline_s:g} s")
                 return None
             if message["type"] == "http.disconnect":
                 return None
@@ -96,9 +103,22 @@ class GuardedH11Protocol(H11Protocol):
     """
 
     header_timeout_s: float = 10.0  # set per server by `guarded_protocol`
+    max_per_client: int = 512
+    per_client: dict = {}  # peer address -> open connections; `guarded_protocol` gives each server its own
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._head_timer = None
+        self._peer = (transport.get_extra_info("peername") or ("?",))[0]
+        if self.per_client.get(self._peer, 0) >= self.max_per_client:
+            self._peer = None
+            start, body = _error(429, f"this address holds serve.max_connections_per_client="
+                                      f"{self.max_per_client} connections already; close one first")
+            head = b"".join(k + b": " + v + b"\r\n" for k, v in start["headers"])
+            transport.write(b"HTTP/1.1 429 Too Many Requests\r\n" + head + b"\r\n" + body["body"])
+            transport.close()
+            return
+        self.per_client[self._peer] = self.per_client.get(self._peer, 0) + 1
         self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_expired)
 
     def data_received(self, data: bytes) -> None:
@@ -111,6 +131,13 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._cancel_head_timer()
+        if self._peer is not None:
+            left = self.per_client.get(self._peer, 1) - 1
+            if left > 0:
+                self.per_client[self._peer] = left
+            else:
+                self.per_client.pop(self._peer, None)
+            self._peer = None
         super().connection_lost(exc)
 
     def _cancel_head_timer(self) -> None:
@@ -124,6 +151,8 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def guarded_protocol(header_timeout_s: float) -> type[GuardedH11Protocol]:
-    """A protocol class carrying this server's header deadline (uvicorn builds one per connection)."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": header_timeout_s})
+def guarded_protocol(header_timeout_s: float, max_per_client: int) -> type[GuardedH11Protocol]:
+    """A protocol class carrying this server's header deadline and connection cap (uvicorn
+    builds one instance per connection; the count per address is shared by the class)."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": header_timeout_s,
+                                                              "max_per_client": max_per_client, "per_client": {}})

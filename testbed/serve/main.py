@@ -11,8 +11,9 @@ summary of every request served (the same `summary.json`/`requests.csv` as `test
 `<output.dir>/<run name>`), then closed FINISHED, KILLED when requests had to be aborted at
 shutdown, FAILED when the engine failed. uvicorn catches SIGTERM and Ctrl-C (SIGHUP is turned
 into SIGTERM): it stops accepting,
-lets open requests finish for `serve.drain_timeout_s`, then the engine thread aborts what is left
-and the stage processes are stopped.
+lets open requests finish for `serve.drain_timeout_s`, then the engine thread ends what is left
+(a stream gets an error event and `[DONE]`, a waiting client a 503) and the stage processes are
+stopped.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from engine.request import Request
 from testbed.run.runner import RunResult, prepare_experiment
 from testbed.serve.settings import ServeSettings
 from testbed.config.spec import RunSpec
+
+CUT_GRACE_S = 2.0  # after the drain time, how long cut requests get to send their error and `[DONE]`
 
 
 @dataclass
@@ -67,9 +70,10 @@ class Server:
 
         st = self.settings
         config = uvicorn.Config(self.app, host=st.host, port=st.port, log_level=st.log_level,
-                                timeout_graceful_shutdown=st.drain_timeout_s, lifespan="off", access_log=False,
-                                http=guarded_protocol(st.header_timeout_s), timeout_keep_alive=st.keep_alive_s)
-        self._uvicorn = _Uvicorn(config, self.engine)
+                                timeout_graceful_shutdown=st.drain_timeout_s + CUT_GRACE_S, lifespan="off",
+                                access_log=False, timeout_keep_alive=st.keep_alive_s,
+                                http=guarded_protocol(st.header_timeout_s, st.max_connections_per_client))
+        self._uvicorn = _Uvicorn(config, self.engine, st.drain_timeout_s)
         return self._uvicorn
 
     def serve_forever(self, console=None) -> RunResult:
@@ -134,14 +138,18 @@ class Server:
                 self.tracker.client.set_terminated(self.run_id, "KILLED")
 
 
-def _Uvicorn(config, engine):
+def _Uvicorn(config, engine, drain_s: float):
     """uvicorn's server, imported here (importing this package stays cheap)."""
+    import asyncio
+
     import uvicorn
 
     class _Server(uvicorn.Server):
         """uvicorn's server that tells the engine when its graceful shutdown begins (SIGTERM,
-        Ctrl-C or `should_exit`), so that requests it then cancels count as cut, not as clients
-        that went away."""
+        Ctrl-C or `should_exit`), so that requests aborted from then on count as cut, not as
+        clients that went away; after `drain_s` the engine ends the requests still open with an
+        error (`EngineLoop.cut_open`), and uvicorn, which waits `CUT_GRACE_S` longer, finds
+        their handlers done instead of cancelling them mid-stream."""
 
         def __init__(self, config, engine) -> None:
             super().__init__(config)
@@ -149,7 +157,12 @@ def _Uvicorn(config, engine):
 
         async def shutdown(self, sockets=None) -> None:
             self.engine.draining = True
-            await super().shutdown(sockets=sockets)
+            reason = f"the server is shutting down (serve.drain_timeout_s={drain_s:g} s passed)"
+            cut = asyncio.get_running_loop().call_later(drain_s, self.engine.cut_open, reason)
+            try:
+                await super().shutdown(sockets=sockets)
+            finally:
+                cut.cancel()
 
     return _Server(config, engine)
 

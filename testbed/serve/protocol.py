@@ -10,14 +10,15 @@ Refused with a 400 because the engine does not implement them: `n > 1`, `best_of
 Every sampling number has a range, named in the 400 (one request with `seed` >= 2^64 or a
 `temperature` of 1e-45 stopped the real engine for every client): `seed` a signed 64-bit
 integer, `top_k` up to 2^31-1, `temperature` 0 (greedy) or in [0.01, 2] (vLLM's floor),
-`repetition_penalty` in [0.01, 100]. Error messages never carry a traceback (`public_message`).
+`repetition_penalty` in [0.01, 100]. Token ids (prompt, `stop_token_ids`) are JSON integers in
+the vocabulary and the flags (`stream`, `ignore_eos`, `echo`) JSON booleans. Error messages never carry a traceback (`public_message`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from engine.request import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -57,10 +58,14 @@ def _encodable(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_encodable)]
+# Token ids and flags are taken as JSON gives them, never coerced: pydantic's lax mode read
+# `"stream": "yes"` as true, `"ignore_eos": "no"` as false and a prompt `[true, false]` as ids
+# [1, 0]; a stop id of -1 or 2**64 was kept and never matched (issue 38 item 9).
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
@@ -73,15 +78,15 @@ class _Sampling(BaseModel):
     top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # vLLM: -1 or 0 = off
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: Union[Text, list[Text], None] = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     repetition_penalty: float = Field(1.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     n: int = Field(1, ge=1)
     best_of: int | None = None
     logprobs: Any = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
     @field_validator("temperature")
@@ -121,8 +126,8 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[Text, list[int], list[Text], list[list[int]]]
-    echo: bool = False
+    prompt: Union[Text, list[TokenId], list[Text], list[list[TokenId]]]
+    echo: StrictBool = False
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -196,4 +201,4 @@ class GenerateSpec:
     sampling: SamplingParams
     stops: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False

@@ -20,8 +20,9 @@ class ServeSettings:
 
     What one client may cost (testbed/serve/limits.py): a body over `max_body_bytes` is answered
     413 before it is read whole; a request whose headers are not complete `header_timeout_s` after
-    its first byte has its connection closed; a body that stalls `body_timeout_s` between chunks is
-    answered 408; an idle keep-alive connection is closed after `keep_alive_s`.
+    its first byte has its connection closed; a body not complete `body_timeout_s` after it began
+    is answered 408; an address may hold `max_connections_per_client` connections at once (one
+    more is answered 429 and closed); an idle keep-alive connection is closed after `keep_alive_s`.
     """
 
     host: str = "127.0.0.1"  # loopback unless the user names another address
@@ -37,6 +38,7 @@ class ServeSettings:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
+    max_connections_per_client: int = 512  # twice max_queue: a benchmark from one host may hold max_queue requests
     warmup_requests: int = 4  # executor=torch: served and forgotten before the server listens (0 = none)
 
     def __post_init__(self) -> None:
@@ -50,6 +52,10 @@ class ServeSettings:
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
                 or self.max_body_bytes < 1024:
             raise bad_value("serve.max_body_bytes", self.max_body_bytes, "must be an integer >= 1024")
+        if isinstance(self.max_connections_per_client, bool) or not isinstance(self.max_connections_per_client, int) \
+                or self.max_connections_per_client < 1:
+            raise bad_value("serve.max_connections_per_client", self.max_connections_per_client,
+                            "must be an integer >= 1")
         if isinstance(self.default_max_tokens, bool) or not isinstance(self.default_max_tokens, int) \
                 or self.default_max_tokens < 1:
             raise bad_value("serve.default_max_tokens", self.default_max_tokens, "must be an integer >= 1")

@@ -125,6 +125,7 @@ def point_budget(user: set[str], keep: Sequence[str] = ()) -> list[str]:
 
 _TRACKERS: dict[tuple[str, str], Any] = {}
 PARENT_TAG = "testbed.parent_run"  # a point run's link to its sweep's summary run (not MLflow nesting)
+PID_TAG, NAMESPACE_TAG = "testbed.pid", "testbed.namespace"  # where a summary run's command runs (reclaim_stranded)
 
 
 def _tracker(output: OutputSettings, experiment: str) -> Any:
@@ -237,10 +238,12 @@ class ParentRun:
             self.tracker = _tracker(output, experiment)
             if view is not None:
                 self.tracker.save_view(view)
-            from testbed.cluster.identity import host_name
+            from testbed.cluster.identity import host_name, local_namespace
 
+            reclaim_stranded(self.tracker)
+            where = {PID_TAG: str(os.getpid()), NAMESPACE_TAG: local_namespace()}
             self.run_id = self.tracker.client.create_run(self.tracker.experiment_id, run_name=run_name,
-                                                         tags={"host": host_name(), **tags}).info.run_id
+                                                         tags={"host": host_name(), **where, **tags}).info.run_id
 
     def print_link(self, console: Any) -> None:
         """The experiment's chart view (tracking.chart_link), as soon as the experiment exists."""
@@ -303,13 +306,39 @@ class ParentRun:
             console.print(f"{signals.interrupted_message(exc)}: {done} is in {out_dir}", highlight=False, markup=False)
 
     def _kill_children(self) -> None:
-        client = self.tracker.client
-        runs = client.search_runs([self.tracker.experiment_id],
-                                  filter_string=f"tags.`{PARENT_TAG}` = '{self.run_id}' "
-                                                f"and attributes.status = 'RUNNING'")
-        for run in runs:
-            client.set_tag(run.info.run_id, "error", "interrupted")
-            client.set_terminated(run.info.run_id, "KILLED")
+        kill_children(self.tracker.client, [self.tracker.experiment_id], self.run_id)
+
+
+def kill_children(client: Any, experiment_ids: list[str], run_id: str, why: str = "interrupted") -> None:
+    """End KILLED the point runs of the summary run `run_id` still RUNNING."""
+    for run in client.search_runs(experiment_ids, filter_string=f"tags.`{PARENT_TAG}` = '{run_id}' "
+                                                                f"and attributes.status = 'RUNNING'"):
+        client.set_tag(run.info.run_id, "error", why)
+        client.set_terminated(run.info.run_id, "KILLED")
+
+
+def reclaim_stranded(tracker: Any) -> int:
+    """End KILLED the summary runs (and their point runs) that a sweep command killed outright
+    left RUNNING: SIGKILL or the OOM killer leave no handler to run (a second SIGTERM once did
+    too: issue 38 item 6). Only runs of a process of this pid namespace that is gone
+    (`identity.dead_local_process`): another host's live sweep is never touched. Said on stderr."""
+    from testbed.cluster.identity import dead_local_process, local_namespace
+
+    client = tracker.client
+    ids = [e.experiment_id for e in client.search_experiments(max_results=1000)]
+    found = client.search_runs(ids, max_results=200, filter_string=f"attributes.status = 'RUNNING' and "
+                                                                   f"tags.`{NAMESPACE_TAG}` = '{local_namespace()}'")
+    gone = [r for r in found if r.data.tags.get(PID_TAG, "").isdigit()
+            and dead_local_process({"namespace": r.data.tags[NAMESPACE_TAG], "pid": int(r.data.tags[PID_TAG])})]
+    why = "killed: its command ended without ending it (SIGKILL?); ended by the next sweep on this host"
+    for run in gone:
+        kill_children(client, ids, run.info.run_id, why)
+        client.set_tag(run.info.run_id, "error", why)
+        client.set_terminated(run.info.run_id, "KILLED")
+    if gone:
+        names = ", ".join(r.info.run_name for r in gone)
+        print(f"note: ended KILLED {len(gone)} run(s) left RUNNING by a sweep that was killed: {names}", file=sys.stderr)
+    return len(gone)
 
 
 # --- running the jobs ---------------------------------------------------------------------------------

@@ -24,7 +24,9 @@ The process ignores Ctrl-C (it is in its own session) and marks a started run KI
 stdin closes without a `finish`, which is what happens when `testbed run` is killed outright.
 
 It is not trusted to answer: every reply is awaited at most `reply_timeout_s()` seconds (a
-stopped process made `testbed run` wait forever); a process that is gone or silent is killed and
+stopped process made `testbed run` wait forever), and no longer once an HTTP tracking server
+stops answering (`store_answers`; the run's files are written, the error says the run was not
+recorded); a process that is gone or silent is killed and
 the run's end (metrics, tags, files, status) is recorded from the main process instead
 (`testbed.tracking.tracker.record_run_end`), so its MLflow run never stays RUNNING.
 """
@@ -44,6 +46,28 @@ from typing import Any
 
 
 DEFAULT_REPLY_TIMEOUT_S = 300.0  # the first store's migrations took ~7 s, an HTTP store's artifacts more
+# While a reply is awaited, an HTTP tracking server is asked every STORE_CHECK_S whether it still
+# answers (`/health`, STORE_PROBE_S at most); two silences in a row end the wait: a stopped server
+# held `testbed run` for the whole reply timeout, 300 s (issue 38 item 11).
+STORE_CHECK_S = 5.0
+STORE_PROBE_S = 3.0
+
+
+def store_answers(uri: str, timeout_s: float = STORE_PROBE_S) -> bool:
+    """Whether the tracking store at `uri` answers at all (any HTTP status counts); stores other
+    than HTTP servers are not probed (True)."""
+    if not uri.startswith(("http://", "https://")):
+        return True
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def reply_timeout_s() -> float:
@@ -79,6 +103,7 @@ class Sidecar:
         self.warnings: list[str] = []
         self.start_msg: dict | None = None  # what `start` asked for: the main process's fallback needs it
         self.lost: str | None = None  # why the process stopped answering, once it did
+        self.store_down = False  # the HTTP tracking store stopped answering: no second try from here
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read_lines, name="sidecar-replies", daemon=True).start()
 
@@ -103,13 +128,7 @@ class Sidecar:
         """The next reply; after a silence of `reply_timeout_s()`, an exit or an unreadable line,
         the process is killed and `lost` says why."""
         if self.lost is None:
-            timeout = reply_timeout_s()
-            try:
-                line = self._lines.get(timeout=timeout)
-            except queue.Empty:
-                line, why = None, f"background process did not answer within {timeout:g} s; stopped it"
-            else:
-                why = None if line is None else ""
+            line, why = self._next_line()
             if line:
                 try:
                     return json.loads(line)
@@ -118,6 +137,28 @@ class Sidecar:
             self.lost = why or self._exit_reason()
             self._kill()
         return {"ok": False, "error": self.lost}
+
+    def _next_line(self) -> tuple[str | None, str | None]:
+        """(the next reply line or None at its end, or (None, why) when the wait was given up:
+        after `reply_timeout_s()`, or at once when the HTTP tracking store stopped answering)."""
+        timeout = reply_timeout_s()
+        deadline = time.monotonic() + timeout
+        uri = (self.start_msg or {}).get("uri") or ""
+        silent = 0
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, min(STORE_CHECK_S, deadline - time.monotonic())))
+                return line, None if line is None else ""
+            except queue.Empty:
+                pass
+            if time.monotonic() >= deadline:
+                return None, f"background process did not answer within {timeout:g} s; stopped it"
+            silent = silent + 1 if not store_answers(uri) else 0
+            if silent >= 2:
+                from testbed.config.redact import redact
+
+                self.store_down = True
+                return None, f"the tracking store {redact(uri)} stopped answering; stopped the background process"
 
     def _exit_reason(self) -> str:
         try:
@@ -172,6 +213,8 @@ class Sidecar:
             return [f"figures failed: {self.lost}"]
         if self.start_msg is None:  # no run was asked for: nothing to record
             return [f"MLflow logging failed: {self.lost}"]
+        if self.store_down:  # nowhere to record it now: trying again here would wait as long
+            return [f"MLflow run not recorded: {self.lost}"]
         from testbed.tracking.tracker import record_run_end
 
         try:

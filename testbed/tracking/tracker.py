@@ -162,6 +162,30 @@ def check_tracking_uri(uri: str, timeout_s: float = 3.0, key: str = "output.trac
         except OSError as exc:
             raise ConfigError(f"MLflow tracking server {shown} is not reachable ({exc.strerror or exc}); "
                               f"start it (mlflow server) or set {key} / output.mlflow=false") from None
+        _check_host_allowed(uri, shown, key, timeout_s)
+
+
+def _check_host_allowed(uri: str, shown: str, key: str, timeout_s: float) -> None:
+    """MLflow 3's server answers 403 "Invalid Host header" to a client that names it by a host
+    name outside `--allowed-hosts` (default: localhost and private IPs); `testbed tune` found out
+    from a 46-line traceback after its study was created (issue 38 item 7). Any other answer is
+    left to MLflow's client (a 401 needs its credentials)."""
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    probe = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
+    try:
+        urllib.request.urlopen(probe, timeout=timeout_s).close()
+    except urllib.error.HTTPError as exc:
+        body = exc.read(2000).decode("utf-8", "replace")
+        if exc.code == 403 and "Invalid Host header" in body:
+            netloc = urlsplit(uri).netloc.rpartition("@")[2]
+            raise ConfigError(f"MLflow tracking server {shown} refuses the host name {netloc!r} (403 Invalid Host "
+                              f"header): start it with --allowed-hosts {netloc} (MLflow 3 allows only localhost "
+                              f"and private IPs by default; docs/beyond-one-machine.md)") from None
+    except (OSError, ValueError):
+        pass  # reachable a moment ago: what fails now is MLflow's client's to report
 
 
 def _lock_for(uri: str):
@@ -173,7 +197,7 @@ def _lock_for(uri: str):
     from testbed.cluster.postgres import advisory_lock, is_postgres
 
     if is_postgres(uri):
-        return advisory_lock(uri)
+        return advisory_lock(uri, key="output.tracking_uri")
     if not uri.startswith("sqlite:///"):
         return nullcontext()
     from filelock import FileLock

@@ -21,7 +21,7 @@ from testbed import signals
 from testbed.cluster.ray_backend import split_backend
 from testbed.cluster import identity
 from testbed.cluster.reconnect import ServiceLost
-from testbed.tracking.tracker import tracking_uri
+from testbed.tracking.tracker import check_tracking_uri, tracking_uri
 from testbed.tracking.views import study_view
 from testbed.tune.display import Display, pareto_indices, print_start, values_text
 from testbed.tune.figures import trials_frame, write_study_figures
@@ -90,6 +90,8 @@ def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
     quiet_optuna()
     backend, overrides = split_backend(overrides)  # sweep.backend=ray: each trial a Ray task
     problem = prepare(overrides)
+    if problem.base.output.mlflow:  # a server that will refuse us is found before the study exists
+        check_tracking_uri(tracking_uri(problem.base.output))
     identity.new_session()
     # one section per database, whatever the host: study, MLflow store, trial 0 and the study's
     # parent run are created once (two hosts starting together split the parent run and ran

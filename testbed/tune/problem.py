@@ -153,6 +153,8 @@ def prepare(overrides: Sequence[str]) -> Problem:
         if sp.key in explicit:
             raise ConfigError(f"{sp.key} is both set ({sp.key}={base.value_at(sp.key)}) and searched "
                               f"(tune.space.{sp.key}); drop one of them")
+    for sp in settings.space:
+        _check_space_values(base, sp)
     search_mb = MICROBATCH_KEY not in explicit and all(s.key != MICROBATCH_KEY for s in settings.space)
     out_root = Path(base.output.dir)
     fp = problem_fingerprint(base, settings, pinned, search_mb)
@@ -161,7 +163,7 @@ def prepare(overrides: Sequence[str]) -> Problem:
     if "/" in study or study.startswith("."):
         raise ConfigError(f"invalid tune.study={study!r}: no '/' and no leading '.'")
     storage = settings.storage or f"sqlite:///{(out_root.resolve() / 'optuna.db')}"
-    _check_storage(storage, base)
+    _check_storage(storage, base, given=settings.storage is not None)
     problem = Problem(base=base, settings=settings, study=study, storage_url=storage,
                       experiment=settings.experiment or f"tune-{study}", pinned=pinned,
                       seed=settings.seed if settings.seed is not None else base.settings.seed,
@@ -173,10 +175,50 @@ def prepare(overrides: Sequence[str]) -> Problem:
     return problem
 
 
-def _check_storage(storage: str, base: RunSpec) -> None:
-    path = sqlite_path(storage)
+def _check_space_values(base: RunSpec, spec: SpaceSpec) -> None:
+    """A searched key's values against its setting: a value of the wrong kind (text or a fraction
+    for an integer: `tune.space.policy.T=a,b` started a study whose every trial failed, issue 38
+    item 9), or a space none of whose values the setting accepts, is refused before any study; a
+    value that is only out of bounds fails its own trials with the reason, as documented. Only the
+    key's own check counts: a value that conflicts with another setting may suit a trial that
+    moves that setting too."""
+    values = spec.choices if spec.kind == "categorical" else (spec.low, spec.high)
+    try:
+        current = base.value_at(spec.key)
+    except KeyError:  # a policy field the tree does not spell out: its kind is unknown here
+        current = None
+    bad = []
+    for value in values:
+        try:
+            base.with_values({spec.key: value})
+        except ConfigError as exc:
+            if str(exc).startswith(f"invalid {spec.key}="):
+                bad.append((value, exc))
+    wrong = next((exc for value, exc in bad if not _same_kind(value, current)), None)
+    if wrong is not None or (bad and len(bad) == len(values)):
+        raise ConfigError(f"tune.space.{spec.key}={spec.text}: {wrong or bad[0][1]}")
+
+
+def _same_kind(value: Any, current: Any) -> bool:
+    if isinstance(current, bool):
+        return isinstance(value, bool)
+    if isinstance(current, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(current, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return True
+
+
+def _check_storage(storage: str, base: RunSpec, given: bool) -> None:
+    """The default SQLite file's folder is made; a file the user named must be in a folder that
+    exists: `tune.storage=journal:/nonexistent/dir/j.log` created /nonexistent/dir (issue 38 item 9),
+    where a typo in the path means a study nobody else will find."""
+    path = sqlite_path(storage) or (Path(storage[len("journal:"):]).resolve() if storage.startswith("journal:") else None)
     if path is None:
         return
+    if given and not path.parent.is_dir():
+        raise ConfigError(f"invalid tune.storage={storage}: the folder {path.parent} does not exist; "
+                          f"create it first or name a file in an existing folder")
     path.parent.mkdir(parents=True, exist_ok=True)
     if base.output.mlflow and path == sqlite_path(tracking_uri(base.output)):
         raise ConfigError(f"tune.storage={storage} is the MLflow tracking database; Optuna and MLflow must "

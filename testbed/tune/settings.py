@@ -15,6 +15,12 @@ from testbed.tune.space import SpaceSpec, parse_space
 TUNE_KEYS = ("objective", "direction", "trials", "study", "storage", "workers", "constraints", "sampler",
              "seed", "startup_trials", "baseline", "timeout", "experiment", "artifacts", "heartbeat", "grace_period")
 SAMPLERS = ("tpe", "nsga2", "random")
+# Heartbeat interval and grace period: a thread waits `heartbeat` seconds at a time and Optuna
+# compares `grace_period` as a timedelta; tune.heartbeat=1e12 ended in "OverflowError: timestamp
+# too large" (issue 38 item 7). A day between heartbeats / a week of grace is beyond any study.
+MAX_HEARTBEAT_S = 86_400
+MAX_GRACE_S = 7 * 86_400
+MAX_TIMEOUT_S = 365 * 86_400
 
 
 @dataclass(frozen=True)
@@ -112,9 +118,9 @@ def _numbers(raw: Mapping[str, str]) -> dict[str, Any]:
     if "seed" in raw:
         kw["seed"] = as_int("tune.seed", raw["seed"])
     if "timeout" in raw:
-        kw["timeout"] = as_float("tune.timeout", raw["timeout"], 0)
+        kw["timeout"] = as_float("tune.timeout", raw["timeout"], 0, MAX_TIMEOUT_S)
     if "heartbeat" in raw:
-        kw["heartbeat"] = as_int("tune.heartbeat", raw["heartbeat"], 0)
+        kw["heartbeat"] = as_int("tune.heartbeat", raw["heartbeat"], 0, MAX_HEARTBEAT_S)
     if "grace_period" in raw:
-        kw["grace_period"] = as_int("tune.grace_period", raw["grace_period"], 1)
+        kw["grace_period"] = as_int("tune.grace_period", raw["grace_period"], 1, MAX_GRACE_S)
     return kw

@@ -55,8 +55,8 @@ def first_use_lock(url: str, out_root: Path, tracking_uri: str | None = None) ->
     lock.parent.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         stack.enter_context(FileLock(str(lock), timeout=LOCK_TIMEOUT_S))
-        for db in (url, tracking_uri or ""):
-            stack.enter_context(advisory_lock(db))
+        for db, key in ((url, "tune.storage"), (tracking_uri or "", "output.tracking_uri")):
+            stack.enter_context(advisory_lock(db, key=key))
         yield
 
 
