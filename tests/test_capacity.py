@@ -18,7 +18,7 @@ from testbed.cli import main
 # llama2-13b does not fit one 24 GiB RTX 4090 (pp=1) but fits two (pp=2)
 # 10 s of arrivals per probe (the request count grows with the rate), a 10% precision: few, small probes
 BASE = ["workload=synthetic", "model=llama2-13b", "hardware=rtx4090", "output.progress=false",
-        "capacity.precision=0.1", "capacity.duration_s=10", "capacity.start=2"]
+        "capacity.precision=0.1", "capacity.duration_s=10", "capacity.start=2", "capacity.windows=1"]
 
 
 def drive(search: RateSearch, passes) -> RateSearch:
@@ -164,7 +164,8 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
     with cli_server(tmp_path / "server", *SERVER) as (url, outcome):
         code = main(["capacity", "--base-url", url, "--time-scale", "10", "workload=synthetic",
                      "output.progress=false", f"output.dir={tmp_path}", "capacity.precision=0.1",
-                     "capacity.duration_s=10", "capacity.start=2", "capacity.max_probes=6", "capacity.experiment=live"])
+                     "capacity.duration_s=10", "capacity.start=2", "capacity.max_probes=6", "capacity.windows=1",
+                     "capacity.experiment=live"])
     assert code == 0 and outcome["code"] == 0, outcome["err"][-2000:]
     out_dir = tmp_path / "capacity" / "live"
     table, probes = pd.read_csv(out_dir / "table.csv"), pd.read_csv(out_dir / "probes.csv")
@@ -172,7 +173,7 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
     assert (probes["status"] == "finished").all()
     for _, p in probes.iterrows():  # each probe sent rate x 10 s of requests, and judged what came back
         assert len(pd.read_csv(Path(p["run_dir"]) / "requests.csv")) == math.ceil(p["workload.rate"] * 10)
-        assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8)
+        assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8 and p["capacity.steady"])
     if table["status"][0] == "finished":
         assert probes.set_index("workload.rate").loc[table["capacity_req_s"][0], "capacity.passed"]
     client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
@@ -216,19 +217,20 @@ def test_capacity_keys_are_refused_by_a_study_that_is_not_a_capacity_study(tmp_p
 
 @pytest.mark.parametrize("send, exit_code", [("TERM", 143)])
 def test_a_signal_ends_the_search_and_kills_its_runs(tmp_path, send, exit_code):
-    """Point 0's probes are quick; point 1's first probe (30k requests) is still running when SIGTERM comes."""
+    """Point 0's probes are quick; point 1's first probe (4,000 output tokens per request, so its
+    steady-state length is minutes of arrivals) is still running when SIGTERM comes."""
     import time
 
     from signal_helpers import Command, run_states, running_kinds, survivors
 
     fresh_mlflow_db(tmp_path)
     cmd = Command("capacity", "workload=synthetic", "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2",
-                  "workload.num_requests=40,30000", "capacity.workers=2", f"output.dir={tmp_path}",
-                  "capacity.experiment=sig")
+                  "workload.output_mean=8,4000", "capacity.min_duration_s=5", "capacity.windows=1",
+                  "capacity.workers=2", f"output.dir={tmp_path}", "capacity.experiment=sig")
     cmd.wait_for("point   0 probe  0")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(
-            kind == "probe" and name.startswith("workload.num_requests=30000")
+            kind == "probe" and name.startswith("workload.output_mean=4000")
             for kind, name in running_kinds(tmp_path / "mlflow.db")):
         time.sleep(0.2)
     children = cmd.descendants()
@@ -257,4 +259,4 @@ def test_the_warm_up_is_sent_but_not_judged(tmp_path, capsys):
         ok = (judged["status"] == "finished") & (judged["ttft_s"] <= 2) & \
             (judged["tpot_s"].isna() | (judged["tpot_s"] <= 0.2))
         assert p["slo_attainment"] == pytest.approx(ok.sum() / len(judged))
-        assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8)
+        assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8 and p["capacity.steady"])

@@ -44,7 +44,7 @@ class LiveOptions:
                 valid = ", ".join(k + ".*" if k in ("workload", "slo", "output") else k for k in LIVE_KEYS)
                 raise ConfigError(f"{ov}: with --base-url the server's own policy, model and hardware are measured; "
                                   f"valid keys: {valid}")
-        if settings.workers > 1:
+        if settings.workers is not None and settings.workers > 1:
             raise ConfigError(f"invalid capacity.workers={settings.workers} with --base-url: the probes of one "
                               f"server run one at a time (capacity.workers=1)")
 
