@@ -170,10 +170,16 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
     out_dir = tmp_path / "capacity" / "live"
     table, probes = pd.read_csv(out_dir / "table.csv"), pd.read_csv(out_dir / "probes.csv")
     assert len(table) == 1 and table["probes"][0] == len(probes) <= 6
+    if table["status"][0] == "host-bound" and probes.empty:  # a busy shared machine: flagged, never a capacity
+        assert table["search"][0].startswith("host-bound before any probe") and "capacity_req_s" not in table
+        return
     assert (probes["status"] == "finished").all()
-    for _, p in probes.iterrows():  # each probe sent rate x 10 s of requests, and judged what came back
+    flagged = probes["host_flag"].fillna("").astype(bool)  # a busy shared machine may starve client or server
+    assert not flagged.iloc[:-1].any() and (table["status"][0] == "host-bound") == flagged.iloc[-1]
+    for (_, p), flag in zip(probes.iterrows(), flagged):  # each sent rate x 10 s of requests, judged what came back
         assert len(pd.read_csv(Path(p["run_dir"]) / "requests.csv")) == math.ceil(p["workload.rate"] * 10)
-        assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8 and p["capacity.steady"])
+        if not flag:
+            assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8 and p["capacity.steady"])
     if table["status"][0] == "finished":
         assert probes.set_index("workload.rate").loc[table["capacity_req_s"][0], "capacity.passed"]
     client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
@@ -181,8 +187,108 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
     parent = next(r for r in runs if r.data.tags.get("testbed.kind") == "capacity")
     assert parent.data.tags["capacity.base_url"] == url
     served = [r for r in runs if r.data.tags.get("mode") == "bench-serve"]
-    assert sorted(r.info.run_id for r in served) == sorted(probes["run_id"])
+    assert set(probes["run_id"]) <= {r.info.run_id for r in served} and len(served) == probes["attempts"].sum()
     assert all(r.data.tags["testbed.parent_run"] == parent.info.run_id and r.info.status == "FINISHED" for r in served)
+
+
+def test_a_starved_server_is_flagged_never_a_capacity(tmp_path, capsys):
+    """A simulated cluster served 1000x faster than real time: neither the client (20 requests in
+    20 ms of wall time) nor the server's clock can keep up on this machine. Each probe is run
+    again once, then the point is reported host-bound, without a capacity."""
+    pytest.importorskip("fastapi")
+    from serve_helpers import cli_server
+
+    starved = [a.replace("serve.time_scale=10", "serve.time_scale=1000") for a in SERVER]
+    with cli_server(tmp_path / "server", *starved) as (url, outcome):
+        code = main(["capacity", "--base-url", url, "--time-scale", "1000", "workload=synthetic",
+                     "output.progress=false", "output.mlflow=false", f"output.dir={tmp_path}",
+                     "capacity.duration_s=10", "capacity.start=2", "capacity.windows=1", "capacity.experiment=starved"])
+    assert code == 0 and outcome["code"] == 0, outcome["err"][-2000:]
+    out_dir = tmp_path / "capacity" / "starved"
+    table, probes = pd.read_csv(out_dir / "table.csv"), pd.read_csv(out_dir / "probes.csv")
+    assert list(table["status"]) == ["host-bound"] and "capacity_req_s" not in table
+    assert "behind its clock" in table["search"][0] and table["probes"][0] == 0  # the lone request showed it
+
+
+def test_a_probe_the_host_could_not_keep_up_with_is_run_again_then_not_counted(tmp_path, capsys, monkeypatch):
+    """The host check (stood in for: flagging every first attempt, then every probe from 4 req/s
+    up) reruns a flagged probe once; a probe flagged twice ends the search without counting it."""
+    pytest.importorskip("fastapi")
+    from serve_helpers import cli_server
+    from testbed.capacity import live
+
+    calls = []
+
+    def check(before, after, rows, slo):
+        if not rows:  # the lone request before any probe
+            return ""
+        calls.append(len(rows))
+        rate = len(rows) / 10
+        return "starved (stand-in)" if len(calls) % 2 or rate >= 4 else ""
+
+    monkeypatch.setattr(live, "host_check", check)
+    with cli_server(tmp_path / "server", *SERVER) as (url, outcome):
+        code = main(["capacity", "--base-url", url, "--time-scale", "10", "workload=synthetic",
+                     "output.progress=false", "output.mlflow=false", f"output.dir={tmp_path}",
+                     "capacity.duration_s=10", "capacity.start=2", "capacity.windows=1", "capacity.experiment=retry"])
+    assert code == 0 and outcome["code"] == 0, outcome["err"][-2000:]
+    out_dir = tmp_path / "capacity" / "retry"
+    table, probes = pd.read_csv(out_dir / "table.csv"), pd.read_csv(out_dir / "probes.csv")
+    assert list(probes["workload.rate"]) == [2, 4] and list(probes["attempts"]) == [2, 2]
+    assert probes["host_flag"].isna()[0] and probes["host_flag"][1] == "starved (stand-in)"
+    assert list(table["status"]) == ["host-bound"] and "capacity_req_s" not in table
+    assert table["search"][0] == "stopped: probe 1 host-bound at 4 req/s: starved (stand-in)"
+    assert (out_dir / "runs" / "000_base" / "00_rate=2_retry1" / "requests.csv").exists()
+
+
+def test_the_host_check_names_a_lagging_server_and_a_late_client():
+    from engine.metrics import SLO
+    from testbed.capacity.live import host_check
+
+    slo = SLO(ttft_s=4, tpot_s=0.2)
+    on_time = [{"arrival_s": t + 0.01, "scheduled_s": t} for t in range(20)]
+    assert host_check((0.0, 0.0), (4.0, 100.0), on_time, slo) == ""  # 40 ms per completion, under 50 ms
+    assert host_check(None, None, on_time, slo) == ""  # a server without the metric: only the client is checked
+    assert "behind its clock" in host_check((1.0, 10.0), (7.0, 110.0), on_time, slo)  # 60 ms per completion
+    late = [{"arrival_s": 1.2 * t, "scheduled_s": t} for t in range(20)]  # sends stretched by 20%
+    assert "the client sent at 83% of the offered rate" in host_check(None, None, late, slo)
+
+
+@pytest.mark.parametrize("answer, message", [
+    (None, "cannot reach --base-url"),
+    (404, "refused GET /v1/models with HTTP 404"),
+])
+def test_an_unreachable_or_refusing_base_url_is_one_error_line_before_any_probe(tmp_path, capsys, answer, message):
+    import http.server
+    import socket
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the handler's API)
+            self.send_response(answer)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = None
+    if answer is None:  # a port nothing listens on
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    else:
+        server = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
+        port = server.server_address[1]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        code = main(["capacity", "--base-url", f"http://127.0.0.1:{port}", "workload=synthetic",
+                     f"output.dir={tmp_path}", "capacity.duration_s=10"])
+    finally:
+        if server is not None:
+            server.shutdown()
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "\n" not in err and message in err, err
+    assert "no probe was sent" in err and not (tmp_path / "capacity").exists()
 
 
 def test_the_gllm_capacity_study_compares_capacities_with_the_verdict_rules(tmp_path, capsys):

@@ -108,16 +108,17 @@ def plan(overrides: Sequence[str], live: Any = None) -> Plan:
     out_dir = Path(specs[0].run.output.dir) / "capacity" / name
     if (out_dir / "table.csv").exists():
         raise ConfigError(f"capacity search {name!r} already exists at {out_dir}; choose another capacity.experiment=")
-    units = windows([settle(s, settings, live is None) for s in specs], settings)
+    if live is not None:
+        live.reach()
+    units = windows([settle(s, settings, live) for s in specs], settings)
     return Plan(name, settings, axes, units, out_dir, list(rest), live, dropped)
 
 
-def settle(spec: PointSpec, settings: CapacitySettings, simulated: bool = True) -> PointSpec:
-    """Before any probe: one request alone on the point (simulated), which sets the probe length
-    and prunes a point that does not fit or cannot meet the SLO at any rate."""
-    if not simulated:
-        return replace(spec, duration_s=probe_duration(settings, None))
-    u = unloaded(spec.run)
+def settle(spec: PointSpec, settings: CapacitySettings, live: Any = None) -> PointSpec:
+    """Before any probe: one request alone on the point (simulated, or served by the live
+    server), which sets the probe length and prunes a point that does not fit or cannot meet the
+    SLO at any rate."""
+    u = unloaded(spec.run) if live is None else live.unloaded(spec.run, heavy=not settings.duration_s)
     pruned = u.error or unloaded_miss(settings, spec.target, spec.run.settings.slo, u)
     return replace(spec, unloaded=u, pruned=pruned, duration_s=probe_duration(settings, u))
 
@@ -180,6 +181,8 @@ def _priced(spec: PointSpec, settings: CapacitySettings, user: set[str]) -> Poin
 
 # --- the searches as a sweep feed -----------------------------------------------------------------
 
+HOST_BOUND = "host-bound"  # a live probe that measured its starved host, not the server (live.py)
+
 def start_rate(run: RunSpec, settings: CapacitySettings) -> float:
     return settings.start or getattr(run.workload, "rate", None) or 1.0
 
@@ -198,6 +201,7 @@ class CapacityFeed(sweep.Feed):
         self.errors: dict[int, str] = {}  # point -> why its search stopped (a probe's run failed)
         self.owner: dict[int, int] = {}  # job index -> point
         self.probe_rows: dict[int, list[dict]] = {pt.index: [] for pt in p.points}
+        self.estimate_s: float | None = None  # a live search's time estimate (wall seconds)
 
     def initial(self) -> list[sweep.Job]:
         for pt in self.p.points:
@@ -216,12 +220,13 @@ class CapacityFeed(sweep.Feed):
 
     def follow(self, row: dict) -> list[sweep.Job]:
         pt = self.p.points[self.owner[row["point"]]]
-        if row.get("status") != "finished":
-            self.errors[pt.index] = str(row.get("error") or "the probe failed")
+        rate = row["workload.rate"]
+        if row.get("status") != "finished" or row.get("host_flag"):
+            self.errors[pt.index] = (f"{HOST_BOUND} at {rate:g} req/s: {row['host_flag']}" if row.get("host_flag")
+                                     else str(row.get("error") or "the probe failed"))
             self.probe_rows[pt.index].append(row)
             return []
         search = self.searches[pt.index]
-        rate = row["workload.rate"]
         metrics = results.judged(row, pt.run.settings.slo, self.p.settings.warmup_s, rate)
         value = metrics[self.p.settings.metric]
         steady = is_steady(metrics["backlog_growth"])
@@ -245,6 +250,8 @@ class CapacityFeed(sweep.Feed):
     def describe(self, row: dict, job: sweep.Job) -> str:
         point = self.owner[row["point"]]
         rate = row.get("workload.rate")
+        if row.get("host_flag"):
+            return f"point {point:>3} [yellow]{HOST_BOUND}[/yellow] {job.label}: {row['host_flag']}"
         if row.get("status") != "finished":
             return f"point {point:>3} [red]failed[/red] {job.label}: {str(row.get('error'))[:100]}"
         verdict = "[green]pass[/green]" if row["capacity.passed"] else "[red]fail[/red]"

@@ -63,8 +63,11 @@ def point_row(pt: Any, search: RateSearch, probe_rows: list[dict], error: str | 
                            "max_passed_req_s": out.max_passed, "rates": rates_text(search),
                            "violations": "; ".join(out.violations) or None}
     if pt.pruned:
-        row["status"] = "does not fit" if "does not fit" in pt.pruned else "misses the SLO unloaded"
-        row["search"] = "pruned before any probe"
+        row["status"] = ("does not fit" if "does not fit" in pt.pruned else "host-bound"
+                         if pt.pruned.startswith("host-bound") else "misses the SLO unloaded")
+        row["search"] = "pruned before any probe" if row["status"] != "host-bound" else pt.pruned
+    elif error and error.startswith("host-bound"):
+        row["status"], row["search"] = "host-bound", f"stopped: probe {len(probe_rows) - 1} {error}"
     elif error:
         row["status"] = "does not fit" if "does not fit" in error else "failed"
         row["search"] = f"stopped: probe {len(probe_rows) - 1} failed"
@@ -111,7 +114,7 @@ def rates_text(search: RateSearch) -> str:
 
 def probe_table(feed: Any, axes: list[str]) -> pd.DataFrame:
     keep = ("status", "error", "capacity.phase", "capacity.passed", "capacity.value", "capacity.steady", *JUDGED,
-            "backlog_growth", "window_s", "num_requests", "output_throughput_tok_s", "throughput_tok_s",
+            "backlog_growth", "host_flag", "attempts", "window_s", "num_requests", "output_throughput_tok_s", "throughput_tok_s",
             "num_finished", "num_failed", "run_id", "run_dir")
     rows = []
     for unit, probes in feed.probe_rows.items():
@@ -120,7 +123,7 @@ def probe_table(feed: Any, axes: list[str]) -> pd.DataFrame:
             metrics = r.get("capacity.metrics") or {}
             rows.append({"point": pt.group, "window": pt.window, "probe": k, **{a: r.get(a) for a in axes},
                          "workload.rate": r.get("workload.rate"), **{c: metrics.get(c, r.get(c)) for c in keep}})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=["point", "window", "probe", *axes, "workload.rate", *keep])
 
 
 def ranking(df: pd.DataFrame, axes: list[str]) -> pd.DataFrame | None:
@@ -172,6 +175,7 @@ def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
     from testbed.capacity.figure import plot_search
 
     df = collect(p, feed)
+    df.attrs["estimate_s"] = feed.estimate_s
     write_comparison(df, p.axes, p.out_dir, metrics=TABLE_METRICS, plots=False)
     probe_table(feed, p.axes).to_csv(p.out_dir / "probes.csv", index=False)
     ranked = ranking(df, p.axes)
@@ -182,7 +186,7 @@ def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
         plot_search(p, feed, p.out_dir / "capacity.png")
     summary = {"experiment": p.name, "axes": p.axes, "overrides": p.overrides, "settings": _settings(p),
                "points": [_point_json(pt, feed) for pt in p.points], "wall_s": wall,
-               "base_url": p.live.base_url if p.live is not None else None}
+               "base_url": p.live.base_url if p.live is not None else None, "estimate_s": feed.estimate_s}
     if interrupted:
         summary["interrupted"] = interrupted
     (p.out_dir / "capacity.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -217,6 +221,10 @@ def show(console: Any, p: Any, df: pd.DataFrame, ranked: pd.DataFrame | None, wa
     probes = int(df["probes"].sum()) if "probes" in df else 0
     print_table(console, df, p.axes, f"{p.name}: capacity per point ({probes} probes, {wall:.1f} s)",
                 metrics=PRINT_METRICS)
+    estimate = df.attrs.get("estimate_s")
+    if estimate:
+        console.print(f"the probes took {wall:.0f} s against the estimate of {estimate:.0f} s "
+                      f"({wall / estimate - 1:+.0%})", highlight=False)
     for _, r in df[df.get("search", pd.Series(dtype=str)) == "non-monotone"].iterrows():
         console.print(f"[yellow]non-monotone[/yellow] point {r['point']}: {r['violations']}; probes {r['rates']}",
                       highlight=False)
