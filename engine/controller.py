@@ -230,11 +230,15 @@ class Controller:
                 k += 1
         else:
             k += len(mb.decodes)
+        gaps = self.token_gaps
         for seq in mb.decodes:
             seq.in_flight = False
             seq.num_computed += 1
             n = seq.num_generated + 1
             seq.num_generated = n
+            if gaps is not None:
+                gaps.append(now - seq.last_token_s)
+            seq.last_token_s = now
             if n >= seq.output_len:
                 self._emit_finish(seq, now, finished)
         if tokens is not None and k != len(tokens):
