@@ -14,9 +14,10 @@ ranked by capacity per GPU and per dollar (testbed/capacity/results.py).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine.errors import ConfigError
 from testbed.capacity.settings import CapacitySettings
 from testbed.config.overrides import explicit_keys
 
@@ -36,6 +37,23 @@ def with_layout_axes(overrides: Sequence[str], settings: CapacitySettings) -> li
             if len(values) > 1:
                 out.append(f"{key}={','.join(map(str, values))}")
     return out
+
+
+def compose_points(points: Sequence[Any], settings: CapacitySettings,
+                   compose: Callable[[Any], Any]) -> tuple[list[Any], list[str]]:
+    """Every grid point composed; under a budget, a combination the simulator refuses (e.g.
+    `parallel.num_microbatches` above 2 x P, a TP that does not divide the heads) is skipped and
+    said why, since a search space crosses axes that not every layout accepts. Without a budget
+    it is the user's grid: the first refusal is the command's error."""
+    composed, refused = [], []
+    for pt in points:
+        try:
+            composed.append(compose(pt))
+        except ConfigError as exc:
+            if settings.gpus is None:
+                raise
+            refused.append(f"{pt.label}: {exc}")
+    return composed, refused
 
 
 def within(specs: Sequence[Any], settings: CapacitySettings) -> tuple[list[Any], int]:

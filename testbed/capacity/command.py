@@ -73,6 +73,7 @@ class Plan:
     overrides: list[str]
     live: Any = None  # testbed.capacity.live.LiveOptions with --base-url
     dropped: int = 0  # grid points over the GPU budget
+    refused: tuple[str, ...] = ()  # combinations of a budget search that the simulator refuses, and why
 
     @property
     def run0(self) -> RunSpec:
@@ -98,7 +99,8 @@ def plan(overrides: Sequence[str], live: Any = None) -> Plan:
         raise ConfigError("workload.rate is what `testbed capacity` searches: give one start with capacity.start=, "
                           "not a list")
     user = explicit_keys(rest)
-    specs, dropped = budget.within([_point_spec(pt, settings, user) for pt in points], settings)
+    composed, refused = budget.compose_points(points, settings, lambda pt: _point_spec(pt, settings, user))
+    specs, dropped = budget.within(composed, settings)
     if not specs:
         raise ConfigError(f"no configuration of the grid fits capacity.gpus={settings.gpus}; "
                           f"lower parallel.pp / parallel.tp or raise the budget")
@@ -111,7 +113,7 @@ def plan(overrides: Sequence[str], live: Any = None) -> Plan:
     if live is not None:
         live.reach()
     units = windows([settle(s, settings, live) for s in specs], settings)
-    return Plan(name, settings, axes, units, out_dir, list(rest), live, dropped)
+    return Plan(name, settings, axes, units, out_dir, list(rest), live, dropped, tuple(refused))
 
 
 def settle(spec: PointSpec, settings: CapacitySettings, live: Any = None) -> PointSpec:
@@ -138,7 +140,6 @@ def windows(specs: Sequence[PointSpec], settings: CapacitySettings) -> list[Poin
             key, value = next(iter(values.items()))
             unit = replace(spec, index=len(units), group=spec.index, window=w, run=run,
                            overrides=tuple(merge(spec.overrides, [f"{key}={value:g}"])) if w else spec.overrides,
-                           label=spec.label + (f" · w{w}" if settings.windows > 1 else ""),
                            dirname=spec.dirname + (f"/w{w}" if settings.windows > 1 else ""))
             units.append(replace(unit, max_requests=trace_rows(run)))
     return units
@@ -248,18 +249,18 @@ class CapacityFeed(sweep.Feed):
                    for pt, s in zip(self.p.points, self.searches))
 
     def describe(self, row: dict, job: sweep.Job) -> str:
-        point = self.owner[row["point"]]
+        pt = self.p.points[self.owner[row["point"]]]
+        where = job.label.rsplit(" @ ", 1)[0]
         rate = row.get("workload.rate")
         if row.get("host_flag"):
-            return f"point {point:>3} [yellow]{HOST_BOUND}[/yellow] {job.label}: {row['host_flag']}"
+            return f"point {pt.group:>3} [yellow]{HOST_BOUND}[/yellow] {job.label}: {row['host_flag']}"
         if row.get("status") != "finished":
-            return f"point {point:>3} [red]failed[/red] {job.label}: {str(row.get('error'))[:100]}"
+            return f"point {pt.group:>3} [red]failed[/red] {job.label}: {str(row.get('error'))[:100]}"
         verdict = "[green]pass[/green]" if row["capacity.passed"] else "[red]fail[/red]"
         growth = row["capacity.metrics"]["backlog_growth"]
         queue = "" if row["capacity.steady"] else f" [yellow]queue still growing ({growth:+.0%} of the rate)[/yellow]"
-        return (f"point {point:>3} probe {job.tags['capacity.probe']:>2} rate {rate:<8g} {verdict} "
-                f"{self.p.settings.metric} {row['capacity.value']:.4g} ({row['capacity.phase']}){queue} "
-                f"{self.p.points[point].label}")
+        return (f"point {pt.group:>3} probe {job.tags['capacity.probe']:>2} rate {rate:<8g} {verdict} "
+                f"{self.p.settings.metric} {row['capacity.value']:.4g} ({row['capacity.phase']}){queue} {where}")
 
 
 def probe_requests(p: Plan, pt: PointSpec, rate: float) -> int:
@@ -272,7 +273,8 @@ def probe_requests(p: Plan, pt: PointSpec, rate: float) -> int:
 def probe_job(p: Plan, pt: PointSpec, rate: float, k: int, index: int, parent_run_id: str | None) -> sweep.Job:
     """Probe k of a point: its config with `workload.rate` and the request count set."""
     values: dict[str, Any] = {"workload.rate": rate, "workload.num_requests": probe_requests(p, pt, rate)}
-    return sweep.Job(index=index, spec=pt.run.with_values(values), label=f"{pt.label} @ {rate:g} req/s", axes=(*p.axes, "workload.rate"),
+    where = f"{pt.label} · w{pt.window}" if p.settings.windows > 1 else pt.label
+    return sweep.Job(index=index, spec=pt.run.with_values(values), label=f"{where} @ {rate:g} req/s", axes=(*p.axes, "workload.rate"),
                      axis_values={**pt.axis_values, "workload.rate": rate}, experiment=p.name,
                      parent_run_id=parent_run_id,
                      run_dir=str(p.out_dir / "runs" / pt.dirname / f"{k:02d}_rate={rate:g}"),
@@ -342,10 +344,13 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
     what = f"{s.criterion}: {', '.join(s.describe(t) for t in targets)}"
     spread = (f" x {s.windows} {'trace windows' if hasattr(p.run0.workload, 'start_s') else 'seeds'}"
               if s.windows > 1 else "")
-    budget_text = f"; GPU budget {s.gpus} ({p.dropped} over it dropped)" if s.gpus else ""
+    budget_text = (f"; GPU budget {s.gpus} ({p.dropped} over it dropped, {len(p.refused)} invalid skipped)"
+                   if s.gpus else "")
     console.print(f"capacity [bold]{p.name}[/bold]: {len(p.groups)} point(s){spread} over {over}{budget_text}; "
                   f"{what}; precision {s.precision:.0%}; each probe {s.probe_text([pt.duration_s for pt in p.points])}; "
                   f"~{feed.planned()} probes planned; {s.resolved_workers} worker(s)", highlight=False)
+    for why in p.refused[:3]:
+        console.print(f"[yellow]skipped[/yellow] {why}", highlight=False)
     for pt in p.groups:
         if pt.pruned:
             console.print(f"[yellow]pruned[/yellow] point {pt.group} {pt.label}: {pt.pruned}", highlight=False)

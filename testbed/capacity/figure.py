@@ -30,6 +30,7 @@ def plot_search(p: Any, feed: Any, path: Path) -> Path | None:
         cap = search.outcome().capacity
         label = pt.label if pt.label != "base" else "capacity"
         label += f": {cap:g} req/s" if cap is not None else ": none"
+        label += f" (w{pt.window})" if p.settings.windows > 1 else ""
         ax.plot([pr.rate for pr in probes], [pr.value for pr in probes], color=color, lw=1, alpha=0.7, label=label,
                 ls=WINDOW_STYLES[pt.window % len(WINDOW_STYLES)])
         passed = [pr for pr in probes if pr.passed]
