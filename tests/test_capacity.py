@@ -445,9 +445,11 @@ def test_the_ranking_says_which_deployments_it_cannot_tell_apart():
 
     df = pd.DataFrame({"point": [0, 1, 2], "hardware": ["a", "b", "c"], "status": "finished", "gpus": [1, 1, 2],
                        "capacity_req_s": [4.0, 3.8, 2.0], "capacity_min_req_s": [3.5, 3.0, 1.5],
-                       "capacity_max_req_s": [4.5, 3.9, 2.2], "capacity_per_gpu": [4.0, 3.8, 1.0]})
+                       "capacity_max_req_s": [4.5, 3.9, 2.2], "capacity_per_gpu": [4.0, 3.8, 1.0],
+                       "req_per_dollar": [3600.0, 13680.0, 3000.0]})  # USD 4, 1 and 1.2 per GPU-hour
     r = ranking(df, ["hardware"])
     assert list(r["hardware"]) == ["a", "b", "c"] and list(r["ties"]) == ["2", "1", ""]
+    assert list(r["rank_by_cost"]) == [2, 1, 3] and list(r["ties_by_cost"]) == ["3", "", "2"]  # a and c overlap
 
 
 def test_the_percentile_criteria_and_the_sarathi_preset():

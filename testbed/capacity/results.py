@@ -135,22 +135,23 @@ def ranking(df: pd.DataFrame, axes: list[str]) -> pd.DataFrame | None:
     cols = ["point", *axes, *[c for c in RANK_COLUMNS if c in df.columns]]
     ranked = df[df["status"] == "finished"].sort_values("capacity_per_gpu", ascending=False)[cols].copy()
     ranked.insert(0, "rank", range(1, len(ranked) + 1))
-    ranked["ties"] = _ties(ranked, "capacity_per_gpu")
+    ranked["ties"] = _ties(ranked, "capacity_per_gpu", "rank")
     if "req_per_dollar" in ranked and ranked["req_per_dollar"].notna().any():
         ranked["rank_by_cost"] = ranked["req_per_dollar"].rank(ascending=False, method="min")
+        ranked["ties_by_cost"] = _ties(ranked, "req_per_dollar", "rank_by_cost")
     rest = df[df["status"] != "finished"][cols + (["error"] if "error" in df.columns else [])]
     return pd.concat([ranked, rest], ignore_index=True)
 
 
-def _ties(ranked: pd.DataFrame, key: str) -> list[str]:
-    """Per row, the ranks whose [min, max] capacity over the windows (scaled like `key`) overlaps its own."""
+def _ties(ranked: pd.DataFrame, key: str, rank: str) -> list[str]:
+    """Per row, the `rank`s whose [min, max] capacity over the windows (scaled like `key`) overlaps its own."""
     if "capacity_min_req_s" not in ranked:
         return [""] * len(ranked)
     scale = ranked[key] / ranked["capacity_req_s"]
     lo, hi = ranked["capacity_min_req_s"] * scale, ranked["capacity_max_req_s"] * scale
     out = []
     for i in range(len(ranked)):
-        same = [str(ranked["rank"].iloc[j]) for j in range(len(ranked))
+        same = [f"{ranked[rank].iloc[j]:g}" for j in range(len(ranked))
                 if j != i and lo.iloc[i] <= hi.iloc[j] and lo.iloc[j] <= hi.iloc[i]]
         out.append(", ".join(same))
     return out
@@ -232,10 +233,11 @@ def show(console: Any, p: Any, df: pd.DataFrame, ranked: pd.DataFrame | None, wa
         from rich.table import Table
 
         ranked = ranked.drop(columns=["error"], errors="ignore")
-        ties = [f"{r['rank']:g} ~ {r['ties']}" for _, r in ranked.iterrows() if isinstance(r.get("ties"), str) and r["ties"]]
-        if ties:
-            console.print("not distinguishable (capacity ranges over the windows overlap): rank " + "; ".join(ties),
-                          highlight=False)
+        for col, rank, what in (("ties", "rank", "per GPU"), ("ties_by_cost", "rank_by_cost", "per dollar")):
+            ties = [f"{r[rank]:g} ~ {r[col]}" for _, r in ranked.iterrows() if isinstance(r.get(col), str) and r[col]]
+            if ties:
+                console.print(f"not distinguishable {what} (capacity ranges over the windows overlap): rank "
+                              + "; ".join(ties), highlight=False)
 
         t = Table(title="deployment ranking (capacity per GPU; requests per dollar where priced)")
         for c in ranked.columns:
