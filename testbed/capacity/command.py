@@ -1,11 +1,15 @@
 """`testbed capacity`: per grid point, the highest request rate that meets an SLO criterion.
 
-    testbed capacity policy=gllm,vllm,sarathi workload=azure workload.num_requests=200
+    testbed capacity policy=gllm,vllm,sarathi workload=azure
     testbed capacity hardware=a100-80g,h100-80g parallel.pp=2,4 model=llama2-70b capacity.price.a100-80g=1.8
+    testbed capacity capacity.gpus=4 model=llama2-70b hardware=h100-80g,l20-48g
     testbed capacity --base-url http://127.0.0.1:8000 workload=azure capacity.duration_s=60
 
-The grid is `testbed compare`'s (comma lists are axes, `compare.grid`); every point runs its own
-search (testbed/capacity/search.py) whose probes are ordinary runs at `workload.rate=<r>`, through
+The grid is `testbed compare`'s (comma lists are axes, `compare.grid`; under `capacity.gpus` a
+configuration search, testbed/capacity/budget.py). Before any probe each point serves one request
+alone (testbed/capacity/steady.py: the probe length, pruning), then runs its own search
+(testbed/capacity/search.py) in each of `capacity.windows` trace windows or seeds, whose probes
+are ordinary runs at `workload.rate=<r>`, through
 the shared sweep runner (testbed/sweep/jobs.py): `capacity.workers` processes, one MLflow run per probe
 (tags `capacity.point`, `capacity.probe`) beside one summary run (tag `testbed.kind=capacity`),
 Ctrl-C / SIGTERM ending the runs KILLED with the results so far written (exit 130 / 143). The
@@ -13,8 +17,8 @@ searches of different points run side by side; one point's probes run one after 
 each depends on the last. With `--base-url` the probe is `testbed bench serve` against that server
 (testbed/capacity/live.py), one probe at a time.
 
-Output: `<output.dir>/capacity/<experiment>/` with `table.csv` / `table.md` (one row per point),
-`probes.csv` (every probe), `capacity.json`, `capacity.png` (the criterion against the rate per
+Output: `<output.dir>/capacity/<experiment>/` with `table.csv` / `table.md` (one row per point:
+the median capacity over its windows and their range), `probes.csv` (every probe), `capacity.json`, `capacity.png` (the criterion against the rate per
 point, capacity marked), `ranking.csv` / `ranking.md` when hardware, P, TP or the model is an axis,
 and `runs/<point>/<probe>/` (each probe's run directory). The last line printed is the directory.
 """
@@ -120,7 +124,7 @@ def settle(spec: PointSpec, settings: CapacitySettings, live: Any = None) -> Poi
     """Before any probe: one request alone on the point (simulated, or served by the live
     server), which sets the probe length and prunes a point that does not fit or cannot meet the
     SLO at any rate."""
-    u = unloaded(spec.run) if live is None else live.unloaded(spec.run, heavy=not settings.duration_s)
+    u = unloaded(spec.run) if live is None else live.unloaded(spec.run)
     pruned = u.error or unloaded_miss(settings, spec.target, spec.run.settings.slo, u)
     return replace(spec, unloaded=u, pruned=pruned, duration_s=probe_duration(settings, u))
 

@@ -10,9 +10,9 @@ Times are in the server's seconds: with `--time-scale K` (a server whose clock r
 `testbed serve executor=sim serve.time_scale=K`) a probe takes 1/K of its simulated duration.
 
 Before any probe the server must answer `GET /v1/models` (else one `error:` line, exit 2), and it
-serves the workload's lightest request alone (and its longest, which sets the steady-state probe
-length when `capacity.duration_s` is not given), so that a point that cannot meet the SLO at any
-rate is said so at once. Each probe then checks its host: that the server kept up with its clock
+serves the workload's lightest request alone and then its longest (which sets the steady-state
+probe length when `capacity.duration_s` is not given, and the drain in the time estimate), so
+that a point that cannot meet the SLO at any rate is said so at once. Each probe then checks its host: that the server kept up with its clock
 (the paced simulator's `testbed_clock_lag_seconds` over `testbed_clock_completions` on /metrics:
 mean lateness per completion at most `LAG_LIMIT` x slo.tpot_s; servers without the metric are not
 checked: a lateness L delays a token by L, so it moves TTFT by L and a time between tokens by at
@@ -92,15 +92,15 @@ class LiveOptions:
             raise TestbedError(f"--base-url {self.base_url} refused GET /v1/models with HTTP {resp.status_code}; "
                                f"an OpenAI-compatible server answers it (no probe was sent)")
 
-    def unloaded(self, run: Any, heavy: bool) -> Unloaded:
-        """The workload's lightest (and, with `heavy`, longest) request served alone, in the server's seconds."""
+    def unloaded(self, run: Any) -> Unloaded:
+        """The workload's lightest and longest request served alone, in the server's seconds (the
+        longest sets the steady-state probe length and the drain in the time estimate)."""
         from testbed.bench.serve import replay, request_rows
         from workloads.base import build_workload
 
         requests = build_workload(run.workload, run.data_dir)
-        picks = [min(requests, key=lambda r: (r.output_len < 2, r.prompt_len, r.output_len))]
-        if heavy:
-            picks.append(max(requests, key=lambda r: (r.output_len, r.prompt_len)))
+        picks = [min(requests, key=lambda r: (r.output_len < 2, r.prompt_len, r.output_len)),
+                 max(requests, key=lambda r: (r.output_len, r.prompt_len))]
         rows = []
         before = clock_lag(self.base_url)
         for r in picks:
@@ -112,7 +112,7 @@ class LiveOptions:
                 raise TestbedError(f"--base-url {self.base_url} failed one request served alone: {row['fail_reason']}")
             rows.append(row)
         starved = host_check(before, clock_lag(self.base_url), [], run.settings.slo)
-        return Unloaded(rows[0]["ttft_s"], rows[0]["tpot_s"], rows[-1]["e2el_s"] if heavy else math.nan,
+        return Unloaded(rows[0]["ttft_s"], rows[0]["tpot_s"], rows[-1]["e2el_s"],
                         f"{HOST_BOUND} before any probe: {starved}" if starved else None)
 
     def feed(self, p: Any, parent: sweep.ParentRun) -> LiveFeed:

@@ -35,7 +35,9 @@ PRICE_PREFIX = "price."  # capacity.price.<hardware>=<USD per GPU-hour>
 class CapacitySettings:
     """One search per grid point: bracket (x`growth` from `start`), then bisect until the bracket
     is within `precision` (relative), then `confirm` probe(s) above the bracket to catch a
-    non-monotone curve. `duration_s` / `warmup_s` size each probe in (server) seconds."""
+    non-monotone curve. `duration_s` / `warmup_s` size each probe in (server) seconds (by default
+    the steady-state length, testbed/capacity/steady.py); `windows` repeats the search on other
+    stretches of a trace (or seeds); `gpus` makes it a configuration search within that budget."""
 
     criterion: str = setting("attainment", choices=CRITERIA)
     target: float | None = setting(None, gt=0)  # None: 0.8 attainment, or slo.tpot_s / slo.ttft_s
