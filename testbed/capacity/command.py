@@ -207,6 +207,7 @@ class CapacityFeed(sweep.Feed):
         self.owner: dict[int, int] = {}  # job index -> point
         self.probe_rows: dict[int, list[dict]] = {pt.index: [] for pt in p.points}
         self.estimate_s: float | None = None  # a live search's time estimate (wall seconds)
+        self.measured_estimate_s: float | None = None  # ... and the one from its first probe's wall time
 
     def initial(self) -> list[sweep.Job]:
         for pt in self.p.points:

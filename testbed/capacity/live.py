@@ -166,6 +166,22 @@ class LiveFeed(CapacityFeed):
         super().__init__(p, parent)
         self.live = live
         self.estimate_s = live.estimate_s(p, self)
+        self.walls: list[float] = []  # wall seconds of each probe done
+        self.left_s = self.estimate_s
+
+    def follow(self, row: dict) -> list[sweep.Job]:
+        """The search's next probe, and the time left re-estimated from the probes' measured walls
+        (the first such estimate is kept: `measured_estimate_s`)."""
+        jobs = super().follow(row)
+        self.walls.append(float(row.get("wall_s") or 0.0))
+        per = sum(self.walls) / len(self.walls)
+        self.left_s = per * max(0, self.planned() - len(self.walls))
+        if len(self.walls) == 1:
+            self.measured_estimate_s = sum(self.walls) + self.left_s
+        return jobs
+
+    def describe(self, row: dict, job: sweep.Job) -> str:
+        return super().describe(row, job) + f" · ~{self.left_s:.0f} s left"
 
     def run(self, job: sweep.Job) -> dict:
         """The probe; run again (up to capacity.retries times) while its host check fails."""
