@@ -397,7 +397,7 @@ def test_a_probe_is_long_enough_to_reach_a_steady_state_and_the_l20_case_is_answ
     assert l20.pruned.startswith("misses the SLO unloaded: the lightest request alone has TPOT 0.22")
     assert "does not fit" in by[("l20-48g", 2, 0)].pruned
     h100 = by[("h100-80g", 4, 0)]
-    assert h100.pruned is None and h100.duration_s == max(300.0, math.ceil(4 * h100.unloaded.e2e_s / 10) * 10)
+    assert h100.pruned is None and h100.duration_s == max(300.0, math.ceil(8 * h100.unloaded.e2e_s / 10) * 10)
 
 
 def test_capacity_over_windows_is_their_median_with_its_range(tmp_path, capsys):

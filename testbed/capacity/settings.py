@@ -49,7 +49,7 @@ class CapacitySettings:
     max_probes: int = setting(20, min=2, max=200)  # per point
     confirm: int = setting(1, min=0, max=5)  # probes above the bracket after it converged
     duration_s: float | None = setting(None, gt=0)  # None: the steady-state length (below); else seconds of arrivals
-    steady_factor: float = setting(4.0, min=1, max=100)  # auto length: this x the longest request's unloaded E2E
+    steady_factor: float = setting(8.0, min=1, max=100)  # auto length: this x the longest request's unloaded E2E
     min_duration_s: float = setting(300.0, gt=0)  # auto length: at least this many seconds of arrivals
     warmup_s: float = setting(0.0, min=0)  # requests arriving earlier are sent but not judged
     windows: int = setting(3, min=1, max=20)  # trace windows (offsets) or seeds per point

@@ -4,8 +4,9 @@ before any probe.
 A probe that is too short measures a burst: on llama2-70b / 4 x H100 a 500-request Azure probe
 (40 s of arrivals) passed at 12.53 req/s while the deployment served about half the offered
 tokens; with 600 s of arrivals the capacity was 7.34 req/s. So a probe's length is set by time
-(`capacity.duration_s`, by default `steady_factor` x the end-to-end time of the workload's longest
-request served alone, at least `min_duration_s`), and every probe is checked: the queue (requests
+(`capacity.duration_s`, by default `steady_factor` (8) x the end-to-end time of the workload's
+longest request served alone, at least `min_duration_s`; with 4 the main setup's capacities moved
+by 18-25% when the probes doubled, with 8 by 1-9%), and every probe is checked: the queue (requests
 arrived and still without their first token), sampled at each arrival of the second half of the
 judged window, must not grow by more than `BACKLOG_GROWTH_LIMIT` of the arrival rate (and by more
 than `MIN_QUEUE_RISE` requests over that half). A queue that still grows at the end is an overload

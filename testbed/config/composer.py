@@ -65,8 +65,8 @@ DEFAULTS = {"policy": "gllm", "workload": "azure", "executor": "sim", "hardware"
 # 4 x L20-48GB, fitted `l20-48g` profile). At the trace's own pace it offers 4.7 req/s, a backlog.
 # 0.8 req/s is where gLLM meets its SLO on the run's 2,000 requests: 81.7% attainment (TTFT <= 4 s,
 # TPOT <= 0.2 s), mean TTFT 1.8 s, mean TPOT 0.17 s; 1.5 req/s, the default of earlier versions,
-# gave 21%. `testbed capacity policy=gllm workload=azure` puts gLLM's capacity at 1.18 req/s, the
-# median of three 460 s stretches of the trace (0.75-1.55). `workload.rate=null` replays the timestamps.
+# gave 21%. `testbed capacity policy=gllm workload=azure` puts gLLM's capacity at 0.88 req/s, the
+# median of three 910 s stretches of the trace (0.80-1.07). `workload.rate=null` replays the timestamps.
 GROUP_DEFAULTS = {"workload": {"azure": {"rate": 0.8}}}
 GROUP_KINDS = {"policy": "policy", "workload": "workload", "executor": "executor", "hardware": "hardware",
                "model": "model"}
