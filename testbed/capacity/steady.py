@@ -1,9 +1,9 @@
 """How long a probe runs, whether it reached a steady state, and what one unloaded request says
 before any probe.
 
-A probe that is too short measures a burst: on llama2-70b / 4 x H100 a 500-request Azure probe
-(40 s of arrivals) passed at 12.53 req/s while the deployment served about half the offered
-tokens; with 600 s of arrivals the capacity was 7.34 req/s. So a probe's length is set by time
+A probe that is too short measures a burst: on llama2-70b / 4 x H100 500-request Azure probes
+(40 s of arrivals) gave a capacity of 12.53 req/s, 1,000-request probes 8.125, steady-state
+probes 7.6 (docs/capacity.md). So a probe's length is set by time
 (`capacity.duration_s`, by default `steady_factor` (8) x the end-to-end time of the workload's
 longest request served alone, at least `min_duration_s`; with 4 the main setup's capacities moved
 by 18-25% when the probes doubled, with 8 by 1-9%), and every probe is checked: the queue (requests
