@@ -78,6 +78,9 @@ class Controller:
         self.num_finished = 0
         self.num_failed = 0
         self.num_preemptions = 0
+        # time between consecutive output tokens of a sequence (TBT / ITL); None: not kept (a server's
+        # controller, which would otherwise grow by one float per token for as long as it serves)
+        self.token_gaps: list[float] | None = []
         self.waiting_prefill_tokens = 0  # sum of remaining_prefill over `waiting`, kept incrementally
         self._next_arrival = 0
         self._next_mb_id = 0
@@ -227,11 +230,15 @@ class Controller:
                 k += 1
         else:
             k += len(mb.decodes)
+        gaps = self.token_gaps
         for seq in mb.decodes:
             seq.in_flight = False
             seq.num_computed += 1
             n = seq.num_generated + 1
             seq.num_generated = n
+            if gaps is not None:
+                gaps.append(now - seq.last_token_s)
+            seq.last_token_s = now
             if n >= seq.output_len:
                 self._emit_finish(seq, now, finished)
         if tokens is not None and k != len(tokens):
@@ -263,6 +270,9 @@ class Controller:
         seq.num_generated += 1
         if seq.first_token_s is None:
             seq.first_token_s = now
+        elif self.token_gaps is not None:
+            self.token_gaps.append(now - seq.last_token_s)
+        seq.last_token_s = now
         if seq.num_generated >= seq.output_len:
             self._emit_finish(seq, now, finished)
         elif seq.status is not SeqStatus.DECODING:  # its prompt is done: PREFILLING -> DECODING
@@ -354,6 +364,7 @@ class Controller:
         self.sequences = {r.request_id: s for r, s in ((s.request, s) for s in self.sequences.values())
                           if r in self.requests}  # an offline run's own requests stay
         self.records = []
+        self.token_gaps = None if self.token_gaps is None else []
         self.num_finished = self.num_failed = self.num_preemptions = 0
         self._active_since = self.first_launch_s = self.last_complete_s = None
         self.active_time = 0.0

@@ -25,9 +25,9 @@ SUMMARY_KEYS = (
     "num_requests", "num_finished", "num_failed", "duration_s", "throughput_tok_s",
     "output_throughput_tok_s", "request_throughput", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
     "tpot_mean_s", "tpot_p50_s", "tpot_p99_s", "e2el_mean_s", "e2el_p50_s", "e2el_p99_s",
-    "slo_attainment", "bubble_ratio", "stage_bubble_ratio", "stage_utilization", "num_preemptions",
-    "num_microbatches", "mean_tokens_per_microbatch", "kv_usage_mean", "kv_usage_max",
-    "trace_spans_dropped",
+    "itl_mean_s", "itl_p50_s", "itl_p99_s", "slo_attainment", "bubble_ratio", "stage_bubble_ratio",
+    "stage_utilization", "num_preemptions", "num_microbatches", "mean_tokens_per_microbatch", "kv_usage_mean",
+    "kv_usage_max", "trace_spans_dropped",
 )
 
 
@@ -82,6 +82,7 @@ def summarize(ctrl: Controller, slo: SLO, stage_tracks: list[str]) -> dict:
     tt = _stats(ttft)
     tp = _stats(tpot)
     ee = _stats(e2el)
+    itl = _stats(np.asarray(ctrl.token_gaps or (), dtype=float))
     summary = {
         "num_requests": n,
         "num_finished": len(fin),
@@ -93,6 +94,7 @@ def summarize(ctrl: Controller, slo: SLO, stage_tracks: list[str]) -> dict:
         "ttft_mean_s": tt[0], "ttft_p50_s": tt[1], "ttft_p99_s": tt[2],
         "tpot_mean_s": tp[0], "tpot_p50_s": tp[1], "tpot_p99_s": tp[2],
         "e2el_mean_s": ee[0], "e2el_p50_s": ee[1], "e2el_p99_s": ee[2],
+        "itl_mean_s": itl[0], "itl_p50_s": itl[1], "itl_p99_s": itl[2],  # time between tokens (TBT), all tokens
         "slo_attainment": ok / n if n else 0.0,
         "bubble_ratio": float(np.mean(bubbles)) if bubbles else 0.0,
         "stage_bubble_ratio": bubbles,

@@ -14,6 +14,11 @@ applied, or the last arrival: `arrival()` stamps a submitted request), as in `te
 measured at time_scale 1 on the loaded 2-core machine, stamping launches with the wall clock
 instead stretched the simulated TPOT by 2%, and by 13% at time_scale 4.
 `wake()`, from any thread, cuts a wait short (a new arrival or an abort needs the loop).
+
+`lag_s` / `handed`: how late, summed in simulated seconds, completions reached the controller
+after their simulated time, and how many did. Lateness is latency a client sees that the
+simulated cluster did not cause: a host too busy to run this thread on time (measured by
+`testbed capacity --base-url` through `/metrics`, testbed/capacity/live.py).
 """
 from __future__ import annotations
 
@@ -37,6 +42,8 @@ class PacedExecutor(Executor):
         self._ready: deque[Completion] = deque()
         self._last_arrival = 0.0
         self._wake = threading.Event()
+        self.lag_s = 0.0  # sum of (clock - simulated time) over the completions handed out
+        self.handed = 0
 
     # --- clock -------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -95,10 +102,16 @@ class PacedExecutor(Executor):
         self.inner.wait_until(max(self.inner.now(), self._last_arrival))
         self.inner.launch(mb)
 
+    def _hand(self) -> Completion:
+        c = self._ready.popleft()
+        self.lag_s += max(0.0, self.now() - c.time_s)
+        self.handed += 1
+        return c
+
     def next_completion(self, deadline: float | None = None) -> Completion | None:
         while True:
             if self._ready:
-                return self._ready.popleft()
+                return self._hand()
             target = self.inner.peek_time()
             if target is None or (deadline is not None and target > deadline):
                 if deadline is None:
@@ -106,7 +119,7 @@ class PacedExecutor(Executor):
                 target = deadline
             if not self._sleep_until(target):  # woken: apply what is due, let the caller look
                 self._catch_up(self.now())
-                return self._ready.popleft() if self._ready else None
+                return self._hand() if self._ready else None
             self._catch_up(target)
             if not self._ready and deadline is not None and target >= deadline:
                 return None

@@ -116,6 +116,7 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
+    last_token_s: float | None = None  # when its latest output token was sampled (the time between tokens)
     finish_s: float | None = None
     fail_reason: str | None = None
     output_token_ids: list[int] = field(default_factory=list)

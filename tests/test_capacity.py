@@ -19,7 +19,7 @@ from testbed.cli import main
 # llama2-13b does not fit one 24 GiB RTX 4090 (pp=1) but fits two (pp=2)
 # 10 s of arrivals per probe (the request count grows with the rate), a 10% precision: few, small probes
 BASE = ["workload=synthetic", "model=llama2-13b", "hardware=rtx4090", "output.progress=false",
-        "capacity.precision=0.1", "capacity.duration_s=10", "capacity.start=2"]
+        "capacity.precision=0.1", "capacity.duration_s=10", "capacity.start=2", "capacity.windows=1"]
 
 
 def drive(search: RateSearch, passes) -> RateSearch:
@@ -158,6 +158,9 @@ def test_two_workers_search_points_side_by_side(tmp_path, capsys):
     (["workload.arrival=offline"], "workload.arrival=offline has no request rate to search"),
     (["--time-scale", "10"], "--time-scale is an option of a live search; add --base-url URL"),
     (["--base-url", "http://127.0.0.1:9"], "model=llama2-13b: with --base-url the server's own policy, model"),
+    (["capacity.criterion=tbt_p99", "capacity.warmup_s=5"], "invalid capacity.warmup_s=5 with capacity.criterion"),
+    (["capacity.gpus=1", "parallel.pp=2"], "no configuration of the grid fits capacity.gpus=1"),
+    (["capacity.steady_factor=0.5"], "invalid capacity.steady_factor=0.5"),
 ])
 def test_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     code = main(["capacity", *BASE, f"output.dir={tmp_path}", *args])
@@ -167,41 +170,138 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, args, message):
 
 
 SERVER = ["executor=sim", "model=llama2-13b", "hardware=rtx4090", "parallel.pp=2", "policy=sarathi",
-          "serve.time_scale=10", "output.mlflow=false", "output.plots=false"]
+          "output.mlflow=false", "output.plots=false"]
+
+
+def live_search(tmp_path, experiment: str, scale: int = 10, *extra: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """`testbed capacity --base-url` against `testbed serve executor=sim serve.time_scale=<scale>`,
+    10 s of arrivals per probe from 2 req/s, one window: (table, probes)."""
+    pytest.importorskip("fastapi")
+    from serve_helpers import cli_server
+
+    with cli_server(tmp_path / "server", *SERVER, f"serve.time_scale={scale}") as (url, outcome):
+        code = main(["capacity", "--base-url", url, "--time-scale", str(scale), "workload=synthetic",
+                     "output.progress=false", f"output.dir={tmp_path}", "capacity.duration_s=10", "capacity.start=2",
+                     "capacity.windows=1", f"capacity.experiment={experiment}", *extra])
+    assert code == 0 and outcome["code"] == 0, outcome["err"][-2000:]
+    out_dir = tmp_path / "capacity" / experiment
+    return pd.read_csv(out_dir / "table.csv"), pd.read_csv(out_dir / "probes.csv")
 
 
 def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
     """`--base-url` against `testbed serve executor=sim` (10x its simulated clock): the same search,
     each probe a `testbed bench serve` run logged beside the summary run."""
-    pytest.importorskip("fastapi")
     from mlflow.tracking import MlflowClient
-    from serve_helpers import cli_server
 
     fresh_mlflow_db(tmp_path)
-    with cli_server(tmp_path / "server", *SERVER) as (url, outcome):
-        code = main(["capacity", "--base-url", url, "--time-scale", "10", "workload=synthetic",
-                     "output.progress=false", f"output.dir={tmp_path}", "output.requests=true", "capacity.precision=0.1",
-                     "capacity.duration_s=10", "capacity.start=2", "capacity.max_probes=6", "capacity.experiment=live"])
-    assert code == 0 and outcome["code"] == 0, outcome["err"][-2000:]
-    out_dir = tmp_path / "capacity" / "live"
-    table, probes = pd.read_csv(out_dir / "table.csv"), pd.read_csv(out_dir / "probes.csv")
+    table, probes = live_search(tmp_path, "live", 10, "capacity.precision=0.1", "capacity.max_probes=6",
+                                "output.requests=true")
     assert len(table) == 1 and table["probes"][0] == len(probes) <= 6
+    if table["status"][0] == "host-bound" and probes.empty:  # a busy shared machine: flagged, never a capacity
+        assert table["search"][0].startswith("host-bound before any probe") and "capacity_req_s" not in table
+        return
     assert (probes["status"] == "finished").all()
-    for _, p in probes.iterrows():  # each probe sent rate x 10 s of requests, and judged what came back
+    flagged = probes["host_flag"].fillna("").astype(bool)  # a busy shared machine may starve client or server
+    assert not flagged.iloc[:-1].any() and (table["status"][0] == "host-bound") == flagged.iloc[-1]
+    for (_, p), flag in zip(probes.iterrows(), flagged):  # each sent rate x 10 s of requests, judged what came back
         assert len(pd.read_csv(Path(p["run_dir"]) / "requests.csv")) == math.ceil(p["workload.rate"] * 10)
-        assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8)
+        if not flag:
+            assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8 and p["capacity.steady"])
     if table["status"][0] == "finished":
         assert probes.set_index("workload.rate").loc[table["capacity_req_s"][0], "capacity.passed"]
     client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("live").experiment_id])
     parent = next(r for r in runs if r.data.tags.get("testbed.kind") == "capacity")
-    assert parent.data.tags["capacity.base_url"] == url
+    assert parent.data.tags["capacity.base_url"].startswith("http://127.0.0.1:")
     served = [r for r in runs if r.data.tags.get("mode") == "bench-serve"]
-    assert sorted(r.info.run_id for r in served) == sorted(probes["run_id"])
+    assert set(probes["run_id"]) <= {r.info.run_id for r in served} and len(served) == probes["attempts"].sum()
     assert all(r.data.tags["testbed.parent_run"] == parent.info.run_id and r.info.status == "FINISHED" for r in served)
     # tagged with the server's set-up, not the client's defaults (issue 40 item 3)
     assert {(r.data.tags["policy"], r.data.tags["model"], r.data.tags["hardware"], r.data.tags["pp"]) for r in served} == {
         ("sarathi", "llama2-13b", "rtx4090", "2")}
+
+
+def test_a_starved_server_is_flagged_never_a_capacity(tmp_path, capsys):
+    """A simulated cluster served 1000x faster than real time: its clock runs ahead of what this
+    host can simulate (a micro-batch of ~30 simulated ms is 30 us of wall time), so already the
+    lone request served before any probe finds it behind its clock: host-bound, no capacity."""
+    table, probes = live_search(tmp_path, "starved", 1000, "output.mlflow=false")
+    assert list(table["status"]) == ["host-bound"] and "capacity_req_s" not in table and probes.empty
+    assert table["search"][0].startswith("host-bound before any probe: the server ran")
+    assert "behind its clock" in table["search"][0]
+
+
+def test_a_probe_the_host_could_not_keep_up_with_is_run_again_then_not_counted(tmp_path, capsys, monkeypatch):
+    """The host check (stood in for: flagging all but the second attempt at the first probe)
+    reruns a flagged probe once; a probe flagged twice ends the search without counting it."""
+    from testbed.capacity import live
+
+    calls = []
+
+    def check(before, after, rows, slo):
+        if not rows:  # the lone request before any probe
+            return ""
+        calls.append(len(rows))
+        return "" if len(calls) == 2 else "starved (stand-in)"
+
+    monkeypatch.setattr(live, "host_check", check)
+    table, probes = live_search(tmp_path, "retry", 10, "output.mlflow=false")
+    second = probes["workload.rate"][1]  # 4 or 1 req/s, as the first probe passed or failed
+    assert probes["workload.rate"][0] == 2 and list(probes["attempts"]) == [2, 2]
+    assert probes["host_flag"].isna()[0] and probes["host_flag"][1] == "starved (stand-in)"
+    assert list(table["status"]) == ["host-bound"] and "capacity_req_s" not in table
+    assert table["search"][0] == f"stopped: probe 1 host-bound at {second:g} req/s: starved (stand-in)"
+    assert (tmp_path / "capacity" / "retry" / "runs" / "000_base" / "00_rate=2_retry1" / "requests.csv").exists()
+
+
+def test_the_host_check_names_a_lagging_server_and_a_late_client():
+    from engine.metrics import SLO
+    from testbed.capacity.live import host_check
+
+    slo = SLO(ttft_s=4, tpot_s=0.2)
+    on_time = [{"arrival_s": t + 0.01, "scheduled_s": t} for t in range(20)]
+    assert host_check((0.0, 0.0), (4.0, 100.0), on_time, slo) == ""  # 40 ms per completion, under 50 ms
+    assert host_check(None, None, on_time, slo) == ""  # a server without the metric: only the client is checked
+    assert "behind its clock" in host_check((1.0, 10.0), (7.0, 110.0), on_time, slo)  # 60 ms per completion
+    late = [{"arrival_s": 1.2 * t, "scheduled_s": t} for t in range(20)]  # sends stretched by 20%
+    assert "the client sent at 83% of the offered rate" in host_check(None, None, late, slo)
+
+
+@pytest.mark.parametrize("answer, message", [
+    (None, "cannot reach --base-url"),
+    (404, "refused GET /v1/models with HTTP 404"),
+])
+def test_an_unreachable_or_refusing_base_url_is_one_error_line_before_any_probe(tmp_path, capsys, answer, message):
+    import http.server
+    import socket
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the handler's API)
+            self.send_response(answer)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = None
+    if answer is None:  # a port nothing listens on
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    else:
+        server = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
+        port = server.server_address[1]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        code = main(["capacity", "--base-url", f"http://127.0.0.1:{port}", "workload=synthetic",
+                     f"output.dir={tmp_path}", "capacity.duration_s=10"])
+    finally:
+        if server is not None:
+            server.shutdown()
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "\n" not in err and message in err, err
+    assert "no probe was sent" in err and not (tmp_path / "capacity").exists()
 
 
 def test_the_gllm_capacity_study_compares_capacities_with_the_verdict_rules(tmp_path, capsys):
@@ -236,7 +336,8 @@ def test_capacity_keys_are_refused_by_a_study_that_is_not_a_capacity_study(tmp_p
 
 @pytest.mark.parametrize("send, exit_code", [("TERM", 143), ("TERM,TERM", 143)])
 def test_a_signal_ends_the_search_and_kills_its_runs(tmp_path, send, exit_code):
-    """Point 0's probes are quick; point 1's first probe (30k requests) is still running when SIGTERM comes.
+    """Point 0's probes are quick; point 1's first probe (4,000 output tokens per request, so its
+    steady-state length is minutes of arrivals) is still running when SIGTERM comes.
     TERM,TERM: a second SIGTERM 0.3 s after the first (schedulers follow up) cut the cleanup and
     left the summary run and the in-flight probe's run RUNNING (issue 38 item 6); here one comes
     every 0.1 s for 3 s."""
@@ -246,12 +347,12 @@ def test_a_signal_ends_the_search_and_kills_its_runs(tmp_path, send, exit_code):
 
     fresh_mlflow_db(tmp_path)
     cmd = Command("capacity", "workload=synthetic", "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2",
-                  "workload.num_requests=40,30000", "capacity.workers=2", f"output.dir={tmp_path}",
-                  "capacity.experiment=sig")
+                  "workload.output_mean=8,4000", "capacity.min_duration_s=5", "capacity.windows=1",
+                  "capacity.workers=2", f"output.dir={tmp_path}", "capacity.experiment=sig")
     cmd.wait_for("point   0 probe  0")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(
-            kind == "probe" and name.startswith("workload.num_requests=30000")
+            kind == "probe" and name.startswith("workload.output_mean=4000")
             for kind, name in running_kinds(tmp_path / "mlflow.db")):
         time.sleep(0.2)
     children = cmd.descendants()
@@ -281,4 +382,124 @@ def test_the_warm_up_is_sent_but_not_judged(tmp_path, capsys):
         ok = (judged["status"] == "finished") & (judged["ttft_s"] <= 2) & \
             (judged["tpot_s"].isna() | (judged["tpot_s"] <= 0.2))
         assert p["slo_attainment"] == pytest.approx(ok.sum() / len(judged))
-        assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8)
+        assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8 and p["capacity.steady"])
+
+
+# --- steady-state probes, windows, criteria, the GPU budget -------------------------------------------
+
+def queue_trace(rate: float, served: float, n: int = 400) -> pd.DataFrame:
+    """Arrivals at `rate`; first tokens handed out one by one at `served` req/s (FCFS)."""
+    arrival = [i / rate for i in range(n)]
+    first, t = [], 0.0
+    for a in arrival:
+        t = max(t, a) + 1 / served
+        first.append(t)
+    return pd.DataFrame({"arrival_s": arrival, "first_token_s": first})
+
+
+def test_the_steady_state_check_sees_a_queue_that_still_grows():
+    from testbed.capacity.steady import backlog_growth, is_steady
+
+    assert backlog_growth(queue_trace(2.0, 4.0), 2.0) == pytest.approx(0.0, abs=1e-9)  # served faster than offered
+    over = backlog_growth(queue_trace(4.0, 3.0), 4.0)  # a quarter of the arrivals pile up
+    assert over == pytest.approx(0.25, rel=0.02) and not is_steady(over)
+    assert is_steady(backlog_growth(queue_trace(4.0, 3.96), 4.0))  # 1%: within the 5% allowance
+    assert math.isnan(backlog_growth(queue_trace(4.0, 3.0, n=10), 4.0)) and is_steady(math.nan)
+
+
+def test_a_probe_is_long_enough_to_reach_a_steady_state_and_the_l20_case_is_answered_before_any_probe(tmp_path):
+    """The probe length comes from the longest request served alone; llama2-70b on 4 x L20 is
+    pruned by its lone request's TPOT (0.223 s > 0.2 s), without a probe; a P that does not fit
+    likewise; three trace windows at 0, 1200 and 2400 s."""
+    from testbed.capacity.command import plan
+
+    p = plan(["model=llama2-70b", "hardware=l20-48g,h100-80g", "parallel.pp=2,4", "workload=azure",
+              f"output.dir={tmp_path}"])
+    by = {(pt.axis_values["hardware"], pt.axis_values["parallel.pp"], pt.window): pt for pt in p.points}
+    assert sorted({k[2] for k in by}) == [0, 1, 2]
+    assert [by[("h100-80g", 4, w)].run.workload.start_s for w in range(3)] == [0, 1200, 2400]
+    l20 = by[("l20-48g", 4, 0)]
+    assert l20.pruned.startswith("misses the SLO unloaded: the lightest request alone has TPOT 0.22")
+    assert "does not fit" in by[("l20-48g", 2, 0)].pruned
+    h100 = by[("h100-80g", 4, 0)]
+    assert h100.pruned is None and h100.duration_s == max(300.0, math.ceil(8 * h100.unloaded.e2e_s / 10) * 10)
+
+
+def test_capacity_over_windows_is_their_median_with_its_range(tmp_path, capsys):
+    code = main(["capacity", *[a for a in BASE if a != "capacity.windows=1"], f"output.dir={tmp_path}", "output.mlflow=false",
+                 "parallel.pp=2", "policy=sarathi", "capacity.max_probes=6", "capacity.experiment=win",
+                 "capacity.workers=2"])
+    assert code == 0
+    out_dir = tmp_path / "capacity" / "win"
+    table, probes = pd.read_csv(out_dir / "table.csv"), pd.read_csv(out_dir / "probes.csv")
+    assert sorted(probes["window"].unique()) == [0, 1, 2] and table["probes"][0] == len(probes)
+    caps = []
+    for w in range(3):  # each window's capacity: its highest pass with nothing failing below it
+        mine = probes[probes["window"] == w]
+        failed = mine.loc[~mine["capacity.passed"].astype(bool), "workload.rate"]
+        passed = mine.loc[mine["capacity.passed"].astype(bool), "workload.rate"]
+        caps.append(max(r for r in passed if r < failed.min()))
+    row = table.iloc[0]
+    assert row["capacity_req_s"] == sorted(caps)[1]
+    assert (row["capacity_min_req_s"], row["capacity_max_req_s"]) == (min(caps), max(caps))
+    seeds = {w: pd.read_csv(Path(probes[probes["window"] == w]["run_dir"].iloc[0]) / "requests.csv")["arrival_s"].sum()
+             for w in range(3)}
+    assert len(set(seeds.values())) == 3  # another seed per window, all at the first probed rate
+
+
+def test_a_gpu_budget_searches_layouts_as_replicas_and_ranks_them(tmp_path, capsys):
+    code = main(["capacity", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", "policy=sarathi",
+                 "capacity.gpus=4", "capacity.max_probes=5", "capacity.experiment=budget", "capacity.workers=2",
+                 "capacity.price.rtx4090=0.4"])
+    assert code == 0
+    out_dir = tmp_path / "capacity" / "budget"
+    table, ranking = pd.read_csv(out_dir / "table.csv"), pd.read_csv(out_dir / "ranking.csv")
+    layouts = {(r["parallel.pp"], r["parallel.tp"]) for _, r in table.iterrows()}
+    assert layouts == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)}  # P x TP <= 4; (2, 4), (4, 2), (4, 4) dropped
+    assert table.loc[(table["parallel.pp"] == 1) & (table["parallel.tp"] == 1), "status"].item() == "does not fit"
+    found = table[table["status"] == "finished"]
+    assert (found["replicas"] == 4 // (found["parallel.pp"] * found["parallel.tp"])).all()
+    assert (found["capacity_total_req_s"] == found["replicas"] * found["capacity_req_s"]).all()
+    ranked = ranking[ranking["rank"].notna()]
+    assert list(ranked["capacity_per_gpu"]) == sorted(ranked["capacity_per_gpu"], reverse=True)
+    assert "req_per_dollar" in ranking and ranking["status"].iloc[-1] == "does not fit"
+
+
+def test_the_ranking_says_which_deployments_it_cannot_tell_apart():
+    from testbed.capacity.results import ranking
+
+    df = pd.DataFrame({"point": [0, 1, 2], "hardware": ["a", "b", "c"], "status": "finished", "gpus": [1, 1, 2],
+                       "capacity_req_s": [4.0, 3.8, 2.0], "capacity_min_req_s": [3.5, 3.0, 1.5],
+                       "capacity_max_req_s": [4.5, 3.9, 2.2], "capacity_per_gpu": [4.0, 3.8, 1.0],
+                       "req_per_dollar": [3600.0, 13680.0, 3000.0]})  # USD 4, 1 and 1.2 per GPU-hour
+    r = ranking(df, ["hardware"])
+    assert list(r["hardware"]) == ["a", "b", "c"] and list(r["ties"]) == ["2", "1", ""]
+    assert list(r["rank_by_cost"]) == [2, 1, 3] and list(r["ties_by_cost"]) == ["3", "", "2"]  # a and c overlap
+
+
+def test_the_percentile_criteria_and_the_sarathi_preset():
+    from engine.metrics import SLO
+
+    slo = SLO(ttft_s=4, tpot_s=0.2)
+    tbt = CapacitySettings(criterion="tbt_p99")
+    assert tbt.metric == "itl_p99_s" and tbt.resolved_target(slo) == 0.2 and tbt.passes(0.19, 0.2)
+    sarathi = CapacitySettings(criterion="sarathi")
+    assert sarathi.metric == "itl_p99_s" and sarathi.passes(0.19, 0.2, {"sched_delay_p50_s": 1.9})
+    assert not sarathi.passes(0.19, 0.2, {"sched_delay_p50_s": 2.1})  # median scheduling delay over 2 s
+    assert not sarathi.passes(0.21, 0.2, {"sched_delay_p50_s": 0.0})
+    assert "sched_delay_p50_s <= 2" in sarathi.describe(0.2)
+
+
+def test_the_simulator_reports_the_time_between_tokens():
+    """One request alone decodes one token per pipeline pass: every gap is its TPOT; under load
+    the P99 gap exceeds the median (prefills interleave)."""
+    from engine.request import Request
+    from testbed.config.spec import compose_spec
+    from testbed.run.runner import run_experiment
+
+    spec = compose_spec(["model=llama2-13b", "hardware=rtx4090", "parallel.pp=2", "policy=sarathi",
+                         "workload=synthetic", "workload.num_requests=200", "workload.rate=8", "output.mlflow=false"])
+    alone = run_experiment(spec, requests=[Request(0, 0.0, 100, 50)]).summary
+    assert alone["itl_mean_s"] == pytest.approx(alone["tpot_mean_s"], rel=1e-9)
+    loaded = run_experiment(spec).summary
+    assert loaded["itl_p99_s"] > loaded["itl_p50_s"] > 0

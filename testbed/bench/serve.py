@@ -255,7 +255,8 @@ def server_setup(base_url: str, api_key: str | None = None, label: str = "served
 
 # --- per-request rows and the summary ----------------------------------------------------------------
 def request_rows(outcomes: list[Outcome], time_scale: float = 1.0) -> list[dict]:
-    """`testbed run`'s requests.csv columns (times in the server's seconds), plus `itl_mean_s`."""
+    """`testbed run`'s requests.csv columns (times in the server's seconds; `arrival_s` is when it
+    was sent), plus `scheduled_s` (when the workload said to send it) and `itl_mean_s`."""
     k = time_scale
     rows = []
     for o in outcomes:
@@ -270,7 +271,8 @@ def request_rows(outcomes: list[Outcome], time_scale: float = 1.0) -> list[dict]
         tpot = (e2el - ttft) / (n - 1) if ok and n > 1 else math.nan
         gaps = np.diff(o.token_times) * k if len(o.token_times) > 1 else np.array([])
         rows.append({
-            "request_id": r.request_id, "arrival_s": sent, "prompt_len": r.prompt_len, "output_len": r.output_len,
+            "request_id": r.request_id, "arrival_s": sent, "scheduled_s": r.arrival_s,
+            "prompt_len": r.prompt_len, "output_len": r.output_len,
             "status": "finished" if ok else "failed", "num_generated": n, "first_scheduled_s": math.nan,
             "first_token_s": first, "finish_s": end, "ttft_s": ttft, "tpot_s": tpot, "e2el_s": e2el,
             "num_preemptions": math.nan, "fail_reason": o.error, "output_token_ids": "",

@@ -1,11 +1,15 @@
 """`testbed capacity`: per grid point, the highest request rate that meets an SLO criterion.
 
-    testbed capacity policy=gllm,vllm,sarathi workload=azure workload.num_requests=200
+    testbed capacity policy=gllm,vllm,sarathi workload=azure
     testbed capacity hardware=a100-80g,h100-80g parallel.pp=2,4 model=llama2-70b capacity.price.a100-80g=1.8
+    testbed capacity capacity.gpus=4 model=llama2-70b hardware=h100-80g,l20-48g
     testbed capacity --base-url http://127.0.0.1:8000 workload=azure capacity.duration_s=60
 
-The grid is `testbed compare`'s (comma lists are axes, `compare.grid`); every point runs its own
-search (testbed/capacity/search.py) whose probes are ordinary runs at `workload.rate=<r>`, through
+The grid is `testbed compare`'s (comma lists are axes, `compare.grid`; under `capacity.gpus` a
+configuration search, testbed/capacity/budget.py). Before any probe each point serves one request
+alone (testbed/capacity/steady.py: the probe length, pruning), then runs its own search
+(testbed/capacity/search.py) in each of `capacity.windows` trace windows or seeds, whose probes
+are ordinary runs at `workload.rate=<r>`, through
 the shared sweep runner (testbed/sweep/jobs.py): `capacity.workers` processes, one MLflow run per probe
 (tags `capacity.point`, `capacity.probe`) beside one summary run (tag `testbed.kind=capacity`),
 Ctrl-C / SIGTERM ending the runs KILLED with the results so far written (exit 130 / 143). The
@@ -13,8 +17,8 @@ searches of different points run side by side; one point's probes run one after 
 each depends on the last. With `--base-url` the probe is `testbed bench serve` against that server
 (testbed/capacity/live.py), one probe at a time.
 
-Output: `<output.dir>/capacity/<experiment>/` with `table.csv` / `table.md` (one row per point),
-`probes.csv` (every probe), `capacity.json`, `capacity.png` (the criterion against the rate per
+Output: `<output.dir>/capacity/<experiment>/` with `table.csv` / `table.md` (one row per point:
+the median capacity over its windows and their range), `probes.csv` (every probe), `capacity.json`, `capacity.png` (the criterion against the rate per
 point, capacity marked), `ranking.csv` / `ranking.md` when hardware, P, TP or the model is an axis,
 and `runs/<point>/<probe>/` (each probe's run directory). The last line printed is the directory.
 """
@@ -25,7 +29,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -33,9 +37,10 @@ from typing import Any
 from engine.errors import ConfigError
 from testbed import signals
 from testbed.sweep import jobs as sweep
-from testbed.capacity import results
+from testbed.capacity import budget, results
 from testbed.capacity.search import RateSearch
 from testbed.capacity.settings import CapacitySettings, check_prices, parse
+from testbed.capacity.steady import Unloaded, is_steady, probe_duration, unloaded, unloaded_miss
 from testbed.sweep.compare import Point, axis_value, grid
 from testbed.config.spec import compose_spec
 from testbed.config.spec import RunSpec
@@ -46,7 +51,8 @@ from testbed.tracking.views import CAPACITY
 
 @dataclass(frozen=True)
 class PointSpec:
-    """One grid point to search: its composed config and the columns it keeps."""
+    """One search: a grid point (`group`) in one trace window or seed (`window`), its composed
+    config, the columns it keeps, and what was settled before any probe."""
 
     index: int
     label: str
@@ -55,6 +61,12 @@ class PointSpec:
     overrides: tuple[str, ...]
     axis_values: dict
     target: float
+    group: int = 0  # the grid point (the table's row)
+    window: int = 0  # trace window / seed index
+    duration_s: float = 0.0  # seconds of arrivals per probe after the warm-up
+    max_requests: int | None = None  # requests the trace holds from this window's offset
+    pruned: str | None = None  # why no probe runs (does not fit, misses the SLO unloaded)
+    unloaded: Unloaded | None = None
 
 
 @dataclass(frozen=True)
@@ -62,35 +74,94 @@ class Plan:
     name: str
     settings: CapacitySettings
     axes: list[str]
-    points: list[PointSpec]
+    points: list[PointSpec]  # one per search: grid point x window
     out_dir: Path
     overrides: list[str]
     live: Any = None  # testbed.capacity.live.LiveOptions with --base-url
+    dropped: int = 0  # grid points over the GPU budget
+    refused: tuple[str, ...] = ()  # combinations of a budget search that the simulator refuses, and why
 
     @property
     def run0(self) -> RunSpec:
         return self.points[0].run
 
+    @property
+    def groups(self) -> list[PointSpec]:
+        """The grid points (their first window's search)."""
+        return [pt for pt in self.points if pt.window == 0]
+
 
 def plan(overrides: Sequence[str], live: Any = None) -> Plan:
-    """Parse the settings and compose every point (every mistake surfaces here, exit 2)."""
+    """Parse the settings, compose every point and settle what needs no probe (every mistake
+    surfaces here, exit 2)."""
     raw, rest = split_prefixed(overrides, "capacity")
     settings = parse(raw)
     if live is not None:
         live.check(rest, settings)
+        settings = replace(settings, workers=1)  # one server: its probes run one at a time
+    rest = budget.with_layout_axes(rest, settings)
     axes, points = grid(rest)
     if "workload.rate" in axes:
         raise ConfigError("workload.rate is what `testbed capacity` searches: give one start with capacity.start=, "
                           "not a list")
     user = explicit_keys(rest)
-    specs = [_point_spec(pt, settings, user) for pt in points]
+    composed, refused = budget.compose_points(points, settings, lambda pt: _point_spec(pt, settings, user))
+    specs, dropped = budget.within(composed, settings)
+    if not specs:
+        raise ConfigError(f"no configuration of the grid fits capacity.gpus={settings.gpus}; "
+                          f"lower parallel.pp / parallel.tp or raise the budget")
     check_prices(settings, sorted({s.run.settings.hardware.name for s in specs}))
     specs = [_priced(s, settings, user) for s in specs]
     name = settings.experiment or f"capacity-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
     out_dir = Path(specs[0].run.output.dir) / "capacity" / name
     if (out_dir / "table.csv").exists():
         raise ConfigError(f"capacity search {name!r} already exists at {out_dir}; choose another capacity.experiment=")
-    return Plan(name, settings, axes, specs, out_dir, list(rest), live)
+    if live is not None:
+        live.reach()
+    units = windows([settle(s, settings, live) for s in specs], settings)
+    return Plan(name, settings, axes, units, out_dir, list(rest), live, dropped, tuple(refused))
+
+
+def settle(spec: PointSpec, settings: CapacitySettings, live: Any = None) -> PointSpec:
+    """Before any probe: one request alone on the point (simulated, or served by the live
+    server), which sets the probe length and prunes a point that does not fit or cannot meet the
+    SLO at any rate."""
+    u = unloaded(spec.run) if live is None else live.unloaded(spec.run)
+    pruned = u.error or unloaded_miss(settings, spec.target, spec.run.settings.slo, u)
+    return replace(spec, unloaded=u, pruned=pruned, duration_s=probe_duration(settings, u))
+
+
+def windows(specs: Sequence[PointSpec], settings: CapacitySettings) -> list[PointSpec]:
+    """Each point once per window: `workload.start_s` moved by `window_step_s` for a trace, the
+    workload's seed moved by one otherwise. Window 0 is the workload as configured."""
+    units: list[PointSpec] = []
+    for spec in specs:
+        wl = spec.run.workload
+        for w in range(settings.windows):
+            if hasattr(wl, "start_s"):
+                values: dict[str, Any] = {"workload.start_s": wl.start_s + w * settings.window_step_s}
+            else:
+                values = {"workload.seed": wl.seed + w}
+            run = spec.run.with_values(values) if w else spec.run
+            key, value = next(iter(values.items()))
+            unit = replace(spec, index=len(units), group=spec.index, window=w, run=run,
+                           overrides=tuple(merge(spec.overrides, [f"{key}={value:g}"])) if w else spec.overrides,
+                           dirname=spec.dirname + (f"/w{w}" if settings.windows > 1 else ""))
+            units.append(replace(unit, max_requests=trace_rows(run)))
+    return units
+
+
+def trace_rows(run: RunSpec) -> int | None:
+    """Requests a trace workload holds from its offset (None: a generated workload, no limit)."""
+    if not hasattr(run.workload, "start_s"):
+        return None
+    from workloads.base import build_workload
+
+    try:
+        return len(build_workload(run.with_values({"workload.num_requests": None}).workload, run.data_dir))
+    except ConfigError as exc:
+        raise ConfigError(f"trace window {run.workload.start_s:g} s: {exc}; lower capacity.windows or "
+                          f"capacity.window_step_s") from None
 
 
 def _point_spec(pt: Point, settings: CapacitySettings, user: set[str]) -> PointSpec:
@@ -101,7 +172,8 @@ def _point_spec(pt: Point, settings: CapacitySettings, user: set[str]) -> PointS
         raise ConfigError(f"workload.arrival=offline has no request rate to search (point {pt.label}); "
                           f"valid choices: poisson, gamma")
     return PointSpec(pt.index, pt.label, pt.dirname, run, tuple(ovs),
-                     {k: axis_value(run, k, v) for k, v in pt.axes}, settings.resolved_target(run.settings.slo))
+                     {k: axis_value(run, k, v) for k, v in pt.axes}, settings.resolved_target(run.settings.slo),
+                     group=pt.index)
 
 
 def _priced(spec: PointSpec, settings: CapacitySettings, user: set[str]) -> PointSpec:
@@ -110,11 +182,12 @@ def _priced(spec: PointSpec, settings: CapacitySettings, user: set[str]) -> Poin
     if price is None:
         return spec
     ovs = merge(spec.overrides, [f"hardware.cost_per_gpu_hour={price}"])
-    return PointSpec(spec.index, spec.label, spec.dirname, compose_spec(ovs), tuple(ovs),
-                     spec.axis_values, spec.target)
+    return replace(spec, run=compose_spec(ovs), overrides=tuple(ovs))
 
 
 # --- the searches as a sweep feed -----------------------------------------------------------------
+
+HOST_BOUND = "host-bound"  # a live probe that measured its starved host, not the server (live.py)
 
 def start_rate(run: RunSpec, settings: CapacitySettings) -> float:
     return settings.start or getattr(run.workload, "rate", None) or 1.0
@@ -134,9 +207,14 @@ class CapacityFeed(sweep.Feed):
         self.errors: dict[int, str] = {}  # point -> why its search stopped (a probe's run failed)
         self.owner: dict[int, int] = {}  # job index -> point
         self.probe_rows: dict[int, list[dict]] = {pt.index: [] for pt in p.points}
+        self.estimate_s: float | None = None  # a live search's time estimate (wall seconds)
+        self.measured_estimate_s: float | None = None  # ... and the one from its first probe's wall time
 
     def initial(self) -> list[sweep.Job]:
-        return [job for pt in self.p.points if (job := self._next(pt)) is not None]
+        for pt in self.p.points:
+            if pt.pruned:
+                self.errors[pt.index] = pt.pruned
+        return [job for pt in self.p.points if not pt.pruned and (job := self._next(pt)) is not None]
 
     def _next(self, pt: PointSpec) -> sweep.Job | None:
         rate = self.searches[pt.index].next_rate()
@@ -149,19 +227,22 @@ class CapacityFeed(sweep.Feed):
 
     def follow(self, row: dict) -> list[sweep.Job]:
         pt = self.p.points[self.owner[row["point"]]]
-        if row.get("status") != "finished":
-            self.errors[pt.index] = str(row.get("error") or "the probe failed")
+        rate = row["workload.rate"]
+        if row.get("status") != "finished" or row.get("host_flag"):
+            self.errors[pt.index] = (f"{HOST_BOUND} at {rate:g} req/s: {row['host_flag']}" if row.get("host_flag")
+                                     else str(row.get("error") or "the probe failed"))
             self.probe_rows[pt.index].append(row)
             return []
         search = self.searches[pt.index]
-        metrics = results.judged(row, pt.run.settings.slo, self.p.settings.warmup_s)
+        metrics = results.judged(row, pt.run.settings.slo, self.p.settings.warmup_s, rate)
         value = metrics[self.p.settings.metric]
-        passed = self.p.settings.passes(value, pt.target)
-        rate = row["workload.rate"]
-        row["window_s"] = row.get("num_requests", math.nan) / rate  # how long the arrivals lasted, roughly
-        search.record(rate, value, passed, **metrics, run_id=row.get("run_id"), run_dir=row.get("run_dir"))
+        steady = is_steady(metrics["backlog_growth"])
+        passed = self.p.settings.passes(value, pt.target, metrics) and steady
+        row["window_s"] = (row.get("num_requests", math.nan) - 1) / rate  # how long the arrivals lasted
+        search.record(rate, value, passed, **metrics, steady=steady, run_id=row.get("run_id"),
+                      run_dir=row.get("run_dir"))
         row.update({"capacity.value": value, "capacity.passed": passed, "capacity.phase": search.probes[-1].phase,
-                    "capacity.metrics": metrics})
+                    "capacity.steady": steady, "capacity.metrics": metrics})
         self.probe_rows[pt.index].append(row)
         if row.get("run_id"):
             # capacity/passed_rate: grouped by point and aggregated by max in the printed link's view, the capacity
@@ -176,29 +257,37 @@ class CapacityFeed(sweep.Feed):
                    for pt, s in zip(self.p.points, self.searches))
 
     def describe(self, row: dict, job: sweep.Job) -> str:
-        point = self.owner[row["point"]]
+        pt = self.p.points[self.owner[row["point"]]]
+        where = job.label.rsplit(" @ ", 1)[0]
         rate = row.get("workload.rate")
+        if row.get("host_flag"):
+            return f"point {pt.group:>3} [yellow]{HOST_BOUND}[/yellow] {job.label}: {row['host_flag']}"
         if row.get("status") != "finished":
-            return f"point {point:>3} [red]failed[/red] {job.label}: {str(row.get('error'))[:100]}"
+            return f"point {pt.group:>3} [red]failed[/red] {job.label}: {str(row.get('error'))[:100]}"
         verdict = "[green]pass[/green]" if row["capacity.passed"] else "[red]fail[/red]"
-        return (f"point {point:>3} probe {job.tags['capacity.probe']:>2} rate {rate:<8g} {verdict} "
-                f"{self.p.settings.metric} {row['capacity.value']:.4g} ({row['capacity.phase']}) "
-                f"{self.p.points[point].label}")
+        growth = row["capacity.metrics"]["backlog_growth"]
+        queue = "" if row["capacity.steady"] else f" [yellow]queue still growing ({growth:+.0%} of the rate)[/yellow]"
+        return (f"point {pt.group:>3} probe {job.tags['capacity.probe']:>2} rate {rate:<8g} {verdict} "
+                f"{self.p.settings.metric} {row['capacity.value']:.4g} ({row['capacity.phase']}){queue} {where}")
+
+
+def probe_requests(p: Plan, pt: PointSpec, rate: float) -> int:
+    """Requests of one probe: those arriving over warm-up + duration at `rate` (as many as the
+    trace holds from the window's offset; probes.csv's `window_s` says how long they lasted)."""
+    n = max(2, math.ceil(rate * (p.settings.warmup_s + pt.duration_s)))
+    return min(n, pt.max_requests) if pt.max_requests else n
 
 
 def probe_job(p: Plan, pt: PointSpec, rate: float, k: int, index: int, parent_run_id: str | None) -> sweep.Job:
-    """Probe k of a point: its config with `workload.rate` (and, with capacity.duration_s, the
-    number of requests sent over warm-up + duration) set."""
-    values: dict[str, Any] = {"workload.rate": rate}
-    s = p.settings
-    if s.duration_s is not None:
-        values["workload.num_requests"] = max(2, math.ceil(rate * (s.warmup_s + s.duration_s)))
-    return sweep.Job(index=index, spec=pt.run.with_values(values), label=f"{pt.label} @ {rate:g} req/s", axes=(*p.axes, "workload.rate"),
+    """Probe k of a point: its config with `workload.rate` and the request count set."""
+    values: dict[str, Any] = {"workload.rate": rate, "workload.num_requests": probe_requests(p, pt, rate)}
+    where = f"{pt.label} · w{pt.window}" if p.settings.windows > 1 else pt.label
+    return sweep.Job(index=index, spec=pt.run.with_values(values), label=f"{where} @ {rate:g} req/s", axes=(*p.axes, "workload.rate"),
                      axis_values={**pt.axis_values, "workload.rate": rate}, experiment=p.name,
                      parent_run_id=parent_run_id,
                      run_dir=str(p.out_dir / "runs" / pt.dirname / f"{k:02d}_rate={rate:g}"),
-                     tags={"testbed.kind": "probe", "capacity.point": pt.index, "capacity.probe": k,
-                           "capacity.label": axis_name(pt.axis_values)})
+                     tags={"testbed.kind": "probe", "capacity.point": pt.group, "capacity.window": pt.window,
+                           "capacity.probe": k, "capacity.label": axis_name(pt.axis_values)})
 
 
 # --- the command ------------------------------------------------------------------------------------
@@ -235,8 +324,7 @@ def run_searches(p: Plan, parent: sweep.ParentRun, console: Any = None) -> tuple
         parent.print_link(console)
     t0 = time.perf_counter()
     try:
-        sweep.run_jobs([], p.settings.workers, console, p.run0.output.progress, [],
-                       feed=feed)
+        sweep.run_jobs([], p.settings.resolved_workers, console, p.run0.output.progress, [], feed=feed)
     except KeyboardInterrupt as exc:
         results.write(p, feed, time.perf_counter() - t0, parent, interrupted=signals.interrupted_message(exc))
         raise
@@ -252,9 +340,9 @@ def plan_for_jobs(jobs: Sequence[sweep.Job], axes: list[str], settings: Capacity
     points = []
     for job in jobs:
         run = job.spec.with_values({"output.plots": False})
-        points.append(PointSpec(job.index, job.label, Path(job.run_dir).name, run, (), dict(job.axis_values),
-                                settings.resolved_target(run.settings.slo)))
-    return Plan(name, settings, list(axes), points, out_dir, [])
+        points.append(settle(PointSpec(job.index, job.label, Path(job.run_dir).name, run, (), dict(job.axis_values),
+                                       settings.resolved_target(run.settings.slo), group=job.index), settings))
+    return Plan(name, settings, list(axes), windows(points, settings), out_dir, [])
 
 
 def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
@@ -263,12 +351,20 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
     over = ", ".join(f"{k} ({n})" for k, n in sizes.items()) or "no axis"
     targets = sorted({pt.target for pt in p.points})
     what = f"{s.criterion}: {', '.join(s.describe(t) for t in targets)}"
-    console.print(f"capacity [bold]{p.name}[/bold]: {len(p.points)} point(s) over {over}; {what}; precision "
-                  f"{s.precision:.0%}; each probe {s.probe_text(p.run0.workload.num_requests)}; ~{feed.planned()} probes planned; "
-                  f"{s.workers} worker(s)", highlight=False)
+    spread = (f" x {s.windows} {'trace windows' if hasattr(p.run0.workload, 'start_s') else 'seeds'}"
+              if s.windows > 1 else "")
+    budget_text = (f"; GPU budget {s.gpus} ({p.dropped} over it dropped, {len(p.refused)} invalid skipped)"
+                   if s.gpus else "")
+    console.print(f"capacity [bold]{p.name}[/bold]: {len(p.groups)} point(s){spread} over {over}{budget_text}; "
+                  f"{what}; precision {s.precision:.0%}; each probe {s.probe_text([pt.duration_s for pt in p.points])}; "
+                  f"~{feed.planned()} probes planned; {s.resolved_workers} worker(s)", highlight=False)
+    for why in p.refused[:3]:
+        console.print(f"[yellow]skipped[/yellow] {why}", highlight=False)
+    for pt in p.groups:
+        if pt.pruned:
+            console.print(f"[yellow]pruned[/yellow] point {pt.group} {pt.label}: {pt.pruned}", highlight=False)
     if p.live is not None:
         p.live.print_estimate(console, p, feed)
-
 
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from testbed.sweep.report import LABELS
 
 MARKER_SIZE = 6
+WINDOW_STYLES = ("-", "--", ":", "-.")
 
 
 def plot_search(p: Any, feed: Any, path: Path) -> Path | None:
@@ -22,13 +23,16 @@ def plot_search(p: Any, feed: Any, path: Path) -> Path | None:
         return None
     s = p.settings
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
-    for i, (pt, search) in enumerate(searched):
-        color = f"C{i % 10}"
+    groups = sorted({pt.group for pt, _ in searched})
+    for pt, search in searched:  # one colour per grid point, one line style per window
+        color = f"C{groups.index(pt.group) % 10}"
         probes = sorted(search.probes, key=lambda pr: pr.rate)
         cap = search.outcome().capacity
         label = pt.label if pt.label != "base" else "capacity"
         label += f": {cap:g} req/s" if cap is not None else ": none"
-        ax.plot([pr.rate for pr in probes], [pr.value for pr in probes], color=color, lw=1, alpha=0.7, label=label)
+        label += f" (w{pt.window})" if p.settings.windows > 1 else ""
+        ax.plot([pr.rate for pr in probes], [pr.value for pr in probes], color=color, lw=1, alpha=0.7, label=label,
+                ls=WINDOW_STYLES[pt.window % len(WINDOW_STYLES)])
         passed = [pr for pr in probes if pr.passed]
         failed = [pr for pr in probes if not pr.passed]
         ax.plot([pr.rate for pr in passed], [pr.value for pr in passed], "o", color=color, ms=MARKER_SIZE)
@@ -58,8 +62,9 @@ def _title(p: Any) -> str:
     """What every point shares, what the criterion is and how large a probe is."""
     from testbed.sweep.compare import setup_title
 
-    hidden = [*p.axes, "workload.rate", "workload.num_requests", *(["policy"] if "system" in p.axes else [])]
+    hidden = [*p.axes, "workload.rate", "workload.num_requests", "workload.start_s", "workload.seed",
+              *(["policy"] if "system" in p.axes else [])]
     shared = setup_title(p.run0, hidden).split(" — varying")[0]
     where = f"{p.live.base_url} · " if p.live is not None else ""
     targets = ", ".join(p.settings.describe(t) for t in sorted({pt.target for pt in p.points}))
-    return f"{where}{shared}\ncapacity: highest rate with {targets}; each probe {p.settings.probe_text(p.run0.workload.num_requests)}"
+    return f"{where}{shared}\ncapacity: highest rate with {targets}; each probe {p.settings.probe_text([pt.duration_s for pt in p.points])}"

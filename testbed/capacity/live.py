@@ -8,23 +8,49 @@ run one at a time (two at once would load the one server together). The server's
 model and hardware are what is measured: only workload, SLO, seed and output keys may be set.
 Times are in the server's seconds: with `--time-scale K` (a server whose clock runs K times faster,
 `testbed serve executor=sim serve.time_scale=K`) a probe takes 1/K of its simulated duration.
+
+Before any probe the server must answer `GET /v1/models` (else one `error:` line, exit 2), and it
+serves the workload's lightest request alone and then its longest (which sets the steady-state
+probe length when `capacity.duration_s` is not given, and the drain in the time estimate), so
+that a point that cannot meet the SLO at any rate is said so at once. Each probe then checks its host: that the server kept up with its clock
+(the paced simulator's `testbed_clock_lag_seconds` over `testbed_clock_completions` on /metrics:
+mean lateness per completion at most `LAG_LIMIT` x slo.tpot_s; servers without the metric are not
+checked: a lateness L delays a token by L, so it moves TTFT by L and a time between tokens by at
+most L; the host's scheduling jitter, 4-5 ms of wall time per completion at load 13 on 2 cores,
+stays below it at --time-scale 10, a server falling behind its clock does not) and that the client sent at the offered rate (the span of its sends at most
+1 / `SEND_RATE_LIMIT` of the schedule's, its p99 send lag at most `SEND_LAG_S`). On 2 shared cores
+at host load 17-25 a served search reported 1.354 req/s where the simulator gave 4.00: client and
+server were starved. A probe failing the check is run again (`capacity.retries`), then reported as
+`host-bound` and never counted: the point's search stops there without a capacity.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ConfigError
+import numpy as np
+
+from engine.errors import ConfigError, TestbedError
+from engine.metrics import SLO
+from engine.request import Request
 from testbed.sweep import jobs as sweep
-from testbed.capacity.command import CapacityFeed
+from testbed.capacity.command import HOST_BOUND, CapacityFeed
 from testbed.capacity.settings import CapacitySettings
+from testbed.capacity.steady import Unloaded
 from testbed.config.overrides import merge
 
 LIVE_KEYS = ("workload", "slo", "seed", "output", "data_dir")  # what a client may set; the rest is the server's
-DRAIN_S = 10.0  # a rough allowance per probe for the last requests to finish (the estimate only)
+DRAIN_S = 10.0  # the estimate's allowance (server seconds) for a probe's drain when the longest request is unknown
+PROBE_OVERHEAD_S = 1.0  # wall seconds per probe outside its requests (run directory, MLflow run), measured ~0.5-1
+LAG_LIMIT = 0.25  # mean clock lag per completion, as a fraction of slo.tpot_s (50 ms at 0.2 s)
+SEND_RATE_LIMIT = 0.95  # the client's send span may stretch the schedule's by 1/0.95 at most
+SEND_LAG_S = 1.0  # p99 of (sent - scheduled), server seconds
+REACH_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -44,22 +70,73 @@ class LiveOptions:
                 valid = ", ".join(k + ".*" if k in ("workload", "slo", "output") else k for k in LIVE_KEYS)
                 raise ConfigError(f"{ov}: with --base-url the server's own policy, model and hardware are measured; "
                                   f"valid keys: {valid}")
-        if settings.workers > 1:
+        if settings.workers is not None and settings.workers > 1:
             raise ConfigError(f"invalid capacity.workers={settings.workers} with --base-url: the probes of one "
                               f"server run one at a time (capacity.workers=1)")
+        if settings.criterion == "sarathi":
+            raise ConfigError("invalid capacity.criterion=sarathi with --base-url: its median scheduling delay is "
+                              "the server's, which a client cannot see; valid choices: attainment, tpot_p99, "
+                              "tbt_p99, ttft_p99")
+
+    def reach(self) -> None:
+        """The server answers GET /v1/models, or one clear error before any probe."""
+        import httpx
+
+        url = self.base_url.rstrip("/") + "/v1/models"
+        try:
+            resp = httpx.get(url, timeout=REACH_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            raise TestbedError(f"cannot reach --base-url {self.base_url}: {type(exc).__name__}: {exc}; start the "
+                               f"server or correct the URL (no probe was sent)") from None
+        if resp.status_code != 200:
+            raise TestbedError(f"--base-url {self.base_url} refused GET /v1/models with HTTP {resp.status_code}; "
+                               f"an OpenAI-compatible server answers it (no probe was sent)")
+
+    def unloaded(self, run: Any) -> Unloaded:
+        """The workload's lightest and longest request served alone, in the server's seconds (the
+        longest sets the steady-state probe length and the drain in the time estimate)."""
+        from testbed.bench.serve import replay, request_rows
+        from workloads.base import build_workload
+
+        requests = build_workload(run.workload, run.data_dir)
+        picks = [min(requests, key=lambda r: (r.output_len < 2, r.prompt_len, r.output_len)),
+                 max(requests, key=lambda r: (r.output_len, r.prompt_len))]
+        rows = []
+        before = clock_lag(self.base_url)
+        for r in picks:
+            outcomes, _ = asyncio.run(replay(self.base_url, [Request(0, 0.0, r.prompt_len, r.output_len)],
+                                             endpoint=self.endpoint, model=self.model, time_scale=self.time_scale,
+                                             vocab=self.vocab, seed=run.settings.seed))
+            row = request_rows(outcomes, self.time_scale)[0]
+            if row["status"] != "finished":
+                raise TestbedError(f"--base-url {self.base_url} failed one request served alone: {row['fail_reason']}")
+            rows.append(row)
+        starved = host_check(before, clock_lag(self.base_url), [], run.settings.slo)
+        return Unloaded(rows[0]["ttft_s"], rows[0]["tpot_s"], rows[-1]["e2el_s"],
+                        f"{HOST_BOUND} before any probe: {starved}" if starved else None)
 
     def feed(self, p: Any, parent: sweep.ParentRun) -> LiveFeed:
         return LiveFeed(p, parent, self)
 
-    def print_estimate(self, console: Any, p: Any, feed: CapacityFeed) -> None:
+    def estimate_s(self, p: Any, feed: CapacityFeed) -> float:
+        """Wall seconds for the planned probes: each sends for warm-up + duration (server seconds)
+        and drains for about the longest request's unloaded end-to-end time, over the time scale."""
         s = p.settings
-        rate = feed.searches[0].start
-        per = (s.warmup_s + s.duration_s) if s.duration_s else p.run0.workload.num_requests / rate
-        total = feed.planned() * (per + DRAIN_S) / self.time_scale
-        took = f"{total / 60:.0f} min" if total >= 120 else f"{total:.0f} s"
-        console.print(f"against {self.base_url}: each probe sends for ~{per:.0f} server-seconds (at "
-                      f"{rate:g} req/s) + the drain; ~{feed.planned()} probes = roughly {took} at "
-                      f"--time-scale {self.time_scale:g}", highlight=False)
+        total = 0.0
+        for pt in p.points:
+            if pt.pruned:
+                continue
+            e2e = pt.unloaded.e2e_s if pt.unloaded is not None and math.isfinite(pt.unloaded.e2e_s) else DRAIN_S
+            probes = feed.searches[pt.index].planned()
+            total += probes * ((s.warmup_s + pt.duration_s + e2e) / self.time_scale + PROBE_OVERHEAD_S)
+        return total
+
+    def print_estimate(self, console: Any, p: Any, feed: LiveFeed) -> None:
+        total = feed.estimate_s
+        took = f"{total / 60:.1f} min" if total >= 120 else f"{total:.0f} s"
+        console.print(f"against {self.base_url}: ~{feed.planned()} probes, each sending for warm-up + duration and "
+                      f"draining for about the longest request alone; roughly {took} at --time-scale "
+                      f"{self.time_scale:g}", highlight=False)
 
 
 def options(args: argparse.Namespace) -> LiveOptions | None:
@@ -89,23 +166,78 @@ class LiveFeed(CapacityFeed):
     def __init__(self, p: Any, parent: sweep.ParentRun, live: LiveOptions) -> None:
         super().__init__(p, parent)
         self.live = live
+        self.estimate_s = live.estimate_s(p, self)
+        self.walls: list[float] = []  # wall seconds of each probe done
+        self.left_s = self.estimate_s
+
+    def follow(self, row: dict) -> list[sweep.Job]:
+        """The search's next probe, and the time left re-estimated from the probes' measured walls
+        (the first such estimate is kept: `measured_estimate_s`)."""
+        jobs = super().follow(row)
+        self.walls.append(float(row.get("wall_s") or 0.0))
+        per = sum(self.walls) / len(self.walls)
+        self.left_s = per * max(0, self.planned() - len(self.walls))
+        if len(self.walls) == 1:
+            self.measured_estimate_s = sum(self.walls) + self.left_s
+        return jobs
+
+    def describe(self, row: dict, job: sweep.Job) -> str:
+        return super().describe(row, job) + f" · ~{self.left_s:.0f} s left"
 
     def run(self, job: sweep.Job) -> dict:
+        """The probe; run again (up to capacity.retries times) while its host check fails."""
         from testbed.bench.serve import run_bench_serve
 
         pt = self.p.points[self.owner[job.index]]
         wl = job.spec.workload
-        sized = [f"workload.num_requests={wl.num_requests}"] if self.p.settings.duration_s else []
-        ovs = merge(pt.overrides, [f"workload.rate={wl.rate}", *sized])
-        tags = sweep.point_tags(job)
-        row: dict[str, Any] = {"point": job.index, **job.axis_values, "status": "failed", "error": None,
-                               "run_id": None, "run_dir": None}
-        t0 = time.perf_counter()
+        ovs = merge(pt.overrides, [f"workload.rate={wl.rate}", f"workload.num_requests={wl.num_requests}"])
         o = self.live
-        result, run_dir = run_bench_serve(o.base_url, ovs, endpoint=o.endpoint, model=o.model, time_scale=o.time_scale,
-                                          vocab=o.vocab, max_concurrency=o.max_concurrency, label=o.label, tags=tags,
-                                          experiment=job.experiment, run_dir=Path(job.run_dir))
-        row.update(run_id=result.info.get("run_id"), run_dir=str(run_dir))
-        sweep.fill_row(row, result)
+        t0 = time.perf_counter()
+        for attempt in range(self.p.settings.retries + 1):
+            row: dict[str, Any] = {"point": job.index, **job.axis_values, "status": "failed", "error": None,
+                                   "run_id": None, "run_dir": None}
+            before = clock_lag(o.base_url)
+            result, run_dir = run_bench_serve(
+                o.base_url, ovs, endpoint=o.endpoint, model=o.model, time_scale=o.time_scale, vocab=o.vocab,
+                max_concurrency=o.max_concurrency, label=o.label, tags=sweep.point_tags(job),
+                experiment=job.experiment, run_dir=Path(job.run_dir + (f"_retry{attempt}" if attempt else "")))
+            row.update(run_id=result.info.get("run_id"), run_dir=str(run_dir), attempts=attempt + 1)
+            sweep.fill_row(row, result)
+            row["host_flag"] = host_check(before, clock_lag(o.base_url), result.requests, job.spec.settings.slo)
+            if not row["host_flag"] or result.error:
+                break
         row["wall_s"] = time.perf_counter() - t0
         return row
+
+
+def clock_lag(base_url: str) -> tuple[float, float] | None:
+    """(lag seconds, completions) from the server's /metrics; None when it has no such metric."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=REACH_TIMEOUT_S).text
+        values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    except Exception:  # no Prometheus text there: another server, nothing to check
+        return None
+    lag, handed = values.get("testbed_clock_lag_seconds_total"), values.get("testbed_clock_completions_total")
+    return None if lag is None or handed is None else (float(lag), float(handed))
+
+
+def host_check(before: tuple[float, float] | None, after: tuple[float, float] | None, rows: list[dict],
+               slo: SLO) -> str:
+    """Why this probe measured its host rather than the server ('' when it did not)."""
+    reasons = []
+    if before is not None and after is not None and after[1] > before[1]:
+        mean = (after[0] - before[0]) / (after[1] - before[1])
+        if mean > LAG_LIMIT * slo.tpot_s:
+            reasons.append(f"the server ran {mean * 1000:.0f} ms behind its clock per completion "
+                           f"(limit {LAG_LIMIT * slo.tpot_s * 1000:.0f} ms)")
+    sent = np.array([r["arrival_s"] for r in rows], dtype=float)
+    planned = np.array([r["scheduled_s"] for r in rows], dtype=float)
+    if sent.size > 1 and np.ptp(planned) > 0:
+        ratio = np.ptp(planned) / np.ptp(sent)
+        lag = float(np.percentile(sent - planned, 99))
+        if ratio < SEND_RATE_LIMIT or lag > SEND_LAG_S:
+            reasons.append(f"the client sent at {ratio:.0%} of the offered rate, p99 {lag:.2g} s late")
+    return "; ".join(reasons)

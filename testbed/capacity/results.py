@@ -15,46 +15,60 @@ import pandas as pd
 from engine.metrics import SLO
 from testbed.sweep import jobs as sweep
 from testbed.capacity.search import RateSearch
+from testbed.capacity.steady import backlog_growth
 from testbed.sweep.report import print_table, print_wide, to_markdown, write_comparison
 
-JUDGED = ("slo_attainment", "ttft_p99_s", "tpot_p99_s")  # what a probe is judged on (after the warm-up)
-TABLE_METRICS = ("capacity_req_s", "output_tok_s", *JUDGED, "probes", "search", "window_s", "bracket_lo", "bracket_hi",
-                 "max_passed_req_s", "gpus", "capacity_per_gpu", "cost_per_gpu_hour", "req_per_dollar", "rates")
-PRINT_METRICS = ("capacity_req_s", "output_tok_s", *JUDGED, "probes", "search")
+JUDGED = ("slo_attainment", "ttft_p99_s", "tpot_p99_s", "itl_p99_s", "sched_delay_p50_s")  # after the warm-up
+TABLE_METRICS = ("capacity_req_s", "capacity_min_req_s", "capacity_max_req_s", "capacities", "output_tok_s", *JUDGED,
+                 "probes", "search", "window_s", "bracket_lo", "bracket_hi", "max_passed_req_s", "gpus", "replicas",
+                 "capacity_per_gpu", "capacity_total_req_s", "cost_per_gpu_hour", "req_per_dollar", "rates")
+PRINT_METRICS = ("capacity_req_s", "capacity_min_req_s", "capacity_max_req_s", "output_tok_s", "slo_attainment",
+                 "ttft_p99_s", "tpot_p99_s", "probes", "search")
 RANK_AXES = ("hardware", "parallel.pp", "parallel.tp", "model")  # deployment axes: a ranking is written
-RANK_COLUMNS = ("gpus", "status", "search", "capacity_req_s", "capacity_per_gpu", "cost_per_gpu_hour", "req_per_dollar")
-SHORT_WINDOW_S = 30.0  # a capacity probe whose arrivals span less than this measured a burst, not a rate
+RANK_COLUMNS = ("gpus", "replicas", "status", "search", "capacity_req_s", "capacity_min_req_s", "capacity_max_req_s",
+                "capacity_per_gpu", "capacity_total_req_s", "cost_per_gpu_hour", "req_per_dollar")
 
 
-def judged(row: Mapping[str, Any], slo: SLO, warmup_s: float) -> dict:
-    """The criterion metrics of a probe: its summary's (the definitions of `testbed run`), or,
-    with a warm-up, the same recomputed from requests.csv over the requests arriving after it."""
-    if not warmup_s:
-        return {k: float(row.get(k, math.nan)) for k in JUDGED}
+def judged(row: Mapping[str, Any], slo: SLO, warmup_s: float, rate: float) -> dict:
+    """The criterion metrics of a probe, over the requests arriving after the warm-up (the
+    definitions of `testbed run`; the time between tokens over all of them), its median
+    scheduling delay and how fast its queue still grew (testbed/capacity/steady.py)."""
     req = pd.read_csv(Path(row["run_dir"]) / "requests.csv")
-    req = req[req["arrival_s"] >= warmup_s]
-    fin = req[req["status"] == "finished"]
+    growth = backlog_growth(req, rate, warmup_s)
+    late = req[req["arrival_s"] >= warmup_s]
+    fin = late[late["status"] == "finished"]
+    delay = (fin["first_scheduled_s"] - fin["arrival_s"]).dropna().to_numpy(float)
+    out = {"itl_p99_s": float(row.get("itl_p99_s", math.nan)), "backlog_growth": growth,
+           "sched_delay_p50_s": float(np.median(delay)) if delay.size else math.nan}
+    if not warmup_s:
+        return {**{k: float(row.get(k, math.nan)) for k in JUDGED[:3]}, **out}
     ttft, tpot = fin["ttft_s"].to_numpy(float), fin["tpot_s"].dropna().to_numpy(float)
     ok = ((fin["ttft_s"] <= slo.ttft_s) & (fin["tpot_s"].isna() | (fin["tpot_s"] <= slo.tpot_s))).sum()
-    return {"slo_attainment": float(ok / len(req)) if len(req) else 0.0,
+    return {"slo_attainment": float(ok / len(late)) if len(late) else 0.0,
             "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft.size else math.nan,
-            "tpot_p99_s": float(np.percentile(tpot, 99)) if tpot.size else math.nan}
+            "tpot_p99_s": float(np.percentile(tpot, 99)) if tpot.size else math.nan, **out}
 
 
 # --- rows ----------------------------------------------------------------------------------------------
 
 def point_row(pt: Any, search: RateSearch, probe_rows: list[dict], error: str | None) -> dict:
-    """One point's row. The capacity is a probed rate that passed (never interpolated); its SLO
-    metrics and throughput are that probe's."""
+    """One search's row (a grid point in one window). The capacity is a probed rate that passed
+    (never interpolated); its SLO metrics and throughput are that probe's."""
     out = search.outcome()
     gpus = pt.run.num_gpus
     price = pt.run.settings.hardware.cost_per_gpu_hour
-    row: dict[str, Any] = {"point": pt.index, **pt.axis_values, "status": "finished", "error": error,
-                           "probes": len(probe_rows), "search": out.status, "target": pt.target, "gpus": gpus,
-                           "cost_per_gpu_hour": price, "bracket_lo": out.lo, "bracket_hi": out.hi,
+    row: dict[str, Any] = {"point": pt.group, **pt.axis_values, "window": pt.window, "status": "finished",
+                           "error": error, "probes": len(probe_rows), "search": out.status, "target": pt.target,
+                           "gpus": gpus, "cost_per_gpu_hour": price, "bracket_lo": out.lo, "bracket_hi": out.hi,
                            "max_passed_req_s": out.max_passed, "rates": rates_text(search),
                            "violations": "; ".join(out.violations) or None}
-    if error:
+    if pt.pruned:
+        row["status"] = ("does not fit" if "does not fit" in pt.pruned else "host-bound"
+                         if pt.pruned.startswith("host-bound") else "misses the SLO unloaded")
+        row["search"] = "pruned before any probe" if row["status"] != "host-bound" else pt.pruned
+    elif error and error.startswith("host-bound"):
+        row["status"], row["search"] = "host-bound", f"stopped: probe {len(probe_rows) - 1} {error}"
+    elif error:
         row["status"] = "does not fit" if "does not fit" in error else "failed"
         row["search"] = f"stopped: probe {len(probe_rows) - 1} failed"
     elif out.capacity is None:
@@ -63,9 +77,33 @@ def point_row(pt: Any, search: RateSearch, probe_rows: list[dict], error: str | 
     if out.capacity is not None and at is not None:
         row.update(capacity_req_s=out.capacity, output_tok_s=at.get("output_throughput_tok_s"),
                    throughput_tok_s=at.get("throughput_tok_s"), run_id=at.get("run_id"), run_dir=at.get("run_dir"),
-                   capacity_per_gpu=out.capacity / gpus, window_s=at.get("window_s"),
-                   req_per_dollar=out.capacity * 3600 / (gpus * price) if price else None,
-                   **{k: at["capacity.metrics"][k] for k in at["capacity.metrics"]})
+                   window_s=at.get("window_s"), **{k: at["capacity.metrics"][k] for k in at["capacity.metrics"]})
+    return row
+
+
+def group_row(rows: list[dict], gpu_budget: int | None) -> dict:
+    """A grid point's row from its windows' rows: the median capacity (the lower median, so a rate
+    that was run and passed), its range and each window's; the SLO metrics are the median window's.
+    A point any of whose windows found no capacity takes that window's status."""
+    found = sorted((r for r in rows if r["status"] == "finished" and r.get("capacity_req_s") is not None),
+                   key=lambda r: r["capacity_req_s"])
+    lacking = [r for r in rows if r not in found]
+    row = dict(lacking[0] if lacking else found[(len(found) - 1) // 2])
+    caps = [r["capacity_req_s"] for r in found]
+    row.update(windows=len(rows), probes=sum(r["probes"] for r in rows),
+               capacities=" ".join(f"w{r['window']}:{r.get('capacity_req_s') or math.nan:.4g}" for r in rows),
+               rates=" | ".join(r["rates"] for r in rows))
+    if len({r["search"] for r in rows}) > 1:
+        row["search"] = "; ".join(f"w{r['window']} {r['search']}" for r in rows)
+    row.pop("window", None)
+    if lacking or not caps:
+        row.pop("capacity_req_s", None)
+        return row
+    gpus, price = row["gpus"], row["cost_per_gpu_hour"]
+    replicas = gpu_budget // gpus if gpu_budget else 1
+    row.update(capacity_min_req_s=caps[0], capacity_max_req_s=caps[-1], replicas=replicas,
+               capacity_per_gpu=row["capacity_req_s"] / gpus, capacity_total_req_s=replicas * row["capacity_req_s"],
+               req_per_dollar=row["capacity_req_s"] * 3600 / (gpus * price) if price else None)
     return row
 
 
@@ -75,36 +113,60 @@ def rates_text(search: RateSearch) -> str:
 
 
 def probe_table(feed: Any, axes: list[str]) -> pd.DataFrame:
-    keep = ("status", "error", "capacity.phase", "capacity.passed", "capacity.value", *JUDGED,
-            "output_throughput_tok_s", "throughput_tok_s", "num_finished", "num_failed", "run_id", "run_dir")
+    keep = ("status", "error", "capacity.phase", "capacity.passed", "capacity.value", "capacity.steady", *JUDGED,
+            "backlog_growth", "host_flag", "attempts", "window_s", "num_requests", "output_throughput_tok_s", "throughput_tok_s",
+            "num_finished", "num_failed", "run_id", "run_dir")
     rows = []
-    for point, probes in feed.probe_rows.items():
+    for unit, probes in feed.probe_rows.items():
+        pt = feed.p.points[unit]
         for k, r in enumerate(probes):
             metrics = r.get("capacity.metrics") or {}
-            rows.append({"point": point, "probe": k, **{a: r.get(a) for a in axes},
+            rows.append({"point": pt.group, "window": pt.window, "probe": k, **{a: r.get(a) for a in axes},
                          "workload.rate": r.get("workload.rate"), **{c: metrics.get(c, r.get(c)) for c in keep}})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=["point", "window", "probe", *axes, "workload.rate", *keep])
 
 
 def ranking(df: pd.DataFrame, axes: list[str]) -> pd.DataFrame | None:
-    """Deployments by capacity per GPU (and by requests per dollar where priced); the points
-    without a capacity (e.g. 'does not fit') last, saying why."""
+    """Deployments by capacity per GPU (and by requests per dollar where priced); `ties` lists the
+    ranks whose capacity range over the windows overlaps this one's (not distinguishable by this
+    search); the points without a capacity (does not fit, missed the SLO unloaded) last, saying why."""
     if not any(a in RANK_AXES for a in axes) or df.empty:
         return None
     cols = ["point", *axes, *[c for c in RANK_COLUMNS if c in df.columns]]
     ranked = df[df["status"] == "finished"].sort_values("capacity_per_gpu", ascending=False)[cols].copy()
     ranked.insert(0, "rank", range(1, len(ranked) + 1))
+    ranked["ties"] = _ties(ranked, "capacity_per_gpu", "rank")
     if "req_per_dollar" in ranked and ranked["req_per_dollar"].notna().any():
         ranked["rank_by_cost"] = ranked["req_per_dollar"].rank(ascending=False, method="min")
+        ranked["ties_by_cost"] = _ties(ranked, "req_per_dollar", "rank_by_cost")
     rest = df[df["status"] != "finished"][cols + (["error"] if "error" in df.columns else [])]
     return pd.concat([ranked, rest], ignore_index=True)
+
+
+def _ties(ranked: pd.DataFrame, key: str, rank: str) -> list[str]:
+    """Per row, the `rank`s whose [min, max] capacity over the windows (scaled like `key`) overlaps its own."""
+    if "capacity_min_req_s" not in ranked:
+        return [""] * len(ranked)
+    scale = ranked[key] / ranked["capacity_req_s"]
+    lo, hi = ranked["capacity_min_req_s"] * scale, ranked["capacity_max_req_s"] * scale
+    out = []
+    for i in range(len(ranked)):
+        same = [f"{ranked[rank].iloc[j]:g}" for j in range(len(ranked))
+                if j != i and lo.iloc[i] <= hi.iloc[j] and lo.iloc[j] <= hi.iloc[i]]
+        out.append(", ".join(same))
+    return out
 
 
 # --- writing and showing ----------------------------------------------------------------------------------
 
 def collect(p: Any, feed: Any) -> pd.DataFrame:
-    rows = [point_row(pt, feed.searches[pt.index], feed.probe_rows[pt.index], feed.errors.get(pt.index))
-            for pt in p.points if feed.probe_rows[pt.index]]
+    """One row per grid point, over its windows (those with a probe or pruned before any)."""
+    units: dict[int, list[dict]] = {}
+    for pt in p.points:
+        if feed.probe_rows[pt.index] or pt.pruned:
+            units.setdefault(pt.group, []).append(
+                point_row(pt, feed.searches[pt.index], feed.probe_rows[pt.index], feed.errors.get(pt.index)))
+    rows = [group_row(r, p.settings.gpus) for r in units.values()]
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["point", *p.axes, "status"])
 
 
@@ -114,6 +176,7 @@ def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
     from testbed.capacity.figure import plot_search
 
     df = collect(p, feed)
+    df.attrs["estimate_s"] = (feed.estimate_s, feed.measured_estimate_s)
     write_comparison(df, p.axes, p.out_dir, metrics=TABLE_METRICS, plots=False)
     probe_table(feed, p.axes).to_csv(p.out_dir / "probes.csv", index=False)
     ranked = ranking(df, p.axes)
@@ -124,7 +187,8 @@ def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
         plot_search(p, feed, p.out_dir / "capacity.png")
     summary = {"experiment": p.name, "axes": p.axes, "overrides": p.overrides, "settings": _settings(p),
                "points": [_point_json(pt, feed) for pt in p.points], "wall_s": wall,
-               "base_url": p.live.base_url if p.live is not None else None}
+               "base_url": p.live.base_url if p.live is not None else None, "estimate_s": feed.estimate_s,
+               "measured_estimate_s": feed.measured_estimate_s}
     if interrupted:
         summary["interrupted"] = interrupted
     (p.out_dir / "capacity.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -145,7 +209,10 @@ def _settings(p: Any) -> dict:
 def _point_json(pt: Any, feed: Any) -> dict:
     search = feed.searches[pt.index]
     out = search.outcome()
-    return {"point": pt.index, "label": pt.label, "axes": pt.axis_values, "target": pt.target,
+    u = pt.unloaded
+    return {"point": pt.group, "window": pt.window, "label": pt.label, "axes": pt.axis_values, "target": pt.target,
+            "duration_s": pt.duration_s, "pruned": pt.pruned,
+            "unloaded": None if u is None else {"ttft_s": u.ttft_s, "tpot_s": u.tpot_s, "longest_e2e_s": u.e2e_s},
             "error": feed.errors.get(pt.index), "capacity_req_s": out.capacity, "bracket": [out.lo, out.hi],
             "search": out.status, "monotone": out.monotone, "violations": out.violations,
             "probes": [{"rate": pr.rate, "passed": pr.passed, "value": pr.value, "phase": pr.phase,
@@ -156,18 +223,22 @@ def show(console: Any, p: Any, df: pd.DataFrame, ranked: pd.DataFrame | None, wa
     probes = int(df["probes"].sum()) if "probes" in df else 0
     print_table(console, df, p.axes, f"{p.name}: capacity per point ({probes} probes, {wall:.1f} s)",
                 metrics=PRINT_METRICS)
+    first, measured = df.attrs.get("estimate_s") or (None, None)
+    if first and measured:
+        console.print(f"the probes took {wall:.0f} s; estimated {first:.0f} s at the start ({wall / first - 1:+.0%}), "
+                      f"{measured:.0f} s after the first probe ({wall / measured - 1:+.0%})", highlight=False)
     for _, r in df[df.get("search", pd.Series(dtype=str)) == "non-monotone"].iterrows():
         console.print(f"[yellow]non-monotone[/yellow] point {r['point']}: {r['violations']}; probes {r['rates']}",
                       highlight=False)
-    if "window_s" in df:
-        for _, r in df[df["window_s"] < SHORT_WINDOW_S].iterrows():
-            console.print(f"[yellow]warning[/yellow]: point {r['point']}: the arrivals of its capacity probe span "
-                          f"only {r['window_s']:.3g} s, closer to a burst than a sustained rate; a longer "
-                          f"capacity.duration_s= (seconds of arrivals per probe) measures the latter", highlight=False)
     if ranked is not None:
         from rich.table import Table
 
         ranked = ranked.drop(columns=["error"], errors="ignore")
+        for col, rank, what in (("ties", "rank", "per GPU"), ("ties_by_cost", "rank_by_cost", "per dollar")):
+            ties = [f"{r[rank]:g} ~ {r[col]}" for _, r in ranked.iterrows() if isinstance(r.get(col), str) and r[col]]
+            if ties:
+                console.print(f"not distinguishable {what} (capacity ranges over the windows overlap): rank "
+                              + "; ".join(ties), highlight=False)
 
         t = Table(title="deployment ranking (capacity per GPU; requests per dollar where priced)")
         for c in ranked.columns:

@@ -18,11 +18,16 @@ from engine.typed import setting
 from testbed.config.overrides import check_keys, parse_settings, scalar
 from workloads.arrivals import MAX_RATE
 
-CRITERIA = ("attainment", "tpot_p99", "ttft_p99")
+CRITERIA = ("attainment", "tpot_p99", "tbt_p99", "ttft_p99", "sarathi")
 # criterion -> (the probe's metric, True when higher is better, the slo.* key of its default target)
 CRITERION_METRIC = {"attainment": ("slo_attainment", True, None), "tpot_p99": ("tpot_p99_s", False, "tpot_s"),
-                    "ttft_p99": ("ttft_p99_s", False, "ttft_s")}
+                    "tbt_p99": ("itl_p99_s", False, "tpot_s"), "ttft_p99": ("ttft_p99_s", False, "ttft_s"),
+                    "sarathi": ("itl_p99_s", False, "tpot_s")}
 DEFAULT_ATTAINMENT = 0.8  # gLLM's "80% SLO attainment"
+# Sarathi-Serve (OSDI'24) defines capacity as the highest load whose P99 time between tokens meets
+# the SLO while the median scheduling delay stays under 2 s: `capacity.criterion=sarathi`.
+SARATHI_MAX_MEDIAN_DELAY_S = 2.0
+DELAY_METRIC = "sched_delay_p50_s"  # arrival to first scheduled, median over the judged requests
 PRICE_PREFIX = "price."  # capacity.price.<hardware>=<USD per GPU-hour>
 
 
@@ -30,7 +35,9 @@ PRICE_PREFIX = "price."  # capacity.price.<hardware>=<USD per GPU-hour>
 class CapacitySettings:
     """One search per grid point: bracket (x`growth` from `start`), then bisect until the bracket
     is within `precision` (relative), then `confirm` probe(s) above the bracket to catch a
-    non-monotone curve. `duration_s` / `warmup_s` size each probe in (server) seconds."""
+    non-monotone curve. `duration_s` / `warmup_s` size each probe in (server) seconds (by default
+    the steady-state length, testbed/capacity/steady.py); `windows` repeats the search on other
+    stretches of a trace (or seeds); `gpus` makes it a configuration search within that budget."""
 
     criterion: str = setting("attainment", choices=CRITERIA)
     target: float | None = setting(None, gt=0)  # None: 0.8 attainment, or slo.tpot_s / slo.ttft_s
@@ -41,9 +48,15 @@ class CapacitySettings:
     max_rate: float = setting(1000.0, gt=0, max=MAX_RATE)
     max_probes: int = setting(20, min=2, max=200)  # per point
     confirm: int = setting(1, min=0, max=5)  # probes above the bracket after it converged
-    duration_s: float | None = setting(None, gt=0)  # None: the workload's num_requests; else rate x (warm-up + this)
+    duration_s: float | None = setting(None, gt=0)  # None: the steady-state length (below); else seconds of arrivals
+    steady_factor: float = setting(8.0, min=1, max=100)  # auto length: this x the longest request's unloaded E2E
+    min_duration_s: float = setting(300.0, gt=0)  # auto length: at least this many seconds of arrivals
     warmup_s: float = setting(0.0, min=0)  # requests arriving earlier are sent but not judged
-    workers: int = setting(1, min=1)
+    windows: int = setting(3, min=1, max=20)  # trace windows (offsets) or seeds per point
+    window_step_s: float = setting(1200.0, gt=0)  # trace offset between windows (workload.start_s)
+    gpus: int | None = setting(None, min=1)  # a GPU budget: configurations of at most this many GPUs, as replicas
+    retries: int = setting(1, min=0, max=5)  # live: reruns of a probe the host could not keep up with
+    workers: int | None = setting(None, min=1)  # None: one per CPU core
     experiment: str | None = None  # MLflow experiment and folder; None: capacity-<UTC time>
     prices: tuple[tuple[str, float], ...] = ()  # (hardware, USD per GPU-hour) from capacity.price.<hw>=
 
@@ -53,6 +66,9 @@ class CapacitySettings:
                               f"{self.max_rate:g}")
         if self.criterion == "attainment" and self.target is not None and self.target > 1:
             raise ConfigError(f"invalid capacity.target={self.target:g}: an attainment is a fraction in (0, 1]")
+        if self.warmup_s and self.metric == "itl_p99_s":
+            raise ConfigError(f"invalid capacity.warmup_s={self.warmup_s:g} with capacity.criterion={self.criterion}: "
+                              f"the time between tokens is judged over every request (set capacity.warmup_s=0)")
         if self.experiment is not None and (not self.experiment.strip() or "/" in self.experiment
                                             or self.experiment.startswith(".")):
             raise ConfigError(f"invalid capacity.experiment={self.experiment!r}: a name without '/'")
@@ -71,20 +87,31 @@ class CapacitySettings:
         key = CRITERION_METRIC[self.criterion][2]
         return DEFAULT_ATTAINMENT if key is None else float(getattr(slo, key))
 
-    def probe_text(self, num_requests: int | None) -> str:
-        """What one probe sends: seconds of arrivals, or the workload's request count."""
-        if self.duration_s:
-            return f"{self.duration_s:g} s" + (f" + {self.warmup_s:g} s warm-up" if self.warmup_s else "") + " of arrivals"
-        return f"{num_requests} requests" + (f" ({self.warmup_s:g} s warm-up)" if self.warmup_s else "")
+    def probe_text(self, durations: Sequence[float]) -> str:
+        """What one probe sends: seconds of arrivals (per point when set by the steady-state rule)."""
+        lo, hi = min(durations), max(durations)
+        span = f"{lo:.0f} s" if hi - lo < 0.5 else f"{lo:.0f}-{hi:.0f} s"
+        how = "" if self.duration_s else f" (steady state: {self.steady_factor:g} x the longest unloaded request)"
+        return span + (f" + {self.warmup_s:g} s warm-up" if self.warmup_s else "") + " of arrivals" + how
 
     def describe(self, target: float) -> str:
         op = ">=" if self.higher_is_better else "<="
-        return f"{self.metric} {op} {target:g}"
+        extra = f" and {DELAY_METRIC} <= {SARATHI_MAX_MEDIAN_DELAY_S:g}" if self.criterion == "sarathi" else ""
+        return f"{self.metric} {op} {target:g}{extra}"
 
-    def passes(self, value: float, target: float) -> bool:
+    def passes(self, value: float, target: float, metrics: Mapping[str, float] | None = None) -> bool:
+        """The criterion's bound, and for the Sarathi preset the median scheduling delay too."""
         if value is None or math.isnan(value):
             return False
+        if self.criterion == "sarathi" and not (metrics or {}).get(DELAY_METRIC, math.inf) <= SARATHI_MAX_MEDIAN_DELAY_S:
+            return False
         return value >= target if self.higher_is_better else value <= target
+
+    @property
+    def resolved_workers(self) -> int:
+        import os
+
+        return self.workers or os.cpu_count() or 1
 
 
 KEYS = tuple(f for f in CapacitySettings.__dataclass_fields__ if f != "prices")

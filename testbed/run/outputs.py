@@ -14,7 +14,7 @@
 Sizes: the full trace of `testbed run policy=gllm workload=azure` at the trace's own rate (10,302
 micro-batches) is 14 MB and took 1.5-3 s to write; the sampled one keeps the first 256
 micro-batches and windows of 64 (one per 1,024 micro-batches, at most 12 written, evenly spread),
-~1.2 MB and ~0.1 s. The main job at its default 1.5 req/s (34,000 micro-batches) writes ~4 MB.
+~1.2 MB and ~0.1 s. The main job at 1.5 req/s (34,000 micro-batches) writes ~4 MB.
 
 This module imports nothing heavy (no pandas, no matplotlib): `testbed run` pays for what it
 writes, not for imports (measured: pandas+matplotlib imports cost ~1.5 s of a 6 s run).

@@ -191,6 +191,7 @@ def build_server(spec: RunSpec, console=None) -> Server:
                       check_integrity=stub.check_integrity, data_dir=stub.data_dir,
                       num_microbatches=stub.num_microbatches, link_bandwidth_Bps=stub.link_bandwidth_Bps,
                       link_latency_s=stub.link_latency_s)
+    ctrl.token_gaps = None  # the time between tokens is the client's to measure (bench serve's itl_*)
     model = prepared.cost.model
     name = settings.model_name or str(getattr(spec.settings.model, "name", None) or model.name)
     stamp = run_name(spec, who=prepared.info["policy"], what=f"serve-{ex_name}")

@@ -56,6 +56,16 @@ class _EngineCollector:
             bubble.add_metric([self.model, str(s)], max(0.0, 1.0 - b / active) if active > 0 else 0.0)
         yield busy
         yield bubble
+        ex = c.executor
+        if hasattr(ex, "lag_s"):  # the paced simulator: how far behind its clock this host ran it
+            lag = CounterMetricFamily(f"{PREFIX}_clock_lag_seconds", "Simulated seconds by which completions "
+                                      "reached the controller after their time (host too slow).", labels=labels)
+            lag.add_metric([self.model], ex.lag_s)
+            yield lag
+            handed = CounterMetricFamily(f"{PREFIX}_clock_completions", "Completions handed to the controller.",
+                                         labels=labels)
+            handed.add_metric([self.model], ex.handed)
+            yield handed
 
 
 class ServeMetrics:
