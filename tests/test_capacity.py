@@ -90,9 +90,10 @@ def test_capacity_table_agrees_with_its_probes_and_their_mlflow_runs(tmp_path, c
     assert list(table["parallel.pp"]) == [1, 2]
     # the printed link opens the view that groups the probes by point (issue 40 items 1 and 6)
     assert "compareRunsMode=CHART&viewStateShareKey=testbed-capacity" in captured.err
-    # each probe's folder: its summary only (the run folder budget)
+    # each probe's folder: its summary and tables, no trace or plots (the run folder budget; the
+    # steady-state check reads requests.csv)
     assert {p.name for p in Path(probes["run_dir"].dropna().iloc[0]).iterdir()} == {
-        "summary.json", "config.yaml", "run_info.json"}
+        "summary.json", "config.yaml", "run_info.json", "requests.csv", "microbatches.csv"}
     unfit, fit = table.iloc[0], table.iloc[1]
     assert unfit["status"] == "does not fit" and math.isnan(unfit["capacity_req_s"])
     assert fit["status"] == "finished" and fit["probes"] == (probes["point"] == 1).sum()
@@ -352,7 +353,7 @@ def test_a_signal_ends_the_search_and_kills_its_runs(tmp_path, send, exit_code):
     cmd.wait_for("point   0 probe  0")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(
-            kind == "probe" and name.startswith("workload.output_mean=4000")
+            kind == "probe" and name.startswith("output_mean=4000")
             for kind, name in running_kinds(tmp_path / "mlflow.db")):
         time.sleep(0.2)
     children = cmd.descendants()

@@ -165,9 +165,13 @@ def trace_rows(run: RunSpec) -> int | None:
 
 
 def _point_spec(pt: Point, settings: CapacitySettings, user: set[str]) -> PointSpec:
-    # per-probe traces, tables and plots (~1 s each) only when asked; a warm-up re-reads requests.csv
-    ovs = list(pt.overrides) + sweep.point_budget(user, ("output.requests",) if settings.warmup_s else ())
+    # per-probe traces and plots (~1 s each) only when asked; requests.csv always: every probe's
+    # steady-state check and scheduling delay are read from it (testbed/capacity/results.judged)
+    ovs = list(pt.overrides) + sweep.point_budget(user, ("output.requests",))
     run = compose_spec(ovs)
+    if not run.output.requests:
+        raise ConfigError("invalid output.requests=false for testbed capacity: each probe's steady-state check "
+                          "reads its requests.csv; leave output.requests unset")
     if getattr(run.workload, "arrival", None) == "offline":
         raise ConfigError(f"workload.arrival=offline has no request rate to search (point {pt.label}); "
                           f"valid choices: poisson, gamma")
