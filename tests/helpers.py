@@ -54,6 +54,7 @@ def make_state(policy, *, pp=2, num_blocks=1000, block_size=16, decoding=(), pre
         s = seqs[i]; i += 1
         ctrl.waiting.remove(s)
         s.status, s.num_generated, s.num_computed = SeqStatus.DECODING, gen, prompt + gen - 1
+        s.last_token_s = 0.0  # its latest token came at the start (the time between tokens needs one)
         s.admit_order = ctrl._admit_counter; ctrl._admit_counter += 1
         ctrl.running[s.seq_id] = s
         ctrl.num_decoding += 1
