@@ -437,6 +437,7 @@ def checkpoint_models(overrides: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from testbed.signals import hold_if_stopping, sigterm_as_interrupt, stopped_by, stopping_for_good
 
+    entry = argv is None  # the process's own command (not a caller in the process, such as a test)
     argv = sys.argv[1:] if argv is None else list(argv)
     default_data_dir()
     parser = build_parser()
@@ -459,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             except KeyboardInterrupt as exc:  # inside the block: its record names the stop
                 return _interrupted(exc)
             finally:
-                if args is not None and stopped_by() is not None:  # a stopped command: the process ends
+                if entry and args is not None and stopped_by() is not None:  # a stopped command: the process ends
                     stopping_for_good()
     except TestbedError as exc:  # exit 2, or the error's own code (1: a service lost mid-command)
         print(f"error: {exc}", file=sys.stderr)
