@@ -26,7 +26,7 @@ from engine.hardware import get_hardware
 from testbed.calibrate.fit import save_hardware_profile
 from testbed.calibrate.profile import TARGETS, VALIDATE_METRICS, error_table, profile_dir
 from testbed.calibrate.run_fit import fitted_spec, fit_runs
-from testbed.calibrate.runs import RealRun, group_by_setting, infer_kv_blocks, load_run
+from testbed.calibrate.runs import RealRun, group_by_setting, kv_num_blocks, load_run
 
 SPREAD_METRICS = ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s", "e2el_mean_s")
 
@@ -91,7 +91,7 @@ def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None):
     rc = run.spec.settings
     blocking = rc.executor.settings.device == "cpu"  # gloo's blocking send (SimSettings.blocking_send)
     values = {"executor": {"name": "sim", "blocking_send": blocking}, "hardware": nodes[hardware],
-              "kv.num_blocks": rc.kv.num_blocks or infer_kv_blocks(run), "output.mlflow": False,
+              "kv.num_blocks": kv_num_blocks(run), "output.mlflow": False,
               "output.plots": False, "output.progress": False, "output.trace": "off"}
     spec = run.spec.with_values(values)
     res = prepare_experiment(spec, requests=list(run.requests)).run()
@@ -162,9 +162,9 @@ def stalls(run: RealRun, hardware: str) -> dict:
     from engine.costmodel import CostCoefficients, CostModel
     from testbed.calibrate.runs import replay_shapes
 
-    rc = run.spec.settings
-    cost = CostModel(rc.model, get_hardware(hardware), rc.parallel.pp, layer_split=rc.parallel.layer_split,
-                     coefficients=CostCoefficients(**(get_hardware(hardware).calibration or {})))
+    rc, hw = run.spec.settings, get_hardware(hardware)
+    cost = CostModel(rc.model, hw, rc.parallel.pp, layer_split=rc.parallel.layer_split,
+                     coefficients=CostCoefficients(**(hw.calibration or {})))
     shapes = replay_shapes(run)
     excess, where = 0.0, []
     for row in run.microbatches.itertuples():

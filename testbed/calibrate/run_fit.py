@@ -72,7 +72,6 @@ class EngineSamples:
     dispatch: list[tuple[str, BatchShape, float]]
     ret: list[tuple[str, BatchShape, float]]
     transfer: list[tuple[str, int, float]]  # (kind, bytes, seconds)
-    first_use_s: list[float]  # the first micro-batch's excess over the fitted model, per run (filled by the fit)
     first: list[tuple[ReplayedBatch, int]]  # each run's first micro-batch and its P
 
 
@@ -110,7 +109,7 @@ def engine_samples(runs: Sequence[RealRun], cost_for_bytes: CostModel) -> Engine
             prev = b
     if not fw:
         raise ConfigError("the runs' traces hold no forward spans: rerun them with output.trace=full")
-    return EngineSamples(fw, prep, samp, disp, ret, tr, [], first)
+    return EngineSamples(fw, prep, samp, disp, ret, tr, first)
 
 
 @dataclass

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import heapq
 import json
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -79,6 +78,9 @@ class RealRun:
     microbatches: pd.DataFrame
     summary: dict
     spans: dict[tuple[int, int], dict[str, tuple[float, float]]] | None  # (mb, stage) -> name -> (start, dur)
+    # what the replay found, kept: a fit, a validate and its stall check each ask for it
+    _kv_blocks: int | None = field(default=None, repr=False)
+    _shapes: dict | None = field(default=None, repr=False)
 
     @property
     def label(self) -> str:
@@ -235,17 +237,18 @@ class ReplayExecutor(Executor):
 def replay_shapes(run: RealRun) -> dict[int, tuple[BatchShape, float | None]]:
     """mb_id -> (its shape, the completion time its launch followed), by replaying the run's
     controller (module docstring). Raises ReplayDiverged when the policy forms other batches."""
-    from testbed.run.runner import build_cost_model, build_policy, link_settings
+    from testbed.run.runner import build_cost_model, link_settings
     from workloads.history import history_for_run
 
+    if run._shapes is not None:
+        return run._shapes
     spec = run.spec
     cost = build_cost_model(spec)
     link = link_settings(spec.settings, cost)
-    blocks = spec.settings.kv.num_blocks or infer_kv_blocks(run)
+    blocks = kv_num_blocks(run)
     flipped: set[int] = set()
     while True:
-        policy = build_policy(spec)
-        policy.prepare(PrepareContext(cost.pp, lambda params, n: None))
+        policy = _prepared_policy(run)
         ex = ReplayExecutor(cost.pp, run.microbatches, admit_at_event=frozenset(flipped))
         ctrl = Controller(list(run.requests), policy, ex, BlockManager(blocks, spec.settings.kv.block_size),
                           cost_model=cost, data_dir=spec.data_dir,
@@ -261,20 +264,36 @@ def replay_shapes(run: RealRun) -> dict[int, tuple[BatchShape, float | None]]:
     if len(ex.shapes) != len(run.microbatches):
         raise ReplayDiverged(f"the replay formed {len(ex.shapes)} micro-batches, the run recorded "
                              f"{len(run.microbatches)}")
-    return {mb: (shape, ex.after_completion[mb]) for mb, shape in ex.shapes.items()}
+    run._shapes = {mb: (shape, ex.after_completion[mb]) for mb, shape in ex.shapes.items()}
+    return run._shapes
+
+
+def _prepared_policy(run: RealRun):
+    """The run's policy, prepared as for a run (a replay needs no short simulations)."""
+    from testbed.run.runner import build_policy
+
+    policy = build_policy(run.spec)
+    policy.prepare(PrepareContext(run.pp, lambda params, n: None))
+    return policy
+
+
+def kv_num_blocks(run: RealRun) -> int:
+    """The run's KV pool: `kv.num_blocks` as configured, else inferred (once per run)."""
+    if run._kv_blocks is None:
+        run._kv_blocks = run.spec.settings.kv.num_blocks or infer_kv_blocks(run)
+    return run._kv_blocks
 
 
 def infer_kv_blocks(run: RealRun) -> int:
     """The KV pool a run measured (CUDA sizes it from free memory; the tables record only its
     usage): the blocks the first micro-batch holds, replayed on a pool too big to matter, over the
     usage the run recorded after it."""
-    from testbed.run.runner import build_cost_model, build_policy
+    from testbed.run.runner import build_cost_model
 
     usage = float(run.microbatches["kv_usage"].iloc[0])
     if not usage > 0:
         raise ConfigError(f"run {run.path}: cannot infer its KV pool size from microbatches.csv; pass kv.num_blocks=")
-    policy = build_policy(run.spec)
-    policy.prepare(PrepareContext(run.pp, lambda params, n: None))
+    policy = _prepared_policy(run)
     block = run.spec.settings.kv.block_size
     kv = BlockManager(sum(-(-(r.prompt_len + r.output_len) // block) for r in run.requests) + 1, block)
     ex = ReplayExecutor(run.pp, run.microbatches, stop_after=1)
@@ -326,6 +345,3 @@ def group_by_setting(runs: Sequence[RealRun]) -> dict[str, list[RealRun]]:
         groups.setdefault(json.dumps(tree, sort_keys=True, default=str), []).append(run)
     return {runs[0].label: runs for runs in groups.values()}
 
-
-def finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
