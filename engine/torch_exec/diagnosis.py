@@ -22,8 +22,16 @@ from engine.errors import RunFailedError
 from engine.torch_exec import wire
 
 REPORTED_EXIT = 70  # exit code of a stage that reported its exception (EX_SOFTWARE; worker.py)
-LOST_PEER = "Connection closed by peer"  # gloo's words when the stage at the other end is gone
+# gloo's words when the stage at the other end is gone: "closed" when its socket shut cleanly,
+# "reset" when the kernel tore it down (a killed process; seen in CI on a send), "Broken pipe" on a write
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 PING_S = 2.0  # how long a stage started by hand has to answer before it is taken for dead
+
+
+
+def lost_peer(error_text: str) -> bool:
+    """Whether a stage's error only says its neighbour went away (a consequence, not a cause)."""
+    return any(words in error_text for words in LOST_PEER)
 
 
 class FailureDiagnosis:
@@ -69,7 +77,7 @@ class FailureDiagnosis:
                 if isinstance(msg, wire.StageError):
                     errors.setdefault(msg.stage, msg)
         root = min(errors.values(), key=lambda e: e.clock - self._offsets[e.stage])
-        if not silent and not self._procs and LOST_PEER in root.text:
+        if not silent and not self._procs and lost_peer(root.text):
             silent = self._unanswering(set(errors))
         if silent and isinstance(silent[0], int):  # external stages: no process to read an exit code from
             s = silent[0]
