@@ -30,7 +30,7 @@ def sample(logits: torch.Tensor, keys: list[tuple[int, int]], *, method: str = "
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> list[int]:
     """logits [S, vocab] float32; keys[i] = (seq_id, position of the sampled token)."""
     if method == "greedy" or temperature == 0:
-        return logits.argmax(dim=-1).tolist()
+        return greedy(logits)
     logits = _finite(logits.float())
     x = _finite(logits / max(temperature, MIN_TEMPERATURE))
     if 0 < top_k < x.shape[-1]:
@@ -56,6 +56,17 @@ def sample(logits: torch.Tensor, keys: list[tuple[int, int]], *, method: str = "
         out.append(torch.multinomial(probs[i], 1, generator=g))
     # one device-to-host copy for the whole batch (the draws stay on the logits' device)
     return torch.cat(out).tolist() if out else []
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    """Each row's most likely token (the first on ties; a NaN counts as the largest, as in torch).
+
+    On the host, numpy's argmax: torch's CPU argmax over a [64, 32000] float32 batch took 1.8 ms
+    with one thread and 8.1 ms with two on this project's 2-core machine, numpy's 0.16 ms; it was
+    a third of a tiny-llama decode step's host time (sample 1.94 of 3.4 ms at 64 x 512)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
