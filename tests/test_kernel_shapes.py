@@ -99,10 +99,13 @@ def test_samples_reader_turns_a_prefill_lines_fourth_field_into_a_kv_write_row(t
     assert sum(r.op == "attn_prefill" for r in table.rows) == 2 and sum(r.op == "attn_decode" for r in table.rows) == 1
 
 
-def _kv_write_rows(lk: LayerKernels, tokens) -> tuple:
+def _kv_write_rows(lk: LayerKernels, tokens, resolution_s: float = 0.0) -> tuple:
+    """Rows of the store's time, rounded to the tables' resolution when given (the samples: 1 us)."""
     from engine.profile_table import ProfileRow
 
-    return tuple(ProfileRow("kv_write", None, "", 1, x, 0, 0, 0, float(lk.kv_write_s(x)), tp=lk.shape.tp)
+    def rounded(t: float) -> float:
+        return round(t / resolution_s) * resolution_s if resolution_s else t
+    return tuple(ProfileRow("kv_write", None, "", 1, x, 0, 0, 0, rounded(float(lk.kv_write_s(x))), tp=lk.shape.tp)
                  for x in tokens)
 
 
@@ -125,12 +128,12 @@ def test_a_kv_write_fit_on_one_store_size_predicts_a_larger_store():
 
     truth = replace(TRUTH, kv_write_floor_s=TRUTH.elementwise_floor_s, kv_write_efficiency=0.055)
     tp8, tp1 = (LayerShape(16384, 128, 8, 128, 53248, tp=tp) for tp in (8, 1))
-    rows = _kv_write_rows(LayerKernels(tp8, truth, **A100), (2048, 2112, 2176))
+    rows = _kv_write_rows(LayerKernels(tp8, truth, **A100), (2048, 2112, 2176), resolution_s=1e-6)
     c = fit_kv_write([AttentionShape("s/tp8", tp8, rows)], DEVICE, TRUTH)
     held = LayerKernels(tp1, c, **A100)
     for x in (384, 1344):
         assert float(held.kv_write_s(x)) == pytest.approx(float(LayerKernels(tp1, truth, **A100).kv_write_s(x)),
-                                                          rel=0.02)
+                                                          rel=0.1)
 
 
 # ---- prefill: the prefix's pairs at their own rate ---------------------------------------------
