@@ -113,6 +113,8 @@ class KernelCoefficients:
     # KV write (the kernel storing each new token's K and V into the paged cache, one call per layer
     # for all the step's tokens): floor + tokens * KV bytes / (bandwidth * kv_write_efficiency).
     # The newer tables' `attn_kv_cache_save` column: ~0.05 of peak bandwidth on A100 and H100.
+    # The fit sets the floor to `elementwise_floor_s` (a copy kernel; H100's TP 8 rows all store
+    # ~1.1 MB and cannot separate a floor from the rate).
     kv_write_floor_s: float = 4e-6
     kv_write_efficiency: float = 0.05
     # Prefill waves: the kernel runs one block per (query head, `prefill_tile` query rows) of a
@@ -123,7 +125,11 @@ class KernelCoefficients:
     prefill_tile: int = 0
     # Prefill pairs against the cached prefix (x * L of a chunk of x after L) at their own FLOP
     # efficiency, without the half-keys and wave terms, which then price only the chunk's causal
-    # pairs (x(x+1)/2, mean keys x/2). 0 = one efficiency for all pairs (the form above).
+    # pairs (x(x+1)/2, mean keys x/2). On H100's 405B samples the time's slope in the prefix is
+    # 0.26-0.31 of peak at TP 1 and TP 8 alike, while a chunk with no prefix runs at 0.04-0.08: one
+    # efficiency for both put the two shapes 95% / 46% apart held out (48% / 30% with this term).
+    # Several chunks in one call are taken as equal (their causal pairs' lower bound).
+    # 0 = one efficiency for all pairs (the form above).
     prefill_prefix_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
