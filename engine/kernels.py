@@ -90,6 +90,13 @@ class KernelCoefficients:
     # (blocks = sequences x KV heads a GPU). A100 70B shape at TP 2 (4 KV heads): batch 1 reads at
     # 0.23 of what batch 128 reaches, batch 4 at 0.54; without it batch <= 8 was priced 26-45% low.
     decode_half_blocks: float = 0.0
+    # Split-KV (flash-decoding) regime: with fewer (sequence, KV head) blocks than
+    # `SPLIT_KV_FRACTION` x SMs, FlashAttention-2's decode splits each block's KV over several
+    # blocks and adds a combine kernel. The A100 70B table (4 KV heads a GPU, 108 SMs) steps down at
+    # the boundary at every context: batch 21 -> 22 (84 -> 88 blocks, 86.4 between) takes 17 -> 9 us
+    # at 32 tokens of context, 38 -> 22 us at 512; without this term its batches <= 21 were priced
+    # 20-47% low. Added to the call when the batch is below the boundary; 0 = no regime.
+    decode_split_s: float = 0.0
     # Prefill attention (causal, one chunk of x new tokens after a cached prefix of L):
     # floor + 4 * heads * head_dim * pairs / (peak * efficiency(x, L)), pairs = x*L + x(x+1)/2, with
     # efficiency = prefill_efficiency * k / (k + prefill_half_keys), k = L + x/2 the mean keys a
@@ -106,6 +113,8 @@ class KernelCoefficients:
     # KV write (the kernel storing each new token's K and V into the paged cache, one call per layer
     # for all the step's tokens): floor + tokens * KV bytes / (bandwidth * kv_write_efficiency).
     # The newer tables' `attn_kv_cache_save` column: ~0.05 of peak bandwidth on A100 and H100.
+    # The fit sets the floor to `elementwise_floor_s` (a copy kernel; H100's TP 8 rows all store
+    # ~1.1 MB and cannot separate a floor from the rate).
     kv_write_floor_s: float = 4e-6
     kv_write_efficiency: float = 0.05
     # Prefill waves: the kernel runs one block per (query head, `prefill_tile` query rows) of a
@@ -114,6 +123,14 @@ class KernelCoefficients:
     # GPU) a 2,112-token chunk is 272 blocks of 128 rows on 132 SMs, 3 waves at 0.69: the FLOP
     # term alone priced it 20% low and TP 1 (128 heads) 20% high. 0 = no wave term.
     prefill_tile: int = 0
+    # Prefill pairs against the cached prefix (x * L of a chunk of x after L) at their own FLOP
+    # efficiency, without the half-keys and wave terms, which then price only the chunk's causal
+    # pairs (x(x+1)/2, mean keys x/2). On H100's 405B samples the time's slope in the prefix is
+    # 0.26-0.31 of peak at TP 1 and TP 8 alike, while a chunk with no prefix runs at 0.04-0.08: one
+    # efficiency for both put the two shapes 95% / 46% apart held out (48% / 30% with this term).
+    # Several chunks in one call are taken as equal (their causal pairs' lower bound).
+    # 0 = one efficiency for all pairs (the form above).
+    prefill_prefix_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -123,6 +140,8 @@ class KernelCoefficients:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be a finite number")
+            if f.name == "prefill_prefix_efficiency" and value == 0.0:
+                continue
             if f.name.endswith("_efficiency") and not 0.0 < value <= 1.0:
                 raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be in (0, 1]")
             if value < 0:
@@ -230,6 +249,10 @@ class LayerShape:
         return 2.0 * self.kv_heads_gpu * self.head_dim * self.dtype_bytes
 
 
+# FlashAttention-2's split-KV heuristic: split a decode call's KV when its blocks fill less than this
+# fraction of the SMs (`num_splits_heuristic`: `batch_nheads_mblocks >= 0.8f * num_SMs` -> 1 split).
+SPLIT_KV_FRACTION = 0.8
+
 # How often each elementwise op runs per layer (two RMSNorms; the table's other ops once).
 ELEMENTWISE_PER_LAYER = {"norm": 2, "rope": 1, "act": 1, "add": 1}
 
@@ -250,6 +273,7 @@ class LayerKernels:
         c = coefficients
         self._units_cap = (sm_count or 0) * c.decode_waves
         self._sms = sm_count or 0
+        self._split_units = SPLIT_KV_FRACTION * self._sms
         self._dec_rate = mem_bw_Bps * c.decode_efficiency(shape.gqa)
         self._pre_flops_per_pair = 4.0 * shape.q_heads_gpu * shape.head_dim
         # one decode KV token: its read or its FLOPs, whichever is slower; one sequence's blocks
@@ -306,7 +330,8 @@ class LayerKernels:
         if cap and units > cap:  # whole waves of `cap` blocks, each streaming one (sequence, KV head)
             kv *= (-(-units // cap) * cap) / units
         kv *= 1.0 + self.c.decode_half_blocks / units
-        return self.c.decode_floor_s + kv + num_seqs * self._dec_per_seq
+        split = self.c.decode_split_s if units < self._split_units else 0.0
+        return self.c.decode_floor_s + kv + num_seqs * self._dec_per_seq + split
 
     def prefill_s(self, tokens: int, chunks: int, pairs: float, context_sum: int) -> float:
         """One prefill-attention call over `chunks` chunks of `tokens` new tokens in all, with
@@ -315,11 +340,23 @@ class LayerKernels:
         after a long prefix)."""
         if not tokens:
             return 0.0
+        compute = self.prefill_compute_s(tokens, chunks, pairs, context_sum)
+        return self.c.prefill_floor_s + max(compute, self.prefill_kv_read_s(context_sum))
+
+    def prefill_compute_s(self, tokens: int, chunks: int, pairs: float, context_sum: int) -> float:
+        """The FLOP term of a prefill call."""
         c = self.c
-        keys = (context_sum - tokens / 2.0) / chunks  # the mean over chunks of L + x/2
-        eff = c.prefill_efficiency * keys / (keys + c.prefill_half_keys)
-        compute = self._pre_flops_per_pair * pairs / (self.peak * eff) / self.prefill_wave_fill(tokens, chunks)
-        return c.prefill_floor_s + max(compute, self.prefill_kv_read_s(context_sum))
+        fill = self.prefill_wave_fill(tokens, chunks)
+        if not c.prefill_prefix_efficiency:
+            keys = (context_sum - tokens / 2.0) / chunks  # the mean over chunks of L + x/2
+            eff = c.prefill_efficiency * keys / (keys + c.prefill_half_keys)
+            return self._pre_flops_per_pair * pairs / (self.peak * eff) / fill
+        per_pair = self._pre_flops_per_pair / self.peak
+        x = tokens / chunks  # chunks of equal size: the causal pairs' lower bound for unequal ones
+        causal = min(pairs, chunks * x * (x + 1.0) / 2.0)
+        keys = x / 2.0
+        return per_pair * (causal * (keys + c.prefill_half_keys) / keys / c.prefill_efficiency / fill
+                           + (pairs - causal) / c.prefill_prefix_efficiency)
 
     def prefill_wave_fill(self, tokens: int, chunks: int) -> float:
         """Fraction of the SMs' block slots a prefill call fills over its waves (1 without the
@@ -357,8 +394,10 @@ class KernelPricer:
         self._kv_per_token = sh.kv_bytes_per_token / kernels._dec_rate  # a prefill call's KV read
         self._cap, self._kv_heads, self._dec_floor = kernels._units_cap, sh.kv_heads_gpu, c.decode_floor_s
         self._dec_half = c.decode_half_blocks
+        self._split_units, self._dec_split = kernels._split_units, c.decode_split_s
         self._pre_floor, self._pre_half, self._pre_tile = c.prefill_floor_s, c.prefill_half_keys, c.prefill_tile
         self._pre_per_pair = kernels._pre_flops_per_pair / (kernels.peak * c.prefill_efficiency)
+        self._pre_split = bool(c.prefill_prefix_efficiency)
 
     def _extend(self, m: int) -> None:
         import numpy as np
@@ -393,13 +432,18 @@ class KernelPricer:
             if cap and units > cap:
                 kv *= (-(-units // cap) * cap) / units
             layer += self._dec_floor + kv * (1.0 + self._dec_half / units) + n_dec * self._dec_per_seq
+            if units < self._split_units:
+                layer += self._dec_split
         n_pre = tokens - n_dec
         if n_pre:
             ctx = shape.prefill_context_sum
-            keys = (ctx - 0.5 * n_pre) / (shape.num_seqs - n_dec)
-            comp = self._pre_per_pair * shape.prefill_attention_pairs * (keys + self._pre_half) / keys
-            if self._pre_tile:
-                comp /= self.k.prefill_wave_fill(n_pre, shape.num_seqs - n_dec)
+            if self._pre_split:
+                comp = self.k.prefill_compute_s(n_pre, shape.num_seqs - n_dec, shape.prefill_attention_pairs, ctx)
+            else:
+                keys = (ctx - 0.5 * n_pre) / (shape.num_seqs - n_dec)
+                comp = self._pre_per_pair * shape.prefill_attention_pairs * (keys + self._pre_half) / keys
+                if self._pre_tile:
+                    comp /= self.k.prefill_wave_fill(n_pre, shape.num_seqs - n_dec)
             kv = ctx * self._kv_per_token
             layer += self._pre_floor + (comp if comp > kv else kv)
         return layer

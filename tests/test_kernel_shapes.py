@@ -99,19 +99,111 @@ def test_samples_reader_turns_a_prefill_lines_fourth_field_into_a_kv_write_row(t
     assert sum(r.op == "attn_prefill" for r in table.rows) == 2 and sum(r.op == "attn_decode" for r in table.rows) == 1
 
 
-def test_the_kv_write_fit_recovers_its_coefficients():
-    truth = replace(TRUTH, kv_write_floor_s=2e-6, kv_write_efficiency=0.06)
-    shape = LayerShape(16384, 128, 8, 128, 53248, tp=1)
-    lk = LayerKernels(shape, truth, **A100)
+def _kv_write_rows(lk: LayerKernels, tokens, resolution_s: float = 0.0) -> tuple:
+    """Rows of the store's time, rounded to the tables' resolution when given (the samples: 1 us)."""
     from engine.profile_table import ProfileRow
 
-    rows = tuple(ProfileRow("kv_write", None, "", 1, x, 0, 0, 0, float(lk.kv_write_s(x)), tp=1)
-                 for x in (64, 256, 1024, 4096))
+    def rounded(t: float) -> float:
+        return round(t / resolution_s) * resolution_s if resolution_s else t
+    return tuple(ProfileRow("kv_write", None, "", 1, x, 0, 0, 0, rounded(float(lk.kv_write_s(x))), tp=lk.shape.tp)
+                 for x in tokens)
+
+
+def test_the_kv_write_fit_recovers_its_coefficients():
+    """The store is an elementwise copy: its floor is the elementwise ops' (the base's), its rate fitted."""
     from testbed.calibrate.kernel_fit import fit_kv_write
 
-    c = fit_kv_write([AttentionShape("s/tp1", shape, rows)], DEVICE, KernelCoefficients())
+    truth = replace(TRUTH, kv_write_floor_s=TRUTH.elementwise_floor_s, kv_write_efficiency=0.06)
+    shape = LayerShape(16384, 128, 8, 128, 53248, tp=1)
+    rows = _kv_write_rows(LayerKernels(shape, truth, **A100), (64, 256, 1024, 4096))
+    c = fit_kv_write([AttentionShape("s/tp1", shape, rows)], DEVICE, TRUTH)
     assert c.kv_write_efficiency == pytest.approx(0.06, rel=0.01)
-    assert c.kv_write_floor_s == pytest.approx(2e-6, rel=0.05)
+    assert c.kv_write_floor_s == TRUTH.elementwise_floor_s
+
+
+def test_a_kv_write_fit_on_one_store_size_predicts_a_larger_store():
+    """H100's TP 8 rows all move ~1.1 MB: a free floor fitted on them took the whole time and priced
+    TP 1's 5.5 MB stores 49% low; with the elementwise floor the rate carries over."""
+    from testbed.calibrate.kernel_fit import fit_kv_write
+
+    truth = replace(TRUTH, kv_write_floor_s=TRUTH.elementwise_floor_s, kv_write_efficiency=0.055)
+    tp8, tp1 = (LayerShape(16384, 128, 8, 128, 53248, tp=tp) for tp in (8, 1))
+    rows = _kv_write_rows(LayerKernels(tp8, truth, **A100), (2048, 2112, 2176), resolution_s=1e-6)
+    c = fit_kv_write([AttentionShape("s/tp8", tp8, rows)], DEVICE, TRUTH)
+    held = LayerKernels(tp1, c, **A100)
+    for x in (384, 1344):
+        assert float(held.kv_write_s(x)) == pytest.approx(float(LayerKernels(tp1, truth, **A100).kv_write_s(x)),
+                                                          rel=0.1)
+
+
+# ---- prefill: the prefix's pairs at their own rate ---------------------------------------------
+def _prefill_rows(lk: LayerKernels, chunks, prefixes) -> tuple:
+    from engine.profile_table import ProfileRow
+
+    return tuple(ProfileRow("attn_prefill", None, batch=1, tokens=x, prefix=L,
+                            time_s=lk.prefill_s(x, 1, x * L + x * (x + 1) / 2, L + x), tp=lk.shape.tp)
+                 for x in chunks for L in prefixes)
+
+
+def test_a_chunks_prefix_pairs_run_at_their_own_rate():
+    """H100 405B samples: the time grows with the prefix at 0.26-0.31 of peak at TP 1 and TP 8 alike,
+    while a chunk with no prefix runs at 0.04-0.08; one efficiency for both (k / (k + half) over the
+    mean keys) had to stretch its half-keys and put the TP 1 and TP 8 shapes 46-95% apart."""
+    split = replace(TRUTH, prefill_efficiency=0.14, prefill_half_keys=400.0, prefill_prefix_efficiency=0.28,
+                    prefill_floor_s=20e-6)
+    shape = LayerShape(16384, 128, 8, 128, 53248, tp=1)
+    lk = LayerKernels(shape, split, peak_flops=989e12, mem_bw_Bps=3350e9, sm_count=132)
+    # the slope in the prefix is the prefix rate, whatever the chunk
+    for x in (384, 1344):
+        slope = (lk.prefill_s(x, 1, x * 2048 + x * (x + 1) / 2, 2048 + x)
+                 - lk.prefill_s(x, 1, x * 1024 + x * (x + 1) / 2, 1024 + x)) / (1024 * x)
+        assert slope == pytest.approx(4 * 128 * 128 / (989e12 * 0.28))
+    # 0 (a profile saved before the term): one efficiency for every pair, exactly as before
+    old = replace(split, prefill_prefix_efficiency=0.0)
+    lk_old = LayerKernels(shape, old, peak_flops=989e12, mem_bw_Bps=3350e9, sm_count=132)
+    keys = 1000 + 512 / 2
+    pairs = 512 * 1000 + 512 * 513 / 2
+    assert lk_old.prefill_s(512, 1, pairs, 1512) == pytest.approx(
+        20e-6 + 4 * 128 * 128 * pairs / (989e12 * 0.14 * keys / (keys + 400.0)))
+    with pytest.raises(ConfigError, match="prefill_prefix_efficiency"):
+        KernelCoefficients(prefill_prefix_efficiency=1.5)
+
+
+def test_the_prefill_fit_recovers_the_prefix_rate_and_predicts_other_chunks():
+    from testbed.calibrate.kernel_fit import fit_prefill
+
+    truth = replace(TRUTH, prefill_efficiency=0.14, prefill_half_keys=400.0, prefill_prefix_efficiency=0.28,
+                    prefill_floor_s=10e-6, prefill_tile=0)
+    shape = LayerShape(8192, 64, 8, 128, 28672, tp=2)
+    lk = LayerKernels(shape, truth, **A100)
+    rows = _prefill_rows(lk, (64, 256, 1024, 2048), (0, 512, 2048, 4000))
+    c = fit_prefill([AttentionShape("s/tp2", shape, rows)], DEVICE, replace(TRUTH, decode_floor_s=10e-6))
+    assert c.prefill_prefix_efficiency == pytest.approx(0.28, rel=0.02)
+    fitted = LayerKernels(shape, c, **A100)
+    for x, L in ((128, 3000), (3000, 100)):
+        pairs = x * L + x * (x + 1) / 2
+        assert fitted.prefill_s(x, 1, pairs, L + x) == pytest.approx(lk.prefill_s(x, 1, pairs, L + x), rel=0.02)
+
+
+def test_the_simulations_prefill_agrees_with_the_kernel_for_several_chunks():
+    cost = CostModel(get_model("llama2-70b"), get_hardware("a100-80g"), pp=1, tp=2)
+    k = cost.kernels.k
+    c = replace(k.c, prefill_prefix_efficiency=0.3, prefill_tile=128, decode_split_s=4e-6)
+    cost.kernels.k = LayerKernels(k.shape, c, k.peak, k.bw, k._sms)
+    from engine.kernels import KernelPricer
+
+    p = cost.kernels
+    pricer = KernelPricer(cost.kernels.k, p._ar_tok, p._ar_fix, p._lm_dims, *p._lm_gather)
+    for shape in (BatchShape.prefill(300, 1000), BatchShape.from_parts([(128, 256, False), (0, 512, False)], [900] * 5),
+                  BatchShape.decode(3, 700), BatchShape.decode(40, 700)):
+        n_pre = shape.num_prefill_tokens
+        want = float(pricer.k.token_part_s(shape.num_tokens) + pricer.k.kv_write_s(shape.num_tokens))
+        want += pricer._ar_tok * shape.num_tokens + pricer._ar_fix if pricer._ar_tok else 0.0
+        want += pricer.k.decode_s(shape.num_decode_seqs, shape.decode_context_sum)
+        if n_pre:
+            want += pricer.k.prefill_s(n_pre, shape.num_seqs - shape.num_decode_seqs, shape.prefill_attention_pairs,
+                                       shape.prefill_context_sum)
+        assert pricer.layer_s(shape, shape.num_tokens) == pytest.approx(want, rel=1e-12)
 
 
 # ---- decode attention across shapes ------------------------------------------------------------
@@ -167,6 +259,25 @@ def test_decode_read_efficiency_never_exceeds_what_a_row_reached():
     ref = KernelCoefficients(decode_kv_efficiency=((1.0, 0.85), (8.0, 0.75), (16.0, 0.4)))
     points = dict(gqa_points_from(ref, KernelCoefficients(decode_kv_efficiency=((16.0, 0.41),)), cap=0.5))
     assert points[16.0] == 0.41 and points[8.0] == 0.5 and points[1.0] == 0.5
+
+
+def test_a_decode_below_the_split_kv_boundary_pays_the_split_regime():
+    """A100 70B table (4 KV heads a GPU, 108 SMs): batch 21 -> 22 (84 -> 88 blocks; FlashAttention-2
+    splits the KV below 0.8 x 108 = 86.4) takes 17 -> 9 us at 32 tokens of context."""
+    c = replace(TRUTH_DECODE, decode_split_s=5e-6)
+    k = LayerKernels(SHAPES["gqa8"], c, **A100)
+    no_split = LayerKernels(SHAPES["gqa8"], replace(c, decode_split_s=0.0), **A100)
+    assert k.decode_s(21, 21 * 32) == pytest.approx(no_split.decode_s(21, 21 * 32) + 5e-6)
+    assert k.decode_s(22, 22 * 32) == no_split.decode_s(22, 22 * 32)
+    assert k.decode_s(21, 21 * 32) > k.decode_s(22, 22 * 32)
+    mha = LayerKernels(SHAPES["mha"], c, **A100)  # 32 KV heads: 3 sequences are past the boundary
+    assert mha.decode_s(2, 64) > mha.decode_s(3, 96)
+
+
+def test_the_decode_fit_recovers_the_split_regime():
+    truth = replace(TRUTH_DECODE, decode_split_s=5e-6)
+    c = fit_decode(_decode_shapes(truth), DEVICE, KernelCoefficients())
+    assert c.decode_split_s == pytest.approx(5e-6, rel=0.05)
 
 
 def test_prefill_waves_slow_a_chunk_with_few_heads_a_gpu():

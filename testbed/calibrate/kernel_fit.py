@@ -235,9 +235,10 @@ def fit_decode(shapes: Sequence[AttentionShape], device: Device, base: KernelCoe
     for waves in (0, 1, 2, 4):
         def make(x, waves=waves):
             return replace(base, decode_waves=waves, decode_floor_s=x[0], decode_kv_efficiency=((1.0, float(x[1])),),
-                           decode_compute_efficiency=x[2], decode_block_s=x[3], decode_half_blocks=x[4])
-        x = _solve(lambda x: _balanced(items, device, make(x), _decode_resid), [12e-6, 0.9 * cap, 0.05, 1e-8, 4.0],
-                   [1e-7, 0.02, 1e-3, 1e-12, 1e-3], [1e-3, cap, 1.0, 1e-6, 1e4])
+                           decode_compute_efficiency=x[2], decode_block_s=x[3], decode_half_blocks=x[4],
+                           decode_split_s=x[5] if device.sm_count else 0.0)
+        x = _solve(lambda x: _balanced(items, device, make(x), _decode_resid), [12e-6, 0.9 * cap, 0.05, 1e-8, 4.0, 2e-6],
+                   [1e-7, 0.02, 1e-3, 1e-12, 1e-3, 1e-9], [1e-3, cap, 1.0, 1e-6, 1e4, 1e-4])
         err = _shape_score(items, device, make(x), _decode_resid)
         if best is None or err < best[0]:
             best = (err, make(x))
@@ -248,20 +249,22 @@ PREFILL_TILES = (0, 64, 128)  # candidate query rows per prefill block (0: no wa
 
 
 def fit_prefill(shapes: Sequence[AttentionShape], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    """Floor, efficiency and half-keys, for each candidate tile; the best mean per-shape median wins.
-    The floor is bounded by twice the decode floor: H100's shortest measured prefill takes 144 us,
-    which cannot tell a launch floor from the FLOP term (unbounded, the fit put 69 us there)."""
+    """Floor, efficiency (the chunk's causal pairs), half-keys and the prefix pairs' efficiency, for
+    each candidate tile; the best mean per-shape median wins. The floor is bounded by twice the
+    fixed cost of a one-sequence decode call (its floor and its split-KV regime): H100's shortest
+    measured prefill takes 144 us, which cannot tell a launch floor from the FLOP term (unbounded,
+    the fit put 69 us there)."""
     items = _items(shapes, "attn_prefill")
     if not items:
         return base
-    floor_max = 2.0 * base.decode_floor_s
+    floor_max = 2.0 * (base.decode_floor_s + base.decode_split_s)
     best = None
     for tile in PREFILL_TILES:
         def make(x, tile=tile):
             return replace(base, prefill_tile=tile, prefill_floor_s=x[0], prefill_efficiency=x[1],
-                           prefill_half_keys=x[2])
-        x = _solve(lambda x: _balanced(items, device, make(x), _prefill_resid), [0.5 * floor_max, 0.25, 500.0],
-                   [1e-7, 0.01, 1.0], [floor_max, 1.0, 1e6])
+                           prefill_half_keys=x[2], prefill_prefix_efficiency=x[3])
+        x = _solve(lambda x: _balanced(items, device, make(x), _prefill_resid), [0.5 * floor_max, 0.25, 500.0, 0.25],
+                   [1e-7, 0.01, 1.0, 0.01], [floor_max, 1.0, 1e6, 1.0])
         err = _shape_score(items, device, make(x), _prefill_resid)
         if best is None or err < best[0]:
             best = (err, make(x))
@@ -269,14 +272,18 @@ def fit_prefill(shapes: Sequence[AttentionShape], device: Device, base: KernelCo
 
 
 def fit_kv_write(shapes: Sequence[AttentionShape], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    """Floor and bandwidth efficiency of the paged-cache store, where a table measured it."""
+    """The bandwidth efficiency of the paged-cache store, where a table measured it. The store is an
+    elementwise copy: its launch floor is the elementwise ops' (fitted on thousands of linear-table
+    rows), not a free parameter. The tables hold 2 (A100) and 7 (H100) rows; H100's TP 8 rows all
+    move ~1.1 MB, so a free floor fitted on them took the whole 6 us and priced TP 1's 5.5 MB
+    stores 49% low."""
     items = _items(shapes, "kv_write")
     if not items:
         return base
 
     def make(x):
-        return replace(base, kv_write_floor_s=x[0], kv_write_efficiency=x[1])
-    x = _solve(lambda x: _balanced(items, device, make(x), _kv_write_resid), [4e-6, 0.05], [1e-7, 0.002], [1e-3, 1.0])
+        return replace(base, kv_write_floor_s=base.elementwise_floor_s, kv_write_efficiency=x[0])
+    x = _solve(lambda x: _balanced(items, device, make(x), _kv_write_resid), [0.05], [0.002], [1.0])
     return make(x)
 
 
