@@ -201,3 +201,24 @@ def test_rope_scaling_llama3_matches_transformers(tmp_path):
     assert arch.rope_scaling["rope_type"] == "llama3" and arch.rope_theta == 500000.0
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**cfg), "cpu")
     assert torch.allclose(inv_freq(arch), ref, rtol=1e-6, atol=0)
+
+
+def test_decodes_are_grouped_by_length_so_padding_stays_bounded():
+    """The torch path pads a group's decodes to its longest: one long decode among short ones
+    padded them all (406 ms against 120 ms for the step). Every decode is in exactly one group,
+    each group's padded blocks are within the slack of its real ones (a lone decode aside), and
+    near-equal decodes stay one group (one set of operations per layer)."""
+    import numpy as np
+
+    from engine.torch_exec.model import PADDING_SLACK, decode_groups
+
+    rng = np.random.default_rng(0)
+    for blocks in (rng.integers(1, 100, 64), np.array([63] + [10] * 45), rng.integers(1, 4, 7)):
+        groups = decode_groups(blocks)
+        assert sorted(np.concatenate(groups).tolist()) == list(range(len(blocks)))
+        for g in groups:
+            assert len(g) == 1 or len(g) * blocks[g].max() <= PADDING_SLACK * blocks[g].sum()
+        assert len(groups) < len(blocks) // 2  # not one group per decode
+    assert [len(g) for g in decode_groups(np.array([63] + [10] * 45))] == [1, 45]
+    assert len(decode_groups(np.array([32, 32, 31, 30] * 16))) == 1
+    assert decode_groups(np.array([], dtype=int)) == []

@@ -7,9 +7,18 @@ an import cycle (tests/test_architecture.py refuses any).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decodes of similar context attended together (torch path): padded to the group's longest."""
+
+    rows: torch.Tensor  # [n] their rows in the micro-batch
+    blocks: torch.Tensor  # [n * max_blocks] each one's blocks, padded with its first block
+    mask: torch.Tensor  # [1, n, 1, max_blocks * block_size] bool (True = attend)
 
 
 @dataclass
@@ -24,10 +33,8 @@ class BatchInputs:
     sample_rows: torch.Tensor  # [S] rows whose logits are sampled
     # torch attention path
     chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]  # (row0, n, ctx, blocks, mask|None=causal)
-    decode_row0: int
-    decode_blocks: torch.Tensor | None  # [D * max_blocks]
-    decode_mask: torch.Tensor | None  # [1, D, 1, max_blocks * block_size] bool (True = attend)
     new_blocks: torch.Tensor | None = None  # blocks named for the first time: zero them
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     # triton attention path (paged_attention's arguments)
     block_tables: torch.Tensor | None = None  # [S, max_blocks]
     query_start: torch.Tensor | None = None  # [S + 1]

@@ -118,7 +118,7 @@ class CudaGraphRunner(GraphCapture):
         return BatchInputs(
             num_tokens=rows, token_ids=self.token_ids[:rows] if self.model.first else None,
             cos=self.cos[:rows], sin=self.sin[:rows], slots=self.slots[:rows], sample_rows=self.sample_rows[:rows],
-            chunks=[], decode_row0=0, decode_blocks=None, decode_mask=None,
+            chunks=[],
             block_tables=self.block_tables[:rows], query_start=self.query_start[:rows + 1],
             context_lens=self.context_lens[:rows], max_query_len=1, tiles=(self.tile_seq[:rows], self.tile_idx[:rows]))
 

@@ -144,8 +144,7 @@ class PiecewiseGraphs(GraphCapture):
         """The functions each piece of bucket `rows` runs: they read and write only static buffers."""
         m, n = self.model, self.model.num_layers
         sb = BatchInputs(num_tokens=rows, token_ids=self.token_ids[:rows], cos=self.cos[:rows], sin=self.sin[:rows],
-                         slots=self.slots[:rows], sample_rows=self.slots[:0], chunks=[], decode_row0=0,
-                         decode_blocks=None, decode_mask=None)
+                         slots=self.slots[:rows], sample_rows=self.slots[:0], chunks=[])
         q, o, res = self.q[:rows], self.o[:rows], self.res[:rows]
 
         def first():
@@ -187,8 +186,8 @@ class PiecewiseGraphs(GraphCapture):
                 t = {k: torch.from_numpy(getattr(hb, k)).to(self.q.device) for k in
                      ("block_tables", "query_start", "context_lens", "tile_seq", "tile_idx")}
                 b = BatchInputs(num_tokens=q_len, token_ids=None, cos=self.cos, sin=self.sin, slots=self.slots,
-                                sample_rows=self.slots[:0], chunks=[], decode_row0=0, decode_blocks=None,
-                                decode_mask=None, block_tables=t["block_tables"], query_start=t["query_start"],
+                                sample_rows=self.slots[:0], chunks=[],
+                                block_tables=t["block_tables"], query_start=t["query_start"],
                                 context_lens=t["context_lens"], max_query_len=q_len,
                                 tiles=(t["tile_seq"], t["tile_idx"]))
                 self.model.attend(0, self.q[:rows], self._attention_batch(b), out=self.o[:rows])
