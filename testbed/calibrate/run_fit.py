@@ -16,7 +16,9 @@ transfer (from when both the send and the receive had started to the receive's e
   and eagerly, so `decode_overhead_ratio` stays 1) and an eager step's launch floor
   (`launch_floor_per_layer_s` + `launch_floor_per_seq_s` x sequences). On the H100 run this puts the 2,048-token prefill at 60.4 ms
   (measured 60.2 ms), where one additive overhead for eager steps said 78 ms. On a roofline base (a
-  CPU profile) the roofline's efficiencies and overheads are fitted as `testbed profile` does;
+  CPU profile) the roofline's efficiencies and overheads are fitted as `testbed profile` does, with
+  `decode_overhead_ratio` kept at 1 when no run replayed CUDA graphs and `decode_padding` fitted
+  where decodes of different contexts ran together (the CPU engine pads them to the longest);
 - prepare, sample, dispatch, return, transfer: non-negative linear least squares (in seconds) on their
   measured forms (prepare: fixed + per sequence + per token; sample: fixed + per row x vocab,
   flat when the engine samples greedily on the device; dispatch: fixed + per sequence + a step
