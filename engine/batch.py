@@ -268,8 +268,9 @@ def shape_of(prefills: list[PrefillChunk] | tuple[PrefillChunk, ...],
         pairs += x * prefix + x * (x + 1) // 2
         ctx += prefix + x
         sampled += c.samples
-    dctx = sum([s.num_computed for s in decodes]) + len(decodes)  # a list comprehension: 19 us per 1,000
-    # decodes, an attrgetter map 33 us (Python 3.11's specialised attribute loads)
+    computed = [s.num_computed for s in decodes]  # a list comprehension: 19 us per 1,000 decodes, an
+    # attrgetter map 33 us (Python 3.11's specialised attribute loads)
+    dctx = sum(computed) + len(decodes)
     return BatchShape(
         num_prefill_tokens=ptok,
         num_decode_seqs=len(decodes),
@@ -278,4 +279,5 @@ def shape_of(prefills: list[PrefillChunk] | tuple[PrefillChunk, ...],
         prefill_context_sum=ctx,
         num_sampled=sampled + len(decodes),
         num_seqs=len(prefills) + len(decodes),
+        decode_context_max=max(computed) + 1 if computed else 0,
     )

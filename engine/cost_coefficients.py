@@ -117,6 +117,13 @@ class CostCoefficients:
     # From the last stage's sampling end until the driver holds the ids (the reply's trip and
     # decoding): 0.78 ms a decode step on that engine.
     return_fixed_s: float = 0.0
+    # How much of the padding of decodes to the longest one the decode attention reads: its KV
+    # tokens are sum + decode_padding x (D x longest - sum). The torch attention path (the CPU
+    # default, engine/torch_exec/model.py) gathers every decode's blocks up to the longest decode's
+    # and masks the rest: on tiny-llama P=1 (a gllm ShareGPT run, shared 2-core CPU) a mixed step of
+    # 32 prefill tokens + 46 decodes took 406 ms while one long decode was running and 120 ms after it
+    # finished (the decodes' context sum only 16% lower). 0 = no padding (the Triton path, vLLM).
+    decode_padding: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -127,6 +134,9 @@ class CostCoefficients:
                 if not 0.0 <= value <= 1.0:
                     raise ConfigError(f"invalid cost.{f.name}={value!r}: must be in (0, 1], or 0 for "
                                       "memory_efficiency")
+            elif f.name == "decode_padding":
+                if not 0.0 <= value <= 1.0:
+                    raise ConfigError(f"invalid cost.{f.name}={value!r}: must be in [0, 1]")
             elif f.name.endswith("_efficiency"):
                 if not 0.0 < value <= 1.0:
                     raise ConfigError(f"invalid cost.{f.name}={value!r}: must be in (0, 1]")

@@ -88,6 +88,9 @@ class BatchShape:
     - prefill_context_sum: sum over chunks of L + x (KV tokens read).
     - num_sampled: sequences sampling a token (decodes + chunks that end their prompt).
     - num_seqs: prefill chunks + decodes.
+    - decode_context_max: the longest decode's context (0: not known, e.g. a designed shape built
+      from a sum): an engine that pads every decode to the longest one reads D x this
+      (`CostCoefficients.decode_padding`).
     """
 
     num_prefill_tokens: int = 0
@@ -97,6 +100,7 @@ class BatchShape:
     prefill_context_sum: int = 0
     num_sampled: int = 0
     num_seqs: int = 0
+    decode_context_max: int = 0
 
     def __post_init__(self) -> None:
         if (
@@ -106,6 +110,7 @@ class BatchShape:
             or self.prefill_attention_pairs < self.num_prefill_tokens
             or self.num_sampled > self.num_seqs
             or self.num_decode_seqs + (self.num_prefill_tokens > 0) > self.num_seqs
+            or (self.decode_context_max and self.decode_context_max * self.num_decode_seqs < self.decode_context_sum)
         ):
             raise ValueError(f"inconsistent {self!r}")
 
@@ -131,20 +136,22 @@ class BatchShape:
             seqs += 1
             if samples:
                 sampled += 1
-        decodes = decode_sum = 0
+        decodes = decode_sum = decode_max = 0
         for ctx in decode_contexts:
             if ctx < 1:
                 raise ValueError(f"bad decode context length {ctx}: must be >= 1 (it includes the new token)")
             decodes += 1
             decode_sum += ctx
-        return cls(tokens, decodes, decode_sum, pairs, context, sampled + decodes, seqs + decodes)
+            decode_max = max(decode_max, ctx)
+        return cls(tokens, decodes, decode_sum, pairs, context, sampled + decodes, seqs + decodes, decode_max)
 
     @classmethod
     def decode(cls, batch_size: int, context_len: int) -> BatchShape:
         """`batch_size` decodes, each attending `context_len` tokens (the new one included)."""
         if batch_size < 0 or context_len < 1:
             raise ValueError(f"bad decode batch: batch_size={batch_size}, context_len={context_len}")
-        return cls(0, batch_size, batch_size * context_len, 0, 0, batch_size, batch_size)
+        return cls(0, batch_size, batch_size * context_len, 0, 0, batch_size, batch_size,
+                   context_len if batch_size else 0)
 
     @classmethod
     def prefill(cls, chunk_len: int, prefix_len: int = 0, samples: bool = True) -> BatchShape:
@@ -162,6 +169,7 @@ class BatchShape:
             self.prefill_context_sum + other.prefill_context_sum,
             self.num_sampled + other.num_sampled,
             self.num_seqs + other.num_seqs,
+            max(self.decode_context_max, other.decode_context_max),
         )
 
 
@@ -231,6 +239,7 @@ class CostModel:
         # GPU terms (neutral at their defaults: + 0.0 and no branch taken).
         self._m_half = float(c.linear_half_tokens)  # GEMM compute ~ (M + m_half)
         self._attn_half = float(c.attention_half_context)  # attention time x (1 + half / context)
+        self._pad = float(c.decode_padding)  # decodes read this much of their padding to the longest
         self._qo = (2 * heads_gpu * hd * db + self.kv_bytes_per_token_per_layer_gpu) / mem_rate
         if tp > 1:  # two all-reduces of [tokens, hidden] per layer (after attention and MLP)
             self._ar_tok = 2.0 * ring * h * db / ar_bw
@@ -261,7 +270,7 @@ class CostModel:
                     lm_gf = (tp - 1) * hardware.p2p_latency_s
             consts.append((n, fixed, emb, lm_c, lm_w, lm_r, lm_g, lm_gf, self._m_half))
         self._stage_consts: tuple[tuple, ...] = tuple(consts)
-        if self._m_half or self._attn_half:
+        if self._m_half or self._attn_half or self._pad:
             self._layer_s = self._layer_s_terms  # type: ignore[method-assign]
         # Decode-only steps use these; the same tuple unless decode_overhead_ratio != 1.
         self._decode_consts: tuple[tuple, ...] = self._stage_consts
@@ -372,7 +381,7 @@ class CostModel:
                 attn *= 1.0 + half * (shape.num_seqs - n_dec) / shape.prefill_context_sum
             layer += attn
         if n_dec:
-            ctx = shape.decode_context_sum
+            ctx = self._decode_kv_tokens(shape)
             comp = ctx * self._attn_c
             mem = ctx * self._kv_r + n_dec * self._qo
             attn = comp if comp > mem else mem
@@ -382,6 +391,14 @@ class CostModel:
         if self._ar_tok:
             layer += tokens * self._ar_tok + self._ar_fix
         return layer
+
+    def _decode_kv_tokens(self, shape: BatchShape) -> float:
+        """KV tokens the decodes' attention reads: their contexts, plus `decode_padding` of the
+        padding to the longest decode (a shape without its longest decode has none)."""
+        ctx = shape.decode_context_sum
+        if self._pad and shape.decode_context_max:
+            ctx += self._pad * (shape.num_decode_seqs * shape.decode_context_max - ctx)
+        return ctx
 
     def layer_parts_s(self, shape: BatchShape) -> tuple[float, float, float, float, float]:
         """One layer's (linear part, tensor-parallel all-reduces, decode attention, prefill
@@ -400,7 +417,7 @@ class CostModel:
         linear = max((tokens + self._m_half) * self._lin_c, self._lin_w + tokens * self._lin_a)
         dec = pre = 0.0
         if shape.num_decode_seqs:
-            ctx = shape.decode_context_sum
+            ctx = self._decode_kv_tokens(shape)
             dec = max(ctx * self._attn_c, ctx * self._kv_r + shape.num_decode_seqs * self._qo)
         if shape.num_prefill_tokens:
             pre = max(shape.prefill_attention_pairs * self._attn_c,

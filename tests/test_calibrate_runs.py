@@ -233,3 +233,64 @@ def test_copy_of_a_run_directory_is_enough(shared_data, tmp_path):
     shutil.copytree(src, tmp_path / "run")
     run = load_run(tmp_path / "run")
     assert len(run.requests) == 200 and len(replay_shapes(run)) == 798
+
+
+def test_decode_padding_prices_decodes_padded_to_the_longest():
+    """The CPU engine's torch attention reads every decode up to the longest one's context
+    (docs/calibration.md#the-same-on-cpu); `decode_padding` prices that, 0 changes nothing."""
+    from engine.batch import shape_of
+
+    cpu = dataclasses.replace(get_hardware("a100-80g"), kernels=None, calibration={})
+    shape = BatchShape.from_parts([(0, 32, True)], [100] * 9 + [1000])
+    assert shape.decode_context_max == 1000 and shape.decode_context_sum == 1900
+    assert (shape + BatchShape.decode(3, 1200)).decode_context_max == 1200
+    model = get_model("tiny-llama")
+    plain = CostModel(model, cpu, pp=1)
+    padded = CostModel(model, cpu, pp=1, coefficients=CostCoefficients(decode_padding=1.0))
+    same_sum = BatchShape.from_parts([(0, 32, True)], [190] * 10)
+    assert plain.stage_compute_s(0, shape) == plain.stage_compute_s(0, same_sum)
+    # padded: the same as ten decodes of the longest context
+    assert padded.stage_compute_s(0, shape) == pytest.approx(
+        padded.stage_compute_s(0, BatchShape.from_parts([(0, 32, True)], [1000] * 10)))
+    # the decodes' attention reads 10 x 1,000 KV tokens instead of 1,900
+    assert padded.layer_parts_s(shape)[2] > 5 * plain.layer_parts_s(shape)[2]
+    # a shape without its longest decode (a designed one built from a sum) reads only the sum
+    summed = dataclasses.replace(shape, decode_context_max=0)
+    assert padded.stage_compute_s(0, summed) == plain.stage_compute_s(0, summed)
+
+    class _Seq:
+        def __init__(self, n):
+            self.num_computed = n
+
+    assert shape_of((), [_Seq(99), _Seq(999)]).decode_context_max == 1000
+    with pytest.raises(Exception, match="decode_padding"):
+        CostCoefficients(decode_padding=1.5)
+
+
+def test_calibrate_runs_on_cpu_fits_the_padding_and_one_fixed_cost_for_every_step(tmp_path, monkeypatch):
+    """A CPU run (no CUDA graphs) whose decodes are padded to the longest: the fit finds the padding
+    and keeps a decode step's fixed cost that of any other step (decode_overhead_ratio = 1), where
+    the free fit put a CPU run's whole step time on its mixed steps."""
+    from engine.hardware import HARDWARE
+    from testbed.calibrate.fit import save_hardware_profile
+
+    truth = {"decode_padding": 1.0, "stage_overhead_s": 4e-3, "per_layer_overhead_s": 2e-4,
+             "memory_efficiency": 0.3, "linear_efficiency": 0.5, "attention_efficiency": 0.4}
+    cpu = dataclasses.replace(get_hardware("a100-80g"), name="cpu-test", kernels=None, calibration={})
+    monkeypatch.setenv("TESTBED_PROFILE_DIR", str(tmp_path / "profiles"))
+    save_hardware_profile(cpu, tmp_path / "profiles" / "cpu-test.yaml")
+    try:
+        res = _sim(tmp_path, "cpu", "model=tiny-llama", "hardware=cpu-test", "kv.num_blocks=4096",
+                   *(f"cost.{k}={v}" for k, v in truth.items()))
+        out = write_run_dir(res, tmp_path / "cpu", plots=False, trace="full")
+        tree = yaml.safe_load((out / "config.yaml").read_text())
+        tree["executor"] = compose_spec(["executor=torch"]).tree()["executor"]
+        (out / "config.yaml").write_text(yaml.safe_dump(tree))
+        fit = fit_runs([load_run(out, need_trace=True)], cpu)
+    finally:
+        HARDWARE.pop("cpu-test", None)
+    got = fit.coefficients
+    assert got["decode_overhead_ratio"] == 1.0
+    assert got["decode_padding"] == pytest.approx(1.0, abs=0.1)
+    forward = {e["kind"]: e for e in fit.errors if e["op"] == "forward"}
+    assert forward["all"]["median"] < 0.02, forward

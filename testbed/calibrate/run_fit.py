@@ -16,7 +16,9 @@ transfer (from when both the send and the receive had started to the receive's e
   and eagerly, so `decode_overhead_ratio` stays 1) and an eager step's launch floor
   (`launch_floor_per_layer_s` + `launch_floor_per_seq_s` x sequences). On the H100 run this puts the 2,048-token prefill at 60.4 ms
   (measured 60.2 ms), where one additive overhead for eager steps said 78 ms. On a roofline base (a
-  CPU profile) the roofline's efficiencies and overheads are fitted as `testbed profile` does;
+  CPU profile) the roofline's efficiencies and overheads are fitted as `testbed profile` does, with
+  `decode_overhead_ratio` kept at 1 when no run replayed CUDA graphs and `decode_padding` fitted
+  where decodes of different contexts ran together (the CPU engine pads them to the longest);
 - prepare, sample, dispatch, return, transfer: non-negative linear least squares (in seconds) on their
   measured forms (prepare: fixed + per sequence + per token; sample: fixed + per row x vocab,
   flat when the engine samples greedily on the device; dispatch: fixed + per sequence + a step
@@ -137,6 +139,17 @@ class RunFit:
         return out
 
 
+def _replays_graphs(run: RealRun) -> bool:
+    """Whether the run's decode steps replayed CUDA graphs (ignored off CUDA)."""
+    ex = run.spec.settings.executor.settings
+    return ex.device == "cuda" and ex.cuda_graphs
+
+
+def _padded(shape: BatchShape) -> bool:
+    """Whether padding the decodes to the longest one would read more than their contexts."""
+    return shape.decode_context_max * shape.num_decode_seqs > shape.decode_context_sum
+
+
 def _error_rows(op: str, kinds: Sequence[str], pred: Sequence[float], meas: Sequence[float]) -> list[dict]:
     rel = np.array([p / m - 1.0 for p, m in zip(pred, meas)])
     kinds_arr = np.array(list(kinds))
@@ -173,7 +186,7 @@ def fit_forward_samples(samples: Sequence[ForwardSample], model, hw: HardwareSpe
     hi = np.array([_bounds(n)[1] for n in names])
     start = {"per_layer_overhead_s": 1e-4, "decode_overhead_ratio": 1.0, "launch_floor_per_layer_s": 1e-3,
              "launch_floor_per_seq_s": 1e-5, "launch_overlap_exponent": 4.0, "stage_overhead_s": 1e-4, "linear_half_tokens": 32.0, "attention_half_context": 32.0,
-             "kv_read_efficiency": base_vals["memory_efficiency"]}
+             "kv_read_efficiency": base_vals["memory_efficiency"], "decode_padding": 0.5}
     start.update(_data_starts(samples, model, hw, pp, layers, base_vals))
     x0 = np.clip(np.log([base_vals[n] if base_vals[n] > 0 else start.get(n, 1e-4) for n in names]), lo + 1e-9, hi - 1e-9)
 
@@ -240,9 +253,19 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
         names = [n for n in FORWARD_PARAMS if n != "decode_overhead_ratio"] + ["decode_overhead_ratio"]
         if not any(s.kind == "decode" for s in fwd):
             names = ["linear_efficiency", "attention_efficiency", "stage_overhead_s"]
+        if not any(_replays_graphs(run) for run in runs):
+            # no CUDA graphs: a decode step is as eager as any other, so its fixed cost is the same
+            # (fitted freely, one offline run put 76-108 ms on every step with a prefill and none on
+            # decodes; a 32-token prefill then cost 122 ms where the engine took 12 ms, on CPU)
+            names.remove("decode_overhead_ratio")
+            base_vals["decode_overhead_ratio"] = 1.0
+        if any(_padded(s.shape) for s in fwd):
+            names.append("decode_padding")
     fitted = dict(base.calibration or {})
     if base.kernels is not None:
         fitted["stage_overhead_s"] = base_vals["stage_overhead_s"]
+    elif "decode_overhead_ratio" not in names:
+        fitted["decode_overhead_ratio"] = 1.0
     fitted.update(fit_forward_samples(fwd, model, base, pp, split, base_vals, names))
     result = RunFit(fitted, counts={"forward": len(fwd), "runs": len(runs)})
     _fit_linear_terms(result, data, model.vocab_size)
