@@ -51,6 +51,7 @@ class CapacitySettings:
     duration_s: float | None = setting(None, gt=0)  # None: the steady-state length (below); else seconds of arrivals
     steady_factor: float = setting(8.0, min=1, max=100)  # auto length: this x the longest request's unloaded E2E
     min_duration_s: float = setting(300.0, gt=0)  # auto length: at least this many seconds of arrivals
+    cycle_requests: int = setting(500, min=2)  # auto length, trace: a window's first N requests, replayed in cycles
     warmup_s: float = setting(0.0, min=0)  # requests arriving earlier are sent but not judged
     windows: int = setting(3, min=1, max=20)  # trace windows (offsets) or seeds per point
     window_step_s: float = setting(1200.0, gt=0)  # trace offset between windows (workload.start_s)

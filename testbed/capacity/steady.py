@@ -38,6 +38,7 @@ BACKLOG_GROWTH_LIMIT = 0.05  # the queue may grow by at most 5% of the arrival r
 MIN_QUEUE_RISE = 2.0  # ... or by fewer requests than this over the second half (noise at low rates)
 MIN_STEADY_SAMPLES = 8  # fewer judged arrivals in the second half: the check has nothing to say (nan)
 ROUND_S = 10.0  # steady-state probe lengths are rounded up to whole 10 s
+MIN_CYCLES = 2  # a cycled probe replays its window's pattern at least twice
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,23 @@ def probe_duration(s: CapacitySettings, u: Unloaded | None) -> float:
         return s.duration_s
     longest = u.e2e_s if u is not None and math.isfinite(u.e2e_s) else 0.0
     return max(s.min_duration_s, math.ceil(s.steady_factor * longest / ROUND_S) * ROUND_S)
+
+
+def cycles(s: CapacitySettings, pattern: int, rate: float, duration_s: float) -> int:
+    """Whole replays of a window's `pattern` requests that fill warm-up + duration at `rate`."""
+    return max(MIN_CYCLES, math.ceil(rate * (s.warmup_s + duration_s) / pattern))
+
+
+def cycled(pattern: list[Request], rate: float, count: int) -> list[Request]:
+    """`pattern` (its arrivals already rescaled to `rate`) replayed `count` times, one period of
+    len / rate apart, so that the whole probe arrives at `rate` on average and a longer probe
+    only adds replays of the same requests at the same local rates (see the module docstring)."""
+    from workloads.base import make_requests
+
+    period = len(pattern) / rate
+    reps = [(r.arrival_s + k * period, r.prompt_len, r.output_len) for k in range(count) for r in pattern]
+    arrivals, prompts, outputs = zip(*reps)
+    return make_requests(arrivals, prompts, outputs)
 
 
 def unloaded_miss(s: CapacitySettings, target: float, slo: SLO, u: Unloaded) -> str | None:
