@@ -24,8 +24,11 @@ CRITERION_METRIC = {"attainment": ("slo_attainment", True, None), "tpot_p99": ("
                     "tbt_p99": ("itl_p99_s", False, "tpot_s"), "ttft_p99": ("ttft_p99_s", False, "ttft_s"),
                     "sarathi": ("itl_p99_s", False, "tpot_s")}
 DEFAULT_ATTAINMENT = 0.8  # gLLM's "80% SLO attainment"
-# Sarathi-Serve (OSDI'24) defines capacity as the highest load whose P99 time between tokens meets
-# the SLO while the median scheduling delay stays under 2 s: `capacity.criterion=sarathi`.
+# Sarathi-Serve (OSDI'24) defines capacity as the highest load (QPS) that meets the SLO on the P99
+# time between tokens while the median scheduling delay (arrival to first scheduled) stays at or
+# under 2 s: the defaults of its public capacity search (sarathi/benchmark/capacity_search: P50
+# scheduling delay <= 2.0 s and P99 TBT <= 0.2 s, the decode tokens of all requests pooled, each
+# decode's execution plus any preemption). `capacity.criterion=sarathi`; the TBT bound is slo.tpot_s.
 SARATHI_MAX_MEDIAN_DELAY_S = 2.0
 DELAY_METRIC = "sched_delay_p50_s"  # arrival to first scheduled, median over the judged requests
 PRICE_PREFIX = "price."  # capacity.price.<hardware>=<USD per GPU-hour>

@@ -15,6 +15,14 @@ that a longer probe would have shown as a failure, so such a probe fails whateve
 queue: requests being decoded fill the system for an end-to-end time after the first arrival,
 which a short probe would otherwise read as growth; the client of a live probe sees it too.
 
+On a trace the length alone does not make a steady state: the trace's mix and rate drift, and a
+probe of rate x length requests with its gaps rescaled over all of them was, when doubled, another
+load (its first half, the shorter probe's requests, arrived at another local rate; its second
+half was another stretch): two of four ranking capacities moved by 9.1%. So a trace window's probe
+replays the window's first `capacity.cycle_requests` requests in whole cycles (`cycled`), and a
+longer probe only adds cycles of the same load: 11 of 12 window capacities then kept their digits
+when the length doubled, the twelfth moved by one bisection step (docs/capacity.md).
+
 The unloaded request also prunes: when the workload's lightest request (shortest prompt, then
 shortest output of at least 2 tokens), served alone, already misses the SLO bound the criterion
 judges, no load can meet it (llama2-70b on 4 x L20: TPOT 0.223 s alone against a 0.2 s bound),
