@@ -86,6 +86,9 @@ class Plan:
     def run0(self) -> RunSpec:
         return self.points[0].run
 
+    def probe_text(self) -> str:
+        return self.settings.probe_text([pt.duration_s for pt in self.points], any(pt.pattern for pt in self.points))
+
     @property
     def groups(self) -> list[PointSpec]:
         """The grid points (their first window's search)."""
@@ -372,7 +375,7 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
     budget_text = (f"; GPU budget {s.gpus} ({p.dropped} over it dropped, {len(p.refused)} invalid skipped)"
                    if s.gpus else "")
     console.print(f"capacity [bold]{p.name}[/bold]: {len(p.groups)} point(s){spread} over {over}{budget_text}; "
-                  f"{what}; precision {s.precision:.0%}; each probe {s.probe_text([pt.duration_s for pt in p.points])}; "
+                  f"{what}; precision {s.precision:.0%}; each probe {p.probe_text()}; "
                   f"~{feed.planned()} probes planned; {s.resolved_workers} worker(s)", highlight=False)
     for why in p.refused[:3]:
         console.print(f"[yellow]skipped[/yellow] {why}", highlight=False)

@@ -91,11 +91,13 @@ class CapacitySettings:
         key = CRITERION_METRIC[self.criterion][2]
         return DEFAULT_ATTAINMENT if key is None else float(getattr(slo, key))
 
-    def probe_text(self, durations: Sequence[float]) -> str:
-        """What one probe sends: seconds of arrivals (per point when set by the steady-state rule)."""
+    def probe_text(self, durations: Sequence[float], cycled: bool = False) -> str:
+        """What one probe sends: seconds of arrivals (per point when set by the steady-state rule;
+        `cycled`: a trace window's pattern in whole cycles, testbed/capacity/steady.py)."""
         lo, hi = min(durations), max(durations)
         span = f"{lo:.0f} s" if hi - lo < 0.5 else f"{lo:.0f}-{hi:.0f} s"
-        how = "" if self.duration_s else f" (steady state: {self.steady_factor:g} x the longest unloaded request)"
+        cycles = f"; whole cycles of each window's first {self.cycle_requests} requests" if cycled else ""
+        how = "" if self.duration_s else f" (steady state: {self.steady_factor:g} x the longest unloaded request{cycles})"
         return span + (f" + {self.warmup_s:g} s warm-up" if self.warmup_s else "") + " of arrivals" + how
 
     def describe(self, target: float) -> str:
