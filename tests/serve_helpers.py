@@ -24,7 +24,7 @@ def cli_server(tmp_path, *args, stop=signal.SIGTERM):
     proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "serve", *args, f"serve.port={port}",
                              f"output.dir={tmp_path}"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    outcome = {}
+    outcome = {"pid": proc.pid}
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120

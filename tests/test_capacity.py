@@ -4,8 +4,12 @@ with its probes and their MLflow runs; a deployment grid is ranked with the poin
 fit as rows; bad input is one `error:` line. No simulated number is asserted."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -240,7 +244,7 @@ def test_a_probe_the_host_could_not_keep_up_with_is_run_again_then_not_counted(t
     calls = []
 
     def check(before, after, rows, slo):
-        if not rows:  # the lone request before any probe
+        if len(rows) <= 2:  # the lightest and the longest request alone, before any probe
             return ""
         calls.append(len(rows))
         return "" if len(calls) == 2 else "starved (stand-in)"
@@ -255,17 +259,26 @@ def test_a_probe_the_host_could_not_keep_up_with_is_run_again_then_not_counted(t
     assert (tmp_path / "capacity" / "retry" / "runs" / "000_base" / "00_rate=2_retry1" / "requests.csv").exists()
 
 
-def test_the_host_check_names_a_lagging_server_and_a_late_client():
+def test_the_host_check_names_a_lagging_server_a_slow_http_path_and_a_late_client():
     from engine.metrics import SLO
-    from testbed.capacity.live import host_check
+    from testbed.capacity.live import ServerCounters, host_check, ttft_path_s
 
     slo = SLO(ttft_s=4, tpot_s=0.2)
-    on_time = [{"arrival_s": t + 0.01, "scheduled_s": t} for t in range(20)]
-    assert host_check((0.0, 0.0), (4.0, 100.0), on_time, slo) == ""  # 40 ms per completion, under 50 ms
-    assert host_check(None, None, on_time, slo) == ""  # a server without the metric: only the client is checked
-    assert "behind its clock" in host_check((1.0, 10.0), (7.0, 110.0), on_time, slo)  # 60 ms per completion
-    late = [{"arrival_s": 1.2 * t, "scheduled_s": t} for t in range(20)]  # sends stretched by 20%
+    on_time = [{"arrival_s": t + 0.01, "scheduled_s": t, "status": "finished", "ttft_s": 0.5} for t in range(20)]
+
+    def clock(lag: float, completions: float) -> ServerCounters:
+        return ServerCounters(lag_s=lag, completions=completions)
+
+    assert host_check(clock(0.0, 0.0), clock(4.0, 100.0), on_time, slo) == ""  # 40 ms per completion, under 50 ms
+    assert host_check(None, None, on_time, slo) == ""  # a server without the metrics: only the client is checked
+    assert "behind its clock" in host_check(clock(1.0, 10.0), clock(7.0, 110.0), on_time, slo)  # 60 ms
+    late = [dict(r, arrival_s=1.2 * r["scheduled_s"]) for r in on_time]  # sends stretched by 20%
     assert "the client sent at 83% of the offered rate" in host_check(None, None, late, slo)
+    # the server's own TTFT histogram: 20 first tokens, 0.46 s each on its clock; the client saw 0.5 s
+    before, after = ServerCounters(ttft_sum_s=1.0, ttft_count=0.0), ServerCounters(ttft_sum_s=10.2, ttft_count=20.0)
+    assert ttft_path_s(before, after, on_time) == pytest.approx(0.04) and host_check(before, after, on_time, slo) == ""
+    slow = [dict(r, ttft_s=0.6) for r in on_time]  # 140 ms between the server's first token and the client's
+    assert "the client saw first tokens 140 ms after the server produced them" in host_check(before, after, slow, slo)
 
 
 @pytest.mark.parametrize("answer, message", [
@@ -426,6 +439,32 @@ def test_a_probe_is_long_enough_to_reach_a_steady_state_and_the_l20_case_is_answ
     assert h100.pruned is None and h100.duration_s == max(300.0, math.ceil(8 * h100.unloaded.e2e_s / 10) * 10)
 
 
+def test_a_longer_probe_replays_the_same_trace_window_at_the_same_local_rates(tmp_path):
+    """A trace window's probe is its first `capacity.cycle_requests` requests at the probed rate,
+    replayed in whole cycles: doubling the probe length adds cycles of the same requests at the
+    same arrival times. (Before, a probe took rate x length requests of the trace and rescaled
+    their gaps to the rate over all of them: the longer probe had other requests, and its first
+    half arrived at another local rate.)"""
+    from testbed.capacity.command import plan, probe_job
+
+    def first_probe(factor: int) -> list:
+        p = plan(["model=llama2-70b", "hardware=h100-80g", "parallel.pp=4", "workload=azure", "capacity.windows=2",
+                  f"capacity.steady_factor={factor}", "capacity.cycle_requests=300", f"output.dir={tmp_path}"])
+        pt = p.points[1]  # the second window, 1200 s into the trace
+        return probe_job(p, pt, 3.2, 0, 0, None).requests
+
+    short, long = first_probe(8), first_probe(16)
+    assert len(short) % 300 == 0 and len(long) % 300 == 0 and len(long) >= 2 * len(short) - 300
+    pattern = [(r.arrival_s, r.prompt_len, r.output_len) for r in short[:300]]
+    for reqs in (short, long):  # every cycle: the same requests, one period (300 / 3.2 s) later
+        for k in range(len(reqs) // 300):
+            cycle = reqs[300 * k:300 * (k + 1)]
+            assert [(r.prompt_len, r.output_len) for r in cycle] == [(q[1], q[2]) for q in pattern]
+            assert [r.arrival_s - k * 300 / 3.2 for r in cycle] == pytest.approx([q[0] for q in pattern])
+    assert (len(long) - 1) / long[-1].arrival_s == pytest.approx(3.2, rel=0.05)  # the offered rate on average
+    assert [r.request_id for r in long] == list(range(len(long)))
+
+
 def test_capacity_over_windows_is_their_median_with_its_range(tmp_path, capsys):
     code = main(["capacity", *[a for a in BASE if a != "capacity.windows=1"], f"output.dir={tmp_path}", "output.mlflow=false",
                  "parallel.pp=2", "policy=sarathi", "capacity.max_probes=6", "capacity.experiment=win",
@@ -504,3 +543,45 @@ def test_the_simulator_reports_the_time_between_tokens():
     assert alone["itl_mean_s"] == pytest.approx(alone["tpot_mean_s"], rel=1e-9)
     loaded = run_experiment(spec).summary
     assert loaded["itl_p99_s"] > loaded["itl_p50_s"] > 0
+
+
+@contextlib.contextmanager
+def cpu_hogs(pid: int, count: int):
+    """`count` busy-looping processes pinned with every thread of process `pid` to one core, the
+    server's threads at the lowest priority (nice 19): it runs only when they let it, a real
+    starvation (not a stand-in)."""
+    cpu = max(os.sched_getaffinity(0))
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), {cpu})
+        os.setpriority(os.PRIO_PROCESS, int(tid), 19)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        for hog in hogs:
+            os.sched_setaffinity(hog.pid, {cpu})
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def test_a_server_starved_of_cpu_by_a_pinned_hog_is_flagged_never_a_capacity(tmp_path, capsys):
+    """The server pinned to one core at nice 19 beside two busy-looping processes: whatever it
+    measures is the host, so it is flagged (host-bound) and no capacity is reported. (With the
+    server at nice 0 it kept up at load 3.5, 10-15 ms of HTTP path per first token: a right
+    answer, unflagged; at load 12 the clock check passed and the HTTP path took 81 ms, flagged by
+    the check of the client's TTFT against the server's own, which the code before it lacked.)"""
+    pytest.importorskip("fastapi")
+    from serve_helpers import cli_server
+
+    with cli_server(tmp_path / "server", *SERVER, "serve.time_scale=10") as (url, outcome):
+        with cpu_hogs(outcome["pid"], 2):
+            code = main(["capacity", "--base-url", url, "--time-scale", "10", "workload=synthetic",
+                         "output.progress=false", f"output.dir={tmp_path}", "capacity.duration_s=10",
+                         "capacity.start=2", "capacity.windows=1", "capacity.retries=0", "output.mlflow=false",
+                         "capacity.experiment=hog"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    table = pd.read_csv(tmp_path / "capacity" / "hog" / "table.csv")
+    assert list(table["status"]) == ["host-bound"] and "capacity_req_s" not in table
+    assert "host-bound" in table["search"][0] and ("behind its clock" in table["search"][0]
+                                                   or "after the server produced them" in table["search"][0])

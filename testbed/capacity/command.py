@@ -40,7 +40,7 @@ from testbed.sweep import jobs as sweep
 from testbed.capacity import budget, results
 from testbed.capacity.search import RateSearch
 from testbed.capacity.settings import CapacitySettings, check_prices, parse
-from testbed.capacity.steady import Unloaded, is_steady, probe_duration, unloaded, unloaded_miss
+from testbed.capacity.steady import Unloaded, cycled, cycles, is_steady, probe_duration, unloaded, unloaded_miss
 from testbed.sweep.compare import Point, axis_value, grid
 from testbed.config.spec import compose_spec
 from testbed.config.spec import RunSpec
@@ -65,6 +65,7 @@ class PointSpec:
     window: int = 0  # trace window / seed index
     duration_s: float = 0.0  # seconds of arrivals per probe after the warm-up
     max_requests: int | None = None  # requests the trace holds from this window's offset
+    pattern: int | None = None  # a trace window at the steady-state length: requests of one cycle (steady.cycled)
     pruned: str | None = None  # why no probe runs (does not fit, misses the SLO unloaded)
     unloaded: Unloaded | None = None
 
@@ -84,6 +85,9 @@ class Plan:
     @property
     def run0(self) -> RunSpec:
         return self.points[0].run
+
+    def probe_text(self) -> str:
+        return self.settings.probe_text([pt.duration_s for pt in self.points], any(pt.pattern for pt in self.points))
 
     @property
     def groups(self) -> list[PointSpec]:
@@ -147,7 +151,9 @@ def windows(specs: Sequence[PointSpec], settings: CapacitySettings) -> list[Poin
             unit = replace(spec, index=len(units), group=spec.index, window=w, run=run,
                            overrides=tuple(merge(spec.overrides, [f"{key}={value:g}"])) if w else spec.overrides,
                            dirname=spec.dirname + (f"/w{w}" if settings.windows > 1 else ""))
-            units.append(replace(unit, max_requests=trace_rows(run)))
+            rows = trace_rows(run)
+            pattern = None if rows is None or settings.duration_s else min(settings.cycle_requests, rows)
+            units.append(replace(unit, max_requests=rows, pattern=pattern))
     return units
 
 
@@ -276,17 +282,26 @@ class CapacityFeed(sweep.Feed):
 
 
 def probe_requests(p: Plan, pt: PointSpec, rate: float) -> int:
-    """Requests of one probe: those arriving over warm-up + duration at `rate` (as many as the
-    trace holds from the window's offset; probes.csv's `window_s` says how long they lasted)."""
+    """Requests of one probe: whole cycles of a trace window's pattern, else those arriving over
+    warm-up + duration at `rate` (as many as the trace holds from the window's offset; probes.csv's
+    `window_s` says how long they lasted)."""
+    if pt.pattern:
+        return pt.pattern * cycles(p.settings, pt.pattern, rate, pt.duration_s)
     n = max(2, math.ceil(rate * (p.settings.warmup_s + pt.duration_s)))
     return min(n, pt.max_requests) if pt.max_requests else n
 
 
 def probe_job(p: Plan, pt: PointSpec, rate: float, k: int, index: int, parent_run_id: str | None) -> sweep.Job:
     """Probe k of a point: its config with `workload.rate` and the request count set."""
-    values: dict[str, Any] = {"workload.rate": rate, "workload.num_requests": probe_requests(p, pt, rate)}
+    values: dict[str, Any] = {"workload.rate": rate, "workload.num_requests": pt.pattern or probe_requests(p, pt, rate)}
+    spec = pt.run.with_values(values)
+    requests = None
+    if pt.pattern:  # the window's pattern at this rate, replayed (config.yaml's num_requests is one cycle)
+        from workloads.base import build_workload
+
+        requests = cycled(build_workload(spec.workload, spec.data_dir), rate, probe_requests(p, pt, rate) // pt.pattern)
     where = f"{pt.label} · w{pt.window}" if p.settings.windows > 1 else pt.label
-    return sweep.Job(index=index, spec=pt.run.with_values(values), label=f"{where} @ {rate:g} req/s", axes=(*p.axes, "workload.rate"),
+    return sweep.Job(index=index, spec=spec, requests=requests, label=f"{where} @ {rate:g} req/s", axes=(*p.axes, "workload.rate"),
                      axis_values={**pt.axis_values, "workload.rate": rate}, experiment=p.name,
                      parent_run_id=parent_run_id,
                      run_dir=str(p.out_dir / "runs" / pt.dirname / f"{k:02d}_rate={rate:g}"),
@@ -360,7 +375,7 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
     budget_text = (f"; GPU budget {s.gpus} ({p.dropped} over it dropped, {len(p.refused)} invalid skipped)"
                    if s.gpus else "")
     console.print(f"capacity [bold]{p.name}[/bold]: {len(p.groups)} point(s){spread} over {over}{budget_text}; "
-                  f"{what}; precision {s.precision:.0%}; each probe {s.probe_text([pt.duration_s for pt in p.points])}; "
+                  f"{what}; precision {s.precision:.0%}; each probe {p.probe_text()}; "
                   f"~{feed.planned()} probes planned; {s.resolved_workers} worker(s)", highlight=False)
     for why in p.refused[:3]:
         console.print(f"[yellow]skipped[/yellow] {why}", highlight=False)

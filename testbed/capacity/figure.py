@@ -67,4 +67,4 @@ def _title(p: Any) -> str:
     shared = setup_title(p.run0, hidden).split(" — varying")[0]
     where = f"{p.live.base_url} · " if p.live is not None else ""
     targets = ", ".join(p.settings.describe(t) for t in sorted({pt.target for pt in p.points}))
-    return f"{where}{shared}\ncapacity: highest rate with {targets}; each probe {p.settings.probe_text([pt.duration_s for pt in p.points])}"
+    return f"{where}{shared}\ncapacity: highest rate with {targets}; each probe {p.probe_text()}"

@@ -17,7 +17,10 @@ that a point that cannot meet the SLO at any rate is said so at once. Each probe
 mean lateness per completion at most `LAG_LIMIT` x slo.tpot_s; servers without the metric are not
 checked: a lateness L delays a token by L, so it moves TTFT by L and a time between tokens by at
 most L; the host's scheduling jitter, 4-5 ms of wall time per completion at load 13 on 2 cores,
-stays below it at --time-scale 10, a server falling behind its clock does not) and that the client sent at the offered rate (the span of its sends at most
+stays below it at --time-scale 10, a server falling behind its clock does not), that the HTTP
+path kept up (the client's mean TTFT less the server's own, from its TTFT histogram on /metrics,
+at most the same limit: at load 19-23 the client's TTFT ran 0.3-0.4 s above the server's with the
+clock check passing and the answer 45% low; 14-39 ms at load 4-6) and that the client sent at the offered rate (the span of its sends at most
 1 / `SEND_RATE_LIMIT` of the schedule's, its p99 send lag at most `SEND_LAG_S`). On 2 shared cores
 at host load 17-25 a served search reported 1.354 req/s where the simulator gave 4.00: client and
 server were starved. A probe failing the check is run again (`capacity.retries`), then reported as
@@ -102,7 +105,7 @@ class LiveOptions:
         picks = [min(requests, key=lambda r: (r.output_len < 2, r.prompt_len, r.output_len)),
                  max(requests, key=lambda r: (r.output_len, r.prompt_len))]
         rows = []
-        before = clock_lag(self.base_url)
+        before = server_counters(self.base_url)
         for r in picks:
             outcomes, _ = asyncio.run(replay(self.base_url, [Request(0, 0.0, r.prompt_len, r.output_len)],
                                              endpoint=self.endpoint, model=self.model, time_scale=self.time_scale,
@@ -111,7 +114,7 @@ class LiveOptions:
             if row["status"] != "finished":
                 raise TestbedError(f"--base-url {self.base_url} failed one request served alone: {row['fail_reason']}")
             rows.append(row)
-        starved = host_check(before, clock_lag(self.base_url), [], run.settings.slo)
+        starved = host_check(before, server_counters(self.base_url), rows, run.settings.slo)
         return Unloaded(rows[0]["ttft_s"], rows[0]["tpot_s"], rows[-1]["e2el_s"],
                         f"{HOST_BOUND} before any probe: {starved}" if starved else None)
 
@@ -196,22 +199,34 @@ class LiveFeed(CapacityFeed):
         for attempt in range(self.p.settings.retries + 1):
             row: dict[str, Any] = {"point": job.index, **job.axis_values, "status": "failed", "error": None,
                                    "run_id": None, "run_dir": None}
-            before = clock_lag(o.base_url)
+            before = server_counters(o.base_url)
             result, run_dir = run_bench_serve(
                 o.base_url, ovs, endpoint=o.endpoint, model=o.model, time_scale=o.time_scale, vocab=o.vocab,
-                max_concurrency=o.max_concurrency, label=o.label, tags=sweep.point_tags(job),
+                max_concurrency=o.max_concurrency, label=o.label, requests=job.requests, tags=sweep.point_tags(job),
                 experiment=job.experiment, run_dir=Path(job.run_dir + (f"_retry{attempt}" if attempt else "")))
             row.update(run_id=result.info.get("run_id"), run_dir=str(run_dir), attempts=attempt + 1)
             sweep.fill_row(row, result)
-            row["host_flag"] = host_check(before, clock_lag(o.base_url), result.requests, job.spec.settings.slo)
+            after = server_counters(o.base_url)
+            row["host_flag"] = host_check(before, after, result.requests, job.spec.settings.slo)
+            row["ttft_path_s"] = ttft_path_s(before, after, result.requests)
             if not row["host_flag"] or result.error:
                 break
         row["wall_s"] = time.perf_counter() - t0
         return row
 
 
-def clock_lag(base_url: str) -> tuple[float, float] | None:
-    """(lag seconds, completions) from the server's /metrics; None when it has no such metric."""
+@dataclass(frozen=True)
+class ServerCounters:
+    """Running sums on the server's /metrics, read before and after a probe (None: not published)."""
+
+    lag_s: float | None = None  # testbed_clock_lag_seconds: how late completions reached the paced controller
+    completions: float | None = None  # testbed_clock_completions
+    ttft_sum_s: float | None = None  # <prefix>_time_to_first_token_seconds_sum (testbed, vllm: ...)
+    ttft_count: float | None = None  # ... _count
+
+
+def server_counters(base_url: str) -> ServerCounters | None:
+    """The server's clock lag and its own TTFT histogram from /metrics; None without Prometheus text."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -220,24 +235,45 @@ def clock_lag(base_url: str) -> tuple[float, float] | None:
         values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
     except Exception:  # no Prometheus text there: another server, nothing to check
         return None
-    lag, handed = values.get("testbed_clock_lag_seconds_total"), values.get("testbed_clock_completions_total")
-    return None if lag is None or handed is None else (float(lag), float(handed))
+    ttft = [name[:-len("_sum")] for name in values if name.endswith("time_to_first_token_seconds_sum")]
+    return ServerCounters(values.get("testbed_clock_lag_seconds_total"), values.get("testbed_clock_completions_total"),
+                          values.get(ttft[0] + "_sum") if ttft else None, values.get(ttft[0] + "_count") if ttft else None)
 
 
-def host_check(before: tuple[float, float] | None, after: tuple[float, float] | None, rows: list[dict],
-               slo: SLO) -> str:
+def _delta(before: ServerCounters | None, after: ServerCounters | None, total: str, count: str) -> float | None:
+    """Mean per counted event of `total` between two scrapes (None: not published, or no event)."""
+    if before is None or after is None or None in (getattr(before, total), getattr(after, total),
+                                                   getattr(before, count), getattr(after, count)):
+        return None
+    n = getattr(after, count) - getattr(before, count)
+    return (getattr(after, total) - getattr(before, total)) / n if n > 0 else None
+
+
+def ttft_path_s(before: ServerCounters | None, after: ServerCounters | None, rows: list[dict]) -> float | None:
+    """The client's mean TTFT less the server's own over the same probe (server seconds): the time
+    the HTTP path and the client added to each first token (None: the server publishes no TTFT)."""
+    server = _delta(before, after, "ttft_sum_s", "ttft_count")
+    client = [float(r["ttft_s"]) for r in rows if r.get("status") == "finished" and r.get("ttft_s") is not None]
+    return None if server is None or not client else float(np.mean(client)) - server
+
+
+def host_check(before: ServerCounters | None, after: ServerCounters | None, rows: list[dict], slo: SLO) -> str:
     """Why this probe measured its host rather than the server ('' when it did not)."""
     reasons = []
-    if before is not None and after is not None and after[1] > before[1]:
-        mean = (after[0] - before[0]) / (after[1] - before[1])
-        if mean > LAG_LIMIT * slo.tpot_s:
-            reasons.append(f"the server ran {mean * 1000:.0f} ms behind its clock per completion "
-                           f"(limit {LAG_LIMIT * slo.tpot_s * 1000:.0f} ms)")
+    limit = LAG_LIMIT * slo.tpot_s
+    lag = _delta(before, after, "lag_s", "completions")
+    if lag is not None and lag > limit:
+        reasons.append(f"the server ran {lag * 1000:.0f} ms behind its clock per completion "
+                       f"(limit {limit * 1000:.0f} ms)")
+    path = ttft_path_s(before, after, rows)
+    if path is not None and path > limit:
+        reasons.append(f"the client saw first tokens {path * 1000:.0f} ms after the server produced them, "
+                       f"on average (limit {limit * 1000:.0f} ms)")
     sent = np.array([r["arrival_s"] for r in rows], dtype=float)
     planned = np.array([r["scheduled_s"] for r in rows], dtype=float)
     if sent.size > 1 and np.ptp(planned) > 0:
         ratio = np.ptp(planned) / np.ptp(sent)
-        lag = float(np.percentile(sent - planned, 99))
-        if ratio < SEND_RATE_LIMIT or lag > SEND_LAG_S:
-            reasons.append(f"the client sent at {ratio:.0%} of the offered rate, p99 {lag:.2g} s late")
+        late = float(np.percentile(sent - planned, 99))
+        if ratio < SEND_RATE_LIMIT or late > SEND_LAG_S:
+            reasons.append(f"the client sent at {ratio:.0%} of the offered rate, p99 {late:.2g} s late")
     return "; ".join(reasons)

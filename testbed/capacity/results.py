@@ -114,7 +114,7 @@ def rates_text(search: RateSearch) -> str:
 
 def probe_table(feed: Any, axes: list[str]) -> pd.DataFrame:
     keep = ("status", "error", "capacity.phase", "capacity.passed", "capacity.value", "capacity.steady", *JUDGED,
-            "backlog_growth", "host_flag", "attempts", "window_s", "num_requests", "output_throughput_tok_s", "throughput_tok_s",
+            "backlog_growth", "host_flag", "ttft_path_s", "attempts", "window_s", "num_requests", "output_throughput_tok_s", "throughput_tok_s",
             "num_finished", "num_failed", "run_id", "run_dir")
     rows = []
     for unit, probes in feed.probe_rows.items():

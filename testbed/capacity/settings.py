@@ -24,8 +24,11 @@ CRITERION_METRIC = {"attainment": ("slo_attainment", True, None), "tpot_p99": ("
                     "tbt_p99": ("itl_p99_s", False, "tpot_s"), "ttft_p99": ("ttft_p99_s", False, "ttft_s"),
                     "sarathi": ("itl_p99_s", False, "tpot_s")}
 DEFAULT_ATTAINMENT = 0.8  # gLLM's "80% SLO attainment"
-# Sarathi-Serve (OSDI'24) defines capacity as the highest load whose P99 time between tokens meets
-# the SLO while the median scheduling delay stays under 2 s: `capacity.criterion=sarathi`.
+# Sarathi-Serve (OSDI'24) defines capacity as the highest load (QPS) that meets the SLO on the P99
+# time between tokens while the median scheduling delay (arrival to first scheduled) stays at or
+# under 2 s: the defaults of its public capacity search (sarathi/benchmark/capacity_search: P50
+# scheduling delay <= 2.0 s and P99 TBT <= 0.2 s, the decode tokens of all requests pooled, each
+# decode's execution plus any preemption). `capacity.criterion=sarathi`; the TBT bound is slo.tpot_s.
 SARATHI_MAX_MEDIAN_DELAY_S = 2.0
 DELAY_METRIC = "sched_delay_p50_s"  # arrival to first scheduled, median over the judged requests
 PRICE_PREFIX = "price."  # capacity.price.<hardware>=<USD per GPU-hour>
@@ -51,6 +54,7 @@ class CapacitySettings:
     duration_s: float | None = setting(None, gt=0)  # None: the steady-state length (below); else seconds of arrivals
     steady_factor: float = setting(8.0, min=1, max=100)  # auto length: this x the longest request's unloaded E2E
     min_duration_s: float = setting(300.0, gt=0)  # auto length: at least this many seconds of arrivals
+    cycle_requests: int = setting(500, min=2)  # auto length, trace: a window's first N requests, replayed in cycles
     warmup_s: float = setting(0.0, min=0)  # requests arriving earlier are sent but not judged
     windows: int = setting(3, min=1, max=20)  # trace windows (offsets) or seeds per point
     window_step_s: float = setting(1200.0, gt=0)  # trace offset between windows (workload.start_s)
@@ -87,11 +91,13 @@ class CapacitySettings:
         key = CRITERION_METRIC[self.criterion][2]
         return DEFAULT_ATTAINMENT if key is None else float(getattr(slo, key))
 
-    def probe_text(self, durations: Sequence[float]) -> str:
-        """What one probe sends: seconds of arrivals (per point when set by the steady-state rule)."""
+    def probe_text(self, durations: Sequence[float], cycled: bool = False) -> str:
+        """What one probe sends: seconds of arrivals (per point when set by the steady-state rule;
+        `cycled`: a trace window's pattern in whole cycles, testbed/capacity/steady.py)."""
         lo, hi = min(durations), max(durations)
         span = f"{lo:.0f} s" if hi - lo < 0.5 else f"{lo:.0f}-{hi:.0f} s"
-        how = "" if self.duration_s else f" (steady state: {self.steady_factor:g} x the longest unloaded request)"
+        cycles = f"; whole cycles of each window's first {self.cycle_requests} requests" if cycled else ""
+        how = "" if self.duration_s else f" (steady state: {self.steady_factor:g} x the longest unloaded request{cycles})"
         return span + (f" + {self.warmup_s:g} s warm-up" if self.warmup_s else "") + " of arrivals" + how
 
     def describe(self, target: float) -> str:
