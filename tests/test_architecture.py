@@ -31,7 +31,7 @@ FORBIDDEN = {  # package -> top-level modules it must not import
 TORCH_FREE_EXCEPT = "engine/torch_exec/"  # the only part of engine/ that may import torch
 # Known debt, listed so that nothing new slips in and so that the entry must go once it is fixed
 # (test_known_violations_still_exist fails then). Empty: TD-Pipe's history readers moved to
-# workloads/history.py and reach the policy through `view.history` (engine/policy.py).
+# workloads/history.py and reach the policy through `view.history` (engine/core/policy.py).
 KNOWN: set[tuple[str, str]] = set()
 # Known import cycles (module sets), listed so that no new one slips in and so that each entry must
 # go once its cycle is broken (test_known_cycles_still_exist fails then). testbed/ is being split
@@ -91,8 +91,8 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def _resolve(name: str, modules: set[str]) -> str | None:
-    """The longest prefix of a dotted name that is one of our modules (`engine.kv.BlockManager` ->
-    `engine.kv`), None for a third-party or standard module."""
+    """The longest prefix of a dotted name that is one of our modules (`engine.core.kv.BlockManager` ->
+    `engine.core.kv`), None for a third-party or standard module."""
     parts = name.split(".")
     while parts and ".".join(parts) not in modules:
         parts.pop()

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from engine.costmodel import BatchShape, CostCoefficients, CostModel
-from engine.hardware import get_hardware
-from engine.models import get_model
+from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel
+from engine.pricing.hardware import get_hardware
+from engine.pricing.models import get_model
 from testbed.calibrate.offline import simulate_run, stalls
 from testbed.calibrate.run_fit import fit_runs
 from testbed.calibrate.runs import ReplayDiverged, infer_kv_blocks, load_run, replay_shapes
@@ -135,7 +135,7 @@ def test_the_kv_pool_of_a_run_that_measured_it_is_inferred(tmp_path):
 
 
 def test_validate_runs_replays_a_run_exactly_on_its_own_terms(tmp_path, capsys, monkeypatch):
-    from engine.hardware import HARDWARE
+    from engine.pricing.hardware import HARDWARE
     from testbed.cli import main
     from testbed.calibrate.fit import save_hardware_profile
 

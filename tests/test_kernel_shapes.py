@@ -8,11 +8,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine.costmodel import BatchShape, CostModel
-from engine.errors import ConfigError
-from engine.hardware import get_hardware
-from engine.kernels import KernelCoefficients, LayerKernels, LayerShape
-from engine.models import ModelSpec, get_model
+from engine.pricing.costmodel import BatchShape, CostModel
+from engine.base.errors import ConfigError
+from engine.pricing.hardware import get_hardware
+from engine.pricing.kernels import KernelCoefficients, LayerKernels, LayerShape
+from engine.pricing.models import ModelSpec, get_model
 from kernel_tables import A100, TRUTH, write_tables
 from testbed.calibrate.gpu_tables import read_attention_samples, read_published
 from testbed.calibrate.kernel_fit import (AttentionShape, Device, attention_shapes, fit_decode, fit_kernels,
@@ -103,7 +103,7 @@ def test_the_kv_write_fit_recovers_its_coefficients():
     truth = replace(TRUTH, kv_write_floor_s=2e-6, kv_write_efficiency=0.06)
     shape = LayerShape(16384, 128, 8, 128, 53248, tp=1)
     lk = LayerKernels(shape, truth, **A100)
-    from engine.profile_table import ProfileRow
+    from engine.pricing.profile_table import ProfileRow
 
     rows = tuple(ProfileRow("kv_write", None, "", 1, x, 0, 0, 0, float(lk.kv_write_s(x)), tp=1)
                  for x in (64, 256, 1024, 4096))
@@ -122,7 +122,7 @@ SHAPES = {"mha": LayerShape(4096, 32, 32, 128, 11008), "gqa8": LayerShape(8192, 
 
 
 def _decode_shapes(truth: KernelCoefficients) -> list[AttentionShape]:
-    from engine.profile_table import ProfileRow
+    from engine.pricing.profile_table import ProfileRow
 
     out = []
     for name, shape in SHAPES.items():

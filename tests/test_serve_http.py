@@ -106,7 +106,7 @@ def test_unknown_route_and_method_use_the_same_error_shape(server):
 
 
 def test_limits_are_validated():
-    from engine.errors import ConfigError
+    from engine.base.errors import ConfigError
     from testbed.serve.settings import ServeSettings
 
     with pytest.raises(ConfigError, match="serve.max_body_bytes"):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from mlflow_db import fresh_mlflow_db
 from testbed.cli import main
 from testbed.config.overrides import merge

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from engine.errors import RunFailedError
+from engine.base.errors import RunFailedError
 from engine.torch_exec import wire
 
 REPORTED_EXIT = 70  # exit code of a stage that reported its exception (EX_SOFTWARE; worker.py)

@@ -3,7 +3,7 @@ names link.bandwidth / link.latency and P > 1.
 
 A stage's activations are queued at its outgoing link and a sender thread sends what the run's
 policy picks with `schedule_transfer` (the policy is rebuilt from the "module:qualname" and params
-in `StageInit`, imported by name and checked to be an `engine.policy.Policy`:
+in `StageInit`, imported by name and checked to be an `engine.core.policy.Policy`:
 `transfer.link_policy`; the link arrives with each `LinkState`), chunk by chunk; a receiver thread
 reassembles each micro-batch's chunks (interleaved: a decode may overtake a prefill's remaining
 chunks), see transfer.py. A stage behind such a link runs the micro-batches whose activations are

@@ -264,7 +264,7 @@ class _Stage(LinkedStage):
                 self.fault = (kind, n)
 
     def load_model(self, init: wire.StageInit) -> None:
-        from engine.models import ModelSpec
+        from engine.pricing.models import ModelSpec
         from engine.torch_exec.model import StageModel
 
         self.arch = arch = ModelSpec(**init.arch)

@@ -4,7 +4,7 @@ the hardware-profile files a fit is saved as.
 `testbed profile` (testbed/calibrate/profile.py, measuring in engine/torch_exec/profile.py)
 writes a profile table, fits it here and saves a hardware profile usable as `hardware=<name>`.
 
-The table format is engine/profile_table.py's.
+The table format is engine/pricing/profile_table.py's.
 
 Fit (`fit_profile`): forward rows by nonlinear least squares on relative errors of
 `CostModel.stage_compute_s` over the efficiencies, the two fixed overheads and (when the table
@@ -24,11 +24,11 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from engine.costmodel import BatchShape, CostCoefficients, CostModel
-from engine.errors import ConfigError
-from engine.hardware import HARDWARE, SHIPPED_DIR, HardwareSpec, get_hardware, register_hardware
-from engine.models import ModelSpec
-from engine.profile_table import ProfileRow, ProfileTable
+from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel
+from engine.base.errors import ConfigError
+from engine.pricing.hardware import HARDWARE, SHIPPED_DIR, HardwareSpec, get_hardware, register_hardware
+from engine.pricing.models import ModelSpec
+from engine.pricing.profile_table import ProfileRow, ProfileTable
 
 __all__ = ["import_tdpipe", "fit_profile",
            "FitResult", "save_hardware_profile", "load_hardware_profile", "load_profiles_dir",
@@ -119,7 +119,7 @@ class FitResult:
 
 def _cost(model: ModelSpec, hw: HardwareSpec, pp: int, layers: Sequence[int] | None, values: dict) -> CostModel:
     """The roofline form whose coefficients a stage-level (forward) profile fits: a base profile's
-    fitted kernels (engine/kernels.py) would ignore them, so they are set aside here."""
+    fitted kernels (engine/pricing/kernels.py) would ignore them, so they are set aside here."""
     return CostModel(model, replace(hw, kernels=None) if hw.kernels is not None else hw, pp, layer_split=list(layers) if layers else None,
                      coefficients=CostCoefficients(**values))
 
@@ -294,9 +294,9 @@ def synthetic_profile(model: ModelSpec, hardware: HardwareSpec, pp: int, coeffic
 
 # ---- saved hardware profiles ----------------------------------------------------------------
 HW_FIELDS = tuple(f.name for f in fields(HardwareSpec))
-# Profiles shipped with the repository (a measured GPU: `testbed profile ... --out engine/hardware_profiles`),
+# Profiles shipped with the repository (a measured GPU: `testbed profile ... --out engine/pricing/hardware_profiles`),
 # registered at start-up before the user's $TESTBED_PROFILE_DIR (docs/calibration.md#on-a-gpu-machine).
-SHIPPED_PROFILES_DIR = SHIPPED_DIR  # engine/hardware_profiles/
+SHIPPED_PROFILES_DIR = SHIPPED_DIR  # engine/pricing/hardware_profiles/
 
 
 def save_hardware_profile(spec: HardwareSpec, path: str | Path, extra: dict | None = None) -> Path:

@@ -24,15 +24,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from engine.batch import MicroBatch
-from engine.controller import Controller
-from engine.costmodel import BatchShape
-from engine.errors import ConfigError
-from engine.executor import Completion, Executor
-from engine.kv import BlockManager
-from engine.policy import PrepareContext
-from engine.request import Request
-from engine.trace import Tracer
+from engine.core.batch import MicroBatch
+from engine.core.controller import Controller
+from engine.pricing.costmodel import BatchShape
+from engine.base.errors import ConfigError
+from engine.core.executor import Completion, Executor
+from engine.core.kv import BlockManager
+from engine.core.policy import PrepareContext
+from engine.core.request import Request
+from engine.core.trace import Tracer
 from testbed.config.spec import RunSpec
 
 RUN_FILES = ("config.yaml", "requests.csv", "microbatches.csv", "summary.json")

@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed import signals
 from testbed.sweep import jobs as sweep
 from testbed.capacity import budget, results

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.errors import TestbedError
+from engine.base.errors import TestbedError
 from testbed.cluster.ray_backend import SweepBackend, connected, task_resources
 from testbed.signals import deferred_stop
 from workloads.base import workload_key

@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed import signals
 from testbed.sweep import jobs as sweep
 from testbed.cluster.ray_backend import split_backend

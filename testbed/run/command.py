@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from rich.markup import escape
 
-from engine.settings import OutputSettings
+from engine.base.settings import OutputSettings
 from testbed.run.outputs import (OutputWriteError, display_name, folder_name, plot_data,
                              prepare_output_dir, reserve_run_dir, write_run_dir)
 from testbed.run.runner import RunInterrupted, RunResult

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from engine.errors import bad_value
+from engine.base.errors import bad_value
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

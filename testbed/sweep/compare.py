@@ -43,7 +43,7 @@ import pandas as pd
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed import signals
 from testbed.sweep import jobs as sweep
 from testbed.cluster.ray_backend import split_backend

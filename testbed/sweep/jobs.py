@@ -43,8 +43,8 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from engine.errors import TestbedError
-from engine.settings import OutputSettings
+from engine.base.errors import TestbedError
+from engine.base.settings import OutputSettings
 from testbed import signals
 from testbed.run.outputs import axis_name, write_run_dir
 from testbed.run.runner import prepare_experiment

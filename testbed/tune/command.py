@@ -16,7 +16,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed import signals
 from testbed.cluster.ray_backend import split_backend
 from testbed.cluster import identity

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ConfigError
-from engine.metrics import SUMMARY_KEYS
+from engine.base.errors import ConfigError
+from engine.core.metrics import SUMMARY_KEYS
 
 OBJECTIVE_ALIASES = {
     "throughput": "throughput_tok_s", "output_throughput": "output_throughput_tok_s",
