@@ -48,7 +48,9 @@ def _console(stderr: bool = True):
 def cmd_run(args: argparse.Namespace) -> int:
     from testbed.tracking.background import Background
 
-    bg = Background.from_command_line(args.overrides)  # before the imports below (testbed/tracking/background.py)
+    from testbed.run import FIGURES
+
+    bg = Background.from_command_line(args.overrides, FIGURES)  # before the imports below (testbed/tracking/background.py)
     try:
         from testbed.run.command import run_command
     except BaseException:

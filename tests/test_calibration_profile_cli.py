@@ -57,7 +57,7 @@ def test_profile_cli_bad_grid(args, message, capsys):
 
 
 def test_shipped_profiles_are_registered_at_start_up(tmp_path, monkeypatch):
-    import testbed.calibrate.fit as calibration
+    import testbed.config.profiles as profiles
     from testbed.calibrate.fit import calibrated_spec, FitResult, save_hardware_profile
     from engine.pricing.hardware import HARDWARE, get_hardware
     from testbed.config.composer import load_saved_profiles
@@ -65,7 +65,7 @@ def test_shipped_profiles_are_registered_at_start_up(tmp_path, monkeypatch):
     spec = calibrated_spec(get_hardware("h100-80g"), "h100-shipped-test",
                            FitResult({"kv_read_efficiency": 0.4, "decode_overhead_ratio": 0.2}))
     save_hardware_profile(spec, tmp_path / "shipped" / "h100-shipped-test.yaml", {"gpu": "test"})
-    monkeypatch.setattr(calibration, "SHIPPED_PROFILES_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(profiles, "SHIPPED_PROFILES_DIR", tmp_path / "shipped")
     monkeypatch.setenv("TESTBED_PROFILE_DIR", str(tmp_path / "user"))
     try:
         assert "h100-shipped-test" in load_saved_profiles()

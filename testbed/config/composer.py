@@ -51,7 +51,7 @@ from engine.pricing.models import MODELS, ModelSpec
 from engine.core.policy import POLICIES, make_params
 from engine.base.settings import SECTIONS, ExecutorChoice, RunConfig
 from engine.base.typed import build, coerce
-from testbed.serve.settings import serve_defaults
+from testbed.config.serve import serve_defaults
 from workloads.base import WORKLOADS, workload_config
 
 import engine.simulator.sim  # noqa: F401  (registers executor=sim)
@@ -101,7 +101,7 @@ BASE = {
     "data_dir": _DEFAULT.data_dir,
     "output": _node(_DEFAULT.output),
     "check_integrity": _DEFAULT.check_integrity,
-    "serve": serve_defaults(),  # `testbed serve` (testbed/serve/settings.py)
+    "serve": serve_defaults(),  # `testbed serve` (testbed/config/serve.py)
 }
 
 
@@ -109,7 +109,7 @@ def load_saved_profiles() -> list[str]:
     """Register the calibrated hardware profiles saved by `testbed profile` ($TESTBED_PROFILE_DIR,
     default runs/profiles/*.yaml), after those shipped in engine/pricing/hardware_profiles/, so that
     `hardware=<name>` finds them."""
-    from testbed.calibrate.fit import SHIPPED_PROFILES_DIR, load_profiles_dir
+    from testbed.config.profiles import SHIPPED_PROFILES_DIR, load_profiles_dir
 
     shipped = load_profiles_dir(SHIPPED_PROFILES_DIR, on_error=_skip_profile)
     return shipped + load_profiles_dir(os.environ.get("TESTBED_PROFILE_DIR") or "runs/profiles", on_error=_skip_profile)

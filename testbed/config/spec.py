@@ -32,7 +32,7 @@ from engine.base.errors import ConfigError, bad_value
 from engine.core.policy import make_params
 from engine.base.settings import OutputSettings, RunConfig
 from testbed.config.composer import compose_validated, flatten, to_container, validate
-from testbed.serve.settings import ServeSettings
+from testbed.config.serve import ServeSettings
 
 MAX_RUN_NAME_BYTES = 200  # file systems allow 255 bytes per name; MLflow's run-name limit is 250 characters
 

@@ -28,7 +28,7 @@ from engine.core.metrics import SLO, microbatch_rows, request_rows, summarize
 from engine.simulator.paced import PacedExecutor
 from engine.core.request import Request
 from testbed.run.runner import RunResult, prepare_experiment
-from testbed.serve.settings import ServeSettings
+from testbed.config.serve import ServeSettings
 from testbed.config.spec import RunSpec
 
 CUT_GRACE_S = 2.0  # after the drain time, how long cut requests get to send their error and `[DONE]`

@@ -1,4 +1,5 @@
-"""What a study optimises: summary metrics by name or alias, their natural direction, and
+"""What a study optimises and a comparison reports (`tune.objectives`, `compare.metrics`; here, below
+both commands): summary metrics by name or alias, their natural direction, and
 constraints (`slo_attainment>=0.9`) in Optuna's convention (a value <= 0 is feasible)."""
 from __future__ import annotations
 
