@@ -233,3 +233,24 @@ def test_copy_of_a_run_directory_is_enough(shared_data, tmp_path):
     shutil.copytree(src, tmp_path / "run")
     run = load_run(tmp_path / "run")
     assert len(run.requests) == 200 and len(replay_shapes(run)) == 798
+
+
+def test_repeats_group_by_their_typed_setting_not_their_name_or_folder():
+    """group_by_setting's key comes from the typed spec (issue 39: no string-indexed config below
+    the commands): a run's name, folder and trace setting do not split repeats; its seed does."""
+    from testbed.calibrate.runs import setting_key
+
+    a = compose_spec(["output.run_name=first", "output.dir=/tmp/a"])
+    b = compose_spec(["output.run_name=second", "output.trace=full"])
+    assert setting_key(a) == setting_key(b)
+    assert setting_key(a) != setting_key(compose_spec(["seed=3"]))
+    assert setting_key(a) != setting_key(compose_spec(["output.mlflow=false"]))
+
+
+def test_hardware_node_is_the_config_groups_choice_and_names_the_valid_ones():
+    from engine.base.errors import ConfigError
+    from testbed.config.composer import group_nodes, hardware_node
+
+    assert hardware_node("l20-48g") == group_nodes()["hardware"]["l20-48g"]
+    with pytest.raises(ConfigError, match="unknown hardware 'nope'; valid choices: .*l20-48g"):
+        hardware_node("nope")

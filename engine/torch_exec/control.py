@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import socket
 
-from engine.torch_exec import wire
+import engine.torch_exec.wire as wire
 
 LOGGED_DROPS = 10
 MAX_FRAME_BYTES = 16 << 20  # a stray client cannot make the driver buffer more than this per message

@@ -51,7 +51,7 @@ from engine.base.errors import ConfigError
 from engine.core.executor import Completion, Executor, ExecutorBuild
 from engine.base.settings import RunConfig
 from engine.torch_exec.settings import TorchSettings
-from engine.torch_exec import wire
+import engine.torch_exec.wire as wire
 from engine.torch_exec.control import ControlSocket, check_host, free_port, warn_exposed
 from engine.torch_exec.diagnosis import FailureDiagnosis
 from engine.torch_exec.lane import POLL_SLICE_S, DriverLanes, Lane, LaneClosed

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from engine.torch_exec import wire
+import engine.torch_exec.wire as wire
 from engine.torch_exec.lane import Stopped
 from engine.torch_exec.tables import StageLaunch
 from engine.torch_exec.orphan import IDLE_POLL_S, parent_gone
@@ -86,7 +86,7 @@ class LinkedStage:
 
     def setup_links(self, init: wire.StageInit) -> None:
         """Paced links: activations go through a policy-scheduled sender thread (transfer.py)."""
-        from engine.torch_exec import transfer
+        import engine.torch_exec.transfer as transfer
 
         comm_dev = "cpu" if (self.transfer_via_cpu or self.device == "cpu") else self.device
         if not self.last:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.batch import MicroBatch
-from engine.torch_exec import wire
+import engine.torch_exec.wire as wire
 
 
 class DriverTables:

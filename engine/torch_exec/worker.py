@@ -44,7 +44,7 @@ import time
 import traceback
 from collections import deque
 
-from engine.torch_exec import wire
+import engine.torch_exec.wire as wire
 from engine.torch_exec.diagnosis import REPORTED_EXIT
 from engine.torch_exec.linked import LinkedStage
 from engine.torch_exec.lane import ACTIVE_WINDOW_S, POLL_SLICE_S, Lane, LaneClosed, StageLine, Stopped

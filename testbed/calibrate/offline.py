@@ -81,16 +81,14 @@ def _run_record(run: RealRun) -> dict:
 def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None):
     """The simulator on `run`'s requests with its settings (policy, workload, seed, P, KV pool)
     and `hardware` instead of the engine; the RunResult."""
-    from testbed.config.composer import group_nodes
+    from testbed.config.composer import hardware_node
     from testbed.run.outputs import write_run_dir
     from testbed.run.runner import prepare_experiment
 
-    nodes = group_nodes()["hardware"]
-    if hardware not in nodes:
-        get_hardware(hardware)  # one clear line naming the choices
+    node = hardware_node(hardware)
     rc = run.spec.settings
     blocking = rc.executor.settings.device == "cpu"  # gloo's blocking send (SimSettings.blocking_send)
-    values = {"executor": {"name": "sim", "blocking_send": blocking}, "hardware": nodes[hardware],
+    values = {"executor": {"name": "sim", "blocking_send": blocking}, "hardware": node,
               "kv.num_blocks": kv_num_blocks(run), "output.mlflow": False,
               "output.plots": False, "output.progress": False, "output.trace": "off"}
     spec = run.spec.with_values(values)

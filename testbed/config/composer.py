@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from engine.pricing.costmodel import CostCoefficients
 from engine.base.errors import ConfigError, unknown_choice
 from engine.core.executor import EXECUTORS
-from engine.pricing.hardware import HARDWARE, HardwareSpec
+from engine.pricing.hardware import HARDWARE, HardwareSpec, get_hardware
 from engine.pricing.models import MODELS, ModelSpec
 from engine.core.policy import POLICIES, make_params
 from engine.base.settings import SECTIONS, ExecutorChoice, RunConfig
@@ -125,6 +125,14 @@ def _skip_profile(path, exc: Exception) -> None:
     if str(path) not in _WARNED:
         _WARNED.add(str(path))
         print(f"warning: skipping hardware profile {path}: {exc}", file=sys.stderr)
+
+
+def hardware_node(name: str) -> dict:
+    """The `hardware` section of a registered GPU (saved profiles included), as a derived spec
+    takes it (`spec.with_values({"hardware": hardware_node(name)})`); one `error:` line naming the
+    choices when `name` is none of them."""
+    load_saved_profiles()
+    return _node(get_hardware(name))
 
 
 def group_nodes() -> dict[str, dict[str, dict]]:
