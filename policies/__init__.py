@@ -1,5 +1,5 @@
 """Scheduling policies: every module in this folder is imported, and each registers its policy
-class in `engine.policy.POLICIES` with `@register_policy("name")`.
+class in `engine.core.policy.POLICIES` with `@register_policy("name")`.
 
 Adding a policy is one new file here (`policies/mypolicy.py`); `policy=mypolicy` then works in
 `run`, `tune`, `compare` and both executors. Out-of-tree packages register theirs through the

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from engine.batch import BatchBuilder
-from engine.policy import SchedulerView
-from engine.request import SeqStatus, Sequence
+from engine.core.batch import BatchBuilder
+from engine.core.policy import SchedulerView
+from engine.core.request import SeqStatus, Sequence
 
 
 def idle_decodes(view: SchedulerView) -> list[Sequence]:

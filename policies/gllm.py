@@ -47,10 +47,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.batch import BatchBuilder
-from engine.errors import bad_value
-from engine.policy import Policy, SchedulerView, register_policy
-from engine.request import SeqStatus, Sequence
+from engine.core.batch import BatchBuilder
+from engine.base.errors import bad_value
+from engine.core.policy import Policy, SchedulerView, register_policy
+from engine.core.request import SeqStatus, Sequence
 from policies.common import IdleOrder, fill_chunked_prefills
 
 RULES = ("paper", "code")

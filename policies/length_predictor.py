@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import ConfigError, TestbedError, bad_value
-from engine.policy import request_key
-from engine.request import Request
+from engine.base.errors import ConfigError, TestbedError, bad_value
+from engine.core.policy import request_key
+from engine.core.request import Request
 
 PREDICTORS = ("oracle", "mean", "bins")
 FEATURES = ("auto", "hash", "minilm", "length")

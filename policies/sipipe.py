@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.policy import RuntimeFeatures, register_policy
+from engine.core.policy import RuntimeFeatures, register_policy
 from policies.sarathi import SarathiParams, SarathiPolicy
 
 

@@ -70,9 +70,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import ConfigError, bad_value
-from engine.policy import History, Policy, SchedulerView, register_policy
-from engine.request import SeqStatus, Sequence
+from engine.base.errors import ConfigError, bad_value
+from engine.core.policy import History, Policy, SchedulerView, register_policy
+from engine.core.request import SeqStatus, Sequence
 from policies import length_predictor as lp
 from policies import prediction_cache
 from policies.common import IdleOrder, add_decode_or_preempt, idle_decodes

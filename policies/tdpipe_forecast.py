@@ -10,7 +10,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from engine.errors import bad_value
+from engine.base.errors import bad_value
 
 PAPER_POINTS = tuple(range(32, 1025, 32))  # the paper: every 32 decode steps up to 1024
 CODE_POINTS = (5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # the public code

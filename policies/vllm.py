@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.batch import MicroBatch
-from engine.errors import bad_value
-from engine.policy import Policy, SchedulerView, register_policy
-from engine.request import SeqStatus, Sequence
+from engine.core.batch import MicroBatch
+from engine.base.errors import bad_value
+from engine.core.policy import Policy, SchedulerView, register_policy
+from engine.core.request import SeqStatus, Sequence
 from policies.common import add_decode_or_preempt
 
 

@@ -32,8 +32,8 @@ def child(overrides: list[str]) -> None:
     """Start the engine, then answer `point batch context steps` lines with JSON timings."""
     import engine.torch_exec  # noqa: F401
     import policies  # noqa: F401
-    from engine.batch import MicroBatch
-    from engine.request import Request, Sequence
+    from engine.core.batch import MicroBatch
+    from engine.core.request import Request, Sequence
     from testbed.config.spec import compose_spec
     from testbed.run.runner import prepare_experiment
 

@@ -23,7 +23,7 @@ T_START = time.perf_counter()  # end-to-end timing of `testbed run` starts here 
 from contextlib import nullcontext
 from pathlib import Path
 
-from engine.errors import TestbedError
+from engine.base.errors import TestbedError
 
 EXIT_USER_ERROR = 2
 
@@ -48,7 +48,9 @@ def _console(stderr: bool = True):
 def cmd_run(args: argparse.Namespace) -> int:
     from testbed.tracking.background import Background
 
-    bg = Background.from_command_line(args.overrides)  # before the imports below (testbed/tracking/background.py)
+    from testbed.run import FIGURES
+
+    bg = Background.from_command_line(args.overrides, FIGURES)  # before the imports below (testbed/tracking/background.py)
     try:
         from testbed.run.command import run_command
     except BaseException:
@@ -318,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "against --hardware")
     ct.add_argument("--hardware", help="hardware profile to judge --profile against (default: its metadata)")
     ct.add_argument("--save", help="write the fitted hardware profiles to this folder (the shipped defaults: "
-                                   "engine/hardware_profiles)")
+                                   "engine/pricing/hardware_profiles)")
     ct.add_argument("--out", help="report folder (default: runs/calibrate/tables-<time>)")
     ct.add_argument("--json", action="store_true", help="print the headline errors as JSON")
     ct.set_defaults(func=cmd_calibrate)
@@ -331,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--table", help="a testbed profile table (CSV) fitted together with the runs")
     cr.add_argument("--commit", help="the project commit the runs measured (recorded in the profile's provenance)")
     cr.add_argument("--out", help="directory (default: $TESTBED_PROFILE_DIR or runs/profiles; the shipped "
-                                  "profiles: engine/hardware_profiles)")
+                                  "profiles: engine/pricing/hardware_profiles)")
     cr.set_defaults(func=cmd_calibrate)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = b.add_subparsers(dest="bench", metavar="BENCH")
@@ -407,8 +409,8 @@ def checkpoint_models(overrides: list[str]) -> list[str]:
     `model=<choice>`. Hydra group choices cannot contain '/'."""
     import json
 
-    from engine.errors import ConfigError
-    from engine.models import MODELS, ModelSpec
+    from engine.base.errors import ConfigError
+    from engine.pricing.models import MODELS, ModelSpec
 
     out = []
     for ov in overrides:

@@ -16,7 +16,7 @@ DEFAULT_DATA = REPO.parent / "shared" / "data"
 
 os.environ.setdefault("TESTBED_DATA_DIR", str(DEFAULT_DATA))
 os.environ["TESTBED_ALLOW_DOWNLOAD"] = "0"
-# Without a GPU the Triton kernels (engine/torch_exec/paged_attention.py) run under Triton's
+# Without a GPU the Triton kernels (engine/torch_exec/kernels/paged_attention.py) run under Triton's
 # interpreter, which must be chosen before triton is first imported (transformers imports it)
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")

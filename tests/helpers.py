@@ -1,14 +1,14 @@
 """Hand-built controller states for policy unit tests."""
 from __future__ import annotations
 
-from engine.controller import Controller
-from engine.costmodel import CostModel
-from engine.executor import Completion, Executor
-from engine.hardware import get_hardware
-from engine.kv import BlockManager
-from engine.models import get_model
-from engine.request import Request, SeqStatus
-from engine.trace import Tracer
+from engine.core.controller import Controller
+from engine.pricing.costmodel import CostModel
+from engine.core.executor import Completion, Executor
+from engine.pricing.hardware import get_hardware
+from engine.core.kv import BlockManager
+from engine.pricing.models import get_model
+from engine.core.request import Request, SeqStatus
+from engine.core.trace import Tracer
 
 
 class ManualExecutor(Executor):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.kernels import KernelCoefficients, LayerKernels, LayerShape
+from engine.pricing.kernels import KernelCoefficients, LayerKernels, LayerShape
 
 A100 = dict(peak_flops=312e12, mem_bw_Bps=2039e9, sm_count=108)
 TRUTH = KernelCoefficients(gemm_compute_efficiency=0.68, gemm_memory_efficiency=0.81, gemm_floor_s=4e-6,

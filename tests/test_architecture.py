@@ -8,8 +8,18 @@ Besides: engine/ and policies/ never import optuna or mlflow (tuning and trackin
 testbed/), and engine/ outside engine/torch_exec/ and policies/ never import torch (the
 controller, the simulator and every policy run without it). Function-local imports count too.
 
+Inside engine/, sub-packages are floors (`ENGINE_FLOORS`, `test_engine_layering`): base, then
+pricing, then core, then the simulator and the torch engine (whose tensors, kernels and graphs
+sit below the rest of it); a module imports only its own floor and the floors it lists. Inside
+testbed/, the folders are floors too (`TESTBED_FLOORS`, `test_testbed_layering`): a folder
+imports only the folders before it, so a lower folder never calls back into a command, not even
+from inside a function.
+
 No import cycles between modules, in any package (`test_no_import_cycles`): every import counts,
-at module level, inside a function, under `if TYPE_CHECKING:` or `try:`. A deferred import hides a
+at module level, inside a function, under `if TYPE_CHECKING:` or `try:`. A package's `__init__`
+is a module too: `from pkg import x` runs and reads `pkg/__init__.py` (an edge to `pkg`, besides
+`pkg.x` when that is a submodule), and importing `a.b.c` from outside `a.b` runs the `__init__`
+of each package above it. A deferred import hides a
 cycle from Python, not from the reader: the two modules still cannot be understood, tested or
 moved apart, so this check makes no exception for them. A cycle is reported as a strongly
 connected component of the module graph with the imports that close it.
@@ -31,7 +41,7 @@ FORBIDDEN = {  # package -> top-level modules it must not import
 TORCH_FREE_EXCEPT = "engine/torch_exec/"  # the only part of engine/ that may import torch
 # Known debt, listed so that nothing new slips in and so that the entry must go once it is fixed
 # (test_known_violations_still_exist fails then). Empty: TD-Pipe's history readers moved to
-# workloads/history.py and reach the policy through `view.history` (engine/policy.py).
+# workloads/history.py and reach the policy through `view.history` (engine/core/policy.py).
 KNOWN: set[tuple[str, str]] = set()
 # Known import cycles (module sets), listed so that no new one slips in and so that each entry must
 # go once its cycle is broken (test_known_cycles_still_exist fails then). testbed/ is being split
@@ -84,6 +94,103 @@ def test_the_checker_sees_function_local_and_from_imports(tmp_path):
     assert sorted(imported_modules(src)) == [(1, "os"), (4, "testbed"), (5, "torch")]
 
 
+# --- floors inside engine/ and testbed/ -----------------------------------------------------------
+# engine/: each sub-package -> the sub-packages it may import (besides itself). Every module of
+# engine/ (but its empty __init__) sits in one of them.
+ENGINE_FLOORS: dict[str, set[str]] = {
+    "engine.base": set(),  # errors, units, typed settings, the registry
+    "engine.pricing": {"engine.base"},  # the cost model and its tables
+    "engine.core": {"engine.base", "engine.pricing"},  # a micro-batch's shape is what pricing reads
+    "engine.simulator": {"engine.base", "engine.pricing", "engine.core"},
+    "engine.torch_exec.tensors": set(),
+    "engine.torch_exec.kernels": {"engine.torch_exec.tensors"},
+    "engine.torch_exec.graphs": {"engine.torch_exec.tensors", "engine.torch_exec.kernels"},
+    "engine.torch_exec": {"engine.base", "engine.pricing", "engine.core", "engine.torch_exec.tensors",
+                          "engine.torch_exec.kernels", "engine.torch_exec.graphs"},
+}
+# testbed/: its parts bottom-up; each imports only itself and the parts before it (the commands
+# reach each other sideways only downwards: capacity's live probe is `bench serve`, reproduce runs
+# capacity studies). `testbed` is the package's own empty __init__.
+TESTBED_FLOORS = ("testbed", "signals", "config", "cluster", "tracking", "run", "sweep", "tune", "bench",
+                  "serve", "calibrate", "capacity", "reproduce", "studies", "cli")
+
+
+def _named(targets: dict[str, int]) -> list[tuple[str, int]]:
+    """The imported modules, less the packages only run on the way to one of them (one line each)."""
+    return sorted((t, line) for t, line in targets.items() if not any(o.startswith(t + ".") for o in targets))
+
+
+def _floor_of(module: str, floors) -> str | None:
+    return max((f for f in floors if module == f or module.startswith(f + ".")), key=len, default=None)
+
+
+def climbing_in_engine(graph: dict[str, dict[str, int]]) -> list[str]:
+    bad = []
+    for mod, targets in sorted(graph.items()):
+        if not mod.startswith("engine.") or mod.count(".") == 0:
+            continue
+        own = _floor_of(mod, ENGINE_FLOORS)
+        if own is None:
+            bad.append(f"{mod} is in no engine sub-package ({', '.join(ENGINE_FLOORS)})")
+            continue
+        for target, line in _named(targets):
+            floor = _floor_of(target, ENGINE_FLOORS)
+            if floor is not None and floor != own and floor not in ENGINE_FLOORS[own]:
+                bad.append(f"{mod}:{line} imports {target} ({own} may import {sorted(ENGINE_FLOORS[own])})")
+    return bad
+
+
+def part_of(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else "testbed"
+
+
+def climbing_in_testbed(graph: dict[str, dict[str, int]]) -> list[str]:
+    bad = []
+    for mod, targets in sorted(graph.items()):
+        if mod.split(".")[0] != "testbed":
+            continue
+        part = part_of(mod)
+        if part not in TESTBED_FLOORS:
+            bad.append(f"{mod}: testbed/{part} is not in TESTBED_FLOORS")
+            continue
+        for target, line in _named(targets):
+            if target.split(".")[0] == "testbed" and \
+                    TESTBED_FLOORS.index(part_of(target)) > TESTBED_FLOORS.index(part):
+                bad.append(f"{mod}:{line} imports {target}: testbed/{part_of(target)} is above testbed/{part}")
+    return bad
+
+
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    """Source files for the self-tests: {relative path: text}."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_engine_layering():
+    assert climbing_in_engine(import_graph()) == []
+
+
+def test_testbed_layering():
+    assert climbing_in_testbed(import_graph()) == []
+
+
+def test_the_layering_checks_see_function_level_imports(tmp_path):
+    """The checks can fail: an import inside a function that climbs a floor is found, in engine/
+    (pricing -> core) and in testbed/ (config -> a command); one going down is not."""
+    write_tree(tmp_path, {"engine/__init__.py": "", "engine/core/__init__.py": "", "engine/pricing/__init__.py": "",
+                          "engine/core/batch.py": "from engine.pricing.costmodel import BatchShape\n",
+                          "engine/pricing/costmodel.py": "def f():\n    from engine.core.batch import MicroBatch\n",
+                          "testbed/__init__.py": "", "testbed/config/__init__.py": "", "testbed/run/__init__.py": "",
+                          "testbed/config/composer.py": "def g():\n    import testbed.run.plots\n",
+                          "testbed/run/plots.py": "from testbed.config.composer import g\n"})
+    graph = import_graph(tmp_path, ("engine", "testbed"))
+    assert climbing_in_engine(graph) == [
+        "engine.pricing.costmodel:2 imports engine.core.batch (engine.pricing may import ['engine.base'])"]
+    assert climbing_in_testbed(graph) == [
+        "testbed.config.composer:2 imports testbed.run.plots: testbed/run is above testbed/config"]
+
+
 # --- import cycles between modules ----------------------------------------------------------------
 def module_name(path: Path, root: Path = ROOT) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
@@ -91,8 +198,8 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def _resolve(name: str, modules: set[str]) -> str | None:
-    """The longest prefix of a dotted name that is one of our modules (`engine.kv.BlockManager` ->
-    `engine.kv`), None for a third-party or standard module."""
+    """The longest prefix of a dotted name that is one of our modules (`engine.core.kv.BlockManager` ->
+    `engine.core.kv`), None for a third-party or standard module."""
     parts = name.split(".")
     while parts and ".".join(parts) not in modules:
         parts.pop()
@@ -116,11 +223,25 @@ def module_imports(path: Path, name: str, modules: set[str]) -> dict[str, int]:
             targets = [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
+        if isinstance(node, ast.ImportFrom) and base in modules:
+            targets.append(base)  # `from pkg import x` runs and reads pkg/__init__.py
         for target in targets:
             found = _resolve(target, modules)
-            if found and found != name:
-                out.setdefault(found, node.lineno)
+            if found:
+                targets_with_packages = [found] + _packages_above(found, name, modules)
+                for t in targets_with_packages:
+                    if t != name:
+                        out.setdefault(t, node.lineno)
     return out
+
+
+def _packages_above(target: str, importer: str, modules: set[str]) -> list[str]:
+    """The packages whose `__init__` importing `target` runs, less the importer's own packages
+    (already initialised before the importer runs, so no new edge)."""
+    parts = target.split(".")
+    own = {".".join(importer.split(".")[:i]) for i in range(1, importer.count(".") + 2)}
+    return [p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+            if p in modules and p not in own]
 
 
 def import_graph(root: Path = ROOT, packages=CYCLE_PACKAGES) -> dict[str, dict[str, int]]:
@@ -192,14 +313,22 @@ def test_known_cycles_still_exist():
 def test_the_cycle_check_sees_deferred_and_relative_imports(tmp_path):
     """The check can fail: a cycle closed by an import inside a function, one under
     `if TYPE_CHECKING:` and one relative import are all found; an acyclic chain is not."""
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from pkg.b import x\n")
-    (pkg / "b.py").write_text("def f():\n    from pkg import a\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import y\n")
-    (pkg / "d.py").write_text("import pkg.c\n")
-    (pkg / "e.py").write_text("import pkg.a\nimport os\n")
+    write_tree(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from pkg.b import x\n",
+                          "pkg/b.py": "def f():\n    from pkg import a\n",
+                          "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import y\n",
+                          "pkg/d.py": "import pkg.c\n", "pkg/e.py": "import pkg.a\nimport os\n"})
     graph = import_graph(tmp_path, ("pkg",))
-    assert graph["pkg.b"] == {"pkg.a": 2} and graph["pkg.c"] == {"pkg.d": 3}
+    assert graph["pkg.b"] == {"pkg": 2, "pkg.a": 2} and graph["pkg.c"] == {"pkg.d": 3}
     assert sorted(sorted(c) for c in cycles(graph)) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+
+
+def test_the_cycle_check_sees_package_init_files(tmp_path):
+    """The check can fail: a package whose `__init__` imports (even lazily) a module that reads the
+    package (`from pkg import sibling`) is a cycle; `import pkg.sibling` inside the package is
+    not."""
+    write_tree(tmp_path, {"pkg/__init__.py": "def make():\n    from pkg.driver import run\n",
+                          "pkg/driver.py": "from pkg import wire\n", "pkg/wire.py": "",
+                          "pkg/other.py": "import pkg.wire\n"})
+    graph = import_graph(tmp_path, ("pkg",))
+    assert graph["pkg.driver"] == {"pkg": 1, "pkg.wire": 1} and graph["pkg.other"] == {"pkg.wire": 1}
+    assert cycles(graph) == [frozenset({"pkg", "pkg.driver"})]

@@ -5,8 +5,8 @@ import pytest
 from helpers import make_state
 
 import policies  # noqa: F401  (registers the seed policies)
-from engine.batch import PolicyContractError
-from engine.policy import POLICIES
+from engine.core.batch import PolicyContractError
+from engine.core.policy import POLICIES
 
 
 def _reference(b, seqs, limit):

@@ -19,11 +19,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine.kv import BlockManager  # noqa: E402
-from engine.models import get_model  # noqa: E402
+from engine.core.kv import BlockManager  # noqa: E402
+from engine.pricing.models import get_model  # noqa: E402
 from engine.torch_exec.checkpoint import random_checkpoint, read_arch  # noqa: E402
 from engine.torch_exec.model import StageModel  # noqa: E402
-from engine.torch_exec.paged_attention import HAVE_TRITON  # noqa: E402
+from engine.torch_exec.kernels.paged_attention import HAVE_TRITON  # noqa: E402
 
 PROMPT_LENS = (5, 17, 33, 64, 100)
 SLACK = 1.5  # our bf16 error may be at most this times HF's bf16 error against float32

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from engine.costmodel import BatchShape, CostCoefficients, CostModel
-from engine.hardware import get_hardware
-from engine.models import get_model
+from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel
+from engine.pricing.hardware import get_hardware
+from engine.pricing.models import get_model
 from testbed.calibrate.offline import simulate_run, stalls
 from testbed.calibrate.run_fit import fit_runs
 from testbed.calibrate.runs import ReplayDiverged, infer_kv_blocks, load_run, replay_shapes
@@ -135,7 +135,7 @@ def test_the_kv_pool_of_a_run_that_measured_it_is_inferred(tmp_path):
 
 
 def test_validate_runs_replays_a_run_exactly_on_its_own_terms(tmp_path, capsys, monkeypatch):
-    from engine.hardware import HARDWARE
+    from engine.pricing.hardware import HARDWARE
     from testbed.cli import main
     from testbed.calibrate.fit import save_hardware_profile
 
@@ -238,7 +238,7 @@ def test_copy_of_a_run_directory_is_enough(shared_data, tmp_path):
 def test_decode_padding_prices_decodes_padded_to_the_longest():
     """The CPU engine's torch attention reads every decode up to the longest one's context
     (docs/calibration.md#the-same-on-cpu); `decode_padding` prices that, 0 changes nothing."""
-    from engine.batch import shape_of
+    from engine.core.batch import shape_of
 
     cpu = dataclasses.replace(get_hardware("a100-80g"), kernels=None, calibration={})
     shape = BatchShape.from_parts([(0, 32, True)], [100] * 9 + [1000])
@@ -271,7 +271,7 @@ def test_calibrate_runs_on_cpu_fits_the_padding_and_one_fixed_cost_for_every_ste
     """A CPU run (no CUDA graphs) whose decodes are padded to the longest: the fit finds the padding
     and keeps a decode step's fixed cost that of any other step (decode_overhead_ratio = 1), where
     the free fit put a CPU run's whole step time on its mixed steps."""
-    from engine.hardware import HARDWARE
+    from engine.pricing.hardware import HARDWARE
     from testbed.calibrate.fit import save_hardware_profile
 
     truth = {"decode_padding": 1.0, "stage_overhead_s": 4e-3, "per_layer_overhead_s": 2e-4,

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.profile_table import ProfileRow, ProfileTable, parse_profile, read_profile, write_profile
+from engine.pricing.profile_table import ProfileRow, ProfileTable, parse_profile, read_profile, write_profile
 
 from testbed.calibrate.fit import calibrated_spec, fit_profile, import_tdpipe, load_hardware_profile, save_hardware_profile, synthetic_profile
-from engine.costmodel import BatchShape, CostCoefficients, CostModel
-from engine.errors import ConfigError
-from engine.hardware import HARDWARE, get_hardware
-from engine.models import get_model
+from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel
+from engine.base.errors import ConfigError
+from engine.pricing.hardware import HARDWARE, get_hardware
+from engine.pricing.models import get_model
 
 TRUE = dict(linear_efficiency=0.6, attention_efficiency=0.3, memory_efficiency=0.7, stage_overhead_s=5e-4,
             per_layer_overhead_s=4e-5, prep_fixed_s=1e-3, prep_per_seq_s=1e-5, prep_per_token_s=3e-7,
@@ -110,7 +110,7 @@ def test_tdpipe_import_round_trip_and_profile_selectable(tmp_path, monkeypatch):
     code = (
         "from testbed.config.spec import compose_spec\n"
         "from testbed.run.runner import build_cost_model\n"
-        "from engine.costmodel import BatchShape\n"
+        "from engine.pricing.costmodel import BatchShape\n"
         "for h in ('l20-48g', 'l20-tdpipe-test'):\n"
         "    cfg = compose_spec(['hardware=' + h, 'model=qwen2.5-32b', 'parallel.pp=4'])\n"
         "    print(build_cost_model(cfg).bottleneck_s(BatchShape.prefill(2048), False))\n"
@@ -145,7 +145,7 @@ def test_small_real_profile_run(tmp_path):
     """A tiny grid on the real torch engine (P=2): the table is complete and the fit is sane."""
     pytest.importorskip("torch")
     from engine.torch_exec.profile import profile_engine
-    from engine.request import Request
+    from engine.core.request import Request
     from testbed.config.spec import compose_spec
     from testbed.run.runner import prepare_experiment
 
@@ -175,7 +175,7 @@ def test_small_real_profile_run(tmp_path):
 
 
 def test_validate_error_table_and_overlay(tmp_path):
-    from engine.trace import Tracer
+    from engine.core.trace import Tracer
     from testbed.calibrate.profile import error_table, format_table, overlay_figure
 
     real = {"throughput_tok_s": 100.0, "ttft_mean_s": 0.5, "num_microbatches": 10, "bubble_ratio": 0.2}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from engine.profile_table import read_profile
+from engine.pricing.profile_table import read_profile
 
 from testbed.calibrate.fit import GPU_FORWARD_PARAMS, load_hardware_profile
-from engine.profile_grid import ProfileGrid
+from engine.pricing.profile_grid import ProfileGrid
 
 TINY = ProfileGrid("serving-cpu", prefill_tokens=(16, 96), prefill_batch=(1,), prefill_prefix=(0, 64),
                    decode_batch=(1, 8), decode_context=(24, 160), mixed=((4, 64, 32),), max_batch_tokens=256)
@@ -57,15 +57,15 @@ def test_profile_cli_bad_grid(args, message, capsys):
 
 
 def test_shipped_profiles_are_registered_at_start_up(tmp_path, monkeypatch):
-    import testbed.calibrate.fit as calibration
+    import testbed.config.profiles as profiles
     from testbed.calibrate.fit import calibrated_spec, FitResult, save_hardware_profile
-    from engine.hardware import HARDWARE, get_hardware
+    from engine.pricing.hardware import HARDWARE, get_hardware
     from testbed.config.composer import load_saved_profiles
 
     spec = calibrated_spec(get_hardware("h100-80g"), "h100-shipped-test",
                            FitResult({"kv_read_efficiency": 0.4, "decode_overhead_ratio": 0.2}))
     save_hardware_profile(spec, tmp_path / "shipped" / "h100-shipped-test.yaml", {"gpu": "test"})
-    monkeypatch.setattr(calibration, "SHIPPED_PROFILES_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(profiles, "SHIPPED_PROFILES_DIR", tmp_path / "shipped")
     monkeypatch.setenv("TESTBED_PROFILE_DIR", str(tmp_path / "user"))
     try:
         assert "h100-shipped-test" in load_saved_profiles()
@@ -77,7 +77,7 @@ def test_shipped_profiles_are_registered_at_start_up(tmp_path, monkeypatch):
 def test_fit_base_is_a_table_gpu_when_named():
     """hardware=<table GPU>: the fit is relative to its datasheet peaks (efficiencies comparable with
     the defaults); otherwise to the measured peaks."""
-    from engine.hardware import get_hardware
+    from engine.pricing.hardware import get_hardware
     from testbed.calibrate.profile import _measured_base
 
     from engine.torch_exec.settings import TorchSettings
@@ -115,7 +115,7 @@ def test_a_rewritten_profile_is_read_again_and_the_next_compose_uses_it(tmp_path
     """Profiles are parsed once per file version (every compose loads the folders): a profile
     saved again under its name (a new `testbed profile`) must reach the next compose in the same
     process, not the cached copy."""
-    from engine.hardware import HARDWARE, get_hardware
+    from engine.pricing.hardware import HARDWARE, get_hardware
     from testbed.calibrate.fit import FitResult, calibrated_spec, save_hardware_profile
     from testbed.config.spec import compose_spec
 

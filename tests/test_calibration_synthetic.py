@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.profile_table import ProfileRow, parse_profile, read_profile, write_profile
+from engine.pricing.profile_table import ProfileRow, parse_profile, read_profile, write_profile
 
 from testbed.calibrate.fit import CLASSIC_FORWARD_PARAMS, GPU_FORWARD_PARAMS, fit_profile, forward_errors
 from testbed.calibrate.synthetic import HELDOUT_GRID, GpuTruth, synthetic_gpu_profile, truth_forward_s
-from engine.costmodel import BatchShape
-from engine.errors import ConfigError
-from engine.models import get_model
-from engine.profile_grid import GRIDS, ProfileGrid, design, get_grid
+from engine.pricing.costmodel import BatchShape
+from engine.base.errors import ConfigError
+from engine.pricing.models import get_model
+from engine.pricing.profile_grid import GRIDS, ProfileGrid, design, get_grid
 
 MODEL = get_model("qwen2.5-7b")
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed.calibrate.profile import format_matrix, matrix_row, parse_case, validate_plan
 
 

@@ -260,7 +260,7 @@ def test_a_probe_the_host_could_not_keep_up_with_is_run_again_then_not_counted(t
 
 
 def test_the_host_check_names_a_lagging_server_a_slow_http_path_and_a_late_client():
-    from engine.metrics import SLO
+    from engine.core.metrics import SLO
     from testbed.capacity.live import ServerCounters, host_check, ttft_path_s
 
     slo = SLO(ttft_s=4, tpot_s=0.2)
@@ -518,7 +518,7 @@ def test_the_ranking_says_which_deployments_it_cannot_tell_apart():
 
 
 def test_the_percentile_criteria_and_the_sarathi_preset():
-    from engine.metrics import SLO
+    from engine.core.metrics import SLO
 
     slo = SLO(ttft_s=4, tpot_s=0.2)
     tbt = CapacitySettings(criterion="tbt_p99")
@@ -533,7 +533,7 @@ def test_the_percentile_criteria_and_the_sarathi_preset():
 def test_the_simulator_reports_the_time_between_tokens():
     """One request alone decodes one token per pipeline pass: every gap is its TPOT; under load
     the P99 gap exceeds the median (prefills interleave)."""
-    from engine.request import Request
+    from engine.core.request import Request
     from testbed.config.spec import compose_spec
     from testbed.run.runner import run_experiment
 

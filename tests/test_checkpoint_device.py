@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine.errors import ConfigError  # noqa: E402
-from engine.models import get_model  # noqa: E402
+from engine.base.errors import ConfigError  # noqa: E402
+from engine.pricing.models import get_model  # noqa: E402
 from engine.torch_exec.checkpoint import (EMBED, LM_HEAD, check_device_fit, random_checkpoint,  # noqa: E402
                                           random_tensors, read_arch, spec_arch, stage_tensor_names, tensor_files)
 from engine.torch_exec.wire import DecodeRow, PrefillChunk  # noqa: E402
@@ -109,7 +109,7 @@ def test_driver_builds_table_models_in_memory_on_cuda(monkeypatch, tmp_path, gib
     from types import SimpleNamespace
 
     pytest.importorskip("zmq")
-    from engine.kv import BlockManager
+    from engine.core.kv import BlockManager
     from engine.torch_exec.driver import TorchExecutor
     from engine.torch_exec.settings import TorchSettings
     from testbed.config.composer import compose, run_config, to_container
@@ -138,7 +138,7 @@ def test_read_arch_is_the_model_description_and_refuses_what_the_forward_lacks(d
     import shutil
     from pathlib import Path
 
-    from engine.models import ModelSpec
+    from engine.pricing.models import ModelSpec
 
     assert type(read_arch(disk["tiny-llama"])) is ModelSpec
     cfg = json.loads((Path(disk["tiny-llama"]) / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""The typed run config: one coercion system (engine/typed.py), typed sections (engine/settings.py),
+"""The typed run config: one coercion system (engine/base/typed.py), typed sections (engine/base/settings.py),
 `seed` as the root of the unpinned random streams, and one `error:` line for every bad input."""
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import ConfigError
-from engine.executor import ExecutorBuild
-from engine.hardware import get_hardware
-from engine.policy import RuntimeFeatures
-from engine.settings import SECTIONS, KVSettings, Link, LinkSettings, ParallelSettings, RunConfig
-from engine.trace import Tracer
-from engine.typed import build, coerce, setting
+from engine.base.errors import ConfigError
+from engine.core.executor import ExecutorBuild
+from engine.pricing.hardware import get_hardware
+from engine.core.policy import RuntimeFeatures
+from engine.base.settings import SECTIONS, KVSettings, Link, LinkSettings, ParallelSettings, RunConfig
+from engine.core.trace import Tracer
+from engine.base.typed import build, coerce, setting
 from testbed.cli import main
 from testbed.config.composer import BASE, compose, run_config, to_container
 from testbed.config.spec import compose_spec
@@ -24,7 +24,7 @@ from conftest import small_config
 TINY = ["workload.num_requests=5", "output.mlflow=false", "output.plots=false", "output.progress=false"]
 
 
-# ---------------------------------------------------------------- engine/typed.py
+# ---------------------------------------------------------------- engine/base/typed.py
 
 @dataclasses.dataclass(frozen=True)
 class _Demo:
@@ -139,8 +139,8 @@ def test_torch_factory_paces_only_an_explicit_link(link, paced):
 
 
 def test_prepared_run_hands_the_executor_typed_settings(monkeypatch):
-    import engine.sim as sim
-    from engine.executor import EXECUTORS, ExecutorSpec
+    import engine.simulator.sim as sim
+    from engine.core.executor import EXECUTORS, ExecutorSpec
     from testbed.run.runner import prepare_experiment
 
     seen = {}

@@ -1,4 +1,4 @@
-"""Conformance: every registered policy keeps the contract of `engine/policy.py`.
+"""Conformance: every registered policy keeps the contract of `engine/core/policy.py`.
 
 Parametrised over the registry (plus the newcomer's one-file policy in `tests/toy_policy.py`), so a
 new policy gets these checks for free:
@@ -22,8 +22,8 @@ import pytest
 
 import policies  # noqa: F401  (registers the seed policies)
 import toy_policy  # noqa: F401  (registers toy_fcfs, a policy written against the contract only)
-from engine.policy import POLICIES
-from engine.request import SeqStatus
+from engine.core.policy import POLICIES
+from engine.core.request import SeqStatus
 from testbed.run.runner import prepare_experiment
 from conftest import small_config
 

@@ -1,9 +1,9 @@
 """Controller conservation: every request ends exactly once, finished or failed with a reason."""
 import pytest
 
-from engine.errors import RunFailedError
-from engine.policy import Policy
-from engine.request import Request
+from engine.base.errors import RunFailedError
+from engine.core.policy import Policy
+from engine.core.request import Request
 from testbed.run.runner import run_experiment
 from conftest import small_config
 

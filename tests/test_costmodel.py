@@ -5,11 +5,11 @@ import dataclasses
 
 import pytest
 
-from engine.costmodel import BatchShape, CostCoefficients, CostModel, split_layers
-from engine.errors import ConfigError, ImpossibleFitError
-from engine.hardware import HARDWARE, HardwareSpec, get_hardware, register_hardware
-from engine.models import MODELS, ModelSpec, get_model, register_model
-from engine.units import parse_bandwidth, parse_duration
+from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel, split_layers
+from engine.base.errors import ConfigError, ImpossibleFitError
+from engine.pricing.hardware import HARDWARE, HardwareSpec, get_hardware, register_hardware
+from engine.pricing.models import MODELS, ModelSpec, get_model, register_model
+from engine.base.units import parse_bandwidth, parse_duration
 
 
 def cm(model: str = "llama2-70b", hw: str = "a100-80g-roofline", pp: int = 4, **kw) -> CostModel:

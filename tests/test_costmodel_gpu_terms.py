@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.costmodel import BatchShape, CostCoefficients, CostModel
-from engine.errors import ConfigError
-from engine.hardware import get_hardware
-from engine.models import get_model
+from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel
+from engine.base.errors import ConfigError
+from engine.pricing.hardware import get_hardware
+from engine.pricing.models import get_model
 
 SHAPES = [
     BatchShape.decode(1, 16), BatchShape.decode(64, 4096), BatchShape.decode(256, 700),

@@ -1,5 +1,5 @@
-"""CUDA graphs for decode-only micro-batches (engine/torch_exec/cuda_graphs.py) and the vectorised
-batch indices they pad (engine/torch_exec/inputs.py).
+"""CUDA graphs for decode-only micro-batches (engine/torch_exec/graphs/cuda_graphs.py) and the vectorised
+batch indices they pad (engine/torch_exec/tensors/inputs.py).
 
 On CPU: the bucketing and padding functions, the numpy index builder against a per-token
 reference, and the graph runner's static buffers driven eagerly (padding rows and stale buffer
@@ -15,8 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine.torch_exec.inputs import host_batch, pad_rows  # noqa: E402
-from engine.torch_exec.cuda_graphs import GRAPH_SIZES, bucket, graph_rows, graph_width  # noqa: E402
+from engine.torch_exec.tensors.inputs import host_batch, pad_rows  # noqa: E402
+from engine.torch_exec.graphs.cuda_graphs import GRAPH_SIZES, bucket, graph_rows, graph_width  # noqa: E402
 
 
 def test_buckets():
@@ -111,7 +111,7 @@ def tiny(model_cache):
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest sets it before triton's first import
     pytest.importorskip("triton")
-    from engine.models import get_model
+    from engine.pricing.models import get_model
     from engine.torch_exec.checkpoint import random_checkpoint
 
     return random_checkpoint(get_model("tiny-llama"), 0, model_cache)
@@ -138,7 +138,7 @@ def _model(path, split=(0, 8, True, True), device=DEV, attention="triton", dtype
 def test_static_buffers_give_the_unpadded_rows(tiny, split):
     """The graph runner's buffers, loaded with a padded batch and run eagerly, reproduce the
     unpadded forward's rows -- after a wider batch left stale rows and columns behind."""
-    from engine.torch_exec.cuda_graphs import CudaGraphRunner
+    from engine.torch_exec.graphs.cuda_graphs import CudaGraphRunner
 
     torch.set_num_threads(1)
     m = _model(tiny, split)
@@ -176,7 +176,7 @@ class _FakeGraph:
 
 
 def _cpu_runner(m, sizes):
-    from engine.torch_exec.cuda_graphs import CudaGraphRunner
+    from engine.torch_exec.graphs.cuda_graphs import CudaGraphRunner
 
     class CpuRunner(CudaGraphRunner):
         def _sync(self):
@@ -200,8 +200,8 @@ def test_runner_plumbing_gives_the_eager_tokens(tiny, pieces):
     """capture_all / prepare's padding / replay / the head after it, with CPU stand-ins for the
     CUDA graph calls: P=2, chunked prefill, decode batches of 1-4 in buckets (1, 2, 4) -- the
     same greedy tokens as without graphs; with `pieces`, the mixed and prefill batches also run
-    through piecewise graphs of 16 and 32 tokens (engine/torch_exec/piecewise.py)."""
-    from engine.kv import BlockManager
+    through piecewise graphs of 16 and 32 tokens (engine/torch_exec/graphs/piecewise.py)."""
+    from engine.core.kv import BlockManager
     from test_piecewise import _cpu_pieces
     from test_torch_model import _generate
 
@@ -258,7 +258,7 @@ def test_graph_replay_equals_the_same_batch_run_eagerly(tiny, dtype):
 @pytest.mark.gpu
 def test_graph_replay_gives_the_eager_tokens(tiny):
     """float32 generation (chunked prefill, decodes of 1-5 sequences): graphs on and off agree."""
-    from engine.kv import BlockManager
+    from engine.core.kv import BlockManager
     from test_torch_model import _generate
 
     g = torch.Generator().manual_seed(0)
@@ -278,7 +278,7 @@ def test_greedy_tokens_match_hf_on_cuda(tiny):
     """float32 on CUDA, triton attention and CUDA graphs, P=2 in one process: HF's greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    from engine.kv import BlockManager
+    from engine.core.kv import BlockManager
     from test_torch_model import _generate
 
     g = torch.Generator().manual_seed(0)

@@ -145,7 +145,7 @@ def test_after_a_failed_start_the_surviving_stage_exits_and_the_next_run_works_a
 
 
 def test_socket_interfaces_come_from_the_host_then_the_config_then_loopback():
-    from engine.errors import ConfigError
+    from engine.base.errors import ConfigError
     from engine.torch_exec.rendezvous import socket_ifnames
     from engine.torch_exec.settings import TorchSettings
 

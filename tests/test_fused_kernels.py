@@ -1,4 +1,4 @@
-"""The fused decode-path kernels (engine/torch_exec/fused.py) against the unfused torch code.
+"""The fused decode-path kernels (engine/torch_exec/kernels/fused.py) against the unfused torch code.
 
 On CPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by conftest
 before triton is first imported): float32 to rounding, bf16 / fp16 within a few units in the last
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest sets it before triton's first import
 pytest.importorskip("triton")
 
-from engine.torch_exec import fused as fu  # noqa: E402
+from engine.torch_exec.kernels import fused as fu  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=8e-2, rtol=3e-2),
@@ -118,7 +118,7 @@ def test_silu_mul_matches_the_unfused_code(dtype):
 @pytest.fixture(scope="module")
 def tiny(model_cache):
     pytest.importorskip("transformers")
-    from engine.models import get_model
+    from engine.pricing.models import get_model
     from engine.torch_exec.checkpoint import random_checkpoint
 
     return {n: random_checkpoint(get_model(n), 0, model_cache) for n in ("tiny-llama", "tiny-qwen2")}
@@ -151,7 +151,7 @@ def test_fused_stage_gives_the_unfused_greedy_tokens(tiny, name):
     """Chunked prefill and batched decodes through one layer (under the interpreter each layer
     costs the same: two took 30 s at load 6 for no other check): the fused stage's greedy tokens
     equal the unfused triton path's, and its logits agree to float32 rounding."""
-    from engine.kv import BlockManager
+    from engine.core.kv import BlockManager
     from test_torch_model import _generate
 
     torch.set_num_threads(1)
@@ -203,7 +203,7 @@ def test_fused_stage_on_cuda_matches_the_unfused(tiny):
     logits equal the unfused triton path's to rounding; in bf16 they are no further from the
     float32 logits than the unfused bf16 stage's are (x2: a different rounding, not a wrong
     model); float32 greedy generation gives the same tokens."""
-    from engine.kv import BlockManager
+    from engine.core.kv import BlockManager
     from test_torch_model import _generate
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -19,7 +19,7 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from engine.errors import TestbedError  # noqa: E402
+from engine.base.errors import TestbedError  # noqa: E402
 from testbed.config.composer import compose, flatten, group_nodes, to_container  # noqa: E402
 from testbed.config.spec import compose_spec
 from testbed.run.runner import prepare_experiment  # noqa: E402

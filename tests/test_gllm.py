@@ -6,9 +6,9 @@ import pytest
 from conftest import small_config
 from helpers import make_state
 
-from engine.errors import ConfigError
-from engine.executor import Completion
-from engine.policy import POLICIES, make_params
+from engine.base.errors import ConfigError
+from engine.core.executor import Completion
+from engine.core.policy import POLICIES, make_params
 from policies.gllm import GllmParams, GllmPolicy, decode_budget, prefill_budget
 from policies.sarathi import SarathiParams, SarathiPolicy
 from testbed.run.runner import run_experiment

@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.profile_table import parse_profile, write_profile
-from engine.costmodel import BatchShape, CostCoefficients, CostModel
-from engine.errors import ConfigError
+from engine.pricing.profile_table import parse_profile, write_profile
+from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel
+from engine.base.errors import ConfigError
 from testbed.calibrate.gpu_tables import read_published
-from engine.hardware import HARDWARE, get_hardware
+from engine.pricing.hardware import HARDWARE, get_hardware
 from testbed.calibrate.kernel_fit import Device, attention_split, fit_kernels, fit_link
-from engine.kernels import KernelCoefficients, LayerKernels, LayerShape
-from engine.models import get_model
+from engine.pricing.kernels import KernelCoefficients, LayerKernels, LayerShape
+from engine.pricing.models import get_model
 from kernel_tables import A100, MODELS, TOKENS, TRUTH, write_tables
 
 DEVICE = Device("a100", **A100)
@@ -368,7 +368,7 @@ def test_inlined_attention_of_the_hot_path_equals_the_kernel_definitions(hw):
 def test_a_users_operator_profile_goes_through_the_same_fit(tables_dir, tmp_path, capsys):
     """One fitting path: the published tables' rows of one model, written in testbed's own CSV as a
     user's GPU profile would be, fit to the same coefficients and are reported by family."""
-    from engine.profile_table import ProfileTable
+    from engine.pricing.profile_table import ProfileTable
     from testbed.calibrate.fit import load_hardware_profile
     from testbed.cli import main
 

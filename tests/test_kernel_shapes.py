@@ -8,11 +8,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine.costmodel import BatchShape, CostModel
-from engine.errors import ConfigError
-from engine.hardware import get_hardware
-from engine.kernels import KernelCoefficients, LayerKernels, LayerShape
-from engine.models import ModelSpec, get_model
+from engine.pricing.costmodel import BatchShape, CostModel
+from engine.base.errors import ConfigError
+from engine.pricing.hardware import get_hardware
+from engine.pricing.kernels import KernelCoefficients, LayerKernels, LayerShape
+from engine.pricing.models import ModelSpec, get_model
 from kernel_tables import A100, TRUTH, write_tables
 from testbed.calibrate.gpu_tables import read_attention_samples, read_published
 from testbed.calibrate.kernel_fit import (AttentionShape, Device, attention_shapes, fit_decode, fit_kernels,
@@ -101,7 +101,7 @@ def test_samples_reader_turns_a_prefill_lines_fourth_field_into_a_kv_write_row(t
 
 def _kv_write_rows(lk: LayerKernels, tokens, resolution_s: float = 0.0) -> tuple:
     """Rows of the store's time, rounded to the tables' resolution when given (the samples: 1 us)."""
-    from engine.profile_table import ProfileRow
+    from engine.pricing.profile_table import ProfileRow
 
     def rounded(t: float) -> float:
         return round(t / resolution_s) * resolution_s if resolution_s else t
@@ -138,7 +138,7 @@ def test_a_kv_write_fit_on_one_store_size_predicts_a_larger_store():
 
 # ---- prefill: the prefix's pairs at their own rate ---------------------------------------------
 def _prefill_rows(lk: LayerKernels, chunks, prefixes) -> tuple:
-    from engine.profile_table import ProfileRow
+    from engine.pricing.profile_table import ProfileRow
 
     return tuple(ProfileRow("attn_prefill", None, batch=1, tokens=x, prefix=L,
                             time_s=lk.prefill_s(x, 1, x * L + x * (x + 1) / 2, L + x), tp=lk.shape.tp)
@@ -190,7 +190,7 @@ def test_the_simulations_prefill_agrees_with_the_kernel_for_several_chunks():
     k = cost.kernels.k
     c = replace(k.c, prefill_prefix_efficiency=0.3, prefill_tile=128, decode_split_s=4e-6)
     cost.kernels.k = LayerKernels(k.shape, c, k.peak, k.bw, k._sms)
-    from engine.kernels import KernelPricer
+    from engine.pricing.kernels import KernelPricer
 
     p = cost.kernels
     pricer = KernelPricer(cost.kernels.k, p._ar_tok, p._ar_fix, p._lm_dims, *p._lm_gather)
@@ -214,7 +214,7 @@ SHAPES = {"mha": LayerShape(4096, 32, 32, 128, 11008), "gqa8": LayerShape(8192, 
 
 
 def _decode_shapes(truth: KernelCoefficients) -> list[AttentionShape]:
-    from engine.profile_table import ProfileRow
+    from engine.pricing.profile_table import ProfileRow
 
     out = []
     for name, shape in SHAPES.items():

@@ -4,7 +4,7 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.kv import BlockManager
+from engine.core.kv import BlockManager
 
 
 def test_allocate_append_free_roundtrip():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import ConfigError
-from engine.kv import BlockManager
+from engine.base.errors import ConfigError
+from engine.core.kv import BlockManager
 from engine.torch_exec import wire
 from engine.torch_exec.kv_sizing import (DEFAULT_PROFILE_TOKENS, StageMemory, block_bytes, pool_size,
                                          profile_tokens, warmup_shape)
@@ -124,7 +124,7 @@ def test_stage_devices_and_backend():
 
 def test_the_warmup_batch_runs_on_a_stage_with_its_pool():
     torch = pytest.importorskip("torch")
-    from engine.models import get_model
+    from engine.pricing.models import get_model
     from engine.torch_exec.checkpoint import random_tensors, spec_arch, stage_tensor_names
     from engine.torch_exec.kv_sizing import warmup_batch
     from engine.torch_exec.model import StageModel
@@ -193,7 +193,7 @@ def test_profile_run_warms_up_probes_and_releases_the_warmup_pool(monkeypatch):
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from engine.models import get_model
+    from engine.pricing.models import get_model
     from engine.torch_exec import profile_run
     from engine.torch_exec.checkpoint import random_tensors, spec_arch, stage_tensor_names
     from engine.torch_exec.model import StageModel

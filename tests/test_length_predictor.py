@@ -10,8 +10,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from engine.errors import ConfigError, TestbedError
-from engine.request import Request
+from engine.base.errors import ConfigError, TestbedError
+from engine.core.request import Request
 from policies import length_predictor as lp
 from workloads import history as wh
 

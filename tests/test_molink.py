@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.batch import MicroBatch, PrefillChunk, shape_of
-from engine.errors import ConfigError
-from engine.policy import LinkState, PendingTransfer, POLICIES
-from engine.request import Request, Sequence
+from engine.core.batch import MicroBatch, PrefillChunk, shape_of
+from engine.base.errors import ConfigError
+from engine.core.policy import LinkState, PendingTransfer, POLICIES
+from engine.core.request import Request, Sequence
 from policies.molink import MoLinkParams, MoLinkPolicy, extension_rule
 from testbed.run.runner import run_experiment
 from conftest import small_config

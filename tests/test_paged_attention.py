@@ -1,4 +1,4 @@
-"""The paged-attention kernel (engine/torch_exec/paged_attention.py) against plain torch.
+"""The paged-attention kernel (engine/torch_exec/kernels/paged_attention.py) against plain torch.
 
 On CPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by conftest
 before triton is first imported), so CI checks the kernel's indexing, masking and online softmax
@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from engine.torch_exec.paged_attention import (  # noqa: E402
+from engine.torch_exec.kernels.paged_attention import (  # noqa: E402
     kv_bytes_read, measure_bandwidth, paged_attention, reference_paged_attention, write_kv)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,7 +154,7 @@ def test_kernel_matches_reference_on_cuda_bf16():
 def test_table_width_compiles_no_new_kernel_variant():
     """Decode batches whose tables are 1, 16, 17 and 32 blocks wide reuse one compiled kernel: a
     specialisation on the table's stride compiled a new variant mid-run (~0.5-1 s each on an H100)."""
-    from engine.torch_exec.paged_attention import _paged_attn_kernel
+    from engine.torch_exec.kernels.paged_attention import _paged_attn_kernel
 
     def variants() -> int:
         return sum(len(cache[0]) for cache in _paged_attn_kernel.device_caches.values())
@@ -172,7 +172,7 @@ def test_table_width_compiles_no_new_kernel_variant():
 @pytest.fixture(scope="module")
 def tiny_ckpts(model_cache):
     pytest.importorskip("transformers")
-    from engine.models import get_model
+    from engine.pricing.models import get_model
     from engine.torch_exec.checkpoint import random_checkpoint
 
     return {n: random_checkpoint(get_model(n), 0, model_cache) for n in ("tiny-llama", "tiny-qwen2")}
@@ -200,7 +200,7 @@ def test_triton_path_gives_the_torch_paths_greedy_tokens(tiny_ckpts, name, split
     greedy tokens as the torch path, which tests/test_torch_model.py anchors to HF `generate`.
     P=1 is one stage over tiny-llama's first two layers: under Triton's interpreter the kernel
     costs the same per layer, and all eight took 8 s of CPU for no other check."""
-    from engine.kv import BlockManager
+    from engine.core.kv import BlockManager
     from test_torch_model import _generate
 
     torch.set_num_threads(1)
@@ -235,7 +235,7 @@ def test_engine_with_triton_attention_matches_hf(tiny_ckpts, full):
     recycled blocks, which this path never zeroes)."""
     pytest.importorskip("zmq")
     import test_torch_engine as te
-    from engine.request import Request
+    from engine.core.request import Request
 
     requests = te._requests()
     if not full:

@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs for mixed and prefill micro-batches (engine/torch_exec/piecewise.py).
+"""Piecewise CUDA graphs for mixed and prefill micro-batches (engine/torch_exec/graphs/piecewise.py).
 
 On CPU: the token buckets, the token-level padding, and the runner's pieces driven through CPU
 stand-ins for the CUDA graph calls (a "graph" re-runs its piece), with the Triton kernels under
@@ -18,8 +18,9 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest sets it before triton's first import
 
-from engine.torch_exec.inputs import host_batch  # noqa: E402
-from engine.torch_exec.piecewise import pad_tokens, piece_sizes, stage_sizes, token_bucket  # noqa: E402
+from engine.torch_exec.tensors.inputs import host_batch  # noqa: E402
+from engine.torch_exec.graphs.piecewise import pad_tokens, piece_sizes, token_bucket  # noqa: E402
+from engine.torch_exec.kv_sizing import stage_sizes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -55,8 +56,8 @@ def test_batches_past_the_attention_buffers_run_eagerly():
     """More sequences, table columns or row tiles than the static index buffers hold: no bucket."""
     from types import SimpleNamespace
 
-    from engine.models import get_model
-    from engine.torch_exec.piecewise import PiecewiseGraphs
+    from engine.pricing.models import get_model
+    from engine.torch_exec.graphs.piecewise import PiecewiseGraphs
 
     arch = dataclasses.replace(get_model("tiny-llama"), max_position_embeddings=64)
     model = SimpleNamespace(arch=arch, device=torch.device("cpu"), dtype=torch.float32, first=True, block_size=4,
@@ -77,7 +78,7 @@ def test_batches_past_the_attention_buffers_run_eagerly():
 def tiny(model_cache):
     pytest.importorskip("transformers")
     pytest.importorskip("triton")
-    from engine.models import get_model
+    from engine.pricing.models import get_model
     from engine.torch_exec.checkpoint import random_checkpoint
 
     return random_checkpoint(get_model("tiny-llama"), 0, model_cache)
@@ -97,7 +98,7 @@ def _stage(path, split, fused=False, device=DEV):
 def _cpu_pieces(m, sizes):
     """A PiecewiseGraphs whose CUDA calls are stand-ins: a recorded "graph" re-runs its piece (no
     warm-up: under the interpreter it would only double the test's time)."""
-    from engine.torch_exec.piecewise import PiecewiseGraphs, _Eager
+    from engine.torch_exec.graphs.piecewise import PiecewiseGraphs, _Eager
 
     class CpuPieces(PiecewiseGraphs):
         def _sync(self):
@@ -192,7 +193,7 @@ def test_piece_replays_equal_the_pieces_run_eagerly(tiny, dtype):
 def test_piecewise_graphs_give_the_eager_tokens_on_cuda(tiny):
     """float32 generation with chunked prefill (mixed batches through the pieces): graphs on and off
     give the same greedy tokens."""
-    from engine.kv import BlockManager
+    from engine.core.kv import BlockManager
     from test_torch_model import _generate
 
     g = torch.Generator().manual_seed(0)

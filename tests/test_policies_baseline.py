@@ -2,8 +2,8 @@
 import pytest
 from helpers import make_state
 
-from engine.batch import PolicyContractError
-from engine.request import SeqStatus
+from engine.core.batch import PolicyContractError
+from engine.core.request import SeqStatus
 from policies.sarathi import SarathiParams, SarathiPolicy
 from policies.vllm import VllmParams, VllmPolicy
 from testbed.run.runner import run_experiment

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from conftest import small_config
 
-from engine.request import Request
+from engine.core.request import Request
 from policies import length_predictor as lp
 from policies import prediction_cache, tdpipe
 from testbed.run.runner import prepare_experiment

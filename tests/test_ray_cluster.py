@@ -22,7 +22,7 @@ from ray_cluster import start_cluster  # noqa: E402
 from testbed.cli import main  # noqa: E402
 from testbed.cluster.ray_backend import SweepBackend  # noqa: E402
 from testbed.cluster.ray_tasks import RayPool  # noqa: E402
-from testbed.sweep.jobs import Job  # noqa: E402
+from testbed.sweep.jobs import Job, failed_row  # noqa: E402
 
 BASE = ["workload=synthetic", "workload.num_requests=40", "hardware=a100-80g", "model=llama2-13b", "parallel.pp=2",
         "output.plots=false", "output.progress=false"]
@@ -131,12 +131,12 @@ def by_value():
 
 def test_a_point_whose_worker_dies_is_run_again(cluster, tmp_path, by_value):
     rows: list[dict] = []
-    RayPool([_job(tmp_path / "retried")], SweepBackend("ray", cluster.address, retries=1), task=_die_once).run(rows.append)
+    RayPool([_job(tmp_path / "retried")], SweepBackend("ray", cluster.address, retries=1), task=_die_once, failed=failed_row).run(rows.append)
     assert rows[0]["status"] == "finished"
     assert int((tmp_path / "retried" / "attempted").read_text()) != rows[0]["pid"]  # a second worker ran it
 
     rows.clear()
-    RayPool([_job(tmp_path / "lost")], SweepBackend("ray", cluster.address, retries=0), task=_die_once).run(rows.append)
+    RayPool([_job(tmp_path / "lost")], SweepBackend("ray", cluster.address, retries=0), task=_die_once, failed=failed_row).run(rows.append)
     assert rows[0]["status"] == "failed" and rows[0]["error"].startswith("ray:")
 
 
@@ -167,7 +167,7 @@ def test_ctrl_c_cancels_the_running_tasks(cluster, tmp_path, by_value):
     job = _job(tmp_path / "held")
     watcher = _interrupt_when(tmp_path / "held" / "pid")
     with pytest.raises(KeyboardInterrupt):
-        RayPool([job], SweepBackend("ray", cluster.address), task=_hold).run(lambda row: None)
+        RayPool([job], SweepBackend("ray", cluster.address), task=_hold, failed=failed_row).run(lambda row: None)
     watcher.join()
     pid = int((tmp_path / "held" / "pid").read_text())
     assert _gone(pid), f"the cancelled task's worker {pid} still runs"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.policy import POLICIES
+from engine.core.policy import POLICIES
 from mlflow_db import fresh_mlflow_db
 from testbed import reproduce as R
 from testbed.cli import main

@@ -104,7 +104,7 @@ def test_a_broken_profile_yaml_is_skipped_with_a_warning(tmp_path, capsys, monke
 
 
 def test_model_may_be_a_hugging_face_checkpoint_folder(tmp_path, capsys):
-    from engine.models import get_model
+    from engine.pricing.models import get_model
 
     ckpt = tmp_path / "my-llama"
     ckpt.mkdir()
@@ -122,8 +122,8 @@ def test_model_may_be_a_hugging_face_checkpoint_folder(tmp_path, capsys):
 
 def test_failure_text_with_brackets_is_printed_verbatim(tmp_path, capsys, monkeypatch):
     """Rich must not read exception text as markup: gloo errors contain `[/__w/pytorch/...]`."""
-    from engine.controller import Controller
-    from engine.errors import RunFailedError
+    from engine.core.controller import Controller
+    from engine.base.errors import RunFailedError
 
     msg = "stage 1 died: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed"
 

@@ -28,7 +28,7 @@ def server(tmp_path_factory):
 def test_the_server_warms_up_before_it_listens_then_forgets_the_warm_up(server):
     """Issue 25, item 12: /health answers once the engine has served its warm-up requests
     (serve.warmup_requests=4), which the run's results do not count."""
-    from engine.metrics import microbatch_rows, request_rows
+    from engine.core.metrics import microbatch_rows, request_rows
 
     ctrl = server.ctrl
     assert ctrl.executor.num_launched >= 4  # prefill and decode micro-batches ran before any client
@@ -38,7 +38,7 @@ def test_the_server_warms_up_before_it_listens_then_forgets_the_warm_up(server):
 
 
 def test_cpu_pool_is_sized_from_available_memory(server):
-    from engine.settings import MAX_KV_BLOCKS
+    from engine.base.settings import MAX_KV_BLOCKS
     from engine.torch_exec.kv_sizing import CPU_KV_CAP_BYTES, block_bytes, cpu_pool_for
 
     arch = server.ctrl.executor.arch
@@ -53,7 +53,7 @@ def test_cpu_pool_is_sized_from_available_memory(server):
 
 
 def test_cpu_pool_arithmetic():
-    from engine.errors import ConfigError
+    from engine.base.errors import ConfigError
     from engine.torch_exec.kv_sizing import GIB, cpu_pool_blocks
 
     assert cpu_pool_blocks(1 << 20, 8 * GIB) == 2048  # a quarter of 8 GiB in 1 MiB blocks

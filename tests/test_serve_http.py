@@ -106,8 +106,8 @@ def test_unknown_route_and_method_use_the_same_error_shape(server):
 
 
 def test_limits_are_validated():
-    from engine.errors import ConfigError
-    from testbed.serve.settings import ServeSettings
+    from engine.base.errors import ConfigError
+    from testbed.config.serve import ServeSettings
 
     with pytest.raises(ConfigError, match="serve.max_body_bytes"):
         ServeSettings(max_body_bytes=10)

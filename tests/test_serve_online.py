@@ -7,15 +7,15 @@ import time
 import pytest
 
 import policies  # noqa: F401  (registers every policy)
-from engine.controller import Controller
-from engine.costmodel import CostModel
-from engine.hardware import get_hardware
-from engine.kv import BlockManager
-from engine.models import get_model
-from engine.paced import PacedExecutor
-from engine.policy import POLICIES
-from engine.request import Request, SamplingParams, SeqStatus
-from engine.sim import SimExecutor
+from engine.core.controller import Controller
+from engine.pricing.costmodel import CostModel
+from engine.pricing.hardware import get_hardware
+from engine.core.kv import BlockManager
+from engine.pricing.models import get_model
+from engine.simulator.paced import PacedExecutor
+from engine.core.policy import POLICIES
+from engine.core.request import Request, SamplingParams, SeqStatus
+from engine.simulator.sim import SimExecutor
 from testbed.serve.codec import Codec
 from testbed.serve.engine_loop import Generation
 from testbed.serve.protocol import GenerateSpec

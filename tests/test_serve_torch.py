@@ -188,7 +188,7 @@ def test_a_request_past_the_api_checks_cannot_stop_the_engine(server, client, sa
     later request got 503 and the stage's traceback reached the client (issue 25, item 1)."""
     import asyncio
 
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
     from testbed.serve.protocol import GenerateSpec
 
     loop = asyncio.new_event_loop()

@@ -3,13 +3,13 @@ import json
 
 import pytest
 
-from engine.batch import MicroBatch, PrefillChunk, shape_of
-from engine.costmodel import CostModel
-from engine.hardware import get_hardware
-from engine.models import get_model
-from engine.policy import RuntimeFeatures
-from engine.request import Request, Sequence
-from engine.sim import ARRIVE, COMPLETE, LINK_DONE, PREP_DONE, SAMPLE_DONE, STAGE_DONE, EventQueue, SimExecutor
+from engine.core.batch import MicroBatch, PrefillChunk, shape_of
+from engine.pricing.costmodel import CostModel
+from engine.pricing.hardware import get_hardware
+from engine.pricing.models import get_model
+from engine.core.policy import RuntimeFeatures
+from engine.core.request import Request, Sequence
+from engine.simulator.sim import ARRIVE, COMPLETE, LINK_DONE, PREP_DONE, SAMPLE_DONE, STAGE_DONE, EventQueue, SimExecutor
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import run_experiment
 from conftest import small_config
@@ -122,7 +122,7 @@ def test_blocking_send_holds_the_sending_stage_until_the_activation_has_left():
 def test_launch_time_timeline_equals_the_event_loop(monkeypatch, overrides):
     # FIFO servers everywhere: the executor computes each batch's timeline at launch instead of
     # stepping through events; results, busy sums and every span (in order) must not change.
-    import engine.sim as sim
+    import engine.simulator.sim as sim
     launched = []
     real = sim._FifoPipeline.launch
     monkeypatch.setattr(sim._FifoPipeline, "launch", lambda self, *a: (launched.append(a[0]), real(self, *a)))

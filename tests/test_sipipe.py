@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.policy import POLICIES, RuntimeFeatures
+from engine.core.policy import POLICIES, RuntimeFeatures
 from testbed.run.runner import build_policy, run_experiment
 from conftest import small_config
 

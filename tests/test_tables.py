@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.kv import BlockManager
+from engine.core.kv import BlockManager
 from engine.torch_exec import wire
 from engine.torch_exec.tables import DriverTables, StageTables
 

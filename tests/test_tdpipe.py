@@ -5,10 +5,10 @@ import pytest
 from conftest import small_config
 from helpers import make_state
 
-from engine.errors import ConfigError
-from engine.executor import Completion
-from engine.policy import POLICIES, make_params
-from engine.request import SeqStatus
+from engine.base.errors import ConfigError
+from engine.core.executor import Completion
+from engine.core.policy import POLICIES, make_params
+from engine.core.request import SeqStatus
 from policies.tdpipe import TdpipeParams, TdpipePolicy, WorkStealer, spatial_intensity, temporal_intensity
 from policies.tdpipe_forecast import CODE_POINTS, PAPER_POINTS, KVForecast, parse_points
 from testbed.run.runner import prepare_experiment, run_experiment

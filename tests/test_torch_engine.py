@@ -23,14 +23,14 @@ pytest.importorskip("zmq")
 
 import engine.torch_exec  # noqa: E402,F401  (registers executor=torch)
 import policies  # noqa: E402,F401  (registers every policy)
-from engine.controller import Controller  # noqa: E402
-from engine.errors import ConfigError, RunFailedError  # noqa: E402
-from engine.executor import EXECUTORS, ExecutorBuild  # noqa: E402
-from engine.kv import BlockManager  # noqa: E402
-from engine.models import get_model  # noqa: E402
-from engine.policy import POLICIES, RuntimeFeatures  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.trace import Tracer  # noqa: E402
+from engine.core.controller import Controller  # noqa: E402
+from engine.base.errors import ConfigError, RunFailedError  # noqa: E402
+from engine.core.executor import EXECUTORS, ExecutorBuild  # noqa: E402
+from engine.core.kv import BlockManager  # noqa: E402
+from engine.pricing.models import get_model  # noqa: E402
+from engine.core.policy import POLICIES, RuntimeFeatures  # noqa: E402
+from engine.core.request import Request  # noqa: E402
+from engine.core.trace import Tracer  # noqa: E402
 from engine.torch_exec.checkpoint import prompt_ids, random_checkpoint  # noqa: E402
 from engine.torch_exec.settings import TorchSettings  # noqa: E402
 
@@ -82,7 +82,7 @@ def _run_pipeline(requests, *, pp: int, model: str, cache: str, policy: str = "s
                   policy_params: dict | None = None, num_blocks: int = 24, block_size: int = 4,
                   **settings) -> tuple[Controller, object]:
     """The runner's path (factory + Controller), keeping the controller for its token ids."""
-    from engine.settings import Link
+    from engine.base.settings import Link
     from testbed.run.runner import build_cost_model
 
     run = pipeline_spec(model, pp, num_blocks, block_size)

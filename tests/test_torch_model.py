@@ -7,8 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine.kv import BlockManager  # noqa: E402
-from engine.models import get_model  # noqa: E402
+from engine.core.kv import BlockManager  # noqa: E402
+from engine.pricing.models import get_model  # noqa: E402
 from engine.torch_exec.checkpoint import read_arch, random_checkpoint, stage_tensor_names  # noqa: E402
 from engine.torch_exec.model import StageModel  # noqa: E402
 from engine.torch_exec.sampling import sample  # noqa: E402
@@ -164,7 +164,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(ckpts, tmp_path):
 
 
 def test_model_source_resolution(ckpts, tmp_path):
-    from engine.errors import ConfigError
+    from engine.base.errors import ConfigError
     from engine.torch_exec.checkpoint import model_source
     from engine.torch_exec.settings import TorchSettings
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from mlflow_db import fresh_mlflow_db
 from testbed.cli import main
 from testbed.config.overrides import merge
@@ -366,7 +366,7 @@ def test_two_tunes_started_together_on_a_fresh_folder_both_succeed(tmp_path):
 
 
 def test_values_print_with_four_significant_digits():
-    from testbed.tune.objectives import sig4
+    from testbed.config.objectives import sig4
 
     assert [sig4(0.17835460015641597), sig4(1999.6), sig4(12345.6), sig4(3), sig4(True), sig4("a")] == \
         ["0.1784", "2000", "12346", "3", "True", "a"]

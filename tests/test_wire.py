@@ -220,12 +220,12 @@ psutil = pytest.importorskip("psutil")
 
 import engine.torch_exec  # noqa: E402,F401
 import policies  # noqa: E402,F401
-from engine.controller import Controller  # noqa: E402
-from engine.executor import EXECUTORS, ExecutorBuild  # noqa: E402
-from engine.kv import BlockManager  # noqa: E402
-from engine.models import get_model  # noqa: E402
-from engine.policy import POLICIES, RuntimeFeatures  # noqa: E402
-from engine.trace import Tracer  # noqa: E402
+from engine.core.controller import Controller  # noqa: E402
+from engine.core.executor import EXECUTORS, ExecutorBuild  # noqa: E402
+from engine.core.kv import BlockManager  # noqa: E402
+from engine.pricing.models import get_model  # noqa: E402
+from engine.core.policy import POLICIES, RuntimeFeatures  # noqa: E402
+from engine.core.trace import Tracer  # noqa: E402
 from engine.torch_exec.checkpoint import random_checkpoint  # noqa: E402
 from engine.torch_exec.settings import TorchSettings  # noqa: E402
 from test_torch_engine import _alive, _hf_greedy, _requests  # noqa: E402
@@ -238,7 +238,7 @@ def model_cache(model_cache):  # conftest's folder, with tiny-llama built
 
 
 def _run(requests, cache, progress, *, pp=2, runtime=RuntimeFeatures(), **settings):
-    from engine.settings import Link
+    from engine.base.settings import Link
     from testbed.config.spec import compose_spec
     from testbed.run.runner import build_cost_model
 

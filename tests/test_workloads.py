@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.errors import ConfigError, DataNotFoundError
+from engine.base.errors import ConfigError, DataNotFoundError
 from workloads import WORKLOADS, build_workload, workload_config
 from workloads import data as wdata
 from workloads import sharegpt_build

@@ -1,12 +1,12 @@
 """A newcomer's policy in one file, as `docs/writing-a-policy.md` describes: first-come
 first-served with a fixed micro-batch size. The conformance suite runs it beside the seed
-policies, so a policy written only against `engine/policy.py` gets the same checks for free."""
+policies, so a policy written only against `engine/core/policy.py` gets the same checks for free."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import bad_value
-from engine.policy import Policy, register_policy
+from engine.base.errors import bad_value
+from engine.core.policy import Policy, register_policy
 from policies.common import add_decode_or_preempt, fill_prefills, idle_decodes
 
 

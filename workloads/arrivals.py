@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.errors import bad_value
+from engine.base.errors import bad_value
 from workloads.base import check_choice, key
 
 ARRIVAL_PROCESSES = ("offline", "poisson", "gamma")

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.errors import ConfigError, TestbedError, bad_value
-from engine.request import Request
-from engine.typed import setting
+from engine.base.errors import ConfigError, TestbedError, bad_value
+from engine.core.request import Request
+from engine.base.typed import setting
 from workloads.arrivals import MAX_RATE, MIN_RATE
 from workloads.base import MAX_TOKENS, WORKLOADS, WorkloadSpec, check_range, check_types, key, make_requests
 from workloads.data import resolve_data_file

@@ -12,10 +12,10 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from engine import typed
-from engine.errors import ConfigError, bad_value
-from engine.registry import Registry
-from engine.request import Request
+from engine.base import typed
+from engine.base.errors import ConfigError, bad_value
+from engine.base.registry import Registry
+from engine.core.request import Request
 
 PREFIX = "workload"  # config keys are reported as workload.<field>, as in the Hydra config
 # Tokens in one prompt or one reply, at most: larger counts are not token counts (no model has
@@ -42,7 +42,7 @@ def key(field: str) -> str:
 
 def check_types(cfg: Any) -> None:
     """Check every field of a workload config against its annotation and `setting(...)` metadata
-    (engine/typed.py, the one system every setting goes through), coercing where lossless.
+    (engine/base/typed.py, the one system every setting goes through), coercing where lossless.
     Call it first thing in `__post_init__`; it also checks that `name` is the registered one."""
     typed.check(cfg, PREFIX)
     name_field = dataclasses.fields(cfg)[0]

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine.errors import DataNotFoundError
+from engine.base.errors import DataNotFoundError
 
 log = logging.getLogger(__name__)
 

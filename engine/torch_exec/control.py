@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import socket
 
-from engine.torch_exec import wire
+import engine.torch_exec.wire as wire
 
 LOGGED_DROPS = 10
 MAX_FRAME_BYTES = 16 << 20  # a stray client cannot make the driver buffer more than this per message
@@ -35,7 +35,7 @@ def check_host(key: str, host: str, bind: bool = True) -> None:
     """A host setting that cannot work is a one-line error naming it before any stage starts:
     a name that does not resolve, an address not on this machine (`bind`), or an IPv6 address
     (the control plane speaks IPv4)."""
-    from engine.errors import bad_value
+    from engine.base.errors import bad_value
 
     valid = "use 127.0.0.1 (this machine), 0.0.0.0 (every interface) or an IPv4 address of this machine"
     if ":" in host:

@@ -18,7 +18,7 @@ import os
 import signal
 import time
 
-from engine.torch_exec import wire
+import engine.torch_exec.wire as wire
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
 
 DTYPES = ("float32",)  # what the stage sends (logits upcast once)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time
 
-from engine.errors import RunFailedError
-from engine.torch_exec import wire
+from engine.base.errors import RunFailedError
+import engine.torch_exec.wire as wire
 
 REPORTED_EXIT = 70  # exit code of a stage that reported its exception (EX_SOFTWARE; worker.py)
 # gloo's words when the stage at the other end is gone: "closed" when its socket shut cleanly,

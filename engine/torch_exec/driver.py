@@ -46,18 +46,18 @@ import weakref
 from collections import deque
 from typing import Any, Callable
 
-from engine.batch import MicroBatch
-from engine.errors import ConfigError
-from engine.executor import Completion, Executor, ExecutorBuild
-from engine.settings import RunConfig
+from engine.core.batch import MicroBatch
+from engine.base.errors import ConfigError
+from engine.core.executor import Completion, Executor, ExecutorBuild
+from engine.base.settings import RunConfig
 from engine.torch_exec.settings import TorchSettings
-from engine.torch_exec import wire
+import engine.torch_exec.wire as wire
 from engine.torch_exec.control import ControlSocket, check_host, free_port, warn_exposed
 from engine.torch_exec.diagnosis import FailureDiagnosis
 from engine.torch_exec.lane import POLL_SLICE_S, DriverLanes, Lane, LaneClosed
 from engine.torch_exec.stage_processes import start_stage
 from engine.torch_exec.tables import LaunchRows
-from engine.trace import Tracer
+from engine.core.trace import Tracer
 
 STOP_GRACE_S = 5.0
 
@@ -70,7 +70,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
                  link_bandwidth_Bps: float | None = None, link_latency_s: float = 0.0,
                  shape_links: bool = False, policy=None) -> None:
         self.settings = settings
-        from engine.policy import RuntimeFeatures
+        from engine.core.policy import RuntimeFeatures
 
         self.runtime = runtime or RuntimeFeatures()
         # Links are paced (emulated on loopback) only when the run names them (link.bandwidth /
@@ -300,7 +300,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         round of probes means every stage has loaded and warmed up; the second, asked for then,
         reads a quiescent device. The controller's block manager takes the size before any block
         is handed out."""
-        from engine.settings import MAX_KV_BLOCKS
+        from engine.base.settings import MAX_KV_BLOCKS
         from engine.torch_exec.kv_sizing import StageMemory, pool_size
 
         self._gather(wire.KvProbe, deadline)
@@ -378,7 +378,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
             socket_ifname=st.socket_ifname or "")
 
     def _layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
-        from engine.costmodel import split_layers
+        from engine.pricing.costmodel import split_layers
 
         split = split_layers(num_layers, self.pipeline_depth, self.layer_split)
         out, first = [], 0

@@ -6,7 +6,7 @@ the scheduler may form, read the peak, and give the KV cache what is left of the
 share (vLLM's `Worker.determine_num_available_blocks`). The torch engine does the same per stage,
 with two differences that pipeline parallelism on shared GPUs forces:
 
-- One pool size for all stages: the controller's single block manager (engine/kv.py) names the
+- One pool size for all stages: the controller's single block manager (engine/core/kv.py) names the
   same block ids on every stage, so the driver takes the minimum over devices.
 - Stages that share a GPU split its free memory instead of each claiming 90% of it: the driver
   groups the stages' probes by the device they report, and on each device requires
@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 
 GIB = 1 << 30
 DEFAULT_PROFILE_TOKENS = 8192  # vLLM's default max_num_batched_tokens
@@ -172,3 +172,13 @@ def cpu_pool_blocks(block_bytes_all_layers: int, available: int, max_blocks: int
                           f"one block needs {block_bytes_all_layers / 2**20:.1f} MiB; set kv.num_blocks or use a "
                           f"smaller model")
     return min(n, max_blocks) if max_blocks is not None else n
+
+
+def stage_sizes(token_budget: int) -> tuple[int, ...]:
+    """A stage's piecewise-graph buckets: up to the policy's token budget (0: unknown, vLLM's 8,192)
+    plus the decode rows its warm-up batch adds (gLLM's max_p counts prefill tokens only), as the
+    measured KV pool's warm-up batch above is sized. Here, not in the graphs folder, so that the
+    graphs import nothing from the engine above them."""
+    from engine.torch_exec.graphs.piecewise import piece_sizes
+
+    return piece_sizes((token_budget or DEFAULT_PROFILE_TOKENS) + PROFILE_DECODES)

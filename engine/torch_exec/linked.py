@@ -3,7 +3,7 @@ names link.bandwidth / link.latency and P > 1.
 
 A stage's activations are queued at its outgoing link and a sender thread sends what the run's
 policy picks with `schedule_transfer` (the policy is rebuilt from the "module:qualname" and params
-in `StageInit`, imported by name and checked to be an `engine.policy.Policy`:
+in `StageInit`, imported by name and checked to be an `engine.core.policy.Policy`:
 `transfer.link_policy`; the link arrives with each `LinkState`), chunk by chunk; a receiver thread
 reassembles each micro-batch's chunks (interleaved: a decode may overtake a prefill's remaining
 chunks), see transfer.py. A stage behind such a link runs the micro-batches whose activations are
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from engine.torch_exec import wire
+import engine.torch_exec.wire as wire
 from engine.torch_exec.lane import Stopped
 from engine.torch_exec.tables import StageLaunch
 from engine.torch_exec.orphan import IDLE_POLL_S, parent_gone
@@ -86,7 +86,7 @@ class LinkedStage:
 
     def setup_links(self, init: wire.StageInit) -> None:
         """Paced links: activations go through a policy-scheduled sender thread (transfer.py)."""
-        from engine.torch_exec import transfer
+        import engine.torch_exec.transfer as transfer
 
         comm_dev = "cpu" if (self.transfer_via_cpu or self.device == "cpu") else self.device
         if not self.last:

@@ -4,7 +4,7 @@ A stage holds layers [first, first + n) (stage 0 also the embedding, the last st
 norm and lm_head) and, per layer, two pools `[num_blocks * block_size, kv_heads, head_dim]`
 (K and V) indexed by the controller's block tables: token position p of a sequence lives in
 slot `table[p // block_size] * block_size + p % block_size`. Every stage stores the same slots
-for its own layers (engine/kv.py).
+for its own layers (engine/core/kv.py).
 
 Numerics follow transformers' Llama/Qwen2 code (float32 RMSNorm, RoPE from float32 inverse
 frequencies, SwiGLU) so greedy tokens match Hugging Face's `generate` token for token in
@@ -29,15 +29,15 @@ Attention per micro-batch:
 
 That is the `torch` attention path (the default on CPU). The `triton` path (the default on CUDA,
 `executor.attention`) makes one launch per layer for the whole micro-batch, reading K/V through
-the block tables (engine/torch_exec/paged_attention.py), and one launch writing the new K/V; its
+the block tables (engine/torch_exec/kernels/paged_attention.py), and one launch writing the new K/V; its
 forward has no Python loop over sequences and no host synchronisation, so decode-only micro-batches
-can be replayed from CUDA graphs (engine/torch_exec/cuda_graphs.py), and mixed and prefill ones
-from piecewise graphs around their attentions (engine/torch_exec/piecewise.py: a layer is split
+can be replayed from CUDA graphs (engine/torch_exec/graphs/cuda_graphs.py), and mixed and prefill ones
+from piecewise graphs around their attentions (engine/torch_exec/graphs/piecewise.py: a layer is split
 into `attention_in`, `attend` and `attention_out` for them). On CUDA it also runs fused Triton
 kernels for the residual add + RMSNorm, RoPE with the K/V write, and SiLU x up
-(engine/torch_exec/fused.py); the residual stream travels apart from each sub-layer's output so
+(engine/torch_exec/kernels/fused.py); the residual stream travels apart from each sub-layer's output so
 the add happens inside the next norm. Both paths take their
-indices from `host_batch` (engine/torch_exec/inputs.py: numpy, nothing per token), which cross to
+indices from `host_batch` (engine/torch_exec/tensors/inputs.py: numpy, nothing per token), which cross to
 the GPU in one copy from pinned memory.
 """
 from __future__ import annotations
@@ -51,13 +51,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.torch_exec.batch_inputs import BatchInputs, DecodeGroup
-from engine.torch_exec.inputs import ARRAYS, HostBatch, host_batch, pack, packed_size, pad_rows
-from engine.torch_exec.piecewise import pad_tokens
-from engine.models import ModelSpec
+from engine.torch_exec.tensors.batch_inputs import BatchInputs, DecodeGroup
+from engine.torch_exec.tensors.inputs import ARRAYS, HostBatch, host_batch, pack, packed_size, pad_rows
+from engine.torch_exec.graphs.piecewise import pad_tokens
+from engine.pricing.models import ModelSpec
 from engine.torch_exec.checkpoint import EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
-from engine.torch_exec import fused
-from engine.torch_exec.fused import rms_norm, rope
+from engine.torch_exec.kernels import fused
+from engine.torch_exec.kernels.fused import rms_norm, rope
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION = ("auto", "torch", "triton")
@@ -73,7 +73,7 @@ def resolve_attention(name: str, device: torch.device) -> str:
     if name == "auto":
         if device.type != "cuda":
             return "torch"
-        from engine.torch_exec import paged_attention as pa
+        from engine.torch_exec.kernels import paged_attention as pa
 
         return "triton" if pa.HAVE_TRITON else "torch"
     if name == "triton":
@@ -82,7 +82,7 @@ def resolve_attention(name: str, device: torch.device) -> str:
                 raise RuntimeError("executor.attention=triton on CPU runs Triton's interpreter, which must be "
                                    "chosen before triton is imported: set TRITON_INTERPRET=1 at start")
             os.environ["TRITON_INTERPRET"] = "1"
-        from engine.torch_exec import paged_attention as pa
+        from engine.torch_exec.kernels import paged_attention as pa
 
         if not pa.HAVE_TRITON:
             raise RuntimeError("executor.attention=triton, but triton does not import here")
@@ -199,7 +199,7 @@ class StageModel:
         self.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
 
     def _resolve_fused(self, fused_kernels: bool | None) -> bool:
-        """The fused Triton kernels (engine/torch_exec/fused.py): by default on CUDA with the Triton
+        """The fused Triton kernels (engine/torch_exec/kernels/fused.py): by default on CUDA with the Triton
         attention path; on CPU only when asked (tests: Triton's interpreter, which the triton
         attention path has selected)."""
         if fused_kernels is None:
@@ -249,17 +249,18 @@ class StageModel:
     # --- set-up -------------------------------------------------------------------------------------
     def configure(self, attention: str | None = None, cuda_graphs: bool = False, max_tokens: int = 0) -> None:
         """After `load`: the attention path (`executor.attention`) and, on CUDA with the Triton path,
-        CUDA graphs, all captured now: one per decode-only bucket (engine/torch_exec/cuda_graphs.py)
+        CUDA graphs, all captured now: one per decode-only bucket (engine/torch_exec/graphs/cuda_graphs.py)
         and the piecewise graphs of every token bucket up to `max_tokens` (the policy's token
         budget, `executor.profile_tokens`; 0: 8,192) plus 256 decode rows for mixed and prefill batches
-        (engine/torch_exec/piecewise.py). Ignored elsewhere: the torch path's shapes depend on the
+        (engine/torch_exec/graphs/piecewise.py). Ignored elsewhere: the torch path's shapes depend on the
         batch's contexts."""
         if attention is not None:
             self.attention = resolve_attention(attention, self.device)
         self.graphs = self.pieces = None
         if cuda_graphs and self.device.type == "cuda" and self.attention == "triton":
-            from engine.torch_exec.cuda_graphs import CudaGraphRunner
-            from engine.torch_exec.piecewise import PiecewiseGraphs, stage_sizes
+            from engine.torch_exec.graphs.cuda_graphs import CudaGraphRunner
+            from engine.torch_exec.graphs.piecewise import PiecewiseGraphs
+            from engine.torch_exec.kv_sizing import stage_sizes
 
             self.graphs = CudaGraphRunner(self)
             self.graphs.capture_all()
@@ -405,7 +406,7 @@ class StageModel:
         cos, sin = b.cos.to(self.dtype)[:, None, :], b.sin.to(self.dtype)[:, None, :]
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if self.attention == "triton":
-            from engine.torch_exec import paged_attention as pa  # already imported by resolve_attention
+            from engine.torch_exec.kernels import paged_attention as pa  # already imported by resolve_attention
 
             pa.write_kv(k, v, kc, vc, b.slots)
         else:
@@ -417,7 +418,7 @@ class StageModel:
         """Layer li's attention over the pools (the K/V of this batch already written)."""
         kc, vc = self.k_cache[li], self.v_cache[li]
         if self.attention == "triton":
-            from engine.torch_exec import paged_attention as pa
+            from engine.torch_exec.kernels import paged_attention as pa
 
             return pa.paged_attention(q, kc, vc, b.block_tables, b.query_start, b.context_lens, self.scale,
                                       b.max_query_len, out=out, tiles=b.tiles)

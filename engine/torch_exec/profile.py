@@ -30,10 +30,10 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from engine.batch import MicroBatch, PrefillChunk
-from engine.profile_table import ProfileRow, ProfileTable
-from engine.profile_grid import GRIDS, ProfileGrid, design, max_context
-from engine.request import Request, Sequence as Seq
+from engine.core.batch import MicroBatch, PrefillChunk
+from engine.pricing.profile_table import ProfileRow, ProfileTable
+from engine.pricing.profile_grid import GRIDS, ProfileGrid, design, max_context
+from engine.core.request import Request, Sequence as Seq
 from engine.torch_exec.timing import WallTimer, is_cuda, timer_for
 
 DEFAULT_GRID = GRIDS["default"]

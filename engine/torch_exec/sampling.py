@@ -116,7 +116,7 @@ class Sampler:
         self.per_seq: dict[int, tuple] = {}  # seq id -> SamplingParams.as_tuple() (served requests)
 
     def set_params(self, params: dict[int, tuple]) -> None:
-        """Per-request sampling of served requests (engine/request.py `SamplingParams`): their
+        """Per-request sampling of served requests (engine/core/request.py `SamplingParams`): their
         rows are sampled one by one with their own settings; a request's `seed` keys its draws
         by position only, so the same seed and prompt give the same tokens in any request."""
         self.per_seq.update(params)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from engine.errors import bad_value
-from engine.typed import setting
+from engine.base.errors import bad_value
+from engine.base.typed import setting
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
@@ -72,7 +72,7 @@ class TorchSettings:
     fault: str = ""
     # the KV pool on CUDA when kv.num_blocks is unset: profiled at this many tokens per micro-batch
     # (None = the policy's token budget, see engine/torch_exec/kv_sizing.py); also the largest
-    # piecewise CUDA graph's tokens, plus 256 decode rows (engine/torch_exec/piecewise.py)
+    # piecewise CUDA graph's tokens, plus 256 decode rows (engine/torch_exec/graphs/piecewise.py)
     profile_tokens: int | None = None
 
     @property

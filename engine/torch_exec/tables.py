@@ -1,6 +1,6 @@
 """Block tables sent as deltas: the driver remembers what the stages hold, the stages keep the tables.
 
-A sequence's block table only grows while it lives (engine/kv.py: a decode adds one block every
+A sequence's block table only grows while it lives (engine/core/kv.py: a decode adds one block every
 `block_size` tokens) and is freed whole when it finishes or is preempted. So instead of every
 table in every launch (a steady decode of 256 sequences at context 2,048 named 32,768 block ids
 per launch), a launch row carries `(table_from, blocks)`: the blocks from index `table_from` on;
@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.batch import MicroBatch
-from engine.torch_exec import wire
+from engine.core.batch import MicroBatch
+import engine.torch_exec.wire as wire
 
 
 class DriverTables:

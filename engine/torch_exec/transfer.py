@@ -35,7 +35,7 @@ def data_backend(requested: str, device: str, pp: int, device_count: int, launch
     at least P visible GPUs, or external stages, one per host); gloo through host memory when
     stages share a GPU, because NCCL refuses two ranks on one device. An explicit nccl with
     spawned stages sharing a GPU is refused here rather than failing inside NCCL."""
-    from engine.errors import ConfigError
+    from engine.base.errors import ConfigError
 
     shared = device == "cuda" and launch == "spawn" and shares_a_gpu(pp, device_count)
     if requested == "nccl" and shared:
@@ -191,7 +191,7 @@ class LinkSender:
         return ev
 
     def _choose(self) -> tuple[LinkItem, int]:
-        from engine.policy import LinkState
+        from engine.core.policy import LinkState
 
         now = time.perf_counter()
         link = LinkState(self.src, self.dst, float(self.bw or UNPACED_BPS), self.lat, now, self.info(now))
@@ -327,7 +327,7 @@ def link_policy(class_path: str, params: dict):
     `policies` here: the engine stays below the policies)."""
     import importlib
 
-    from engine.policy import Policy
+    from engine.core.policy import Policy
 
     if not class_path:
         return Policy()
@@ -336,5 +336,5 @@ def link_policy(class_path: str, params: dict):
     for part in qualname.split("."):
         obj = getattr(obj, part)
     if not (isinstance(obj, type) and issubclass(obj, Policy)):
-        raise RuntimeError(f"{class_path} is not an engine.policy.Policy")
+        raise RuntimeError(f"{class_path} is not an engine.core.policy.Policy")
     return obj.from_config(params)  # the link arrives with each LinkState

@@ -89,7 +89,7 @@ class DecodeRow(NamedTuple):
 
 
 class RequestSampling(NamedTuple):
-    """A served request's own sampling (engine/request.py `SamplingParams.as_tuple`)."""
+    """A served request's own sampling (engine/core/request.py `SamplingParams.as_tuple`)."""
 
     seq_id: int
     temperature: float
@@ -181,7 +181,7 @@ class StageInit:
 
     pp: int
     path: str  # the checkpoint directory; "" = random weights built in memory from `model_seed` (CUDA)
-    arch: dict[str, Any]  # the ModelSpec's fields (engine/models.py)
+    arch: dict[str, Any]  # the ModelSpec's fields (engine/pricing/models.py)
     layers: list[tuple[int, int]]  # per stage: (first layer, number of layers)
     num_blocks: int  # 0 = measure: probe memory (KvProbe) and wait for the driver's KvPool
     block_size: int

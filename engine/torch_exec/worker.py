@@ -44,7 +44,7 @@ import time
 import traceback
 from collections import deque
 
-from engine.torch_exec import wire
+import engine.torch_exec.wire as wire
 from engine.torch_exec.diagnosis import REPORTED_EXIT
 from engine.torch_exec.linked import LinkedStage
 from engine.torch_exec.lane import ACTIVE_WINDOW_S, POLL_SLICE_S, Lane, LaneClosed, StageLine, Stopped
@@ -264,7 +264,7 @@ class _Stage(LinkedStage):
                 self.fault = (kind, n)
 
     def load_model(self, init: wire.StageInit) -> None:
-        from engine.models import ModelSpec
+        from engine.pricing.models import ModelSpec
         from engine.torch_exec.model import StageModel
 
         self.arch = arch = ModelSpec(**init.arch)

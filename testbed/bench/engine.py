@@ -50,7 +50,7 @@ def _load_avg() -> list[float]:
 
 def _timed_policy(policy_name: str, policy_params: dict, times: dict):
     """The policy, its `schedule` wrapped to add its wall time to `times`."""
-    from engine.policy import POLICIES
+    from engine.core.policy import POLICIES
 
     policy = POLICIES.get(policy_name).from_config(policy_params)
     inner = policy.schedule
@@ -69,7 +69,7 @@ def _timed_policy(policy_name: str, policy_params: dict, times: dict):
 
 def _timed_controller(times: dict):
     """A Controller subclass timing `_commit` and `complete` into `times`."""
-    from engine.controller import Controller
+    from engine.core.controller import Controller
 
     class TimedController(Controller):
         def _commit(self, mb):
@@ -88,9 +88,9 @@ def _timed_controller(times: dict):
 
 def _executor(executor: str, args, cost, policy, tracer, spec):
     import engine.torch_exec  # noqa: F401
-    from engine.executor import EXECUTORS, ExecutorBuild
-    from engine.policy import RuntimeFeatures
-    from engine.settings import Link
+    from engine.core.executor import EXECUTORS, ExecutorBuild
+    from engine.core.policy import RuntimeFeatures
+    from engine.base.settings import Link
     from engine.torch_exec.settings import TorchSettings
 
     if executor == "torch":
@@ -104,8 +104,8 @@ def _executor(executor: str, args, cost, policy, tracer, spec):
 
 def run_policy(policy_name: str, requests, args, policy_params: dict, executor: str = "torch") -> dict:
     import policies  # noqa: F401
-    from engine.kv import BlockManager
-    from engine.trace import Tracer
+    from engine.core.kv import BlockManager
+    from engine.core.trace import Tracer
     from testbed.config.spec import compose_spec
     from testbed.run.runner import build_cost_model
 
@@ -137,7 +137,7 @@ def run_policy(policy_name: str, requests, args, policy_params: dict, executor: 
 
 
 def _figures(ctrl, ex, tracer, requests, args, times: dict) -> dict:
-    from engine.metrics import SLO, summarize
+    from engine.core.metrics import SLO, summarize
 
     s = summarize(ctrl, SLO(), [f"stage{s}" for s in range(args.pp)])
     n_mb = max(1, s["num_microbatches"])
@@ -245,7 +245,7 @@ def _policy_params(args, names: list[str]) -> dict[str, dict]:
 
 
 def _requests(args) -> list:
-    from engine.request import Request
+    from engine.core.request import Request
     from workloads.base import build_workload
 
     wl = {"name": args.workload, "num_requests": args.num_requests, "arrival": "offline"}
@@ -267,7 +267,7 @@ def _run_policies(names: list[str], requests, args, params: dict) -> list[dict]:
         print(f"# {name}: {r['output_tok_s']:.1f} generated tok/s, bubbles {[round(b, 3) for b in r['stage_bubble_ratio']]}, "
               f"controller {r['controller_us_per_mb']:.1f} us/mb ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
     if args.controller_sim:
-        import engine.sim  # noqa: F401
+        import engine.simulator.sim  # noqa: F401
 
         for name in names:
             r = run_policy(name, requests, args, params.get(name, {}), executor="sim")
@@ -299,8 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
 def run(args: argparse.Namespace) -> dict:
     import engine.torch_exec  # noqa: F401
     import policies  # noqa: F401
-    from engine.models import get_model
-    from engine.policy import POLICIES
+    from engine.pricing.models import get_model
+    from engine.core.policy import POLICIES
     from engine.torch_exec.checkpoint import random_checkpoint
 
     names = args.policies or POLICIES.names()

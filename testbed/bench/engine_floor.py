@@ -13,7 +13,7 @@ engine around it -- measured in the bench's own process, in the same run as the 
   on CPU; the median of `repeats` after a warm-up.
 
 `copy_rate` is the device's copy bandwidth (bytes read + written by one large `copy_`) and
-`attention_bandwidth` times the paged-attention kernel (engine/torch_exec/paged_attention.py,
+`attention_bandwidth` times the paged-attention kernel (engine/torch_exec/kernels/paged_attention.py,
 imported lazily: it may not exist in this checkout) on a paged layout, dividing the K/V bytes it
 reads by its time.
 """
@@ -154,8 +154,8 @@ def attention_bandwidth(arch, dtype: str, device: str, batch: int, context: int,
                         repeats: int = 5) -> tuple[float, int, float] | str:
     """(kernel seconds, K/V bytes read, bytes/s) of one layer's paged attention for `batch` decodes
     at `context` with the model's heads, blocks shuffled over the pool
-    (engine/torch_exec/paged_attention.py `measure_bandwidth`); or a note saying why not measured."""
-    from engine.torch_exec import paged_attention as pa
+    (engine/torch_exec/kernels/paged_attention.py `measure_bandwidth`); or a note saying why not measured."""
+    from engine.torch_exec.kernels import paged_attention as pa
 
     if not pa.HAVE_TRITON:
         return "triton does not import here"

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.batch import MicroBatch
+from engine.core.batch import MicroBatch
 
 if TYPE_CHECKING:
     from testbed.config.spec import RunSpec
@@ -105,7 +105,7 @@ def _config(overrides: list[str], quick: bool, grid: dict) -> RunSpec:
     spec = compose_spec(merge(BASE, workload_defaults(overrides, quick), overrides))
     rc = spec.settings
     if rc.executor.name != "torch":
-        from engine.errors import ConfigError
+        from engine.base.errors import ConfigError
 
         raise ConfigError(f"testbed bench engine measures the real engine: invalid executor={rc.executor.name}; "
                           f"valid choices: torch")
@@ -209,7 +209,7 @@ def _bandwidth(arch, dtype: str, device: str, block_size: int, copy_rate, attent
 
 def _engine(spec: RunSpec, points: list[Point], repeats: int):
     """Start the engine once: the end-to-end run first (clean bubbles and window), then the grid."""
-    from engine.metrics import SLO, summarize
+    from engine.core.metrics import SLO, summarize
     from testbed.run.runner import prepare_experiment
 
     prep = prepare_experiment(spec)
@@ -250,7 +250,7 @@ class SteadyBatches:
 
     def decodes(self, batch: int, context: int) -> list:
         """`batch` sequences that hold `context - 1` tokens: the next token is at position context - 1."""
-        from engine.request import Request, Sequence
+        from engine.core.request import Request, Sequence
 
         self.release()
         for _ in range(batch):
@@ -273,8 +273,8 @@ class SteadyBatches:
             seq.output_token_ids.append(tok)
 
     def prefill(self, tokens: int) -> MicroBatch:
-        from engine.batch import PrefillChunk
-        from engine.request import Request, Sequence
+        from engine.core.batch import PrefillChunk
+        from engine.core.request import Request, Sequence
 
         self.release()
         self.next_seq += 1

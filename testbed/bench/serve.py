@@ -32,10 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.errors import ConfigError
-from engine.metrics import SLO, SUMMARY_KEYS
-from engine.request import Request
-from engine.trace import Tracer
+from engine.base.errors import ConfigError
+from engine.core.metrics import SLO, SUMMARY_KEYS
+from engine.core.request import Request
+from engine.core.trace import Tracer
 
 DEFAULT_VOCAB = 32000
 PROGRESS_INTERVAL_S = 10.0  # without a terminal: one progress line this often

@@ -4,7 +4,7 @@ the hardware-profile files a fit is saved as.
 `testbed profile` (testbed/calibrate/profile.py, measuring in engine/torch_exec/profile.py)
 writes a profile table, fits it here and saves a hardware profile usable as `hardware=<name>`.
 
-The table format is engine/profile_table.py's.
+The table format is engine/pricing/profile_table.py's.
 
 Fit (`fit_profile`): forward rows by nonlinear least squares on relative errors of
 `CostModel.stage_compute_s` over the efficiencies, the two fixed overheads and (when the table
@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from engine.costmodel import BatchShape, CostCoefficients, CostModel
-from engine.errors import ConfigError
-from engine.hardware import HARDWARE, SHIPPED_DIR, HardwareSpec, get_hardware, register_hardware
-from engine.models import ModelSpec
-from engine.profile_table import ProfileRow, ProfileTable
+from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel
+from engine.base.errors import ConfigError
+from engine.pricing.hardware import HardwareSpec, get_hardware
+from engine.pricing.models import ModelSpec
+from engine.pricing.profile_table import ProfileRow, ProfileTable
+from testbed.config.profiles import (HW_FIELDS, SHIPPED_PROFILES_DIR, load_hardware_profile,  # noqa: F401 (re-exported)
+                                     load_profiles_dir)
 
 __all__ = ["import_tdpipe", "fit_profile",
            "FitResult", "save_hardware_profile", "load_hardware_profile", "load_profiles_dir",
@@ -119,7 +121,7 @@ class FitResult:
 
 def _cost(model: ModelSpec, hw: HardwareSpec, pp: int, layers: Sequence[int] | None, values: dict) -> CostModel:
     """The roofline form whose coefficients a stage-level (forward) profile fits: a base profile's
-    fitted kernels (engine/kernels.py) would ignore them, so they are set aside here."""
+    fitted kernels (engine/pricing/kernels.py) would ignore them, so they are set aside here."""
     return CostModel(model, replace(hw, kernels=None) if hw.kernels is not None else hw, pp, layer_split=list(layers) if layers else None,
                      coefficients=CostCoefficients(**values))
 
@@ -293,10 +295,6 @@ def synthetic_profile(model: ModelSpec, hardware: HardwareSpec, pp: int, coeffic
 
 
 # ---- saved hardware profiles ----------------------------------------------------------------
-HW_FIELDS = tuple(f.name for f in fields(HardwareSpec))
-# Profiles shipped with the repository (a measured GPU: `testbed profile ... --out engine/hardware_profiles`),
-# registered at start-up before the user's $TESTBED_PROFILE_DIR (docs/calibration.md#on-a-gpu-machine).
-SHIPPED_PROFILES_DIR = SHIPPED_DIR  # engine/hardware_profiles/
 
 
 def save_hardware_profile(spec: HardwareSpec, path: str | Path, extra: dict | None = None) -> Path:
@@ -315,91 +313,6 @@ def save_hardware_profile(spec: HardwareSpec, path: str | Path, extra: dict | No
     data = json.loads(json.dumps(data, default=float))  # numpy scalars -> plain floats
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
-
-
-# path -> (the file's identity when read, its spec): every config compose loads the profile
-# folders, and parsing their YAML again took 35 of the 140 ms a compose cost
-_LOADED: dict[Path, tuple[tuple[int, int, int], HardwareSpec]] = {}
-
-
-def load_hardware_profile(path: str | Path) -> HardwareSpec:
-    """The profile in `path`, parsed again only when the file changed (inode, size or mtime)."""
-    path = Path(path)
-    try:
-        st = path.stat()
-    except OSError:
-        return _parse_hardware_profile(path)  # reports the unreadable file
-    stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
-    cached = _LOADED.get(path)
-    if cached is not None and cached[0] == stamp:
-        return cached[1]
-    spec = _parse_hardware_profile(path)
-    _LOADED[path] = (stamp, spec)
-    return spec
-
-
-def _parse_hardware_profile(path: Path) -> HardwareSpec:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read hardware profile {path}: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"hardware profile {path}: expected a mapping of HardwareSpec fields")
-    data.pop("profile", None)
-    unknown = sorted(set(data) - set(HW_FIELDS))
-    if unknown:
-        raise ConfigError(f"hardware profile {path}: unknown keys {', '.join(unknown)}")
-    cal = data.get("calibration")
-    if cal is not None:
-        valid = {f.name for f in fields(CostCoefficients)}
-        bad = sorted(set(cal) - valid)
-        if bad:
-            raise ConfigError(f"hardware profile {path}: unknown calibration keys {', '.join(bad)}")
-        CostCoefficients(**cal)  # validates ranges
-    try:
-        return HardwareSpec(**data)
-    except TypeError as exc:
-        raise ConfigError(f"hardware profile {path}: {exc}") from None
-
-
-def load_profiles_dir(directory: str | Path, on_error: Callable[[Path, ConfigError], None] | None = None
-                      ) -> list[str]:
-    """Register every `*.yaml` hardware profile in `directory` not registered yet. Returns the names
-    added. A profile whose name equals an already registered one with the same content is skipped;
-    a different one under a table GPU's name is refused by `register_hardware`. With `on_error`,
-    a file that cannot be loaded is reported to it and skipped (one broken file must not break
-    every command); without, its ConfigError propagates."""
-    d = Path(directory)
-    added = []
-    if not d.is_dir():
-        return added
-    for p in sorted(d.glob("*.yaml")):
-        try:
-            spec = load_hardware_profile(p)
-        except ConfigError as exc:
-            if on_error is None:
-                raise
-            on_error(p, exc)
-            continue
-        have = HARDWARE.get(spec.name)
-        if have is not None:
-            if have == spec:
-                continue
-            if have.calibration is not None:  # a re-saved profile: the newest file wins
-                HARDWARE[spec.name] = spec
-                added.append(spec.name)
-                continue
-        try:
-            register_hardware(spec)
-        except ConfigError as exc:
-            if on_error is None:
-                raise
-            on_error(p, exc)
-            continue
-        added.append(spec.name)
-    return added
 
 
 def calibrated_spec(base: HardwareSpec, name: str, fit: FitResult, description: str | None = None) -> HardwareSpec:

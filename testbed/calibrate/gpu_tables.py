@@ -29,8 +29,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.profile_table import ProfileRow, ProfileTable
-from engine.errors import ConfigError
+from engine.pricing.profile_table import ProfileRow, ProfileTable
+from engine.base.errors import ConfigError
 
 __all__ = ["PublishedTables", "read_published", "DEVICES", "TABLES_SUBDIR", "shape_meta"]
 
@@ -285,7 +285,7 @@ def tables_from_profile(table: ProfileTable, device: str) -> PublishedTables:
     `send_recv`, `all_reduce`, `prepare`/`sample`/`schedule` rows and the layer shape in its
     `# hidden=... q_heads=... kv_heads=... intermediate=... vocab=...` metadata) as the tables of
     one device, so the published tables' fit and report apply to it unchanged."""
-    from engine.profile_table import ATTENTION_OPS, TOKEN_OPS
+    from engine.pricing.profile_table import ATTENTION_OPS, TOKEN_OPS
 
     missing = [k for k in ("hidden", "q_heads", "kv_heads") if k not in table.meta]
     if missing:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from engine.profile_table import ATTENTION_OPS, ProfileRow, ProfileTable
-from engine.errors import ConfigError
-from engine.kernels import ELEMENTWISE_PER_LAYER, GEMMS, KernelCoefficients, LayerKernels, LayerShape
+from engine.pricing.profile_table import ATTENTION_OPS, ProfileRow, ProfileTable
+from engine.base.errors import ConfigError
+from engine.pricing.kernels import ELEMENTWISE_PER_LAYER, GEMMS, KernelCoefficients, LayerKernels, LayerShape
 
 __all__ = ["DEFAULT_FIT_MODELS", "Device", "LinkFit", "HostFit", "KernelFit", "AttentionShape", "fit_kernels",
            "layer_shape", "attention_shapes", "attention_split", "held_out_attention", "fit_link", "fit_host", "QUANTA"]

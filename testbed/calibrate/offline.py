@@ -1,7 +1,7 @@
 """`testbed calibrate runs` and `testbed validate --runs`: the simulator held to real runs, offline.
 
     testbed calibrate runs RUN_DIR [RUN_DIR ...] --name h100-80g-torch-engine --base h100-80g \
-        [--table profile.csv] [--out engine/hardware_profiles]
+        [--table profile.csv] [--out engine/pricing/hardware_profiles]
     testbed validate --runs RUN_DIR [RUN_DIR ...] hardware=h100-80g-torch-engine [--out DIR]
 
 `calibrate runs` fits a hardware profile from traced real runs (testbed/calibrate/run_fit.py) and
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from engine.errors import ConfigError
-from engine.hardware import get_hardware
+from engine.base.errors import ConfigError
+from engine.pricing.hardware import get_hardware
 from testbed.calibrate.fit import save_hardware_profile
 from testbed.calibrate.profile import TARGETS, VALIDATE_METRICS, error_table, profile_dir
 from testbed.calibrate.run_fit import fitted_spec, fit_runs
@@ -32,7 +32,7 @@ SPREAD_METRICS = ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s", "e2el_mean_s
 
 
 def cmd_calibrate_runs(args, console) -> int:
-    from engine.profile_table import read_profile
+    from engine.pricing.profile_table import read_profile
     from testbed.config.composer import load_saved_profiles
 
     load_saved_profiles()
@@ -81,16 +81,14 @@ def _run_record(run: RealRun) -> dict:
 def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None):
     """The simulator on `run`'s requests with its settings (policy, workload, seed, P, KV pool)
     and `hardware` instead of the engine; the RunResult."""
-    from testbed.config.composer import group_nodes
+    from testbed.config.composer import hardware_node
     from testbed.run.outputs import write_run_dir
     from testbed.run.runner import prepare_experiment
 
-    nodes = group_nodes()["hardware"]
-    if hardware not in nodes:
-        get_hardware(hardware)  # one clear line naming the choices
+    node = hardware_node(hardware)
     rc = run.spec.settings
     blocking = rc.executor.settings.device == "cpu"  # gloo's blocking send (SimSettings.blocking_send)
-    values = {"executor": {"name": "sim", "blocking_send": blocking}, "hardware": nodes[hardware],
+    values = {"executor": {"name": "sim", "blocking_send": blocking}, "hardware": node,
               "kv.num_blocks": kv_num_blocks(run), "output.mlflow": False,
               "output.plots": False, "output.progress": False, "output.trace": "off"}
     spec = run.spec.with_values(values)
@@ -159,7 +157,7 @@ STALL_RATIO = 5.0
 def stalls(run: RealRun, hardware: str) -> dict:
     """The real run's micro-batches far above the profile's prediction of them (engine stalls), and
     the throughput the run would have had without that excess."""
-    from engine.costmodel import CostCoefficients, CostModel
+    from engine.pricing.costmodel import CostCoefficients, CostModel
     from testbed.calibrate.runs import replay_shapes
 
     rc, hw = run.spec.settings, get_hardware(hardware)

@@ -30,15 +30,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engine.profile_table import read_profile, write_profile
+from engine.pricing.profile_table import read_profile, write_profile
 
 from testbed.calibrate.fit import calibrated_spec, fit_profile, import_tdpipe, save_hardware_profile
-from engine.errors import ConfigError
-from engine.hardware import (INTRA_BOX_LATENCY_S, PCIE_ALLREDUCE_GBS, PCIE_P2P_GBS, HardwareSpec,
+from engine.base.errors import ConfigError
+from engine.pricing.hardware import (INTRA_BOX_LATENCY_S, PCIE_ALLREDUCE_GBS, PCIE_P2P_GBS, HardwareSpec,
                              get_hardware)
-from engine.models import ModelSpec
-from engine.request import Request
-from engine.profile_grid import ProfileGrid, get_grid
+from engine.pricing.models import ModelSpec
+from engine.core.request import Request
+from engine.pricing.profile_grid import ProfileGrid, get_grid
 from engine.torch_exec.profile import device_memory_gib, device_provenance, measure_peaks, profile_engine
 from engine.torch_exec.timing import is_cuda
 from testbed import signals

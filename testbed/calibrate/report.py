@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from engine.profile_table import OPERATOR_OPS, ProfileTable, read_profile
-from engine.costmodel import CostModel
-from engine.errors import ConfigError
+from engine.pricing.profile_table import OPERATOR_OPS, ProfileTable, read_profile
+from engine.pricing.costmodel import CostModel
+from engine.base.errors import ConfigError
 from testbed.calibrate.gpu_tables import DEVICES
-from engine.hardware import get_hardware
+from engine.pricing.hardware import get_hardware
 from testbed.calibrate.kernel_fit import DEFAULT_FIT_MODELS
-from engine.models import get_model
+from engine.pricing.models import get_model
 
 __all__ = ["cli_calibrate", "profile_errors"]
 

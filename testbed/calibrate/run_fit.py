@@ -39,10 +39,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from engine.costmodel import BatchShape, CostCoefficients, CostModel
-from engine.errors import ConfigError
-from engine.hardware import HardwareSpec
-from engine.profile_table import ProfileTable
+from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel
+from engine.base.errors import ConfigError
+from engine.pricing.hardware import HardwareSpec
+from engine.pricing.profile_table import ProfileTable
 from testbed.calibrate.fit import FORWARD_PARAMS, _nnls
 from testbed.calibrate.runs import RealRun, ReplayedBatch, replayed_batches
 

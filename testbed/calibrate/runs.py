@@ -19,20 +19,20 @@ from __future__ import annotations
 import heapq
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
 
-from engine.batch import MicroBatch
-from engine.controller import Controller
-from engine.costmodel import BatchShape
-from engine.errors import ConfigError
-from engine.executor import Completion, Executor
-from engine.kv import BlockManager
-from engine.policy import PrepareContext
-from engine.request import Request
-from engine.trace import Tracer
+from engine.core.batch import MicroBatch
+from engine.core.controller import Controller
+from engine.pricing.costmodel import BatchShape
+from engine.base.errors import ConfigError
+from engine.core.executor import Completion, Executor
+from engine.core.kv import BlockManager
+from engine.core.policy import PrepareContext
+from engine.core.request import Request
+from engine.core.trace import Tracer
 from testbed.config.spec import RunSpec
 
 RUN_FILES = ("config.yaml", "requests.csv", "microbatches.csv", "summary.json")
@@ -338,10 +338,14 @@ def group_by_setting(runs: Sequence[RealRun]) -> dict[str, list[RealRun]]:
     spread is the engine's own run-to-run noise."""
     groups: dict[str, list[RealRun]] = {}
     for run in runs:
-        tree = run.spec.tree()
-        tree.get("output", {}).pop("run_name", None)
-        tree.get("output", {}).pop("dir", None)
-        tree.get("output", {}).pop("trace", None)
-        groups.setdefault(json.dumps(tree, sort_keys=True, default=str), []).append(run)
+        groups.setdefault(setting_key(run.spec), []).append(run)
     return {runs[0].label: runs for runs in groups.values()}
+
+
+def setting_key(spec: RunSpec) -> str:
+    """What a run was asked to do, from the typed spec (frozen dataclasses, so their repr is
+    stable): everything but where it wrote and what it named itself or traced."""
+    rc = spec.settings
+    output = replace(rc.output, run_name=None, dir="", trace="off")
+    return repr((replace(rc, output=output), spec.policy_name, spec.policy, spec.workload, spec.cost, spec.serve))
 

@@ -28,11 +28,11 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.profile_table import ProfileRow, ProfileTable
-from engine.costmodel import BatchShape, split_layers
-from engine.hardware import HardwareSpec
-from engine.models import ModelSpec
-from engine.profile_grid import ProfileGrid
+from engine.pricing.profile_table import ProfileRow, ProfileTable
+from engine.pricing.costmodel import BatchShape, split_layers
+from engine.pricing.hardware import HardwareSpec
+from engine.pricing.models import ModelSpec
+from engine.pricing.profile_grid import ProfileGrid
 
 __all__ = ["GpuTruth", "HELDOUT_GRID", "truth_forward_s", "synthetic_gpu_profile"]
 

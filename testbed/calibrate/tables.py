@@ -6,7 +6,7 @@ reports median / p90 / max error and bias by operator family, by bucket, per att
 ratio, model and TP degree, for the fitted profile and for the hand-set roofline it replaces, on
 held-out models (compute) and held-out shapes (attention: each shape predicted by a fit of the
 others; alternate grid points when a device has one shape). `--save DIR` writes the fitted hardware profiles (the shipped
-defaults are regenerated with `--save engine/hardware_profiles`); `--profile CSV` reports the
+defaults are regenerated with `--save engine/pricing/hardware_profiles`); `--profile CSV` reports the
 same families for a profile measured on the user's own GPU against a hardware profile.
 """
 from __future__ import annotations
@@ -20,15 +20,15 @@ import numpy as np
 import pandas as pd
 from rich.markup import escape
 
-from engine.costmodel import BatchShape, CostModel
-from engine.errors import ConfigError
+from engine.pricing.costmodel import BatchShape, CostModel
+from engine.base.errors import ConfigError
 from testbed.calibrate.gpu_tables import PublishedTables, read_published
-from engine.hardware import HardwareSpec, get_hardware
+from engine.pricing.hardware import HardwareSpec, get_hardware
 from testbed.calibrate.kernel_fit import (DEFAULT_FIT_MODELS, LINEAR_OPS, AttentionShape, Device, KernelFit,
                                           attention_split, fit_kernels, gqa_points_from, kv_read_cap, layer_shape,
                                           link_features)
-from engine.kernels import KernelCoefficients, LayerShape
-from engine.models import ModelSpec
+from engine.pricing.kernels import KernelCoefficients, LayerShape
+from engine.pricing.models import ModelSpec
 
 # The device each table was measured on, and the names its fit is shipped under.
 DEVICE_HARDWARE = {"a100": "a100-80g", "h100": "h100-80g", "a40": "a40-48g"}
@@ -332,7 +332,7 @@ def shipped_specs(fits: dict[str, KernelFit], date: str) -> list[tuple[HardwareS
         notes = fit.notes + extra_notes
         out.append((spec, {"source": SOURCE, "device_tables": fit.device.name, "rows_used": fit.rows_used,
                            "fit_models": list(DEFAULT_FIT_MODELS), "date": date, "version": version,
-                           "command": "testbed calibrate tables --save engine/hardware_profiles", "notes": notes}))
+                           "command": "testbed calibrate tables --save engine/pricing/hardware_profiles", "notes": notes}))
 
     if "a100" in fits:
         a = fits["a100"]

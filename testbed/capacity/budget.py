@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed.capacity.settings import CapacitySettings
 from testbed.config.overrides import explicit_keys
 

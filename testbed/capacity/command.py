@@ -34,10 +34,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed import signals
 from testbed.sweep import jobs as sweep
-from testbed.capacity import budget, results
+import testbed.capacity.budget as budget
+import testbed.capacity.results as results
 from testbed.capacity.search import RateSearch
 from testbed.capacity.settings import CapacitySettings, check_prices, parse
 from testbed.capacity.steady import Unloaded, cycled, cycles, is_steady, probe_duration, unloaded, unloaded_miss

@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import ConfigError, TestbedError
-from engine.metrics import SLO
-from engine.request import Request
+from engine.base.errors import ConfigError, TestbedError
+from engine.core.metrics import SLO
+from engine.core.request import Request
 from testbed.sweep import jobs as sweep
 from testbed.capacity.command import HOST_BOUND, CapacityFeed
 from testbed.capacity.settings import CapacitySettings

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from engine.metrics import SLO
+from engine.core.metrics import SLO
 from testbed.sweep import jobs as sweep
 from testbed.capacity.search import RateSearch
 from testbed.capacity.steady import backlog_growth

@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 
-from engine.errors import ConfigError
-from engine.metrics import SLO
-from engine.typed import setting
+from engine.base.errors import ConfigError
+from engine.core.metrics import SLO
+from engine.base.typed import setting
 from testbed.config.overrides import check_keys, parse_settings, scalar
 from workloads.arrivals import MAX_RATE
 

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from engine.errors import TestbedError
-from engine.metrics import SLO
-from engine.request import Request
+from engine.base.errors import TestbedError
+from engine.core.metrics import SLO
+from engine.core.request import Request
 from testbed.capacity.settings import CapacitySettings
 from testbed.config.spec import RunSpec
 

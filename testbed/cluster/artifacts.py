@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from engine.errors import TestbedError
+from engine.base.errors import TestbedError
 
 SERVER_SCHEMES = ("http://", "https://")
 

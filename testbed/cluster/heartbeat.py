@@ -49,7 +49,7 @@ def default_for(url: str, interval: int | None, grace: int | None) -> Heartbeat:
     if grace is None:
         grace = max(DEFAULT_GRACE_S, 3 * interval) if interval else DEFAULT_GRACE_S
     if interval and grace <= interval:  # every trial would look dead between two heartbeats
-        from engine.errors import ConfigError
+        from engine.base.errors import ConfigError
 
         raise ConfigError(f"tune.grace_period={grace} must be longer than tune.heartbeat={interval} "
                           f"(e.g. tune.grace_period={3 * interval})")

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed.config.redact import redact
 
 EXTRA = "pip install -e '.[postgres]'"

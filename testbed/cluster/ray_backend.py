@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed.config.overrides import as_int, split_prefixed
 
 BACKENDS = ("local", "ray")

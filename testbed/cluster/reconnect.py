@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.errors import TestbedError
+from engine.base.errors import TestbedError
 
 DEFAULT_WINDOW_S = 120.0
 ENV = "TESTBED_RECONNECT_S"
@@ -59,7 +59,7 @@ def window_s() -> float:
     except ValueError:
         value = -1.0
     if not value >= 0:
-        from engine.errors import ConfigError
+        from engine.base.errors import ConfigError
 
         raise ConfigError(f"invalid {ENV}={raw!r}: seconds, a number >= 0 (default {DEFAULT_WINDOW_S:g})")
     return value

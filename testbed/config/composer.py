@@ -2,15 +2,15 @@
 
 Each group's choices come from the code, not from YAML copies: a policy's group node is its
 `Params` dataclass, a workload's is its config dataclass, hardware and model nodes are the
-tables in engine/hardware.py and engine/models.py, and the top-level sections (`parallel`, `kv`,
-`link`, `runtime`, `slo`, `output`) are the dataclasses of engine/settings.py. Adding a policy
+tables in engine/pricing/hardware.py and engine/pricing/models.py, and the top-level sections (`parallel`, `kv`,
+`link`, `runtime`, `slo`, `output`) are the dataclasses of engine/base/settings.py. Adding a policy
 therefore adds `policy=<name>` and every `policy.<param>=` override with nothing else to edit.
 
 `compose(overrides)` returns the resolved DictConfig, already validated: every user mistake
 (unknown group choice, unknown or blank key, `+key`/`~key`, a key given twice, bad syntax, an
 unresolvable `${...}`, a value of the wrong type or out of range) becomes a `ConfigError` whose one
 line names the value and the valid choices, which the CLI prints without a traceback.
-`run_config(cfg)` turns a composed config into the typed `engine.settings.RunConfig` that the
+`run_config(cfg)` turns a composed config into the typed `engine.base.settings.RunConfig` that the
 runner and the executors read.
 
 Random streams and seeds. `seed` (an integer >= 0, default 0) is the root of every random stream
@@ -43,18 +43,18 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from engine.costmodel import CostCoefficients
-from engine.errors import ConfigError, unknown_choice
-from engine.executor import EXECUTORS
-from engine.hardware import HARDWARE, HardwareSpec
-from engine.models import MODELS, ModelSpec
-from engine.policy import POLICIES, make_params
-from engine.settings import SECTIONS, ExecutorChoice, RunConfig
-from engine.typed import build, coerce
-from testbed.serve.settings import serve_defaults
+from engine.pricing.costmodel import CostCoefficients
+from engine.base.errors import ConfigError, unknown_choice
+from engine.core.executor import EXECUTORS
+from engine.pricing.hardware import HARDWARE, HardwareSpec, get_hardware
+from engine.pricing.models import MODELS, ModelSpec
+from engine.core.policy import POLICIES, make_params
+from engine.base.settings import SECTIONS, ExecutorChoice, RunConfig
+from engine.base.typed import build, coerce
+from testbed.config.serve import serve_defaults
 from workloads.base import WORKLOADS, workload_config
 
-import engine.sim  # noqa: F401  (registers executor=sim)
+import engine.simulator.sim  # noqa: F401  (registers executor=sim)
 import engine.torch_exec  # noqa: F401  (registers executor=torch; torch itself is imported only when used)
 import policies  # noqa: F401  (registers every policy)
 import workloads  # noqa: F401  (registers every workload)
@@ -93,7 +93,7 @@ def _seeded(node: dict) -> dict:
 
 
 _DEFAULT = RunConfig()
-# The top-level keys and their defaults, from the dataclasses of engine/settings.py.
+# The top-level keys and their defaults, from the dataclasses of engine/base/settings.py.
 BASE = {
     "seed": _DEFAULT.seed,
     **{name: _node(getattr(_DEFAULT, name)) for name in ("parallel", "kv", "link", "runtime", "slo")},
@@ -101,15 +101,15 @@ BASE = {
     "data_dir": _DEFAULT.data_dir,
     "output": _node(_DEFAULT.output),
     "check_integrity": _DEFAULT.check_integrity,
-    "serve": serve_defaults(),  # `testbed serve` (testbed/serve/settings.py)
+    "serve": serve_defaults(),  # `testbed serve` (testbed/config/serve.py)
 }
 
 
 def load_saved_profiles() -> list[str]:
     """Register the calibrated hardware profiles saved by `testbed profile` ($TESTBED_PROFILE_DIR,
-    default runs/profiles/*.yaml), after those shipped in engine/hardware_profiles/, so that
+    default runs/profiles/*.yaml), after those shipped in engine/pricing/hardware_profiles/, so that
     `hardware=<name>` finds them."""
-    from testbed.calibrate.fit import SHIPPED_PROFILES_DIR, load_profiles_dir
+    from testbed.config.profiles import SHIPPED_PROFILES_DIR, load_profiles_dir
 
     shipped = load_profiles_dir(SHIPPED_PROFILES_DIR, on_error=_skip_profile)
     return shipped + load_profiles_dir(os.environ.get("TESTBED_PROFILE_DIR") or "runs/profiles", on_error=_skip_profile)
@@ -125,6 +125,14 @@ def _skip_profile(path, exc: Exception) -> None:
     if str(path) not in _WARNED:
         _WARNED.add(str(path))
         print(f"warning: skipping hardware profile {path}: {exc}", file=sys.stderr)
+
+
+def hardware_node(name: str) -> dict:
+    """The `hardware` section of a registered GPU (saved profiles included), as a derived spec
+    takes it (`spec.with_values({"hardware": hardware_node(name)})`); one `error:` line naming the
+    choices when `name` is none of them."""
+    load_saved_profiles()
+    return _node(get_hardware(name))
 
 
 def group_nodes() -> dict[str, dict[str, dict]]:
@@ -275,7 +283,7 @@ def to_container(cfg: DictConfig) -> dict:
 
 
 def run_config(cfg: Mapping[str, Any]) -> RunConfig:
-    """The typed top-level run config of a composed config (engine/settings.py)."""
+    """The typed top-level run config of a composed config (engine/base/settings.py)."""
     top = {k: cfg[k] for k in ("seed", "data_dir", "check_integrity") if k in cfg}
     sections = {name: build(cls, _mapping(cfg, name), name) for name, cls in SECTIONS.items()}
     ex = _mapping(cfg, "executor")

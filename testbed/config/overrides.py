@@ -5,15 +5,15 @@ their own `tune.*` / `compare.*` keys. Those keys are not part of the composed c
 not depend on how it was launched), so they are split off here before `compose` and parsed into
 frozen dataclasses by the command that owns them. Parsing is deliberately tiny and shell-friendly:
 `[a,b]` or `a,b` for lists, `true/false/null`, ints, floats, everything else a string; the values
-are then checked by the same system as every other setting (engine/typed.py).
+are then checked by the same system as every other setting (engine/base/typed.py).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from engine.errors import ConfigError
-from engine.typed import build, coerce
+from engine.base.errors import ConfigError
+from engine.base.typed import build, coerce
 
 
 def split_prefixed(overrides: Sequence[str], prefix: str) -> tuple[dict[str, str], list[str]]:
@@ -110,7 +110,7 @@ def as_bool(key: str, raw: str) -> bool:
 
 def parse_settings(cls: type, raw: Mapping[str, str], prefix: str) -> Any:
     """A settings dataclass from `prefix.key=value` strings (split off by `split_prefixed`): each value
-    is read by `scalar` and checked by its field's type and metadata (engine/typed.py)."""
+    is read by `scalar` and checked by its field's type and metadata (engine/base/typed.py)."""
     return build(cls, {k: scalar(v) for k, v in raw.items()}, prefix)
 
 

@@ -4,7 +4,7 @@ The command modules turn `key=value` overrides into a `RunSpec` (`compose_spec`,
 and hand it down; nothing below them indexes a config mapping by string. What a run is made of
 is in one place:
 
-    settings   engine.settings.RunConfig: seed, parallel, kv, link, runtime, slo, output,
+    settings   engine.base.settings.RunConfig: seed, parallel, kv, link, runtime, slo, output,
                executor (name + its settings), model (ModelSpec), hardware (HardwareSpec)
     policy     the policy's name and its `Params` dataclass
     workload   the workload's config dataclass (its `name` included)
@@ -27,12 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.cost_coefficients import CostCoefficients
-from engine.errors import ConfigError, bad_value
-from engine.policy import make_params
-from engine.settings import OutputSettings, RunConfig
+from engine.pricing.cost_coefficients import CostCoefficients
+from engine.base.errors import ConfigError, bad_value
+from engine.core.policy import make_params
+from engine.base.settings import OutputSettings, RunConfig
 from testbed.config.composer import compose_validated, flatten, to_container, validate
-from testbed.serve.settings import ServeSettings
+from testbed.config.serve import ServeSettings
 
 MAX_RUN_NAME_BYTES = 200  # file systems allow 255 bytes per name; MLflow's run-name limit is 250 characters
 
@@ -72,7 +72,7 @@ class RunSpec:
         if rc.output.run_name is not None:
             check_run_name(str(rc.output.run_name))
         if "policy" not in typed:
-            from engine.policy import POLICIES
+            from engine.core.policy import POLICIES
 
             raise ConfigError(f"no policy chosen; valid choices: {', '.join(POLICIES.names())}")
         return cls(settings=rc, policy_name=str(tree["policy"]["name"]), policy=typed["policy"],

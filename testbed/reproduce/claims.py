@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed.reproduce.studies import Claim
 from testbed.reproduce.verdicts import REDUCERS, Verdict, geomean, verdict
 

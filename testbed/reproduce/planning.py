@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ConfigError
-from engine.policy import POLICIES
+from engine.base.errors import ConfigError
+from engine.core.policy import POLICIES
 from testbed.sweep.compare import grid
 from testbed.config.composer import DEFAULTS, compose
 from testbed.config.spec import RunSpec

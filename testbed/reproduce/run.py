@@ -17,11 +17,11 @@ from typing import Any
 
 import pandas as pd
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed import signals
 from testbed.sweep import jobs as sweep
 from testbed.cluster.ray_backend import split_backend
-from testbed.cluster.ray_tasks import remote_pool
+from testbed.sweep.ray_points import ray_pool
 from testbed.sweep.compare import axis_value, grid
 from testbed.config.spec import compose_spec
 from testbed.config.overrides import split_prefixed
@@ -201,7 +201,7 @@ def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), 
         if run.capacity is not None:
             job_rows.extend(_capacity_rows(run, parent, workers, console))
         else:
-            sweep.run_jobs(run.jobs, workers, console, run.run0.output.progress, job_rows, pool=remote_pool(backend))
+            sweep.run_jobs(run.jobs, workers, console, run.run0.output.progress, job_rows, pool=ray_pool(backend))
     except KeyboardInterrupt as exc:
         _flush_partial(run, job_rows, time.perf_counter() - t0, signals.interrupted_message(exc))
         parent.end_interrupted(exc, console, f"the table of the {len(job_rows)} run(s) done", run.out_dir)

@@ -12,8 +12,8 @@ from typing import Any
 import yaml
 
 import policies  # noqa: F401  (registers every policy: a study's `requires` names them)
-from engine.errors import ConfigError, TestbedError
-from engine.policy import POLICIES
+from engine.base.errors import ConfigError, TestbedError
+from engine.core.policy import POLICIES
 from testbed.reproduce.verdicts import DEFAULT_ABS_TOL, DEFAULT_MIN_EFFECT, DEFAULT_TOLERANCE, REDUCERS
 
 STUDY_SUFFIX = ".yaml"

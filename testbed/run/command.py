@@ -22,7 +22,8 @@ from typing import Any, Sequence
 
 from rich.markup import escape
 
-from engine.settings import OutputSettings
+from engine.base.settings import OutputSettings
+from testbed.run import FIGURES
 from testbed.run.outputs import (OutputWriteError, display_name, folder_name, plot_data,
                              prepare_output_dir, reserve_run_dir, write_run_dir)
 from testbed.run.runner import RunInterrupted, RunResult
@@ -37,7 +38,7 @@ def run_command(overrides: Sequence[str], console, t_start: float | None = None,
     """`bg`: background processes the caller started before importing this module (testbed/cli.py),
     else they start here, still before the config is composed."""
     t_start = time.perf_counter() if t_start is None else t_start
-    bg = Background.from_command_line(overrides) if bg is None else bg
+    bg = Background.from_command_line(overrides, FIGURES) if bg is None else bg
     with one_stop():  # the first signal stops the run; later ones cannot interrupt the save
         return _run(overrides, console, t_start, bg)
 

@@ -1,7 +1,7 @@
 """The run directory: everything one experiment leaves behind, for people and for MLflow.
 
     <output.dir>/<run folder>/
-      summary.json        stable keys (engine/metrics.SUMMARY_KEYS), deterministic for a seed
+      summary.json        stable keys (engine/core/metrics.SUMMARY_KEYS), deterministic for a seed
       run_info.json       wall time, memory, derived sizes (not deterministic, so kept apart)
       config.yaml         the fully resolved config
       requests.csv        one row per request (TTFT, TPOT, E2EL, status, fail reason)  } output.requests
@@ -31,8 +31,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from engine.errors import ConfigError, TestbedError, bad_value
-from engine.trace import Tracer
+from engine.base.errors import ConfigError, TestbedError, bad_value
+from engine.core.trace import Tracer
 from testbed.config.redact import redacted
 from testbed.config.spec import check_run_name
 
@@ -280,7 +280,7 @@ def trace_tracks(result: RunResult) -> list[str]:
 
 
 def write_trace(result: RunResult, path: Path) -> None:
-    """Chrome/Perfetto JSON (the format of engine/trace.Tracer.write_chrome_trace), streamed line by
+    """Chrome/Perfetto JSON (the format of engine/core/trace.Tracer.write_chrome_trace), streamed line by
     line instead of built as one list of dicts: 3x faster and without a second copy in memory."""
     tracer = result.tracer
     tids = {t: i for i, t in enumerate(trace_tracks(result))}

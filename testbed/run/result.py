@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.trace import Tracer
+from engine.core.trace import Tracer
 from testbed.config.spec import RunSpec
 
 

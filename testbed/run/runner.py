@@ -13,14 +13,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.controller import Controller
-from engine.costmodel import CostModel
-from engine.errors import ConfigError, RunFailedError, TestbedError
-from engine.executor import EXECUTORS, ExecutorBuild
-from engine.kv import BlockManager
-from engine.metrics import SLO, microbatch_rows, request_rows, summarize
-from engine.policy import POLICIES, PrepareContext
-from engine.settings import Link, RunConfig
+from engine.core.controller import Controller
+from engine.pricing.costmodel import CostModel
+from engine.base.errors import ConfigError, RunFailedError, TestbedError
+from engine.core.executor import EXECUTORS, ExecutorBuild
+from engine.core.kv import BlockManager
+from engine.core.metrics import SLO, microbatch_rows, request_rows, summarize
+from engine.core.policy import POLICIES, PrepareContext
+from engine.base.settings import Link, RunConfig
 from testbed.run.outputs import make_tracer
 from testbed.signals import signal_name
 from testbed.run.result import RunInterrupted, RunResult
@@ -47,7 +47,7 @@ def kv_blocks(rc: RunConfig, cost: CostModel) -> tuple[int, int]:
         return kv.num_blocks, kv.block_size
     st = rc.executor.settings
     if rc.executor.name == "torch" and st.device == "cpu" and st.launch == "spawn":  # not the GPU's memory
-        from engine.settings import MAX_KV_BLOCKS
+        from engine.base.settings import MAX_KV_BLOCKS
         from engine.torch_exec.kv_sizing import cpu_pool_for
 
         n = cpu_pool_for(cost.model, kv.block_size, st.resolved_dtype, MAX_KV_BLOCKS)
@@ -58,7 +58,7 @@ def kv_blocks(rc: RunConfig, cost: CostModel) -> tuple[int, int]:
 
 
 def link_settings(rc: RunConfig, cost: CostModel) -> Link:
-    """The run's stage-to-stage link, resolved once (engine/settings.py: null = the hardware's)."""
+    """The run's stage-to-stage link, resolved once (engine/base/settings.py: null = the hardware's)."""
     return rc.link.resolve(cost.hardware)
 
 

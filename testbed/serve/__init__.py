@@ -12,6 +12,6 @@ client that replays workloads against any such server is testbed/bench/serve.py.
 Importing this package is cheap (the config layer reads `ServeSettings`); the server's
 dependencies are imported by the modules that need them.
 """
-from testbed.serve.settings import ServeSettings
+from testbed.config.serve import ServeSettings
 
 __all__ = ["ServeSettings"]

@@ -29,7 +29,7 @@ from testbed.serve.limits import BodyLimit
 from testbed.serve.metrics import ServeMetrics
 from testbed.serve.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, GenerateSpec, _Sampling,
                                     public_message, single_prompt)
-from testbed.serve.settings import ServeSettings
+from testbed.config.serve import ServeSettings
 
 DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often the connection is checked
 

@@ -1,7 +1,7 @@
 """The engine thread: the same Controller and policy as `testbed run`, fed by HTTP requests.
 
 One thread owns the controller (it is not thread-safe) and loops over its online API
-(engine/controller.py): new requests and aborts come through a thread-safe inbox and are applied
+(engine/core/controller.py): new requests and aborts come through a thread-safe inbox and are applied
 between steps (`Controller.submit`, `Controller.abort`); `Controller.step` schedules, launches and
 applies one completion; its `inspect` hook sees each sampled token first, so a request that
 samples EOS (unless `ignore_eos`), one of its `stop_token_ids` or completes a stop string ends
@@ -32,11 +32,11 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from engine.batch import MicroBatch
-from engine.controller import Controller
-from engine.errors import RunFailedError
-from engine.executor import Completion
-from engine.request import Request, SeqStatus, Sequence
+from engine.core.batch import MicroBatch
+from engine.core.controller import Controller
+from engine.base.errors import RunFailedError
+from engine.core.executor import Completion
+from engine.core.request import Request, SeqStatus, Sequence
 from testbed.serve.codec import Codec
 from testbed.serve.protocol import GenerateSpec
 

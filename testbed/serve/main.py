@@ -3,7 +3,7 @@
 The run config is built exactly as `testbed run` builds it (`prepare_experiment`: policy,
 cost model, KV block manager, executor), then a Controller with no requests of its own is made
 over the same pieces and driven online by the engine thread (engine_loop.py). Under
-`executor=sim` the simulator is wrapped in `PacedExecutor` (engine/paced.py) at
+`executor=sim` the simulator is wrapped in `PacedExecutor` (engine/simulator/paced.py) at
 `serve.time_scale`.
 
 One MLflow run per server (when `output.mlflow`): opened at start, and at shutdown given the
@@ -22,13 +22,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.controller import Controller
-from engine.errors import ConfigError
-from engine.metrics import SLO, microbatch_rows, request_rows, summarize
-from engine.paced import PacedExecutor
-from engine.request import Request
+from engine.core.controller import Controller
+from engine.base.errors import ConfigError
+from engine.core.metrics import SLO, microbatch_rows, request_rows, summarize
+from engine.simulator.paced import PacedExecutor
+from engine.core.request import Request
 from testbed.run.runner import RunResult, prepare_experiment
-from testbed.serve.settings import ServeSettings
+from testbed.config.serve import ServeSettings
 from testbed.config.spec import RunSpec
 
 CUT_GRACE_S = 2.0  # after the drain time, how long cut requests get to send their error and `[DONE]`

@@ -2,18 +2,18 @@
 
 Latency histograms are observed when a request finishes, on the executor's clock (so under
 `executor=sim` they show the simulated cluster's TTFT/TPOT/E2EL, with the definitions of
-engine/metrics.py). Engine state is read from the controller at scrape time by a collector:
+engine/core/metrics.py). Engine state is read from the controller at scrape time by a collector:
 running and waiting requests, KV usage, preemptions, and per stage the busy seconds (the
 tracer's running sums, which never drop) and the bubble ratio (1 - busy / time with a
-micro-batch in flight, engine/metrics.py's definition). Each server has its own registry.
+micro-batch in flight, engine/core/metrics.py's definition). Each server has its own registry.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.controller import Controller
-from engine.request import Sequence
+from engine.core.controller import Controller
+from engine.core.request import Sequence
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)

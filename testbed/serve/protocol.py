@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from engine.request import INT64_MAX, INT64_MIN, SamplingParams
+from engine.core.request import INT64_MAX, INT64_MIN, SamplingParams
 
 MIN_TEMPERATURE = 0.01  # vLLM's floor for a non-zero temperature: below it the draws overflow
 MAX_TOP_K = (1 << 31) - 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from testbed.serve.engine_loop import EngineLoop
 from testbed.serve.protocol import GenerateSpec
 

@@ -43,16 +43,16 @@ import pandas as pd
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed import signals
 from testbed.sweep import jobs as sweep
 from testbed.cluster.ray_backend import split_backend
-from testbed.cluster.ray_tasks import remote_pool
+from testbed.sweep.ray_points import ray_pool
 from testbed.config.spec import compose_spec
 from testbed.config.overrides import as_int, check_keys, explicit_keys, split_list, split_prefixed
 from testbed.config.spec import RunSpec
 from testbed.sweep.report import FIGURE_METRICS, print_table, sort_rows, write_comparison
-from testbed.tune.objectives import SCALAR_KEYS, resolve_metric
+from testbed.config.objectives import SCALAR_KEYS, resolve_metric
 
 COMPARE_KEYS = ("workers", "experiment", "x", "metrics")
 # grids larger than this need --yes: composing alone takes ~4 ms a point (200,000 points: 12 minutes
@@ -236,7 +236,7 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
     rows: list[dict] = []
     t0 = time.perf_counter()
     try:
-        sweep.run_jobs(jobs, p.settings.workers, console, out.progress, rows, pool=remote_pool(p.backend))
+        sweep.run_jobs(jobs, p.settings.workers, console, out.progress, rows, pool=ray_pool(p.backend))
     except KeyboardInterrupt as exc:
         _write(p, rows, time.perf_counter() - t0, parent, plots=False, interrupted=signals.interrupted_message(exc))
         parent.end_interrupted(exc, console, f"the table of the {len(rows)} point(s) done", p.out_dir)

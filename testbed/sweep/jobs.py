@@ -43,8 +43,8 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from engine.errors import TestbedError
-from engine.settings import OutputSettings
+from engine.base.errors import TestbedError
+from engine.base.settings import OutputSettings
 from testbed import signals
 from testbed.run.outputs import axis_name, write_run_dir
 from testbed.run.runner import prepare_experiment
@@ -376,7 +376,7 @@ class Feed:
 def run_jobs(jobs: Sequence[Job], workers: int, console: Any, progress_on: bool, rows: list[dict],
              feed: Feed | None = None, pool: Callable[[list[Job]], Any] | None = None) -> list[dict]:
     """Run every job (in this process, in `workers` spawned processes, or in the `pool` a caller
-    gives, with WorkerPool's `run(done)`: sweep.backend=ray's, testbed/cluster/ray_tasks.py),
+    gives, with WorkerPool's `run(done)`: sweep.backend=ray's, testbed/sweep/ray_points.py),
     appending each row to `rows`
     as it arrives, so an interrupted caller still holds the points done so far. With a `feed`,
     its jobs run instead, and each finished row may queue further jobs."""

@@ -27,7 +27,7 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed.config.redact import redact
 
 TABLE_METRICS = ("throughput_tok_s", "output_throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s",

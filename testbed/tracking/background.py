@@ -14,7 +14,8 @@ can reach the reply channel (it did, and `testbed run` died on a JSONDecodeError
 
     {"op": "start", "uri", "experiment", "artifact_location", "run_name", "tags", "params"}
         -> {"ok": true, "run_id": ..., "experiment_id": ...} | {"ok": false, "error": ...}
-    {"op": "plots", "run_dir", "plots": {...}}   (testbed/outputs.plot_data)
+    {"op": "plots", "run_dir", "plots": {...}}   (testbed/run/outputs.plot_data; drawn by the renderer
+        the caller named, `--render module:function`: testbed/run/plots.render_plots)
         -> {"ok": true} | {"ok": false, "error": ...}
     {"op": "finish", "run_dir", "metrics": [[k, v, step], ...], "tags": {...},
      "status": "FINISHED" | "FAILED" | "KILLED"}
@@ -32,6 +33,7 @@ the run's end (metrics, tags, files, status) is recorded from the main process i
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import queue
@@ -81,15 +83,17 @@ def reply_timeout_s() -> float:
 class Sidecar:
     """The `testbed run` side of the protocol."""
 
-    def __init__(self, mlflow: bool, plots: bool) -> None:
-        self.with_mlflow, self.with_plots = mlflow, plots
+    def __init__(self, mlflow: bool, render: str | None) -> None:
+        """`render`: the figure renderer as "module:function" (None: no figures), named by the
+        caller (`testbed run`), so that this folder imports nothing of the command above it."""
+        self.with_mlflow, self.with_plots = mlflow, render is not None
         self._stderr = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ)
         env.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # reachability was checked; fail fast after
         env.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
         env["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[1]),
                                                         env.get("PYTHONPATH", "")] if p)
-        flags = (["--mlflow"] if mlflow else []) + (["--plots"] if plots else [])
+        flags = (["--mlflow"] if mlflow else []) + (["--render", render] if render else [])
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "testbed.tracking.background", *flags], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
@@ -248,16 +252,18 @@ class Background:
     (matplotlib; ~70 MB). Apart, each stays under 250 MB; together they took 259 MB.
 
     Which ones run is first read off the command line (`output.mlflow=false`,
-    `output.plots=false`), then `fit` to the composed config."""
+    `output.plots=false`), then `fit` to the composed config. `render`: the figure renderer,
+    "module:function" (testbed.run.FIGURES), handed down by the command."""
 
-    def __init__(self, mlflow: bool, plots: bool) -> None:
-        self.tracker = Sidecar(mlflow=True, plots=False) if mlflow else None
-        self.figures = Sidecar(mlflow=False, plots=True) if plots else None
+    def __init__(self, mlflow: bool, render: str | None) -> None:
+        self.render = render
+        self.tracker = Sidecar(mlflow=True, render=None) if mlflow else None
+        self.figures = Sidecar(mlflow=False, render=render) if render else None
 
     @classmethod
-    def from_command_line(cls, overrides) -> "Background":
+    def from_command_line(cls, overrides, render: str | None) -> "Background":
         said = {ov.lstrip("+~").replace(" ", "").lower() for ov in overrides}
-        return cls(mlflow="output.mlflow=false" not in said, plots="output.plots=false" not in said)
+        return cls(mlflow="output.mlflow=false" not in said, render=None if "output.plots=false" in said else render)
 
     def fit(self, *, mlflow: bool, plots: bool) -> None:
         """Stop the processes the config turns off; start those it turns on."""
@@ -265,12 +271,12 @@ class Background:
             self.tracker.close()
             self.tracker = None
         elif mlflow and self.tracker is None:
-            self.tracker = Sidecar(mlflow=True, plots=False)
+            self.tracker = Sidecar(mlflow=True, render=None)
         if not plots and self.figures is not None:
             self.figures.close()
             self.figures = None
-        elif plots and self.figures is None:
-            self.figures = Sidecar(mlflow=False, plots=True)
+        elif plots and self.figures is None and self.render:
+            self.figures = Sidecar(mlflow=False, render=self.render)
 
     def close(self) -> None:
         for p in (self.tracker, self.figures):
@@ -289,7 +295,13 @@ def _reply_channel():
     return os.fdopen(fd, "w")
 
 
-def _serve(mlflow: bool, plots: bool) -> None:
+def _renderer(name: str):
+    """The function "module:function" names (imported here, while the simulation runs)."""
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _serve(mlflow: bool, render: str | None) -> None:
     t0 = time.monotonic()
     replies = _reply_channel()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -299,8 +311,7 @@ def _serve(mlflow: bool, plots: bool) -> None:
 
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    if plots:
-        import testbed.run.plots  # noqa: F401  (import while the simulation runs)
+    draw = _renderer(render) if render else None
     if mlflow:
         import mlflow as _mlflow  # noqa: F401
         from testbed.tracking.tracker import Tracker  # noqa: F401
@@ -317,9 +328,9 @@ def _serve(mlflow: bool, plots: bool) -> None:
                 run_id = tracker.start_flat(msg["params"], msg["run_name"], msg["tags"])
                 reply: dict = {"ok": True, "run_id": run_id, "experiment_id": tracker.experiment_id}
             elif msg["op"] == "plots":
-                from testbed.run.plots import render_plots
-
-                render_plots(msg["plots"], Path(msg["run_dir"]))
+                if draw is None:
+                    raise RuntimeError("this process was started without a figure renderer")
+                draw(msg["plots"], Path(msg["run_dir"]))
                 reply = {"ok": True}
             elif msg["op"] == "finish":
                 finished = True
@@ -344,4 +355,4 @@ def _serve(mlflow: bool, plots: bool) -> None:
 
 
 if __name__ == "__main__":
-    _serve("--mlflow" in sys.argv, "--plots" in sys.argv)
+    _serve("--mlflow" in sys.argv, sys.argv[sys.argv.index("--render") + 1] if "--render" in sys.argv else None)

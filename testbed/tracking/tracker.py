@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import ConfigError
-from engine.settings import OutputSettings
+from engine.base.errors import ConfigError
+from engine.base.settings import OutputSettings
 from testbed.tracking.views import (ALL_RUNS, HEADLINE_METRICS, HEADLINE_SECTION, TAG_PREFIX, View, headline_view,
                                     view_link)
 

@@ -44,7 +44,7 @@ sqlite:////tmp/optuna-copy.db`): pointing optuna-dashboard at the SQLite file of
 has crashed the study (optuna-dashboard issue 545). For a live view use PostgreSQL storage.
 """
 from testbed.tune.command import TuneOutcome, cli_tune, finish_study, open_study, print_outcome, run_tune
-from testbed.tune.objectives import SCALAR_KEYS, Constraint, resolve_metric
+from testbed.config.objectives import SCALAR_KEYS, Constraint, resolve_metric
 from testbed.tune.problem import Problem, prepare
 from testbed.tune.settings import TuneSettings, parse_settings
 from testbed.tune.space import SpaceSpec

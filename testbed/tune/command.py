@@ -16,7 +16,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed import signals
 from testbed.cluster.ray_backend import split_backend
 from testbed.cluster import identity
@@ -25,7 +25,7 @@ from testbed.tracking.tracker import check_tracking_uri, tracking_uri
 from testbed.tracking.views import study_view
 from testbed.tune.display import Display, pareto_indices, print_start, values_text
 from testbed.tune.figures import trials_frame, write_study_figures
-from testbed.tune.objectives import sig4
+from testbed.config.objectives import sig4
 from testbed.tune.problem import Problem, fingerprint_of, first_difference, prepare
 from testbed.tune.reclaim import end_stray_runs, reclaim, recoverer, settle
 from testbed.tune.storage import (INTERRUPTED, counted, create_or_load, fail_stale, first_use_lock, heartbeat_of,
@@ -197,7 +197,7 @@ def _run_trials(problem: Problem, display: Display, already: int, backend: Any =
             if already >= s.trials:
                 return 0, [], 0
             if backend is not None and backend.remote:
-                from testbed.cluster.ray_tasks import run_trials_on_ray
+                from testbed.tune.ray_trials import run_trials_on_ray
 
                 return (*run_trials_on_ray(problem, display.event, backend), 0)
             if s.workers == 1:

@@ -11,7 +11,7 @@ from optuna.trial import TrialState
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from testbed.tune.objectives import sig4
+from testbed.config.objectives import sig4
 from testbed.tune.problem import Problem
 from testbed.tune.space import dist_text
 from testbed.tune.storage import INTERRUPTED, redact

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ConfigError
-from engine.policy import POLICIES
+from engine.base.errors import ConfigError
+from engine.core.policy import POLICIES
 from testbed.config.composer import flatten
 from testbed.config.spec import compose_spec
 from testbed.config.overrides import explicit_keys, split_prefixed

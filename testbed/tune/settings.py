@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed.config.overrides import as_bool, as_float, as_int, check_keys, split_list
-from testbed.tune.objectives import Constraint, default_direction, resolve_metric
+from testbed.config.objectives import Constraint, default_direction, resolve_metric
 from testbed.tune.space import SpaceSpec, parse_space
 
 TUNE_KEYS = ("objective", "direction", "trials", "study", "storage", "workers", "constraints", "sampler",

@@ -17,7 +17,7 @@ from typing import Any
 
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed.config.overrides import check_path, get_path, scalar, split_list
 
 MICROBATCH_KEY = "parallel.num_microbatches"

@@ -27,7 +27,7 @@ from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState
 from sqlalchemy import event  # sqlalchemy comes with optuna's RDB storage
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from testbed.cluster import heartbeat, identity, reconnect
 from testbed.cluster.postgres import advisory_lock, check_driver
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from optuna.trial import TrialState
 
-from engine.errors import TestbedError
+from engine.base.errors import TestbedError
 from testbed.cluster import heartbeat, identity
 from testbed.cluster.artifacts import ArtifactStoreError
 from testbed.cluster.reconnect import ServiceLost

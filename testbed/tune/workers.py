@@ -29,7 +29,7 @@ import optuna
 
 from testbed import signals
 from testbed.sweep import jobs as sweep
-from testbed.tune import reclaim
+import testbed.tune.reclaim as reclaim
 from testbed.tune.problem import Problem
 from testbed.cluster import heartbeat, identity
 from testbed.cluster.reconnect import ServiceLost

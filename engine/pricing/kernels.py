@@ -1,0 +1,470 @@
+"""Operator-level GPU costs fitted to measured kernel times (docs/calibration.md#measured-kernels).
+
+The roofline of engine/pricing/costmodel.py prices a layer with six hand-set efficiencies. Checked against
+the published per-operator CUDA kernel times of the Vidur profiling tables (Agrawal et al., MLSys
+2024; A100, H100, A40), it is optimistic and unevenly so: GEMMs just past a tile step cost up to
+twice a smooth roofline, decode attention has a per-call floor of 10-20 us and reads KV at a rate
+that falls with the query heads per KV head, and causal prefill attention runs at 0.1-0.25 of the
+dense peak. This module prices each operator of one decoder layer with the terms those
+measurements demand; each term's docstring (on `KernelCoefficients`) names the residual it
+removes. `testbed/calibrate/kernel_fit.py` fits the coefficients; `CostModel` uses them when the hardware
+profile carries them (`HardwareSpec.kernels`).
+
+Torch-free, plain float arithmetic: `CostModel` precomputes what depends only on the token count
+into a table, so the simulator's hot path stays a lookup plus a few multiplications.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+
+from engine.base.errors import ConfigError
+
+__all__ = ["KernelCoefficients", "LayerShape", "LayerKernels", "GEMMS", "ELEMENTWISE"]
+
+# The four GEMMs of a decoder layer and the elementwise ops, by the names of the profile rows.
+GEMMS = ("gemm_qkv", "gemm_o", "gemm_up", "gemm_down")
+ELEMENTWISE = ("norm", "rope", "act", "add")
+
+
+@dataclass(frozen=True)
+class KernelCoefficients:
+    """Fitted per device. Times in seconds; efficiencies are fractions of the datasheet peak.
+
+    GEMMs (QKV, O, gate+up, down; and the lm_head): time = floor + max(compute, memory), with
+    compute = 2 * M_q * N * K / (peak * gemm_compute_efficiency), M_q the token count rounded up to
+    `gemm_token_quantum` (cuBLAS tiles the token dimension: on A100 a GEMM of 129-256 tokens costs
+    what 256 tokens cost, the step the smooth roofline misses by up to 2x), and memory = weights +
+    activations / (bandwidth * gemm_memory_efficiency) (1-8 token GEMMs stream their weights at
+    ~0.77 of A100's peak bandwidth). The floor is the shortest GEMM kernel (~5 us).
+    """
+
+    gemm_compute_efficiency: float = 0.73
+    gemm_memory_efficiency: float = 0.77
+    gemm_floor_s: float = 5e-6
+    gemm_token_quantum: int = 64
+    # The floor of a weight-streaming (memory-bound) GEMM: time = max(floor + compute, memory floor
+    # + memory); equal floors are the form above. One shared floor made the fit trade small against
+    # large weights: on H100 it put the streaming efficiency at 0.96 of peak and priced TP=1
+    # GEMMs of 1-128 tokens (the largest weights) 8% low; with its own floor, 0.88 and -4%.
+    gemm_memory_floor_s: float = 5e-6
+    # Elementwise ops (RMSNorm x2, rotary, SiLU x mul, residual add, embedding gather): bandwidth
+    # bound with a launch floor. Measured norms reach a third of peak bandwidth (fp32 accumulation,
+    # two passes), so they are not free as the roofline's activation traffic assumed.
+    # One efficiency per op: on A100 a residual add streams at ~0.9 of peak bandwidth while an
+    # RMSNorm reaches ~0.3 (one shared efficiency left add 80% and norm 30% off, median).
+    norm_efficiency: float = 0.35
+    rope_efficiency: float = 0.4
+    act_efficiency: float = 0.6
+    add_efficiency: float = 0.9
+    emb_efficiency: float = 0.5
+    elementwise_floor_s: float = 2e-6
+    # Decode attention: floor + KV bytes / (bandwidth * efficiency(g)), g = query heads per KV head.
+    # The floor is the A100's 10-20 us for one short sequence (-73% to -94% without it). The
+    # efficiency points (g, fraction) are interpolated in log2(g), flat beyond them. The fit
+    # (testbed/calibrate/kernel_fit.py) sets one point (one read rate for every g) and lets
+    # `decode_compute_efficiency` make large g FLOP bound; a profile may carry several points.
+    decode_floor_s: float = 12e-6
+    decode_kv_efficiency: tuple[tuple[float, float], ...] = ((1.0, 0.85), (8.0, 0.75), (16.0, 0.4))
+    # Once a decode batch has more (sequence, KV head) blocks than the GPU holds at once
+    # (`decode_waves` resident blocks per SM x sm_count), the kernel runs in whole waves: on the A100
+    # table the time jumps 1.46x from batch 54 to 55 with 4 KV heads (216 -> 220 blocks, 2 x 108
+    # SMs). 0 = no wave term. The fit picks 0, 1, 2 or 4 by median error: H100's 405B-shape samples
+    # select 2 (a 1.4x step at batch 34 with 8 KV heads: 272 > 264 blocks); on the A100 table the
+    # median is no better with it, so the shipped A100 profile has 0.
+    decode_waves: int = 2
+    # The decode kernel's FLOPs (QK and PV: 4 x query heads x head_dim per KV token) at
+    # `decode_compute_efficiency` of peak: a KV token costs max(KV bytes / read rate, FLOPs / FLOP
+    # rate), so the read rate falls as 1/g once g query heads per KV head make the kernel FLOP
+    # bound. One read efficiency and this FLOP rate describe all three A100 shapes (g = 1, 8, 16;
+    # ~0.05 of the dense peak: the 405B shape, g = 16, reads at 0.44 of peak where g = 1 reaches
+    # 0.97); per-g efficiency points fitted the shapes they saw and missed the held-out g by 40%.
+    decode_compute_efficiency: float = 1.0
+    # Per (sequence, KV head) block: a block's fixed work (its query load, softmax reductions, output
+    # write) amortised over the SMs. MHA Llama-2-7B at 32 tokens of context tops out at 0.17 of
+    # A100's bandwidth for batch >= 20 (45 ns per block); without it decode at context < 512 and
+    # batch >= 9 was priced 31-65% low.
+    decode_block_s: float = 0.0
+    # Few blocks leave SMs idle even with split-KV: the KV term is scaled by 1 + half / blocks
+    # (blocks = sequences x KV heads a GPU). A100 70B shape at TP 2 (4 KV heads): batch 1 reads at
+    # 0.23 of what batch 128 reaches, batch 4 at 0.54; without it batch <= 8 was priced 26-45% low.
+    decode_half_blocks: float = 0.0
+    # Split-KV (flash-decoding) regime: with fewer (sequence, KV head) blocks than
+    # `SPLIT_KV_FRACTION` x SMs, FlashAttention-2's decode splits each block's KV over several
+    # blocks and adds a combine kernel. The A100 70B table (4 KV heads a GPU, 108 SMs) steps down at
+    # the boundary at every context: batch 21 -> 22 (84 -> 88 blocks, 86.4 between) takes 17 -> 9 us
+    # at 32 tokens of context, 38 -> 22 us at 512; without this term its batches <= 21 were priced
+    # 20-47% low. Added to the call when the batch is below the boundary; 0 = no regime.
+    decode_split_s: float = 0.0
+    # Prefill attention (causal, one chunk of x new tokens after a cached prefix of L):
+    # floor + 4 * heads * head_dim * pairs / (peak * efficiency(x, L)), pairs = x*L + x(x+1)/2, with
+    # efficiency = prefill_efficiency * k / (k + prefill_half_keys), k = L + x/2 the mean keys a
+    # query attends: short chunks with no prefix leave the kernel's blocks short of work (measured
+    # 0.13 of A100's peak at 1,024 tokens, 0.19 at 4,096; the roofline assumed 0.5).
+    prefill_floor_s: float = 12e-6
+    prefill_efficiency: float = 0.25
+    prefill_half_keys: float = 500.0
+    # A prefill chunk also reads its prefix's KV from HBM: time = floor + max(the FLOP term above,
+    # context KV bytes / (bandwidth * decode_efficiency(g))). No published prefill row is KV-bound
+    # (the shortest chunk is 64 tokens after at most 4,032 at g = 8, 10x more FLOP time than KV
+    # time), so the read rate is the decode kernel's measured one at the same g; without it a
+    # 16-token chunk after 4,000 tokens on A100 with an MHA model was priced at 1/10 of its KV read.
+    # KV write (the kernel storing each new token's K and V into the paged cache, one call per layer
+    # for all the step's tokens): floor + tokens * KV bytes / (bandwidth * kv_write_efficiency).
+    # The newer tables' `attn_kv_cache_save` column: ~0.05 of peak bandwidth on A100 and H100.
+    # The fit sets the floor to `elementwise_floor_s` (a copy kernel; H100's TP 8 rows all store
+    # ~1.1 MB and cannot separate a floor from the rate).
+    kv_write_floor_s: float = 4e-6
+    kv_write_efficiency: float = 0.05
+    # Prefill waves: the kernel runs one block per (query head, `prefill_tile` query rows) of a
+    # chunk; blocks beyond a whole number of waves over the SMs leave the last wave part empty, so
+    # the FLOP rate is scaled by blocks / (waves * SMs). On H100's 405B samples at TP 8 (16 heads a
+    # GPU) a 2,112-token chunk is 272 blocks of 128 rows on 132 SMs, 3 waves at 0.69: the FLOP
+    # term alone priced it 20% low and TP 1 (128 heads) 20% high. 0 = no wave term.
+    prefill_tile: int = 0
+    # Prefill pairs against the cached prefix (x * L of a chunk of x after L) at their own FLOP
+    # efficiency, without the half-keys and wave terms, which then price only the chunk's causal
+    # pairs (x(x+1)/2, mean keys x/2). On H100's 405B samples the time's slope in the prefix is
+    # 0.26-0.31 of peak at TP 1 and TP 8 alike, while a chunk with no prefix runs at 0.04-0.08: one
+    # efficiency for both put the two shapes 95% / 46% apart held out (48% / 30% with this term).
+    # Several chunks in one call are taken as equal (their causal pairs' lower bound).
+    # 0 = one efficiency for all pairs (the form above).
+    prefill_prefix_efficiency: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "decode_kv_efficiency":
+                _check_points(value)
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be a finite number")
+            if f.name == "prefill_prefix_efficiency" and value == 0.0:
+                continue
+            if f.name.endswith("_efficiency") and not 0.0 < value <= 1.0:
+                raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be in (0, 1]")
+            if value < 0:
+                raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be >= 0")
+        if not isinstance(self.prefill_tile, int):
+            raise ConfigError(f"invalid kernels.prefill_tile={self.prefill_tile!r}: must be an integer >= 0")
+        if not isinstance(self.decode_waves, int):
+            raise ConfigError(f"invalid kernels.decode_waves={self.decode_waves!r}: must be an integer >= 0")
+        if not isinstance(self.gemm_token_quantum, int) or self.gemm_token_quantum < 1:
+            raise ConfigError(f"invalid kernels.gemm_token_quantum={self.gemm_token_quantum!r}: must be an integer >= 1")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping) -> KernelCoefficients:
+        """From a profile's `kernels:` mapping (YAML lists become tuples)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown kernels keys {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        data = dict(values)
+        if "gemm_floor_s" in data and "gemm_memory_floor_s" not in data:  # a profile of the one-floor form
+            data["gemm_memory_floor_s"] = data["gemm_floor_s"]
+        if "decode_kv_efficiency" in data:
+            data["decode_kv_efficiency"] = tuple(tuple(float(v) for v in p) for p in data["decode_kv_efficiency"])
+        for key in ("gemm_token_quantum", "decode_waves", "prefill_tile"):
+            if key in data:
+                data[key] = int(data[key])
+        return cls(**data)
+
+    def to_mapping(self) -> dict:
+        data = asdict(self)
+        data["decode_kv_efficiency"] = [list(p) for p in self.decode_kv_efficiency]
+        return data
+
+    def decode_efficiency(self, gqa: float) -> float:
+        """KV read efficiency at `gqa` query heads per KV head: linear in log2(g) between the fitted
+        points, flat beyond them."""
+        pts = self.decode_kv_efficiency
+        if gqa <= pts[0][0]:
+            return pts[0][1]
+        for (g0, e0), (g1, e1) in zip(pts, pts[1:]):
+            if gqa <= g1:
+                w = math.log2(gqa / g0) / math.log2(g1 / g0)
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
+
+
+def _check_points(points: object) -> None:
+    ok = isinstance(points, tuple) and len(points) >= 1 and all(
+        isinstance(p, tuple) and len(p) == 2 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in p)
+        for p in points)
+    if not ok or any(g < 1 or not 0 < e <= 1 for g, e in points) or any(
+            a[0] >= b[0] for a, b in zip(points, points[1:])):
+        raise ConfigError(f"invalid kernels.decode_kv_efficiency={points!r}: needs (gqa >= 1, efficiency in (0, 1]) "
+                          "points with increasing gqa")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The shape of one decoder layer on one GPU of a tensor-parallel group (what a table row or
+    a `ModelSpec` describes). `gated_mlp`: gate and up projections multiplied (SwiGLU: the up GEMM
+    is twice as wide and the activation reads two tensors), else one up projection and an
+    activation of one tensor (phi-2's GELU MLP: pricing it as gated made its linear part 25-32%
+    too slow)."""
+
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int = 32000
+    gated_mlp: bool = True
+    tp: int = 1
+    dtype_bytes: int = 2
+    hidden_act: str = "silu"
+
+    @property
+    def q_heads_gpu(self) -> int:
+        return self.q_heads // self.tp
+
+    @property
+    def kv_heads_gpu(self) -> int:
+        return max(1, self.kv_heads // self.tp)
+
+    @property
+    def gqa(self) -> float:
+        return self.q_heads / self.kv_heads
+
+    def gemm_dims(self) -> dict[str, tuple[int, int]]:
+        """(K, N) of each GEMM on one GPU: column-parallel QKV and gate+up, row-parallel O and down."""
+        h, hd, tp = self.hidden, self.head_dim, self.tp
+        up = (2 if self.gated_mlp else 1) * self.intermediate // tp
+        return {"gemm_qkv": (h, (self.q_heads_gpu + 2 * self.kv_heads_gpu) * hd),
+                "gemm_o": (self.q_heads_gpu * hd, h), "gemm_up": (h, up), "gemm_down": (self.intermediate // tp, h)}
+
+    def elementwise_bytes(self) -> dict[str, float]:
+        """Bytes per token moved by each elementwise op (read + write)."""
+        h, db = self.hidden, self.dtype_bytes
+        act_tensors = 3.0 if self.gated_mlp else 2.0  # gate and up read, product written; or one in, one out
+        return {"norm": 2.0 * h * db, "rope": 2.0 * (self.q_heads_gpu + self.kv_heads_gpu) * self.head_dim * db,
+                "act": act_tensors * (self.intermediate // self.tp) * db, "add": 3.0 * h * db, "emb": 2.0 * h * db}
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K and V of one token, this GPU's KV heads."""
+        return 2.0 * self.kv_heads_gpu * self.head_dim * self.dtype_bytes
+
+
+# FlashAttention-2's split-KV heuristic: split a decode call's KV when its blocks fill less than this
+# fraction of the SMs (`num_splits_heuristic`: `batch_nheads_mblocks >= 0.8f * num_SMs` -> 1 split).
+SPLIT_KV_FRACTION = 0.8
+
+# How often each elementwise op runs per layer (two RMSNorms; the table's other ops once).
+ELEMENTWISE_PER_LAYER = {"norm": 2, "rope": 1, "act": 1, "add": 1}
+
+
+class LayerKernels:
+    """Kernel times of one layer shape on one GPU with fitted coefficients.
+
+    Token-count ops (GEMMs, elementwise) are numpy-vectorised: the fit evaluates ~100k table rows
+    at once and `CostModel` tabulates them once per token count. Attention is scalar Python: the
+    simulator calls it per micro-batch, where numpy's per-call overhead would dominate."""
+
+    def __init__(self, shape: LayerShape, coefficients: KernelCoefficients, peak_flops: float, mem_bw_Bps: float,
+                 sm_count: int | None) -> None:
+        self.shape, self.c = shape, coefficients
+        self.peak, self.bw = peak_flops, mem_bw_Bps
+        self._dims = shape.gemm_dims()
+        self._ew = shape.elementwise_bytes()
+        c = coefficients
+        self._units_cap = (sm_count or 0) * c.decode_waves
+        self._sms = sm_count or 0
+        self._split_units = SPLIT_KV_FRACTION * self._sms
+        self._dec_rate = mem_bw_Bps * c.decode_efficiency(shape.gqa)
+        self._pre_flops_per_pair = 4.0 * shape.q_heads_gpu * shape.head_dim
+        # one decode KV token: its read or its FLOPs, whichever is slower; one sequence's blocks
+        self._dec_per_token = max(shape.kv_bytes_per_token / self._dec_rate,
+                                  self._pre_flops_per_pair / (peak_flops * c.decode_compute_efficiency))
+        self._dec_per_seq = shape.kv_heads_gpu * c.decode_block_s
+
+    # ---- token-count ops (numpy arrays or scalars) ------------------------------------------
+    def gemm_s(self, m, k: int, n: int):
+        """max(floor + compute on the token count rounded up to the tile quantum, memory floor +
+        weight and activation traffic)."""
+        import numpy as np
+
+        c, db = self.c, self.shape.dtype_bytes
+        q = c.gemm_token_quantum
+        mq = np.ceil(np.asarray(m, dtype=float) / q) * q
+        comp = 2.0 * mq * n * k / (self.peak * c.gemm_compute_efficiency)
+        mem = (k * n + np.asarray(m, dtype=float) * (k + n)) * db / (self.bw * c.gemm_memory_efficiency)
+        return np.maximum(c.gemm_floor_s + comp, c.gemm_memory_floor_s + mem)
+
+    def op_s(self, op: str, m):
+        """A GEMM or an elementwise op (`GEMMS`, `ELEMENTWISE`, or `emb`) on `m` tokens."""
+        import numpy as np
+
+        if op in self._dims:
+            k, n = self._dims[op]
+            return self.gemm_s(m, k, n)
+        return self.c.elementwise_floor_s + np.asarray(m, dtype=float) * self._ew[op] / (
+            self.bw * getattr(self.c, f"{op}_efficiency"))
+
+    def token_part_s(self, m):
+        """Everything in a layer that depends only on the token count: the four GEMMs and the
+        elementwise ops (all-reduces are the link's, added by the cost model; the KV write is
+        `kv_write_s`)."""
+        total = sum(self.op_s(op, m) for op in GEMMS)
+        return total + sum(n * self.op_s(op, m) for op, n in ELEMENTWISE_PER_LAYER.items())
+
+    def kv_write_s(self, m):
+        """Storing the K and V of `m` new tokens (prefill and decode alike) into the paged cache."""
+        import numpy as np
+
+        m = np.asarray(m, dtype=float)
+        per_token = self.shape.kv_bytes_per_token / (self.bw * self.c.kv_write_efficiency)
+        return np.where(m > 0, self.c.kv_write_floor_s + m * per_token, 0.0)
+
+    # ---- attention (scalar) -------------------------------------------------------------------
+    def decode_s(self, num_seqs: int, context_sum: int) -> float:
+        """One decode-attention call over `num_seqs` sequences attending `context_sum` KV tokens."""
+        if not num_seqs:
+            return 0.0
+        kv = context_sum * self._dec_per_token
+        units = num_seqs * self.shape.kv_heads_gpu
+        cap = self._units_cap
+        if cap and units > cap:  # whole waves of `cap` blocks, each streaming one (sequence, KV head)
+            kv *= (-(-units // cap) * cap) / units
+        kv *= 1.0 + self.c.decode_half_blocks / units
+        split = self.c.decode_split_s if units < self._split_units else 0.0
+        return self.c.decode_floor_s + kv + num_seqs * self._dec_per_seq + split
+
+    def prefill_s(self, tokens: int, chunks: int, pairs: float, context_sum: int) -> float:
+        """One prefill-attention call over `chunks` chunks of `tokens` new tokens in all, with
+        `pairs` causal query-key pairs and `context_sum` KV tokens (prefixes + chunks): the FLOP
+        term, or reading the KV at the decode kernel's rate when that takes longer (a short chunk
+        after a long prefix)."""
+        if not tokens:
+            return 0.0
+        compute = self.prefill_compute_s(tokens, chunks, pairs, context_sum)
+        return self.c.prefill_floor_s + max(compute, self.prefill_kv_read_s(context_sum))
+
+    def prefill_compute_s(self, tokens: int, chunks: int, pairs: float, context_sum: int) -> float:
+        """The FLOP term of a prefill call."""
+        c = self.c
+        fill = self.prefill_wave_fill(tokens, chunks)
+        if not c.prefill_prefix_efficiency:
+            keys = (context_sum - tokens / 2.0) / chunks  # the mean over chunks of L + x/2
+            eff = c.prefill_efficiency * keys / (keys + c.prefill_half_keys)
+            return self._pre_flops_per_pair * pairs / (self.peak * eff) / fill
+        per_pair = self._pre_flops_per_pair / self.peak
+        x = tokens / chunks  # chunks of equal size: the causal pairs' lower bound for unequal ones
+        causal = min(pairs, chunks * x * (x + 1.0) / 2.0)
+        keys = x / 2.0
+        return per_pair * (causal * (keys + c.prefill_half_keys) / keys / c.prefill_efficiency / fill
+                           + (pairs - causal) / c.prefill_prefix_efficiency)
+
+    def prefill_wave_fill(self, tokens: int, chunks: int) -> float:
+        """Fraction of the SMs' block slots a prefill call fills over its waves (1 without the
+        term): blocks = query heads x tiles, tiles ~ ceil(tokens / tile) + chunks - 1."""
+        tile, sms = self.c.prefill_tile, self._sms
+        if not tile or not sms:
+            return 1.0
+        blocks = self.shape.q_heads_gpu * (-(-tokens // tile) + chunks - 1)
+        return blocks / (-(-blocks // sms) * sms)
+
+    def prefill_kv_read_s(self, context_sum: int) -> float:
+        """Reading `context_sum` tokens of KV (a prefill call's prefixes and chunks) once."""
+        return context_sum * self.shape.kv_bytes_per_token / self._dec_rate
+
+
+class KernelPricer:
+    """`CostModel`'s per-layer and per-stage pricing when the hardware profile has fitted kernels.
+
+    What depends only on the token count (the GEMMs, elementwise ops and the tensor-parallel
+    all-reduces) is tabulated once per token count, so a micro-batch costs one list lookup, the two
+    attention calls and a few multiplications: the same order of work as the roofline.
+    """
+
+    def __init__(self, kernels: LayerKernels, allreduce_s_per_token: float, allreduce_fixed_s: float,
+                 lm_head_dims: tuple[int, int], lm_gather_s_per_row: float, lm_gather_fixed_s: float) -> None:
+        self.k = kernels
+        self._ar_tok, self._ar_fix = allreduce_s_per_token, allreduce_fixed_s
+        self._lm_dims = lm_head_dims
+        self._lm_gather = (lm_gather_s_per_row, lm_gather_fixed_s)
+        self._tok: list[float] = [0.0]  # token part + all-reduces, by token count
+        self._emb: list[float] = [0.0]
+        self._lm: dict[int, float] = {}
+        c, sh = kernels.c, kernels.shape
+        self._dec_per_token, self._dec_per_seq = kernels._dec_per_token, kernels._dec_per_seq
+        self._kv_per_token = sh.kv_bytes_per_token / kernels._dec_rate  # a prefill call's KV read
+        self._cap, self._kv_heads, self._dec_floor = kernels._units_cap, sh.kv_heads_gpu, c.decode_floor_s
+        self._dec_half = c.decode_half_blocks
+        self._split_units, self._dec_split = kernels._split_units, c.decode_split_s
+        self._pre_floor, self._pre_half, self._pre_tile = c.prefill_floor_s, c.prefill_half_keys, c.prefill_tile
+        self._pre_per_pair = kernels._pre_flops_per_pair / (kernels.peak * c.prefill_efficiency)
+        self._pre_split = bool(c.prefill_prefix_efficiency)
+
+    def _extend(self, m: int) -> None:
+        import numpy as np
+
+        start, stop = len(self._tok), max(m + 1, 2 * len(self._tok))
+        ms = np.arange(start, stop, dtype=float)
+        part = self.k.token_part_s(ms) + self.k.kv_write_s(ms) + (ms * self._ar_tok + self._ar_fix if self._ar_tok else 0.0)
+        self._tok += [float(v) for v in part]
+        self._emb += [float(v) for v in self.k.op_s("emb", ms)]
+
+    def token_s(self, m: int) -> float:
+        if m >= len(self._tok):
+            self._extend(m)
+        return self._tok[m]
+
+    def layer_s(self, shape, tokens: int) -> float:
+        """One layer's time for a `BatchShape` with `tokens` > 0 (decodes and prefill chunks are
+        separate attention calls, as in the serving engines the tables were measured on; the KV
+        write of every new token is in the token table). The
+        attention terms are `LayerKernels.decode_s` / `prefill_s` inlined on precomputed constants
+        (1.9 -> 1.5 us a micro-batch, shared 2-core machine); a test checks they agree."""
+        tok = self._tok
+        if tokens >= len(tok):
+            self._extend(tokens)
+            tok = self._tok
+        layer = tok[tokens]
+        n_dec = shape.num_decode_seqs
+        if n_dec:
+            kv = shape.decode_context_sum * self._dec_per_token
+            units = n_dec * self._kv_heads
+            cap = self._cap
+            if cap and units > cap:
+                kv *= (-(-units // cap) * cap) / units
+            layer += self._dec_floor + kv * (1.0 + self._dec_half / units) + n_dec * self._dec_per_seq
+            if units < self._split_units:
+                layer += self._dec_split
+        n_pre = tokens - n_dec
+        if n_pre:
+            ctx = shape.prefill_context_sum
+            if self._pre_split:
+                comp = self.k.prefill_compute_s(n_pre, shape.num_seqs - n_dec, shape.prefill_attention_pairs, ctx)
+            else:
+                keys = (ctx - 0.5 * n_pre) / (shape.num_seqs - n_dec)
+                comp = self._pre_per_pair * shape.prefill_attention_pairs * (keys + self._pre_half) / keys
+                if self._pre_tile:
+                    comp /= self.k.prefill_wave_fill(n_pre, shape.num_seqs - n_dec)
+            kv = ctx * self._kv_per_token
+            layer += self._pre_floor + (comp if comp > kv else kv)
+        return layer
+
+    def lm_head_s(self, rows: int) -> float:
+        t = self._lm.get(rows)
+        if t is None:
+            k, n = self._lm_dims
+            per_row, fixed = self._lm_gather
+            t = self._lm[rows] = float(self.k.gemm_s(rows, k, n)) + rows * per_row + fixed
+        return t
+
+    def stage_total(self, consts: tuple, layer: float, tokens: int, shape) -> float:
+        """A stage's time: its layers, fixed cost, the embedding gather on the first stage and the
+        lm_head GEMM (sampled rows only) on the last."""
+        n, fixed, first, last = consts
+        total = n * layer + fixed
+        if first:
+            if tokens >= len(self._emb):
+                self._extend(tokens)
+            total += self._emb[tokens]
+        if last and shape.num_sampled:
+            total += self.lm_head_s(shape.num_sampled)
+        return total

@@ -1,0 +1,1 @@
+"""The discrete-event simulator (`executor=sim`) and its wall-clock paced variant."""

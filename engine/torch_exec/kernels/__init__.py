@@ -1,0 +1,1 @@
+"""Triton kernels of the real engine: paged attention, fused RMSNorm and rotary embedding."""
