@@ -585,3 +585,31 @@ def test_a_server_starved_of_cpu_by_a_pinned_hog_is_flagged_never_a_capacity(tmp
     assert list(table["status"]) == ["host-bound"] and "capacity_req_s" not in table
     assert "host-bound" in table["search"][0] and ("behind its clock" in table["search"][0]
                                                    or "after the server produced them" in table["search"][0])
+
+
+def test_the_plan_printed_at_the_start_counts_the_probes_a_simulated_search_runs(tmp_path, capsys):
+    """Equal, not only a bound: the capacity (4-4.4 req/s with 10 s probes) lies within one growth
+    factor of the start here (the bracket closes on the second probe), where the count is exact; a capacity further away adds
+    bracketing probes no plan can know (the unit cases below). The count said one probe fewer
+    before: the bracket's first probe was not counted (the live time estimate ran low by it)."""
+    import re
+
+    base = [a.replace("capacity.start=2", "capacity.start=3") for a in BASE]
+    code = main(["capacity", *base, f"output.dir={tmp_path}", "output.mlflow=false", "policy=sarathi",
+                 "parallel.pp=2", "capacity.experiment=plan"])
+    assert code == 0
+    captured = capsys.readouterr()
+    planned = int(re.search(r"~(\d+) probes planned", captured.out + captured.err).group(1))
+    probes = pd.read_csv(tmp_path / "capacity" / "plan" / "probes.csv")
+    assert planned == len(probes) == pd.read_csv(tmp_path / "capacity" / "plan" / "table.csv")["probes"][0]
+    assert list(probes["capacity.phase"])[:2] == ["bracket", "bracket"] and probes["capacity.phase"].iloc[2] != "bracket"
+
+
+@pytest.mark.parametrize("precision", [0.02, 0.05, 0.1])
+@pytest.mark.parametrize("knee", [0.013, 0.37, 1.1, 1.9, 2.1, 3.9, 17.0, 420.0])
+def test_the_plan_before_any_probe_is_exact_near_the_start_and_a_lower_bound_elsewhere(precision, knee):
+    s = CapacitySettings(precision=precision)
+    search = RateSearch(s, 2.0)
+    planned = search.planned()
+    ran = len(drive(search, lambda r: r <= knee).probes)
+    assert planned == ran if 1.0 <= knee < 4.0 else planned < ran

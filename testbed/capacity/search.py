@@ -113,7 +113,12 @@ class RateSearch:
 
     # --- the answer ---------------------------------------------------------------------------
     def planned(self) -> int:
-        """Probes done plus an estimate of those still to come (for the progress bar)."""
+        """Probes done plus those still to come (the progress bar and a live search's time
+        estimate). Before any probe, the bracket takes two probes (the start, then the first rate
+        above or below it that closes the bracket; the count once said one, so the plan printed at
+        the start was a probe short: 6 planned, 7 run in docs/capacity.md's live search). Exact
+        when the capacity lies within one `growth` factor of the start and the criterion is
+        monotone; otherwise a lower bound (each further factor of `growth` adds a bracketing probe)."""
         if self.next_rate() is None:
             return len(self.probes)
         lo, hi = self.bracket()
@@ -121,7 +126,8 @@ class RateSearch:
         steps = max(0, math.ceil(math.log2(max(width / math.log1p(self.s.precision), 1.0))))
         if lo is not None and hi is not None and self.converged():
             steps = 0
-        left = steps + (self.s.confirm - self.confirmed) + (0 if lo is not None and hi is not None else 1)
+        bracketing = 0 if lo is not None and hi is not None else (1 if self.probes else 2)
+        left = steps + (self.s.confirm - self.confirmed) + bracketing
         return min(len(self.probes) + max(left, 1), self.s.max_probes)
 
     def outcome(self) -> Outcome:
