@@ -613,3 +613,24 @@ def test_the_plan_before_any_probe_is_exact_near_the_start_and_a_lower_bound_els
     planned = search.planned()
     ran = len(drive(search, lambda r: r <= knee).probes)
     assert planned == ran if 1.0 <= knee < 4.0 else planned < ran
+
+
+def test_the_live_time_estimate_drains_each_probe_for_the_slos_wait_beside_the_longest_request():
+    """A probe near capacity drains for longer than its longest request alone: the last requests
+    wait in the steady-state queue up to about the SLO's first-token bound (docs/capacity.md: 8.7 s
+    after the last arrival on average where that request alone takes 5.3 s, bound 4 s)."""
+    from types import SimpleNamespace
+
+    from engine.core.metrics import SLO
+    from testbed.capacity.live import PROBE_OVERHEAD_S, LiveOptions
+    from testbed.capacity.steady import Unloaded
+
+    def estimate(criterion: str, target: float) -> float:
+        s = CapacitySettings(criterion=criterion, precision=0.05)
+        pt = SimpleNamespace(index=0, pruned=None, unloaded=Unloaded(0.2, 0.04, 5.3), duration_s=30.0, target=target,
+                             run=SimpleNamespace(settings=SimpleNamespace(slo=SLO(ttft_s=4.0, tpot_s=0.2))))
+        feed = SimpleNamespace(searches=[RateSearch(s, 2.0)])
+        return LiveOptions("http://127.0.0.1:1", time_scale=2.0).estimate_s(SimpleNamespace(settings=s, points=[pt]), feed)
+
+    assert estimate("attainment", 0.8) == pytest.approx(7 * ((30 + 5.3 + 4.0) / 2 + PROBE_OVERHEAD_S))
+    assert estimate("ttft_p99", 2.0) == pytest.approx(7 * ((30 + 5.3 + 2.0) / 2 + PROBE_OVERHEAD_S))

@@ -122,23 +122,35 @@ class LiveOptions:
         return LiveFeed(p, parent, self)
 
     def estimate_s(self, p: Any, feed: CapacityFeed) -> float:
-        """Wall seconds for the planned probes: each sends for warm-up + duration (server seconds)
-        and drains for about the longest request's unloaded end-to-end time, over the time scale."""
+        """Wall seconds for the planned probes: each sends for warm-up + duration and drains, in
+        server seconds over the time scale, plus `PROBE_OVERHEAD_S`.
+
+        The drain is the longest request's unloaded end-to-end time plus the wait for a first token
+        that the SLO allows (slo.ttft_s, or the target of a ttft_p99 criterion): a search's probes
+        straddle the capacity, where the last requests arrive into a steady-state queue whose first
+        tokens the criterion holds near that bound, then decode about as fast as alone (the batch
+        empties once arrivals stop). Measured (docs/capacity.md's live search, 128-token outputs,
+        5.3 s alone, 4 s TTFT bound): the last request finished 5.8 s after the last arrival at 2
+        req/s, 8.1 at 3.36, 9.4 at 3.67 (capacity 3.51; the last to finish waited 3.4 s for its first
+        token, then ran 47 ms per token against ~40 alone), 13.7 at 4 (overloaded): 8.7 s on
+        average over the search's 7 probes against 9.3 modelled. With the unloaded time alone (and
+        a plan one probe short) the estimate at the start ran 28-32% low."""
         s = p.settings
         total = 0.0
         for pt in p.points:
             if pt.pruned:
                 continue
             e2e = pt.unloaded.e2e_s if pt.unloaded is not None and math.isfinite(pt.unloaded.e2e_s) else DRAIN_S
+            wait = pt.target if s.criterion == "ttft_p99" else pt.run.settings.slo.ttft_s
             probes = feed.searches[pt.index].planned()
-            total += probes * ((s.warmup_s + pt.duration_s + e2e) / self.time_scale + PROBE_OVERHEAD_S)
+            total += probes * ((s.warmup_s + pt.duration_s + e2e + wait) / self.time_scale + PROBE_OVERHEAD_S)
         return total
 
     def print_estimate(self, console: Any, p: Any, feed: LiveFeed) -> None:
         total = feed.estimate_s
         took = f"{total / 60:.1f} min" if total >= 120 else f"{total:.0f} s"
         console.print(f"against {self.base_url}: ~{feed.planned()} probes, each sending for warm-up + duration and "
-                      f"draining for about the longest request alone; roughly {took} at --time-scale "
+                      f"draining for about the longest request alone plus the SLO's wait for a first token; roughly {took} at --time-scale "
                       f"{self.time_scale:g}", highlight=False)
 
 
