@@ -588,10 +588,11 @@ def test_a_server_starved_of_cpu_by_a_pinned_hog_is_flagged_never_a_capacity(tmp
 
 
 def test_the_plan_printed_at_the_start_counts_the_probes_a_simulated_search_runs(tmp_path, capsys):
-    """Equal, not only a bound: the capacity (4-4.4 req/s with 10 s probes) lies within one growth
-    factor of the start here (the bracket closes on the second probe), where the count is exact; a capacity further away adds
-    bracketing probes no plan can know (the unit cases below). The count said one probe fewer
-    before: the bracket's first probe was not counted (the live time estimate ran low by it)."""
+    """Equal, not only a bound: the capacity (about 4 req/s with 10 s probes) lies within one
+    growth factor of the start (3), so the bracket closes on the second probe and the count is
+    exact; a capacity further away adds bracketing probes no plan can know (the unit cases below).
+    The count said one probe fewer before: the bracket's first probe was not counted (the live
+    time estimate ran low by it)."""
     import re
 
     base = [a.replace("capacity.start=2", "capacity.start=3") for a in BASE]
@@ -602,7 +603,8 @@ def test_the_plan_printed_at_the_start_counts_the_probes_a_simulated_search_runs
     planned = int(re.search(r"~(\d+) probes planned", captured.out + captured.err).group(1))
     probes = pd.read_csv(tmp_path / "capacity" / "plan" / "probes.csv")
     assert planned == len(probes) == pd.read_csv(tmp_path / "capacity" / "plan" / "table.csv")["probes"][0]
-    assert list(probes["capacity.phase"])[:2] == ["bracket", "bracket"] and probes["capacity.phase"].iloc[2] != "bracket"
+    phases = list(probes["capacity.phase"])
+    assert phases[:2] == ["bracket", "bracket"] and phases[2] != "bracket"
 
 
 @pytest.mark.parametrize("precision", [0.02, 0.05, 0.1])
@@ -627,10 +629,11 @@ def test_the_live_time_estimate_drains_each_probe_for_the_slos_wait_beside_the_l
 
     def estimate(criterion: str, target: float) -> float:
         s = CapacitySettings(criterion=criterion, precision=0.05)
-        pt = SimpleNamespace(index=0, pruned=None, unloaded=Unloaded(0.2, 0.04, 5.3), duration_s=30.0, target=target,
-                             run=SimpleNamespace(settings=SimpleNamespace(slo=SLO(ttft_s=4.0, tpot_s=0.2))))
-        feed = SimpleNamespace(searches=[RateSearch(s, 2.0)])
-        return LiveOptions("http://127.0.0.1:1", time_scale=2.0).estimate_s(SimpleNamespace(settings=s, points=[pt]), feed)
+        run = SimpleNamespace(settings=SimpleNamespace(slo=SLO(ttft_s=4.0, tpot_s=0.2)))
+        pt = SimpleNamespace(index=0, pruned=None, unloaded=Unloaded(0.2, 0.04, 5.3), duration_s=30.0,
+                             target=target, run=run)
+        plan, feed = SimpleNamespace(settings=s, points=[pt]), SimpleNamespace(searches=[RateSearch(s, 2.0)])
+        return LiveOptions("http://127.0.0.1:1", time_scale=2.0).estimate_s(plan, feed)
 
     assert estimate("attainment", 0.8) == pytest.approx(7 * ((30 + 5.3 + 4.0) / 2 + PROBE_OVERHEAD_S))
     assert estimate("ttft_p99", 2.0) == pytest.approx(7 * ((30 + 5.3 + 2.0) / 2 + PROBE_OVERHEAD_S))

@@ -150,8 +150,8 @@ class LiveOptions:
         total = feed.estimate_s
         took = f"{total / 60:.1f} min" if total >= 120 else f"{total:.0f} s"
         console.print(f"against {self.base_url}: ~{feed.planned()} probes, each sending for warm-up + duration and "
-                      f"draining for about the longest request alone plus the SLO's wait for a first token; roughly {took} at --time-scale "
-                      f"{self.time_scale:g}", highlight=False)
+                      f"draining for about the longest request alone plus the SLO's wait for a first token; "
+                      f"roughly {took} at --time-scale {self.time_scale:g}", highlight=False)
 
 
 def options(args: argparse.Namespace) -> LiveOptions | None:
