@@ -114,6 +114,18 @@ def test_calibrate_runs_recovers_known_engine_terms(tmp_path):
     assert forward["all"]["median"] < 0.01 and forward["decode"]["p90"] < 0.01
 
 
+def test_a_launch_after_a_lull_dispatches_from_the_arrival_it_waited_for(tmp_path):
+    # arrivals far apart: the pipeline drains between them, and each first prefill after a lull
+    # launched when its request arrived, not when the last micro-batch completed
+    run = load_run(_as_real_run(tmp_path, "workload.arrival=poisson", "workload.rate=0.5", "workload.num_requests=12"),
+                   need_trace=True)
+    fit = fit_runs([run], get_hardware("h100-80g"))
+    for key in ("dispatch_fixed_s", "dispatch_prefill_s"):
+        assert fit.coefficients[key] == pytest.approx(ENGINE_TERMS[key], rel=0.03, abs=2e-7), key
+    dispatch = {e["kind"]: e for e in fit.errors if e["op"] == "dispatch"}
+    assert dispatch["all"]["p90"] < 0.01
+
+
 def test_replay_rebuilds_every_micro_batch_and_refuses_a_divergence(tmp_path):
     path = _as_real_run(tmp_path, "workload.arrival=poisson", "workload.rate=30")
     run = load_run(path)
