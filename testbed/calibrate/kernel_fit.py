@@ -246,11 +246,21 @@ def fit_decode(shapes: Sequence[AttentionShape], device: Device, base: KernelCoe
 
 
 PREFILL_TILES = (0, 64, 128)  # candidate query rows per prefill block (0: no wave term)
+# Per-block form (engine/pricing/prefill_blocks.py): (slots per SM, query rows per block).
+# FlashAttention-2's split-KV kernel tiles 64 query rows; 128 is its non-paged kernel's tile. One
+# slot per SM: the makespan's tail is a lone block running at its SM's whole rate, which two slots
+# (each at half the rate) would price twice as long; and one shape cannot tell 1 from 2 slots (rows
+# priced with 1 slot at 128 heads a GPU fit 2 slots as well in-sample and then missed 16 heads by
+# 50%), so the count is the kernel's, not a fitted choice.
+PREFILL_BLOCK_FORMS = ((1, 64), (1, 128))
 
 
 def fit_prefill(shapes: Sequence[AttentionShape], device: Device, base: KernelCoefficients) -> KernelCoefficients:
     """Floor, efficiency (the chunk's causal pairs), half-keys and the prefix pairs' efficiency, for
-    each candidate tile; the best mean per-shape median wins. The floor is bounded by twice the
+    each candidate tile; and the per-block form (floor, causal and prefix tile-key efficiencies,
+    tail, split-KV combine) for each candidate of `PREFILL_BLOCK_FORMS`; the best mean per-shape
+    median wins. The split-KV combine is bounded like the floor and starts from the decode call's
+    (the same combine kernel): rows that never split (H100's samples: >= 512 blocks) leave it there. The floor is bounded by twice the
     fixed cost of a one-sequence decode call (its floor and its split-KV regime): H100's shortest
     measured prefill takes 144 us, which cannot tell a launch floor from the FLOP term (unbounded,
     the fit put 69 us there)."""
@@ -258,13 +268,25 @@ def fit_prefill(shapes: Sequence[AttentionShape], device: Device, base: KernelCo
     if not items:
         return base
     floor_max = 2.0 * (base.decode_floor_s + base.decode_split_s)
+    split0 = min(max(base.decode_split_s, 1e-9), floor_max)  # where no row splits, the decode's combine
     best = None
-    for tile in PREFILL_TILES:
+    for tile in () if device.sm_count else PREFILL_TILES:
         def make(x, tile=tile):
             return replace(base, prefill_tile=tile, prefill_floor_s=x[0], prefill_efficiency=x[1],
-                           prefill_half_keys=x[2], prefill_prefix_efficiency=x[3])
+                           prefill_half_keys=x[2], prefill_prefix_efficiency=x[3], prefill_slots_per_sm=0)
         x = _solve(lambda x: _balanced(items, device, make(x), _prefill_resid), [0.5 * floor_max, 0.25, 500.0, 0.25],
                    [1e-7, 0.01, 1.0, 0.01], [floor_max, 1.0, 1e6, 1.0])
+        err = _shape_score(items, device, make(x), _prefill_resid)
+        if best is None or err < best[0]:
+            best = (err, make(x))
+    for slots, tile in PREFILL_BLOCK_FORMS if device.sm_count else ():
+        def make(x, slots=slots, tile=tile):
+            return replace(base, prefill_slots_per_sm=slots, prefill_tile=tile, prefill_floor_s=x[0],
+                           prefill_efficiency=x[1], prefill_prefix_efficiency=x[2], prefill_tail=x[3],
+                           prefill_split_s=x[4])
+        x = _solve(lambda x: _balanced(items, device, make(x), _prefill_resid),
+                   [0.5 * floor_max, 0.1, 0.3, 0.5, split0], [1e-7, 0.005, 0.01, 1e-3, 1e-9],
+                   [floor_max, 1.0, 1.0, 1.0, floor_max])
         err = _shape_score(items, device, make(x), _prefill_resid)
         if best is None or err < best[0]:
             best = (err, make(x))
