@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from engine.base.errors import ConfigError
@@ -13,7 +14,7 @@ from engine.pricing.costmodel import BatchShape, CostModel
 from engine.pricing.hardware import get_hardware
 from engine.pricing.kernels import KernelCoefficients, KernelPricer, LayerKernels, LayerShape
 from engine.pricing.models import get_model
-from engine.pricing.prefill_blocks import causal_tile_keys, key_block, num_splits
+from engine.pricing.prefill_blocks import LIST_SCHEDULE_TAIL, causal_tile_keys, key_block, num_splits
 from engine.pricing.profile_table import ProfileRow
 from kernel_tables import TRUTH
 from testbed.calibrate.kernel_fit import AttentionShape, Device, fit_prefill
@@ -67,6 +68,38 @@ def test_unequal_causal_blocks_leave_a_tail_past_the_balanced_share():
     assert _prefill(lk, 2112, 0) - _prefill(no_tail, 2112, 0) == pytest.approx(0.6 * longest)
 
 
+def _list_schedule(heads: int, x: int, prefix: int, slots: int) -> tuple[float, float, float]:
+    """(makespan, balanced share, longest block) of the blocks dispatched in grid order (a head's
+    tiles in order, head after head) to whichever slot frees first, in tile-keys."""
+    import heapq
+
+    n = math.ceil(x / 64)
+    lengths = [math.ceil(min(64 * (i + 1), x) / 128) * 128 + prefix for i in range(n)]
+    free = [0.0] * slots
+    end = 0.0
+    for w in lengths * heads:
+        t = heapq.heappop(free) + w
+        end = max(end, t)
+        heapq.heappush(free, t)
+    return end, heads * sum(lengths) / slots, max(lengths)
+
+
+def test_the_tail_is_what_a_list_schedule_of_the_blocks_leaves():
+    """The closed form's makespan against the greedy schedule of the blocks in grid order, over 16-128
+    heads, chunks of 416-4,096 after 0-4,096 cached tokens, 108 and 132 slots: within 20% (the worst
+    are 1-2 blocks a slot after long prefixes), 5% at the median."""
+    errors = []
+    for slots in (108, 132):
+        for heads in (16, 32, 64, 128):
+            for x in (416, 1024, 1344, 2112, 4096):
+                for prefix in (0, 256, 1024, 4096):
+                    end, balanced, longest = _list_schedule(heads, x, prefix, slots)
+                    closed = (max(longest, balanced + LIST_SCHEDULE_TAIL * longest)
+                              if heads * math.ceil(x / 64) > slots else longest)
+                    errors.append(abs(closed / end - 1))
+    assert max(errors) < 0.2 and float(np.median(errors)) < 0.05
+
+
 def test_prefix_keys_cost_their_own_rate_in_every_block():
     lk = LayerKernels(TP1, BLOCKS, **H100)
     slope = (_prefill(lk, 416, 1280) - _prefill(lk, 416, 0)) / 1280
@@ -97,14 +130,15 @@ def test_one_head_count_predicts_another_with_the_block_form():
     """H100's two prefill shapes (128 and 16 query heads a GPU): the pairs form fitted on one missed
     the other by 48% / 30%; blocks priced from the same truth are recovered across the head counts
     (TP 1 has no split rows: its fit keeps the decode call's combine cost, here the truth's)."""
-    truth = {s.tp: LayerKernels(s, BLOCKS, **H100) for s in (TP1, TP8)}  # TP 8's x = 384 splits (96 blocks)
+    truth = {s.tp: LayerKernels(s, replace(BLOCKS, prefill_tail=LIST_SCHEDULE_TAIL), **H100)
+             for s in (TP1, TP8)}  # TP 8's x = 384 splits (96 blocks)
     device = Device("h100", **H100)
     for fit_tp, held_tp in ((8, 1), (1, 8)):
         c = fit_prefill([AttentionShape(f"s/tp{fit_tp}", truth[fit_tp].shape, _rows(truth[fit_tp]))], device,
                         replace(TRUTH, decode_floor_s=10e-6, decode_split_s=10e-6))
         fitted = LayerKernels(truth[held_tp].shape, c, **H100)
         for r in _rows(truth[held_tp]):
-            assert _prefill(fitted, r.tokens, r.prefix) == pytest.approx(r.time_s, rel=0.05)
+            assert _prefill(fitted, r.tokens, r.prefix) == pytest.approx(r.time_s, rel=0.02)
 
 
 def test_the_simulations_prefill_agrees_with_the_block_form_for_several_chunks():

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from engine.base.errors import ConfigError
-from engine.pricing.prefill_blocks import block_makespan_s, key_block
+from engine.pricing.prefill_blocks import SPLIT_KV_FRACTION, block_makespan_s, key_block
 
 __all__ = ["KernelCoefficients", "LayerShape", "LayerKernels", "GEMMS", "ELEMENTWISE"]
 
@@ -138,8 +138,8 @@ class KernelCoefficients:
     # causal tile-keys at `prefill_efficiency`, prefix tile-keys at `prefill_prefix_efficiency`, the
     # last tiles' `prefill_tail` past the balanced share, and `prefill_split_s` for the combine
     # kernel of a split-KV call (fewer blocks than 0.8 x SMs). H100's 405B samples: one shape
-    # predicted from the other's fit was 48% / 30% off with the pairs form (TP 1 / TP 8), 16% / 3%
-    # with this one; A100's 70B / 405B shapes 21.5% / 12.6% -> 7% / 7% (docs/calibration.md).
+    # predicted from the other's fit was 48.5% / 29.9% off with the pairs form (TP 1 / TP 8), 9.9% /
+    # 9.9% with this one; A100's 70B / 405B shapes 21.5% / 12.6% -> 9.8% / 4.6% (docs/calibration.md).
     # 0 = the pairs form above (`prefill_half_keys` and the wave fill price the causal pairs).
     prefill_slots_per_sm: int = 0
     prefill_tail: float = 0.0
@@ -267,9 +267,8 @@ class LayerShape:
         return 2.0 * self.kv_heads_gpu * self.head_dim * self.dtype_bytes
 
 
-# FlashAttention-2's split-KV heuristic: split a decode call's KV when its blocks fill less than this
-# fraction of the SMs (`num_splits_heuristic`: `batch_nheads_mblocks >= 0.8f * num_SMs` -> 1 split).
-SPLIT_KV_FRACTION = 0.8
+# FlashAttention-2's split-KV heuristic (`SPLIT_KV_FRACTION`, engine/pricing/prefill_blocks.py) splits a
+# decode call's KV too.
 
 # How often each elementwise op runs per layer (two RMSNorms; the table's other ops once).
 ELEMENTWISE_PER_LAYER = {"norm": 2, "rope": 1, "act": 1, "add": 1}

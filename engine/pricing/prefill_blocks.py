@@ -7,15 +7,17 @@ keys in key blocks of 128 (head_dim <= 128). A block's keys are the prefix plus,
 up to the end of its tile, whole key blocks (the diagonal's masked block is computed in full). The
 blocks are dispatched over `prefill_slots_per_sm` x SMs resident slots; the call ends when the last
 one does. Three measured effects motivate this form (docs/calibration.md#prefill-blocks):
-- prefix keys, equal in every block, run in whole waves: per wave of slots, H100's 405B samples
-  add 0.027-0.030 us per prefix token at TP 1 (x = 416, 1,344) and TP 8 (x = 2,112), A100's
-  0.034 us at the 70B (x = 2,048) and 405B (x = 1,024) shapes;
+- prefix keys add one key to every block: per block a SM they cost 16-17 ns a key on A100 (70B
+  table at x = 2,048, 405B samples at x = 1,024) and 12-16 ns on H100 (405B samples at TP 8 and
+  TP 1), 3-4x less than a causal key;
 - causal blocks are unequal (the last tile attends the whole chunk) and dispatched in grid order,
-  so the last ones leave slots idle: a list schedule of the blocks puts H100's three chunks with no
-  prefix at 87-97 us per thousand slot tile-keys where the balanced share spreads them 1.6x apart;
+  so the last ones leave SMs idle: per causal tile-key H100's chunks with no prefix cost 47-54 ns
+  over the list schedule at TP 1 and TP 8, 51-71 ns over the balanced share;
 - fewer blocks than 0.8 x SMs split each block's keys (`num_splits_heuristic`) and add a combine
-  kernel: A100's 70B table at x = 64 (32 blocks) steps from 15 to 21 us when L + x passes one key
-  block (the split starts); without the split regime such chunks were priced 55% low.
+  kernel: A100's 70B table at x = 64 (32 blocks) takes 15 us while L + x fits one key block and
+  21 us at L = 128 (the split starts).
+Held out per shape, the pairs form's 48.5% / 29.9% (H100 TP 1 / TP 8) and 21.5% / 12.6% (A100
+70B / 405B) are 9.9% / 9.9% and 9.8% / 4.6% in this form.
 Torch-free scalar arithmetic: the simulator calls it per micro-batch.
 """
 from __future__ import annotations
@@ -23,11 +25,19 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-__all__ = ["key_block", "causal_tile_keys", "num_splits", "block_makespan_s"]
+__all__ = ["key_block", "causal_tile_keys", "num_splits", "block_makespan_s", "LIST_SCHEDULE_TAIL", "SPLIT_KV_FRACTION"]
 
-# FlashAttention-2's split-KV kernel: blocks fill the GPU when there are 0.8 x SMs of them; else the
-# keys are split (`num_splits_heuristic`, up to 128 splits, a split at least one key block).
-SPLIT_FRACTION = 0.8
+# The makespan's tail: FlashAttention-2 dispatches a head's tiles in grid order (the longest, last
+# tile last), and a greedy list schedule of those blocks over the slots ends about this fraction of
+# the longest block past the balanced share (0.55-0.78 for chunks of 256-4,096 tokens with no prefix
+# over 16-128 heads and 108 or 132 slots). With prefixes of 0-4,096 the closed form's makespan is
+# within 20% of the schedule, 5% at the median (tests/test_prefill_blocks.py schedules them).
+LIST_SCHEDULE_TAIL = 0.63
+
+# FlashAttention-2's split-KV heuristic (`num_splits_heuristic`: `batch_nheads_mblocks >= 0.8f *
+# num_SMs` -> 1 split): blocks fill the GPU when there are 0.8 x SMs of them; else the keys are
+# split (up to 128 splits, a split at least one key block). Decode calls split the same way.
+SPLIT_KV_FRACTION = 0.8
 MAX_SPLITS = 128
 
 
@@ -37,6 +47,7 @@ def key_block(head_dim: int) -> int:
     return 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
 
 
+@lru_cache(maxsize=8192)
 def causal_tile_keys(x: int, tile: int, kblock: int) -> tuple[int, int]:
     """(sum over the tiles of one head, the last tile's) causal keys of a chunk of `x` tokens: tile
     i (rows [tile*i, tile*(i+1))) attends the chunk's keys up to its last row, rounded up to whole
@@ -59,7 +70,7 @@ def num_splits(blocks: int, sms: int, key_blocks: int) -> int:
     """FlashAttention-2's `num_splits_heuristic`: 1 when the blocks fill 0.8 x SMs; else the fewest
     splits (each a different number of key blocks) whose wave efficiency is within 0.85 of the
     best."""
-    if blocks >= SPLIT_FRACTION * sms:
+    if blocks >= SPLIT_KV_FRACTION * sms:
         return 1
     top = min(MAX_SPLITS, sms, key_blocks)
     effs = []
@@ -83,7 +94,7 @@ def block_makespan_s(x: float, prefix: float, heads: int, chunks: int, *, tile: 
     query heads. `causal_s` / `prefix_s`: seconds per tile-key at one slot's share of the FLOP rate.
     The list schedule's makespan is approximated as max(longest block, balanced share + `tail` x
     longest block): the grid dispatches a head's tiles in order, so the longest (last) tiles start
-    late."""
+    late. One slot per SM: a block runs at its SM's rate."""
     xi = max(1, int(round(x)))
     n = -(-xi // tile)
     ck_sum, ck_max = causal_tile_keys(xi, tile, kblock)
