@@ -267,8 +267,8 @@ class LayerShape:
         return 2.0 * self.kv_heads_gpu * self.head_dim * self.dtype_bytes
 
 
-# FlashAttention-2's split-KV heuristic (`SPLIT_KV_FRACTION`, engine/pricing/prefill_blocks.py) splits a
-# decode call's KV too.
+# `SPLIT_KV_FRACTION`, FlashAttention-2's split-KV boundary for decode and prefill calls alike, is
+# defined with the prefill blocks (engine/pricing/prefill_blocks.py).
 
 # How often each elementwise op runs per layer (two RMSNorms; the table's other ops once).
 ELEMENTWISE_PER_LAYER = {"norm": 2, "rope": 1, "act": 1, "add": 1}
