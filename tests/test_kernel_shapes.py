@@ -177,7 +177,10 @@ def test_the_prefill_fit_recovers_the_prefix_rate_and_predicts_other_chunks():
     shape = LayerShape(8192, 64, 8, 128, 28672, tp=2)
     lk = LayerKernels(shape, truth, **A100)
     rows = _prefill_rows(lk, (64, 256, 1024, 2048), (0, 512, 2048, 4000))
-    c = fit_prefill([AttentionShape("s/tp2", shape, rows)], DEVICE, replace(TRUTH, decode_floor_s=10e-6))
+    # without an SM count the fit keeps the pairs form (with one, it fits the per-block form:
+    # tests/test_prefill_blocks.py)
+    c = fit_prefill([AttentionShape("s/tp2", shape, rows)], replace(DEVICE, sm_count=None),
+                    replace(TRUTH, decode_floor_s=10e-6))
     assert c.prefill_prefix_efficiency == pytest.approx(0.28, rel=0.02)
     fitted = LayerKernels(shape, c, **A100)
     for x, L in ((128, 3000), (3000, 100)):

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from engine.base.errors import ConfigError
+from engine.pricing.prefill_blocks import SPLIT_KV_FRACTION, block_makespan_s, key_block
 
 __all__ = ["KernelCoefficients", "LayerShape", "LayerKernels", "GEMMS", "ELEMENTWISE"]
 
@@ -131,6 +132,18 @@ class KernelCoefficients:
     # Several chunks in one call are taken as equal (their causal pairs' lower bound).
     # 0 = one efficiency for all pairs (the form above).
     prefill_prefix_efficiency: float = 0.0
+    # Prefill per thread block (engine/pricing/prefill_blocks.py): with `prefill_slots_per_sm` > 0 the
+    # FLOP term is FlashAttention-2's paged kernel's blocks (query head x `prefill_tile` rows, keys in
+    # whole key blocks, the diagonal's computed in full) scheduled over slots_per_sm x SMs slots:
+    # causal tile-keys at `prefill_efficiency`, prefix tile-keys at `prefill_prefix_efficiency`, the
+    # last tiles' `prefill_tail` past the balanced share, and `prefill_split_s` for the combine
+    # kernel of a split-KV call (fewer blocks than 0.8 x SMs). H100's 405B samples: one shape
+    # predicted from the other's fit was 48.5% / 29.9% off with the pairs form (TP 1 / TP 8), 9.9% /
+    # 9.9% with this one; A100's 70B / 405B shapes 21.5% / 12.6% -> 9.8% / 4.6% (docs/calibration.md).
+    # 0 = the pairs form above (`prefill_half_keys` and the wave fill price the causal pairs).
+    prefill_slots_per_sm: int = 0
+    prefill_tail: float = 0.0
+    prefill_split_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -146,6 +159,11 @@ class KernelCoefficients:
                 raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be in (0, 1]")
             if value < 0:
                 raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be >= 0")
+        if self.prefill_slots_per_sm and not (self.prefill_tile and self.prefill_prefix_efficiency):
+            raise ConfigError(f"invalid kernels.prefill_slots_per_sm={self.prefill_slots_per_sm!r}: the per-block "
+                              "form needs prefill_tile > 0 and prefill_prefix_efficiency > 0")
+        if not isinstance(self.prefill_slots_per_sm, int):
+            raise ConfigError(f"invalid kernels.prefill_slots_per_sm={self.prefill_slots_per_sm!r}: must be an integer >= 0")
         if not isinstance(self.prefill_tile, int):
             raise ConfigError(f"invalid kernels.prefill_tile={self.prefill_tile!r}: must be an integer >= 0")
         if not isinstance(self.decode_waves, int):
@@ -165,7 +183,7 @@ class KernelCoefficients:
             data["gemm_memory_floor_s"] = data["gemm_floor_s"]
         if "decode_kv_efficiency" in data:
             data["decode_kv_efficiency"] = tuple(tuple(float(v) for v in p) for p in data["decode_kv_efficiency"])
-        for key in ("gemm_token_quantum", "decode_waves", "prefill_tile"):
+        for key in ("gemm_token_quantum", "decode_waves", "prefill_tile", "prefill_slots_per_sm"):
             if key in data:
                 data[key] = int(data[key])
         return cls(**data)
@@ -249,9 +267,8 @@ class LayerShape:
         return 2.0 * self.kv_heads_gpu * self.head_dim * self.dtype_bytes
 
 
-# FlashAttention-2's split-KV heuristic: split a decode call's KV when its blocks fill less than this
-# fraction of the SMs (`num_splits_heuristic`: `batch_nheads_mblocks >= 0.8f * num_SMs` -> 1 split).
-SPLIT_KV_FRACTION = 0.8
+# `SPLIT_KV_FRACTION`, FlashAttention-2's split-KV boundary for decode and prefill calls alike, is
+# defined with the prefill blocks (engine/pricing/prefill_blocks.py).
 
 # How often each elementwise op runs per layer (two RMSNorms; the table's other ops once).
 ELEMENTWISE_PER_LAYER = {"norm": 2, "rope": 1, "act": 1, "add": 1}
@@ -280,6 +297,12 @@ class LayerKernels:
         self._dec_per_token = max(shape.kv_bytes_per_token / self._dec_rate,
                                   self._pre_flops_per_pair / (peak_flops * c.decode_compute_efficiency))
         self._dec_per_seq = shape.kv_heads_gpu * c.decode_block_s
+        if c.prefill_slots_per_sm and not self._sms:
+            raise ConfigError("kernels.prefill_slots_per_sm needs the hardware profile's sm_count")
+        # seconds per tile-key (one block's query rows against one key) at one slot's FLOP share
+        slot_flops = 4.0 * c.prefill_tile * shape.head_dim * self._sms * c.prefill_slots_per_sm / peak_flops
+        self._tile_key_s = (slot_flops / c.prefill_efficiency, slot_flops / (c.prefill_prefix_efficiency or 1.0))
+        self._kblock = key_block(shape.head_dim)
 
     # ---- token-count ops (numpy arrays or scalars) ------------------------------------------
     def gemm_s(self, m, k: int, n: int):
@@ -346,6 +369,11 @@ class LayerKernels:
     def prefill_compute_s(self, tokens: int, chunks: int, pairs: float, context_sum: int) -> float:
         """The FLOP term of a prefill call."""
         c = self.c
+        if c.prefill_slots_per_sm:
+            return block_makespan_s(tokens / chunks, (context_sum - tokens) / chunks, self.shape.q_heads_gpu, chunks,
+                                    tile=c.prefill_tile, kblock=self._kblock, sms=self._sms,
+                                    slots_per_sm=c.prefill_slots_per_sm, causal_s=self._tile_key_s[0],
+                                    prefix_s=self._tile_key_s[1], tail=c.prefill_tail, split_s=c.prefill_split_s)
         fill = self.prefill_wave_fill(tokens, chunks)
         if not c.prefill_prefix_efficiency:
             keys = (context_sum - tokens / 2.0) / chunks  # the mean over chunks of L + x/2

@@ -22,6 +22,7 @@ import numpy as np
 from engine.pricing.profile_table import ATTENTION_OPS, ProfileRow, ProfileTable
 from engine.base.errors import ConfigError
 from engine.pricing.kernels import ELEMENTWISE_PER_LAYER, GEMMS, KernelCoefficients, LayerKernels, LayerShape
+from engine.pricing.prefill_blocks import LIST_SCHEDULE_TAIL
 
 __all__ = ["DEFAULT_FIT_MODELS", "Device", "LinkFit", "HostFit", "KernelFit", "AttentionShape", "fit_kernels",
            "layer_shape", "attention_shapes", "attention_split", "held_out_attention", "fit_link", "fit_host", "QUANTA"]
@@ -246,11 +247,21 @@ def fit_decode(shapes: Sequence[AttentionShape], device: Device, base: KernelCoe
 
 
 PREFILL_TILES = (0, 64, 128)  # candidate query rows per prefill block (0: no wave term)
+# Per-block form (engine/pricing/prefill_blocks.py): FlashAttention-2's split-KV kernel (the paged
+# cache's) tiles 64 query rows, one slot per SM. Both are the kernel's, not fitted choices: one shape
+# cannot tell them apart (rows priced with 1 slot at 128 heads a GPU fit 2 slots as well and then
+# missed 16 heads by 50%; A100's 405B chunks of 1,024 and 1,088 tokens fit 128-row tiles as well
+# and then missed the 70B shape by 19%), and the 70B table shows the 64-row tile: its split-KV
+# steps (a jump where L + x passes a key block) appear at 64 and 128 tokens (32 and 64 blocks, below
+# 0.8 x 108 SMs) and not at 256 (128 blocks). One slot: the makespan's tail is a lone block on its
+# SM, which two slots (each at half the SM's rate) would price twice as long.
+PREFILL_BLOCK_FORM = (1, 64)  # (slots per SM, query rows per block)
 
 
 def fit_prefill(shapes: Sequence[AttentionShape], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    """Floor, efficiency (the chunk's causal pairs), half-keys and the prefix pairs' efficiency, for
-    each candidate tile; the best mean per-shape median wins. The floor is bounded by twice the
+    """With an SM count, the per-block form (`_fit_prefill_blocks`); without one, the pairs form
+    (floor, efficiency of the chunk's causal pairs, half-keys and the prefix pairs' efficiency) for
+    each candidate tile, the best mean per-shape median winning. The floor is bounded by twice the
     fixed cost of a one-sequence decode call (its floor and its split-KV regime): H100's shortest
     measured prefill takes 144 us, which cannot tell a launch floor from the FLOP term (unbounded,
     the fit put 69 us there)."""
@@ -258,17 +269,38 @@ def fit_prefill(shapes: Sequence[AttentionShape], device: Device, base: KernelCo
     if not items:
         return base
     floor_max = 2.0 * (base.decode_floor_s + base.decode_split_s)
+    if device.sm_count:
+        return _fit_prefill_blocks(items, device, base, floor_max)
     best = None
     for tile in PREFILL_TILES:
         def make(x, tile=tile):
             return replace(base, prefill_tile=tile, prefill_floor_s=x[0], prefill_efficiency=x[1],
-                           prefill_half_keys=x[2], prefill_prefix_efficiency=x[3])
+                           prefill_half_keys=x[2], prefill_prefix_efficiency=x[3], prefill_slots_per_sm=0)
         x = _solve(lambda x: _balanced(items, device, make(x), _prefill_resid), [0.5 * floor_max, 0.25, 500.0, 0.25],
                    [1e-7, 0.01, 1.0, 0.01], [floor_max, 1.0, 1e6, 1.0])
         err = _shape_score(items, device, make(x), _prefill_resid)
         if best is None or err < best[0]:
             best = (err, make(x))
     return best[1]
+
+
+def _fit_prefill_blocks(items, device: Device, base: KernelCoefficients, floor_max: float) -> KernelCoefficients:
+    """Floor, causal and prefix tile-key efficiencies and the split-KV combine of the per-block form;
+    tile and slots are `PREFILL_BLOCK_FORM`, the tail the list schedule's (`LIST_SCHEDULE_TAIL`): a
+    fitted tail traded against the causal efficiency on one shape (H100's TP 8 rows span 2,048-2,176
+    tokens) and TP 1 predicted from them was 16% off (10% with the schedule's). The combine is
+    bounded like the floor and starts from the decode call's (the same combine kernel): rows that
+    never split (H100's samples: >= 512 blocks) leave it there."""
+    slots, tile = PREFILL_BLOCK_FORM
+
+    def make(x):
+        return replace(base, prefill_slots_per_sm=slots, prefill_tile=tile, prefill_floor_s=x[0],
+                       prefill_efficiency=x[1], prefill_prefix_efficiency=x[2], prefill_tail=LIST_SCHEDULE_TAIL,
+                       prefill_split_s=x[3])
+    split0 = min(max(base.decode_split_s, 1e-9), floor_max)
+    x = _solve(lambda x: _balanced(items, device, make(x), _prefill_resid), [0.5 * floor_max, 0.1, 0.3, split0],
+               [1e-7, 0.005, 0.01, 1e-9], [floor_max, 1.0, 1.0, floor_max])
+    return make(x)
 
 
 def fit_kv_write(shapes: Sequence[AttentionShape], device: Device, base: KernelCoefficients) -> KernelCoefficients:
