@@ -138,6 +138,22 @@ def test_replay_rebuilds_every_micro_batch_and_refuses_a_divergence(tmp_path):
         replay_shapes(load_run(path))
 
 
+def test_the_replay_takes_a_completion_the_run_took_before_its_next_launch():
+    # mb 0 completes at 1.0; an arrival's deadline (0.9) passes first, but the run launched mb 1
+    # only at 1.0005: its controller took the completion first, and so must the replay
+    from engine.core.batch import MicroBatch
+    from testbed.calibrate.runs import ReplayExecutor
+
+    recorded = pd.DataFrame({"mb_id": [0, 1], "scheduled_s": [0.0, 1.0005], "completed_s": [1.0, 2.0],
+                             "kind": ["decode", "decode"], "num_prefill_tokens": [0, 0], "num_decode_seqs": [0, 0]})
+    ex = ReplayExecutor(1, recorded)
+    ex.launch(MicroBatch(0, (), (), shape=BatchShape()))
+    done = ex.next_completion(deadline=0.9)
+    assert done is not None and (done.mb_id, done.time_s) == (0, 1.0)
+    ex.launch(MicroBatch(1, (), (), shape=BatchShape()))
+    assert ex.next_completion(deadline=1.5) is None  # no launch left to order it against: the deadline wins
+
+
 def test_the_kv_pool_of_a_run_that_measured_it_is_inferred(tmp_path):
     path = _as_real_run(tmp_path)
     tree = yaml.safe_load((path / "config.yaml").read_text())
