@@ -28,6 +28,8 @@ __all__ = ["DEFAULT_FIT_MODELS", "Device", "LinkFit", "HostFit", "KernelFit", "A
 
 DEFAULT_FIT_MODELS = ("Llama-2-7b-hf", "Llama-2-70b-hf")
 QUANTA = (1, 16, 32, 64, 128)  # candidate GEMM token quanta (cuBLAS tile heights)
+# candidate GEMM output tiles (tokens x columns) of the wave term: the common cuBLAS tiles
+GEMM_TILES = tuple((q, n) for q in (64, 128) for n in (64, 128, 256))
 LINEAR_OPS = GEMMS + tuple(ELEMENTWISE_PER_LAYER)
 
 
@@ -127,19 +129,22 @@ def _token_resid(groups, device: Device, make) -> np.ndarray:
 
 
 def fit_gemms(tables: Sequence[ProfileTable], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    """GEMM efficiencies and floor, for each candidate token quantum; the quantum with the smallest
-    median error wins."""
+    """GEMM efficiencies and floors for each candidate token quantum, and for each output tile
+    (`GEMM_TILES`) with its tail-wave share; the candidate with the smallest median error wins
+    (the smooth form first, so a tie keeps it)."""
     groups = _token_groups(tables, GEMMS)
     if not groups:
         return base
     best = None
-    for q in QUANTA:
-        def make(x=None, q=q):
-            return replace(base, gemm_token_quantum=q, **({} if x is None else dict(
-                gemm_compute_efficiency=x[0], gemm_memory_efficiency=x[1], gemm_floor_s=x[2],
-                gemm_memory_floor_s=x[3])))
-        x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), [0.7, 0.8, 5e-6, 3e-6],
-                   [0.05, 0.05, 1e-7, 1e-7], [1.0, 1.0, 1e-3, 1e-3])
+    for q, tn in [(q, 0) for q in QUANTA] + (list(GEMM_TILES) if device.sm_count else []):
+        def make(x, q=q, tn=tn):
+            return replace(base, gemm_token_quantum=q, gemm_tile_n=tn, gemm_tail_wave=float(x[4]) if tn else 0.0,
+                           gemm_compute_efficiency=x[0], gemm_memory_efficiency=x[1], gemm_floor_s=x[2],
+                           gemm_memory_floor_s=x[3])
+        x0, lo, hi = [0.7, 0.8, 5e-6, 3e-6], [0.05, 0.05, 1e-7, 1e-7], [1.0, 1.0, 1e-3, 1e-3]
+        if tn:
+            x0, lo, hi = x0 + [0.5], lo + [1e-3], hi + [1.0]
+        x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), x0, lo, hi)
         err = float(np.median(np.abs(_token_resid(groups, device, lambda: make(x)))))
         if best is None or err < best[0]:
             best = (err, make(x))
