@@ -143,6 +143,27 @@ class KernelCoefficients:
     # priced 1.7x its smooth compute: few tiles cannot use every SM). 0 = no wave term.
     gemm_tile_n: int = 0
     gemm_tail_wave: float = 0.0
+    # Elementwise ops with one block per token (RMSNorm, rotary, SiLU x mul; a non-gated
+    # activation, phi-2's GELU, is a flat kernel at 1-2 us and keeps its token count): with fewer tokens
+    # than the GPU runs blocks at once, each token's block streams its row alone at one SM's rate,
+    # so an op costs what `<op>_min_tokens` tokens cost (time = floor + bytes x max(m, min) /
+    # (bandwidth x efficiency)). On H100 an RMSNorm takes 6 us for 1 to 256 tokens of the 70B
+    # shape and SiLU x mul 15 us at TP 1 (28,672 columns) against 2 us at TP 8: the time follows
+    # the row, not the token count. One shared floor (1.4 us) priced these ops of a 1-16-token
+    # layer 70% low and its linear part 2-4% low at every TP degree. 0 = the token count itself.
+    # Weight streaming above `GEMM_SMALL_TOKENS` tokens: up to 64 tokens cuBLAS streams the weights
+    # with a small-M kernel, beyond it with the tiled kernel, which streams them more slowly. Every
+    # device's tables step at 64 -> 72 tokens: the median time over H100 GEMMs rises 5-11% (weights
+    # of 100 MB-2 GB: 3-5% -> 6-11%; under 30 MB: 11% -> 33%), A100 5-11% -> 13-34%. One streaming
+    # efficiency averaged the two kernels: on H100 it came out at 0.87 of peak where 1-token GEMMs
+    # of 20-940 MB read at 0.89-0.93 (beyond a 5 us floor), so 1-16-token layers were priced 3-4%
+    # high and 65-128-token ones 4% low. 0 = `gemm_memory_efficiency` for every token count.
+    gemm_tile_memory_efficiency: float = 0.0
+    norm_min_tokens: float = 0.0
+    rope_min_tokens: float = 0.0
+    act_min_tokens: float = 0.0
+    add_min_tokens: float = 0.0
+    emb_min_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -152,7 +173,7 @@ class KernelCoefficients:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be a finite number")
-            if f.name == "prefill_prefix_efficiency" and value == 0.0:
+            if f.name in ("prefill_prefix_efficiency", "gemm_tile_memory_efficiency") and value == 0.0:
                 continue
             if f.name.endswith("_efficiency") and not 0.0 < value <= 1.0:
                 raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be in (0, 1]")
@@ -269,6 +290,10 @@ class LayerShape:
 # fraction of the SMs (`num_splits_heuristic`: `batch_nheads_mblocks >= 0.8f * num_SMs` -> 1 split).
 SPLIT_KV_FRACTION = 0.8
 
+# The most tokens cuBLAS's small-M (weight-streaming) GEMM kernels take: every published table steps
+# between 64 and 72 tokens (`KernelCoefficients.gemm_tile_memory_efficiency`).
+GEMM_SMALL_TOKENS = 64
+
 # How often each elementwise op runs per layer (two RMSNorms; the table's other ops once).
 ELEMENTWISE_PER_LAYER = {"norm": 2, "rope": 1, "act": 1, "add": 1}
 
@@ -286,6 +311,9 @@ class LayerKernels:
         self.peak, self.bw = peak_flops, mem_bw_Bps
         self._dims = shape.gemm_dims()
         self._ew = shape.elementwise_bytes()
+        # a non-gated activation (phi-2's GELU) is a flat elementwise kernel, not one block per token
+        self._min_tokens = {op: getattr(coefficients, f"{op}_min_tokens") if op != "act" or shape.gated_mlp else 0.0
+                            for op in self._ew}
         c = coefficients
         self._units_cap = (sm_count or 0) * c.decode_waves
         self._sms = sm_count or 0
@@ -300,12 +328,14 @@ class LayerKernels:
     # ---- token-count ops (numpy arrays or scalars) ------------------------------------------
     def gemm_s(self, m, k: int, n: int):
         """max(floor + compute on the token count rounded up to the tile quantum (or on the output
-        tiles' waves, `gemm_tile_n`), memory floor + weight and activation traffic)."""
+        tiles' waves, `gemm_tile_n`), memory floor + weight and activation traffic at the small-M
+        or the tiled kernel's streaming rate)."""
         import numpy as np
 
         c, db = self.c, self.shape.dtype_bytes
         q = c.gemm_token_quantum
-        mq = np.ceil(np.asarray(m, dtype=float) / q) * q
+        m = np.asarray(m, dtype=float)
+        mq = np.ceil(m / q) * q
         tn, sms = c.gemm_tile_n, self._sms
         if tn and sms:  # M x N of the tiles' waves: whole ones for the tail's idle share
             waves = mq / q * -(-n // tn) / sms
@@ -313,7 +343,10 @@ class LayerKernels:
             comp = 2.0 * waves * sms * q * tn * k / (self.peak * c.gemm_compute_efficiency)
         else:
             comp = 2.0 * mq * n * k / (self.peak * c.gemm_compute_efficiency)
-        mem = (k * n + np.asarray(m, dtype=float) * (k + n)) * db / (self.bw * c.gemm_memory_efficiency)
+        eff = c.gemm_memory_efficiency
+        if c.gemm_tile_memory_efficiency:
+            eff = np.where(m > GEMM_SMALL_TOKENS, c.gemm_tile_memory_efficiency, eff)
+        mem = (k * n + m * (k + n)) * db / (self.bw * eff)
         return np.maximum(c.gemm_floor_s + comp, c.gemm_memory_floor_s + mem)
 
     def op_s(self, op: str, m):
@@ -323,8 +356,8 @@ class LayerKernels:
         if op in self._dims:
             k, n = self._dims[op]
             return self.gemm_s(m, k, n)
-        return self.c.elementwise_floor_s + np.asarray(m, dtype=float) * self._ew[op] / (
-            self.bw * getattr(self.c, f"{op}_efficiency"))
+        m = np.maximum(np.asarray(m, dtype=float), self._min_tokens[op])
+        return self.c.elementwise_floor_s + m * self._ew[op] / (self.bw * getattr(self.c, f"{op}_efficiency"))
 
     def token_part_s(self, m):
         """Everything in a layer that depends only on the token count: the four GEMMs and the

@@ -129,19 +129,20 @@ def _token_resid(groups, device: Device, make) -> np.ndarray:
 
 
 def fit_gemms(tables: Sequence[ProfileTable], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    """GEMM efficiencies and floors for each candidate token quantum, and for each output tile
-    (`GEMM_TILES`) with its tail-wave share; the candidate with the smallest median error wins
-    (the smooth form first, so a tie keeps it)."""
+    """GEMM efficiencies (compute; weight streaming by the small-M and the tiled kernel) and floors
+    for each candidate token quantum, and for each output tile (`GEMM_TILES`) with its tail-wave
+    share; the candidate with the smallest median error wins (the smooth form first, so a tie
+    keeps it)."""
     groups = _token_groups(tables, GEMMS)
     if not groups:
         return base
     best = None
     for q, tn in [(q, 0) for q in QUANTA] + (list(GEMM_TILES) if device.sm_count else []):
         def make(x, q=q, tn=tn):
-            return replace(base, gemm_token_quantum=q, gemm_tile_n=tn, gemm_tail_wave=float(x[4]) if tn else 0.0,
+            return replace(base, gemm_token_quantum=q, gemm_tile_n=tn, gemm_tail_wave=float(x[5]) if tn else 0.0,
                            gemm_compute_efficiency=x[0], gemm_memory_efficiency=x[1], gemm_floor_s=x[2],
-                           gemm_memory_floor_s=x[3])
-        x0, lo, hi = [0.7, 0.8, 5e-6, 3e-6], [0.05, 0.05, 1e-7, 1e-7], [1.0, 1.0, 1e-3, 1e-3]
+                           gemm_memory_floor_s=x[3], gemm_tile_memory_efficiency=float(x[4]))
+        x0, lo, hi = [0.7, 0.8, 5e-6, 3e-6, 0.8], [0.05, 0.05, 1e-7, 1e-7, 0.05], [1.0, 1.0, 1e-3, 1e-3, 1.0]
         if tn:
             x0, lo, hi = x0 + [0.5], lo + [1e-3], hi + [1.0]
         x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), x0, lo, hi)
@@ -155,16 +156,19 @@ ELEMENTWISE_OPS = (*ELEMENTWISE_PER_LAYER, "emb")
 
 
 def fit_elementwise(tables: Sequence[ProfileTable], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    """One bandwidth efficiency per elementwise op and a shared launch floor."""
+    """One bandwidth efficiency and one minimum token count (a per-token block's row at one SM's
+    rate) per elementwise op, and a shared launch floor."""
     groups = _token_groups(tables, ELEMENTWISE_OPS)
     if not groups:
         return base
 
     def make(x):
-        return replace(base, elementwise_floor_s=x[0], **{f"{op}_efficiency": e for op, e in zip(ELEMENTWISE_OPS, x[1:])})
+        n = len(ELEMENTWISE_OPS)
+        return replace(base, elementwise_floor_s=x[0], **{f"{op}_efficiency": e for op, e in zip(ELEMENTWISE_OPS, x[1:])},
+                       **{f"{op}_min_tokens": float(v) for op, v in zip(ELEMENTWISE_OPS, x[1 + n:])})
     n = len(ELEMENTWISE_OPS)
-    x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), [2e-6] + [0.5] * n, [1e-8] + [0.01] * n,
-               [1e-3] + [1.0] * n)
+    x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), [2e-6] + [0.5] * n + [1.0] * n,
+               [1e-8] + [0.01] * n + [0.01] * n, [1e-3] + [1.0] * n + [1e4] * n)
     return make(x)
 
 
