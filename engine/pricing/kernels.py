@@ -138,27 +138,31 @@ class KernelCoefficients:
     # slots are filled (the smooth form above: split-K, stream-K), 1 = whole waves. On H100's
     # Qwen-72B QKV at TP 1 (N 24,576, K 8,192) 136 tokens take 216 us against 145 us at 128 (96 ->
     # 192 tiles of 128 x 256 on 132 SMs: 0.73 -> 1.45 waves), which the smooth form priced at 154
-    # us; across H100's held-out linear rows the fit picks 128 x 256 tiles and 0.08 of the tail, which
-    # takes the p90 from 13.4% to 11.9%. The tail counts most for small grids (a 13-tile GEMM is
-    # priced 1.7x its smooth compute: few tiles cannot use every SM). 0 = no wave term.
+    # us. The fit picks 128 x 256 tiles and 0.08 of the tail on H100 (held-out linear p90 13.5% ->
+    # 11.9% with this term alone), 128 x 64 and 0.16 on A100 (8.7% -> 8.5%), 128 x 64 and 0.29 on
+    # A40. The tail counts most for small grids (a 13-tile GEMM on H100 is priced 1.7x its smooth
+    # compute: so few tiles cannot use every SM). 0 = no wave term.
     gemm_tile_n: int = 0
     gemm_tail_wave: float = 0.0
-    # Elementwise ops with one block per token (RMSNorm, rotary, SiLU x mul; a non-gated
-    # activation, phi-2's GELU, is a flat kernel at 1-2 us and keeps its token count): with fewer tokens
-    # than the GPU runs blocks at once, each token's block streams its row alone at one SM's rate,
-    # so an op costs what `<op>_min_tokens` tokens cost (time = floor + bytes x max(m, min) /
-    # (bandwidth x efficiency)). On H100 an RMSNorm takes 6 us for 1 to 256 tokens of the 70B
-    # shape and SiLU x mul 15 us at TP 1 (28,672 columns) against 2 us at TP 8: the time follows
-    # the row, not the token count. One shared floor (1.4 us) priced these ops of a 1-16-token
-    # layer 70% low and its linear part 2-4% low at every TP degree. 0 = the token count itself.
     # Weight streaming above `GEMM_SMALL_TOKENS` tokens: up to 64 tokens cuBLAS streams the weights
     # with a small-M kernel, beyond it with the tiled kernel, which streams them more slowly. Every
-    # device's tables step at 64 -> 72 tokens: the median time over H100 GEMMs rises 5-11% (weights
-    # of 100 MB-2 GB: 3-5% -> 6-11%; under 30 MB: 11% -> 33%), A100 5-11% -> 13-34%. One streaming
-    # efficiency averaged the two kernels: on H100 it came out at 0.87 of peak where 1-token GEMMs
-    # of 20-940 MB read at 0.89-0.93 (beyond a 5 us floor), so 1-16-token layers were priced 3-4%
-    # high and 65-128-token ones 4% low. 0 = `gemm_memory_efficiency` for every token count.
+    # device's tables step between 64 and 72 tokens: relative to 1 token the median H100 GEMM takes
+    # 1.03-1.11x at 64 and 1.08-1.33x at 72 (the smaller the weights, the larger the step), A100
+    # 1.05-1.12x -> 1.13-1.34x, A40 1.10-1.16x -> 1.14-1.29x. One streaming efficiency averaged the
+    # two kernels: on H100 it came out at 0.87 of peak bandwidth where 1-token GEMMs of 20-940 MB
+    # read at 0.89-0.93 beyond a 5 us floor, so 1-16-token layers were priced 3-4% high and
+    # 65-128-token ones 4% low (fitted: 0.91 and 0.77 of peak). 0 = `gemm_memory_efficiency` for
+    # every token count.
     gemm_tile_memory_efficiency: float = 0.0
+    # Elementwise ops with one block per token (RMSNorm, rotary, SiLU x mul; a non-gated
+    # activation, phi-2's GELU, is a flat kernel at 1-2 us and keeps its token count): with fewer
+    # tokens than the GPU runs blocks at once, each token's block streams its row alone at one SM's
+    # rate, so an op costs what `<op>_min_tokens` tokens cost (time = floor + bytes x max(m, min) /
+    # (bandwidth x efficiency)). On H100 an RMSNorm of the 70B shape takes 6 us for 1 to 256
+    # tokens, and SiLU x mul of one token 15 us at TP 1 (28,672 columns) against 2 us at TP 8: the
+    # time follows the row, not the token count. One shared floor (1.4 us) priced these ops 56-70%
+    # low in 1-16-token layers, where they are 7-19% of the linear part (fitted minimums on H100:
+    # 140-210 tokens). 0 = the token count itself.
     norm_min_tokens: float = 0.0
     rope_min_tokens: float = 0.0
     act_min_tokens: float = 0.0
