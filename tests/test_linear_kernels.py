@@ -105,3 +105,12 @@ def test_the_fit_recovers_tile_waves_streaming_rates_and_minimum_token_counts(tm
     for r in held.rows[:400]:
         lk = LayerKernels(layer_shape(held.meta, r.tp), c, **A100)
         assert float(lk.op_s(r.op, r.tokens)) == pytest.approx(r.time_s, rel=0.02), (r.op, r.tokens, r.tp)
+
+
+def test_a_profile_with_no_gemm_past_the_small_m_kernel_keeps_one_streaming_rate(tmp_path):
+    t = read_published(write_tables(tmp_path).parent, "a100")
+    table = t.compute["Llama-2-7b-hf"]
+    small = replace(table, rows=[r for r in table.rows if r.tokens <= GEMM_SMALL_TOKENS])
+    c = fit_gemms([small], Device("a100", **A100), KernelCoefficients())
+    assert c.gemm_tile_memory_efficiency == 0.0
+    assert c.gemm_memory_efficiency == pytest.approx(TRUTH.gemm_memory_efficiency, rel=0.02)

@@ -21,7 +21,8 @@ import numpy as np
 
 from engine.pricing.profile_table import ATTENTION_OPS, ProfileRow, ProfileTable
 from engine.base.errors import ConfigError
-from engine.pricing.kernels import ELEMENTWISE_PER_LAYER, GEMMS, KernelCoefficients, LayerKernels, LayerShape
+from engine.pricing.kernels import (ELEMENTWISE_PER_LAYER, GEMM_SMALL_TOKENS, GEMMS, KernelCoefficients,
+                                   LayerKernels, LayerShape)
 
 __all__ = ["DEFAULT_FIT_MODELS", "Device", "LinkFit", "HostFit", "KernelFit", "AttentionShape", "fit_kernels",
            "layer_shape", "attention_shapes", "attention_split", "held_out_attention", "fit_link", "fit_host", "QUANTA"]
@@ -128,24 +129,30 @@ def _token_resid(groups, device: Device, make) -> np.ndarray:
     return np.concatenate(out)
 
 
+# (name, start, lower, upper bound) of the GEMM parameters every candidate fits
+_GEMM_PARAMS = (("gemm_compute_efficiency", 0.7, 0.05, 1.0), ("gemm_memory_efficiency", 0.8, 0.05, 1.0),
+                ("gemm_floor_s", 5e-6, 1e-7, 1e-3), ("gemm_memory_floor_s", 3e-6, 1e-7, 1e-3))
+
+
 def fit_gemms(tables: Sequence[ProfileTable], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    """GEMM efficiencies (compute; weight streaming by the small-M and the tiled kernel) and floors
-    for each candidate token quantum, and for each output tile (`GEMM_TILES`) with its tail-wave
-    share; the candidate with the smallest median error wins (the smooth form first, so a tie
-    keeps it)."""
+    """GEMM efficiencies (compute; weight streaming by the small-M and, where rows lie on both sides
+    of `GEMM_SMALL_TOKENS`, the tiled kernel) and floors for each candidate token quantum, and for
+    each output tile (`GEMM_TILES`) with its tail-wave share; the candidate with the smallest
+    median error wins (the smooth form first, so a tie keeps it)."""
     groups = _token_groups(tables, GEMMS)
     if not groups:
         return base
+    tokens = np.concatenate([m for _, _, m, _ in groups])
+    split = bool((tokens <= GEMM_SMALL_TOKENS).any() and (tokens > GEMM_SMALL_TOKENS).any())
     best = None
     for q, tn in [(q, 0) for q in QUANTA] + (list(GEMM_TILES) if device.sm_count else []):
-        def make(x, q=q, tn=tn):
-            return replace(base, gemm_token_quantum=q, gemm_tile_n=tn, gemm_tail_wave=float(x[5]) if tn else 0.0,
-                           gemm_compute_efficiency=x[0], gemm_memory_efficiency=x[1], gemm_floor_s=x[2],
-                           gemm_memory_floor_s=x[3], gemm_tile_memory_efficiency=float(x[4]))
-        x0, lo, hi = [0.7, 0.8, 5e-6, 3e-6, 0.8], [0.05, 0.05, 1e-7, 1e-7, 0.05], [1.0, 1.0, 1e-3, 1e-3, 1.0]
-        if tn:
-            x0, lo, hi = x0 + [0.5], lo + [1e-3], hi + [1.0]
-        x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), x0, lo, hi)
+        params = list(_GEMM_PARAMS) + ([("gemm_tile_memory_efficiency", 0.8, 0.05, 1.0)] if split else []) + (
+            [("gemm_tail_wave", 0.5, 1e-3, 1.0)] if tn else [])
+
+        def make(x, q=q, tn=tn, params=params):
+            return replace(base, **({"gemm_token_quantum": q, "gemm_tile_n": tn, "gemm_tail_wave": 0.0,
+                                     "gemm_tile_memory_efficiency": 0.0} | {p[0]: float(v) for p, v in zip(params, x)}))
+        x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), *zip(*(p[1:] for p in params)))
         err = float(np.median(np.abs(_token_resid(groups, device, lambda: make(x)))))
         if best is None or err < best[0]:
             best = (err, make(x))
