@@ -144,6 +144,43 @@ class KernelCoefficients:
     prefill_slots_per_sm: int = 0
     prefill_tail: float = 0.0
     prefill_split_s: float = 0.0
+    # GEMM output-tile waves: cuBLAS computes one output tile (`gemm_token_quantum` tokens x
+    # `gemm_tile_n` columns) per block, so tiles = ceil(M / quantum) x ceil(N / tile_n) run in
+    # waves over the SMs, and the last wave leaves SMs idle. The compute term is priced on
+    # waves = tiles / SMs + `gemm_tail_wave` x (whole waves - tiles / SMs): 0 = the tail's idle
+    # slots are filled (the smooth form above: split-K, stream-K), 1 = whole waves. On H100's
+    # Qwen-72B QKV at TP 1 (N 24,576, K 8,192) 136 tokens take 216 us against 145 us at 128 (96 ->
+    # 192 tiles of 128 x 256 on 132 SMs: 0.73 -> 1.45 waves), which the smooth form priced at 154
+    # us. The fit picks 128 x 256 tiles and 0.08 of the tail on H100 (held-out linear p90 13.5% ->
+    # 11.9% with this term alone), 128 x 64 and 0.16 on A100 (8.7% -> 8.5%), 128 x 64 and 0.29 on
+    # A40. The tail counts most for small grids (a 13-tile GEMM on H100 is priced 1.7x its smooth
+    # compute: so few tiles cannot use every SM). 0 = no wave term.
+    gemm_tile_n: int = 0
+    gemm_tail_wave: float = 0.0
+    # Weight streaming above `GEMM_SMALL_TOKENS` tokens: up to 64 tokens cuBLAS streams the weights
+    # with a small-M kernel, beyond it with the tiled kernel, which streams them more slowly. Every
+    # device's tables step between 64 and 72 tokens: relative to 1 token the median H100 GEMM takes
+    # 1.03-1.11x at 64 and 1.08-1.33x at 72 (the smaller the weights, the larger the step), A100
+    # 1.05-1.12x -> 1.13-1.34x, A40 1.10-1.16x -> 1.14-1.29x. One streaming efficiency averaged the
+    # two kernels: on H100 it came out at 0.87 of peak bandwidth where 1-token GEMMs of 20-940 MB
+    # read at 0.89-0.93 beyond a 5 us floor, so 1-16-token layers were priced 3-4% high and
+    # 65-128-token ones 4% low (fitted: 0.91 and 0.77 of peak). 0 = `gemm_memory_efficiency` for
+    # every token count.
+    gemm_tile_memory_efficiency: float = 0.0
+    # Elementwise ops with one block per token (RMSNorm, rotary, SiLU x mul; a non-gated
+    # activation, phi-2's GELU, is a flat kernel at 1-2 us and keeps its token count): with fewer
+    # tokens than the GPU runs blocks at once, each token's block streams its row alone at one SM's
+    # rate, so an op costs what `<op>_min_tokens` tokens cost (time = floor + bytes x max(m, min) /
+    # (bandwidth x efficiency)). On H100 an RMSNorm of the 70B shape takes 6 us for 1 to 256
+    # tokens, and SiLU x mul of one token 15 us at TP 1 (28,672 columns) against 2 us at TP 8: the
+    # time follows the row, not the token count. One shared floor (1.4 us) priced these ops 56-70%
+    # low in 1-16-token layers, where they are 7-19% of the linear part (fitted minimums on H100:
+    # 140-210 tokens). 0 = the token count itself.
+    norm_min_tokens: float = 0.0
+    rope_min_tokens: float = 0.0
+    act_min_tokens: float = 0.0
+    add_min_tokens: float = 0.0
+    emb_min_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -153,7 +190,7 @@ class KernelCoefficients:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be a finite number")
-            if f.name == "prefill_prefix_efficiency" and value == 0.0:
+            if f.name in ("prefill_prefix_efficiency", "gemm_tile_memory_efficiency") and value == 0.0:
                 continue
             if f.name.endswith("_efficiency") and not 0.0 < value <= 1.0:
                 raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be in (0, 1]")
@@ -166,6 +203,10 @@ class KernelCoefficients:
             raise ConfigError(f"invalid kernels.prefill_slots_per_sm={self.prefill_slots_per_sm!r}: must be an integer >= 0")
         if not isinstance(self.prefill_tile, int):
             raise ConfigError(f"invalid kernels.prefill_tile={self.prefill_tile!r}: must be an integer >= 0")
+        if not isinstance(self.gemm_tile_n, int):
+            raise ConfigError(f"invalid kernels.gemm_tile_n={self.gemm_tile_n!r}: must be an integer >= 0")
+        if self.gemm_tail_wave > 1.0:
+            raise ConfigError(f"invalid kernels.gemm_tail_wave={self.gemm_tail_wave!r}: must be in [0, 1]")
         if not isinstance(self.decode_waves, int):
             raise ConfigError(f"invalid kernels.decode_waves={self.decode_waves!r}: must be an integer >= 0")
         if not isinstance(self.gemm_token_quantum, int) or self.gemm_token_quantum < 1:
@@ -183,7 +224,7 @@ class KernelCoefficients:
             data["gemm_memory_floor_s"] = data["gemm_floor_s"]
         if "decode_kv_efficiency" in data:
             data["decode_kv_efficiency"] = tuple(tuple(float(v) for v in p) for p in data["decode_kv_efficiency"])
-        for key in ("gemm_token_quantum", "decode_waves", "prefill_tile", "prefill_slots_per_sm"):
+        for key in ("gemm_token_quantum", "decode_waves", "prefill_tile", "prefill_slots_per_sm", "gemm_tile_n"):
             if key in data:
                 data[key] = int(data[key])
         return cls(**data)
@@ -270,6 +311,10 @@ class LayerShape:
 # `SPLIT_KV_FRACTION`, FlashAttention-2's split-KV boundary for decode and prefill calls alike, is
 # defined with the prefill blocks (engine/pricing/prefill_blocks.py).
 
+# The most tokens cuBLAS's small-M (weight-streaming) GEMM kernels take: every published table steps
+# between 64 and 72 tokens (`KernelCoefficients.gemm_tile_memory_efficiency`).
+GEMM_SMALL_TOKENS = 64
+
 # How often each elementwise op runs per layer (two RMSNorms; the table's other ops once).
 ELEMENTWISE_PER_LAYER = {"norm": 2, "rope": 1, "act": 1, "add": 1}
 
@@ -287,6 +332,9 @@ class LayerKernels:
         self.peak, self.bw = peak_flops, mem_bw_Bps
         self._dims = shape.gemm_dims()
         self._ew = shape.elementwise_bytes()
+        # a non-gated activation (phi-2's GELU) is a flat elementwise kernel, not one block per token
+        self._min_tokens = {op: getattr(coefficients, f"{op}_min_tokens") if op != "act" or shape.gated_mlp else 0.0
+                            for op in self._ew}
         c = coefficients
         self._units_cap = (sm_count or 0) * c.decode_waves
         self._sms = sm_count or 0
@@ -306,15 +354,26 @@ class LayerKernels:
 
     # ---- token-count ops (numpy arrays or scalars) ------------------------------------------
     def gemm_s(self, m, k: int, n: int):
-        """max(floor + compute on the token count rounded up to the tile quantum, memory floor +
-        weight and activation traffic)."""
+        """max(floor + compute on the token count rounded up to the tile quantum (or on the output
+        tiles' waves, `gemm_tile_n`), memory floor + weight and activation traffic at the small-M
+        or the tiled kernel's streaming rate)."""
         import numpy as np
 
         c, db = self.c, self.shape.dtype_bytes
         q = c.gemm_token_quantum
-        mq = np.ceil(np.asarray(m, dtype=float) / q) * q
-        comp = 2.0 * mq * n * k / (self.peak * c.gemm_compute_efficiency)
-        mem = (k * n + np.asarray(m, dtype=float) * (k + n)) * db / (self.bw * c.gemm_memory_efficiency)
+        m = np.asarray(m, dtype=float)
+        mq = np.ceil(m / q) * q
+        tn, sms = c.gemm_tile_n, self._sms
+        if tn and sms:  # M x N of the tiles' waves: whole ones for the tail's idle share
+            waves = mq / q * -(-n // tn) / sms
+            waves = waves + c.gemm_tail_wave * (np.ceil(waves) - waves)
+            comp = 2.0 * waves * sms * q * tn * k / (self.peak * c.gemm_compute_efficiency)
+        else:
+            comp = 2.0 * mq * n * k / (self.peak * c.gemm_compute_efficiency)
+        eff = c.gemm_memory_efficiency
+        if c.gemm_tile_memory_efficiency:
+            eff = np.where(m > GEMM_SMALL_TOKENS, c.gemm_tile_memory_efficiency, eff)
+        mem = (k * n + m * (k + n)) * db / (self.bw * eff)
         return np.maximum(c.gemm_floor_s + comp, c.gemm_memory_floor_s + mem)
 
     def op_s(self, op: str, m):
@@ -324,8 +383,8 @@ class LayerKernels:
         if op in self._dims:
             k, n = self._dims[op]
             return self.gemm_s(m, k, n)
-        return self.c.elementwise_floor_s + np.asarray(m, dtype=float) * self._ew[op] / (
-            self.bw * getattr(self.c, f"{op}_efficiency"))
+        m = np.maximum(np.asarray(m, dtype=float), self._min_tokens[op])
+        return self.c.elementwise_floor_s + m * self._ew[op] / (self.bw * getattr(self.c, f"{op}_efficiency"))
 
     def token_part_s(self, m):
         """Everything in a layer that depends only on the token count: the four GEMMs and the

@@ -21,7 +21,8 @@ import numpy as np
 
 from engine.pricing.profile_table import ATTENTION_OPS, ProfileRow, ProfileTable
 from engine.base.errors import ConfigError
-from engine.pricing.kernels import ELEMENTWISE_PER_LAYER, GEMMS, KernelCoefficients, LayerKernels, LayerShape
+from engine.pricing.kernels import (ELEMENTWISE_PER_LAYER, GEMM_SMALL_TOKENS, GEMMS, KernelCoefficients,
+                                   LayerKernels, LayerShape)
 from engine.pricing.prefill_blocks import LIST_SCHEDULE_TAIL
 
 __all__ = ["DEFAULT_FIT_MODELS", "Device", "LinkFit", "HostFit", "KernelFit", "AttentionShape", "fit_kernels",
@@ -29,6 +30,8 @@ __all__ = ["DEFAULT_FIT_MODELS", "Device", "LinkFit", "HostFit", "KernelFit", "A
 
 DEFAULT_FIT_MODELS = ("Llama-2-7b-hf", "Llama-2-70b-hf")
 QUANTA = (1, 16, 32, 64, 128)  # candidate GEMM token quanta (cuBLAS tile heights)
+# candidate GEMM output tiles (tokens x columns) of the wave term: the common cuBLAS tiles
+GEMM_TILES = tuple((q, n) for q in (64, 128) for n in (64, 128, 256))
 LINEAR_OPS = GEMMS + tuple(ELEMENTWISE_PER_LAYER)
 
 
@@ -127,20 +130,30 @@ def _token_resid(groups, device: Device, make) -> np.ndarray:
     return np.concatenate(out)
 
 
+# (name, start, lower, upper bound) of the GEMM parameters every candidate fits
+_GEMM_PARAMS = (("gemm_compute_efficiency", 0.7, 0.05, 1.0), ("gemm_memory_efficiency", 0.8, 0.05, 1.0),
+                ("gemm_floor_s", 5e-6, 1e-7, 1e-3), ("gemm_memory_floor_s", 3e-6, 1e-7, 1e-3))
+
+
 def fit_gemms(tables: Sequence[ProfileTable], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    """GEMM efficiencies and floor, for each candidate token quantum; the quantum with the smallest
-    median error wins."""
+    """GEMM efficiencies (compute; weight streaming by the small-M and, where rows lie on both sides
+    of `GEMM_SMALL_TOKENS`, the tiled kernel) and floors for each candidate token quantum, and for
+    each output tile (`GEMM_TILES`) with its tail-wave share; the candidate with the smallest
+    median error wins (the smooth form first, so a tie keeps it)."""
     groups = _token_groups(tables, GEMMS)
     if not groups:
         return base
+    tokens = np.concatenate([m for _, _, m, _ in groups])
+    split = bool((tokens <= GEMM_SMALL_TOKENS).any() and (tokens > GEMM_SMALL_TOKENS).any())
     best = None
-    for q in QUANTA:
-        def make(x=None, q=q):
-            return replace(base, gemm_token_quantum=q, **({} if x is None else dict(
-                gemm_compute_efficiency=x[0], gemm_memory_efficiency=x[1], gemm_floor_s=x[2],
-                gemm_memory_floor_s=x[3])))
-        x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), [0.7, 0.8, 5e-6, 3e-6],
-                   [0.05, 0.05, 1e-7, 1e-7], [1.0, 1.0, 1e-3, 1e-3])
+    for q, tn in [(q, 0) for q in QUANTA] + (list(GEMM_TILES) if device.sm_count else []):
+        params = list(_GEMM_PARAMS) + ([("gemm_tile_memory_efficiency", 0.8, 0.05, 1.0)] if split else []) + (
+            [("gemm_tail_wave", 0.5, 1e-3, 1.0)] if tn else [])
+
+        def make(x, q=q, tn=tn, params=params):
+            return replace(base, **({"gemm_token_quantum": q, "gemm_tile_n": tn, "gemm_tail_wave": 0.0,
+                                     "gemm_tile_memory_efficiency": 0.0} | {p[0]: float(v) for p, v in zip(params, x)}))
+        x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), *zip(*(p[1:] for p in params)))
         err = float(np.median(np.abs(_token_resid(groups, device, lambda: make(x)))))
         if best is None or err < best[0]:
             best = (err, make(x))
@@ -151,16 +164,19 @@ ELEMENTWISE_OPS = (*ELEMENTWISE_PER_LAYER, "emb")
 
 
 def fit_elementwise(tables: Sequence[ProfileTable], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    """One bandwidth efficiency per elementwise op and a shared launch floor."""
+    """One bandwidth efficiency and one minimum token count (a per-token block's row at one SM's
+    rate) per elementwise op, and a shared launch floor."""
     groups = _token_groups(tables, ELEMENTWISE_OPS)
     if not groups:
         return base
 
     def make(x):
-        return replace(base, elementwise_floor_s=x[0], **{f"{op}_efficiency": e for op, e in zip(ELEMENTWISE_OPS, x[1:])})
+        n = len(ELEMENTWISE_OPS)
+        return replace(base, elementwise_floor_s=x[0], **{f"{op}_efficiency": e for op, e in zip(ELEMENTWISE_OPS, x[1:])},
+                       **{f"{op}_min_tokens": float(v) for op, v in zip(ELEMENTWISE_OPS, x[1 + n:])})
     n = len(ELEMENTWISE_OPS)
-    x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), [2e-6] + [0.5] * n, [1e-8] + [0.01] * n,
-               [1e-3] + [1.0] * n)
+    x = _solve(lambda x: _token_resid(groups, device, lambda: make(x)), [2e-6] + [0.5] * n + [1.0] * n,
+               [1e-8] + [0.01] * n + [0.01] * n, [1e-3] + [1.0] * n + [1e4] * n)
     return make(x)
 
 
