@@ -65,14 +65,19 @@ class KernelCoefficients:
     # efficiency points (g, fraction) are interpolated in log2(g), flat beyond them. The fit
     # (testbed/calibrate/kernel_fit.py) sets one point (one read rate for every g) and lets
     # `decode_compute_efficiency` make large g FLOP bound; a profile may carry several points.
+    # That point is the highest fraction of peak bandwidth a measured row reached: the kernel reads
+    # at least that fast (a row that moved its KV at that rate), and no faster rate is assumed.
+    # Fitted freely, it was not identified where the fitted shapes are FLOP bound: held out, MHA
+    # Llama-2-7B (g = 1) got 0.79 from the g = 8 and 16 shapes, whose rows reach 0.88, and was
+    # priced 15-23% slow at 1,728 tokens (median 13.8%; 9.9% with the measured rate).
     decode_floor_s: float = 12e-6
     decode_kv_efficiency: tuple[tuple[float, float], ...] = ((1.0, 0.85), (8.0, 0.75), (16.0, 0.4))
     # Once a decode batch has more (sequence, KV head) blocks than the GPU holds at once
     # (`decode_waves` resident blocks per SM x sm_count), the kernel runs in whole waves: on the A100
     # table the time jumps 1.46x from batch 54 to 55 with 4 KV heads (216 -> 220 blocks, 2 x 108
-    # SMs). 0 = no wave term. The fit picks 0, 1, 2 or 4 by median error: H100's 405B-shape samples
-    # select 2 (a 1.4x step at batch 34 with 8 KV heads: 272 > 264 blocks); on the A100 table the
-    # median is no better with it, so the shipped A100 profile has 0.
+    # SMs). 0 = no wave term. The fit picks 0, 1, 2 or 4 by median error; with whole waves only it
+    # picked 0 on both devices (H100's steps are 1.4x, whole waves 1.9x), with the part-empty last
+    # wave (`decode_tail_recovery`) 2 on both.
     decode_waves: int = 2
     # The decode kernel's FLOPs (QK and PV: 4 x query heads x head_dim per KV token) at
     # `decode_compute_efficiency` of peak: a KV token costs max(KV bytes / read rate, FLOPs / FLOP
@@ -131,6 +136,14 @@ class KernelCoefficients:
     # Several chunks in one call are taken as equal (their causal pairs' lower bound).
     # 0 = one efficiency for all pairs (the form above).
     prefill_prefix_efficiency: float = 0.0
+    # The last, part-empty wave of a decode call (`decode_waves`) takes less than a whole one: its
+    # fewer blocks share the bandwidth and stream faster. The KV term counts whole waves less this
+    # share of the last wave's empty slots. H100's 405B samples (264 slots: 2 x 132 SMs) step by
+    # 1.40x at TP 1 (264 -> 272 blocks), 1.42x at TP 2 (264 -> 268) and 1.13x from 3 to 4 waves
+    # (792 -> 800 blocks), where whole waves give 1.94x, 1.97x and 1.32x: 0.6 of the empty slots is
+    # recovered at every step (A100 70B table: 0.5 at 216 -> 220 blocks). With whole waves only the
+    # fit chose no wave term on H100. 0 = whole waves (the form before it).
+    decode_tail_recovery: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -146,6 +159,8 @@ class KernelCoefficients:
                 raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be in (0, 1]")
             if value < 0:
                 raise ConfigError(f"invalid kernels.{f.name}={value!r}: must be >= 0")
+        if self.decode_tail_recovery > 1.0:
+            raise ConfigError(f"invalid kernels.decode_tail_recovery={self.decode_tail_recovery!r}: must be in [0, 1]")
         if not isinstance(self.prefill_tile, int):
             raise ConfigError(f"invalid kernels.prefill_tile={self.prefill_tile!r}: must be an integer >= 0")
         if not isinstance(self.decode_waves, int):
@@ -253,6 +268,13 @@ class LayerShape:
 # fraction of the SMs (`num_splits_heuristic`: `batch_nheads_mblocks >= 0.8f * num_SMs` -> 1 split).
 SPLIT_KV_FRACTION = 0.8
 
+def decode_wave_factor(units: int, cap: int, tail_recovery: float) -> float:
+    """The KV term's scale for `units` blocks run in waves of `cap`: whole waves, less the share
+    `tail_recovery` of the last wave's empty slots that its fewer blocks recover."""
+    waves = -(-units // cap)
+    return (waves - tail_recovery * (waves - units / cap)) * cap / units
+
+
 # How often each elementwise op runs per layer (two RMSNorms; the table's other ops once).
 ELEMENTWISE_PER_LAYER = {"norm": 2, "rope": 1, "act": 1, "add": 1}
 
@@ -327,8 +349,8 @@ class LayerKernels:
         kv = context_sum * self._dec_per_token
         units = num_seqs * self.shape.kv_heads_gpu
         cap = self._units_cap
-        if cap and units > cap:  # whole waves of `cap` blocks, each streaming one (sequence, KV head)
-            kv *= (-(-units // cap) * cap) / units
+        if cap and units > cap:  # waves of `cap` blocks, each streaming one (sequence, KV head)
+            kv *= decode_wave_factor(units, cap, self.c.decode_tail_recovery)
         kv *= 1.0 + self.c.decode_half_blocks / units
         split = self.c.decode_split_s if units < self._split_units else 0.0
         return self.c.decode_floor_s + kv + num_seqs * self._dec_per_seq + split
@@ -393,7 +415,7 @@ class KernelPricer:
         self._dec_per_token, self._dec_per_seq = kernels._dec_per_token, kernels._dec_per_seq
         self._kv_per_token = sh.kv_bytes_per_token / kernels._dec_rate  # a prefill call's KV read
         self._cap, self._kv_heads, self._dec_floor = kernels._units_cap, sh.kv_heads_gpu, c.decode_floor_s
-        self._dec_half = c.decode_half_blocks
+        self._dec_half, self._dec_tail = c.decode_half_blocks, c.decode_tail_recovery
         self._split_units, self._dec_split = kernels._split_units, c.decode_split_s
         self._pre_floor, self._pre_half, self._pre_tile = c.prefill_floor_s, c.prefill_half_keys, c.prefill_tile
         self._pre_per_pair = kernels._pre_flops_per_pair / (kernels.peak * c.prefill_efficiency)
@@ -430,7 +452,7 @@ class KernelPricer:
             units = n_dec * self._kv_heads
             cap = self._cap
             if cap and units > cap:
-                kv *= (-(-units // cap) * cap) / units
+                kv *= decode_wave_factor(units, cap, self._dec_tail)
             layer += self._dec_floor + kv * (1.0 + self._dec_half / units) + n_dec * self._dec_per_seq
             if units < self._split_units:
                 layer += self._dec_split

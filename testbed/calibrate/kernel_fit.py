@@ -225,8 +225,10 @@ def _items(shapes: Sequence[AttentionShape], op: str) -> list[tuple[LayerShape, 
 
 
 def fit_decode(shapes: Sequence[AttentionShape], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    """Floor, one KV-read efficiency (at most the highest fraction of peak bandwidth a measured row
-    reached), the kernel's FLOP efficiency, a per-block cost, and whether SM waves help."""
+    """Floor, the kernel's FLOP efficiency, a per-block cost, the split-KV regime and, for each
+    candidate of resident blocks per SM, the share of a part-empty last wave recovered. The one
+    KV-read efficiency is not fitted: it is the highest fraction of peak bandwidth a measured row
+    reached (`kv_read_cap`; see `KernelCoefficients.decode_kv_efficiency`)."""
     items = _items(shapes, "attn_decode")
     if not items:
         return base
@@ -234,11 +236,12 @@ def fit_decode(shapes: Sequence[AttentionShape], device: Device, base: KernelCoe
     best = None
     for waves in (0, 1, 2, 4):
         def make(x, waves=waves):
-            return replace(base, decode_waves=waves, decode_floor_s=x[0], decode_kv_efficiency=((1.0, float(x[1])),),
-                           decode_compute_efficiency=x[2], decode_block_s=x[3], decode_half_blocks=x[4],
-                           decode_split_s=x[5] if device.sm_count else 0.0)
-        x = _solve(lambda x: _balanced(items, device, make(x), _decode_resid), [12e-6, 0.9 * cap, 0.05, 1e-8, 4.0, 2e-6],
-                   [1e-7, 0.02, 1e-3, 1e-12, 1e-3, 1e-9], [1e-3, cap, 1.0, 1e-6, 1e4, 1e-4])
+            return replace(base, decode_waves=waves, decode_floor_s=x[0], decode_kv_efficiency=((1.0, cap),),
+                           decode_compute_efficiency=x[1], decode_block_s=x[2], decode_half_blocks=x[3],
+                           decode_split_s=x[4] if device.sm_count else 0.0,
+                           decode_tail_recovery=x[5] if waves else 0.0)
+        x = _solve(lambda x: _balanced(items, device, make(x), _decode_resid), [12e-6, 0.05, 1e-8, 4.0, 2e-6, 0.5],
+                   [1e-7, 1e-3, 1e-12, 1e-3, 1e-9, 1e-3], [1e-3, 1.0, 1e-6, 1e4, 1e-4, 1.0])
         err = _shape_score(items, device, make(x), _decode_resid)
         if best is None or err < best[0]:
             best = (err, make(x))
@@ -377,8 +380,8 @@ def fit_kernels(compute: Sequence[ProfileTable], attention: Sequence[ProfileTabl
     measured_g = sorted({s.shape.gqa for s in shapes if s.of("attn_decode")})
     if measured_g:
         result.notes.append(
-            f"decode: one KV read efficiency ({fitted.decode_efficiency(1.0):.2f} of peak bandwidth, bounded by "
-            f"{kv_read_cap(shapes, device):.2f}, the most a measured row reached) and one FLOP rate for every g; "
+            f"decode: one KV read efficiency ({fitted.decode_efficiency(1.0):.2f} of peak bandwidth, the most a "
+            f"measured row reached) and one FLOP rate for every g; "
             f"measured at g = {', '.join(f'{g:g}' for g in measured_g)}")
     if not attention:
         result.notes.append("no attention table for this device: attention coefficients are the base profile's")
