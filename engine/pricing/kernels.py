@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from engine.base.errors import ConfigError
+from engine.pricing import split_kv
+from engine.pricing.split_kv import SPLIT_KV_FRACTION
 
 __all__ = ["KernelCoefficients", "LayerShape", "LayerKernels", "GEMMS", "ELEMENTWISE"]
 
@@ -100,7 +102,8 @@ class KernelCoefficients:
     # blocks and adds a combine kernel. The A100 70B table (4 KV heads a GPU, 108 SMs) steps down at
     # the boundary at every context: batch 21 -> 22 (84 -> 88 blocks, 86.4 between) takes 17 -> 9 us
     # at 32 tokens of context, 38 -> 22 us at 512; without this term its batches <= 21 were priced
-    # 20-47% low. Added to the call when the batch is below the boundary; 0 = no regime.
+    # 20-47% low. Added to the call when the batch is below the boundary (with
+    # `decode_split_count`, when the heuristic splits); 0 = no regime.
     decode_split_s: float = 0.0
     # Prefill attention (causal, one chunk of x new tokens after a cached prefix of L):
     # floor + 4 * heads * head_dim * pairs / (peak * efficiency(x, L)), pairs = x*L + x(x+1)/2, with
@@ -144,6 +147,16 @@ class KernelCoefficients:
     # recovered at every step (A100 70B table: 0.5 at 216 -> 220 blocks). With whole waves only the
     # fit chose no wave term on H100. 0 = whole waves (the form before it).
     decode_tail_recovery: float = 0.0
+    # 1 = count the blocks FlashAttention-2 launches: below 0.8 x SMs (sequence, KV head) blocks it
+    # splits each one's KV tiles into `split_kv.splits` pieces, so the per-block cost, the waves and
+    # the few-blocks term count pieces, and the split regime (`decode_split_s`) is paid where it
+    # splits (one KV tile cannot split). H100's 405B samples at TP 8 (1 KV head, 1,344 tokens of
+    # context: 11 tiles) go up and down with the batch exactly where the heuristic's count changes:
+    # batch 33 -> 34 (4 -> 11 pieces) 28 -> 38 us, 36 -> 37 (11 -> 3) 40 -> 30 us, 72 -> 73 (11 ->
+    # 3) 72 -> 52 us, 105 -> 106 (6 -> 1) 88 -> 74 us. Counting (sequence, KV head) blocks, a fit on
+    # TP 2 and TP 8 put 75 ns on each, where TP 1's 32-token rows (one tile, no split) show 39 ns.
+    # 0 = one block per (sequence, KV head), the split regime below 0.8 x SMs of them.
+    decode_split_count: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -163,6 +176,8 @@ class KernelCoefficients:
             raise ConfigError(f"invalid kernels.decode_tail_recovery={self.decode_tail_recovery!r}: must be in [0, 1]")
         if not isinstance(self.prefill_tile, int):
             raise ConfigError(f"invalid kernels.prefill_tile={self.prefill_tile!r}: must be an integer >= 0")
+        if self.decode_split_count not in (0, 1):
+            raise ConfigError(f"invalid kernels.decode_split_count={self.decode_split_count!r}: must be 0 or 1")
         if not isinstance(self.decode_waves, int):
             raise ConfigError(f"invalid kernels.decode_waves={self.decode_waves!r}: must be an integer >= 0")
         if not isinstance(self.gemm_token_quantum, int) or self.gemm_token_quantum < 1:
@@ -180,7 +195,7 @@ class KernelCoefficients:
             data["gemm_memory_floor_s"] = data["gemm_floor_s"]
         if "decode_kv_efficiency" in data:
             data["decode_kv_efficiency"] = tuple(tuple(float(v) for v in p) for p in data["decode_kv_efficiency"])
-        for key in ("gemm_token_quantum", "decode_waves", "prefill_tile"):
+        for key in ("gemm_token_quantum", "decode_waves", "prefill_tile", "decode_split_count"):
             if key in data:
                 data[key] = int(data[key])
         return cls(**data)
@@ -264,9 +279,6 @@ class LayerShape:
         return 2.0 * self.kv_heads_gpu * self.head_dim * self.dtype_bytes
 
 
-# FlashAttention-2's split-KV heuristic: split a decode call's KV when its blocks fill less than this
-# fraction of the SMs (`num_splits_heuristic`: `batch_nheads_mblocks >= 0.8f * num_SMs` -> 1 split).
-SPLIT_KV_FRACTION = 0.8
 
 def decode_wave_factor(units: int, cap: int, tail_recovery: float) -> float:
     """The KV term's scale for `units` blocks run in waves of `cap`: whole waves, less the share
@@ -296,6 +308,8 @@ class LayerKernels:
         self._units_cap = (sm_count or 0) * c.decode_waves
         self._sms = sm_count or 0
         self._split_units = SPLIT_KV_FRACTION * self._sms
+        self._split_count = bool(c.decode_split_count and self._sms)
+        self._kv_tile = split_kv.kv_tile(shape.head_dim)
         self._dec_rate = mem_bw_Bps * c.decode_efficiency(shape.gqa)
         self._pre_flops_per_pair = 4.0 * shape.q_heads_gpu * shape.head_dim
         # one decode KV token: its read or its FLOPs, whichever is slower; one sequence's blocks
@@ -348,12 +362,17 @@ class LayerKernels:
             return 0.0
         kv = context_sum * self._dec_per_token
         units = num_seqs * self.shape.kv_heads_gpu
+        if self._split_count:  # FlashAttention-2's splits of each (sequence, KV head)'s KV tiles
+            pieces = split_kv.splits(units, self._sms, -(-context_sum // (num_seqs * self._kv_tile)))
+            blocks, split = units * pieces, pieces > 1
+        else:
+            blocks, split = units, units < self._split_units
         cap = self._units_cap
-        if cap and units > cap:  # waves of `cap` blocks, each streaming one (sequence, KV head)
-            kv *= decode_wave_factor(units, cap, self.c.decode_tail_recovery)
-        kv *= 1.0 + self.c.decode_half_blocks / units
-        split = self.c.decode_split_s if units < self._split_units else 0.0
-        return self.c.decode_floor_s + kv + num_seqs * self._dec_per_seq + split
+        if cap and blocks > cap:  # waves of `cap` blocks, each streaming its share of the KV
+            kv *= decode_wave_factor(blocks, cap, self.c.decode_tail_recovery)
+        kv *= 1.0 + self.c.decode_half_blocks / blocks
+        return (self.c.decode_floor_s + kv + blocks * self.c.decode_block_s
+                + (self.c.decode_split_s if split else 0.0))
 
     def prefill_s(self, tokens: int, chunks: int, pairs: float, context_sum: int) -> float:
         """One prefill-attention call over `chunks` chunks of `tokens` new tokens in all, with
@@ -417,6 +436,7 @@ class KernelPricer:
         self._cap, self._kv_heads, self._dec_floor = kernels._units_cap, sh.kv_heads_gpu, c.decode_floor_s
         self._dec_half, self._dec_tail = c.decode_half_blocks, c.decode_tail_recovery
         self._split_units, self._dec_split = kernels._split_units, c.decode_split_s
+        self._split_count = kernels._split_count
         self._pre_floor, self._pre_half, self._pre_tile = c.prefill_floor_s, c.prefill_half_keys, c.prefill_tile
         self._pre_per_pair = kernels._pre_flops_per_pair / (kernels.peak * c.prefill_efficiency)
         self._pre_split = bool(c.prefill_prefix_efficiency)
@@ -447,7 +467,9 @@ class KernelPricer:
             tok = self._tok
         layer = tok[tokens]
         n_dec = shape.num_decode_seqs
-        if n_dec:
+        if n_dec and self._split_count:
+            layer += self.k.decode_s(n_dec, shape.decode_context_sum)
+        elif n_dec:
             kv = shape.decode_context_sum * self._dec_per_token
             units = n_dec * self._kv_heads
             cap = self._cap

@@ -13,6 +13,7 @@ falls back to alternate grid points (`attention_split`).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -234,9 +235,10 @@ def fit_decode(shapes: Sequence[AttentionShape], device: Device, base: KernelCoe
         return base
     cap = min(1.0, kv_read_cap(shapes, device) or 1.0)
     best = None
-    for waves in (0, 1, 2, 4):
-        def make(x, waves=waves):
-            return replace(base, decode_waves=waves, decode_floor_s=x[0], decode_kv_efficiency=((1.0, cap),),
+    for waves, count in itertools.product((0, 1, 2, 4), (0, 1) if device.sm_count else (0,)):
+        def make(x, waves=waves, count=count):
+            return replace(base, decode_waves=waves, decode_split_count=count, decode_floor_s=x[0],
+                           decode_kv_efficiency=((1.0, cap),),
                            decode_compute_efficiency=x[1], decode_block_s=x[2], decode_half_blocks=x[3],
                            decode_split_s=x[4] if device.sm_count else 0.0,
                            decode_tail_recovery=x[5] if waves else 0.0)
