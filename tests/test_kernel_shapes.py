@@ -185,18 +185,20 @@ def test_the_prefill_fit_recovers_the_prefix_rate_and_predicts_other_chunks():
         assert fitted.prefill_s(x, 1, pairs, L + x) == pytest.approx(lk.prefill_s(x, 1, pairs, L + x), rel=0.02)
 
 
-def test_the_simulations_prefill_agrees_with_the_kernel_for_several_chunks():
+@pytest.mark.parametrize("split_count", [0, 1])
+def test_the_simulations_prefill_agrees_with_the_kernel_for_several_chunks(split_count):
     cost = CostModel(get_model("llama2-70b"), get_hardware("a100-80g"), pp=1, tp=2)
     k = cost.kernels.k
     c = replace(k.c, prefill_prefix_efficiency=0.3, prefill_tile=128, decode_split_s=4e-6, decode_waves=2,
-                decode_tail_recovery=0.6)
+                decode_tail_recovery=0.6, decode_split_count=split_count)
     cost.kernels.k = LayerKernels(k.shape, c, k.peak, k.bw, k._sms)
     from engine.pricing.kernels import KernelPricer
 
     p = cost.kernels
     pricer = KernelPricer(cost.kernels.k, p._ar_tok, p._ar_fix, p._lm_dims, *p._lm_gather)
     for shape in (BatchShape.prefill(300, 1000), BatchShape.from_parts([(128, 256, False), (0, 512, False)], [900] * 5),
-                  BatchShape.decode(3, 700), BatchShape.decode(40, 700), BatchShape.decode(57, 700)):
+                  BatchShape.decode(3, 700), BatchShape.decode(40, 700), BatchShape.decode(57, 700),
+                  BatchShape.decode(5, 3000), BatchShape.from_parts([], [40, 900, 2100])):
         n_pre = shape.num_prefill_tokens
         want = float(pricer.k.token_part_s(shape.num_tokens) + pricer.k.kv_write_s(shape.num_tokens))
         want += pricer._ar_tok * shape.num_tokens + pricer._ar_fix if pricer._ar_tok else 0.0

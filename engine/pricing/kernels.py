@@ -361,18 +361,17 @@ class LayerKernels:
         if not num_seqs:
             return 0.0
         kv = context_sum * self._dec_per_token
-        units = num_seqs * self.shape.kv_heads_gpu
-        if self._split_count:  # FlashAttention-2's splits of each (sequence, KV head)'s KV tiles
+        blocks = units = num_seqs * self.shape.kv_heads_gpu
+        split = units < self._split_units
+        if split and self._split_count:  # FlashAttention-2's pieces of each (sequence, KV head)'s KV
             pieces = split_kv.splits(units, self._sms, -(-context_sum // (num_seqs * self._kv_tile)))
             blocks, split = units * pieces, pieces > 1
-        else:
-            blocks, split = units, units < self._split_units
         cap = self._units_cap
         if cap and blocks > cap:  # waves of `cap` blocks, each streaming its share of the KV
             kv *= decode_wave_factor(blocks, cap, self.c.decode_tail_recovery)
         kv *= 1.0 + self.c.decode_half_blocks / blocks
-        return (self.c.decode_floor_s + kv + blocks * self.c.decode_block_s
-                + (self.c.decode_split_s if split else 0.0))
+        per_block = num_seqs * self._dec_per_seq * (blocks // units)
+        return self.c.decode_floor_s + kv + per_block + (self.c.decode_split_s if split else 0.0)
 
     def prefill_s(self, tokens: int, chunks: int, pairs: float, context_sum: int) -> float:
         """One prefill-attention call over `chunks` chunks of `tokens` new tokens in all, with
@@ -436,7 +435,7 @@ class KernelPricer:
         self._cap, self._kv_heads, self._dec_floor = kernels._units_cap, sh.kv_heads_gpu, c.decode_floor_s
         self._dec_half, self._dec_tail = c.decode_half_blocks, c.decode_tail_recovery
         self._split_units, self._dec_split = kernels._split_units, c.decode_split_s
-        self._split_count = kernels._split_count
+        self._split_count, self._sms, self._kv_tile = kernels._split_count, kernels._sms, kernels._kv_tile
         self._pre_floor, self._pre_half, self._pre_tile = c.prefill_floor_s, c.prefill_half_keys, c.prefill_tile
         self._pre_per_pair = kernels._pre_flops_per_pair / (kernels.peak * c.prefill_efficiency)
         self._pre_split = bool(c.prefill_prefix_efficiency)
@@ -467,16 +466,19 @@ class KernelPricer:
             tok = self._tok
         layer = tok[tokens]
         n_dec = shape.num_decode_seqs
-        if n_dec and self._split_count:
-            layer += self.k.decode_s(n_dec, shape.decode_context_sum)
-        elif n_dec:
-            kv = shape.decode_context_sum * self._dec_per_token
-            units = n_dec * self._kv_heads
+        if n_dec:
+            ctx = shape.decode_context_sum
+            kv = ctx * self._dec_per_token
+            blocks = units = n_dec * self._kv_heads
+            split = units < self._split_units
+            if split and self._split_count:
+                pieces = split_kv.splits(units, self._sms, -(-ctx // (n_dec * self._kv_tile)))
+                blocks, split = units * pieces, pieces > 1
             cap = self._cap
-            if cap and units > cap:
-                kv *= decode_wave_factor(units, cap, self._dec_tail)
-            layer += self._dec_floor + kv * (1.0 + self._dec_half / units) + n_dec * self._dec_per_seq
-            if units < self._split_units:
+            if cap and blocks > cap:
+                kv *= decode_wave_factor(blocks, cap, self._dec_tail)
+            layer += self._dec_floor + kv * (1.0 + self._dec_half / blocks) + n_dec * self._dec_per_seq * (blocks // units)
+            if split:
                 layer += self._dec_split
         n_pre = tokens - n_dec
         if n_pre:
