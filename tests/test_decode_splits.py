@@ -24,9 +24,11 @@ COUNTED = replace(TRUTH, decode_kv_efficiency=((1.0, 0.45),), decode_compute_eff
 def test_the_split_count_is_flashattention2s():
     """H100, 1,344 tokens (11 tiles of 128), one KV head a GPU: the counts behind TP 8's steps."""
     assert kv_tile(128) == 128 and kv_tile(64) == 256 and kv_tile(256) == 64
-    assert [splits(b, 132, 11) for b in (33, 34, 36, 37, 49, 67, 73, 100, 105, 106)] == [4, 11, 11, 3, 2, 11, 3, 6, 6, 1]
+    assert [splits(b, 132, 11) for b in (33, 34, 36, 37, 49, 67, 73, 100, 105)] == [4, 11, 11, 3, 2, 11, 3, 6, 6]
     assert splits(4, 108, 1) == 1  # one KV tile cannot split
-    assert splits(88, 108, 32) == 1  # 88 >= 0.8 x 108 blocks: no split
+    past = LayerKernels(TP2, COUNTED, **H100)  # 27 x 4 = 108 >= 0.8 x 132 blocks: no split, no regime
+    assert past.decode_s(27, 27 * 1344) == pytest.approx(LayerKernels(TP2, replace(COUNTED, decode_split_count=0),
+                                                                      **H100).decode_s(27, 27 * 1344), rel=1e-12)
 
 
 def test_counting_the_pieces_prices_tp8s_steps_down():
@@ -66,3 +68,14 @@ def test_the_decode_fit_picks_the_count_where_the_rows_follow_it():
     c = fit_decode(shapes, device, KernelCoefficients())
     assert c.decode_split_count == 1
     assert c.decode_block_s == pytest.approx(35e-9, rel=0.15)
+
+
+@pytest.mark.parametrize("count", [0, 1])
+def test_the_fits_row_arrays_price_as_the_scalar_call(count):
+    import numpy as np
+
+    lk = LayerKernels(TP2, replace(COUNTED, decode_split_count=count), **H100)
+    seqs = np.array([1, 3, 20, 26, 27, 66, 67, 100, 128, 5, 5])
+    ctx = np.array([32, 1344, 1600, 128, 2688, 1600, 1664, 2624, 4000, 129, 7])
+    want = [lk.decode_s(int(b), int(b * c)) for b, c in zip(seqs, ctx)]
+    assert lk.decode_rows_s(seqs, seqs * ctx) == pytest.approx(want, rel=1e-12)

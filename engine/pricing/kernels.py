@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, fields
 
 from engine.base.errors import ConfigError
 from engine.pricing import split_kv
-from engine.pricing.split_kv import SPLIT_KV_FRACTION
 
 __all__ = ["KernelCoefficients", "LayerShape", "LayerKernels", "GEMMS", "ELEMENTWISE"]
 
@@ -279,6 +278,10 @@ class LayerShape:
         return 2.0 * self.kv_heads_gpu * self.head_dim * self.dtype_bytes
 
 
+# FlashAttention-2's split-KV heuristic: split a decode call's KV when its blocks fill less than this
+# fraction of the SMs (`num_splits_heuristic`: `batch_nheads_mblocks >= 0.8f * num_SMs` -> 1 split).
+SPLIT_KV_FRACTION = 0.8
+
 
 def decode_wave_factor(units: int, cap: int, tail_recovery: float) -> float:
     """The KV term's scale for `units` blocks run in waves of `cap`: whole waves, less the share
@@ -372,6 +375,32 @@ class LayerKernels:
         kv *= 1.0 + self.c.decode_half_blocks / blocks
         per_block = num_seqs * self._dec_per_seq * (blocks // units)
         return self.c.decode_floor_s + kv + per_block + (self.c.decode_split_s if split else 0.0)
+
+    def decode_rows_s(self, num_seqs, context_sum):
+        """`decode_s` over arrays of calls at once (the fit evaluates thousands of table rows some
+        2,000 times: 65 s a device with the scalar form, shared 2-core machine); a test checks
+        that the two agree."""
+        import numpy as np
+
+        n, ctx = np.asarray(num_seqs, dtype=np.int64), np.asarray(context_sum, dtype=np.int64)
+        c = self.c
+        units = n * self.shape.kv_heads_gpu
+        split = units < self._split_units
+        pieces = np.ones_like(units)
+        if self._split_count:
+            at = np.nonzero(split)[0]
+            tiles = -(-ctx[at] // (n[at] * self._kv_tile))
+            pieces[at] = [split_kv.splits(int(u), self._sms, int(t)) for u, t in zip(units[at], tiles)]
+            split = pieces > 1
+        blocks = units * pieces
+        kv = ctx * self._dec_per_token
+        cap = self._units_cap
+        if cap:
+            waves = -(-blocks // cap)
+            scale = (waves - c.decode_tail_recovery * (waves - blocks / cap)) * cap / blocks
+            kv = np.where(blocks > cap, kv * scale, kv)
+        kv = kv * (1.0 + c.decode_half_blocks / blocks)
+        return c.decode_floor_s + kv + n * self._dec_per_seq * pieces + np.where(split, c.decode_split_s, 0.0)
 
     def prefill_s(self, tokens: int, chunks: int, pairs: float, context_sum: int) -> float:
         """One prefill-attention call over `chunks` chunks of `tokens` new tokens in all, with

@@ -2,8 +2,8 @@
 Dao 2023), the rule the published decode tables follow (docs/calibration.md#measured-kernels).
 
 A decode call runs one block per (sequence, KV head) (query heads of one KV head share a block);
-when those fill less than 0.8 of the SMs, the kernel splits each sequence's KV tiles over several
-blocks and a second kernel combines their partial outputs. The split count is the smallest one
+when those fill less than 0.8 of the SMs (`kernels.SPLIT_KV_FRACTION`), the kernel splits each
+block's KV tiles over several blocks and a second kernel combines their partial outputs. The split count is the smallest one
 whose last wave is at least 0.85 as full as the best count's, among counts that change the tiles
 per split. Pure integer arithmetic, cached: the simulator asks per micro-batch.
 """
@@ -12,11 +12,8 @@ from __future__ import annotations
 import functools
 import math
 
-__all__ = ["SPLIT_KV_FRACTION", "kv_tile", "splits"]
+__all__ = ["kv_tile", "splits"]
 
-# Split when the blocks fill less than this fraction of the SMs (`batch_nheads_mblocks >= 0.8f *
-# num_SMs` -> 1 split).
-SPLIT_KV_FRACTION = 0.8
 MAX_SPLITS = 128
 
 
@@ -27,9 +24,8 @@ def kv_tile(head_dim: int) -> int:
 
 @functools.lru_cache(maxsize=1 << 16)
 def splits(blocks: int, sms: int, kv_tiles: int) -> int:
-    """How many pieces FlashAttention-2 cuts each block's `kv_tiles` KV tiles into."""
-    if blocks >= SPLIT_KV_FRACTION * sms:
-        return 1
+    """How many pieces FlashAttention-2 cuts each block's `kv_tiles` KV tiles into, for `blocks`
+    below its split boundary (`kernels.SPLIT_KV_FRACTION` x `sms`: the caller's check)."""
     top = min(MAX_SPLITS, sms, kv_tiles)
     fill = [0.0] * (top + 1)
     for n in range(1, top + 1):

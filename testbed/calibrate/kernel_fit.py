@@ -195,7 +195,7 @@ def _balanced(items, device: Device, coeffs: KernelCoefficients, resid_of) -> np
     out = []
     for shape, rows in items:
         lk = LayerKernels(shape, coeffs, device.peak_flops, device.mem_bw_Bps, device.sm_count)
-        out.append(np.array([resid_of(lk, r) for r in rows]) / math.sqrt(len(rows)))
+        out.append(_resids(lk, rows, resid_of) / math.sqrt(len(rows)))
     return np.concatenate(out) if out else np.zeros(0)
 
 
@@ -204,12 +204,34 @@ def _shape_score(items, device: Device, coeffs: KernelCoefficients, resid_of) ->
     meds = []
     for shape, rows in items:
         lk = LayerKernels(shape, coeffs, device.peak_flops, device.mem_bw_Bps, device.sm_count)
-        meds.append(float(np.median(np.abs([resid_of(lk, r) for r in rows]))))
+        meds.append(float(np.median(np.abs(_resids(lk, rows, resid_of)))))
     return float(np.mean(meds))
 
 
-def _decode_resid(lk: LayerKernels, r: ProfileRow) -> float:
-    return lk.decode_s(r.batch, r.batch * r.context) / r.time_s - 1.0
+def _resids(lk: LayerKernels, rows, resid_of) -> np.ndarray:
+    """One shape's relative residuals: `resid_of` per row, or over all rows at once where it takes
+    them so (`rows_at_once`)."""
+    if getattr(resid_of, "rows_at_once", False):
+        return resid_of(lk, rows)
+    return np.array([resid_of(lk, r) for r in rows])
+
+
+class _DecodeRows(tuple):
+    """A shape's decode rows with their columns as arrays, made once per fit."""
+
+    def __new__(cls, rows):
+        self = super().__new__(cls, rows)
+        self.seqs = np.array([r.batch for r in rows], dtype=np.int64)
+        self.context = self.seqs * np.array([r.context for r in rows], dtype=np.int64)
+        self.time = np.array([r.time_s for r in rows])
+        return self
+
+
+def _decode_resid(lk: LayerKernels, rows: _DecodeRows) -> np.ndarray:
+    return lk.decode_rows_s(rows.seqs, rows.context) / rows.time - 1.0
+
+
+_decode_resid.rows_at_once = True
 
 
 def _prefill_resid(lk: LayerKernels, r: ProfileRow) -> float:
@@ -230,7 +252,7 @@ def fit_decode(shapes: Sequence[AttentionShape], device: Device, base: KernelCoe
     candidate of resident blocks per SM, the share of a part-empty last wave recovered. The one
     KV-read efficiency is not fitted: it is the highest fraction of peak bandwidth a measured row
     reached (`kv_read_cap`; see `KernelCoefficients.decode_kv_efficiency`)."""
-    items = _items(shapes, "attn_decode")
+    items = [(shape, _DecodeRows(rows)) for shape, rows in _items(shapes, "attn_decode")]
     if not items:
         return base
     cap = min(1.0, kv_read_cap(shapes, device) or 1.0)
