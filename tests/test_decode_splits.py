@@ -8,7 +8,7 @@ import pytest
 
 from engine.base.errors import ConfigError
 from engine.pricing.kernels import KernelCoefficients, LayerKernels, LayerShape
-from engine.pricing.split_kv import kv_tile, splits
+from engine.pricing.decode_blocks import kv_tile, rows_s, splits
 from engine.pricing.profile_table import ProfileRow
 from kernel_tables import TRUTH
 from testbed.calibrate.kernel_fit import AttentionShape, Device, fit_decode
@@ -78,4 +78,4 @@ def test_the_fits_row_arrays_price_as_the_scalar_call(count):
     seqs = np.array([1, 3, 20, 26, 27, 66, 67, 100, 128, 5, 5])
     ctx = np.array([32, 1344, 1600, 128, 2688, 1600, 1664, 2624, 4000, 129, 7])
     want = [lk.decode_s(int(b), int(b * c)) for b, c in zip(seqs, ctx)]
-    assert lk.decode_rows_s(seqs, seqs * ctx) == pytest.approx(want, rel=1e-12)
+    assert rows_s(lk, seqs, seqs * ctx) == pytest.approx(want, rel=1e-12)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from engine.base.errors import ConfigError
-from engine.pricing import split_kv
+from engine.pricing import decode_blocks
 
 __all__ = ["KernelCoefficients", "LayerShape", "LayerKernels", "GEMMS", "ELEMENTWISE"]
 
@@ -66,11 +66,9 @@ class KernelCoefficients:
     # efficiency points (g, fraction) are interpolated in log2(g), flat beyond them. The fit
     # (testbed/calibrate/kernel_fit.py) sets one point (one read rate for every g) and lets
     # `decode_compute_efficiency` make large g FLOP bound; a profile may carry several points.
-    # That point is the highest fraction of peak bandwidth a measured row reached: the kernel reads
-    # at least that fast (a row that moved its KV at that rate), and no faster rate is assumed.
-    # Fitted freely, it was not identified where the fitted shapes are FLOP bound: held out, MHA
-    # Llama-2-7B (g = 1) got 0.79 from the g = 8 and 16 shapes, whose rows reach 0.88, and was
-    # priced 15-23% slow at 1,728 tokens (median 13.8%; 9.9% with the measured rate).
+    # That point is the fastest fraction of peak bandwidth a measured row reached (a row read that
+    # fast; no faster rate is assumed); fitted freely, held-out MHA Llama-2-7B got 0.79 from shapes
+    # reaching 0.88 and was priced 15-23% slow at 1,728 tokens.
     decode_floor_s: float = 12e-6
     decode_kv_efficiency: tuple[tuple[float, float], ...] = ((1.0, 0.85), (8.0, 0.75), (16.0, 0.4))
     # Once a decode batch has more (sequence, KV head) blocks than the GPU holds at once
@@ -138,23 +136,16 @@ class KernelCoefficients:
     # Several chunks in one call are taken as equal (their causal pairs' lower bound).
     # 0 = one efficiency for all pairs (the form above).
     prefill_prefix_efficiency: float = 0.0
-    # The last, part-empty wave of a decode call (`decode_waves`) takes less than a whole one: its
-    # fewer blocks share the bandwidth and stream faster. The KV term counts whole waves less this
-    # share of the last wave's empty slots. H100's 405B samples (264 slots: 2 x 132 SMs) step by
-    # 1.40x at TP 1 (264 -> 272 blocks), 1.42x at TP 2 (264 -> 268) and 1.13x from 3 to 4 waves
-    # (792 -> 800 blocks), where whole waves give 1.94x, 1.97x and 1.32x: 0.6 of the empty slots is
-    # recovered at every step (A100 70B table: 0.5 at 216 -> 220 blocks). With whole waves only the
-    # fit chose no wave term on H100. 0 = whole waves (the form before it).
+    # The last, part-empty decode wave takes less than a whole one (its fewer blocks stream faster):
+    # the KV term counts whole waves less this share of its empty slots. H100's 405B samples step by
+    # 1.40x at 264 -> 272 blocks (2 x 132 slots) and 1.13x at 792 -> 800, whole waves 1.94x / 1.32x:
+    # 0.6 recovered. 0 = whole waves.
     decode_tail_recovery: float = 0.0
-    # 1 = count the blocks FlashAttention-2 launches: below 0.8 x SMs (sequence, KV head) blocks it
-    # splits each one's KV tiles into `split_kv.splits` pieces, so the per-block cost, the waves and
-    # the few-blocks term count pieces, and the split regime (`decode_split_s`) is paid where it
-    # splits (one KV tile cannot split). H100's 405B samples at TP 8 (1 KV head, 1,344 tokens of
-    # context: 11 tiles) go up and down with the batch exactly where the heuristic's count changes:
-    # batch 33 -> 34 (4 -> 11 pieces) 28 -> 38 us, 36 -> 37 (11 -> 3) 40 -> 30 us, 72 -> 73 (11 ->
-    # 3) 72 -> 52 us, 105 -> 106 (6 -> 1) 88 -> 74 us. Counting (sequence, KV head) blocks, a fit on
-    # TP 2 and TP 8 put 75 ns on each, where TP 1's 32-token rows (one tile, no split) show 39 ns.
-    # 0 = one block per (sequence, KV head), the split regime below 0.8 x SMs of them.
+    # 1 = count the blocks FlashAttention-2 launches (`decode_blocks.splits`: below the split-KV
+    # boundary each (sequence, KV head)'s KV tiles are cut into pieces): the per-block cost, waves
+    # and few-blocks term count pieces; the split regime is paid where it splits. H100's TP 8 samples
+    # step where the count changes (batch 36 -> 37, 11 -> 3 pieces: 40 -> 30 us). 0 = one block per
+    # (sequence, KV head).
     decode_split_count: int = 0
 
     def __post_init__(self) -> None:
@@ -283,13 +274,6 @@ class LayerShape:
 SPLIT_KV_FRACTION = 0.8
 
 
-def decode_wave_factor(units: int, cap: int, tail_recovery: float) -> float:
-    """The KV term's scale for `units` blocks run in waves of `cap`: whole waves, less the share
-    `tail_recovery` of the last wave's empty slots that its fewer blocks recover."""
-    waves = -(-units // cap)
-    return (waves - tail_recovery * (waves - units / cap)) * cap / units
-
-
 # How often each elementwise op runs per layer (two RMSNorms; the table's other ops once).
 ELEMENTWISE_PER_LAYER = {"norm": 2, "rope": 1, "act": 1, "add": 1}
 
@@ -312,7 +296,7 @@ class LayerKernels:
         self._sms = sm_count or 0
         self._split_units = SPLIT_KV_FRACTION * self._sms
         self._split_count = bool(c.decode_split_count and self._sms)
-        self._kv_tile = split_kv.kv_tile(shape.head_dim)
+        self._kv_tile = decode_blocks.kv_tile(shape.head_dim)
         self._dec_rate = mem_bw_Bps * c.decode_efficiency(shape.gqa)
         self._pre_flops_per_pair = 4.0 * shape.q_heads_gpu * shape.head_dim
         # one decode KV token: its read or its FLOPs, whichever is slower; one sequence's blocks
@@ -367,40 +351,14 @@ class LayerKernels:
         blocks = units = num_seqs * self.shape.kv_heads_gpu
         split = units < self._split_units
         if split and self._split_count:  # FlashAttention-2's pieces of each (sequence, KV head)'s KV
-            pieces = split_kv.splits(units, self._sms, -(-context_sum // (num_seqs * self._kv_tile)))
+            pieces = decode_blocks.splits(units, self._sms, -(-context_sum // (num_seqs * self._kv_tile)))
             blocks, split = units * pieces, pieces > 1
         cap = self._units_cap
         if cap and blocks > cap:  # waves of `cap` blocks, each streaming its share of the KV
-            kv *= decode_wave_factor(blocks, cap, self.c.decode_tail_recovery)
+            kv *= decode_blocks.wave_factor(blocks, cap, self.c.decode_tail_recovery)
         kv *= 1.0 + self.c.decode_half_blocks / blocks
         per_block = num_seqs * self._dec_per_seq * (blocks // units)
         return self.c.decode_floor_s + kv + per_block + (self.c.decode_split_s if split else 0.0)
-
-    def decode_rows_s(self, num_seqs, context_sum):
-        """`decode_s` over arrays of calls at once (the fit evaluates thousands of table rows some
-        2,000 times: 65 s a device with the scalar form, shared 2-core machine); a test checks
-        that the two agree."""
-        import numpy as np
-
-        n, ctx = np.asarray(num_seqs, dtype=np.int64), np.asarray(context_sum, dtype=np.int64)
-        c = self.c
-        units = n * self.shape.kv_heads_gpu
-        split = units < self._split_units
-        pieces = np.ones_like(units)
-        if self._split_count:
-            at = np.nonzero(split)[0]
-            tiles = -(-ctx[at] // (n[at] * self._kv_tile))
-            pieces[at] = [split_kv.splits(int(u), self._sms, int(t)) for u, t in zip(units[at], tiles)]
-            split = pieces > 1
-        blocks = units * pieces
-        kv = ctx * self._dec_per_token
-        cap = self._units_cap
-        if cap:
-            waves = -(-blocks // cap)
-            scale = (waves - c.decode_tail_recovery * (waves - blocks / cap)) * cap / blocks
-            kv = np.where(blocks > cap, kv * scale, kv)
-        kv = kv * (1.0 + c.decode_half_blocks / blocks)
-        return c.decode_floor_s + kv + n * self._dec_per_seq * pieces + np.where(split, c.decode_split_s, 0.0)
 
     def prefill_s(self, tokens: int, chunks: int, pairs: float, context_sum: int) -> float:
         """One prefill-attention call over `chunks` chunks of `tokens` new tokens in all, with
@@ -501,11 +459,11 @@ class KernelPricer:
             blocks = units = n_dec * self._kv_heads
             split = units < self._split_units
             if split and self._split_count:
-                pieces = split_kv.splits(units, self._sms, -(-ctx // (n_dec * self._kv_tile)))
+                pieces = decode_blocks.splits(units, self._sms, -(-ctx // (n_dec * self._kv_tile)))
                 blocks, split = units * pieces, pieces > 1
             cap = self._cap
             if cap and blocks > cap:
-                kv *= decode_wave_factor(blocks, cap, self._dec_tail)
+                kv *= decode_blocks.wave_factor(blocks, cap, self._dec_tail)
             layer += self._dec_floor + kv * (1.0 + self._dec_half / blocks) + n_dec * self._dec_per_seq * (blocks // units)
             if split:
                 layer += self._dec_split

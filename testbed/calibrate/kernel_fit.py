@@ -22,6 +22,7 @@ import numpy as np
 
 from engine.pricing.profile_table import ATTENTION_OPS, ProfileRow, ProfileTable
 from engine.base.errors import ConfigError
+from engine.pricing import decode_blocks
 from engine.pricing.kernels import ELEMENTWISE_PER_LAYER, GEMMS, KernelCoefficients, LayerKernels, LayerShape
 
 __all__ = ["DEFAULT_FIT_MODELS", "Device", "LinkFit", "HostFit", "KernelFit", "AttentionShape", "fit_kernels",
@@ -228,7 +229,7 @@ class _DecodeRows(tuple):
 
 
 def _decode_resid(lk: LayerKernels, rows: _DecodeRows) -> np.ndarray:
-    return lk.decode_rows_s(rows.seqs, rows.context) / rows.time - 1.0
+    return decode_blocks.rows_s(lk, rows.seqs, rows.context) / rows.time - 1.0
 
 
 _decode_resid.rows_at_once = True
