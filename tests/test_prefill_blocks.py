@@ -14,7 +14,8 @@ from engine.pricing.costmodel import BatchShape, CostModel
 from engine.pricing.hardware import get_hardware
 from engine.pricing.kernels import KernelCoefficients, KernelPricer, LayerKernels, LayerShape
 from engine.pricing.models import get_model
-from engine.pricing.prefill_blocks import LIST_SCHEDULE_TAIL, causal_tile_keys, key_block, num_splits
+from engine.pricing.decode_blocks import kv_tile as key_block, num_splits
+from engine.pricing.prefill_blocks import LIST_SCHEDULE_TAIL, causal_tile_keys
 from engine.pricing.profile_table import ProfileRow
 from kernel_tables import TRUTH
 from testbed.calibrate.kernel_fit import AttentionShape, Device, fit_prefill

@@ -20,7 +20,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from engine.base.errors import ConfigError
-from engine.pricing.prefill_blocks import SPLIT_KV_FRACTION, block_makespan_s, key_block
+from engine.pricing import decode_blocks
+from engine.pricing.decode_blocks import SPLIT_KV_FRACTION, kv_tile
+from engine.pricing.prefill_blocks import block_makespan_s
 
 __all__ = ["KernelCoefficients", "LayerShape", "LayerKernels", "GEMMS", "ELEMENTWISE"]
 
@@ -66,14 +68,17 @@ class KernelCoefficients:
     # efficiency points (g, fraction) are interpolated in log2(g), flat beyond them. The fit
     # (testbed/calibrate/kernel_fit.py) sets one point (one read rate for every g) and lets
     # `decode_compute_efficiency` make large g FLOP bound; a profile may carry several points.
+    # That point is the fastest fraction of peak bandwidth a measured row reached (a row read that
+    # fast; no faster rate is assumed); fitted freely, held-out MHA Llama-2-7B got 0.79 from shapes
+    # reaching 0.88 and was priced 15-23% slow at 1,728 tokens.
     decode_floor_s: float = 12e-6
     decode_kv_efficiency: tuple[tuple[float, float], ...] = ((1.0, 0.85), (8.0, 0.75), (16.0, 0.4))
     # Once a decode batch has more (sequence, KV head) blocks than the GPU holds at once
     # (`decode_waves` resident blocks per SM x sm_count), the kernel runs in whole waves: on the A100
     # table the time jumps 1.46x from batch 54 to 55 with 4 KV heads (216 -> 220 blocks, 2 x 108
-    # SMs). 0 = no wave term. The fit picks 0, 1, 2 or 4 by median error: H100's 405B-shape samples
-    # select 2 (a 1.4x step at batch 34 with 8 KV heads: 272 > 264 blocks); on the A100 table the
-    # median is no better with it, so the shipped A100 profile has 0.
+    # SMs). 0 = no wave term. The fit picks 0, 1, 2 or 4 by median error; with whole waves only it
+    # picked 0 on both devices (H100's steps are 1.4x, whole waves 1.9x), with the part-empty last
+    # wave (`decode_tail_recovery`) 2 on both.
     decode_waves: int = 2
     # The decode kernel's FLOPs (QK and PV: 4 x query heads x head_dim per KV token) at
     # `decode_compute_efficiency` of peak: a KV token costs max(KV bytes / read rate, FLOPs / FLOP
@@ -96,7 +101,8 @@ class KernelCoefficients:
     # blocks and adds a combine kernel. The A100 70B table (4 KV heads a GPU, 108 SMs) steps down at
     # the boundary at every context: batch 21 -> 22 (84 -> 88 blocks, 86.4 between) takes 17 -> 9 us
     # at 32 tokens of context, 38 -> 22 us at 512; without this term its batches <= 21 were priced
-    # 20-47% low. Added to the call when the batch is below the boundary; 0 = no regime.
+    # 20-47% low. Added to the call when the batch is below the boundary (with
+    # `decode_split_count`, when the heuristic splits); 0 = no regime.
     decode_split_s: float = 0.0
     # Prefill attention (causal, one chunk of x new tokens after a cached prefix of L):
     # floor + 4 * heads * head_dim * pairs / (peak * efficiency(x, L)), pairs = x*L + x(x+1)/2, with
@@ -181,6 +187,17 @@ class KernelCoefficients:
     act_min_tokens: float = 0.0
     add_min_tokens: float = 0.0
     emb_min_tokens: float = 0.0
+    # The last, part-empty decode wave takes less than a whole one (its fewer blocks stream faster):
+    # the KV term counts whole waves less this share of its empty slots. H100's 405B samples step by
+    # 1.40x at 264 -> 272 blocks (2 x 132 slots) and 1.13x at 792 -> 800, whole waves 1.94x / 1.32x:
+    # 0.6 recovered. 0 = whole waves.
+    decode_tail_recovery: float = 0.0
+    # 1 = count the blocks FlashAttention-2 launches (`decode_blocks.splits`: below the split-KV
+    # boundary each (sequence, KV head)'s KV tiles are cut into pieces): the per-block cost, waves
+    # and few-blocks term count pieces; the split regime is paid where it splits. H100's TP 8 samples
+    # step where the count changes (batch 36 -> 37, 11 -> 3 pieces: 40 -> 30 us). 0 = one block per
+    # (sequence, KV head).
+    decode_split_count: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -207,6 +224,10 @@ class KernelCoefficients:
             raise ConfigError(f"invalid kernels.gemm_tile_n={self.gemm_tile_n!r}: must be an integer >= 0")
         if self.gemm_tail_wave > 1.0:
             raise ConfigError(f"invalid kernels.gemm_tail_wave={self.gemm_tail_wave!r}: must be in [0, 1]")
+        if self.decode_tail_recovery > 1.0:
+            raise ConfigError(f"invalid kernels.decode_tail_recovery={self.decode_tail_recovery!r}: must be in [0, 1]")
+        if self.decode_split_count not in (0, 1):
+            raise ConfigError(f"invalid kernels.decode_split_count={self.decode_split_count!r}: must be 0 or 1")
         if not isinstance(self.decode_waves, int):
             raise ConfigError(f"invalid kernels.decode_waves={self.decode_waves!r}: must be an integer >= 0")
         if not isinstance(self.gemm_token_quantum, int) or self.gemm_token_quantum < 1:
@@ -224,7 +245,8 @@ class KernelCoefficients:
             data["gemm_memory_floor_s"] = data["gemm_floor_s"]
         if "decode_kv_efficiency" in data:
             data["decode_kv_efficiency"] = tuple(tuple(float(v) for v in p) for p in data["decode_kv_efficiency"])
-        for key in ("gemm_token_quantum", "decode_waves", "prefill_tile", "prefill_slots_per_sm", "gemm_tile_n"):
+        for key in ("gemm_token_quantum", "decode_waves", "prefill_tile", "prefill_slots_per_sm", "gemm_tile_n",
+                    "decode_split_count"):
             if key in data:
                 data[key] = int(data[key])
         return cls(**data)
@@ -309,11 +331,12 @@ class LayerShape:
 
 
 # `SPLIT_KV_FRACTION`, FlashAttention-2's split-KV boundary for decode and prefill calls alike, is
-# defined with the prefill blocks (engine/pricing/prefill_blocks.py).
+# defined with its split count (engine/pricing/decode_blocks.py).
 
 # The most tokens cuBLAS's small-M (weight-streaming) GEMM kernels take: every published table steps
 # between 64 and 72 tokens (`KernelCoefficients.gemm_tile_memory_efficiency`).
 GEMM_SMALL_TOKENS = 64
+
 
 # How often each elementwise op runs per layer (two RMSNorms; the table's other ops once).
 ELEMENTWISE_PER_LAYER = {"norm": 2, "rope": 1, "act": 1, "add": 1}
@@ -339,6 +362,8 @@ class LayerKernels:
         self._units_cap = (sm_count or 0) * c.decode_waves
         self._sms = sm_count or 0
         self._split_units = SPLIT_KV_FRACTION * self._sms
+        self._split_count = bool(c.decode_split_count and self._sms)
+        self._kv_tile = decode_blocks.kv_tile(shape.head_dim)
         self._dec_rate = mem_bw_Bps * c.decode_efficiency(shape.gqa)
         self._pre_flops_per_pair = 4.0 * shape.q_heads_gpu * shape.head_dim
         # one decode KV token: its read or its FLOPs, whichever is slower; one sequence's blocks
@@ -350,7 +375,7 @@ class LayerKernels:
         # seconds per tile-key (one block's query rows against one key) at one slot's FLOP share
         slot_flops = 4.0 * c.prefill_tile * shape.head_dim * self._sms * c.prefill_slots_per_sm / peak_flops
         self._tile_key_s = (slot_flops / c.prefill_efficiency, slot_flops / (c.prefill_prefix_efficiency or 1.0))
-        self._kblock = key_block(shape.head_dim)
+        self._kblock = kv_tile(shape.head_dim)
 
     # ---- token-count ops (numpy arrays or scalars) ------------------------------------------
     def gemm_s(self, m, k: int, n: int):
@@ -407,13 +432,17 @@ class LayerKernels:
         if not num_seqs:
             return 0.0
         kv = context_sum * self._dec_per_token
-        units = num_seqs * self.shape.kv_heads_gpu
+        blocks = units = num_seqs * self.shape.kv_heads_gpu
+        split = units < self._split_units
+        if split and self._split_count:  # FlashAttention-2's pieces of each (sequence, KV head)'s KV
+            pieces = decode_blocks.splits(units, self._sms, -(-context_sum // (num_seqs * self._kv_tile)))
+            blocks, split = units * pieces, pieces > 1
         cap = self._units_cap
-        if cap and units > cap:  # whole waves of `cap` blocks, each streaming one (sequence, KV head)
-            kv *= (-(-units // cap) * cap) / units
-        kv *= 1.0 + self.c.decode_half_blocks / units
-        split = self.c.decode_split_s if units < self._split_units else 0.0
-        return self.c.decode_floor_s + kv + num_seqs * self._dec_per_seq + split
+        if cap and blocks > cap:  # waves of `cap` blocks, each streaming its share of the KV
+            kv *= decode_blocks.wave_factor(blocks, cap, self.c.decode_tail_recovery)
+        kv *= 1.0 + self.c.decode_half_blocks / blocks
+        per_block = num_seqs * self._dec_per_seq * (blocks // units)
+        return self.c.decode_floor_s + kv + per_block + (self.c.decode_split_s if split else 0.0)
 
     def prefill_s(self, tokens: int, chunks: int, pairs: float, context_sum: int) -> float:
         """One prefill-attention call over `chunks` chunks of `tokens` new tokens in all, with
@@ -480,8 +509,9 @@ class KernelPricer:
         self._dec_per_token, self._dec_per_seq = kernels._dec_per_token, kernels._dec_per_seq
         self._kv_per_token = sh.kv_bytes_per_token / kernels._dec_rate  # a prefill call's KV read
         self._cap, self._kv_heads, self._dec_floor = kernels._units_cap, sh.kv_heads_gpu, c.decode_floor_s
-        self._dec_half = c.decode_half_blocks
+        self._dec_half, self._dec_tail = c.decode_half_blocks, c.decode_tail_recovery
         self._split_units, self._dec_split = kernels._split_units, c.decode_split_s
+        self._split_count, self._sms, self._kv_tile = kernels._split_count, kernels._sms, kernels._kv_tile
         self._pre_floor, self._pre_half, self._pre_tile = c.prefill_floor_s, c.prefill_half_keys, c.prefill_tile
         self._pre_per_pair = kernels._pre_flops_per_pair / (kernels.peak * c.prefill_efficiency)
         self._pre_split = bool(c.prefill_prefix_efficiency)
@@ -513,13 +543,18 @@ class KernelPricer:
         layer = tok[tokens]
         n_dec = shape.num_decode_seqs
         if n_dec:
-            kv = shape.decode_context_sum * self._dec_per_token
-            units = n_dec * self._kv_heads
+            ctx = shape.decode_context_sum
+            kv = ctx * self._dec_per_token
+            blocks = units = n_dec * self._kv_heads
+            split = units < self._split_units
+            if split and self._split_count:
+                pieces = decode_blocks.splits(units, self._sms, -(-ctx // (n_dec * self._kv_tile)))
+                blocks, split = units * pieces, pieces > 1
             cap = self._cap
-            if cap and units > cap:
-                kv *= (-(-units // cap) * cap) / units
-            layer += self._dec_floor + kv * (1.0 + self._dec_half / units) + n_dec * self._dec_per_seq
-            if units < self._split_units:
+            if cap and blocks > cap:
+                kv *= decode_blocks.wave_factor(blocks, cap, self._dec_tail)
+            layer += self._dec_floor + kv * (1.0 + self._dec_half / blocks) + n_dec * self._dec_per_seq * (blocks // units)
+            if split:
                 layer += self._dec_split
         n_pre = tokens - n_dec
         if n_pre:

@@ -22,10 +22,11 @@ Torch-free scalar arithmetic: the simulator calls it per micro-batch.
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
-__all__ = ["key_block", "causal_tile_keys", "num_splits", "block_makespan_s", "LIST_SCHEDULE_TAIL", "SPLIT_KV_FRACTION"]
+from engine.pricing.decode_blocks import num_splits
+
+__all__ = ["causal_tile_keys", "block_makespan_s", "LIST_SCHEDULE_TAIL"]
 
 # The makespan's tail: FlashAttention-2 dispatches a head's tiles in grid order (the longest, last
 # tile last), and a greedy list schedule of those blocks over the slots ends about this fraction of
@@ -33,18 +34,6 @@ __all__ = ["key_block", "causal_tile_keys", "num_splits", "block_makespan_s", "L
 # over 16-128 heads and 108 or 132 slots). With prefixes of 0-4,096 the closed form's makespan is
 # within 20% of the schedule, 5% at the median (tests/test_prefill_blocks.py schedules them).
 LIST_SCHEDULE_TAIL = 0.63
-
-# FlashAttention-2's split-KV heuristic (`num_splits_heuristic`: `batch_nheads_mblocks >= 0.8f *
-# num_SMs` -> 1 split): blocks fill the GPU when there are 0.8 x SMs of them; else the keys are
-# split (up to 128 splits, a split at least one key block). Decode calls split the same way.
-SPLIT_KV_FRACTION = 0.8
-MAX_SPLITS = 128
-
-
-def key_block(head_dim: int) -> int:
-    """The split-KV kernel's key-block width (kBlockN): 256 keys for head_dim <= 64, 128 up to 128,
-    else 64."""
-    return 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
 
 
 @lru_cache(maxsize=8192)
@@ -63,28 +52,6 @@ def causal_tile_keys(x: int, tile: int, kblock: int) -> tuple[int, int]:
     else:  # each tile ends on a key-block boundary
         full = tile * m * (m + 1) // 2
     return full + last, last
-
-
-@lru_cache(maxsize=4096)
-def num_splits(blocks: int, sms: int, key_blocks: int) -> int:
-    """FlashAttention-2's `num_splits_heuristic`: 1 when the blocks fill 0.8 x SMs; else the fewest
-    splits (each a different number of key blocks) whose wave efficiency is within 0.85 of the
-    best."""
-    if blocks >= SPLIT_KV_FRACTION * sms:
-        return 1
-    top = min(MAX_SPLITS, sms, key_blocks)
-    effs = []
-    for s in range(1, top + 1):
-        if s > 1 and -(-key_blocks // s) == -(-key_blocks // (s - 1)):
-            effs.append(0.0)
-            continue
-        waves = blocks * s / sms
-        effs.append(waves / math.ceil(waves))
-    best = max(effs, default=0.0)
-    for s, e in enumerate(effs, start=1):
-        if e and e >= 0.85 * best:
-            return s
-    return 1
 
 
 def block_makespan_s(x: float, prefix: float, heads: int, chunks: int, *, tile: int, kblock: int, sms: int,

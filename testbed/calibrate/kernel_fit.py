@@ -13,6 +13,7 @@ falls back to alternate grid points (`attention_split`).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,7 @@ import numpy as np
 
 from engine.pricing.profile_table import ATTENTION_OPS, ProfileRow, ProfileTable
 from engine.base.errors import ConfigError
+from engine.pricing import decode_blocks
 from engine.pricing.kernels import (ELEMENTWISE_PER_LAYER, GEMM_SMALL_TOKENS, GEMMS, KernelCoefficients,
                                    LayerKernels, LayerShape)
 from engine.pricing.prefill_blocks import LIST_SCHEDULE_TAIL
@@ -211,7 +213,7 @@ def _balanced(items, device: Device, coeffs: KernelCoefficients, resid_of) -> np
     out = []
     for shape, rows in items:
         lk = LayerKernels(shape, coeffs, device.peak_flops, device.mem_bw_Bps, device.sm_count)
-        out.append(np.array([resid_of(lk, r) for r in rows]) / math.sqrt(len(rows)))
+        out.append(_resids(lk, rows, resid_of) / math.sqrt(len(rows)))
     return np.concatenate(out) if out else np.zeros(0)
 
 
@@ -220,12 +222,34 @@ def _shape_score(items, device: Device, coeffs: KernelCoefficients, resid_of) ->
     meds = []
     for shape, rows in items:
         lk = LayerKernels(shape, coeffs, device.peak_flops, device.mem_bw_Bps, device.sm_count)
-        meds.append(float(np.median(np.abs([resid_of(lk, r) for r in rows]))))
+        meds.append(float(np.median(np.abs(_resids(lk, rows, resid_of)))))
     return float(np.mean(meds))
 
 
-def _decode_resid(lk: LayerKernels, r: ProfileRow) -> float:
-    return lk.decode_s(r.batch, r.batch * r.context) / r.time_s - 1.0
+def _resids(lk: LayerKernels, rows, resid_of) -> np.ndarray:
+    """One shape's relative residuals: `resid_of` per row, or over all rows at once where it takes
+    them so (`rows_at_once`)."""
+    if getattr(resid_of, "rows_at_once", False):
+        return resid_of(lk, rows)
+    return np.array([resid_of(lk, r) for r in rows])
+
+
+class _DecodeRows(tuple):
+    """A shape's decode rows with their columns as arrays, made once per fit."""
+
+    def __new__(cls, rows):
+        self = super().__new__(cls, rows)
+        self.seqs = np.array([r.batch for r in rows], dtype=np.int64)
+        self.context = self.seqs * np.array([r.context for r in rows], dtype=np.int64)
+        self.time = np.array([r.time_s for r in rows])
+        return self
+
+
+def _decode_resid(lk: LayerKernels, rows: _DecodeRows) -> np.ndarray:
+    return decode_blocks.rows_s(lk, rows.seqs, rows.context) / rows.time - 1.0
+
+
+_decode_resid.rows_at_once = True
 
 
 def _prefill_resid(lk: LayerKernels, r: ProfileRow) -> float:
@@ -242,20 +266,24 @@ def _items(shapes: Sequence[AttentionShape], op: str) -> list[tuple[LayerShape, 
 
 
 def fit_decode(shapes: Sequence[AttentionShape], device: Device, base: KernelCoefficients) -> KernelCoefficients:
-    """Floor, one KV-read efficiency (at most the highest fraction of peak bandwidth a measured row
-    reached), the kernel's FLOP efficiency, a per-block cost, and whether SM waves help."""
-    items = _items(shapes, "attn_decode")
+    """Floor, the kernel's FLOP efficiency, a per-block cost, the split-KV regime and, for each
+    candidate of resident blocks per SM, the share of a part-empty last wave recovered. The one
+    KV-read efficiency is not fitted: it is the highest fraction of peak bandwidth a measured row
+    reached (`kv_read_cap`; see `KernelCoefficients.decode_kv_efficiency`)."""
+    items = [(shape, _DecodeRows(rows)) for shape, rows in _items(shapes, "attn_decode")]
     if not items:
         return base
     cap = min(1.0, kv_read_cap(shapes, device) or 1.0)
     best = None
-    for waves in (0, 1, 2, 4):
-        def make(x, waves=waves):
-            return replace(base, decode_waves=waves, decode_floor_s=x[0], decode_kv_efficiency=((1.0, float(x[1])),),
-                           decode_compute_efficiency=x[2], decode_block_s=x[3], decode_half_blocks=x[4],
-                           decode_split_s=x[5] if device.sm_count else 0.0)
-        x = _solve(lambda x: _balanced(items, device, make(x), _decode_resid), [12e-6, 0.9 * cap, 0.05, 1e-8, 4.0, 2e-6],
-                   [1e-7, 0.02, 1e-3, 1e-12, 1e-3, 1e-9], [1e-3, cap, 1.0, 1e-6, 1e4, 1e-4])
+    for waves, count in itertools.product((0, 1, 2, 4), (0, 1) if device.sm_count else (0,)):
+        def make(x, waves=waves, count=count):
+            return replace(base, decode_waves=waves, decode_split_count=count, decode_floor_s=x[0],
+                           decode_kv_efficiency=((1.0, cap),),
+                           decode_compute_efficiency=x[1], decode_block_s=x[2], decode_half_blocks=x[3],
+                           decode_split_s=x[4] if device.sm_count else 0.0,
+                           decode_tail_recovery=x[5] if waves else 0.0)
+        x = _solve(lambda x: _balanced(items, device, make(x), _decode_resid), [12e-6, 0.05, 1e-8, 4.0, 2e-6, 0.5],
+                   [1e-7, 1e-3, 1e-12, 1e-3, 1e-9, 1e-3], [1e-3, 1.0, 1e-6, 1e4, 1e-4, 1.0])
         err = _shape_score(items, device, make(x), _decode_resid)
         if best is None or err < best[0]:
             best = (err, make(x))
@@ -425,8 +453,8 @@ def fit_kernels(compute: Sequence[ProfileTable], attention: Sequence[ProfileTabl
     measured_g = sorted({s.shape.gqa for s in shapes if s.of("attn_decode")})
     if measured_g:
         result.notes.append(
-            f"decode: one KV read efficiency ({fitted.decode_efficiency(1.0):.2f} of peak bandwidth, bounded by "
-            f"{kv_read_cap(shapes, device):.2f}, the most a measured row reached) and one FLOP rate for every g; "
+            f"decode: one KV read efficiency ({fitted.decode_efficiency(1.0):.2f} of peak bandwidth, the most a "
+            f"measured row reached) and one FLOP rate for every g; "
             f"measured at g = {', '.join(f'{g:g}' for g in measured_g)}")
     if not attention:
         result.notes.append("no attention table for this device: attention coefficients are the base profile's")
