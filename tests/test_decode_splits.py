@@ -79,3 +79,38 @@ def test_the_fits_row_arrays_price_as_the_scalar_call(count):
     ctx = np.array([32, 1344, 1600, 128, 2688, 1600, 1664, 2624, 4000, 129, 7])
     want = [lk.decode_s(int(b), int(b * c)) for b, c in zip(seqs, ctx)]
     assert rows_s(lk, seqs, seqs * ctx) == pytest.approx(want, rel=1e-12)
+
+
+A100 = dict(peak_flops=312e12, mem_bw_Bps=2039e9, sm_count=108)
+A100_70B_TP2 = LayerShape(8192, 64, 8, 128, 28672, tp=2)  # 4 KV heads a GPU
+
+
+def test_a_block_table_wider_than_the_context_sets_the_split_count():
+    """The 70B table's profiler sized its block tables to max_model_len = 4,096 tokens (32 tiles):
+    at 32 tokens of context (one tile) its small batches still split and pay the regime, and at
+    1,024 tokens batch 7 runs in 7 pieces where its context (8 tiles) gives 3 (the table: 24 us,
+    against 36 us for batch 8 in 3 pieces); from the context alone neither happens."""
+    lk = LayerKernels(A100_70B_TP2, COUNTED, **A100)
+    assert splits(7 * 4, 108, 32) == 7 and splits(8 * 4, 108, 32) == 3
+    for b in (1, 8, 21):
+        assert lk.decode_s(b, b * 32, kv_width=4096) > lk.decode_s(b, b * 32) + 0.9 * COUNTED.decode_split_s
+    assert lk.decode_s(7, 7 * 1024) != pytest.approx(lk.decode_s(7, 7 * 1024, kv_width=4096), rel=1e-3)
+    assert lk.decode_s(22, 22 * 32, kv_width=4096) == lk.decode_s(22, 22 * 32)  # 88 blocks: no split either way
+    import numpy as np
+    n = np.array([1, 7, 8, 21, 22]); ctx = n * 1024
+    assert rows_s(lk, n, ctx, 4096) == pytest.approx([lk.decode_s(int(a), int(c), 4096) for a, c in zip(n, ctx)], rel=1e-12)
+
+
+def test_the_table_reader_keeps_the_profilers_block_table_width(tmp_path):
+    from testbed.calibrate.gpu_tables import read_attention_csv
+    from testbed.calibrate.kernel_fit import attention_shapes
+
+    cols = ["n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers", "max_model_len", "is_prefill",
+            "prefill_chunk_size", "kv_cache_size", "batch_size", "time_stats.attn_prefill.median",
+            "time_stats.attn_decode.median"]
+    rows = [[8192, 64, 8, 2, 4096, "False", "", 32, b, "", 0.012] for b in (1, 2)]
+    path = tmp_path / "t.csv"
+    path.write_text(",".join(cols) + "\n" + "\n".join(",".join(map(str, r)) for r in rows) + "\n")
+    table = read_attention_csv(path, "a100")
+    assert table.meta["kv_width"] == 4096
+    assert [s.kv_width for s in attention_shapes([table])] == [4096]

@@ -53,7 +53,7 @@ def wave_factor(blocks: int, cap: int, tail_recovery: float):
     return (waves - tail_recovery * (waves - blocks / cap)) * cap / blocks
 
 
-def rows_s(lk, num_seqs, context_sum):
+def rows_s(lk, num_seqs, context_sum, kv_width: int = 0):
     """`lk.decode_s` (a `LayerKernels`) over arrays of calls at once: the fit evaluates thousands of
     table rows some 2,000 times (65 s a device with the scalar calls, 5 s so, shared 2-core
     machine); a test checks that the two agree."""
@@ -66,7 +66,7 @@ def rows_s(lk, num_seqs, context_sum):
     pieces = np.ones_like(units)
     if lk._split_count:
         at = np.nonzero(split)[0]
-        tiles = -(-ctx[at] // (n[at] * lk._kv_tile))
+        tiles = np.full(len(at), -(-kv_width // lk._kv_tile)) if kv_width else -(-ctx[at] // (n[at] * lk._kv_tile))
         pieces[at] = [splits(int(u), lk._sms, int(t)) for u, t in zip(units[at], tiles)]
         split = pieces > 1
     blocks = units * pieces

@@ -427,15 +427,18 @@ class LayerKernels:
         return np.where(m > 0, self.c.kv_write_floor_s + m * per_token, 0.0)
 
     # ---- attention (scalar) -------------------------------------------------------------------
-    def decode_s(self, num_seqs: int, context_sum: int) -> float:
-        """One decode-attention call over `num_seqs` sequences attending `context_sum` KV tokens."""
+    def decode_s(self, num_seqs: int, context_sum: int, kv_width: int = 0) -> float:
+        """One decode-attention call over `num_seqs` sequences attending `context_sum` KV tokens.
+        `kv_width`: the KV tokens the split heuristic sees (a block table padded to that width), 0 =
+        the mean context (a table as wide as the batch needs, as the simulated engines pass)."""
         if not num_seqs:
             return 0.0
         kv = context_sum * self._dec_per_token
         blocks = units = num_seqs * self.shape.kv_heads_gpu
         split = units < self._split_units
         if split and self._split_count:  # FlashAttention-2's pieces of each (sequence, KV head)'s KV
-            pieces = decode_blocks.splits(units, self._sms, -(-context_sum // (num_seqs * self._kv_tile)))
+            tiles = -(-kv_width // self._kv_tile) if kv_width else -(-context_sum // (num_seqs * self._kv_tile))
+            pieces = decode_blocks.splits(units, self._sms, tiles)
             blocks, split = units * pieces, pieces > 1
         cap = self._units_cap
         if cap and blocks > cap:  # waves of `cap` blocks, each streaming its share of the KV

@@ -148,6 +148,11 @@ def read_attention_csv(path: Path, device: str) -> ProfileTable:
     line, first = recs[0]
     meta = {"device": device, "model": path.stem, "source": str(path), "backend": first.get("attention_backend", ""),
             **shape_meta(*(_int(first[c], path, line, c) for c in ("n_embd", "n_q_head", "n_kv_head")))}
+    if first.get("max_model_len", "").strip():
+        # the profiler's block tables span max_model_len: FlashAttention-2's split heuristic counts
+        # their width, not the row's context (the 70B table's small batches split by 4,096 tokens
+        # at every context: batch 7 at 1,024 tokens takes 24 us in 7 pieces, batch 8 36 us in 3)
+        meta["kv_width"] = _int(first["max_model_len"], path, line, "max_model_len")
     rows = []
     for line, rec in recs:
         def num(c: str) -> int:

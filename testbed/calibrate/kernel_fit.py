@@ -74,6 +74,7 @@ class AttentionShape:
     label: str  # "<table>/tp<n>"
     shape: LayerShape
     rows: tuple[ProfileRow, ...]
+    kv_width: int = 0  # the block tables' width the decode kernel saw (0: each row's context)
 
     def of(self, op: str) -> list[ProfileRow]:
         return [r for r in self.rows if r.op == op]
@@ -191,7 +192,8 @@ def attention_shapes(tables: Iterable[ProfileTable]) -> list[AttentionShape]:
         for r in table.rows:
             if r.op in ATTENTION_OPS:
                 by_tp.setdefault(r.tp, []).append(r)
-        out += [AttentionShape(f"{table.meta.get('model', '?')}/tp{tp}", layer_shape(table.meta, tp), tuple(rs))
+        out += [AttentionShape(f"{table.meta.get('model', '?')}/tp{tp}", layer_shape(table.meta, tp), tuple(rs),
+                               int(table.meta.get("kv_width", 0)))
                 for tp, rs in sorted(by_tp.items())]
     return out
 
@@ -237,8 +239,9 @@ def _resids(lk: LayerKernels, rows, resid_of) -> np.ndarray:
 class _DecodeRows(tuple):
     """A shape's decode rows with their columns as arrays, made once per fit."""
 
-    def __new__(cls, rows):
+    def __new__(cls, rows, kv_width: int = 0):
         self = super().__new__(cls, rows)
+        self.kv_width = kv_width
         self.seqs = np.array([r.batch for r in rows], dtype=np.int64)
         self.context = self.seqs * np.array([r.context for r in rows], dtype=np.int64)
         self.time = np.array([r.time_s for r in rows])
@@ -246,7 +249,7 @@ class _DecodeRows(tuple):
 
 
 def _decode_resid(lk: LayerKernels, rows: _DecodeRows) -> np.ndarray:
-    return decode_blocks.rows_s(lk, rows.seqs, rows.context) / rows.time - 1.0
+    return decode_blocks.rows_s(lk, rows.seqs, rows.context, rows.kv_width) / rows.time - 1.0
 
 
 _decode_resid.rows_at_once = True
@@ -270,7 +273,7 @@ def fit_decode(shapes: Sequence[AttentionShape], device: Device, base: KernelCoe
     candidate of resident blocks per SM, the share of a part-empty last wave recovered. The one
     KV-read efficiency is not fitted: it is the highest fraction of peak bandwidth a measured row
     reached (`kv_read_cap`; see `KernelCoefficients.decode_kv_efficiency`)."""
-    items = [(shape, _DecodeRows(rows)) for shape, rows in _items(shapes, "attn_decode")]
+    items = [(s.shape, _DecodeRows(rows, s.kv_width)) for s in shapes if (rows := s.of("attn_decode"))]
     if not items:
         return base
     cap = min(1.0, kv_read_cap(shapes, device) or 1.0)

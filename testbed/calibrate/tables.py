@@ -27,7 +27,7 @@ from engine.pricing.hardware import HardwareSpec, get_hardware
 from testbed.calibrate.kernel_fit import (DEFAULT_FIT_MODELS, LINEAR_OPS, AttentionShape, Device, KernelFit,
                                           attention_split, fit_kernels, gqa_points_from, kv_read_cap, layer_shape,
                                           link_features)
-from engine.pricing.kernels import KernelCoefficients, LayerShape
+from engine.pricing.kernels import KernelCoefficients, LayerKernels, LayerShape
 from engine.pricing.models import ModelSpec
 
 # The device each table was measured on, and the names its fit is shipped under.
@@ -167,21 +167,30 @@ def _attention_kind(r) -> tuple[str, int, float, str]:
     return "prefill", 3, r.tokens, f"chunk {_bucket(r.tokens, TOKEN_BUCKETS)}, {'prefix' if r.prefix else 'no prefix'}"
 
 
+def _attention_part(cm: CostModel, hw: HardwareSpec, coeffs: KernelCoefficients, s: AttentionShape, r, i: int) -> float:
+    """The cost model's price of an attention row's part `i`; a decode row of a table whose block
+    tables had their own width is priced with it (`AttentionShape.kv_width`)."""
+    if r.op == "attn_decode" and s.kv_width:
+        return LayerKernels(s.shape, coeffs, hw.peak_flops, hw.mem_bw_Bps, hw.sm_count).decode_s(
+            r.batch, r.batch * r.context, s.kv_width)
+    return cm.layer_parts_s(_row_shape(r))[i]
+
+
 def attention_rows(fit: KernelFit, fitted: HardwareSpec, default: HardwareSpec) -> list[dict]:
     """Attention and KV-write rows of every shape: in sample (the shipped fit) and held out."""
     out = []
     for s in fit.attention:
         fit_rows, held_rows, held_c = _held_split(fit, s)
-        cms = {False: _cost(fitted, s.shape), True: _cost(replace(fitted, kernels=held_c.to_mapping()), s.shape)}
+        coeffs = {False: KernelCoefficients.from_mapping(fitted.kernels), True: held_c}
+        cms = {held: _cost(replace(fitted, kernels=c.to_mapping()), s.shape) for held, c in coeffs.items()}
         def_cm = _cost(default, s.shape)
         for held, rows in ((False, fit_rows), (True, held_rows)):
             for r in rows:
                 fam, i, x, bucket = _attention_kind(r)
-                sh = _row_shape(r)
-                d = def_cm.layer_parts_s(sh)[i]
+                d = def_cm.layer_parts_s(_row_shape(r))[i]
                 out.append(dict(family=fam, model=s.label, tp=r.tp, x=x, bucket=bucket, measured=r.time_s,
-                                fitted=cms[held].layer_parts_s(sh)[i], default=d if d else np.nan, held=held,
-                                gqa=f"{s.shape.gqa:g}"))
+                                fitted=_attention_part(cms[held], fitted, coeffs[held], s, r, i),
+                                default=d if d else np.nan, held=held, gqa=f"{s.shape.gqa:g}"))
     return out
 
 
@@ -206,10 +215,11 @@ def layer_rows(tables: PublishedTables, fit: KernelFit, fitted: HardwareSpec, de
                 if r.op == "kv_write" or (r.tp, m) not in lin:
                     continue
                 sh = _row_shape(r)
-                att, def_p = att_cm.layer_parts_s(sh), def_cm.layer_parts_s(sh)
+                att = _attention_part(att_cm, fitted, held_c, s, r, 2 if r.op == "attn_decode" else 3)
+                def_p = def_cm.layer_parts_s(sh)
                 out.append(dict(family="layer", model=model, tp=r.tp, x=m, bucket=r.op.removeprefix("attn_"),
                                 measured=lin[(r.tp, m)] + r.time_s,
-                                fitted=fit_cm.layer_parts_s(sh)[0] + att[2] + att[3],
+                                fitted=fit_cm.layer_parts_s(sh)[0] + att,
                                 default=def_p[0] + def_p[2] + def_p[3], held=model not in DEFAULT_FIT_MODELS))
     return out
 
