@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields
 
 from engine.base.errors import ConfigError
 from engine.pricing import decode_blocks
-from engine.pricing.decode_blocks import SPLIT_KV_FRACTION, kv_tile
+from engine.pricing.decode_blocks import SPLIT_KV_FRACTION
 from engine.pricing.prefill_blocks import block_makespan_s
 
 __all__ = ["KernelCoefficients", "LayerShape", "LayerKernels", "GEMMS", "ELEMENTWISE"]
@@ -363,7 +363,7 @@ class LayerKernels:
         self._sms = sm_count or 0
         self._split_units = SPLIT_KV_FRACTION * self._sms
         self._split_count = bool(c.decode_split_count and self._sms)
-        self._kv_tile = decode_blocks.kv_tile(shape.head_dim)
+        self._kv_tile = decode_blocks.kv_tile(shape.head_dim)  # KV tokens a key block (decode and prefill)
         self._dec_rate = mem_bw_Bps * c.decode_efficiency(shape.gqa)
         self._pre_flops_per_pair = 4.0 * shape.q_heads_gpu * shape.head_dim
         # one decode KV token: its read or its FLOPs, whichever is slower; one sequence's blocks
@@ -375,7 +375,6 @@ class LayerKernels:
         # seconds per tile-key (one block's query rows against one key) at one slot's FLOP share
         slot_flops = 4.0 * c.prefill_tile * shape.head_dim * self._sms * c.prefill_slots_per_sm / peak_flops
         self._tile_key_s = (slot_flops / c.prefill_efficiency, slot_flops / (c.prefill_prefix_efficiency or 1.0))
-        self._kblock = kv_tile(shape.head_dim)
 
     # ---- token-count ops (numpy arrays or scalars) ------------------------------------------
     def gemm_s(self, m, k: int, n: int):
@@ -462,7 +461,7 @@ class LayerKernels:
         c = self.c
         if c.prefill_slots_per_sm:
             return block_makespan_s(tokens / chunks, (context_sum - tokens) / chunks, self.shape.q_heads_gpu, chunks,
-                                    tile=c.prefill_tile, kblock=self._kblock, sms=self._sms,
+                                    tile=c.prefill_tile, kblock=self._kv_tile, sms=self._sms,
                                     slots_per_sm=c.prefill_slots_per_sm, causal_s=self._tile_key_s[0],
                                     prefix_s=self._tile_key_s[1], tail=c.prefill_tail, split_s=c.prefill_split_s)
         fill = self.prefill_wave_fill(tokens, chunks)

@@ -167,13 +167,19 @@ def _attention_kind(r) -> tuple[str, int, float, str]:
     return "prefill", 3, r.tokens, f"chunk {_bucket(r.tokens, TOKEN_BUCKETS)}, {'prefix' if r.prefix else 'no prefix'}"
 
 
-def _attention_part(cm: CostModel, hw: HardwareSpec, coeffs: KernelCoefficients, s: AttentionShape, r, i: int) -> float:
-    """The cost model's price of an attention row's part `i`; a decode row of a table whose block
-    tables had their own width is priced with it (`AttentionShape.kv_width`)."""
-    if r.op == "attn_decode" and s.kv_width:
-        return LayerKernels(s.shape, coeffs, hw.peak_flops, hw.mem_bw_Bps, hw.sm_count).decode_s(
-            r.batch, r.batch * r.context, s.kv_width)
-    return cm.layer_parts_s(_row_shape(r))[i]
+def _attention_pricer(hw: HardwareSpec, coeffs: KernelCoefficients, s: AttentionShape, shape: LayerShape | None = None):
+    """row, part index -> the cost model's price of that part of an attention row (in a layer of
+    `shape`, default the attention shape's); a decode row of a table whose block tables had their
+    own width is priced with it (`AttentionShape.kv_width`)."""
+    shape = shape or s.shape
+    cm = _cost(replace(hw, kernels=coeffs.to_mapping()), shape)
+    lk = LayerKernels(shape, coeffs, hw.peak_flops, hw.mem_bw_Bps, hw.sm_count) if s.kv_width else None
+
+    def price(r, i: int) -> float:
+        if lk is not None and r.op == "attn_decode":
+            return lk.decode_s(r.batch, r.batch * r.context, s.kv_width)
+        return cm.layer_parts_s(_row_shape(r))[i]
+    return price
 
 
 def attention_rows(fit: KernelFit, fitted: HardwareSpec, default: HardwareSpec) -> list[dict]:
@@ -181,15 +187,15 @@ def attention_rows(fit: KernelFit, fitted: HardwareSpec, default: HardwareSpec) 
     out = []
     for s in fit.attention:
         fit_rows, held_rows, held_c = _held_split(fit, s)
-        coeffs = {False: KernelCoefficients.from_mapping(fitted.kernels), True: held_c}
-        cms = {held: _cost(replace(fitted, kernels=c.to_mapping()), s.shape) for held, c in coeffs.items()}
+        prices = {False: _attention_pricer(fitted, KernelCoefficients.from_mapping(fitted.kernels), s),
+                  True: _attention_pricer(fitted, held_c, s)}
         def_cm = _cost(default, s.shape)
         for held, rows in ((False, fit_rows), (True, held_rows)):
             for r in rows:
                 fam, i, x, bucket = _attention_kind(r)
                 d = def_cm.layer_parts_s(_row_shape(r))[i]
                 out.append(dict(family=fam, model=s.label, tp=r.tp, x=x, bucket=bucket, measured=r.time_s,
-                                fitted=_attention_part(cms[held], fitted, coeffs[held], s, r, i),
+                                fitted=prices[held](r, i),
                                 default=d if d else np.nan, held=held, gqa=f"{s.shape.gqa:g}"))
     return out
 
@@ -209,13 +215,13 @@ def layer_rows(tables: PublishedTables, fit: KernelFit, fitted: HardwareSpec, de
             shape = layer_shape(cm, sh0.tp)
             _, held_rows, held_c = _held_split(fit, s)
             fit_cm, def_cm = _cost(fitted, shape), _cost(default, shape)
-            att_cm = _cost(replace(fitted, kernels=held_c.to_mapping()), shape)
+            att_price = _attention_pricer(fitted, held_c, s, shape)
             for r in held_rows:
                 m = r.batch if r.op == "attn_decode" else r.tokens
                 if r.op == "kv_write" or (r.tp, m) not in lin:
                     continue
                 sh = _row_shape(r)
-                att = _attention_part(att_cm, fitted, held_c, s, r, 2 if r.op == "attn_decode" else 3)
+                att = att_price(r, 2 if r.op == "attn_decode" else 3)
                 def_p = def_cm.layer_parts_s(sh)
                 out.append(dict(family="layer", model=model, tp=r.tp, x=m, bucket=r.op.removeprefix("attn_"),
                                 measured=lin[(r.tp, m)] + r.time_s,
