@@ -248,7 +248,7 @@ def test_engine_with_triton_attention_matches_hf(tiny_ckpts, full):
     assert max(m.num_prefill_tokens for m in ctrl.records) <= 16 < max(r.prompt_len for r in requests)
     if full:
         assert ctrl.num_preemptions > 0
-    ref = te._hf_greedy(tiny_ckpts["tiny-llama"], requests)
+    ref = te._hf_greedy(path, requests)
     assert {r.request_id: ctrl.sequences[r.request_id].output_token_ids for r in requests} == ref
 
 
@@ -268,15 +268,18 @@ def test_measure_bandwidth_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("pp", [1, 2])
 def test_engine_on_cuda_matches_hf(tiny_ckpts, pp):
-    """executor.device=cuda in float32 with the defaults there (triton attention, CUDA graphs):
-    HF's greedy tokens, with chunked prefill and a forced preemption."""
+    """executor.device=cuda in float32 with the defaults there (triton attention, fused kernels, CUDA
+    graphs): HF's greedy tokens, with chunked prefill and a forced preemption. The stages load HF's
+    checkpoint (`model_path`): a table model on CUDA draws its random weights on the GPU instead, and
+    CUDA's default dtype is bf16, either of which changes every token (both seen on an H100)."""
     pytest.importorskip("zmq")
     import test_torch_engine as te
 
     requests = te._requests()
-    cache = os.path.dirname(tiny_ckpts["tiny-llama"])
-    ctrl, _ex = te._run_pipeline(requests, pp=pp, model="tiny-llama", cache=cache, num_blocks=24,
-                                 policy_params={"token_budget": 16, "max_num_seqs": 8}, device="cuda")
+    path = tiny_ckpts["tiny-llama"]
+    ctrl, _ex = te._run_pipeline(requests, pp=pp, model="tiny-llama", cache=os.path.dirname(path), num_blocks=24,
+                                 policy_params={"token_budget": 16, "max_num_seqs": 8}, device="cuda",
+                                 model_path=path, dtype="float32")
     assert ctrl.num_finished == len(requests) and ctrl.num_preemptions > 0
-    ref = te._hf_greedy(tiny_ckpts["tiny-llama"], requests)
+    ref = te._hf_greedy(path, requests)
     assert {r.request_id: ctrl.sequences[r.request_id].output_token_ids for r in requests} == ref
