@@ -184,6 +184,41 @@ def test_validate_runs_replays_a_run_exactly_on_its_own_terms(tmp_path, capsys, 
     assert all(abs(e["rel_error"]) < 1e-9 for e in errors if e["metric"] != "bubble_ratio"), errors
 
 
+def test_validate_runs_compares_repeated_runs_by_their_mean(tmp_path, capsys, monkeypatch):
+    """Two runs of one command: each run's error, then the simulator against their mean (the repeat
+    is made 1.5x slower per token and 0.8x the throughput; the simulator matches the first exactly)."""
+    import json
+    import shutil
+
+    from engine.pricing.hardware import HARDWARE
+    from testbed.calibrate.fit import save_hardware_profile
+    from testbed.cli import main
+
+    first = _as_real_run(tmp_path)
+    repeat = tmp_path / "truth-r2"
+    shutil.copytree(first, repeat)
+    summary = json.loads((repeat / "summary.json").read_text())
+    summary["tpot_mean_s"] *= 1.5
+    summary["throughput_tok_s"] *= 0.8
+    (repeat / "summary.json").write_text(json.dumps(summary))
+    truth = dataclasses.replace(get_hardware("h100-80g"), name="truth-terms",
+                                calibration=dict(get_hardware("h100-80g").calibration, **ENGINE_TERMS))
+    monkeypatch.setenv("TESTBED_PROFILE_DIR", str(tmp_path / "profiles"))
+    save_hardware_profile(truth, tmp_path / "profiles" / "truth-terms.yaml")
+    try:
+        assert main(["validate", "--runs", str(first), str(repeat), "hardware=truth-terms",
+                     "--out", str(tmp_path / "v")]) == 0
+    finally:
+        HARDWARE.pop("truth-terms", None)
+    assert "mean of the 2 runs above" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "v" / "errors.json").read_text())
+    assert [r["repeats"] for r in rows] == [2, 2, 2] and rows[2]["runs"] == ["truth", "truth-r2"]
+    errors = {e["metric"]: e["rel_error"] for e in rows[2]["errors"]}
+    assert errors["tpot_mean_s"] == pytest.approx(1 / 1.25 - 1, rel=1e-9)
+    assert errors["throughput_tok_s"] == pytest.approx(1 / 0.9 - 1, rel=1e-9)
+    assert errors["ttft_mean_s"] == pytest.approx(0.0, abs=1e-9)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["validate", "--runs", "/nonexistent/run"], "takes hardware=<profile>"),
     (["validate", "--runs", "/nonexistent/run", "hardware=h100-80g"], "run directory /nonexistent/run does not exist"),
