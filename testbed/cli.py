@@ -331,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--base", required=True, help="the hardware profile whose kernels (or roofline) the engine "
                                                   "terms sit on, e.g. h100-80g; a CPU profile from testbed profile")
     cr.add_argument("--table", help="a testbed profile table (CSV) fitted together with the runs")
+    cr.add_argument("--own-attention", action="store_true",
+                    help="the engine decodes with its own attention kernel (this project's Triton kernel: one block "
+                         "per sequence x KV head), not the base tables': fit its read rate and few-blocks term too")
     cr.add_argument("--commit", help="the project commit the runs measured (recorded in the profile's provenance)")
     cr.add_argument("--out", help="directory (default: $TESTBED_PROFILE_DIR or runs/profiles; the shipped "
                                   "profiles: engine/pricing/hardware_profiles)")

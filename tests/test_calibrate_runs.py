@@ -114,6 +114,42 @@ def test_calibrate_runs_recovers_known_engine_terms(tmp_path):
     assert forward["all"]["median"] < 0.01 and forward["decode"]["p90"] < 0.01
 
 
+def test_own_attention_recovers_an_engine_kernels_read_rate_and_few_blocks_term(tmp_path, monkeypatch):
+    """An engine whose decode attention is its own kernel (no split of the KV, its own read rate and
+    few-blocks term: as this project's Triton kernel on the H100, priced 20% low at 1 x 2,048 and
+    54% high at 256 x 2,048 by the tables' FlashAttention-2 terms): --own-attention recovers both
+    terms beside the engine terms; without it the forward fit cannot follow the attention."""
+    from engine.pricing.hardware import HARDWARE
+    from testbed.calibrate.fit import save_hardware_profile
+    from testbed.calibrate.run_fit import own_attention_kernels
+
+    base = get_hardware("h100-80g")
+    truth = dataclasses.replace(base, name="truth-attention", kernels=own_attention_kernels(base, 0.8, 200.0))
+    monkeypatch.setenv("TESTBED_PROFILE_DIR", str(tmp_path / "profiles"))
+    save_hardware_profile(truth, tmp_path / "profiles" / "truth-attention.yaml")
+    try:
+        run = load_run(_as_real_run(tmp_path, "hardware=truth-attention", "workload.num_requests=120"), need_trace=True)
+        fit = fit_runs([run], base, own_attention=True)
+        plain = fit_runs([run], base)
+    finally:
+        HARDWARE.pop("truth-attention", None)
+    assert fit.kernels["decode_split_count"] == 0
+    assert fit.kernels["decode_kv_efficiency"][0][1] == pytest.approx(0.8, rel=0.05)
+    assert fit.kernels["decode_half_blocks"] == pytest.approx(200.0, rel=0.10)
+    assert fit.coefficients["per_layer_overhead_s"] == pytest.approx(ENGINE_TERMS["per_layer_overhead_s"], rel=0.05)
+    decode = {e["op"]: e for e in fit.errors if e["kind"] == "decode"}["forward"]
+    plain_decode = {e["op"]: e for e in plain.errors if e["kind"] == "decode"}["forward"]
+    assert decode["p90"] < 0.01 < plain_decode["p90"]
+
+
+def test_own_attention_needs_a_kernel_table_base(tmp_path):
+    from engine.base.errors import ConfigError
+
+    run = load_run(_as_real_run(tmp_path), need_trace=True)
+    with pytest.raises(ConfigError, match="kernel-table base"):
+        fit_runs([run], get_hardware("h100-80g-roofline"), own_attention=True)
+
+
 def test_a_launch_after_a_lull_dispatches_from_the_arrival_it_waited_for(tmp_path):
     # arrivals far apart: the pipeline drains between them, and each first prefill after a lull
     # launched when its request arrived, not when the last micro-batch completed
@@ -285,7 +321,7 @@ def test_the_shipped_engine_profile_is_what_calibrate_runs_fits(shared_data, tmp
 
 def test_the_current_engine_profile_is_what_calibrate_runs_fits(shared_data, tmp_path):
     runs = _current_engine_runs(shared_data)
-    _refit_matches_shipped(["calibrate", "runs", str(runs / "sharegpt200-offline-gllm-traced")],
+    _refit_matches_shipped(["calibrate", "runs", str(runs / "sharegpt200-offline-gllm-traced"), "--own-attention"],
                            CURRENT_ENGINE, tmp_path)
 
 
