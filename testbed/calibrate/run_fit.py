@@ -57,7 +57,7 @@ KERNEL_BASE_PARAMS = ("per_layer_overhead_s", "launch_floor_per_layer_s", "launc
                       "launch_overlap_exponent")
 # `--own-attention`: the engine's decode attention is its own kernel, not the base tables' (module
 # docstring): its launch shape is set and these two kernel terms are fitted with the engine terms.
-OWN_ATTENTION_PARAMS = ("decode_read_efficiency", "decode_half_blocks")
+OWN_ATTENTION_PARAMS = ("decode_kv_efficiency", "decode_half_blocks")
 _BOUNDS = {"decode_half_blocks": (1e-2, 1e4), "decode_overhead_ratio": (1e-3, 10.0), "launch_overlap_exponent": (1.0, 30.0), "linear_half_tokens": (1e-3, 1e5),
            "attention_half_context": (1e-3, 1e6)}
 KINDS = ("decode", "mixed", "prefill")
@@ -197,11 +197,12 @@ def _bounds(name: str) -> tuple[float, float]:
     return math.log(lo), math.log(hi)
 
 
-def own_attention_kernels(hw: HardwareSpec, read_efficiency: float, half_blocks: float) -> dict:
+def own_attention_kernels(hw: HardwareSpec, kv_efficiency: float, half_blocks: float) -> dict:
     """The kernel terms of an engine's own decode attention: one block per sequence x KV head (this
     project's Triton kernel launches its grid so, with no split of the KV), reading at
-    `read_efficiency` of the bandwidth, with `half_blocks` its few-blocks term (engine/pricing/kernels.py)."""
-    return dict(hw.kernels, decode_split_count=0, decode_kv_efficiency=[[1.0, read_efficiency]],
+    `kv_efficiency` of the bandwidth (one rate for every GQA group), with `half_blocks` its
+    few-blocks term (engine/pricing/kernels.py)."""
+    return dict(hw.kernels, decode_split_count=0, decode_kv_efficiency=[[1.0, kv_efficiency]],
                 decode_half_blocks=half_blocks)
 
 
@@ -209,7 +210,7 @@ def _attention_start(hw: HardwareSpec, model) -> dict[str, float]:
     from engine.pricing.kernels import KernelCoefficients
 
     c = KernelCoefficients.from_mapping(hw.kernels)
-    return {"decode_read_efficiency": c.decode_efficiency(model.num_heads / model.num_kv_heads),
+    return {"decode_kv_efficiency": c.decode_efficiency(model.num_heads / model.num_kv_heads),
             "decode_half_blocks": c.decode_half_blocks or 1.0}
 
 
@@ -240,7 +241,7 @@ def fit_forward_samples(samples: Sequence[ForwardSample], model, hw: HardwareSpe
 
     def resid(x):
         v = values(x)
-        spec = replace(hw, kernels=own_attention_kernels(hw, v["decode_read_efficiency"], v["decode_half_blocks"])) \
+        spec = replace(hw, kernels=own_attention_kernels(hw, v["decode_kv_efficiency"], v["decode_half_blocks"])) \
             if own_attention else hw
         cost = _cost(model, spec, pp, layers, {k: val for k, val in v.items() if k not in OWN_ATTENTION_PARAMS})
         return (np.array([cost.stage_compute_s(s.stage, s.shape) for s in samples]) - meas) / scale
