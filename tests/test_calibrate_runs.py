@@ -1,5 +1,5 @@
 """The simulator held to real runs (issue 35): engine terms, the replay that rebuilds a run's
-micro-batches, `testbed calibrate runs` and `testbed validate --runs` (docs/calibration.md#calibrate-from-runs)."""
+micro-batches, `testbed calibrate runs` and `testbed validate --runs` (docs/calibrate-runs.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -279,7 +279,7 @@ def test_a_sampled_trace_is_refused_for_a_fit(tmp_path, capsys):
     assert "output.trace=full" in capsys.readouterr().err
 
 
-# ---- the shipped H100 measurements (docs/calibration.md#calibrate-from-runs) --------------------
+# ---- the shipped H100 measurements (docs/calibrate-runs.md) --------------------
 # h100-engine/: the engine at main 1a5c8d9 (2026-11-25), profile h100-80g-torch-engine-1a5c8d9;
 # h100-engine-2026-11-26/: the engine with fused kernels and piecewise graphs, h100-80g-torch-engine.
 OLD_ENGINE, CURRENT_ENGINE = "h100-80g-torch-engine-1a5c8d9", "h100-80g-torch-engine"
@@ -380,7 +380,7 @@ def test_copy_of_a_run_directory_is_enough(shared_data, tmp_path):
 
 def test_decode_padding_prices_decodes_padded_to_the_longest():
     """The CPU engine's torch attention reads every decode up to the longest one's context
-    (docs/calibration.md#the-same-on-cpu); `decode_padding` prices that, 0 changes nothing."""
+    (docs/calibrate-runs.md, "The same on CPU"); `decode_padding` prices that, 0 changes nothing."""
     from engine.core.batch import shape_of
 
     cpu = dataclasses.replace(get_hardware("a100-80g"), kernels=None, calibration={})

@@ -48,7 +48,7 @@ if HAVE_TRITON:
     # The block table's row stride is its width, the longest table of the batch: Triton would compile
     # a variant of the kernel each time it became 1 or a multiple of 16 (its integer specialisation),
     # ~0.5-1 s each mid-run on an H100 when the on-disk cache was cold (the stalls in
-    # docs/calibration.md#calibrate-from-runs). Not specialised on it, one variant per tile size.
+    # docs/calibrate-runs.md). Not specialised on it, one variant per tile size.
     @triton.jit(do_not_specialize=["stride_tab"])
     def _paged_attn_kernel(
             q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, qstart_ptr, ctx_ptr, tile_seq_ptr, tile_idx_ptr,
