@@ -1,6 +1,6 @@
 #!/bin/bash
 # Re-measure this project's torch engine on one GPU: what `testbed calibrate runs` and `testbed
-# validate --runs` need (docs/calibration.md#calibrate-from-runs), in about 5 minutes on an H100.
+# validate --runs` need (docs/calibrate-runs.md), in about 5 minutes on an H100.
 # Runs from the project root on the GPU machine:   OUT=/some/dir bash scripts/engine_runs_gpu.sh
 # (its steps were run on an H100 on 2026-11-26 as separate commands; DEVICE=cpu MODEL=tiny-llama checks the plumbing)
 # Writes $OUT/log.txt and $OUT/h100-engine.tgz: a folder laid out as the data directory's
