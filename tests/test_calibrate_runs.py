@@ -121,10 +121,10 @@ def test_own_attention_recovers_an_engine_kernels_read_rate_and_few_blocks_term(
     terms beside the engine terms; without it the forward fit cannot follow the attention."""
     from engine.pricing.hardware import HARDWARE
     from testbed.calibrate.fit import save_hardware_profile
-    from testbed.calibrate.run_fit import own_attention_kernels
+    from testbed.calibrate.run_fit import own_attention_terms
 
     base = get_hardware("h100-80g")
-    truth = dataclasses.replace(base, name="truth-attention", kernels=own_attention_kernels(base, 0.8, 200.0))
+    truth = dataclasses.replace(base, name="truth-attention", kernels=dict(base.kernels, **own_attention_terms(0.8, 200.0)))
     monkeypatch.setenv("TESTBED_PROFILE_DIR", str(tmp_path / "profiles"))
     save_hardware_profile(truth, tmp_path / "profiles" / "truth-attention.yaml")
     try:

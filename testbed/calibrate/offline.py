@@ -160,8 +160,7 @@ def mean_row(group: list[RealRun], sims: list[dict], sp: dict[str, float]) -> di
                 for key, _ in VALIDATE_METRICS}
 
     return {"run": f"mean of the {len(group)} runs above", "repeats": len(group), "spread": sp,
-            "errors": error_table(mean([r.summary for r in group]), mean(sims)), "stalls": {"count": 0},
-            "runs": [r.label for r in group]}
+            "errors": error_table(mean([r.summary for r in group]), mean(sims)), "runs": [r.label for r in group]}
 
 
 # A micro-batch that took this much longer than the profile says, and this many times as long, is
@@ -211,8 +210,8 @@ def format_runs_table(rows: list[dict], hardware: str) -> str:
                 f"<= {100 * tol:.0f}%: {'met' if abs(e['rel_error']) <= tol else 'missed'}")
             lines.append(f"  {_label(m):<20}{e['real']:>12.5g}{e['sim']:>12.5g}{100 * e['rel_error']:>8.1f}%"
                          f"{'' if not math.isfinite(sp) else f'{100 * sp:8.1f}%':>9}  {verdict}")
-        st = r["stalls"]
-        if st["count"]:
+        st = r.get("stalls")  # a run's own; the mean of repeats has none
+        if st and st["count"]:
             lines.append(f"  engine stalls: {st['count']} micro-batch(es) took {st['excess_s']:.2f} s more than the "
                          f"profile says ({', '.join(st['where'])}); without them the real run's throughput is "
                          f"{st['throughput_without']:.5g} tok/s, the simulator's error "

@@ -197,13 +197,12 @@ def _bounds(name: str) -> tuple[float, float]:
     return math.log(lo), math.log(hi)
 
 
-def own_attention_kernels(hw: HardwareSpec, kv_efficiency: float, half_blocks: float) -> dict:
-    """The kernel terms of an engine's own decode attention: one block per sequence x KV head (this
-    project's Triton kernel launches its grid so, with no split of the KV), reading at
+def own_attention_terms(kv_efficiency: float, half_blocks: float) -> dict:
+    """The kernel terms an engine's own decode attention replaces: one block per sequence x KV head
+    (this project's Triton kernel launches its grid so, with no split of the KV), reading at
     `kv_efficiency` of the bandwidth (one rate for every GQA group), with `half_blocks` its
     few-blocks term (engine/pricing/kernels.py)."""
-    return dict(hw.kernels, decode_split_count=0, decode_kv_efficiency=[[1.0, kv_efficiency]],
-                decode_half_blocks=half_blocks)
+    return {"decode_split_count": 0, "decode_kv_efficiency": [[1.0, kv_efficiency]], "decode_half_blocks": half_blocks}
 
 
 def _attention_start(hw: HardwareSpec, model) -> dict[str, float]:
@@ -241,7 +240,8 @@ def fit_forward_samples(samples: Sequence[ForwardSample], model, hw: HardwareSpe
 
     def resid(x):
         v = values(x)
-        spec = replace(hw, kernels=own_attention_kernels(hw, v["decode_kv_efficiency"], v["decode_half_blocks"])) \
+        spec = replace(hw, kernels=dict(hw.kernels, **own_attention_terms(v["decode_kv_efficiency"],
+                                                                           v["decode_half_blocks"]))) \
             if own_attention else hw
         cost = _cost(model, spec, pp, layers, {k: val for k, val in v.items() if k not in OWN_ATTENTION_PARAMS})
         return (np.array([cost.stage_compute_s(s.stage, s.shape) for s in samples]) - meas) / scale
@@ -321,10 +321,8 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
     elif "decode_overhead_ratio" not in names:
         fitted["decode_overhead_ratio"] = 1.0
     fitted.update(fit_forward_samples(fwd, model, base, pp, split, base_vals, names, own_attention))
-    kernels = {}
-    if own_attention:
-        kernels = own_attention_kernels(base, *(fitted.pop(n) for n in OWN_ATTENTION_PARAMS))
-        kernels = {k: v for k, v in kernels.items() if base.kernels.get(k) != v}
+    kernels = own_attention_terms(*(fitted.pop(n) for n in OWN_ATTENTION_PARAMS)) if own_attention else {}
+    if kernels:
         base = replace(base, kernels=dict(base.kernels, **kernels))
     result = RunFit(fitted, counts={"forward": len(fwd), "runs": len(runs)}, kernels=kernels)
     _fit_linear_terms(result, data, model.vocab_size)

@@ -233,7 +233,6 @@ class ReplayExecutor(Executor):
         self._fresh_event = True
         return Completion(mb_id, t)
 
-
     def _completes_first(self) -> bool:
         """Whether the real controller took the next completion before its next launch: then a
         deadline (an arrival) that passes before that completion launched nothing. Without it, an
