@@ -71,6 +71,10 @@ class KVSettings:
 
 
 MAX_LINK_LATENCY_S = 3600.0
+# ideal: a FIFO pipe (latency + bytes / bandwidth + the cost model's metadata term); tcp: TCP over a
+# delayed, rate-limited link as gloo uses it (round trips per message, slow start, restart after
+# idle), constants measured through a real kernel link (engine/pricing/tcp_link.py, docs/links.md)
+LINK_MODELS = ("ideal", "tcp")
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class Link:
     bandwidth_Bps: float
     latency_s: float
     explicit: bool = False  # True: set by link.* (the torch engine paces to it); False: the hardware's own
+    model: str = "ideal"  # how the simulator prices a transfer: LINK_MODELS
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class LinkSettings:
     bandwidth: float | None = setting(None, parse=parse_bandwidth, min=1e3)
     # at most an hour: beyond that simulated times lose their precision (1e308 s gave inf and NaN)
     latency: float | None = setting(None, parse=parse_duration, max=MAX_LINK_LATENCY_S)
+    model: str = setting("ideal", choices=LINK_MODELS)  # the simulator's pricing; the torch engine runs real sends
 
     def __post_init__(self) -> None:
         check(self, "link")
@@ -103,7 +109,7 @@ class LinkSettings:
         """Fill what is unset from the hardware profile (`p2p_bw_gbs` in GB/s, `p2p_latency_s`)."""
         bw = self.bandwidth if self.bandwidth is not None else hardware.p2p_bw_gbs * 1e9
         lat = self.latency if self.latency is not None else hardware.p2p_latency_s
-        return Link(bw, lat, self.explicit)
+        return Link(bw, lat, self.explicit, self.model)
 
 
 @dataclass(frozen=True)

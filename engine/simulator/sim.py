@@ -41,6 +41,7 @@ from engine.base.errors import bad_value
 from engine.core.executor import EXECUTORS, Completion, Executor, ExecutorBuild, ExecutorSpec
 from engine.core.policy import LinkState, PendingTransfer, Policy, RuntimeFeatures, Transfer
 from engine.core.trace import Tracer
+from engine.pricing.tcp_link import tcp_links
 
 STAGE_DONE, LINK_DONE, ARRIVE, PREP_DONE, SAMPLE_DONE, COMPLETE = range(6)
 EVENT_NAMES = ("STAGE_DONE", "LINK_DONE", "ARRIVE", "PREP_DONE", "SAMPLE_DONE", "COMPLETE")
@@ -73,7 +74,7 @@ class SimExecutor(Executor):
                  link_bandwidth_Bps: float, link_latency_s: float,
                  transfer_scheduler: Callable[[LinkState, Seq[PendingTransfer]], Transfer] | None = None,
                  num_cpu_samplers: int = 4, tracer: Tracer | None = None, blocking_send: bool = False,
-                 event_driven: bool = False) -> None:
+                 event_driven: bool = False, link_model: str = "ideal") -> None:
         self.cost = cost_model
         self.pipeline_depth = P = cost_model.pp
         self.runtime = runtime
@@ -111,6 +112,9 @@ class SimExecutor(Executor):
         self._priced: dict[int, _Priced] = {}
         self._fifo_sends = transfer_scheduler is None or transfer_scheduler is _fifo
         self._metadata_s = 0.0 if runtime.structure_aware_transfer else cost_model.coefficients.transfer_metadata_s
+        # link.model=tcp: one TCP connection's state per link (engine/pricing/tcp_link.py); None: the ideal pipe
+        self._tcp = tcp_links(link_model, max(0, P - 1), self.bandwidth, self.latency)
+        self._first_messages = 1 if runtime.structure_aware_transfer else 3  # size, metadata, tensor
         # No events where every server is FIFO (see the module doc); `event_driven=True` forces the
         # event loop (tests compare the two).
         fifo_only = not (runtime.overlap_input_prep or runtime.cpu_sampling or blocking_send) and self._fifo_sends
@@ -301,12 +305,16 @@ class SimExecutor(Executor):
         if not 0 < nbytes <= item.remaining_bytes or item not in pending:
             raise RuntimeError(f"schedule_transfer chose {nbytes} bytes of micro-batch {item.mb.mb_id}, "
                                f"which has {item.remaining_bytes} pending on link {link}")
+        first = item.remaining_bytes == item.total_bytes
         item.remaining_bytes -= nbytes
         if item.remaining_bytes == 0:
             pending.remove(item)
-        duration = nbytes / self.bandwidth
-        if not self.runtime.structure_aware_transfer:
-            duration += self._metadata_s
+        if self._tcp is not None:  # a later chunk of an activation is one message: its metadata went first
+            duration = self._tcp[link].send(now, nbytes, self._first_messages if first else 1)[0] - now
+        else:
+            duration = nbytes / self.bandwidth
+            if not self.runtime.structure_aware_transfer:
+                duration += self._metadata_s
         self._link_busy[link] = True
         mb_id = item.mb.mb_id
         self.tracer.span(self._link_tracks[link], "send", now, now + duration, mb_id)
@@ -360,6 +368,7 @@ class _FifoPipeline:
         self.latency = ex.latency
         self.bandwidth = ex.bandwidth
         self.metadata_s = None if ex.runtime.structure_aware_transfer else ex._metadata_s
+        self.tcp, self.first_messages = ex._tcp, ex._first_messages
         self.stage_tracks = ex._stage_tracks
         self.link_tracks = ex._link_tracks
         self.stage_free = [-math.inf] * P
@@ -399,7 +408,7 @@ class _FifoPipeline:
                 start, trigger, index = link_free[s], link_key[s], 1
             else:
                 start, trigger, index = end, key, 0
-            sent = start + send_s
+            sent = start + send_s if self.tcp is None else self.tcp[s].send(start, priced.nbytes, self.first_messages)[0]
             track = self.link_tracks[s]
             busy[track] = busy.get(track, 0.0) + (sent - start)
             if keep:
@@ -487,7 +496,7 @@ def _make_sim(settings: SimSettings, build: ExecutorBuild) -> SimExecutor:
                        link_latency_s=build.link.latency_s,
                        transfer_scheduler=build.policy.schedule_transfer if custom else None,
                        num_cpu_samplers=settings.num_cpu_samplers, tracer=build.tracer,
-                       blocking_send=settings.blocking_send)
+                       blocking_send=settings.blocking_send, link_model=build.link.model)
 
 
 EXECUTORS.add("sim", ExecutorSpec(SimSettings, _make_sim))

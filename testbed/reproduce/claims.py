@@ -120,8 +120,13 @@ def _group_values(claim: Claim, rows: list[dict]) -> tuple[list[Group], list[flo
         if claim.kind == "spread":
             values.append(_spread(label, ga, claim.metric))
             continue
+        gb = select(b_rows, spec)
+        unmatched = _unmatched_load(claim, ga, gb)
+        if unmatched:
+            values.append((label, None, unmatched))
+            continue
         va, why_a = _reduce(ga, claim.metric, claim.a_reduce)
-        vb, why_b = _reduce(select(b_rows, spec), claim.metric, claim.b_reduce) if claim.b else (None, "")
+        vb, why_b = _reduce(gb, claim.metric, claim.b_reduce) if claim.b else (None, "")
         if va is None or (claim.b and vb is None):
             values.append((label, None, why_a or why_b))
         elif claim.kind == "ratio":
@@ -131,6 +136,23 @@ def _group_values(claim: Claim, rows: list[dict]) -> tuple[list[Group], list[flo
             if vb is not None:
                 refs.append(vb)
     return values, refs
+
+
+LOAD_METRIC = "request_throughput"  # finished requests per second over the run's window
+
+
+def _unmatched_load(claim: Claim, ga: list[dict], gb: list[dict]) -> str:
+    """Why the group's a and b did not serve the same load ("" when they did, or when not asked):
+    their request throughputs differ by more than `claim.matched_load`."""
+    if claim.matched_load is None or not claim.b:
+        return ""
+    ta, _ = _reduce(ga, LOAD_METRIC, claim.a_reduce)
+    tb, _ = _reduce(gb, LOAD_METRIC, claim.b_reduce)
+    if ta is None or tb is None or tb <= 0:
+        return ""  # the metric's own reduction reports the missing run
+    if abs(ta / tb - 1.0) > claim.matched_load:
+        return f"load not matched: request throughput {ta / tb:.2f}x"
+    return ""
 
 
 def _spread(label: str, rows: list[dict], metric: str) -> Group:

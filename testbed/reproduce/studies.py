@@ -66,6 +66,12 @@ class Claim:
     abs_tol: float = DEFAULT_ABS_TOL
     min_effect: float = DEFAULT_MIN_EFFECT
     show: str = "ratio"  # ratio (1.23x) | percent (+23%) | value (0.87)
+    # Ratio claims at matched load: a group counts only where a and b served the same load, their
+    # request throughputs within this fraction of each other. Past its capacity a system's
+    # throughput falls behind the offered rate and its latency measures a backlog, not the system
+    # (MoLink's rate sweep: at 0.5 req/s only the simulated vLLM was past capacity and the TTFT
+    # ratio read 0.04x). None: every group counts.
+    matched_load: float | None = None
 
 
 @dataclass(frozen=True)
@@ -200,7 +206,16 @@ def _claim(c: dict, name: str) -> Claim:
         aggregate=c.get("aggregate", "only"), claimed=_claimed(c.get("claimed"), where),
         at_most=c.get("at_most"), baseline=c.get("baseline"), direction=c.get("direction"),
         tolerance=float(c.get("tolerance", DEFAULT_TOLERANCE)), abs_tol=float(c.get("abs_tol", DEFAULT_ABS_TOL)),
-        min_effect=float(c.get("min_effect", DEFAULT_MIN_EFFECT)), show=c.get("show", "ratio"))
+        min_effect=float(c.get("min_effect", DEFAULT_MIN_EFFECT)), show=c.get("show", "ratio"),
+        matched_load=_matched_load(c.get("matched_load"), where, kind))
+
+
+def _matched_load(value: Any, where: str, kind: str) -> float | None:
+    if value is None:
+        return None
+    if kind != "ratio" or isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ConfigError(f"{where}: matched_load must be a fraction in (0, 1) on a ratio claim, got {value!r}")
+    return float(value)
 
 
 def check_requirements(study: Study) -> None:

@@ -1,0 +1,192 @@
+"""How long a transfer takes over a real delayed, rate-limited TCP link: `link.model=tcp`.
+
+The ideal link (`link.model=ideal`, the default) is a FIFO pipe: a transfer of n bytes leaves after
+n / B (+ the cost model's `transfer_metadata_s` unless structure-aware) and lands `latency` later.
+Over TCP, as the project's data plane runs between hosts (torch.distributed gloo: one TCP connection
+per stage pair), three more things decide the time, and each was seen in measurements through a
+real kernel link (testbed/linkbench: veth + `tbf` + a packet-delaying relay; docs/links.md):
+
+1. Round trips per message. gloo's point-to-point send is a rendezvous: the data of a send goes out
+   only once the receiver's "ready to receive" notice has arrived, and the receiver posts its next
+   receive only when the previous message is in. A 3-message transfer (the metadata's size, the
+   metadata, the activation: the engine's path unless structure-aware, and vLLM v0's
+   `send_tensor_dict`) therefore costs about 2 x RTT more than one message: measured 1 KB in
+   152 ms as 3 messages against 31 ms as one, at 30 ms one-way delay.
+2. Window growth. A connection that has sent little sends at most its congestion window per round
+   trip: slow start from the initial window, doubling per RTT while the window is used, until the
+   window covers the bandwidth-delay product; from then on the bottleneck rate. The window grows
+   only while a transfer fills it (Linux's cwnd validation: cwnd < 2 x in flight).
+3. Restart after idle. Linux (`tcp_slow_start_after_idle`, on by default) halves the window for each
+   retransmission timeout (RTO ~ smoothed RTT + 200 ms; the RTT includes the queueing a large
+   window caused) the sender sat idle, down to the initial window.
+4. Loss. A window that outgrows what the path holds (bandwidth-delay product + the bottleneck's
+   queue) overflows the queue; Reno then halves it (`loss_window_fraction` of what the path holds)
+   and grows it only linearly after.
+
+The bottleneck carries headers too: payload moves at `goodput_fraction` x B. Each message also
+costs a little host time (`per_message_s`: framing, syscalls, the notice's handling).
+
+The constants are fitted to measurements (`fit_constants`, engine/pricing/link_profiles/*.json with
+their provenance); nothing here is set from a paper. What the model leaves out: losses in slow
+start's overshoot (the fitted goodput absorbs their mean), jitter, cross traffic, and a receiver
+that posts its first receive late (the model assumes the receiving stage is waiting for the data).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.base.errors import bad_value
+
+LINUX_RTO_MIN_S = 0.2  # TCP_RTO_MIN (include/net/tcp.h): RTO = srtt + max(4 rttvar, 200 ms) on a steady path
+PROFILE_DIR = Path(__file__).parent / "link_profiles"
+DEFAULT_PROFILE = "gloo-tcp"
+
+
+@dataclass(frozen=True)
+class TcpConstants:
+    """The fitted constants of the TCP link model (see the module doc)."""
+
+    initial_window_bytes: float  # the window a new (or long-idle) connection starts with
+    goodput_fraction: float  # payload bytes / bottleneck bytes in the rate-limited phase
+    per_message_s: float  # host time per gloo message on top of the wire
+    # After slow start overshoots the path, Reno halves the window (tcp_reno_ssthresh; CUBIC: 0.7)
+    # and from then on grows it by one segment per round trip: near this fraction of what the path
+    # holds for the transfers that matter here. At 400 Mbps a second loss in recovery halved it
+    # again in some runs (kernel thresholds 3.1 MB then 1.6 MB): not modelled.
+    loss_window_fraction: float = 0.5
+    queue_bytes: float = 1000 * 1514  # the bottleneck's queue the window may fill beyond the BDP (netem's 1,000 packets)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.initial_window_bytes > 0:
+            raise bad_value("initial_window_bytes", self.initial_window_bytes, "must be > 0")
+        if not 0 < self.goodput_fraction <= 1:
+            raise bad_value("goodput_fraction", self.goodput_fraction, "must be in (0, 1]")
+        if not 0 < self.loss_window_fraction <= 1:
+            raise bad_value("loss_window_fraction", self.loss_window_fraction, "must be in (0, 1]")
+        if self.per_message_s < 0 or self.queue_bytes < 0:
+            raise bad_value("per_message_s/queue_bytes", (self.per_message_s, self.queue_bytes), "must be >= 0")
+
+
+def load_constants(name: str = DEFAULT_PROFILE) -> TcpConstants:
+    data = json.loads((PROFILE_DIR / f"{name}.json").read_text())
+    c = data["constants"]
+    return TcpConstants(float(c["initial_window_bytes"]), float(c["goodput_fraction"]), float(c["per_message_s"]),
+                        float(c["loss_window_fraction"]), float(c["queue_bytes"]), str(data.get("source", "")))
+
+
+@dataclass
+class TcpConnection:
+    """One stage-to-stage TCP connection's state: its window and when it last sent."""
+
+    bandwidth_Bps: float
+    latency_s: float  # one-way delay
+    constants: TcpConstants
+    window: float = math.nan
+    last_sent_s: float = -math.inf
+    ssthresh: float = math.inf  # slow start's threshold: set by the first loss
+    queued_s: float = 0.0  # queueing delay in the round-trip time the last transfer ended with
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.window):
+            self.window = self.constants.initial_window_bytes
+
+    @property
+    def rtt_s(self) -> float:
+        return 2.0 * self.latency_s
+
+    @property
+    def rate_Bps(self) -> float:
+        return self.bandwidth_Bps * self.constants.goodput_fraction
+
+    def restart_after_idle(self, now: float) -> None:
+        """Linux `tcp_cwnd_restart`: one halving per RTO of idleness beyond the first, not below the
+        initial window."""
+        iw = self.constants.initial_window_bytes
+        idle, rto = now - self.last_sent_s, self.rtt_s + self.queued_s + LINUX_RTO_MIN_S
+        if idle <= rto or self.window <= iw:
+            return
+        halvings = math.ceil(idle / rto) - 1
+        self.window = max(iw, self.window / 2.0 ** min(halvings, 60))
+
+    def stream_s(self, nbytes: float) -> float:
+        """Seconds from a message's first byte leaving to its last byte leaving the bottleneck;
+        grows the window as slow start does, and cuts it as a loss does when slow start overshoots
+        what the path holds (bandwidth-delay product + the bottleneck's queue)."""
+        rate, rtt, c = self.rate_Bps, self.rtt_s, self.constants
+        bdp = rate * rtt
+        holds = bdp + c.queue_bytes
+        t, left, w = 0.0, float(nbytes), self.window
+        while left > w and w < bdp:  # a window per round trip
+            t += rtt
+            left -= w
+            w = self._grow(2.0 * w, holds if left > holds else math.inf)
+        t += left / rate
+        # a window beyond the BDP waits in the bottleneck's queue: the RTT the sender last measured
+        self.queued_s = max(0.0, min(w, holds, left) - bdp) / rate
+        if left >= 0.5 * w and w < self.ssthresh:  # window-limited at the end: it keeps growing (cwnd validation)
+            # the queue overflows only if the transfer can fill what the path holds
+            grown = self._grow(w + left, holds if left > holds else math.inf)
+            if grown < w:  # the overshoot's loss, found one round trip later
+                t += rtt
+            w = grown
+        self.window = w
+        return t
+
+    def _grow(self, want: float, holds: float) -> float:
+        """Slow start's next window; past what the path holds, a loss: the window (and from then on
+        the threshold slow start stops at) falls to `loss_window_fraction` of it."""
+        if want <= min(holds, self.ssthresh):
+            return want
+        if want > holds:
+            self.ssthresh = self.constants.loss_window_fraction * holds
+        return self.ssthresh
+
+    def send(self, start: float, nbytes: float, messages: int = 1, small_bytes: float = 104.0) -> tuple[float, float]:
+        """A transfer of `messages` gloo messages, the last of `nbytes` (the others small metadata,
+        `small_bytes` together) starting at `start`: (when the link is free again, when the last byte
+        has arrived). Each message after the first waits for the receiver's notice: one round trip
+        after the previous message's arrival at the receiver."""
+        self.restart_after_idle(start)
+        d, c = self.latency_s, self.constants
+        t = start
+        small = small_bytes / max(1, messages - 1)
+        for _ in range(messages - 1):
+            t += c.per_message_s + self.stream_s(small)  # leaves the bottleneck
+            t += 2.0 * d  # lands d later; the notice for the next message takes d back
+        t += c.per_message_s + self.stream_s(nbytes)
+        self.last_sent_s = t
+        return t, t + d
+
+
+def tcp_links(model: str, count: int, bandwidth_Bps: float, latency_s: float,
+              constants: TcpConstants | None = None) -> list[TcpConnection] | None:
+    """One connection per link for `link.model=tcp` (the shipped measured constants unless given);
+    None for the ideal pipe."""
+    if model == "ideal":
+        return None
+    if model != "tcp":
+        raise bad_value("link.model", model, "valid choices: ideal, tcp")
+    c = constants or load_constants()
+    return [TcpConnection(bandwidth_Bps, latency_s, c) for _ in range(count)]
+
+
+def predict_series(rows, constants: TcpConstants) -> list[float]:
+    """Model each measured transfer of a series (rows in the order they ran; one connection per
+    (rate, delay)): seconds from the sender's start to the last byte's arrival. As in the harness
+    (testbed/linkbench/gloo_pair.py), the sender starts the next transfer `gap_s` after the
+    receiver's one-byte acknowledgement (one-way delay later) is back."""
+    out, conn, key, clock = [], None, None, 0.0
+    for r in rows:
+        k = (r["rate_bps"], r["delay_s"])
+        if k != key:
+            key, clock = k, 0.0
+            conn = TcpConnection(r["rate_bps"] / 8.0, r["delay_s"], constants)
+        start = clock + r["gap_s"]
+        _, arrive = conn.send(start, r["n"], r["msgs"])
+        out.append(arrive - start)
+        clock = arrive + r["delay_s"]
+    return out

@@ -1,0 +1,104 @@
+"""Measure gloo transfers through a real rate-limited, delayed kernel link (netns.py + relay.py).
+
+`measure(delay_s, rates_bps, plan)` builds one namespace link per delay, and for each rate starts a
+fresh pair of gloo processes (a new TCP connection: slow start from the initial window) that run
+the plan; it returns one row per transfer: rate, delay, bytes, messages, the idle gap before it,
+and the measured seconds (first byte offered by the sender to last byte received).
+
+`python -m testbed.linkbench.measure OUT.json [--delays 0.03] [--rates 60,100,200,400]` runs the
+validation grid (`validation_plan`) and writes the rows with the machine's provenance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from testbed.linkbench.netns import CONGESTION_CONTROL, TBF_QUEUE_BYTES, DelayedLink, LinkSpec
+
+SIZES = (1 << 10, 16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20)
+
+
+def validation_plan(sizes=SIZES, warm_gap_s: float = 0.1, idle_gap_s: float = 1.0) -> list[dict]:
+    """Each size twice (3-message engine path, then the payload alone), short gaps; then one transfer
+    after a long idle (TCP's restart after idle)."""
+    plan = []
+    for n in sizes:
+        plan += [{"n": n, "msgs": 3, "gap": warm_gap_s}, {"n": n, "msgs": 1, "gap": warm_gap_s}]
+    plan.append({"n": 1 << 20, "msgs": 3, "gap": idle_gap_s})
+    return plan
+
+
+def _run_pair(link: DelayedLink, plan: list[dict], port: int, timeout_s: float) -> list[float]:
+    arg = json.dumps(plan)
+    cmd = lambda ns, rank: ["ip", "netns", "exec", ns, sys.executable, "-m", "testbed.linkbench.gloo_pair",
+                            str(rank), link.addr_a, str(port), arg]
+    recv = subprocess.Popen(cmd(link.ns_b, 1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    send = subprocess.Popen(cmd(link.ns_a, 0), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outs = []
+    try:
+        for p in (send, recv):
+            try:
+                out, err = p.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"gloo pair timed out after {timeout_s} s") from None
+            if p.returncode:
+                raise RuntimeError(f"gloo pair failed ({p.returncode}): {err[-800:]}")
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in (send, recv):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [r - s for s, r in zip(*outs)]
+
+
+def measure(delay_s: float, rates_bps, plan: list[dict], timeout_s: float = 300.0) -> list[dict]:
+    rows = []
+    with DelayedLink(LinkSpec(rates_bps[0], delay_s)) as link:
+        for i, rate in enumerate(rates_bps):
+            link.set_rate(rate)
+            times = _run_pair(link, plan, 29500 + i, timeout_s)
+            rows += [{"rate_bps": rate, "delay_s": delay_s, "n": p["n"], "msgs": p["msgs"], "gap_s": p["gap"],
+                      "measured_s": t} for p, t in zip(plan, times)]
+    rows_relay = link.relay_report
+    return rows if not rows_relay else [dict(r, relay=rows_relay) for r in rows]
+
+
+def provenance() -> dict:
+    import torch
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "kernel": platform.release(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+            "congestion_control": CONGESTION_CONTROL, "link": f"veth + tbf (queue {TBF_QUEUE_BYTES} B) + TUN delay relay (testbed/linkbench)",
+            "data_plane": "torch.distributed gloo send/recv over TCP (engine/torch_exec/worker.py)"}
+
+
+def _exit_cleanly(*_) -> None:
+    raise SystemExit(143)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m testbed.linkbench.measure")
+    ap.add_argument("out")
+    ap.add_argument("--delays", default="0.03")
+    ap.add_argument("--rates", default="60,100,200,400", help="Mbps")
+    a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_cleanly)  # the link's namespaces are removed on the way out
+    rates = [float(r) * 1e6 for r in a.rates.split(",")]
+    rows = []
+    for d in (float(x) for x in a.delays.split(",")):
+        rows += measure(d, rates, validation_plan())
+    Path(a.out).write_text(json.dumps({"provenance": provenance(), "rows": rows}, indent=1) + "\n")
+    print(f"{len(rows)} transfers -> {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""A rate-limited, delayed link between two network namespaces, built and torn down by one process.
+
+    ns A (sender, 10.<k>.1.1) --veth-- ns R (router) --veth-- ns B (receiver, 10.<k>.2.1)
+                                          |
+                                   TUN device + relay.py (one-way delay, both directions)
+                                   tbf on R's two egress veths (the link's rate, both directions)
+
+Every packet between A and B enters R, is routed into the TUN device (policy rule: from either
+veth, table 46), held by the relay, written back and forwarded out of the other veth through its
+`tbf` qdisc. TCP between A and B therefore sees RTT = 2 x delay + serialisation + queueing, and a
+bottleneck queue whose size is `tbf`'s `latency` setting.
+
+Needs root and `ip`/`tc` (iproute2); a failure to create a namespace raises `LinkSetupError` with the
+command and its message, never a silent fallback.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+# The endpoints' congestion control. This machine defaults to BBR, whose pacing makes a transfer
+# rate-like rather than window by window (measured: 64 KB took 22 ms beyond the 30 ms delay at
+# 400 Mbps); a namespace may default only to one of tcp_allowed_congestion_control (here reno, bbr),
+# and a socket switched to CUBIC after BBR keeps BBR's pacing (64 KB: +14.7 ms). Reno is Linux's
+# loss-based control with the same slow start, window validation and restart after idle as CUBIC
+# (the default on the distributions GPU servers run); the two differ only after a loss (the window
+# halves instead of falling to 0.7).
+CONGESTION_CONTROL = "reno"
+RELAY_RING_PACKETS = 50_000
+# The bottleneck's queue: 1,000 full-size frames, netem's default `limit` (MoLink's slow link was
+# emulated with tc; a rate-limited netem holds 1,000 packets): 200 ms at 60 Mbps, 30 ms at 400 Mbps.
+# With a 50 ms tbf queue instead, a grown window's burst after a pause overflowed it and 1 MB
+# transfers took up to 1.2 s in loss recovery (against 0.18 s without loss).
+TBF_QUEUE_BYTES = 1000 * 1514
+TBF_BURST_BYTES = 4 * 1514
+
+
+class LinkSetupError(RuntimeError):
+    pass
+
+
+def sh(*cmd: str) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise LinkSetupError(f"{' '.join(cmd)}: {r.stderr.strip() or r.stdout.strip()}")
+    return r.stdout
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    rate_bps: float  # bits per second of the bottleneck (tbf)
+    delay_s: float  # one-way delay (the relay adds it in each direction)
+
+
+class DelayedLink:
+    """Context manager: the namespaces, veths, TUN relay and tbf qdiscs of one link; `ns_a`/`ns_b`
+    name the endpoint namespaces and `addr_a`/`addr_b` their addresses; `set_rate` changes the
+    bottleneck in place (the relay and delay stay)."""
+
+    def __init__(self, spec: LinkSpec, tag: str | None = None) -> None:
+        self.spec = spec
+        k = (os.getpid() % 200) + 20
+        self.tag = tag or f"l{os.getpid() % 100000}"
+        self.ns_a, self.ns_r, self.ns_b = f"{self.tag}a", f"{self.tag}r", f"{self.tag}b"
+        self.addr_a, self.addr_b = f"10.{k}.1.1", f"10.{k}.2.1"
+        self._k = k
+        self.relay: subprocess.Popen | None = None
+        self.relay_report: str = ""
+
+    # --- building ----------------------------------------------------------------------------------
+    def __enter__(self) -> "DelayedLink":
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _in(self, ns: str, *cmd: str) -> str:
+        return sh("ip", "netns", "exec", ns, *cmd)
+
+    def _build(self) -> None:
+        k, a, r, b = self._k, self.ns_a, self.ns_r, self.ns_b
+        for ns in (a, r, b):
+            sh("ip", "netns", "add", ns)
+            self._in(ns, "ip", "link", "set", "lo", "up")
+        sh("ip", "link", "add", "va", "netns", a, "type", "veth", "peer", "name", "ra", "netns", r)
+        sh("ip", "link", "add", "vb", "netns", b, "type", "veth", "peer", "name", "rb", "netns", r)
+        self._in(a, "ip", "addr", "add", f"10.{k}.1.1/24", "dev", "va")
+        self._in(b, "ip", "addr", "add", f"10.{k}.2.1/24", "dev", "vb")
+        self._in(r, "ip", "addr", "add", f"10.{k}.1.2/24", "dev", "ra")
+        self._in(r, "ip", "addr", "add", f"10.{k}.2.2/24", "dev", "rb")
+        for ns, dev in ((a, "va"), (b, "vb"), (r, "ra"), (r, "rb")):
+            self._in(ns, "ip", "link", "set", dev, "up")
+        for ns in (a, b):
+            self._in(ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={CONGESTION_CONTROL}")
+        self._in(a, "ip", "route", "add", "default", "via", f"10.{k}.1.2")
+        self._in(b, "ip", "route", "add", "default", "via", f"10.{k}.2.2")
+        for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"):
+            self._in(r, "sysctl", "-qw", key)
+        self._in(r, "ip", "tuntap", "add", "dev", "dly", "mode", "tun", "vnet_hdr")
+        # The ring between the kernel and the relay: a grown window leaves the sender at veth speed, and
+        # 500 packets (the default) overflowed before the relay read them, as no real link would
+        # (16 MB at 200 Mbps ran at 62% of the rate, Reno's threshold cut to 0.9 MB by those drops).
+        self._in(r, "ip", "link", "set", "dly", "txqueuelen", str(RELAY_RING_PACKETS), "up")
+        for dev in ("dly", "ra", "rb"):
+            self._in(r, "sysctl", "-qw", f"net.ipv4.conf.{dev}.rp_filter=0")
+        self._in(r, "ip", "route", "add", "default", "dev", "dly", "table", "46")
+        for dev in ("ra", "rb"):
+            self._in(r, "ip", "rule", "add", "iif", dev, "table", "46")
+        self.set_rate(self.spec.rate_bps)
+        self.relay = subprocess.Popen(
+            ["ip", "netns", "exec", r, sys.executable, "-m", "testbed.linkbench.relay", "dly", repr(self.spec.delay_s)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.relay.stdout.readline().strip()
+        if line != "ready":
+            raise LinkSetupError(f"delay relay did not start: {line} {self.relay.stderr.read()}")
+
+    def set_rate(self, rate_bps: float) -> None:
+        """tbf on both of R's egress veths: `burst` four full-size frames (tbf's timer is a
+        high-resolution one: it sustains 400 Mbps so), the queue `TBF_QUEUE_BYTES` long. A larger
+        bucket lets a burst through at veth speed, as no real link does: with rate/250 s of bucket
+        (100 KB at 200 Mbps), 128 KB crossed a 10 ms link in 12.1 ms against 15-16 ms at the rate."""
+        burst = TBF_BURST_BYTES
+        for dev in ("ra", "rb"):
+            self._in(self.ns_r, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(rate_bps)}bit",
+                     "burst", str(burst), "limit", str(TBF_QUEUE_BYTES))
+
+    def close(self) -> None:
+        if self.relay is not None and self.relay.poll() is None:
+            self.relay.terminate()
+            try:
+                out, _ = self.relay.communicate(timeout=5)
+                self.relay_report = out.strip().splitlines()[-1] if out.strip() else ""
+            except subprocess.TimeoutExpired:
+                self.relay.kill()
+        for ns in (self.ns_a, self.ns_r, self.ns_b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -1,0 +1,99 @@
+"""The TCP link model's arithmetic (engine/pricing/tcp_link.py) and its use by the simulator."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.pricing.tcp_link import (LINUX_RTO_MIN_S, TcpConnection, TcpConstants, load_constants,
+                                     predict_series, tcp_links)
+
+C = TcpConstants(initial_window_bytes=14_480.0, goodput_fraction=0.95, per_message_s=1e-4)
+B, D = 100e6 / 8, 0.03  # 100 Mbps, 30 ms one way
+
+
+def fresh() -> TcpConnection:
+    return TcpConnection(B, D, C)
+
+
+def test_one_small_message_costs_the_delay():
+    free, arrive = fresh().send(0.0, 1024, messages=1)
+    assert arrive == pytest.approx(D + C.per_message_s + 1024 / (B * 0.95))
+    assert arrive - free == pytest.approx(D)
+
+
+def test_each_extra_gloo_message_costs_a_round_trip():
+    one = fresh().send(0.0, 1024, messages=1)[1]
+    three = fresh().send(0.0, 1024, messages=3)[1]
+    assert three - one == pytest.approx(2 * (2 * D), rel=0.01)  # two rendezvous, each a round trip
+
+
+def test_slow_start_waits_a_round_trip_per_window():
+    iw = C.initial_window_bytes
+    n = 3 * iw  # one window, then two: one stall
+    arrive = fresh().send(0.0, n, messages=1)[1]
+    assert arrive == pytest.approx(D + C.per_message_s + 2 * D + (n - iw) / (B * 0.95))
+
+
+def test_the_window_grows_and_later_transfers_skip_slow_start():
+    conn = fresh()
+    first = conn.send(0.0, 1 << 20)[1]
+    second = conn.send(first + 0.05, 1 << 20)
+    assert first > D + (1 << 20) / (B * 0.95) + 2 * (2 * D)  # several rounds of slow start
+    assert second[1] - (first + 0.05) == pytest.approx(D + C.per_message_s + (1 << 20) / (B * 0.95), rel=1e-6)
+
+
+def test_long_transfers_run_at_the_goodput_rate():
+    n = 256 << 20
+    t = fresh().send(0.0, n)[1]
+    assert t == pytest.approx(n / (B * 0.95), rel=0.02)
+
+
+def test_restart_after_idle_halves_the_window_per_rto():
+    conn = fresh()
+    conn.send(0.0, 4 << 20)
+    grown = conn.window
+    rto = 2 * D + LINUX_RTO_MIN_S
+    conn.restart_after_idle(conn.last_sent_s + 0.5 * rto)
+    assert conn.window == grown  # shorter than an RTO: kept
+    conn.restart_after_idle(conn.last_sent_s + 2.5 * rto)
+    assert conn.window == pytest.approx(max(C.initial_window_bytes, grown / 4))
+    conn.restart_after_idle(conn.last_sent_s + 1000.0)
+    assert conn.window == C.initial_window_bytes
+
+
+def test_a_series_is_one_connection_per_rate():
+    rows = [{"rate_bps": 100e6, "delay_s": D, "n": 1 << 20, "msgs": 1, "gap_s": 0.1}] * 2
+    first, second = predict_series(rows, C)
+    assert second < first  # the second transfer finds a grown window
+
+
+def test_the_shipped_constants_load_and_the_model_choice_is_checked():
+    c = load_constants()
+    assert c.initial_window_bytes > 0 and 0 < c.goodput_fraction <= 1 and c.source
+    assert tcp_links("ideal", 2, B, D) is None
+    assert len(tcp_links("tcp", 2, B, D)) == 2
+    with pytest.raises(Exception, match="link.model"):
+        tcp_links("netem", 2, B, D)
+
+
+@pytest.mark.parametrize("bad", [dict(initial_window_bytes=0.0), dict(goodput_fraction=1.5),
+                                 dict(per_message_s=-1.0)])
+def test_bad_constants_are_refused(bad):
+    kw = dict(initial_window_bytes=14_480.0, goodput_fraction=0.95, per_message_s=1e-4) | bad
+    with pytest.raises(Exception):
+        TcpConstants(**kw)
+
+
+def test_the_simulator_prices_a_slow_link_by_tcp():
+    """link.model=tcp over MoLink's link: the per-hop rendezvous and slow start make TTFT longer than
+    the ideal pipe's; the ideal model is today's, unchanged."""
+    from conftest import small_config
+    from testbed.run.runner import run_experiment
+
+    base = ["policy=vllm", "hardware=rtx4090", "model=qwen-7b", "parallel.pp=3", "workload.num_requests=12",
+            "link.bandwidth=100Mbps", "link.latency=30ms"]
+    ideal = run_experiment(small_config(*base)).summary
+    tcp = run_experiment(small_config(*base, "link.model=tcp")).summary
+    assert tcp["ttft_mean_s"] > ideal["ttft_mean_s"] + 4 * 0.03
+    assert math.isfinite(tcp["tpot_mean_s"]) and tcp["tpot_mean_s"] > ideal["tpot_mean_s"]
