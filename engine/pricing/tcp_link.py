@@ -20,8 +20,8 @@ real kernel link (testbed/linkbench: veth + `tbf` + a packet-delaying relay; doc
    retransmission timeout (RTO ~ smoothed RTT + 200 ms; the RTT includes the queueing a large
    window caused) the sender sat idle, down to the initial window.
 4. Loss. A window that outgrows what the path holds (bandwidth-delay product + the bottleneck's
-   queue) overflows the queue; Reno then halves it (`loss_window_fraction` of what the path holds)
-   and grows it only linearly after.
+   queue) overflows the queue; Reno then cuts it (to `loss_window_fraction` of what the path
+   holds, fitted) and grows it only linearly after.
 
 The bottleneck carries headers too: payload moves at `goodput_fraction` x B. Each message also
 costs a little host time (`per_message_s`: framing, syscalls, the notice's handling).
@@ -52,10 +52,10 @@ class TcpConstants:
     initial_window_bytes: float  # the window a new (or long-idle) connection starts with
     goodput_fraction: float  # payload bytes / bottleneck bytes in the rate-limited phase
     per_message_s: float  # host time per gloo message on top of the wire
-    # After slow start overshoots the path, Reno halves the window (tcp_reno_ssthresh; CUBIC: 0.7)
-    # and from then on grows it by one segment per round trip: near this fraction of what the path
-    # holds for the transfers that matter here. At 400 Mbps a second loss in recovery halved it
-    # again in some runs (kernel thresholds 3.1 MB then 1.6 MB): not modelled.
+    # The threshold Reno ends with after slow start overshoots what the path holds, as a fraction of
+    # it (fitted: one halving would give 0.5; the overshoot's losses are found over more than one
+    # round and cut it again). From then on the window grows by a segment per round trip: ~flat
+    # over the transfers that matter here.
     loss_window_fraction: float = 0.5
     queue_bytes: float = 1000 * 1514  # the bottleneck's queue the window may fill beyond the BDP (netem's 1,000 packets)
     source: str = ""
@@ -102,11 +102,14 @@ class TcpConnection:
     def rate_Bps(self) -> float:
         return self.bandwidth_Bps * self.constants.goodput_fraction
 
+    def rto_s(self) -> float:
+        return self.rtt_s + self.queued_s + LINUX_RTO_MIN_S
+
     def restart_after_idle(self, now: float) -> None:
         """Linux `tcp_cwnd_restart`: one halving per RTO of idleness beyond the first, not below the
         initial window."""
         iw = self.constants.initial_window_bytes
-        idle, rto = now - self.last_sent_s, self.rtt_s + self.queued_s + LINUX_RTO_MIN_S
+        idle, rto = now - self.last_sent_s, self.rto_s()
         if idle <= rto or self.window <= iw:
             return
         halvings = math.ceil(idle / rto) - 1
