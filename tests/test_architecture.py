@@ -111,7 +111,7 @@ ENGINE_FLOORS: dict[str, set[str]] = {
 # testbed/: its parts bottom-up; each imports only itself and the parts before it (the commands
 # reach each other sideways only downwards: capacity's live probe is `bench serve`, reproduce runs
 # capacity studies). `testbed` is the package's own empty __init__.
-TESTBED_FLOORS = ("testbed", "signals", "config", "cluster", "tracking", "run", "sweep", "tune", "bench",
+TESTBED_FLOORS = ("testbed", "signals", "linkbench", "config", "cluster", "tracking", "run", "sweep", "tune", "bench",
                   "serve", "calibrate", "capacity", "reproduce", "studies", "cli")
 
 
