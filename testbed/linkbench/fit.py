@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="append", default=[])
     ap.add_argument("--table", help="also write the validation table (markdown) here")
     a = ap.parse_args(argv)
+    missing = [p for p in a.fit + a.check if not Path(p).is_file()]
+    if missing:
+        print(f"error: no measurement file {missing[0]} (write one with python -m testbed.linkbench.measure)")
+        return 2
     load = lambda p: json.loads(Path(p).read_text())
     fitted = [load(p) for p in a.fit]
     checked = [load(p) for p in a.check]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from testbed.linkbench.netns import CONGESTION_CONTROL, TBF_QUEUE_BYTES, DelayedLink, LinkSpec
+from testbed.linkbench.netns import CONGESTION_CONTROL, TBF_QUEUE_BYTES, DelayedLink, LinkSetupError, LinkSpec
 
 SIZES = (1 << 10, 16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -91,11 +92,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="60,100,200,400", help="Mbps")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_cleanly)  # the link's namespaces are removed on the way out
-    rates = [float(r) * 1e6 for r in a.rates.split(",")]
+    try:
+        rates = [float(r) * 1e6 for r in a.rates.split(",")]
+        delays = [float(x) for x in a.delays.split(",")]
+    except ValueError:
+        print(f"error: --rates {a.rates!r} / --delays {a.delays!r}: comma-separated numbers (Mbps, seconds)")
+        return 2
+    out = Path(a.out)
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        print(f"error: cannot write {out}: its folder is missing or not writable")
+        return 2
     rows = []
-    for d in (float(x) for x in a.delays.split(",")):
-        rows += measure(d, rates, validation_plan())
-    Path(a.out).write_text(json.dumps({"provenance": provenance(), "rows": rows}, indent=1) + "\n")
+    try:
+        for d in delays:
+            rows += measure(d, rates, validation_plan())
+    except LinkSetupError as exc:
+        print(f"error: the measured link could not be built (root and iproute2 needed): {exc}")
+        return 2
+    out.write_text(json.dumps({"provenance": provenance(), "rows": rows}, indent=1) + "\n")
     print(f"{len(rows)} transfers -> {a.out}")
     return 0
 
