@@ -84,7 +84,8 @@ def test_params_are_validated(values):
 
 def test_pipelined_chunks_on_the_real_engine_equal_hf_generate(model_cache):
     """P=2 on CPU: chunks of 8 tokens of prompts up to 60 tokens, several of one prompt in flight,
-    give the unsplit Hugging Face model's greedy tokens."""
+    give the unsplit Hugging Face model's greedy tokens; the run's time breakdown from the stages'
+    real spans adds up (the engine's half of tests/test_breakdown.py)."""
     from test_torch_engine import _hf_greedy, _requests, _run_pipeline
     from engine.pricing.models import get_model
     from engine.torch_exec.checkpoint import random_checkpoint
@@ -100,6 +101,14 @@ def test_pipelined_chunks_on_the_real_engine_equal_hf_generate(model_cache):
     ref = _hf_greedy(path, requests)
     for r in requests:
         assert ctrl.sequences[r.request_id].output_token_ids == ref[r.request_id], r.request_id
+    # where the time went, from the stages' measured spans: the parts add up to each stage's wall time
+    from engine.core.breakdown import run_breakdown
+    from test_breakdown import assert_parts_sum_to_wall
+
+    bd = run_breakdown(ctrl, ["stage0", "stage1"])
+    assert_parts_sum_to_wall(bd)
+    assert all(row["compute"] > 0 and row["host"] > 0 for row in bd["stages"])
+    assert bd["stages"][0]["transfer"] > 0  # gloo's blocking send on CPU, on stage 0's own track
 
 
 def test_bad_chunking_is_one_error_line():

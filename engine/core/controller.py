@@ -377,6 +377,7 @@ class Controller:
         self.active_time = 0.0
         tracer = self.executor.tracer
         tracer.spans, tracer.busy, tracer.dropped = [], {}, 0
+        tracer.ledger = type(tracer.ledger)()
 
     def finish_early(self, seq: Sequence) -> None:
         """Make the token that `seq`'s in-flight micro-batch samples its last (EOS or a stop string,

@@ -4,11 +4,55 @@ Busy time is summed per track for every span, so bubble ratio and utilisation co
 run; the spans themselves are kept only for the first `max_spans` (default 200,000, about 60 MB
 of Python tuples) because a Perfetto trace of a 50,000-micro-batch run is unreadable anyway.
 The summary records how many spans were dropped, so a truncated trace is never silent.
+
+Every busy span of a stage track (`stageN`) also goes to the tracer's `StageLedger`, whatever
+the span sampling keeps: time per span name and each idle gap before a busy span, which
+`engine/core/breakdown.py` turns into where each stage's wall time went.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+
+class StageLedger:
+    """Per stage track: busy time by span name, and every idle gap (from the end of the stage's
+    previous work to the start of its next busy span) with the micro-batch and span name that end
+    it. Gaps past `max_gaps` are counted in `overflow` (a server's endless run), never silently."""
+
+    __slots__ = ("parts", "gaps", "first", "last", "max_gaps", "overflow")
+
+    def __init__(self, max_gaps: int = 2_000_000) -> None:
+        self.parts: dict[str, dict[str, float]] = {}
+        self.gaps: dict[str, list[tuple[float, float, int, str]]] = {}
+        self.first: dict[str, tuple[float, int, str]] = {}  # the stage's first busy span: start, mb, name
+        self.last: dict[str, float] = {}  # end of the stage's latest busy span
+        self.max_gaps = max_gaps
+        self.overflow = 0
+
+    def add(self, track: str, name: str, start: float, end: float, mb_id: int) -> None:
+        last = self.last.get(track)
+        if last is None:
+            self.first[track] = (start, mb_id, name)
+            self.parts[track] = {}
+            self.gaps[track] = []
+            self.last[track] = end
+        else:
+            if start > last:
+                gaps = self.gaps[track]
+                if len(gaps) < self.max_gaps:
+                    gaps.append((last, start, mb_id, name))
+                else:
+                    self.overflow += 1
+            if end > last:
+                self.last[track] = end
+        parts = self.parts[track]
+        parts[name] = parts.get(name, 0.0) + (end - start)
+
+
+def is_stage_track(track: str) -> bool:
+    """`stage0`, `stage1`, ...: not `stage0.cpu` (overlapped preparation) nor links or samplers."""
+    return track.startswith("stage") and track[5:].isdigit()
 
 
 class Tracer:
@@ -17,6 +61,14 @@ class Tracer:
         self.spans: list[tuple[str, str, float, float, int]] = []  # track, name, start, end, mb_id
         self.busy: dict[str, float] = {}
         self.dropped = 0
+        self.ledger = StageLedger()
+        self._ledgered: dict[str, bool] = {}  # track -> is a stage track (asked once per track)
+
+    def ledgers(self, track: str) -> bool:
+        known = self._ledgered.get(track)
+        if known is None:
+            known = self._ledgered[track] = is_stage_track(track)
+        return known
 
     def keeps(self, mb_id: int) -> bool:
         """Whether the spans of micro-batch `mb_id` are kept (busy time always counts); subclasses
@@ -29,6 +81,8 @@ class Tracer:
         if busy:
             total = self.busy
             total[track] = total.get(track, 0.0) + (end - start)
+            if self.ledgers(track):
+                self.ledger.add(track, name, start, end, mb_id)
         if not self.keeps(mb_id):
             return
         spans = self.spans
@@ -45,10 +99,13 @@ class Tracer:
         spans = self.spans
         keep = self.keeps(mb_id)
         busy = total.get(track, 0.0)
+        ledger = self.ledger if self.ledgers(track) else None
         t = start
         for name, duration in parts:
             end = t + duration
             busy += end - t
+            if ledger is not None:
+                ledger.add(track, name, t, end, mb_id)
             if not keep:
                 pass
             elif len(spans) < self.max_spans:

@@ -420,6 +420,11 @@ class _FifoPipeline:
             sampled = end + priced.sample
             total += sampled - end
         busy[track] = total
+        ledger = self.tracer.ledger  # where the stage's time went (engine/core/breakdown.py)
+        ledger.add(track, "prepare", start, prepared, mb_id)
+        ledger.add(track, priced.forward_name, prepared, end, mb_id)
+        if last:
+            ledger.add(track, "sample", end, sampled, mb_id)
         if order is not None:
             kept = [(track, "prepare", start, prepared, mb_id), (track, priced.forward_name, prepared, end, mb_id)]
             if last:
