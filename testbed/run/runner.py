@@ -37,7 +37,8 @@ def build_cost_model(spec: RunSpec) -> CostModel:
         raise ConfigError("the config names no hardware or no model; e.g. hardware=l20-48g model=qwen2.5-32b")
     split = rc.parallel.layer_split
     return CostModel(rc.model, rc.hardware, pp=rc.parallel.pp, tp=rc.parallel.tp,
-                     layer_split=list(split) if split else None, coefficients=spec.cost)
+                     layer_split=(split if isinstance(split, str) else list(split)) if split else None,
+                     coefficients=spec.cost)
 
 
 def kv_blocks(rc: RunConfig, cost: CostModel) -> tuple[int, int]:
