@@ -211,12 +211,13 @@ class CostModel:
         self.pp = pp
         self.tp = tp
         if isinstance(layer_split, str):  # `balanced` (engine/pricing/layer_balance.py)
-            from engine.pricing.layer_balance import balanced_split, check_name
+            from engine.pricing.layer_balance import REFERENCE_DECODE, balanced_split, check_name
 
             check_name(layer_split)
             even = split_layers(model.num_layers, pp)
             layer_split = balanced_split(lambda split: CostModel(model, hardware, pp, tp, split, coefficients,
-                                                                 dtype_bytes), even)
+                                                                 dtype_bytes), even,
+                                         (BatchShape.decode(*REFERENCE_DECODE),))
         self.layers: tuple[int, ...] = split_layers(model.num_layers, pp, layer_split)
         self.coefficients = c = coefficients if coefficients is not None else CostCoefficients()
         self.dtype_bytes = db = dtype_bytes

@@ -34,16 +34,11 @@ BALANCED = "balanced"
 REFERENCE_DECODE = (128, 1024)  # (decode sequences, context tokens)
 
 
-def _shapes():
-    from engine.pricing.costmodel import BatchShape
-
-    return (BatchShape.decode(*REFERENCE_DECODE),)
-
-
-def balanced_split(make: Callable[[tuple[int, ...]], object], even: tuple[int, ...],
+def balanced_split(make: Callable[[tuple[int, ...]], object], even: tuple[int, ...], shapes: tuple,
                    gpu_memory_utilization: float = 0.9, block_size: int = 16) -> tuple[int, ...]:
-    """The balanced split, from `make(split) -> CostModel` and the even split to start from."""
-    shapes = _shapes()
+    """The balanced split, from `make(split) -> CostModel`, the even split to start from and the
+    reference micro-batches (`BatchShape`s: the decode step of `REFERENCE_DECODE`) no stage may
+    get slower on. The caller builds the shapes: this module sits below the cost model."""
     base = make(even)
     limit = [max(base.stage_times_s(sh)) for sh in shapes]
 
