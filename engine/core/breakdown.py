@@ -72,15 +72,15 @@ def stage_breakdown(tracer, records, stage_tracks: list[str], window: tuple[floa
     stages = []
     for track in stage_tracks:
         row = dict.fromkeys(PARTS, 0.0)
-        for name, seconds in ledger.parts.get(track, {}).items():
-            row[_category(name)] += seconds
-        first = ledger.first.get(track)
+        tl = ledger.tracks.get(track)
+        first = tl.first if tl is not None else None
         if first is None:  # the stage never worked: nothing was launched, or nothing reached it
             row["idle_no_work"] = wall
         else:
-            gaps = [(w0, first[0], first[1], first[2])] + ledger.gaps.get(track, [])
-            _classify(row, gaps, launch, slots)
-            row["idle_drain"] = max(0.0, w1 - ledger.last[track])
+            for name, seconds in tl.parts.items():
+                row[_category(name)] += seconds
+            _classify(row, [(w0, first[0], first[1], first[2])] + tl.gaps, launch, slots)
+            row["idle_drain"] = max(0.0, w1 - tl.last)
         parts = sum(row[p] for p in PARTS)
         row["wall_s"] = wall
         row["residual_frac"] = (parts - wall) / wall if wall > 0 else 0.0
