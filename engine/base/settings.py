@@ -16,7 +16,7 @@ hardware profile).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engine.base.errors import bad_value
 from engine.base.typed import check, setting
@@ -47,7 +47,9 @@ class ParallelSettings:
 
     pp: int = setting(4, min=1)  # upper bound: the model's layer count (checked by the cost model)
     tp: int = setting(1, min=1)
-    layer_split: tuple[int, ...] | None = None  # layers per stage; None = as even as possible
+    # layers per stage; None = as even as possible; "balanced": stage time and KV memory balanced
+    # counting the embedding, LM head and sampler (engine/pricing/layer_balance.py)
+    layer_split: tuple[int, ...] | Literal["balanced"] | None = None
     num_microbatches: int | None = setting(None, min=1)  # micro-batches in flight, 1..2P; None = the policy's choice
 
     def __post_init__(self) -> None:

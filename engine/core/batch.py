@@ -219,7 +219,27 @@ class BatchBuilder:
         if not 0 < num_tokens <= seq.remaining_prefill:
             raise PolicyContractError(
                 f"prefill chunk of {num_tokens} tokens for {seq!r} with {seq.remaining_prefill} left")
-        start = seq.num_computed
+        return self._add_chunk(seq, seq.num_computed, num_tokens, reserve_tokens)
+
+    def add_pipelined_prefill(self, seq: Sequence, num_tokens: int, reserve_tokens: int = 0) -> bool:
+        """Add the next chunk of `seq`'s prompt even while earlier chunks of it are in flight
+        (chunked pipeline prefill: SGLang's chunked PP, vLLM RFC #33914). The chunk starts after
+        the tokens already in flight (`num_computed + inflight_prefill`); the stages run a
+        micro-batch's layers in launch order, so each chunk finds its prefix's KV written on every
+        stage. Only a waiting or prefilling sequence qualifies: a decode's next token needs the
+        previous one sampled. KV as `add_prefill`."""
+        if not seq.in_flight:
+            return self.add_prefill(seq, num_tokens, reserve_tokens)
+        if seq.status is not SeqStatus.PREFILLING:
+            raise PolicyContractError(f"pipelined prefill of {seq!r}, which is not prefilling")
+        if seq.seq_id in self._members:
+            raise PolicyContractError(f"{seq!r} appears twice in one micro-batch")
+        if not 0 < num_tokens <= seq.unscheduled_prefill:
+            raise PolicyContractError(
+                f"prefill chunk of {num_tokens} tokens for {seq!r} with {seq.unscheduled_prefill} not yet scheduled")
+        return self._add_chunk(seq, seq.num_computed + seq.inflight_prefill, num_tokens, reserve_tokens)
+
+    def _add_chunk(self, seq: Sequence, start: int, num_tokens: int, reserve_tokens: int) -> bool:
         hold = max(start + num_tokens, min(reserve_tokens, seq.prefill_target))
         need = self._kv.extra_blocks(seq.seq_id, hold)
         if need > self.free_blocks:
@@ -253,6 +273,15 @@ class BatchBuilder:
 
     def is_empty(self) -> bool:
         return not self.prefills and not self.decodes
+
+
+def prefill_shape(prefix_tokens: int, num_tokens: int) -> BatchShape:
+    """The shape of a micro-batch holding one prefill chunk of `num_tokens` after a prefix of
+    `prefix_tokens` (no sampling): what `view.estimate_prefill` prices."""
+    x, prefix = num_tokens, prefix_tokens
+    return BatchShape(num_prefill_tokens=x, num_decode_seqs=0, decode_context_sum=0,
+                      prefill_attention_pairs=x * prefix + x * (x + 1) // 2, prefill_context_sum=prefix + x,
+                      num_sampled=0, num_seqs=1, decode_context_max=0)
 
 
 def shape_of(prefills: list[PrefillChunk] | tuple[PrefillChunk, ...],

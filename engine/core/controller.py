@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 
-from engine.core.batch import BatchBuilder, MicroBatch, shape_of
+from engine.core.batch import BatchBuilder, MicroBatch, prefill_shape, shape_of
 from engine.base.errors import RunFailedError
 from engine.core.executor import Completion, Executor
 from engine.core.kv import BlockManager
@@ -177,6 +177,7 @@ class Controller:
                     seq.first_scheduled_s = now
             self.kv.ensure(seq.seq_id, chunk.reserve_tokens)
             seq.in_flight = True
+            seq.inflight_prefill += chunk.num_tokens
         decodes = mb.decodes
         self.kv.append_one_each([seq.seq_id for seq in decodes])  # a decode holds exactly num_computed tokens
         for seq in decodes:
@@ -215,7 +216,12 @@ class Controller:
         finished: list[Sequence] = []
         for chunk in mb.prefills:
             seq = chunk.seq
-            seq.in_flight = False
+            if chunk.start != seq.num_computed:  # chunks of one prompt complete in launch order
+                raise RuntimeError(f"micro-batch {mb.mb_id}: a chunk of {seq!r} from token {chunk.start} "
+                                   "completed before the chunk ahead of it")
+            left = seq.inflight_prefill - chunk.num_tokens  # > 0: a later chunk of it is still in flight
+            seq.inflight_prefill = left
+            seq.in_flight = left > 0
             seq.num_computed += chunk.num_tokens
             if chunk.samples:
                 if tokens is not None:
@@ -311,6 +317,7 @@ class Controller:
                     self.kv.free(seq.seq_id)
                     self._leave_running(seq)
                 seq.in_flight = False
+                seq.inflight_prefill = 0
                 self._fail(seq, reason)
                 n += 1
         self.waiting.clear()
@@ -370,6 +377,7 @@ class Controller:
         self.active_time = 0.0
         tracer = self.executor.tracer
         tracer.spans, tracer.busy, tracer.dropped = [], {}, 0
+        tracer.ledger = type(tracer.ledger)()
 
     def finish_early(self, seq: Sequence) -> None:
         """Make the token that `seq`'s in-flight micro-batch samples its last (EOS or a stop string,
@@ -425,4 +433,9 @@ class Controller:
             raise RuntimeError("this run has no cost model, so view.estimate is unavailable")
         shape = batch.shape if isinstance(batch, MicroBatch) else shape_of(batch.prefills, batch.decodes)
         return self.cost_model.bottleneck_s(shape)
+
+    def estimate_prefill(self, prefix_tokens: int, num_tokens: int) -> float:
+        if self.cost_model is None:
+            raise RuntimeError("this run has no cost model, so view.estimate_prefill is unavailable")
+        return self.cost_model.bottleneck_s(prefill_shape(prefix_tokens, num_tokens))
 

@@ -15,6 +15,8 @@ Hooks, their defaults, and the process that runs each:
 | `start(view)`: once before the first `schedule` (e.g. fit a predictor on history) | nothing | driver |
 | `view.history(mode, data_dir)` (a view method, not a hook): the workload's data set minus this run's requests, for policies that learn from history (TD-Pipe's length predictor); found by the provider the runner hands to `Controller(history=...)`, so engine/ and policies/ never read workload files | None (no provider) | driver |
 | `view.prefilling`, `view.num_decoding` (view members, not hooks): the running sequences still prefilling (admission order) and the count of those past their prompt, kept by the controller at every status change, so a policy need not scan `view.running` per micro-batch (O(running) per batch: Sarathi's 45k batches over up to 128 sequences) | always there (a live view: read, never mutate) | driver |
+| `view.estimate(batch)`, `view.estimate_prefill(prefix, n)` (view methods, not hooks): the cost model's stage time of the slowest stage for a batch, or for one prefill chunk of `n` tokens after `prefix` prompt tokens (chunk sizing: chunked_pp sizes every chunk of a long prompt to the first chunk's time; both executors price with the run's cost model) | always there when the run has a cost model | driver |
+| `b.add_pipelined_prefill(seq, n)` (a builder method, not a hook): the next chunk of a prompt whose earlier chunks are still in flight, so one prompt's chunks run on different stages at once (chunked pipeline prefill); every other `add_*` refuses a sequence in flight | - | driver |
 | `schedule(view) -> MicroBatch or None` | required | driver |
 | `on_complete(view, micro_batch, finished)` | nothing | driver |
 | `on_abort(view, seq)`: a served request ended early (its client went away; `testbed serve`); forget its state | nothing | driver |
@@ -259,6 +261,8 @@ class ViewSource(Protocol):
 
     def estimate(self, batch: MicroBatch | BatchBuilder) -> float: ...
 
+    def estimate_prefill(self, prefix_tokens: int, num_tokens: int) -> float: ...
+
     def apply_preemptions(self, victims: Seq[Sequence]) -> None: ...
 
 
@@ -395,6 +399,14 @@ class SchedulerView:
     def estimate(self, batch: MicroBatch | BatchBuilder) -> float:
         """Predicted time of the slowest stage for this batch (seconds), from the cost model."""
         return self._c.estimate(batch)
+
+    def estimate_prefill(self, prefix_tokens: int, num_tokens: int) -> float:
+        """Predicted time of the slowest stage (seconds) for a micro-batch holding one prefill chunk
+        of `num_tokens` after `prefix_tokens` tokens already in the KV cache, from the same cost
+        model as `estimate`. In SGLang's terms it is Runtime(prefix + chunk) - Runtime(prefix) plus
+        the per-pass fixed costs every chunk pays, so "every chunk as long as the first" is
+        `estimate_prefill(L, x) == estimate_prefill(0, first_chunk)`."""
+        return self._c.estimate_prefill(prefix_tokens, num_tokens)
 
     @property
     def cost_model(self):

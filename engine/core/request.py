@@ -112,6 +112,9 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     num_generated: int = 0  # output tokens sampled so far
     in_flight: bool = False  # part of a launched, not yet completed micro-batch
+    # prompt tokens in launched, not yet completed prefill chunks: more than one chunk of a prompt
+    # may be in flight at once (chunked pipeline prefill, `BatchBuilder.add_pipelined_prefill`)
+    inflight_prefill: int = 0
     admit_order: int = -1  # position in admission order; the latest admitted is preempted first
     num_preemptions: int = 0
     first_scheduled_s: float | None = None
@@ -137,6 +140,11 @@ class Sequence:
     @property
     def remaining_prefill(self) -> int:
         return max(0, self.prefill_target - self.num_computed)
+
+    @property
+    def unscheduled_prefill(self) -> int:
+        """Prompt tokens not yet in any launched chunk (`remaining_prefill` minus those in flight)."""
+        return max(0, self.prefill_target - self.num_computed - self.inflight_prefill)
 
     @property
     def total_len(self) -> int:

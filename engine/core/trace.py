@@ -4,11 +4,74 @@ Busy time is summed per track for every span, so bubble ratio and utilisation co
 run; the spans themselves are kept only for the first `max_spans` (default 200,000, about 60 MB
 of Python tuples) because a Perfetto trace of a 50,000-micro-batch run is unreadable anyway.
 The summary records how many spans were dropped, so a truncated trace is never silent.
+
+Every busy span of a stage track (`stageN`) also goes to the tracer's `StageLedger`, whatever
+the span sampling keeps: time per span name and each idle gap before a busy span, which
+`engine/core/breakdown.py` turns into where each stage's wall time went.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+
+class TrackLedger:
+    """One stage track's part of the `StageLedger`: busy seconds by span name, the idle gaps (end
+    of the previous busy span, start of the next, its micro-batch, its name), the first busy span
+    (start, micro-batch, name) and the end of the latest. Plain slots: the simulator's FIFO path
+    updates them inline (its 180k stage starts per benchmark run)."""
+
+    __slots__ = ("parts", "gaps", "first", "last")
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self.gaps: list[tuple[float, float, int, str]] = []
+        self.first: tuple[float, int, str] | None = None
+        self.last = -math.inf
+
+
+class StageLedger:
+    """Per stage track: busy time by span name, and every idle gap (from the end of the stage's
+    previous work to the start of its next busy span) with the micro-batch and span name that end
+    it. Gaps past `max_gaps` per track are counted in `overflow` (a server's endless run), never
+    silently."""
+
+    __slots__ = ("tracks", "max_gaps", "overflow")
+
+    def __init__(self, max_gaps: int = 500_000) -> None:
+        self.tracks: dict[str, TrackLedger] = {}
+        self.max_gaps = max_gaps
+        self.overflow = 0
+
+    def track(self, name: str) -> TrackLedger:
+        tl = self.tracks.get(name)
+        if tl is None:
+            tl = self.tracks[name] = TrackLedger()
+        return tl
+
+    def gap(self, tl: TrackLedger, start: float, mb_id: int, name: str) -> None:
+        """`start` is later than the track's latest end: its first span, or an idle gap."""
+        if tl.first is None:
+            tl.first = (start, mb_id, name)
+        elif len(tl.gaps) < self.max_gaps:
+            tl.gaps.append((tl.last, start, mb_id, name))
+        else:
+            self.overflow += 1
+
+    def add(self, track: str, name: str, start: float, end: float, mb_id: int) -> None:
+        tl = self.tracks.get(track) or self.track(track)
+        if start > tl.last:
+            self.gap(tl, start, mb_id, name)
+        if end > tl.last:
+            tl.last = end
+        parts = tl.parts
+        parts[name] = parts.get(name, 0.0) + (end - start)
+
+
+def is_stage_track(track: str) -> bool:
+    """`stage0`, `stage1`, ...: not `stage0.cpu` (overlapped preparation) nor links or samplers."""
+    return track.startswith("stage") and track[5:].isdigit()
 
 
 class Tracer:
@@ -17,6 +80,14 @@ class Tracer:
         self.spans: list[tuple[str, str, float, float, int]] = []  # track, name, start, end, mb_id
         self.busy: dict[str, float] = {}
         self.dropped = 0
+        self.ledger = StageLedger()
+        self._ledgered: dict[str, bool] = {}  # track -> is a stage track (asked once per track)
+
+    def ledgers(self, track: str) -> bool:
+        known = self._ledgered.get(track)
+        if known is None:
+            known = self._ledgered[track] = is_stage_track(track)
+        return known
 
     def keeps(self, mb_id: int) -> bool:
         """Whether the spans of micro-batch `mb_id` are kept (busy time always counts); subclasses
@@ -29,6 +100,8 @@ class Tracer:
         if busy:
             total = self.busy
             total[track] = total.get(track, 0.0) + (end - start)
+            if self.ledgers(track):
+                self.ledger.add(track, name, start, end, mb_id)
         if not self.keeps(mb_id):
             return
         spans = self.spans
@@ -45,10 +118,13 @@ class Tracer:
         spans = self.spans
         keep = self.keeps(mb_id)
         busy = total.get(track, 0.0)
+        ledger = self.ledger if self.ledgers(track) else None
         t = start
         for name, duration in parts:
             end = t + duration
             busy += end - t
+            if ledger is not None:
+                ledger.add(track, name, t, end, mb_id)
             if not keep:
                 pass
             elif len(spans) < self.max_spans:

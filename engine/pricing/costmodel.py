@@ -187,7 +187,7 @@ class CostModel:
         hardware: HardwareSpec,
         pp: int,
         tp: int = 1,
-        layer_split: Sequence[int] | None = None,
+        layer_split: Sequence[int] | str | None = None,
         coefficients: CostCoefficients | None = None,
         dtype_bytes: int | None = None,
     ) -> None:
@@ -210,6 +210,14 @@ class CostModel:
         self.hardware = hardware
         self.pp = pp
         self.tp = tp
+        if isinstance(layer_split, str):  # `balanced` (engine/pricing/layer_balance.py)
+            from engine.pricing.layer_balance import REFERENCE_DECODE, balanced_split, check_name
+
+            check_name(layer_split)
+            even = split_layers(model.num_layers, pp)
+            layer_split = balanced_split(lambda split: CostModel(model, hardware, pp, tp, split, coefficients,
+                                                                 dtype_bytes), even,
+                                         (BatchShape.decode(*REFERENCE_DECODE),))
         self.layers: tuple[int, ...] = split_layers(model.num_layers, pp, layer_split)
         self.coefficients = c = coefficients if coefficients is not None else CostCoefficients()
         self.dtype_bytes = db = dtype_bytes
@@ -550,6 +558,11 @@ class CostModel:
         bytes on that stage (KV bytes per token per layer / tp x the stage's layers x block).
         Raises ImpossibleFitError when some stage cannot hold even one block.
         """
+        return min(self.kv_blocks_per_stage(gpu_memory_utilization, block_size))
+
+    def kv_blocks_per_stage(self, gpu_memory_utilization: float = 0.9, block_size: int = 16) -> tuple[int, ...]:
+        """KV blocks each stage's memory holds (`kv_capacity_blocks` is their minimum: one block
+        manager serves the whole pipeline). Raises ImpossibleFitError as `kv_capacity_blocks`."""
         if isinstance(gpu_memory_utilization, bool) or not (
             isinstance(gpu_memory_utilization, (int, float)) and 0.0 < gpu_memory_utilization <= 1.0
         ):
@@ -561,7 +574,7 @@ class CostModel:
         hw, m = self.hardware, self.model
         reserve = self.coefficients.activation_reserve_gib * GIB
         usable = hw.mem_bytes * gpu_memory_utilization - reserve
-        best: int | None = None
+        out = []
         for s, (n, wbytes) in enumerate(zip(self.layers, self.weight_bytes_per_stage())):
             weights = wbytes / self.tp
             block_bytes = self.kv_bytes_per_token_per_layer_gpu * n * block_size
@@ -580,9 +593,8 @@ class CostModel:
                     f"model {m.name} does not fit on hardware {hw.name} with pp={self.pp}, tp={self.tp}: "
                     f"{where}; raise parallel.pp (or parallel.tp) or choose a bigger GPU"
                 )
-            best = blocks if best is None else min(best, blocks)
-        assert best is not None
-        return best
+            out.append(blocks)
+        return tuple(out)
 
     def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9, block_size: int = 16) -> int:
         """Tokens of KV cache every stage can hold, in whole blocks (= blocks x block_size)."""

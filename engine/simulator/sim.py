@@ -190,6 +190,7 @@ class SimExecutor(Executor):
     def shutdown(self) -> None:
         if self._fifo is not None:  # spans of batches still in flight, as the event loop had them so far
             self._fifo.release_spans(math.inf)
+            self._fifo.settle()
 
     def _price(self, mb: MicroBatch) -> _Priced:
         cost, shape = self.cost, mb.shape
@@ -346,6 +347,7 @@ class SimExecutor(Executor):
 
 
 _LAUNCH = 6  # a launch sorts after every event of its instant (the controller launches between pops)
+GAP_LOG_FLUSH = 65_536  # idle gaps logged by the FIFO path before they go to the tracer's ledger
 
 
 class _FifoPipeline:
@@ -371,6 +373,14 @@ class _FifoPipeline:
         self.tcp, self.first_messages = ex._tcp, ex._first_messages
         self.stage_tracks = ex._stage_tracks
         self.link_tracks = ex._link_tracks
+        # Where each stage's time went (engine/core/breakdown.py), at O(1) per launch: preparation
+        # and sampling cost the same on every stage, so their sums and the stage's busy time give
+        # the parts (`settle`), and an idle gap is logged only where a stage starts idle, as one
+        # tuple (stage, idle since, start, mb) handed to the tracer's ledger in batches: per-stage
+        # ledger calls made a 3,000-request Sarathi run 10% slower, this about 6% (1.42 -> 1.51 s CPU).
+        self.gap_log: list[tuple[int, float, float, int]] = []
+        self.prep_total = 0.0
+        self.sample_total = 0.0
         self.stage_free = [-math.inf] * P
         self.stage_key: list[tuple] = [()] * P  # key of the STAGE_DONE that frees the stage
         self.link_free = [-math.inf] * max(0, P - 1)
@@ -393,11 +403,18 @@ class _FifoPipeline:
         if priced.dispatch:  # the event loop's ARRIVE pushed by the launch (engine terms)
             self.dispatched = arrive = max(now + priced.dispatch, self.dispatched)
             arrive_key = (arrive, ARRIVE, (now, _LAUNCH, self.launches), 0)
+        self.prep_total += priced.prep
+        self.sample_total += priced.sample
+        gap_log = self.gap_log
+        if len(gap_log) >= GAP_LOG_FLUSH:
+            self.flush_gaps()
         for s in range(last + 1):
             if stage_free[s] > arrive:  # busy: starts when the previous batch's forward ends
                 start, trigger, index = stage_free[s], stage_key[s], 1
             else:
                 start, trigger, index = arrive, arrive_key, 0
+                if arrive > stage_free[s]:  # the stage was idle (or had not worked yet)
+                    gap_log.append((s, stage_free[s], arrive, mb_id))
             end = self._stage(s, start, priced, s == last, (trigger, index) if keep else None, mb_id)
             stage_free[s] = end
             stage_key[s] = key = (end, STAGE_DONE, (trigger[0], trigger[1], trigger[3]), index)
@@ -435,6 +452,31 @@ class _FifoPipeline:
                 kept.append((track, "sample", end, sampled, mb_id))
             heapq.heappush(self.spans, (order[0], order[1], kept))
         return sampled if last else end
+
+    def flush_gaps(self) -> None:
+        """Hand the logged idle gaps to the tracer's ledger (a stage's first one, from -inf, is its
+        first span)."""
+        ledger = self.tracer.ledger
+        tracks = [ledger.track(t) for t in self.stage_tracks]
+        for s, idle_since, start, mb_id in self.gap_log:
+            tl = tracks[s]
+            tl.last = idle_since
+            ledger.gap(tl, start, mb_id, "prepare")
+        self.gap_log.clear()
+
+    def settle(self) -> None:
+        """Write each stage's parts and latest end into the ledger (idempotent; at shutdown)."""
+        self.flush_gaps()
+        busy = self.tracer.busy
+        last = len(self.stage_tracks) - 1
+        for s, track in enumerate(self.stage_tracks):
+            tl = self.tracer.ledger.track(track)
+            total = busy.get(track, 0.0)
+            sample = self.sample_total if s == last else 0.0
+            tl.parts.update(prepare=self.prep_total, forward=total - self.prep_total - sample)
+            if s == last:
+                tl.parts["sample"] = sample
+            tl.last = self.stage_free[s]
 
     def next_done(self, deadline: float | None) -> tuple[float, int] | None:
         done = self.done

@@ -588,6 +588,8 @@ def make_torch_executor(settings: TorchSettings, build: ExecutorBuild) -> TorchE
 
         data_backend(settings.backend, settings.device, pp, TorchExecutor._device_count())  # refuses shared GPUs
     split = rc.parallel.layer_split
+    if isinstance(split, str) and build.cost_model is not None:  # `balanced`: the cost model's answer
+        split = build.cost_model.layers
     return TorchExecutor(settings, pp=pp, run_config=rc, layer_split=list(split) if split else None,
                          tracer=build.tracer, runtime=build.runtime, link_bandwidth_Bps=build.link.bandwidth_Bps,
                          link_latency_s=build.link.latency_s, shape_links=build.link.explicit, policy=build.policy)

@@ -249,6 +249,10 @@ def print_summary(console, result: RunResult) -> None:
     info = result.info
     t.add_row("wall time (s)", f"{info.get('wall_s', 0):.2f}")
     console.print(t)
+    if result.breakdown:  # where each stage's time went (engine/core/breakdown.py)
+        from engine.core.breakdown import summary_line
+
+        console.print(escape(summary_line(result.breakdown)), highlight=False, soft_wrap=True)
 
 
 __all__ = ["run_command", "print_summary", "warn_overload", "overloaded", "offered_load"]

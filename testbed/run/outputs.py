@@ -269,6 +269,8 @@ def _write_files(result: RunResult, out_dir: Path, trace: str | None) -> None:
         write_csv(result.requests, out_dir / "requests.csv")
         # 9 digits: 1 us at 1,000 s; exact reprs made the main job's file 3 MB (requests.csv stays exact)
         write_csv(result.microbatches, out_dir / "microbatches.csv")  # exact: byte-comparable across versions
+    if result.breakdown is not None:  # where each stage's time went (engine/core/breakdown.py)
+        _write_text(out_dir / "breakdown.json", json.dumps(result.breakdown, indent=2) + "\n")
     mode = trace or result.spec.output.trace
     if mode != "off":
         write_trace(result, out_dir / "trace.json")
@@ -330,7 +332,8 @@ def plot_data(result: RunResult) -> dict:
             "stage_tracks": list(result.stage_tracks),
             "timeline": {"first": window[0] if window else 0, "last": window[-1] if window else 0, "spans": tl},
             "kv": {"t": [m["scheduled_s"] for m in sample], "kv_usage": [m["kv_usage"] for m in sample],
-                   "num_tokens": [m["num_tokens"] for m in sample]}}
+                   "num_tokens": [m["num_tokens"] for m in sample]},
+            "breakdown": result.breakdown}
 
 
 def _natural(s: str):

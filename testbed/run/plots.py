@@ -29,10 +29,15 @@ def _natural(s: str):
 
 
 def render_plots(data: dict, out_dir: Path) -> list[Path]:
-    """Write timeline.png and kv_usage.png into `out_dir`; return their paths."""
+    """Write timeline.png, kv_usage.png (and breakdown.png) into `out_dir`; return their paths."""
     paths = [out_dir / "timeline.png", out_dir / "kv_usage.png"]
     plot_timeline(data, paths[0])
     plot_kv_usage(data, paths[1])
+    if data.get("breakdown"):
+        from testbed.run.breakdown_plot import plot_breakdown
+
+        paths.append(out_dir / "breakdown.png")
+        plot_breakdown(data["breakdown"], data["title"], paths[-1])
     return paths
 
 

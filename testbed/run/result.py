@@ -21,6 +21,7 @@ class RunResult:
     stage_tracks: list[str]
     info: dict = field(default_factory=dict)  # wall time, memory: not deterministic, kept out of summary
     error: str | None = None
+    breakdown: dict | None = None  # where each stage's time went (engine/core/breakdown.py)
 
     @property
     def failed(self) -> bool:

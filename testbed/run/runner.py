@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine.core.breakdown import run_breakdown
 from engine.core.controller import Controller
 from engine.pricing.costmodel import CostModel
 from engine.base.errors import ConfigError, RunFailedError, TestbedError
@@ -36,7 +37,8 @@ def build_cost_model(spec: RunSpec) -> CostModel:
         raise ConfigError("the config names no hardware or no model; e.g. hardware=l20-48g model=qwen2.5-32b")
     split = rc.parallel.layer_split
     return CostModel(rc.model, rc.hardware, pp=rc.parallel.pp, tp=rc.parallel.tp,
-                     layer_split=list(split) if split else None, coefficients=spec.cost)
+                     layer_split=(split if isinstance(split, str) else list(split)) if split else None,
+                     coefficients=spec.cost)
 
 
 def kv_blocks(rc: RunConfig, cost: CostModel) -> tuple[int, int]:
@@ -136,7 +138,8 @@ class PreparedRun:
                     microbatches_per_wall_s=summary["num_microbatches"] / run_s if run_s > 0 else 0.0)
         result = RunResult(spec=self.spec, summary=summary, requests=request_rows(ctrl),
                            microbatches=microbatch_rows(ctrl), tracer=ctrl.executor.tracer,
-                           stage_tracks=stage_tracks, info=info, error=error)
+                           stage_tracks=stage_tracks, info=info, error=error,
+                           breakdown=run_breakdown(ctrl, stage_tracks))
         if interrupted is not None:
             raise RunInterrupted(result, signal_name(interrupted)) from None
         return result

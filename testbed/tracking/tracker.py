@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
 MAX_STEP_POINTS = 250  # per series: enough for the chart's shape; log_batch cost grows with rows
 MAX_ARTIFACT_BYTES = 2_000_000
-SMALL_ARTIFACTS = ("summary.json", "run_info.json", "config.yaml", "timeline.png", "kv_usage.png", "trace.json")
+SMALL_ARTIFACTS = ("summary.json", "run_info.json", "config.yaml", "timeline.png", "kv_usage.png", "trace.json",
+                   "breakdown.json", "breakdown.png")
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 URI_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks")
 LOCK_RETRY_S = (0.1, 0.2, 0.4, 0.8, 1.6, 3.2)  # waits between the attempts of a call SQLite refused
@@ -237,6 +238,10 @@ def run_metrics(result, steps: bool = True) -> list[tuple[str, float, int]]:
             out.append((k, float(v), 0))
             if k in HEADLINE_METRICS:
                 out.append((f"{HEADLINE_SECTION}/{k}", float(v), 0))
+    if getattr(result, "breakdown", None):  # where each stage's time went (engine/core/breakdown.py)
+        from engine.core.breakdown import flat_metrics
+
+        out += [(k, v, 0) for k, v in flat_metrics(result.breakdown).items()]
     for k in ("wall_s", "simulate_s", "microbatches_per_wall_s"):
         if k in result.info:
             out.append((f"run.{k}", float(result.info[k]), 0))
