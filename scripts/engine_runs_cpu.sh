@@ -2,7 +2,7 @@
 # Every policy on the real engine on CPU (tiny-llama, P=1 and P=2): the runs that
 # measurements/cpu-tiny-llama/ holds and measurements/cpu-tiny-llama/manifest.yaml splits into
 # fit / validation / test (docs/calibrate-runs.md#every-policy-on-the-engine).
-#   OUT=/some/dir bash scripts/engine_runs_cpu.sh      (about 30 minutes on 2 shared cores)
+#   OUT=/some/dir bash scripts/engine_runs_cpu.sh      (about 40 minutes on 2 shared cores)
 # Every engine command runs under `chrt -f 10` (SCHED_FIFO: other tenants' processes do not preempt
 # the engine's; needs root or CAP_SYS_NICE, else it runs at normal priority and says so) and
 # `cat /proc/loadavg` is logged before and after each. Runs are interleaved (each repeat goes
@@ -20,6 +20,9 @@ SG="workload=sharegpt workload.arrival=offline workload.num_requests=100 workloa
 AZ="workload=azure workload.num_requests=100 workload.max_input_len=1024 workload.max_output_len=64"
 # Azure rates: about 40% and 75% of what gllm served offline-like at 50 req/s (P=1 8.0 req/s, P=2 12.9)
 declare -A LO=([1]=3 [2]=5) HI=([1]=6 [2]=9)
+# three repeats of every command at both depths: the engine's own spread decides ties in the rank
+# agreement (P=1 was taken once first, its two repeats after the P=2 runs, on 2026-11-27)
+declare -A REPEATS=([1]=${P1_REPEATS:-3} [2]=3)
 log() { echo "$*" | tee -a "$OUT/log.txt"; }
 one() {  # one <name> <overrides...>
   local name=$1; shift
@@ -35,7 +38,7 @@ for P in 1 2; do
 done
 for rep in 1 2 3; do
   for P in 1 2; do
-    [ "$P" = 1 ] && [ "$rep" -gt 1 ] && continue   # P=1 repeats itself (docs: spread 0.1-6%); P=2 three times
+    [ "$rep" -gt "${REPEATS[$P]}" ] && continue
     for wl in sharegpt azlo azhi; do
       case $wl in sharegpt) W=$SG;; azlo) W="$AZ workload.rate=${LO[$P]}";; azhi) W="$AZ workload.rate=${HI[$P]}";; esac
       for pol in $POLICIES; do
