@@ -99,7 +99,18 @@ def load_manifest(path: str | Path) -> Manifest:
         missing = [r for r in split.runs() if not (runs_dir / r).is_dir()]
         if missing:
             raise ConfigError(f"manifest {path}: {split.name} names runs not in {runs}: {', '.join(missing[:5])}")
+    _register_profiles(path.parent / "profiles")
     return Manifest(path, runs_dir, profiles)
+
+
+def _register_profiles(folder: Path) -> None:
+    """The profiles kept beside the runs (the `testbed profile` bases and the profiles fitted on
+    them): `hardware=<name>` and `base:` find them once a manifest is read."""
+    if folder.is_dir():
+        from testbed.config.composer import _skip_profile
+        from testbed.config.profiles import load_profiles_dir
+
+        load_profiles_dir(folder, on_error=_skip_profile)
 
 
 def _split(path: Path, name: str, body) -> Split:

@@ -99,7 +99,8 @@ def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None):
     node = hardware_node(hardware)
     rc = run.spec.settings
     blocking = rc.executor.settings.device == "cpu"  # gloo's blocking send (SimSettings.blocking_send)
-    values = {"executor": {"name": "sim", "blocking_send": blocking}, "hardware": node,
+    samplers = rc.executor.settings.num_cpu_samplers  # SiPipe's pool as the engine ran it (the sim's default is 4)
+    values = {"executor": {"name": "sim", "blocking_send": blocking, "num_cpu_samplers": samplers}, "hardware": node,
               "kv.num_blocks": kv_num_blocks(run), "output.mlflow": False,
               "output.plots": False, "output.progress": False, "output.trace": "off"}
     spec = run.spec.with_values(values)
@@ -134,9 +135,9 @@ def cmd_validate_runs(args, console) -> int:
     if hardware is None or bad:
         raise ConfigError("testbed validate --runs takes hardware=<profile> and nothing else (each run keeps its "
                           f"own settings); got {' '.join(overrides) or 'nothing'}")
-    get_hardware(hardware)
-    if is_manifest(paths):
+    if is_manifest(paths):  # it registers the profiles kept beside its runs first
         return cmd_validate_manifest(args, console, hardware)
+    get_hardware(hardware)
     runs = [load_run(p) for p in paths]
     out = Path(args.out) if args.out else Path("runs") / "validate" / f"{time.strftime('%Y%m%d-%H%M%S')}_runs-{hardware}"
     rows, replays = [], []

@@ -37,7 +37,7 @@ from testbed.config.spec import RunSpec
 
 RUN_FILES = ("config.yaml", "requests.csv", "microbatches.csv", "summary.json")
 # Span names the stages record (engine/torch_exec/worker.py); forward spans are "forward:<kind>".
-STAGE_SPANS = ("prepare", "forward", "sample", "send", "recv", "wait")
+STAGE_SPANS = ("prepare", "forward", "sample", "send", "recv", "wait", "to_samplers")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class StageSpans:
     recv_start: float | None
     recv_end: float | None
     busy_end: float | None  # when the stage was done with this micro-batch (its last span but waits)
+    handoff: float | None = None  # runtime.cpu_sampling: the last stage sending its logits to the samplers
 
 
 @dataclass(frozen=True)
@@ -338,7 +339,7 @@ def _stage_spans(spans: dict[str, tuple[float, float]]) -> StageSpans:
 
     ends = [s + d for name, (s, d) in spans.items() if name != "wait"]
     return StageSpans(start("prepare"), dur("prepare"), dur("forward"), end("sample"), dur("sample"),
-                      start("send"), start("recv"), end("recv"), max(ends) if ends else None)
+                      start("send"), start("recv"), end("recv"), max(ends) if ends else None, dur("to_samplers"))
 
 
 def group_by_setting(runs: Sequence[RealRun]) -> dict[str, list[RealRun]]:
