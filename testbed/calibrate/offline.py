@@ -100,7 +100,8 @@ def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None):
     rc = run.spec.settings
     blocking = rc.executor.settings.device == "cpu"  # gloo's blocking send (SimSettings.blocking_send)
     samplers = rc.executor.settings.num_cpu_samplers  # SiPipe's pool as the engine ran it (the sim's default is 4)
-    values = {"executor": {"name": "sim", "blocking_send": blocking, "num_cpu_samplers": samplers}, "hardware": node,
+    values = {"executor": {"name": "sim", "blocking_send": blocking, "host_device": blocking,
+                           "num_cpu_samplers": samplers}, "hardware": node,
               "kv.num_blocks": kv_num_blocks(run), "output.mlflow": False,
               "output.plots": False, "output.progress": False, "output.trace": "off"}
     spec = run.spec.with_values(values)

@@ -308,7 +308,7 @@ def _configs(overrides: list[str]) -> tuple[RunSpec, RunSpec]:
     real = compose_spec(base + ["executor=torch"] + ex_ovs)
     # The real engine on CPU sends with gloo's blocking send: model it (executor.blocking_send).
     blocking = "true" if real.settings.executor.settings.device == "cpu" else "false"
-    sim = compose_spec(base + ["executor=sim", f"executor.blocking_send={blocking}"])
+    sim = compose_spec(base + ["executor=sim", f"executor.blocking_send={blocking}", f"executor.host_device={blocking}"])
     return real, sim
 
 

@@ -85,11 +85,13 @@ def replay_all(m: Manifest, split: Split, sets: tuple[str, ...], hardware: str, 
     return rows
 
 
-def grouped(rows: list[Replayed]) -> dict[tuple[str, str], list[Replayed]]:
-    """(setting, policy) -> its runs (repeats of one command)."""
+def grouped(rows: list[Replayed], which: str) -> dict[tuple[str, str], list[Replayed]]:
+    """(setting, policy) -> its runs in set `which` (repeats of one command; a fit command's
+    repeats in the validation set are averaged there, apart from the fit run)."""
     out: dict[tuple[str, str], list[Replayed]] = {}
     for r in rows:
-        out.setdefault((r.setting, r.policy), []).append(r)
+        if r.set == which:
+            out.setdefault((r.setting, r.policy), []).append(r)
     return out
 
 
@@ -108,7 +110,7 @@ def format_split(rows: list[Replayed], split: Split, hardware: str, with_test: b
     lines = [f"{split.name}: simulated (hardware={hardware}) vs real, each run replayed with its own requests; "
              "error = sim / mean of the repeats - 1 (throughput / TTFT mean / TPOT mean), spread = (max - min) / mean"]
     for which in ("fit", "validation", "test"):
-        groups = {k: g for k, g in grouped(rows).items() if g[0].set == which}
+        groups = grouped(rows, which)
         if not groups:
             continue
         lines.append(f"\n{which} runs")
