@@ -1,8 +1,10 @@
 """`testbed calibrate runs` and `testbed validate --runs`: the simulator held to real runs, offline.
 
-    testbed calibrate runs RUN_DIR [RUN_DIR ...] --name h100-80g-torch-engine --base h100-80g \
+    testbed calibrate runs RUN_DIR [RUN_DIR ...] --name my-engine --base h100-80g \
         [--table profile.csv] [--out engine/pricing/hardware_profiles]
-    testbed validate --runs RUN_DIR [RUN_DIR ...] hardware=h100-80g-torch-engine [--out DIR]
+    testbed calibrate runs measurements/cpu-tiny-llama/manifest.yaml --profile P --name P   (its fit runs)
+    testbed validate --runs RUN_DIR [RUN_DIR ...] hardware=my-engine [--out DIR] [--errors-csv F]
+    testbed validate --runs measurements/cpu-tiny-llama/manifest.yaml --profile P hardware=P [--test]
 
 `calibrate runs` fits a hardware profile from traced real runs (testbed/calibrate/run_fit.py) and
 saves it with its provenance (the runs, their commit if recorded, the command, the fit errors by
