@@ -169,3 +169,18 @@ def test_on_a_cpu_device_overlapped_preparation_is_priced_serially():
     free = run_experiment(small_config(*base)).summary["throughput_tok_s"]
     shared = run_experiment(small_config(*base, "executor.host_device=true")).summary["throughput_tok_s"]
     assert shared < free * 0.99
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, option", [("cpu-tiny-llama-pp1-runs", "0"), ("cpu-tiny-llama-pp2-runs", "1")])
+def test_the_shipped_cpu_profiles_refit_exactly_from_the_repository(tmp_path, name, option):
+    from testbed.cli import main
+
+    manifest = MEASUREMENTS_DIR / "cpu-tiny-llama" / "manifest.yaml"
+    assert main(["calibrate", "runs", str(manifest), "--profile", name, "--table-option", option, "--name", name,
+                 "--out", str(tmp_path)]) == 0
+    fitted = yaml.safe_load((tmp_path / f"{name}.yaml").read_text())
+    shipped = yaml.safe_load((manifest.parent / "profiles" / f"{name}.yaml").read_text())
+    for key in set(shipped) - {"profile", "version"}:
+        assert fitted[key] == shipped[key], key
+    assert fitted["profile"]["errors"] == shipped["profile"]["errors"]
