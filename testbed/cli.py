@@ -206,8 +206,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     """Run one workload on the torch engine and in the calibrated simulator; print the errors."""
     if args.runs:
+        from testbed.calibrate.manifest import is_manifest
         from testbed.calibrate.offline import cmd_validate_runs
 
+        if is_manifest([r for r in args.runs if "=" not in r]):  # a declared split (docs/calibrate-runs.md)
+            from testbed.calibrate.split_validate import cmd_validate_manifest
+
+            return cmd_validate_manifest(args, _console())
         return cmd_validate_runs(args, _console())
     from testbed.calibrate.profile import cmd_validate as run
 
@@ -218,8 +223,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit the cost model to published GPU kernel tables (or report a profile's error), or fit a
     hardware profile from real runs."""
     if args.calibrate == "runs":
+        from testbed.calibrate.manifest import is_manifest
         from testbed.calibrate.offline import cmd_calibrate_runs
 
+        if is_manifest(args.runs):  # its fit runs, base and chosen table
+            from testbed.calibrate.split_validate import manifest_fit_args
+
+            args.manifest = args.runs[0]
+            args.runs, args.base, args.table = manifest_fit_args(args)
         return cmd_calibrate_runs(args, _console())
     from testbed.calibrate.report import cli_calibrate
 

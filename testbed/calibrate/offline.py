@@ -29,9 +29,8 @@ from testbed.calibrate.fit import save_hardware_profile
 from testbed.calibrate.profile import TARGETS, VALIDATE_METRICS, error_table, profile_dir
 from testbed.calibrate.run_fit import fitted_spec, fit_runs
 from testbed.calibrate.runs import RealRun, group_by_setting, kv_num_blocks, load_run
-from testbed.calibrate.manifest import is_manifest
-from testbed.calibrate.rank import Replayed, error_by_load, format_rank, rank_table, setting_label, write_errors_csv
-from testbed.calibrate.split_validate import CSV_METRICS, cmd_validate_manifest, manifest_fit_args
+from testbed.calibrate.rank import (CSV_METRICS, Replayed, error_by_load, format_rank, rank_table, setting_label,
+                                    write_errors_csv)
 from testbed.calibrate.stall_effects import stall_latency
 
 SPREAD_METRICS = ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s", "e2el_mean_s")
@@ -42,10 +41,8 @@ def cmd_calibrate_runs(args, console) -> int:
     from testbed.config.composer import load_saved_profiles
 
     load_saved_profiles()
-    manifest = args.runs[0] if is_manifest(args.runs) else None
-    if manifest:
-        args.runs, args.base, args.table = manifest_fit_args(args)
-    elif not args.base:
+    manifest = getattr(args, "manifest", None)  # set by the CLI when it read a manifest's fit runs
+    if not args.base:
         raise ConfigError("calibrate runs needs --base <hardware profile> (or one manifest.yaml naming it)")
     runs = [load_run(p, need_trace=True) for p in args.runs]
     base = get_hardware(args.base)
@@ -138,8 +135,6 @@ def cmd_validate_runs(args, console) -> int:
     if hardware is None or bad:
         raise ConfigError("testbed validate --runs takes hardware=<profile> and nothing else (each run keeps its "
                           f"own settings); got {' '.join(overrides) or 'nothing'}")
-    if is_manifest(paths):  # it registers the profiles kept beside its runs first
-        return cmd_validate_manifest(args, console, hardware)
     get_hardware(hardware)
     runs = [load_run(p) for p in paths]
     out = Path(args.out) if args.out else Path("runs") / "validate" / f"{time.strftime('%Y%m%d-%H%M%S')}_runs-{hardware}"

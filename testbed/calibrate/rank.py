@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+CSV_METRICS = ("throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_mean_s",
+               "slo_attainment")
 RANK_METRICS = (("throughput_tok_s", "throughput"), ("ttft_mean_s", "TTFT mean"),
                 ("tpot_mean_s", "TPOT mean"), ("slo_attainment", "SLO attainment"))
 

@@ -21,11 +21,10 @@ from pathlib import Path
 from engine.base.errors import ConfigError
 from engine.pricing.hardware import get_hardware
 from testbed.calibrate.manifest import Manifest, Split, load_manifest, record_test_report
-from testbed.calibrate.rank import RANK_METRICS, Replayed, error_by_load, format_rank, rank_table, write_errors_csv
+from testbed.calibrate.rank import (CSV_METRICS, RANK_METRICS, Replayed, error_by_load, format_rank, rank_table,
+                                    write_errors_csv)
 from testbed.calibrate.runs import ReplayDiverged, load_run
 
-CSV_METRICS = ("throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_mean_s",
-               "slo_attainment")
 TABLE_METRICS = ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s")
 
 
@@ -49,8 +48,17 @@ def manifest_fit_args(args) -> tuple[list[str], str | None, str | None]:
     return [str(m.run_dir(r)) for r in split.fit], base, table
 
 
-def cmd_validate_manifest(args, console, hardware: str) -> int:
-    m = load_manifest(args.runs[0])
+def cmd_validate_manifest(args, console) -> int:
+    from testbed.calibrate.profile import _override
+    from testbed.config.composer import load_saved_profiles
+
+    load_saved_profiles()
+    overrides = list(args.overrides) + [r for r in args.runs if "=" in r]
+    hardware = _override(overrides, "hardware")
+    if hardware is None or any(o.partition("=")[0] != "hardware" for o in overrides):
+        raise ConfigError("testbed validate --runs <manifest.yaml> takes hardware=<profile> and nothing else; got "
+                          f"{' '.join(overrides) or 'nothing'}")
+    m = load_manifest([r for r in args.runs if "=" not in r][0])  # registers the profiles beside its runs
     split = m.split(args.profile)
     hw = get_hardware(hardware)
     sets = ("fit", "validation", "test") if args.test else ("fit", "validation")
