@@ -20,7 +20,8 @@ T=${TMPDIR:-/tmp}/engine_runs; rm -rf "$T"; mkdir -p "$T/runs" "$OUT"; START=$SE
 left() { echo $(( BUDGET - (SECONDS - START) )); }
 cap() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }
 spent() { [ "$(left)" -lt "${1:-10}" ] && echo "    (skipped: the budget is spent)"; }  # timeout 0 = no limit
-pack() { (cd "$T" && tar cf - runs 2>/dev/null | xz -6 > "$OUT/runs.tar.xz"); }
+# the run folders' files only (never output.dir/models: a random checkpoint, 15 GB for a 7B model)
+pack() { (cd "$T" && ls -d runs/pp* >/dev/null 2>&1 && tar cf - --exclude='*.png' runs/pp* 2>/dev/null | xz -6 > "$OUT/runs.tar.xz"); }
 exec > >(tee "$OUT/log.txt") 2>&1
 if ls .gpu/whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$T/site" .gpu/whl/*.whl 2>&1 | grep -v WARNING
@@ -33,7 +34,7 @@ echo "=== gpu tests, full output ($(left) s left)"; spent ||   # files holding g
 timeout -k 5 "$(cap 150)" python3 -m pytest -m gpu -p no:cacheprovider -rA -s --tb=long \
   $(grep -l "mark.gpu" tests/test_*.py) > "$OUT/gpu_tests.txt" 2>&1; tail -30 "$OUT/gpu_tests.txt"
 echo "=== bench engine: the grid, attention bandwidth, a decode, a MIXED (400 + 160 x 512) and a prefill forward ($(left) s left)"
-spent || timeout -k 5 "$(cap 100)" $TB bench engine model="$MODEL" executor.device=$DEVICE parallel.pp=1 policy=gllm \
+spent || timeout -k 5 "$(cap 120)" $TB bench engine model="$MODEL" executor.device=$DEVICE parallel.pp=1 policy=gllm \
   workload.num_requests=64 seed=0 --attention-bandwidth --kernels --json "$OUT/bench_engine.json" 2>&1 | tail -40
 COMMON="executor=torch executor.device=$DEVICE model=$MODEL seed=0 output.mlflow=false output.plots=false \
 output.progress=false output.dir=$T/runs output.trace=full"
@@ -43,7 +44,7 @@ one() {  # one <name> <seconds> <overrides...>
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(left) s left) load $(cat /proc/loadavg)"; spent 30 && return
   timeout -k 5 "$(cap "$limit")" $TB run $COMMON "$@" output.run_name="$name" 2>&1 | grep -E "throughput_tok_s|ttft_mean|tpot_mean|error|time:" 
-  (cd "$T/runs/$name" 2>/dev/null && rm -f *.png && ls >/dev/null) || echo "    (no run folder: failed or cut)"
+  [ -f "$T/runs/$name/summary.json" ] || echo "    (no summary: the run failed or was cut; its folder is kept as it is)"
   pack
 }
 for spec in "1 sharegpt 1" "2 sharegpt 1" "1 azlo 1" "1 azhi 1" "2 azlo 1" "2 azhi 1" \
