@@ -5,7 +5,8 @@
 #   OUT=/some/dir bash scripts/engine_runs_gpu.sh          (on the GPU machine, from the project root)
 # Writes $OUT/log.txt, $OUT/gpu_tests.txt (the gpu tests' full output), $OUT/bench_engine.json and
 # $OUT/runs.tar.xz: run folders named as measurements/cpu-tiny-llama/'s (pp<P>-<workload>-<policy>-r<k>),
-# ready for measurements/gpu-<model>/ with a manifest written before any fit (docs/calibrate-runs.md).
+# for measurements/gpu-<model>/: unpack, write and commit a manifest before any fit, then
+# `python scripts/pack_runs.py <manifest> <unpacked>/runs` (docs/calibrate-runs.md).
 # Order (each step capped; what the budget does not reach is skipped and logged as such): the gpu
 # tests and the bench first (RESERVE seconds), then qwen2.5-7b P=1 and P=2 (two stages on one GPU)
 # on ShareGPT offline for all six policies, then Azure at two rates, then P=2's repeats.
