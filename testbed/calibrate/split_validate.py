@@ -21,8 +21,7 @@ from pathlib import Path
 from engine.base.errors import ConfigError
 from engine.pricing.hardware import get_hardware
 from testbed.calibrate.manifest import Manifest, Split, load_manifest, record_test_report
-from testbed.calibrate.rank import (CSV_METRICS, RANK_METRICS, Replayed, error_by_load, format_rank, rank_table,
-                                    write_errors_csv)
+from testbed.calibrate.rank import CSV_METRICS, Replayed, error_by_load, format_rank, rank_table, write_errors_csv
 from testbed.calibrate.runs import ReplayDiverged, load_run
 
 TABLE_METRICS = ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s")
@@ -147,6 +146,3 @@ def format_split(rows: list[Replayed], split: Split, hardware: str, with_test: b
     else:
         lines.append("\n(test runs and the rank agreement: --test; the test runs are reported once)")
     return "\n".join(lines)
-
-
-__all__ = ["RANK_METRICS", "cmd_validate_manifest", "manifest_fit_args"]
