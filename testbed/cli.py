@@ -206,8 +206,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     """Run one workload on the torch engine and in the calibrated simulator; print the errors."""
     if args.runs:
+        from testbed.calibrate.manifest import is_manifest
         from testbed.calibrate.offline import cmd_validate_runs
 
+        if is_manifest([r for r in args.runs if "=" not in r]):  # a declared split (docs/calibrate-runs.md)
+            from testbed.calibrate.split_validate import cmd_validate_manifest
+
+            return cmd_validate_manifest(args, _console())
         return cmd_validate_runs(args, _console())
     from testbed.calibrate.profile import cmd_validate as run
 
@@ -218,8 +223,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit the cost model to published GPU kernel tables (or report a profile's error), or fit a
     hardware profile from real runs."""
     if args.calibrate == "runs":
+        from testbed.calibrate.manifest import is_manifest
         from testbed.calibrate.offline import cmd_calibrate_runs
 
+        if is_manifest(args.runs):  # its fit runs, base and chosen table
+            from testbed.calibrate.split_validate import manifest_fit_args
+
+            args.manifest = args.runs[0]
+            args.runs, args.base, args.table = manifest_fit_args(args)
         return cmd_calibrate_runs(args, _console())
     from testbed.calibrate.report import cli_calibrate
 
@@ -307,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("--runs", nargs="+", metavar="RUN_DIR",
                     help="offline: replay these real run directories in the simulator on hardware=<profile>, "
                          "each with its own requests and settings; no engine runs")
+    va.add_argument("--profile", help="with --runs <manifest.yaml>: the manifest's profile (split) to report")
+    va.add_argument("--test", action="store_true", help="with --runs <manifest.yaml>: report the test runs too "
+                                                        "(once: logged beside the manifest) and the rank agreement")
+    va.add_argument("--errors-csv", metavar="FILE", help="with --runs: one row per (run, metric, predicted, "
+                                                         "actual, error)")
     va.set_defaults(func=cmd_validate)
     ca = sub.add_parser("calibrate", help="fit the cost model to measured GPU kernel tables and report its error")
     casub = ca.add_subparsers(dest="calibrate", metavar="SOURCE")
@@ -326,10 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     ct.set_defaults(func=cmd_calibrate)
     cr = casub.add_parser("runs", help="fit a hardware profile from real runs (testbed run executor=torch "
                                        "output.trace=full): forward, prepare, sample, dispatch, return per stage")
-    cr.add_argument("runs", nargs="+", metavar="RUN_DIR", help="real run directories (traced: output.trace=full)")
+    cr.add_argument("runs", nargs="+", metavar="RUN_DIR", help="real run directories (traced: output.trace=full), "
+                                                              "or one manifest.yaml (its --profile's fit runs)")
     cr.add_argument("--name", required=True, help="the profile's name (hardware=<name>)")
-    cr.add_argument("--base", required=True, help="the hardware profile whose kernels (or roofline) the engine "
-                                                  "terms sit on, e.g. h100-80g; a CPU profile from testbed profile")
+    cr.add_argument("--profile", help="with a manifest: which of its profiles (splits) to fit")
+    cr.add_argument("--table-option", type=int, help="with a manifest: options.table[i] joins the fit (0-based)")
+    cr.add_argument("--base", help="the hardware profile whose kernels (or roofline) the engine terms sit on, e.g. "
+                                   "h100-80g; a CPU profile from testbed profile (required without a manifest)")
     cr.add_argument("--table", help="a testbed profile table (CSV) fitted together with the runs")
     cr.add_argument("--own-attention", action="store_true",
                     help="the engine decodes with its own attention kernel (this project's Triton kernel: one block "

@@ -248,7 +248,7 @@ def test_engine_with_triton_attention_matches_hf(tiny_ckpts, full):
     assert max(m.num_prefill_tokens for m in ctrl.records) <= 16 < max(r.prompt_len for r in requests)
     if full:
         assert ctrl.num_preemptions > 0
-    ref = te._hf_greedy(path, requests)
+    ref = te._hf_greedy(tiny_ckpts["tiny-llama"], requests)
     assert {r.request_id: ctrl.sequences[r.request_id].output_token_ids for r in requests} == ref
 
 
@@ -281,5 +281,5 @@ def test_engine_on_cuda_matches_hf(tiny_ckpts, pp):
                                  policy_params={"token_budget": 16, "max_num_seqs": 8}, device="cuda",
                                  model_path=path, dtype="float32")
     assert ctrl.num_finished == len(requests) and ctrl.num_preemptions > 0
-    ref = te._hf_greedy(path, requests)
+    ref = te._hf_greedy(tiny_ckpts["tiny-llama"], requests)
     assert {r.request_id: ctrl.sequences[r.request_id].output_token_ids for r in requests} == ref

@@ -108,6 +108,7 @@ class Controller:
             self._started = True
             self.executor.start()
             self.policy.start(self.view)
+            self.executor.start_clock()
 
     def run(self) -> None:
         """Serve every request to completion (or failure); raises RunFailedError on a stall."""

@@ -57,6 +57,13 @@ class Executor(ABC):
     def start(self) -> None:
         """Bring workers up (the real engine); the simulator has nothing to do."""
 
+    def start_clock(self) -> None:
+        """The run's clock starts now: called by the controller once the policy has prepared
+        (`Policy.start`), so that preparation is not serving time on either executor. The real
+        engine's clock had read TD-Pipe's predictor training (4.37 s on CPU before its first
+        micro-batch, 0 s when an earlier run had left its predictions on disk), which the
+        simulator never charged; the simulator's clock is already at 0 here."""
+
     def shutdown(self) -> None:
         """End every worker; idempotent, and safe after a failure."""
 

@@ -83,6 +83,10 @@ class PacedExecutor(Executor):
                 self._ready.append(c)
 
     # --- Executor interface ----------------------------------------------------------------------
+    def start_clock(self) -> None:
+        """Time 0 once the policy prepared (engine/core/executor.py `start_clock`)."""
+        self._t0 = time.perf_counter()
+
     def start(self) -> None:
         self.inner.start()
         if self._t0 is None:

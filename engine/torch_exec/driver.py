@@ -128,6 +128,11 @@ class TorchExecutor(FailureDiagnosis, Executor):
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
+    def start_clock(self) -> None:
+        """The run's time 0 (engine/core/executor.py `start_clock`): after the policy prepared."""
+        self._t0 = time.perf_counter()
+        self._last_progress = self._t0
+
     def start(self) -> None:
         if self._started:
             return

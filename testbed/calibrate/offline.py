@@ -1,8 +1,10 @@
 """`testbed calibrate runs` and `testbed validate --runs`: the simulator held to real runs, offline.
 
-    testbed calibrate runs RUN_DIR [RUN_DIR ...] --name h100-80g-torch-engine --base h100-80g \
+    testbed calibrate runs RUN_DIR [RUN_DIR ...] --name my-engine --base h100-80g \
         [--table profile.csv] [--out engine/pricing/hardware_profiles]
-    testbed validate --runs RUN_DIR [RUN_DIR ...] hardware=h100-80g-torch-engine [--out DIR]
+    testbed calibrate runs measurements/cpu-tiny-llama/manifest.yaml --profile P --name P   (its fit runs)
+    testbed validate --runs RUN_DIR [RUN_DIR ...] hardware=my-engine [--out DIR] [--errors-csv F]
+    testbed validate --runs measurements/cpu-tiny-llama/manifest.yaml --profile P hardware=P [--test]
 
 `calibrate runs` fits a hardware profile from traced real runs (testbed/calibrate/run_fit.py) and
 saves it with its provenance (the runs, their commit if recorded, the command, the fit errors by
@@ -27,6 +29,9 @@ from testbed.calibrate.fit import save_hardware_profile
 from testbed.calibrate.profile import TARGETS, VALIDATE_METRICS, error_table, profile_dir
 from testbed.calibrate.run_fit import fitted_spec, fit_runs
 from testbed.calibrate.runs import RealRun, group_by_setting, kv_num_blocks, load_run
+from testbed.calibrate.rank import (CSV_METRICS, Replayed, error_by_load, format_rank, rank_table, setting_label,
+                                    write_errors_csv)
+from testbed.calibrate.stall_effects import stall_latency
 
 SPREAD_METRICS = ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s", "e2el_mean_s")
 
@@ -36,6 +41,9 @@ def cmd_calibrate_runs(args, console) -> int:
     from testbed.config.composer import load_saved_profiles
 
     load_saved_profiles()
+    manifest = getattr(args, "manifest", None)  # set by the CLI when it read a manifest's fit runs
+    if not args.base:
+        raise ConfigError("calibrate runs needs --base <hardware profile> (or one manifest.yaml naming it)")
     runs = [load_run(p, need_trace=True) for p in args.runs]
     base = get_hardware(args.base)
     table = read_profile(args.table) if args.table else None
@@ -54,6 +62,7 @@ def cmd_calibrate_runs(args, console) -> int:
                   "sampling": rc.executor.settings.sampling, "cuda_graphs": rc.executor.settings.cuda_graphs,
                   "engine_commit": args.commit, "table": _portable(args.table) if args.table else None,
                   "own_attention": args.own_attention,
+                  **({"manifest": _portable(manifest), "split": args.profile} if manifest else {}),
                   "errors": fit.errors,
                   "first_use_s": [round(x, 6) for x in fit.first_use_s]}
     path = save_hardware_profile(spec, out / f"{args.name}.yaml", provenance)
@@ -89,7 +98,9 @@ def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None):
     node = hardware_node(hardware)
     rc = run.spec.settings
     blocking = rc.executor.settings.device == "cpu"  # gloo's blocking send (SimSettings.blocking_send)
-    values = {"executor": {"name": "sim", "blocking_send": blocking}, "hardware": node,
+    samplers = rc.executor.settings.num_cpu_samplers  # SiPipe's pool as the engine ran it (the sim's default is 4)
+    values = {"executor": {"name": "sim", "blocking_send": blocking, "host_device": blocking,
+                           "num_cpu_samplers": samplers}, "hardware": node,
               "kv.num_blocks": kv_num_blocks(run), "output.mlflow": False,
               "output.plots": False, "output.progress": False, "output.trace": "off"}
     spec = run.spec.with_values(values)
@@ -127,7 +138,7 @@ def cmd_validate_runs(args, console) -> int:
     get_hardware(hardware)
     runs = [load_run(p) for p in paths]
     out = Path(args.out) if args.out else Path("runs") / "validate" / f"{time.strftime('%Y%m%d-%H%M%S')}_runs-{hardware}"
-    rows = []
+    rows, replays = [], []
     for group in group_by_setting(runs).values():
         sp, sims = spread(group), []
         for run in group:
@@ -135,19 +146,29 @@ def cmd_validate_runs(args, console) -> int:
             sim = simulate_run(run, hardware, out / run.label / "sim")
             sims.append(sim.summary)
             errs = error_table(run.summary, sim.summary)
-            st = stalls(run, hardware)
-            st["throughput_error_without"] = float(sim.summary["throughput_tok_s"]) / st["throughput_without"] - 1.0
+            st = stalls_against(run, hardware, sim.summary)
             rows.append({"run": run.label, "repeats": len(group), "spread": sp, "errors": errs, "stalls": st})
+            replays.append(replayed(run, sim.summary, st))
             console.print(f"  {run.label}: simulated in {time.perf_counter() - t:.1f} s")
         if len(group) > 1:
             rows.append(mean_row(group, sims, sp))
     text = format_runs_table(rows, hardware)
+    if rank_table(replays):  # two policies or more on one setting
+        text += "\n" + format_rank(rank_table(replays), error_by_load(replays))
+    if getattr(args, "errors_csv", None):
+        write_errors_csv(replays, Path(args.errors_csv), CSV_METRICS)
     out.mkdir(parents=True, exist_ok=True)
     (out / "errors.md").write_text("```\n" + text + "\n```\n")
     (out / "errors.json").write_text(json.dumps(rows, indent=2, default=float))
     print(text)
     print(out.resolve())
     return 0
+
+
+def replayed(run: RealRun, sim: dict, st: dict, which: str = "") -> Replayed:
+    setting, offered = setting_label(run.spec)
+    return Replayed(run.label, which, run.spec.policy_name, setting, offered, dict(run.summary), dict(sim),
+                    int(st["count"]), float(st["excess_s"]))
 
 
 def mean_row(group: list[RealRun], sims: list[dict], sp: dict[str, float]) -> dict:
@@ -181,7 +202,7 @@ def stalls(run: RealRun, hardware: str) -> dict:
     cost = CostModel(rc.model, hw, rc.parallel.pp, layer_split=rc.parallel.layer_split,
                      coefficients=CostCoefficients(**(hw.calibration or {})))
     shapes = replay_shapes(run)
-    excess, where = 0.0, []
+    excess, where, intervals = 0.0, [], []
     for row in run.microbatches.itertuples():
         shape = shapes[int(row.mb_id)][0]
         pred = (cost.dispatch_s(shape) + sum(cost.prep_s(shape) for _ in range(cost.pp))
@@ -190,10 +211,22 @@ def stalls(run: RealRun, hardware: str) -> dict:
         if took - pred > STALL_MIN_S and took > STALL_RATIO * pred:
             excess += took - pred
             where.append(f"mb {int(row.mb_id)} {row.kind} {took:.2f} s")
+            intervals.append((float(row.scheduled_s), float(row.completed_s), took - pred))
     s = run.summary
     tokens = float(s["throughput_tok_s"]) * float(s["duration_s"])
     without = tokens / (float(s["duration_s"]) - excess) if excess else float(s["throughput_tok_s"])
-    return {"count": len(where), "excess_s": excess, "where": where[:6], "throughput_without": without}
+    return {"count": len(where), "excess_s": excess, "where": where[:6], "throughput_without": without,
+            **stall_latency(run.path / "requests.csv", intervals)}
+
+
+def stalls_against(run: RealRun, hardware: str, sim: dict) -> dict:
+    """The run's stalls and the simulator's error on each figure they touch, with them taken out."""
+    st = stalls(run, hardware)
+    for key, without in (("throughput", "throughput_without"), ("ttft", "ttft_mean_without"),
+                         ("tpot", "tpot_mean_without")):
+        metric = "throughput_tok_s" if key == "throughput" else f"{key}_mean_s"
+        st[f"{key}_error_without"] = float(sim[metric]) / st[without] - 1.0 if st.get(without) else float("nan")
+    return st
 
 
 def format_runs_table(rows: list[dict], hardware: str) -> str:
@@ -215,7 +248,10 @@ def format_runs_table(rows: list[dict], hardware: str) -> str:
             lines.append(f"  engine stalls: {st['count']} micro-batch(es) took {st['excess_s']:.2f} s more than the "
                          f"profile says ({', '.join(st['where'])}); without them the real run's throughput is "
                          f"{st['throughput_without']:.5g} tok/s, the simulator's error "
-                         f"{100 * st['throughput_error_without']:+.1f}%")
+                         f"{100 * st['throughput_error_without']:+.1f}%; they lengthen the TTFT of "
+                         f"{st['ttft_touched']} request(s) and the TPOT of {st['tpot_touched']}: without them "
+                         f"TTFT mean error {100 * st['ttft_error_without']:+.1f}%, TPOT mean "
+                         f"{100 * st['tpot_error_without']:+.1f}%")
     lines.append("\nerror = sim / real - 1; spread = (max - min) / mean of the real runs of one command; "
                  "\"mean of the runs\": the simulator against the mean of the runs of one command")
     return "\n".join(lines)

@@ -42,6 +42,7 @@ from engine.pricing.profile_grid import ProfileGrid, get_grid
 from engine.torch_exec.profile import device_memory_gib, device_provenance, measure_peaks, profile_engine
 from engine.torch_exec.timing import is_cuda
 from testbed import signals
+from testbed.calibrate.path_hint import fitted_on_runs, runs_fit_note
 from testbed.config.spec import compose_spec
 from testbed.config.overrides import merge
 from testbed.run.outputs import write_run_dir
@@ -109,6 +110,11 @@ def cmd_profile(args, console) -> int:
         print(yaml_path.resolve())
         return 0
     return _profile_engine(args, overrides, out_dir, console)
+
+
+def _overrides_text(overrides: list[str]) -> str:
+    keep = [o for o in overrides if not o.startswith(("executor=", "output.", "hardware="))]
+    return " ".join(shlex.quote(o) for o in keep) or "<your settings>"
 
 
 def _print_fit(console, name, fit) -> None:
@@ -181,6 +187,7 @@ def _profile_engine(args, overrides, out_dir: Path, console) -> int:
     _print_fit(console, name, fit)
     print(csv_path.resolve())
     print(yaml_path.resolve())
+    print(runs_fit_note(name, str(csv_path), _overrides_text(overrides)), file=sys.stderr)
     return 0
 
 
@@ -301,7 +308,7 @@ def _configs(overrides: list[str]) -> tuple[RunSpec, RunSpec]:
     real = compose_spec(base + ["executor=torch"] + ex_ovs)
     # The real engine on CPU sends with gloo's blocking send: model it (executor.blocking_send).
     blocking = "true" if real.settings.executor.settings.device == "cpu" else "false"
-    sim = compose_spec(base + ["executor=sim", f"executor.blocking_send={blocking}"])
+    sim = compose_spec(base + ["executor=sim", f"executor.blocking_send={blocking}", f"executor.host_device={blocking}"])
     return real, sim
 
 
@@ -320,6 +327,8 @@ def _validate(args, console) -> int:
         rows = _validate_point(real, sim, out_dir, label, console, args.num_mbs)
         print(format_table(rows))
         print(out_dir.resolve())
+        if not fitted_on_runs(hw):
+            print(runs_fit_note(hw, None, _overrides_text(overrides)), file=sys.stderr)
         return 0
     top = Path(args.out) if args.out else Path(points[0][1].output.dir) / "validate" / f"{stamp}_matrix-{hw}"
     console.print(f"validate: {len(points)} points (real then sim each), hardware={hw}")
@@ -335,6 +344,8 @@ def _validate(args, console) -> int:
         _write_matrix(top, summary)  # after every point: an interrupted matrix keeps what it has
     print(format_matrix(summary))
     print(top.resolve())
+    if not fitted_on_runs(hw):
+        print(runs_fit_note(hw, None, _overrides_text(overrides)), file=sys.stderr)
     return 0 if all(r["status"] == "ok" for r in summary) else 1
 
 

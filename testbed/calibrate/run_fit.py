@@ -49,6 +49,7 @@ from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel
 from engine.base.errors import ConfigError
 from engine.pricing.hardware import HardwareSpec
 from engine.pricing.profile_table import ProfileTable
+from testbed.calibrate.cpu_sampling_fit import cpu_sampling_samples, fit_cpu_sampling
 from testbed.calibrate.fit import FORWARD_PARAMS, _nnls
 from testbed.calibrate.runs import RealRun, ReplayedBatch, replayed_batches
 
@@ -326,6 +327,8 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
         base = replace(base, kernels=dict(base.kernels, **kernels))
     result = RunFit(fitted, counts={"forward": len(fwd), "runs": len(runs)}, kernels=kernels)
     _fit_linear_terms(result, data, model.vocab_size)
+    result.coefficients.update(fit_cpu_sampling(cpu_sampling_samples(runs), model.vocab_size,
+                                                result.coefficients.get("return_fixed_s", 0.0)))
     cost = _cost(model, base, pp, split, dict(base_vals, **result.coefficients))
     result.errors = _error_rows("forward", [s.kind for s in fwd],
                                 [cost.stage_compute_s(s.stage, s.shape) for s in fwd], [s.time_s for s in fwd])

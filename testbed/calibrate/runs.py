@@ -37,7 +37,7 @@ from testbed.config.spec import RunSpec
 
 RUN_FILES = ("config.yaml", "requests.csv", "microbatches.csv", "summary.json")
 # Span names the stages record (engine/torch_exec/worker.py); forward spans are "forward:<kind>".
-STAGE_SPANS = ("prepare", "forward", "sample", "send", "recv", "wait")
+STAGE_SPANS = ("prepare", "forward", "sample", "send", "recv", "wait", "to_samplers")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class StageSpans:
     recv_start: float | None
     recv_end: float | None
     busy_end: float | None  # when the stage was done with this micro-batch (its last span but waits)
+    handoff: float | None = None  # runtime.cpu_sampling: the last stage sending its logits to the samplers
 
 
 @dataclass(frozen=True)
@@ -112,12 +113,31 @@ def load_run(path: str | Path, need_trace: bool = False) -> RealRun:
     if spec.settings.executor.name != "torch":
         raise ConfigError(f"run {path} ran executor={spec.settings.executor.name}: calibrate from real "
                           "(executor=torch) runs")
-    requests = [Request(int(r.request_id), float(r.arrival_s), int(r.prompt_len), int(r.output_len))
-                for r in reqs.itertuples()]
+    requests = with_prompt_texts(spec, [Request(int(r.request_id), float(r.arrival_s), int(r.prompt_len),
+                                                int(r.output_len)) for r in reqs.itertuples()])
     spans = read_spans(path / "trace.json", len(mbs)) if (path / "trace.json").is_file() else None
     if need_trace and spans is None:
         raise ConfigError(f"run {path} has no trace.json: rerun it with output.trace=full")
     return RealRun(path, spec, requests, mbs, summary, spans)
+
+
+def with_prompt_texts(spec: RunSpec, requests: list[Request]) -> list[Request]:
+    """The run's requests rebuilt from its workload where the data directory has it and they are
+    the same (id, arrival, lengths): they carry the prompts' text, which requests.csv does not, and
+    TD-Pipe's predictor finds its training set by them. Without it a ShareGPT replay trained on the
+    run's own requests (warned: leaks) where the engine had trained on the data set minus the run."""
+    from engine.base.errors import TestbedError
+    from workloads.base import build_workload
+
+    try:
+        built = build_workload(spec.workload, spec.data_dir)
+    except (TestbedError, OSError, ValueError):
+        return requests
+    same = len(built) == len(requests) and all(
+        (a.request_id, a.prompt_len, a.output_len) == (b.request_id, b.prompt_len, b.output_len)
+        and abs(a.arrival_s - b.arrival_s) < 1e-6 for a, b in zip(built, requests))
+    return [Request(b.request_id, b.arrival_s, b.prompt_len, b.output_len, a.prompt_text)
+            for a, b in zip(built, requests)] if same else requests
 
 
 def read_spans(path: Path, num_mbs: int) -> dict[tuple[int, int], dict[str, tuple[float, float]]]:
@@ -338,7 +358,7 @@ def _stage_spans(spans: dict[str, tuple[float, float]]) -> StageSpans:
 
     ends = [s + d for name, (s, d) in spans.items() if name != "wait"]
     return StageSpans(start("prepare"), dur("prepare"), dur("forward"), end("sample"), dur("sample"),
-                      start("send"), start("recv"), end("recv"), max(ends) if ends else None)
+                      start("send"), start("recv"), end("recv"), max(ends) if ends else None, dur("to_samplers"))
 
 
 def group_by_setting(runs: Sequence[RealRun]) -> dict[str, list[RealRun]]:

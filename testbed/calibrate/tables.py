@@ -363,7 +363,7 @@ def shipped_specs(fits: dict[str, KernelFit], date: str) -> list[tuple[HardwareS
         h = fits["h100"]
         host = [] if h.host else ["host costs: none measured on H100 hosts; A100 host fit used"]
         hfit = replace(h, host=h.host or (fits["a100"].host if "a100" in fits else None))
-        add(get_hardware("h100-80g-roofline"), "h100-80g", hfit, "kernels fitted to H100 tables (a vLLM-class engine: kernel time only; this project's torch engine on an H100 is h100-80g-torch-engine)",
+        add(get_hardware("h100-80g-roofline"), "h100-80g", hfit, "kernels fitted to H100 tables (a vLLM-class engine: kernel time only; this project's torch engine on an H100 (main 1a5c8d9) is h100-80g-torch-engine-1a5c8d9)",
             _link_fields(h, "h100_dgx"), host + ["links: h100_dgx inside one node (NVSwitch)"])
     if "a40" in fits:
         f = fits["a40"]

@@ -39,7 +39,9 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # no alignment specialisation on any pointer, no value specialisation on a data-dependent size:
+    # one variant per dtype, compiled at start-up (engine/torch_exec/kernels/paged_attention.py)
+    @triton.jit(do_not_specialize_on_alignment=["x_ptr", "r_ptr", "w_ptr", "h_ptr", "ro_ptr"])
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, ro_ptr, stride_x, stride_r, stride_h, stride_ro,
                              N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -65,7 +67,8 @@ if HAVE_TRITON:
         b = (x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)
         return a.to(dt), b.to(dt)
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=["q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "kc_ptr", "vc_ptr",
+                                                "slots_ptr", "qo_ptr"])
     def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_ptr, qo_ptr,
                               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                               stride_cos, stride_sin, stride_qot, stride_qoh, stride_ch, stride_cs,
@@ -103,7 +106,7 @@ if HAVE_TRITON:
         tl.store(vc_ptr + dst, tl.load(vp, mask=km).to(vc_ptr.dtype.element_ty), mask=km)
         tl.store(vc_ptr + dst + HALF, tl.load(vp + HALF, mask=km).to(vc_ptr.dtype.element_ty), mask=km)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["g_ptr", "u_ptr", "o_ptr"])
     def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n

@@ -44,12 +44,20 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per loop step
 
 
+# Triton specialises a kernel on each pointer argument's 16-byte alignment and each integer's being 1
+# or a multiple of 16, and compiles a new variant the first time a combination is seen: ~0.5-1 s on
+# an H100 mid-run when the on-disk cache was cold. The index arrays (block tables, query starts,
+# contexts, tiles, slots) are views into one packed buffer at data-dependent offsets
+# (engine/torch_exec/tensors/inputs.py), so their alignment changes from step to step: all 8 stalls
+# of the 1a5c8d9 H100 runs fall on a micro-batch whose key was new once that is counted (the table
+# width, `stride_tab`, explained 3). No pointer argument is specialised on alignment and no
+# data-dependent integer on its value: one variant per tile size and dtype, compiled at start-up
+# (`compiled_variants` counts them; tests/test_engine_gpu.py checks none is added by a run).
+NO_ALIGN = dict(do_not_specialize_on_alignment=["tables_ptr", "qstart_ptr", "ctx_ptr", "tile_seq_ptr",
+                                                "tile_idx_ptr", "q_ptr", "k_ptr", "v_ptr", "o_ptr"])
+
 if HAVE_TRITON:
-    # The block table's row stride is its width, the longest table of the batch: Triton would compile
-    # a variant of the kernel each time it became 1 or a multiple of 16 (its integer specialisation),
-    # ~0.5-1 s each mid-run on an H100 when the on-disk cache was cold (the stalls in
-    # docs/calibrate-runs.md). Not specialised on it, one variant per tile size.
-    @triton.jit(do_not_specialize=["stride_tab"])
+    @triton.jit(do_not_specialize=["stride_tab"], **NO_ALIGN)
     def _paged_attn_kernel(
             q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, qstart_ptr, ctx_ptr, tile_seq_ptr, tile_idx_ptr,
             sm_scale_log2,
@@ -118,7 +126,7 @@ if HAVE_TRITON:
         o_ptrs = o_ptr + (q0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=["k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "slots_ptr"])
     def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr,
                          stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_ch, stride_cs,

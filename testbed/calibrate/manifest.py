@@ -1,0 +1,171 @@
+"""A declared split of real runs: which runs a profile is fitted on, which choose its options, which test it.
+
+    testbed calibrate runs measurements/cpu-tiny-llama/manifest.yaml --profile cpu-tiny-llama-pp2-runs ...
+    testbed validate --runs measurements/cpu-tiny-llama/manifest.yaml hardware=<profile> [--test]
+
+Why: the H100 profiles of issue 35 had their cost-model pass, their refits, whether a profile table
+joined the fit and the stall thresholds all chosen by looking at the held-out runs' errors; with one
+or two held-out runs per workload those errors were optimistic. A manifest is committed before the
+fit (git log shows the order) and names, per profile:
+
+- `fit`: the runs `calibrate runs` fits on (nothing else is read for the fit);
+- `validation`: the runs that choose the fit's options (`options:` lists the candidates, e.g.
+  `table: [null, profiles/x.csv]`);
+- `test`: the runs that say how good the chosen profile is. `validate --runs <manifest> --test`
+  reports them and appends a line to `test_reports.log` beside the manifest; a second report for the
+  same profile name says so (its test runs have then been looked at twice: say it when quoting).
+
+The runs live packed (`runs: runs.tar.xz`, a few MB) in the repository's measurements/ folder and are
+unpacked once into a cache keyed by the archive's hash (`unpacked`).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.base.errors import ConfigError
+
+SETS = ("fit", "validation", "test")
+PROFILE_KEYS = {"base", "options", *SETS}
+MEASUREMENTS_DIR = Path(__file__).resolve().parents[2] / "measurements"
+
+
+@dataclass(frozen=True)
+class Split:
+    """One profile's declared split (module docstring)."""
+
+    name: str
+    base: str | None
+    options: dict = field(default_factory=dict)
+    fit: tuple[str, ...] = ()
+    validation: tuple[str, ...] = ()
+    test: tuple[str, ...] = ()
+
+    def set_of(self, run: str) -> str:
+        return next(s for s in SETS if run in getattr(self, s))
+
+    def runs(self, sets: tuple[str, ...] = SETS) -> tuple[str, ...]:
+        return tuple(r for s in sets for r in getattr(self, s))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    runs_dir: Path
+    profiles: dict[str, Split]
+
+    def split(self, profile: str | None) -> Split:
+        if profile is None and len(self.profiles) == 1:
+            return next(iter(self.profiles.values()))
+        if profile not in self.profiles:
+            raise ConfigError(f"--profile {profile!r} is not in {self.path}; valid choices: "
+                              f"{', '.join(self.profiles)}")
+        return self.profiles[profile]
+
+    def run_dir(self, name: str) -> Path:
+        return self.runs_dir / name
+
+    def resolve(self, relative: str) -> Path:
+        """A file the manifest names (a profile table), relative to its folder."""
+        return (self.path.parent / relative).resolve()
+
+
+def is_manifest(paths: list[str]) -> bool:
+    """`--runs X.yaml` / `calibrate runs X.yaml`: one YAML file, not run directories."""
+    return len(paths) == 1 and paths[0].endswith((".yaml", ".yml")) and Path(paths[0]).is_file()
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read and check a manifest: every run named once, in one set, and present in its archive."""
+    import yaml
+
+    path = Path(path)
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read manifest {path}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(tree, dict) or not isinstance(tree.get("profiles"), dict) or "runs" not in tree:
+        raise ConfigError(f"manifest {path} needs `runs:` (a folder or .tar.xz) and `profiles:` (name -> split)")
+    runs = path.parent / str(tree["runs"])
+    runs_dir = unpacked(runs) if runs.is_file() else runs
+    if not runs_dir.is_dir():
+        raise ConfigError(f"manifest {path}: runs {runs} is neither a folder nor an archive")
+    profiles = {name: _split(path, str(name), body) for name, body in tree["profiles"].items()}
+    for split in profiles.values():
+        missing = [r for r in split.runs() if not (runs_dir / r).is_dir()]
+        if missing:
+            raise ConfigError(f"manifest {path}: {split.name} names runs not in {runs}: {', '.join(missing[:5])}")
+    _register_profiles(path.parent / "profiles")
+    return Manifest(path, runs_dir, profiles)
+
+
+def _register_profiles(folder: Path) -> None:
+    """The profiles kept beside the runs (the `testbed profile` bases and the profiles fitted on
+    them): `hardware=<name>` and `base:` find them once a manifest is read."""
+    if folder.is_dir():
+        from testbed.config.composer import _skip_profile
+        from testbed.config.profiles import load_profiles_dir
+
+        load_profiles_dir(folder, on_error=_skip_profile)
+
+
+def _split(path: Path, name: str, body) -> Split:
+    if not isinstance(body, dict) or set(body) - PROFILE_KEYS:
+        bad = sorted(set(body) - PROFILE_KEYS) if isinstance(body, dict) else [type(body).__name__]
+        raise ConfigError(f"manifest {path}: profile {name} has {', '.join(map(str, bad))}; valid keys: "
+                          f"{', '.join(sorted(PROFILE_KEYS))}")
+    sets = {s: tuple(str(r) for r in (body.get(s) or ())) for s in SETS}
+    seen: dict[str, str] = {}
+    for s, names in sets.items():
+        for r in names:
+            if r in seen:
+                raise ConfigError(f"manifest {path}: run {r} is in both {seen[r]} and {s} of {name}")
+            seen[r] = s
+    if not sets["fit"]:
+        raise ConfigError(f"manifest {path}: profile {name} has no fit runs")
+    return Split(name, body.get("base"), dict(body.get("options") or {}), **sets)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TESTBED_CACHE_DIR") or Path.home() / ".cache" / "testbed") / "measurements"
+
+
+def unpacked(archive: Path) -> Path:
+    """The archive's folder tree, unpacked once into the cache (keyed by its content hash, so an
+    updated archive is unpacked afresh); only regular files and folders, nothing outside it."""
+    import shutil
+
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:16]
+    dest = cache_root() / f"{archive.parent.name}-{digest}"
+    if not (dest / ".unpacked").is_file():
+        tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        (tmp / ".unpacked").write_text(str(archive))
+        try:
+            tmp.rename(dest)  # atomic: a concurrent unpack of the same archive leaves one copy
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (dest / ".unpacked").is_file():
+                raise ConfigError(f"cannot unpack {archive} into {dest}") from None
+    inner = [p for p in dest.iterdir() if p.is_dir()]
+    return inner[0] if len(inner) == 1 else dest
+
+
+def record_test_report(manifest: Manifest, split: Split, hardware: str, version: str) -> list[str]:
+    """Append this test report to `test_reports.log` beside the manifest; the earlier lines for the
+    same profile (a test set looked at again after a refit is no longer untouched)."""
+    log = manifest.path.parent / "test_reports.log"
+    earlier = [ln for ln in (log.read_text().splitlines() if log.is_file() else []) if f" {split.name} " in ln]
+    try:
+        with log.open("a") as fh:
+            fh.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {split.name} hardware={hardware} "
+                     f"version={version} test_runs={len(split.test)}\n")
+    except OSError:
+        pass  # a read-only checkout: the report still prints
+    return earlier
