@@ -94,6 +94,7 @@ class KernelFit:
     held_out: dict[str, KernelCoefficients] = field(default_factory=dict)
     # the fastest large weight stream of the GEMM rows, a fraction of peak bandwidth (calibrate/borrowed.py)
     stream_cap: float | None = None
+    host_model: object = None  # testbed/calibrate/host_fit.py HostModel: every code version and TP class
 
 
 def layer_shape(meta: dict, tp: int) -> LayerShape:
