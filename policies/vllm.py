@@ -56,7 +56,8 @@ class VllmParams:
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 0:
-            raise bad_value("policy.max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1, or 0 for vLLM's default")
+            raise bad_value("policy.max_num_batched_tokens", self.max_num_batched_tokens,
+                            "must be >= 1, or 0 for vLLM's default")
         if self.max_num_seqs < 1:
             raise bad_value("policy.max_num_seqs", self.max_num_seqs, "must be >= 1")
         if self.runtime not in RUNTIMES:

@@ -52,7 +52,8 @@ def main(argv: list[str]) -> int:
     for arg in argv:
         b = breakdown(Path(arg))
         print(f"{arg}: span {b['span_s']:.1f} s")
-        print(f"  {'stage':8s} {'compute':>8s} {'host':>6s} {'bubble':>7s} {'mbs':>6s} {'ms/mb compute':>14s} {'host':>6s}")
+        head = ("stage", "compute", "host", "bubble", "mbs", "ms/mb compute", "host")
+        print("  {:8s} {:>8s} {:>6s} {:>7s} {:>6s} {:>14s} {:>6s}".format(*head))
         for s, r in b["stages"].items():
             print(f"  {s:8s} {r['compute']:8.1%} {r['host']:6.1%} {r['bubble']:7.1%} {r['micro_batches']:6d} "
                   f"{r['compute_ms_per_mb']:14.2f} {r['host_ms_per_mb']:6.2f}")

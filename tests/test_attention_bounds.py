@@ -12,7 +12,8 @@ from engine.pricing.kernels import KernelCoefficients, LayerKernels, LayerShape
 from engine.pricing.models import get_model
 from engine.pricing.prefill_blocks import block_makespan_s
 
-PROFILES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "engine" / "pricing" / "hardware_profiles").glob("*.yaml"))
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "engine" / "pricing" / "hardware_profiles"
+PROFILES = sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
 # (model, TP degrees): query heads a GPU from 5 (qwen2.5-32b at TP 8) to 64, MHA and GQA
 SHAPES = [("llama2-70b", (1, 2, 4, 8)), ("qwen2.5-32b", (1, 2, 4, 8)), ("qwen2.5-7b", (1, 2, 4)),
           ("llama2-13b", (1, 2, 4))]

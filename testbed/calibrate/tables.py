@@ -347,7 +347,7 @@ def _fit_host(fit: KernelFit, tables: PublishedTables) -> None:
     fit.host_model = model
     if model is None:
         return
-    groups = set(model.fixed.get("prepare", {})) & set(model.fixed.get("sample", {})) & set(model.fixed.get("schedule", {}))
+    groups = set.intersection(*(set(model.fixed.get(op, {})) for op in ("prepare", "sample", "schedule")))
     if not groups:
         return
     # the shipped group when measured, else a TP-1 group (a user's tables: their own code version)
