@@ -84,9 +84,9 @@ class VllmPolicy(Policy):
                 "max_num_seqs": trial.suggest_categorical("max_num_seqs", [64, 128, 256, 512])}
 
     def start(self, view: SchedulerView) -> None:
-        if self.params.runtime == "v0" and not self.params.max_num_batched_tokens:
-            model = getattr(view.cost_model, "model", None)
-            self._budget = max(getattr(model, "max_position_embeddings", 2048), 2048)
+        model = getattr(view.cost_model, "model", None)
+        if self.params.runtime == "v0" and not self.params.max_num_batched_tokens and model is not None:
+            self._budget = max(model.max_position_embeddings, 2048)  # without a model: 8,192
 
     def schedule(self, view: SchedulerView):
         """Serve the first idle virtual engine (round robin) that has work; an engine with
