@@ -140,6 +140,7 @@ class MoLinkPolicy(VllmPolicy):
         return {"extension_k": best, "extension_scores": scores}
 
     def start(self, view: SchedulerView) -> None:
+        super().start(view)  # vLLM's prompt budget for the model
         self._cost = view.cost_model
         self._bind(view.link_bandwidth_Bps, view.link_latency_s)
         self._k = self._count(view)

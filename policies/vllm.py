@@ -1,38 +1,67 @@
 """Separate batching, the "PP+SB" baseline: vLLM's classic (v0) scheduler (SOSP'23; docs/policies.md#vllm).
 
-A micro-batch is prefill-only (whole prompts, up to `max_num_batched_tokens` and
-`max_num_seqs`) whenever waiting prompts fit in KV; otherwise decode-only. Prefill first.
+A micro-batch is prefill-only (whole prompts, up to `max_num_batched_tokens` and `max_num_seqs`)
+whenever waiting prompts fit in KV; otherwise decode-only. Prefill first.
 
-vLLM runs PP with one scheduler per "virtual engine" (one per stage): each micro-batch slot has
-its own running set, so the P in-flight batches hold disjoint sequences and similar sizes.
-`virtual_engines=true` (default) models that: a sequence belongs to the virtual engine that
-admitted it, and a free slot is served by a virtual engine with nothing in flight. With
-`virtual_engines=false` one scheduler serves every slot and takes every idle decode at once,
-which starves the other slots (the PP pitfall of vllm issue 41682) -- kept as a switch to show it.
+`runtime=v0` (default) is vLLM's pipeline-parallel runtime as the seed papers ran it (TD-Pipe on
+vLLM 0.5.3, MoLink on 0.7.2, gLLM on 0.8.1; the three versions agree on every point below, read
+from their sources):
+- One `Scheduler` per virtual engine, P of them (`LLMEngine.__init__`, vllm/engine/llm_engine.py),
+  each with 1/P of the KV blocks (`Scheduler.__init__`, vllm/core/scheduler.py: `num_gpu_blocks //=
+  pipeline_parallel_size`) and the full `max_num_seqs` / `max_num_batched_tokens` budget (one
+  `SchedulerConfig` shared by all).
+- A request joins, on arrival, the waiting queue of the virtual engine with the fewest unfinished
+  sequence groups, the first on a tie (`LLMEngine.add_request`: `costs.index(min(costs))`), and
+  stays there: a preempted sequence waits again at the front of its own engine's queue.
+- Prefill admission (`Scheduler._schedule_prefills`): FCFS over the engine's own queue, stopping at
+  the first prompt its share of KV cannot take with the watermark (`BlockSpaceManager.can_allocate`,
+  1% of the blocks) or the budget cannot; decodes only when no prompt was admitted
+  (`Scheduler._schedule_default`); a decode that finds no free block preempts the engine's latest
+  running sequence (`_schedule_running`, recompute).
+- `max_num_batched_tokens` defaults to max(max_model_len, 2048) without chunked prefill
+  (`SchedulerConfig.__init__`, vllm/config.py); chunked prefill is off unless max_model_len > 32k
+  (`EngineArgs`), which no separate-batching study uses.
+- How a stage waits: each virtual engine has one step in flight (`AsyncLLMEngine.run_engine_loop`
+  awaits `engine_step(ve)` before the next); every stage runs the steps in the order they were
+  issued (`MultiprocessingGPUExecutorAsync._driver_execute_model_async`: one asyncio lock per
+  stage). Output processing is synchronous: 0.5.3 has no async output processor, and 0.7.2 / 0.8.1
+  turn it off for PP (`ModelConfig.verify_async_output_proc`,
+  `verify_with_parallel_config`); the cost model's host terms price the step, this policy adds none.
+`runtime=shared` is this testbed's earlier idealisation, kept to show what the split costs: one KV
+pool, a free virtual engine admits any waiting prompt, `max_num_batched_tokens` 8192 by default.
+`virtual_engines=false` makes one scheduler serve every slot (the PP pitfall of vllm issue 41682).
 A prompt longer than `max_num_batched_tokens` is admitted alone rather than never.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.batch import MicroBatch
 from engine.base.errors import bad_value
+from engine.core.batch import MicroBatch
 from engine.core.policy import Policy, SchedulerView, register_policy
 from engine.core.request import SeqStatus, Sequence
 from policies.common import add_decode_or_preempt
 
+RUNTIMES = ("v0", "shared")
+SHARED_BATCHED_TOKENS = 8192  # the `shared` idealisation's budget (this testbed's earlier default)
+WATERMARK = 0.01  # vLLM's `CacheConfig.watermark`: blocks a prefill admission must leave free
+
 
 @dataclass(frozen=True)
 class VllmParams:
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = 0  # 0: vLLM's default (v0: max(max_model_len, 2048); shared: 8192)
     max_num_seqs: int = 256  # vLLM's default, per virtual engine
     virtual_engines: bool = True
+    runtime: str = "v0"
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise bad_value("policy.max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
+        if self.max_num_batched_tokens < 0:
+            raise bad_value("policy.max_num_batched_tokens", self.max_num_batched_tokens,
+                            "must be >= 1, or 0 for vLLM's default")
         if self.max_num_seqs < 1:
             raise bad_value("policy.max_num_seqs", self.max_num_seqs, "must be >= 1")
+        if self.runtime not in RUNTIMES:
+            raise bad_value("policy.runtime", self.runtime, f"choose one of {', '.join(RUNTIMES)}")
 
 
 @register_policy("vllm")
@@ -41,26 +70,36 @@ class VllmPolicy(Policy):
 
     def __init__(self, params=None) -> None:
         super().__init__(params)
-        self._engine_of: dict[int, int] = {}  # seq id -> virtual engine that admitted it
+        self._engine_of: dict[int, int] = {}  # seq id -> its virtual engine
         self._members: dict[int, dict[int, Sequence]] = {}  # engine -> its running seqs, admission order
+        self._unfinished: dict[int, int] = {}  # v0: engine -> its unfinished sequences (waiting or running)
         self._busy: set[int] = set()  # virtual engines with a micro-batch in flight
         self._next = 0  # round-robin start
+        self._v0 = self.params.runtime == "v0" and self.params.virtual_engines
+        self._budget = self.params.max_num_batched_tokens or SHARED_BATCHED_TOKENS
 
     @classmethod
     def search_space(cls, trial) -> dict:
         return {"max_num_batched_tokens": trial.suggest_categorical("max_num_batched_tokens", [2048, 4096, 8192, 16384]),
                 "max_num_seqs": trial.suggest_categorical("max_num_seqs", [64, 128, 256, 512])}
 
+    def start(self, view: SchedulerView) -> None:
+        model = getattr(view.cost_model, "model", None)
+        if self.params.runtime == "v0" and not self.params.max_num_batched_tokens and model is not None:
+            self._budget = max(model.max_position_embeddings, 2048)  # without a model: 8,192
+
     def schedule(self, view: SchedulerView):
         """Serve the first idle virtual engine (round robin) that has work; an engine with
         nothing to do must not block another whose sequences hold the KV."""
         p = self.params
         engines = self.num_engines(view) if p.virtual_engines else 1
+        if self._v0:
+            self._assign_arrivals(view, engines)
         for i in range(engines):
             ve = (self._next + i) % engines
             if ve in self._busy:
                 continue
-            mb = self._schedule_engine(view, ve)
+            mb = self._schedule_engine(view, ve, engines)
             if mb is not None:
                 self._next = (ve + 1) % engines
                 mb.tags["ve"] = ve
@@ -73,7 +112,22 @@ class VllmPolicy(Policy):
         """One virtual engine per micro-batch slot (vLLM: one per stage, P by default)."""
         return self.max_inflight(view)
 
-    def _schedule_engine(self, view: SchedulerView, ve: int):
+    def _assign_arrivals(self, view: SchedulerView, engines: int) -> None:
+        """Arrivals not yet placed join the engine with the fewest unfinished sequences. They are
+        the tail of the waiting queue (arrivals are appended; preempted sequences, placed long
+        ago, go to its front), placed in arrival order."""
+        new = []
+        for seq in reversed(view.waiting):
+            if seq.seq_id in self._engine_of:
+                break
+            new.append(seq)
+        counts = self._unfinished
+        for seq in reversed(new):
+            ve = min(range(engines), key=lambda e: counts.get(e, 0))
+            self._engine_of[seq.seq_id] = ve
+            counts[ve] = counts.get(ve, 0) + 1
+
+    def _schedule_engine(self, view: SchedulerView, ve: int, engines: int):
         p = self.params
         if p.virtual_engines:
             decoding, prefilling = SeqStatus.DECODING, SeqStatus.PREFILLING  # `is_running`, inlined
@@ -81,28 +135,51 @@ class VllmPolicy(Policy):
                     if (st := s.status) is decoding or st is prefilling]
         else:
             mine = [s for s in view.running if not s.in_flight]
-        mb = self._prefill_batch(view, ve, len(mine) if p.virtual_engines else view.num_running)
-        return mb if mb is not None else self._decode_batch(view, mine)
+        free = self._kv_share_free(view, mine, engines) if self._v0 else None
+        mb = self._prefill_batch(view, ve, len(mine) if p.virtual_engines else view.num_running, free, mine)
+        return mb if mb is not None else self._decode_batch(view, mine, free)
 
-    def _prefill_batch(self, view: SchedulerView, ve: int, running: int) -> MicroBatch | None:
+    def _kv_share_free(self, view: SchedulerView, mine: list[Sequence], engines: int) -> int:
+        """Free blocks of this engine's 1/P share of the cache."""
+        return view.kv_total_blocks // engines - sum(view.kv_blocks_of(s) for s in mine)
+
+    def _prefill_batch(self, view: SchedulerView, ve: int, running: int, free: int | None,
+                       mine: list[Sequence]) -> MicroBatch | None:
         p = self.params
         b = view.new_batch()
         b.tags["phase"] = "prefill"
+        if free is not None:  # the share less the watermark
+            watermark = int(WATERMARK * (view.kv_total_blocks // max(1, self.num_engines(view))))
+            b.free_blocks = min(b.free_blocks, free - watermark)
         for seq in view.waiting:
+            if self._v0 and self._engine_of.get(seq.seq_id) != ve:
+                continue
             if running >= p.max_num_seqs:
                 break
             n = seq.remaining_prefill
-            if b.num_prefill_tokens + n > p.max_num_batched_tokens and b.num_seqs > 0:
+            if b.num_prefill_tokens + n > self._budget and b.num_seqs > 0:
                 break
             if not b.add_prefill(seq, n, reserve_tokens=seq.prefill_target):
-                break
+                if not (free is not None and not mine and not b.num_seqs and self._alone(view, b, seq, n)):
+                    break
             self._admit(seq, ve)
             running += 1
         return view.finish(b)
 
-    def _decode_batch(self, view: SchedulerView, mine: list[Sequence]) -> MicroBatch | None:
+    @staticmethod
+    def _alone(view: SchedulerView, b, seq: Sequence, n: int) -> bool:
+        """A prompt larger than an empty engine's share goes alone on the whole cache (vLLM
+        would ignore it: `AllocStatus.NEVER`); nothing else joins it."""
+        b.free_blocks = view.kv_free_blocks
+        ok = b.add_prefill(seq, n, reserve_tokens=seq.prefill_target)
+        b.free_blocks = 0
+        return ok
+
+    def _decode_batch(self, view: SchedulerView, mine: list[Sequence], free: int | None) -> MicroBatch | None:
         b = view.new_batch()
         b.tags["phase"] = "decode"
+        if free is not None:
+            b.free_blocks = min(b.free_blocks, free)
         decoding = SeqStatus.DECODING
         decodes = [s for s in mine if s.status is decoding]
         first = b.add_decodes(decodes, self.params.max_num_seqs)  # all that fit in one call, the common case
@@ -116,19 +193,23 @@ class VllmPolicy(Policy):
 
     def _admit(self, seq: Sequence, ve: int) -> None:
         old = self._engine_of.get(seq.seq_id)
-        if old is not None:  # re-admitted after preemption: move to the new engine, at the end
+        if old is not None and old in self._members:  # re-admitted after preemption: at the end
             self._members[old].pop(seq.seq_id, None)
-        self._engine_of[seq.seq_id] = ve
+        if not self._v0:
+            self._engine_of[seq.seq_id] = ve
         self._members.setdefault(ve, {})[seq.seq_id] = seq
 
-    def on_abort(self, view: SchedulerView, seq: Sequence) -> None:
+    def _forget(self, seq: Sequence) -> None:
         ve = self._engine_of.pop(seq.seq_id, None)
         if ve is not None:
-            self._members[ve].pop(seq.seq_id, None)
+            self._members.setdefault(ve, {}).pop(seq.seq_id, None)
+            if self._v0:
+                self._unfinished[ve] -= 1
+
+    def on_abort(self, view: SchedulerView, seq: Sequence) -> None:
+        self._forget(seq)
 
     def on_complete(self, view: SchedulerView, micro_batch: MicroBatch, finished) -> None:
         self._busy.discard(micro_batch.tags.get("ve"))
         for seq in finished:
-            ve = self._engine_of.pop(seq.seq_id, None)
-            if ve is not None:
-                self._members[ve].pop(seq.seq_id, None)
+            self._forget(seq)

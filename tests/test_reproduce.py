@@ -133,7 +133,10 @@ def test_user_value_replaces_the_studys_and_a_comma_list_replaces_an_axis():
 def test_sipipe_study_uses_the_first_registered_policy():
     plan, notes = _plan("sipipe-ablation")
     wanted = "sipipe" if "sipipe" in POLICIES else "sarathi"
-    assert all(f"policy={wanted}" in ovs and "policy.max_num_seqs=512" in ovs for ovs in plan.values())
+    assert all(f"policy={wanted}" in ovs for ovs in plan.values())
+    # 512 sequences per micro-batch: 512 x P running (the part's count replaces the policy line's 512)
+    assert all(f"policy.max_num_seqs={512 * (2 if part == 'p2-tp4' else 4)}" in ovs
+               and "policy.max_num_seqs=512" not in ovs for (part, _), ovs in plan.items())
     if wanted == "sarathi":
         assert any("policy sipipe is not registered" in n for n in notes)
     plan, _ = _plan("sipipe-ablation", "policy=sarathi")  # one policy in the study: the switch is allowed

@@ -47,17 +47,16 @@ def test_each_feature_shortens_the_run(runs):
     # CPU sampling removes the last stage's extra work (load-imbalance bubble) ...
     u_off, u_cpu = base["stage_utilization"], runs["cpu_sampling"].summary["stage_utilization"]
     assert u_off[-1] - u_off[0] > 0.05 and u_cpu[-1] - u_cpu[0] < u_off[-1] - u_off[0]
-    # ... but with the cost model's default CPU sampler cost (128 us per row of a 128k vocab, 4
-    # samplers) and P micro-batches in flight, the longer round trip eats the gain at this
-    # scale: throughput stays within 1% (measured 2675 vs 2689 tok/s).
-    assert runs["cpu_sampling"].summary["throughput_tok_s"] > 0.99 * base["throughput_tok_s"]
-    for f in ("overlap_input_prep", "structure_aware_transfer", "all"):
+    # ... but this project's CPU sampler, measured at SiPipe's settings (temperature, top-p/top-k,
+    # penalties: 60 ns per row x vocabulary entry, engine/pricing/measured/cpu_sampler.json), takes
+    # 7.7 ms a row of a 128k vocabulary on each of 4 samplers: they become the bottleneck and the
+    # run is ~3x slower (measured 926 vs 2,876 tok/s).
+    assert runs["cpu_sampling"].summary["throughput_tok_s"] < 0.5 * base["throughput_tok_s"]
+    for f in ("overlap_input_prep", "structure_aware_transfer"):
         s = runs[f].summary
         assert s["num_finished"] == base["num_finished"]
         assert s["throughput_tok_s"] > base["throughput_tok_s"], f
-    assert runs["all"].summary["throughput_tok_s"] > max(runs[f].summary["throughput_tok_s"]
-                                                          for f in ("cpu_sampling", "overlap_input_prep",
-                                                                    "structure_aware_transfer"))
+    assert runs["all"].summary["num_finished"] == base["num_finished"]
 
 
 def _names(res):

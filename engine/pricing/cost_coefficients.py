@@ -59,9 +59,13 @@ class CostCoefficients:
     # sequences x 128k vocab: ~22% of an H100 70B stage, the low end of SiPipe's 22-40%.
     sample_fixed_s: float = 500e-6
     sample_per_token_vocab_s: float = 5e-11
-    # CPU sampler (SiPipe): one pass-or-two of vectorised fp32 work per vocabulary entry per core.
+    # CPU sampler (SiPipe): this project's sampler (engine/torch_exec/sampling.py) measured on one
+    # core with SiPipe's settings (temperature, top-p, top-k and all three penalties on): 60 ns per
+    # row x vocabulary entry, 1,000x its greedy path (it sorts the whole vocabulary per row);
+    # engine/pricing/measured/cpu_sampler.json (scripts/measure_cpu_sampler.py) has the points and
+    # provenance. The fixed part (a job's messages) is not measured: 200 us, hand-set.
     cpu_sample_fixed_s: float = 200e-6
-    cpu_sample_per_token_vocab_s: float = 1e-9
+    cpu_sample_per_token_vocab_s: float = 6.016822853693483e-08
     # Extra per-hop cost of a transfer that is not structure-aware (size, metadata blob, then each
     # tensor). SiPipe measured 2-5 ms per hop; we take the low end, consistent with its 3-6%
     # end-to-end gain from structure-aware transmission.

@@ -24,10 +24,13 @@ from engine.pricing.costmodel import BatchShape, CostModel
 from engine.base.errors import ConfigError
 from testbed.calibrate.gpu_tables import PublishedTables, read_published
 from engine.pricing.hardware import HardwareSpec, get_hardware
-from testbed.calibrate.kernel_fit import (DEFAULT_FIT_MODELS, LINEAR_OPS, AttentionShape, Device, KernelFit,
+from testbed.calibrate.kernel_fit import (DEFAULT_FIT_MODELS, LINEAR_OPS, AttentionShape, Device, HostFit, KernelFit,
                                           attention_split, fit_kernels, gqa_points_from, kv_read_cap, layer_shape,
                                           link_features)
 from engine.pricing.kernels import KernelCoefficients, LayerKernels, LayerShape
+from testbed.calibrate.borrowed import borrow_attention, weight_stream_cap
+from testbed.calibrate.host_fit import SHIPPED_GROUP, fit_host_model
+from testbed.calibrate.host_fit import error_rows as host_error_rows
 from engine.pricing.models import ModelSpec
 
 # The device each table was measured on, and the names its fit is shipped under.
@@ -39,7 +42,7 @@ FAMILY_ORDER = ["linear", "gemm", "elementwise", "decode", "prefill", "kv_write"
                 "host"]
 ATTENTION_FAMILIES = ("decode", "prefill", "kv_write")
 TARGETS = {"linear": "median <= 5%, p90 <= 12%", "decode": "median <= 12% per shape", "prefill": "median <= 15% per shape",
-           "layer": "median <= 8%", "send_recv": ">= 1 MiB: <= 10%"}
+           "layer": "median <= 8%", "send_recv": ">= 1 MiB: <= 10%", "host": "median <= 15%, |bias| <= 5%"}
 
 
 def device_spec(device: str) -> HardwareSpec:
@@ -245,6 +248,8 @@ def link_rows(tables: PublishedTables, fit: KernelFit, default: HardwareSpec) ->
 
 
 def host_rows(tables: PublishedTables, fit: KernelFit) -> list[dict]:
+    if fit.host_model is not None:
+        return host_error_rows(tables.host, fit.host_model, _vocab_of(tables))
     h = fit.host
     if h is None:
         return []
@@ -282,7 +287,7 @@ def headline(df: pd.DataFrame) -> pd.DataFrame:
     parts = []
     for fam in FAMILY_ORDER:
         sel = df[df.family == fam]
-        if fam in ("linear", "gemm", "elementwise", "layer", *ATTENTION_FAMILIES):
+        if fam in ("linear", "gemm", "elementwise", "layer", "host", *ATTENTION_FAMILIES):
             sel = sel[sel.held]
         if fam == "send_recv":
             sel = sel[sel.x >= 1 << 20]
@@ -309,6 +314,8 @@ def fit_device(tables: PublishedTables, fit_models, reference: KernelFit | None)
     base = reference.coefficients if reference is not None else None
     fit = fit_kernels(list(tables.compute.values()), tables.attention, tables.network, tables.host,
                       as_device(tables.device), fit_models=fit_models, base=base)
+    fit.stream_cap = weight_stream_cap(tables.compute.values(), fit.device.mem_bw_Bps, layer_shape)
+    _fit_host(fit, tables)
     if reference is not None and tables.attention:
         cap = kv_read_cap(fit.attention, fit.device) or 1.0
         points = gqa_points_from(reference.coefficients, fit.coefficients, cap)
@@ -321,7 +328,38 @@ def fit_device(tables: PublishedTables, fit_models, reference: KernelFit | None)
                              f"capped at {cap:.2f} of peak bandwidth (the most any measured decode row reached)")
     elif reference is not None:
         fit.notes.append(f"attention terms are {reference.device.name}'s fit (no attention table for {tables.device})")
+        fit.coefficients, notes = borrow_attention(fit.coefficients, reference.device.sm_count, fit.device.sm_count,
+                                                   _same_memory(reference.device, fit.device), fit.stream_cap)
+        fit.notes += notes
     return fit
+
+
+def _vocab_of(tables: PublishedTables):
+    vocab = {name.split("/")[-1]: int(t.meta.get("vocab") or 32000) for name, t in tables.compute.items()}
+    return lambda model: vocab.get(model.split("/")[-1], 32000)
+
+
+def _fit_host(fit: KernelFit, tables: PublishedTables) -> None:
+    """The host tables by code version, TP class and vocabulary (testbed/calibrate/host_fit.py); the
+    shipped line is `SHIPPED_GROUP`'s (prepare and schedule per sequence, sampling per sequence x
+    vocabulary entry)."""
+    model = fit_host_model(tables.host, _vocab_of(tables)) if tables.host else None
+    fit.host_model = model
+    if model is None:
+        return
+    groups = set.intersection(*(set(model.fixed.get(op, {})) for op in ("prepare", "sample", "schedule")))
+    if not groups:
+        return
+    # the shipped group when measured, else a TP-1 group (a user's tables: their own code version)
+    g = SHIPPED_GROUP if SHIPPED_GROUP in groups else min(groups, key=lambda k: (k[1] != "1", k))
+    per_vocab = model.per_seq_vocab.get(g[0], 0.0)
+    fit.host = HostFit(model.fixed["prepare"][g], model.per_seq["prepare"][g], model.fixed["sample"][g],
+                       per_vocab, model.fixed["schedule"][g], model.per_seq["schedule"][g], len(model.fixed))
+
+
+def _same_memory(a: Device, b: Device) -> bool:
+    """Same SM count and peak bandwidth: a borrowed attention fit carries across no difference."""
+    return a.sm_count == b.sm_count and a.mem_bw_Bps == b.mem_bw_Bps
 
 
 def _link_fields(fit: KernelFit, setup: str) -> dict:
@@ -356,9 +394,12 @@ def shipped_specs(fits: dict[str, KernelFit], date: str) -> list[tuple[HardwareS
             ["links: TD-Pipe's measured PCIe (20.8 GB/s p2p, 14.7 GB/s all-reduce), not the tables' NVLink"])
         for name, sms in A100_FITTED_KIN.items():
             base = get_hardware(f"{name}-roofline")
-            add(base, name, replace(a, device=replace(a.device, sm_count=sms)),
+            kin = replace(a.device, sm_count=sms, mem_bw_Bps=base.mem_bw_Bps)
+            coeffs, notes = borrow_attention(a.coefficients, a.device.sm_count, sms, _same_memory(a.device, kin),
+                                             a.stream_cap)
+            add(base, name, replace(a, device=kin, coefficients=coeffs),
                 "datasheet peaks with A100-fitted efficiencies (no table for this GPU)", {},
-                [f"no measured table for {name}: A100-fitted efficiencies on its datasheet peaks"])
+                [f"no measured table for {name}: A100-fitted efficiencies on its datasheet peaks", *notes])
     if "h100" in fits:
         h = fits["h100"]
         host = [] if h.host else ["host costs: none measured on H100 hosts; A100 host fit used"]

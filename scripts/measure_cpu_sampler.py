@@ -1,0 +1,124 @@
+"""Measure this project's CPU sampler (engine/torch_exec/sampling.py `Sampler`, what each SiPipe
+sampler process runs per job) on this machine, and fit the cost model's CPU-sampling terms.
+
+One thread (a sampler process owns one core), fp32 logits as the stage sends them, rows x vocab
+over the settings the studies use: greedy; temperature 0.8 with top-p 0.95 and top-k 50; the same
+with SiPipe's penalties on (repetition 1.1, presence 0.1, frequency 0.1). Each point is the fastest
+of `--repeats` calls in the thread's own CPU time (`time.thread_time`: on the shared 2-core machine
+at load ~20 the wall time of a 30 ms sort was inflated 5-10x by waiting for a core; a sampler
+process owns its core). Fit per setting:
+time = fixed + per_row_vocab x rows x vocab, least squares on relative error.
+
+    python scripts/measure_cpu_sampler.py --out engine/pricing/measured/cpu_sampler.json
+
+The JSON keeps the points, the fits and the provenance (host CPU, torch, threads, load, date,
+commit). The IPC of a job (ZeroMQ frames of the rows' logits) is not in it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+SETTINGS = {
+    "greedy": dict(method="greedy"),
+    "top_p_top_k": dict(method="random", temperature=0.8, top_p=0.95, top_k=50),
+    "top_p_top_k_penalties": dict(method="random", temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1,
+                                  presence_penalty=0.1, frequency_penalty=0.1),
+}
+ROWS = (1, 8, 32)
+VOCABS = (32000, 152064)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def measure(repeats: int) -> list[dict]:
+    import torch
+
+    from engine.torch_exec.sampling import Sampler
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    points = []
+    for name, kw in SETTINGS.items():
+        for vocab in VOCABS:
+            for rows in ROWS:
+                sampler = Sampler(vocab, **kw)
+                logits = torch.randn(rows, vocab, generator=gen)
+                best = float("inf")
+                for step in range(repeats):
+                    keys = [(i, step) for i in range(rows)]
+                    t0 = time.thread_time()
+                    sampler.sample(logits, keys)
+                    best = min(best, time.thread_time() - t0)
+                points.append({"setting": name, "vocab": vocab, "rows": rows, "time_s": best})
+    return points
+
+
+def fit(points: list[dict]) -> dict:
+    import numpy as np
+
+    out = {}
+    for name in SETTINGS:
+        sel = [p for p in points if p["setting"] == name]
+        x = np.array([p["rows"] * p["vocab"] for p in sel], dtype=float)
+        y = np.array([p["time_s"] for p in sel])
+        a = np.stack([np.ones_like(x), x], axis=1) / y[:, None]
+        (fixed, per), *_ = np.linalg.lstsq(a, np.ones_like(y), rcond=None)
+        pred = fixed + per * x
+        err = np.abs(pred / y - 1)
+        out[name] = {"cpu_sample_fixed_s": max(0.0, float(fixed)), "cpu_sample_per_token_vocab_s": float(per),
+                     "median_error": float(np.median(err)), "max_error": float(err.max())}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    points = measure(args.repeats)
+    import torch
+
+    record = {
+        "what": "engine/torch_exec/sampling.py Sampler.sample on CPU, one thread, fp32 logits",
+        "command": f"python scripts/measure_cpu_sampler.py --out {args.out} --repeats {args.repeats}",
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        "commit": _commit(), "cpu": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "threads": 1, "loadavg_before": [round(v, 2) for v in load_before],
+        "loadavg_after": [round(v, 2) for v in os.getloadavg()],
+        "statistic": f"fastest of {args.repeats} calls, thread CPU time (time.thread_time)",
+        "settings": SETTINGS, "points": points, "fit": fit(points),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    for name, f in record["fit"].items():
+        print(f"{name}: fixed {f['cpu_sample_fixed_s'] * 1e6:.0f} us, {f['cpu_sample_per_token_vocab_s'] * 1e9:.3f} ns "
+              f"per row x vocab entry (median error {f['median_error']:.1%})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

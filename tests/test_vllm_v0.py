@@ -1,0 +1,80 @@
+"""vLLM's v0 pipeline-parallel runtime (policies/vllm.py, `runtime=v0`) against the `shared`
+idealisation: requests placed on arrival, 1/P of the KV a virtual engine, max(max_model_len, 2048)
+prompt tokens a batch."""
+import pytest
+from helpers import make_state
+
+from engine.base.errors import ConfigError
+from engine.core.executor import Completion
+from policies.vllm import VllmParams, VllmPolicy
+
+
+def _prefill_ids(mb):
+    return [c.seq.seq_id for c in mb.prefills]
+
+
+def test_arrivals_join_the_engine_with_fewest_unfinished_and_stay_there():
+    pol = VllmPolicy(VllmParams())
+    ctrl, _ = make_state(pol, pp=2, waiting=[(20, 5)] * 4)
+    pol.start(ctrl.view)
+    first = pol.schedule(ctrl.view)
+    ctrl._commit(first)
+    second = pol.schedule(ctrl.view)
+    # 0 -> engine 0, 1 -> engine 1, 2 -> engine 0 (tie: the first), 3 -> engine 1
+    assert (first.tags["ve"], _prefill_ids(first)) == (0, [0, 2])
+    assert (second.tags["ve"], _prefill_ids(second)) == (1, [1, 3])
+    shared = VllmPolicy(VllmParams(runtime="shared"))
+    ctrl, _ = make_state(shared, pp=2, waiting=[(20, 5)] * 4)
+    assert _prefill_ids(shared.schedule(ctrl.view)) == [0, 1, 2, 3]  # a free engine takes any prompt
+
+
+def test_an_engine_admits_only_what_its_share_of_the_cache_holds():
+    # 100 blocks of 16 tokens, two engines: 50 each; prompts of 30 blocks
+    pol = VllmPolicy(VllmParams())
+    ctrl, _ = make_state(pol, pp=2, num_blocks=100, waiting=[(480, 5)] * 4)
+    pol.start(ctrl.view)
+    assert _prefill_ids(pol.schedule(ctrl.view)) == [0]  # prompt 2 would take engine 0 past 50 blocks
+    shared = VllmPolicy(VllmParams(runtime="shared"))
+    ctrl, _ = make_state(shared, pp=2, num_blocks=100, waiting=[(480, 5)] * 4)
+    assert _prefill_ids(shared.schedule(ctrl.view)) == [0, 1, 2]  # one pool: 90 of 100 blocks
+
+
+def test_a_prompt_larger_than_an_empty_engines_share_goes_alone():
+    pol = VllmPolicy(VllmParams())
+    ctrl, _ = make_state(pol, pp=2, num_blocks=100, waiting=[(1200, 5), (20, 5), (20, 5)])
+    pol.start(ctrl.view)
+    assert _prefill_ids(pol.schedule(ctrl.view)) == [0]  # 75 blocks: more than 50, alone
+
+
+def test_the_prompt_budget_is_vllms_default_for_the_models_context():
+    """llama2-13b (the helper's model): max_model_len 4,096, so two 3,000-token prompts are two
+    batches in v0; the shared idealisation's 8,192 took both."""
+    pol = VllmPolicy(VllmParams())
+    ctrl, _ = make_state(pol, pp=1, num_blocks=2000, waiting=[(3000, 5)] * 2)
+    pol.start(ctrl.view)
+    assert _prefill_ids(pol.schedule(ctrl.view)) == [0]
+    shared = VllmPolicy(VllmParams(runtime="shared"))
+    ctrl, _ = make_state(shared, pp=1, num_blocks=2000, waiting=[(3000, 5)] * 2)
+    assert _prefill_ids(shared.schedule(ctrl.view)) == [0, 1]
+
+
+def test_a_decode_short_of_its_share_preempts_within_its_engine():
+    """Two engines of 4 blocks; engine 0 holds prompts 0 and 2 (two full blocks each), engine 1
+    prompt 1 only. Engine 0's decodes each need a third block: its share is full, so it preempts its
+    latest (2) although the cache has 3 blocks free."""
+    pol = VllmPolicy(VllmParams())
+    ctrl, seqs = make_state(pol, pp=2, num_blocks=8, waiting=[(32, 5)] * 3)
+    pol.start(ctrl.view)
+    for t in (1.0, 2.0):
+        mb = pol.schedule(ctrl.view)
+        ctrl._commit(mb)
+        ctrl.complete(Completion(mb.mb_id, t))
+    assert ctrl.kv.num_free == 2 and set(pol._members[0]) == {0, 2}
+    mb = pol.schedule(ctrl.view)
+    assert mb.tags["ve"] == 0 and [s.seq_id for s in mb.decodes] == [0]
+    assert [s.seq_id for s in mb.preempted] == [2]
+
+
+def test_an_unknown_runtime_is_refused():
+    with pytest.raises(ConfigError, match="policy.runtime"):
+        VllmParams(runtime="v1")
