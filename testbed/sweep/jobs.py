@@ -108,6 +108,7 @@ class Job:
     run_dir: str
     tags: dict = field(default_factory=dict)  # extra tags of its MLflow run (e.g. capacity.point / capacity.probe)
     requests: Any = None  # the resolved request list, shipped with a Ray task (or a Ray ObjectRef to it)
+    name: str | None = None  # its MLflow run name; None: what varies (testbed/naming.point_name)
 
 
 # A sweep point's run folder by default: summary, config, run info (~10 kB). Traces, per-request
@@ -141,7 +142,7 @@ def _open_point_run(job: Job) -> tuple[Any, str | None]:
     if not job.spec.output.mlflow:
         return None, None
     tracker = _tracker(job.spec.output, job.experiment)
-    return tracker, tracker.start(job.spec, axis_name(job.axis_values), tags=point_tags(job))
+    return tracker, tracker.start(job.spec, job.name or axis_name(job.axis_values), tags=point_tags(job))
 
 
 def point_tags(job: Job) -> dict[str, str]:
@@ -204,14 +205,16 @@ def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
 
 def fill_row(row: dict, result: Any) -> None:
     """A point's row from its RunResult: status, error, the load the workload offered
-    (`offered_tok_s`, `offered_req_s`: `compare` warns where it exceeds what was served) and the
-    summary's numbers (per-stage lists as `<key>.stage<i>`)."""
-    from testbed.run.command import offered_load
+    (`offered_tok_s`, `offered_req_s`) and the queue's growth over it (`queue_growth`: `compare`
+    warns where it is an overload, testbed/run/overload.py) and the summary's numbers (per-stage
+    lists as `<key>.stage<i>`)."""
+    from testbed.run.overload import judge
 
     row["error"] = result.error
     row["status"] = "failed" if result.error else "finished"
-    offered = offered_load(result)
-    row["offered_tok_s"], row["offered_req_s"] = offered if offered is not None else (math.nan, math.nan)
+    load = judge(result.requests)
+    row["offered_tok_s"], row["offered_req_s"], row["queue_growth"] = \
+        (load.offered_tok_s, load.offered_req_s, load.growth) if load is not None else (math.nan,) * 3
     for k, v in result.summary.items():
         if isinstance(v, list):
             row.update({f"{k}.stage{i}": float(x) for i, x in enumerate(v)})
