@@ -77,7 +77,9 @@ def test_run_prints_its_experiments_chart_view_with_the_headline_first(tmp_path,
     assert len(link) == 1 and link[0].endswith(
         f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
         f"&compareRunsMode=CHART&viewStateShareKey=testbed-all-runs"), err
-    assert f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {uri}" in link[0]
+    assert f"/mlflow ui --workers 1 --backend-store-uri {uri}" in link[0]  # the venv's mlflow by path (issue 49 item 8)
+    exe = link[0].split("MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false ", 1)[1].split(" ui ", 1)[0]
+    assert Path(exe).is_absolute() and Path(exe).is_file()
     # the view the link opens: every run, headline first (MLflow's chart view shows the first 10 runs)
     state = json.loads(json.loads(exp.tags["mlflow.sharedViewState.testbed-all-runs"])["state"])
     assert state["runsHiddenMode"] == "SHOW_ALL"

@@ -221,8 +221,23 @@ def _progress(console, enabled: bool):
 
 
 SUMMARY_ROWS = ("num_requests", "num_finished", "num_failed", "throughput_tok_s", "output_throughput_tok_s",
-                "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment",
-                "bubble_ratio", "stage_utilization", "num_preemptions", "num_microbatches")
+                "slo_attainment", "bubble_ratio", "stage_utilization", "num_preemptions", "num_microbatches")
+LATENCIES = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E latency", "e2el_s"))  # requests.csv columns
+PERCENTILES = (50, 90, 99)
+
+
+def latency_ms(requests: Sequence[dict]) -> dict[str, list[float]]:
+    """Mean and PERCENTILES of each latency over the finished requests, in ms (as `vllm bench
+    serve`, aiperf and guidellm print them); summary.json keeps seconds (mean, p50, p99)."""
+    import numpy as np
+
+    out = {}
+    for label, key in LATENCIES:
+        v = np.array([r[key] for r in requests if r["status"] == "finished"], dtype=float)
+        v = v[~np.isnan(v)] * 1e3
+        out[label] = [float(v.mean()), *(float(np.percentile(v, q)) for q in PERCENTILES)] if v.size else \
+            [float("nan")] * (1 + len(PERCENTILES))
+    return out
 
 
 def print_summary(console, result: RunResult) -> None:
@@ -244,6 +259,12 @@ def print_summary(console, result: RunResult) -> None:
     for key in SUMMARY_ROWS:
         t.add_row(key, fmt(s[key]))
     console.print(t)
+    lat = Table(title="latency (ms), finished requests")
+    for col in ("", "mean", *(f"p{q}" for q in PERCENTILES)):
+        lat.add_column(col, justify="right" if col else "left")
+    for label, values in latency_ms(result.requests).items():
+        lat.add_row(label, *(f"{v:,.1f}" for v in values))
+    console.print(lat)
 
 
 __all__ = ["run_command", "print_summary", "warn_overload", "offered_load"]

@@ -250,6 +250,7 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
     if console is not None:
         print_table(console, df, p.axes, f"{p.name} ({len(df)} runs, {wall:.1f} s)")
         warn_overloaded(console, df, p.axes)
+        parent.print_figure(console, p.out_dir / "overview.png")
     return p.out_dir, df
 
 

@@ -253,6 +253,20 @@ class ParentRun:
         if self.tracker is not None and console is not None:
             console.print(self.tracker.link, highlight=False, soft_wrap=True, markup=False)
 
+    def print_figure(self, console: Any, figure: Path) -> None:
+        """The comparison figure first (one line per policy against the x axis: what a researcher
+        compares), as a file and as the summary run's artifact page; the per-run bars after it."""
+        if console is None or not figure.is_file():
+            return
+        console.print(f"comparison figure: {figure.resolve()}", highlight=False, soft_wrap=True, markup=False)
+        if self.tracker is not None:
+            from testbed.tracking.tracker import figure_link
+
+            console.print(f"MLflow figure: {figure_link(self.tracker.uri, self.tracker.experiment_id, self.run_id, figure.name)}"
+                          f" (after the `mlflow ui` command of the charts line)", highlight=False, soft_wrap=True,
+                          markup=False)
+            console.print(self.tracker.link, highlight=False, soft_wrap=True, markup=False)
+
     def log(self, metrics: Mapping[str, float], tags: Mapping[str, str] | None = None,
             run_id: str | None = None) -> None:
         """Metrics and tags on the summary run (or on `run_id`, one of its point runs)."""
