@@ -97,6 +97,8 @@ def test_test_command_keeps_its_summary_with_q_and_counts_as_it_goes():
     lines = proc.stdout.strip().splitlines()
     passed = re.search(r"(\d+) passed", lines[-1])
     assert passed and f"/{passed.group(1)}]" in proc.stdout, proc.stdout  # counts as it goes: [n/N]
+    # at once a header with the count and an estimate (tests/progress.py, issue 49 item 5)
+    assert re.match(rf"\[suite\] {passed.group(1)} tests collected; estimate [0-9.]+ (s|min) of wall time", lines[0]), lines[0]
 
 
 def test_the_multi_host_recipe_installs_what_it_runs():
