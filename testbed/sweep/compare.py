@@ -277,6 +277,10 @@ def _print_start(console: Any, p: Plan) -> None:
     over = ", ".join(f"{k} ({n})" for k, n in sizes.items()) or "no axis"
     console.print(f"comparison [bold]{p.name}[/bold]: {len(p.points)} run(s) over {over}, "
                   f"{'Ray tasks' if p.backend is not None and p.backend.remote else f'{p.settings.workers} worker(s)'}", highlight=False)
+    if p.backend is None or not p.backend.remote:
+        from testbed.sweep.estimate import estimate_line
+
+        console.print(estimate_line(p.specs, p.settings.workers), highlight=False, markup=False)
 
 
 def _write(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, plots: bool,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from engine.base.errors import TestbedError
 from engine.base.settings import OutputSettings
@@ -426,7 +426,7 @@ def run_jobs(jobs: Sequence[Job], workers: int, console: Any, progress_on: bool,
 
 def _progress(console: Any, total: int, unit: str = "runs") -> Progress:
     progress = Progress(TextColumn(unit), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, transient=True)
+                        TextColumn("left"), TimeRemainingColumn(), console=console, transient=True)
     progress.add_task("grid", total=total)
     return progress
 
