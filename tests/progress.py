@@ -13,20 +13,17 @@ import os
 import time
 
 WALL_PER_TEST_S = 12.9 * 60 / 1236  # the fast set's last measured pace, 2 cores at load ~1
-MEASURED_LOAD = 1.0
 PROGRESS_EVERY_S = 60.0
 TENTHS_FROM = 50  # smaller runs: the timed lines only
 
 
 def estimate_s(count: int) -> tuple[float, float]:
-    """(seconds, load): the wall time of `count` tests at this machine's 1-minute load."""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = MEASURED_LOAD
-    cores = os.cpu_count() or 1
-    stretch = max(1.0, (load + 1.0) / max(cores, MEASURED_LOAD + 1.0))  # +1: the suite itself
-    return count * WALL_PER_TEST_S * stretch * 2.0 / max(cores, 2), load
+    """(seconds, load): the wall time of `count` tests at this machine's 1-minute load, stretched
+    as the long commands' estimates are (testbed/sweep/estimate.py)."""
+    from testbed.sweep.estimate import stretch
+
+    factor, load = stretch()
+    return count * WALL_PER_TEST_S * factor * 2.0 / max(os.cpu_count() or 1, 2), load
 
 
 def _minutes(s: float) -> str:

@@ -176,10 +176,12 @@ def warn_overload(console, result: RunResult) -> bool:
     load = judge(result.requests)
     if load is None or result.error or not load.overloaded:
         return False
+    served = result.summary.get("request_throughput") or 0.0
     console.print(f"[yellow]warning: overloaded: the workload offers {load.offered_req_s:.3g} req/s "
                   f"({load.offered_tok_s:,.0f} tok/s) and the queue waiting for a first token grew by "
                   f"{load.growth:.0%} of that over the second half of the arrivals, so TTFT measures the "
-                  f"backlog; lower workload.rate (e.g. workload.rate={0.9 * load.sustained_req_s:.2g}) "
+                  f"backlog; lower workload.rate (e.g. workload.rate={0.8 * served:.2g}, 80% of the "
+                  f"{served:.3g} req/s it completed) "
                   f"for a steady state[/yellow]", soft_wrap=True)
     return True
 

@@ -61,11 +61,6 @@ class Load:
     def overloaded(self) -> bool:
         return self.growth > GROWTH_LIMIT  # nan is not an overload
 
-    @property
-    def sustained_req_s(self) -> float:
-        """The arrival rate the system kept up with: offered x (1 - growth)."""
-        return self.offered_req_s * (1.0 - max(0.0, self.growth))
-
 
 def judge(requests: Sequence[dict]) -> Load | None:
     """The load of a run's request rows (`arrival_s`, `first_token_s`, `prompt_len`, `output_len`);

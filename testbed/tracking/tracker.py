@@ -286,7 +286,7 @@ def figure_link(uri: str, experiment_id: str, run_id: str, path: str) -> str:
     from testbed.config.redact import redact
 
     base = redact(uri.rstrip("/")) if uri.startswith(("http://", "https://")) else LOCAL_UI
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}/artifactPath/{path}"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}/artifactPath/{path}?workflowType=machine_learning"
 
 
 def note(result) -> str:
