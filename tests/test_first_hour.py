@@ -117,3 +117,19 @@ def test_the_multi_host_recipe_installs_what_it_runs():
             assert any(dep.startswith("optuna-dashboard") for dep in installed), line
     server = text[text.index("mlflow server --backend-store-uri"):]
     assert "--allowed-hosts" in server[:server.index("```")]
+
+
+def test_the_doc_figures_check_still_finds_every_quote_it_reruns():
+    """scripts/check_doc_figures.py reruns each quoted command's cheap form (minutes of CPU, not
+    in the fast set); here only that every page still quotes what it checks, so an edit that
+    rewords a figure updates the check with it (issue 49 item 9)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_doc_figures", REPO / "scripts" / "check_doc_figures.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    for check in mod.CHECKS:
+        found = re.search(check.pattern, (REPO / check.page).read_text())
+        assert found and all(found.groups()), f"{check.page} no longer quotes /{check.pattern}/"
+    assert mod.main(["--only", "nope"]) == 2
