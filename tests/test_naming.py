@@ -1,11 +1,11 @@
-"""One naming style (testbed/naming.py) and the prior estimate of long commands
+"""One naming style (testbed/config/naming.py) and the prior estimate of long commands
 (testbed/sweep/estimate.py): issue 49 items 2 and 7."""
 from __future__ import annotations
 
 import re
 
 from testbed.config.spec import compose_spec
-from testbed.naming import point_name
+from testbed.config.naming import point_name
 from testbed.sweep.compare import grid
 from testbed.sweep.estimate import estimate_line, estimate_s, point_cpu_s
 

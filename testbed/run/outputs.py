@@ -36,7 +36,7 @@ from engine.base.errors import ConfigError, TestbedError, bad_value
 from engine.core.trace import Tracer
 from testbed.config.redact import redacted
 from testbed.config.spec import check_run_name
-from testbed.naming import SEP, part, point_name
+from testbed.config.naming import SEP, part, point_name
 
 if TYPE_CHECKING:
     from testbed.run.result import RunResult
@@ -100,7 +100,7 @@ NAME_SKIP = ("output.", "data_dir", "check_integrity")
 
 def display_name(spec: RunSpec, overrides: Sequence[str] = ()) -> str:
     """The MLflow run name: what differs first, e.g. `gllm · azure · rate=4 · pp=2`, in the one
-    naming style (testbed/naming.py). Policy and workload always lead; then the workload's rate
+    naming style (testbed/config/naming.py). Policy and workload always lead; then the workload's rate
     (online arrivals) and every other override the user gave, as `<last key>=<value>` (group
     choices as the bare choice)."""
     wl = spec.workload

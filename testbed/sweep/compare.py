@@ -53,7 +53,7 @@ from testbed.config.overrides import as_int, check_keys, explicit_keys, split_li
 from testbed.config.spec import RunSpec
 from testbed.sweep.report import FIGURE_METRICS, print_table, sort_rows, write_comparison
 from testbed.config.objectives import SCALAR_KEYS, resolve_metric
-from testbed.naming import point_name
+from testbed.config.naming import point_name
 
 COMPARE_KEYS = ("workers", "experiment", "x", "metrics")
 # grids larger than this need --yes: composing alone takes ~4 ms a point (200,000 points: 12 minutes

@@ -21,7 +21,7 @@ from engine.base.errors import TestbedError
 from testbed.cluster import heartbeat, identity
 from testbed.cluster.artifacts import ArtifactStoreError
 from testbed.cluster.reconnect import ServiceLost
-from testbed.naming import point_name
+from testbed.config.naming import point_name
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
 from testbed.signals import raise_if_stopped
