@@ -33,7 +33,6 @@ from testbed.tracking.background import Background
 from testbed.signals import EXIT_CODES, one_stop, raise_if_stopped, saving, stopped_by
 
 
-
 def run_command(overrides: Sequence[str], console, t_start: float | None = None,
                 bg: Background | None = None) -> int:
     """`bg`: background processes the caller started before importing this module (testbed/cli.py),
@@ -164,12 +163,6 @@ def _param(v: Any) -> Any:
     return v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
 
 
-def offered_load(result: RunResult) -> tuple[float, float] | None:
-    """(tok/s, req/s) the workload offered over its arrival window; None for offline arrivals."""
-    load = judge(result.requests)
-    return None if load is None else (load.offered_tok_s, load.offered_req_s)
-
-
 def warn_overload(console, result: RunResult) -> bool:
     """One yellow line when the queue of requests waiting for their first token kept growing over
     the arrival window (testbed/run/overload.py): then TTFT measures the backlog, not the policy."""
@@ -269,4 +262,4 @@ def print_summary(console, result: RunResult) -> None:
     console.print(lat)
 
 
-__all__ = ["run_command", "print_summary", "warn_overload", "offered_load"]
+__all__ = ["run_command", "print_summary", "warn_overload"]

@@ -71,4 +71,4 @@ def minutes(s: float) -> str:
     return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
 
 
-__all__ = ["estimate_line", "estimate_s", "minutes", "point_cpu_s", "simulated_s"]
+__all__ = ["estimate_line", "estimate_s", "point_cpu_s", "stretch"]
