@@ -7,7 +7,7 @@ figures and traces off: the simulated numbers are the same, byte for byte; issue
 A quoted percentage must equal the measured one rounded; a size in MB must be within 15%.
 Exit 1 when a page no longer quotes what it checks or a figure is off; `--only step2` runs one.
 
-    python scripts/check_doc_figures.py            # all: ~45 s of CPU (2026-11-27)
+    python scripts/check_doc_figures.py            # all: 27 s of CPU, 97 s at load ~25 (2026-11-27)
     python scripts/check_doc_figures.py --only step1,sizes
 """
 from __future__ import annotations
