@@ -31,7 +31,9 @@ hashes() {  # hashes CHECKOUT OUTFILE
   repo="$(cd "$1" && pwd)"; work="$(mktemp -d)"; : > "$2"
   for c in "${configs[@]}"; do
     i=$((i + 1))
-    (cd "$repo" && PYTHONPATH="$repo" "$py" -m testbed.cli run $c output.dir="$work" output.plots=false \
+    # a simulated run keeps microbatches.csv only when asked (a checkout that knows the switch)
+    mb=""; grep -q "microbatches: bool" "$repo/engine/base/settings.py" && mb="output.microbatches=true"
+    (cd "$repo" && PYTHONPATH="$repo" "$py" -m testbed.cli run $c $mb output.dir="$work" output.plots=false \
       output.progress=false output.mlflow=false output.run_name=c$i > /dev/null 2> "$work/c$i.err") \
       || echo "c$i FAILED: $(tail -1 "$work/c$i.err")" >> "$2"
     for f in summary.json requests.csv microbatches.csv config.yaml; do

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["cpu_report"]  # --cpu-top=N (tests/cpu_report.py)
+pytest_plugins = ["cpu_report", "progress"]  # --cpu-top=N (tests/cpu_report.py); count lines (tests/progress.py)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data"

@@ -159,7 +159,7 @@ def test_run_files_are_whole_or_absent(tmp_path):
 
     from conftest import small_config
 
-    result = run_experiment(small_config("workload.num_requests=50", out_dir=tmp_path))
+    result = run_experiment(small_config("workload.num_requests=50", "output.microbatches=true", out_dir=tmp_path))
     target = tmp_path / "run"
     target.mkdir()
     (target / "microbatches.csv").mkdir()  # the one file that cannot be written

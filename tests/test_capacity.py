@@ -97,7 +97,7 @@ def test_capacity_table_agrees_with_its_probes_and_their_mlflow_runs(tmp_path, c
     # each probe's folder: its summary and tables, no trace or plots (the run folder budget; the
     # steady-state check reads requests.csv)
     assert {p.name for p in Path(probes["run_dir"].dropna().iloc[0]).iterdir()} == {
-        "summary.json", "config.yaml", "run_info.json", "requests.csv", "microbatches.csv"}
+        "summary.json", "config.yaml", "run_info.json", "requests.csv"}  # microbatches.csv: output.microbatches=true
     unfit, fit = table.iloc[0], table.iloc[1]
     assert unfit["status"] == "does not fit" and math.isnan(unfit["capacity_req_s"])
     assert fit["status"] == "finished" and fit["probes"] == (probes["point"] == 1).sum()

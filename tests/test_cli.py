@@ -56,9 +56,10 @@ def test_run_writes_run_dir_and_logs_to_mlflow(tmp_path, capsys):
     assert code == 0
     run_dir = Path(out[-1])
     assert run_dir.parent == tmp_path.resolve()
-    for name in ("summary.json", "run_info.json", "config.yaml", "requests.csv", "microbatches.csv", "trace.json",
+    for name in ("summary.json", "run_info.json", "config.yaml", "requests.csv", "trace.json",
                  "timeline.png", "kv_usage.png"):
         assert (run_dir / name).stat().st_size > 0, name
+    assert not (run_dir / "microbatches.csv").exists()  # the simulator's: behind output.microbatches=true
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in ("num_requests", "num_finished", "throughput_tok_s", "output_throughput_tok_s", "ttft_mean_s",
                 "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment", "bubble_ratio",

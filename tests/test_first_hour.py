@@ -77,7 +77,9 @@ def test_run_prints_its_experiments_chart_view_with_the_headline_first(tmp_path,
     assert len(link) == 1 and link[0].endswith(
         f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
         f"&compareRunsMode=CHART&viewStateShareKey=testbed-all-runs"), err
-    assert f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {uri}" in link[0]
+    assert f"/mlflow ui --workers 1 --backend-store-uri {uri}" in link[0]  # the venv's mlflow by path (issue 49 item 8)
+    exe = link[0].split("MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false ", 1)[1].split(" ui ", 1)[0]
+    assert Path(exe).is_absolute() and Path(exe).is_file()
     # the view the link opens: every run, headline first (MLflow's chart view shows the first 10 runs)
     state = json.loads(json.loads(exp.tags["mlflow.sharedViewState.testbed-all-runs"])["state"])
     assert state["runsHiddenMode"] == "SHOW_ALL"
@@ -95,6 +97,8 @@ def test_test_command_keeps_its_summary_with_q_and_counts_as_it_goes():
     lines = proc.stdout.strip().splitlines()
     passed = re.search(r"(\d+) passed", lines[-1])
     assert passed and f"/{passed.group(1)}]" in proc.stdout, proc.stdout  # counts as it goes: [n/N]
+    # at once a header with the count and an estimate (tests/progress.py, issue 49 item 5)
+    assert re.match(rf"\[suite\] {passed.group(1)} tests collected; estimate [0-9.]+ (s|min) of wall time", lines[0]), lines[0]
 
 
 def test_the_multi_host_recipe_installs_what_it_runs():
@@ -113,3 +117,19 @@ def test_the_multi_host_recipe_installs_what_it_runs():
             assert any(dep.startswith("optuna-dashboard") for dep in installed), line
     server = text[text.index("mlflow server --backend-store-uri"):]
     assert "--allowed-hosts" in server[:server.index("```")]
+
+
+def test_the_doc_figures_check_still_finds_every_quote_it_reruns():
+    """scripts/check_doc_figures.py reruns each quoted command's cheap form (minutes of CPU, not
+    in the fast set); here only that every page still quotes what it checks, so an edit that
+    rewords a figure updates the check with it (issue 49 item 9)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_doc_figures", REPO / "scripts" / "check_doc_figures.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    for check in mod.CHECKS:
+        found = re.search(check.pattern, (REPO / check.page).read_text())
+        assert found and all(found.groups()), f"{check.page} no longer quotes /{check.pattern}/"
+    assert mod.main(["--only", "nope"]) == 2

@@ -46,7 +46,7 @@ def measure_once(overrides: list[str]) -> dict:
     spec = compose_spec(merge(overrides, ["output.mlflow=false", "output.progress=false"]))
     result = prepare_experiment(spec).run()
     s = result.summary
-    return {"overrides": overrides, "simulate_s": result.info["simulate_s"], "build_s": result.info["build_s"],
+    return {"overrides": overrides, "simulate_s": result.info["simulation_s"], "build_s": result.info["build_s"],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "num_microbatches": s["num_microbatches"],
             "microbatches_per_wall_s": result.info["microbatches_per_wall_s"],
@@ -80,7 +80,7 @@ def measure_end_to_end(overrides: list[str], bare: bool = False) -> dict:
                 err.seek(0)
                 raise RuntimeError(f"end-to-end run {overrides} failed:\n{err.read()[-2000:]}")
         info_path = next(Path(tmp).rglob("run_info.json"), None)
-        simulate = json.loads(info_path.read_text())["simulate_s"] if info_path else float("nan")
+        simulate = json.loads(info_path.read_text())["simulation_s"] if info_path else float("nan")
     return {"e2e_s": wall, "e2e_simulate_s": simulate, "e2e_peak_rss_mb": usage.ru_maxrss / 1024}
 
 

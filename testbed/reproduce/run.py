@@ -193,7 +193,7 @@ def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), 
         "compare.points": str(len(run.jobs))})
     run.jobs = [_bind(job, run.axes, parent.run_id) for job in run.jobs]
     if console is not None:
-        _print_start(console, run)
+        _print_start(console, run, workers)
         parent.print_link(console)
     job_rows: list[dict] = []
     t0 = time.perf_counter()
@@ -220,12 +220,15 @@ def _bind(job: sweep.Job, axes: list[str], parent_run_id: str | None) -> sweep.J
                      experiment=job.experiment, parent_run_id=parent_run_id, run_dir=job.run_dir)
 
 
-def _print_start(console: Any, run: StudyRun) -> None:
+def _print_start(console: Any, run: StudyRun, workers: int = 1) -> None:
     console.print(f"study [bold]{run.study.name}[/bold]{' (quick)' if run.quick else ''}: {len(run.points)} "
                   f"point(s), {len(run.jobs)} distinct run(s), {len(run.study.claims)} claim(s); MLflow experiment "
                   f"{run.experiment}", highlight=False)
     for n in run.notes:
         console.print(f"note: {n}", highlight=False, markup=False)
+    from testbed.sweep.estimate import estimate_line
+
+    console.print(estimate_line([job.spec for job in run.jobs], workers), highlight=False, markup=False)
 
 
 def _flush_partial(run: StudyRun, job_rows: list[dict], wall: float, why: str) -> None:

@@ -25,12 +25,12 @@ from rich.markup import escape
 from engine.base.settings import OutputSettings
 from testbed.run import FIGURES
 from testbed.run.outputs import (OutputWriteError, display_name, folder_name, plot_data,
-                             prepare_output_dir, reserve_run_dir, write_run_dir)
+                             prepare_output_dir, reserve_run_dir, update_run_info, write_run_dir)
+from testbed.run.overload import judge
+from testbed.run.timing import breakdown, process_age_s, serving_name, serving_s
 from testbed.run.runner import RunInterrupted, RunResult
 from testbed.tracking.background import Background
 from testbed.signals import EXIT_CODES, one_stop, raise_if_stopped, saving, stopped_by
-
-OVERLOAD_MARGIN = 1.10  # offered load above 110% of what was served counts as overload
 
 
 def run_command(overrides: Sequence[str], console, t_start: float | None = None,
@@ -109,6 +109,7 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
     errors = []
     if bg.figures is not None:  # before MLflow, which logs them
         errors += bg.figures.finish(run_dir=None, metrics=[], tags={}, status=status)
+    times = _times(result, run_dir, t_start, t_write, unwritten is None)
     if bg.tracker is not None:
         tags = {"mlflow.note.content": note(result)}
         if result.error or unwritten:
@@ -128,12 +129,11 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
                       f"{result.summary['num_requests']} requests finished; the others are reported failed")
     elif result.error:
         console.print(f"[red]run failed:[/red] {escape(result.error)}")
-    end = time.perf_counter()
-    sim = result.info.get("simulate_s", 0.0)
     rss = [resource.getrusage(w).ru_maxrss / 1024 for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    console.print(f"[dim]time: {result.info.get('executor', 'sim')} run {sim:.2f} s, end to end {end - t_start:.2f} s "
-                  f"({(end - t_start) / sim if sim > 0 else 0:.2f}x; after the run {end - t_write:.2f} s); "
-                  f"peak RSS {rss[0]:.0f} MB (largest background process {rss[1]:.0f} MB)[/dim]",
+    name = serving_name(result.info.get("executor", "sim"))
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in times.items() if k != name)
+    console.print(f"[dim]time: {name} {serving_s(result.info):.2f} s; end to end {result.info['end_to_end_s']:.2f} s "
+                  f"({parts}); peak RSS {rss[0]:.0f} MB (largest background process {rss[1]:.0f} MB)[/dim]",
                   highlight=False)
     if os.environ.get("TESTBED_TIMING"):
         for label, p in (("MLflow", bg.tracker), ("figures", bg.figures)):
@@ -148,42 +148,34 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
     return 1 if (result.error or errors) else 0
 
 
+def _times(result: RunResult, run_dir: Path, t_start: float, t_write: float, written: bool) -> dict[str, float]:
+    """The end-to-end time, measured once the results are saved, and its parts (testbed/run/timing.py):
+    into `result.info` (so MLflow logs it) and `run_info.json`."""
+    end_to_end = process_age_s(t_start)
+    times = breakdown(result.info, end_to_end, time.perf_counter() - t_write)
+    result.info.update(end_to_end_s=end_to_end, time_parts_s=times)
+    if written:
+        update_run_info(run_dir, end_to_end_s=end_to_end, time_parts_s=times)
+    return times
+
+
 def _param(v: Any) -> Any:
     return v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
 
 
-def offered_load(result: RunResult) -> tuple[float, float] | None:
-    """(tok/s, req/s) the workload offered over its arrival window; None for offline arrivals."""
-    reqs = result.requests
-    if len(reqs) < 2:
-        return None
-    arrivals = [r["arrival_s"] for r in reqs]
-    span = max(arrivals) - min(arrivals)
-    if span <= 0:
-        return None
-    tokens = sum(r["prompt_len"] + r["output_len"] for r in reqs)
-    return tokens / span, (len(reqs) - 1) / span
-
-
-def overloaded(offered_tok_s: float, served_tok_s: float) -> bool:
-    """More offered than served (beyond OVERLOAD_MARGIN): queues grow for the whole run."""
-    return served_tok_s > 0 and offered_tok_s > OVERLOAD_MARGIN * served_tok_s
-
-
 def warn_overload(console, result: RunResult) -> bool:
-    """One yellow line when the workload offered more than the simulated system served: then
-    queues grow for the whole run and TTFT measures the backlog, not the policy."""
-    offered = offered_load(result)
-    s = result.summary
-    served = s["throughput_tok_s"]
-    if offered is None or result.error or not overloaded(offered[0], served):
+    """One yellow line when the queue of requests waiting for their first token kept growing over
+    the arrival window (testbed/run/overload.py): then TTFT measures the backlog, not the policy."""
+    load = judge(result.requests)
+    if load is None or result.error or not load.overloaded:
         return False
-    req_served = s.get("request_throughput") or 0.0
-    suggest = 0.8 * req_served
-    console.print(f"[yellow]warning: overloaded: the workload offers {offered[0]:,.0f} tok/s "
-                  f"({offered[1]:.3g} req/s) but the system served {served:,.0f} tok/s ({req_served:.3g} req/s), "
-                  f"so queues grow and TTFT measures the backlog; lower workload.rate "
-                  f"(e.g. workload.rate={suggest:.2g}) for a steady state[/yellow]", soft_wrap=True)
+    served = result.summary.get("request_throughput") or 0.0
+    console.print(f"[yellow]warning: overloaded: the workload offers {load.offered_req_s:.3g} req/s "
+                  f"({load.offered_tok_s:,.0f} tok/s) and the queue waiting for a first token grew by "
+                  f"{load.growth:.0%} of that over the second half of the arrivals, so TTFT measures the "
+                  f"backlog; lower workload.rate (e.g. workload.rate={0.8 * served:.2g}, 80% of the "
+                  f"{served:.3g} req/s it completed) "
+                  f"for a steady state[/yellow]", soft_wrap=True)
     return True
 
 
@@ -224,8 +216,23 @@ def _progress(console, enabled: bool):
 
 
 SUMMARY_ROWS = ("num_requests", "num_finished", "num_failed", "throughput_tok_s", "output_throughput_tok_s",
-                "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s", "e2el_mean_s", "slo_attainment",
-                "bubble_ratio", "stage_utilization", "num_preemptions", "num_microbatches")
+                "slo_attainment", "bubble_ratio", "stage_utilization", "num_preemptions", "num_microbatches")
+LATENCIES = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E latency", "e2el_s"))  # requests.csv columns
+PERCENTILES = (50, 90, 99)
+
+
+def latency_ms(requests: Sequence[dict]) -> dict[str, list[float]]:
+    """Mean and PERCENTILES of each latency over the finished requests, in ms (as `vllm bench
+    serve`, aiperf and guidellm print them); summary.json keeps seconds (mean, p50, p99)."""
+    import numpy as np
+
+    out = {}
+    for label, key in LATENCIES:
+        v = np.array([r[key] for r in requests if r["status"] == "finished"], dtype=float)
+        v = v[~np.isnan(v)] * 1e3
+        out[label] = [float(v.mean()), *(float(np.percentile(v, q)) for q in PERCENTILES)] if v.size else \
+            [float("nan")] * (1 + len(PERCENTILES))
+    return out
 
 
 def print_summary(console, result: RunResult) -> None:
@@ -246,13 +253,17 @@ def print_summary(console, result: RunResult) -> None:
 
     for key in SUMMARY_ROWS:
         t.add_row(key, fmt(s[key]))
-    info = result.info
-    t.add_row("wall time (s)", f"{info.get('wall_s', 0):.2f}")
     console.print(t)
+    lat = Table(title="latency (ms), finished requests")
+    for col in ("", "mean", *(f"p{q}" for q in PERCENTILES)):
+        lat.add_column(col, justify="right" if col else "left")
+    for label, values in latency_ms(result.requests).items():
+        lat.add_row(label, *(f"{v:,.1f}" for v in values))
+    console.print(lat)
     if result.breakdown:  # where each stage's time went (engine/core/breakdown.py)
         from engine.core.breakdown import summary_line
 
         console.print(escape(summary_line(result.breakdown)), highlight=False, soft_wrap=True)
 
 
-__all__ = ["run_command", "print_summary", "warn_overload", "overloaded", "offered_load"]
+__all__ = ["run_command", "print_summary", "warn_overload"]

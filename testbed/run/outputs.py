@@ -4,8 +4,9 @@
       summary.json        stable keys (engine/core/metrics.SUMMARY_KEYS), deterministic for a seed
       run_info.json       wall time, memory, derived sizes (not deterministic, so kept apart)
       config.yaml         the fully resolved config
-      requests.csv        one row per request (TTFT, TPOT, E2EL, status, fail reason)  } output.requests
-      microbatches.csv    one row per micro-batch (tokens, kind, KV usage, policy tags) } (true)
+      requests.csv        one row per request (TTFT, TPOT, E2EL, status, fail reason)    output.requests (true)
+      microbatches.csv    one row per micro-batch (tokens, kind, KV usage, policy tags)  output.microbatches
+                          (null: the real engine's runs only; true: the simulator's too)
       trace.json          Chrome/Perfetto trace, one track per stage, link and sampler
                           (output.trace=sampled: a subset of micro-batches; full: every span; off: none)
       timeline.png        the pipeline timeline of 40 consecutive traced micro-batches
@@ -35,6 +36,7 @@ from engine.base.errors import ConfigError, TestbedError, bad_value
 from engine.core.trace import Tracer
 from testbed.config.redact import redacted
 from testbed.config.spec import check_run_name
+from testbed.config.naming import SEP, part, point_name
 
 if TYPE_CHECKING:
     from testbed.run.result import RunResult
@@ -97,15 +99,16 @@ NAME_SKIP = ("output.", "data_dir", "check_integrity")
 
 
 def display_name(spec: RunSpec, overrides: Sequence[str] = ()) -> str:
-    """The MLflow run name: what differs first, e.g. `gllm · azure · rate=4 · pp=2`.
-    Policy and workload always lead; then the workload's rate (online arrivals) and every other
-    override the user gave, as `<last key>=<value>` (group choices as the bare choice)."""
+    """The MLflow run name: what differs first, e.g. `gllm · azure · rate=4 · pp=2`, in the one
+    naming style (testbed/config/naming.py). Policy and workload always lead; then the workload's rate
+    (online arrivals) and every other override the user gave, as `<last key>=<value>` (group
+    choices as the bare choice)."""
     wl = spec.workload
     parts = [spec.policy_name, spec.workload_name]
     seen = {"policy", "workload"}
     rate = getattr(wl, "rate", None)
     if rate is not None and getattr(wl, "arrival", "poisson") != "offline":
-        parts.append(f"rate={_short(rate)}")
+        parts.append(part("workload.rate", rate))
         seen.add("workload.rate")
     for ov in overrides:
         key, _, value = ov.partition("=")
@@ -113,20 +116,11 @@ def display_name(spec: RunSpec, overrides: Sequence[str] = ()) -> str:
         if key in seen or key.startswith(NAME_SKIP):
             continue
         seen.add(key)
-        parts.append(value if "." not in key else f"{key.rsplit('.', 1)[1]}={value}")
-    return " · ".join(parts)
+        parts.append(part(key, value))
+    return SEP.join(parts)
 
 
-def axis_name(axis_values: Mapping[str, Any]) -> str:
-    """The MLflow run name of a sweep point, in `display_name`'s style but only what varies
-    across the sweep: `sarathi · rate=0.5` (was `policy=sarathi,workload.rate=0.5`, cut to
-    `policy=sarathi,workload.r...` in MLflow's run list)."""
-    parts = [_short(v) if "." not in k else f"{k.rsplit('.', 1)[1]}={_short(v)}" for k, v in axis_values.items()]
-    return " · ".join(parts) or "base"
-
-
-def _short(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+axis_name = point_name  # a sweep point's MLflow run name: what varies (`sarathi · rate=0.5`)
 
 
 def folder_name(spec: RunSpec, who: str | None = None, what: str | None = None) -> str:
@@ -267,13 +261,32 @@ def _write_files(result: RunResult, out_dir: Path, trace: str | None) -> None:
     _write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(redacted(result.spec.tree()))))
     if result.spec.output.requests:  # off by default for sweep points (testbed/sweep/jobs.point_budget)
         write_csv(result.requests, out_dir / "requests.csv")
-        # 9 digits: 1 us at 1,000 s; exact reprs made the main job's file 3 MB (requests.csv stays exact)
+    if keeps_microbatches(result.spec):
         write_csv(result.microbatches, out_dir / "microbatches.csv")  # exact: byte-comparable across versions
     if result.breakdown is not None:  # where each stage's time went (engine/core/breakdown.py)
         _write_text(out_dir / "breakdown.json", json.dumps(result.breakdown, indent=2) + "\n")
     mode = trace or result.spec.output.trace
     if mode != "off":
         write_trace(result, out_dir / "trace.json")
+
+
+def update_run_info(run_dir: Path, **values: Any) -> None:
+    """Add `values` to run_info.json (the end-to-end time, known only once the files are written)."""
+    path = run_dir / "run_info.json"
+    info = json.loads(path.read_text())
+    info.update(values)
+    _write_text(path, json.dumps(info, indent=2, default=str) + "\n")
+
+
+def keeps_microbatches(spec: RunSpec) -> bool:
+    """`output.microbatches`, by default true for the real engine's runs (what `calibrate runs` and
+    `validate --runs` read; short runs) and false for the simulator's: the main job's file was 5.2
+    MB of its 6.8 MB folder, and the README tour's runs/ 476 MB with every probe's (issue 49 item 3).
+    A sweep point without `output.requests` keeps none unless asked."""
+    out = spec.output
+    if out.microbatches is not None:
+        return bool(out.microbatches)
+    return out.requests and spec.settings.executor.name != "sim"
 
 
 def trace_tracks(result: RunResult) -> list[str]:

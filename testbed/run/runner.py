@@ -23,6 +23,7 @@ from engine.core.metrics import SLO, microbatch_rows, request_rows, summarize
 from engine.core.policy import POLICIES, PrepareContext
 from engine.base.settings import Link, RunConfig
 from testbed.run.outputs import make_tracer
+from testbed.run.timing import serving_name
 from testbed.signals import signal_name
 from testbed.run.result import RunInterrupted, RunResult
 from testbed.config.spec import RunSpec
@@ -134,8 +135,8 @@ class PreparedRun:
         run_s = time.perf_counter() - t0
         stage_tracks = [f"stage{s}" for s in range(self.cost.pp)]
         summary = summarize(ctrl, SLO(**self.info.pop("_slo")), stage_tracks)
-        info = dict(self.info, simulate_s=run_s, start_s=t0 - t_prep, wall_s=self.info["build_s"] + (t0 - t_prep) + run_s,
-                    microbatches_per_wall_s=summary["num_microbatches"] / run_s if run_s > 0 else 0.0)
+        info = dict(self.info, start_s=t0 - t_prep, microbatches_per_wall_s=summary["num_microbatches"] / run_s if run_s > 0 else 0.0)
+        info[f"{serving_name(self.info['executor'])}_s"] = run_s  # simulation_s or engine_s (testbed/run/timing.py)
         result = RunResult(spec=self.spec, summary=summary, requests=request_rows(ctrl),
                            microbatches=microbatch_rows(ctrl), tracer=ctrl.executor.tracer,
                            stage_tracks=stage_tracks, info=info, error=error,

@@ -53,6 +53,7 @@ from testbed.config.overrides import as_int, check_keys, explicit_keys, split_li
 from testbed.config.spec import RunSpec
 from testbed.sweep.report import FIGURE_METRICS, print_table, sort_rows, write_comparison
 from testbed.config.objectives import SCALAR_KEYS, resolve_metric
+from testbed.config.naming import point_name
 
 COMPARE_KEYS = ("workers", "experiment", "x", "metrics")
 # grids larger than this need --yes: composing alone takes ~4 ms a point (200,000 points: 12 minutes
@@ -94,11 +95,13 @@ class Point:
 
     @property
     def label(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.axes) or "base"
+        """What the console and MLflow call the point, in the one style: `gllm · rate=0.25`."""
+        return point_name(dict(self.axes))
 
     @property
     def dirname(self) -> str:
-        return f"{self.index:03d}_" + re.sub(r"[^A-Za-z0-9_.=+-]+", "_", self.label)[:120]
+        given = ",".join(f"{k}={v}" for k, v in self.axes) or "base"  # the folder keeps the full keys
+        return f"{self.index:03d}_" + re.sub(r"[^A-Za-z0-9_.=+-]+", "_", given)[:120]
 
 
 def grid(overrides: Sequence[str], confirmed: bool = True) -> tuple[list[str], list[Point]]:
@@ -247,23 +250,24 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
     if console is not None:
         print_table(console, df, p.axes, f"{p.name} ({len(df)} runs, {wall:.1f} s)")
         warn_overloaded(console, df, p.axes)
+        parent.print_figure(console, p.out_dir / "overview.png")
     return p.out_dir, df
 
 
 def warn_overloaded(console: Any, df: pd.DataFrame, axes: Sequence[str]) -> list[int]:
-    """One yellow line naming the points whose workload offered more than they served, as
-    `testbed run` warns for its run: there TTFT and SLO attainment measure a backlog that grows
-    with the run's length, not the policy. Returns those points."""
-    from testbed.run.command import overloaded
+    """One yellow line naming the points whose queue kept growing over the arrival window, as
+    `testbed run` warns for its run (testbed/run/overload.py): there TTFT and SLO attainment measure
+    a backlog that grows with the run's length, not the policy. Returns those points."""
+    from testbed.run.overload import GROWTH_LIMIT
 
-    if not {"offered_tok_s", "throughput_tok_s"} <= set(df.columns):
+    if "queue_growth" not in df.columns:
         return []
-    over = df[[overloaded(o, t) for o, t in zip(df["offered_tok_s"].fillna(0.0), df["throughput_tok_s"].fillna(0.0))]]
+    over = df[df["queue_growth"].fillna(0.0) > GROWTH_LIMIT]
     if over.empty:
         return []
-    names = ", ".join(f"{int(r['point'])} ({', '.join(f'{a}={r[a]}' for a in axes)})" for r in over.to_dict("records"))
-    console.print(f"[yellow]warning: overloaded: {len(over)} of {len(df)} points were offered more load than they "
-                  f"served, so queues grow and TTFT measures the backlog: points {names}; `testbed capacity` "
+    names = ", ".join(f"{int(r['point'])} ({point_name(dict((a, r[a]) for a in axes))})" for r in over.to_dict("records"))
+    console.print(f"[yellow]warning: overloaded: in {len(over)} of {len(df)} points the queue waiting for a first "
+                  f"token kept growing over the arrivals, so TTFT measures the backlog: points {names}; `testbed capacity` "
                   f"finds each setup's highest sustainable rate[/yellow]", soft_wrap=True)
     return [int(pt) for pt in over["point"]]
 
@@ -273,6 +277,10 @@ def _print_start(console: Any, p: Plan) -> None:
     over = ", ".join(f"{k} ({n})" for k, n in sizes.items()) or "no axis"
     console.print(f"comparison [bold]{p.name}[/bold]: {len(p.points)} run(s) over {over}, "
                   f"{'Ray tasks' if p.backend is not None and p.backend.remote else f'{p.settings.workers} worker(s)'}", highlight=False)
+    if p.backend is None or not p.backend.remote:
+        from testbed.sweep.estimate import estimate_line
+
+        console.print(estimate_line(p.specs, p.settings.workers), highlight=False, markup=False)
 
 
 def _write(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, plots: bool,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from engine.base.errors import TestbedError
 from engine.base.settings import OutputSettings
@@ -108,6 +108,7 @@ class Job:
     run_dir: str
     tags: dict = field(default_factory=dict)  # extra tags of its MLflow run (e.g. capacity.point / capacity.probe)
     requests: Any = None  # the resolved request list, shipped with a Ray task (or a Ray ObjectRef to it)
+    name: str | None = None  # its MLflow run name; None: what varies (testbed/naming.point_name)
 
 
 # A sweep point's run folder by default: summary, config, run info (~10 kB). Traces, per-request
@@ -141,7 +142,7 @@ def _open_point_run(job: Job) -> tuple[Any, str | None]:
     if not job.spec.output.mlflow:
         return None, None
     tracker = _tracker(job.spec.output, job.experiment)
-    return tracker, tracker.start(job.spec, axis_name(job.axis_values), tags=point_tags(job))
+    return tracker, tracker.start(job.spec, job.name or axis_name(job.axis_values), tags=point_tags(job))
 
 
 def point_tags(job: Job) -> dict[str, str]:
@@ -204,14 +205,16 @@ def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
 
 def fill_row(row: dict, result: Any) -> None:
     """A point's row from its RunResult: status, error, the load the workload offered
-    (`offered_tok_s`, `offered_req_s`: `compare` warns where it exceeds what was served) and the
-    summary's numbers (per-stage lists as `<key>.stage<i>`)."""
-    from testbed.run.command import offered_load
+    (`offered_tok_s`, `offered_req_s`) and the queue's growth over it (`queue_growth`: `compare`
+    warns where it is an overload, testbed/run/overload.py) and the summary's numbers (per-stage
+    lists as `<key>.stage<i>`)."""
+    from testbed.run.overload import judge
 
     row["error"] = result.error
     row["status"] = "failed" if result.error else "finished"
-    offered = offered_load(result)
-    row["offered_tok_s"], row["offered_req_s"] = offered if offered is not None else (math.nan, math.nan)
+    load = judge(result.requests)
+    row["offered_tok_s"], row["offered_req_s"], row["queue_growth"] = \
+        (load.offered_tok_s, load.offered_req_s, load.growth) if load is not None else (math.nan,) * 3
     for k, v in result.summary.items():
         if isinstance(v, list):
             row.update({f"{k}.stage{i}": float(x) for i, x in enumerate(v)})
@@ -248,6 +251,20 @@ class ParentRun:
     def print_link(self, console: Any) -> None:
         """The experiment's chart view (tracking.chart_link), as soon as the experiment exists."""
         if self.tracker is not None and console is not None:
+            console.print(self.tracker.link, highlight=False, soft_wrap=True, markup=False)
+
+    def print_figure(self, console: Any, figure: Path) -> None:
+        """The comparison figure first (one line per policy against the x axis: what a researcher
+        compares), as a file and as the summary run's artifact page; the per-run bars after it."""
+        if console is None or not figure.is_file():
+            return
+        console.print(f"comparison figure: {figure.resolve()}", highlight=False, soft_wrap=True, markup=False)
+        if self.tracker is not None:
+            from testbed.tracking.tracker import figure_link
+
+            console.print(f"MLflow figure: {figure_link(self.tracker.uri, self.tracker.experiment_id, self.run_id, figure.name)}"
+                          f" (after the `mlflow ui` command of the charts line)", highlight=False, soft_wrap=True,
+                          markup=False)
             console.print(self.tracker.link, highlight=False, soft_wrap=True, markup=False)
 
     def log(self, metrics: Mapping[str, float], tags: Mapping[str, str] | None = None,
@@ -409,7 +426,7 @@ def run_jobs(jobs: Sequence[Job], workers: int, console: Any, progress_on: bool,
 
 def _progress(console: Any, total: int, unit: str = "runs") -> Progress:
     progress = Progress(TextColumn(unit), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, transient=True)
+                        TextColumn("left"), TimeRemainingColumn(), console=console, transient=True)
     progress.add_task("grid", total=total)
     return progress
 

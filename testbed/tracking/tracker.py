@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -242,9 +243,11 @@ def run_metrics(result, steps: bool = True) -> list[tuple[str, float, int]]:
         from engine.core.breakdown import flat_metrics
 
         out += [(k, v, 0) for k, v in flat_metrics(result.breakdown).items()]
-    for k in ("wall_s", "simulate_s", "microbatches_per_wall_s"):
+    for k in ("simulation_s", "engine_s", "end_to_end_s"):  # one name per time (testbed/run/timing.py)
         if k in result.info:
-            out.append((f"run.{k}", float(result.info[k]), 0))
+            out.append((f"time.{k}", float(result.info[k]), 0))
+    if "microbatches_per_wall_s" in result.info:
+        out.append(("run.microbatches_per_wall_s", float(result.info["microbatches_per_wall_s"]), 0))
     mbs = result.microbatches if steps else []
     stride = max(1, math.ceil(len(mbs) / MAX_STEP_POINTS))
     for m in mbs[::stride]:
@@ -256,7 +259,20 @@ def run_metrics(result, steps: bool = True) -> list[tuple[str, float, int]]:
 # 2 processes instead of 15 (4 uvicorn workers, a job runner and its huey consumers, each importing
 # MLflow's server): the first page after 27 s instead of 102 s, 5 s of CPU instead of 14 (2-core
 # machine at load ~20; docs/tuning-and-comparing.md#looking-at-the-results)
-MLFLOW_UI = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1"
+MLFLOW_UI = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false {mlflow} ui --workers 1"
+LOCAL_UI = "http://127.0.0.1:5000"
+
+
+def mlflow_ui() -> str:
+    """The command that starts MLflow's UI with the `mlflow` of this Python's environment by
+    absolute path: the printed line works from any shell, not only an activated venv (`mlflow:
+    command not found` in a fresh one, issue 49 item 8)."""
+    import shlex
+    import shutil
+
+    beside = Path(sys.executable).with_name("mlflow")  # the venv's bin/, symlinks not followed
+    exe = str(beside) if beside.is_file() else (shutil.which("mlflow") or "mlflow")
+    return MLFLOW_UI.format(mlflow=shlex.quote(exe))
 
 
 def chart_link(uri: str, experiment_id: str, view: str = ALL_RUNS) -> str:
@@ -266,8 +282,16 @@ def chart_link(uri: str, experiment_id: str, view: str = ALL_RUNS) -> str:
 
     if uri.startswith(("http://", "https://")):  # the tracking server serves the UI itself
         return f"MLflow charts: {view_link(redact(uri.rstrip('/')), experiment_id, view)}"
-    return (f"MLflow charts: {MLFLOW_UI} --backend-store-uri {redact(uri)}, then open "
-            f"{view_link('http://127.0.0.1:5000', experiment_id, view)}")
+    return (f"MLflow charts: {mlflow_ui()} --backend-store-uri {redact(uri)}, then open "
+            f"{view_link(LOCAL_UI, experiment_id, view)}")
+
+
+def figure_link(uri: str, experiment_id: str, run_id: str, path: str) -> str:
+    """The page of one logged figure (MLflow's artifact view of the run), for the same UI as `chart_link`."""
+    from testbed.config.redact import redact
+
+    base = redact(uri.rstrip("/")) if uri.startswith(("http://", "https://")) else LOCAL_UI
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}/artifactPath/{path}?workflowType=machine_learning"
 
 
 def note(result) -> str:

@@ -133,5 +133,10 @@ def print_start(console: Any, problem: Problem, trials: Sequence[Any], stale: Se
     if problem.pinned:
         console.print("fixed: " + ", ".join(f"policy.{k}={sig4(v)}" for k, v in problem.pinned.items()),
                       highlight=False, markup=False)
+    todo = max(0, s.trials - finished)
+    if todo:
+        from testbed.sweep.estimate import estimate_line
+
+        console.print(estimate_line([problem.base] * todo, s.workers, "trial(s)"), highlight=False, markup=False)
     for note in stale:  # trials left RUNNING by dead workers, by name (tune/reclaim.py)
         console.print(f"reclaimed at the start: {note}", highlight=False, markup=False)

@@ -21,6 +21,7 @@ from engine.base.errors import TestbedError
 from testbed.cluster import heartbeat, identity
 from testbed.cluster.artifacts import ArtifactStoreError
 from testbed.cluster.reconnect import ServiceLost
+from testbed.config.naming import point_name
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
 from testbed.signals import raise_if_stopped
@@ -132,7 +133,7 @@ class TrialRunner:
         p = self.p
         tags = {"testbed.kind": "trial", "optuna.study": p.study, "optuna.trial": str(trial.number),
                 "optuna.params": json.dumps(trial.params, default=str), **self.worker.tags()}
-        name = f"{p.base.policy_name} · trial={trial.number}"  # `testbed run`'s naming style
+        name = point_name({"policy": p.base.policy_name}, trial=trial.number)  # the one naming style
         if spec is not None:
             run_id = self.tracker.start(spec, name, parent_run_id=p.parent_run_id, tags=tags)
         else:
