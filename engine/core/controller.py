@@ -43,6 +43,8 @@ class Controller:
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique")
         self.policy = policy
+        # the policy's hook, or None where it keeps the contract's no-op (a call per micro-batch saved)
+        self._on_complete = None if type(policy).on_complete is Policy.on_complete else policy.on_complete
         self.executor = executor
         self.kv = kv
         executor.attach(kv)
@@ -106,8 +108,8 @@ class Controller:
         """Serve every request to completion (or failure); raises RunFailedError on a stall."""
         total = len(self.requests)
         self.start()
-        while self.num_done < total:
-            self._admit_arrivals(self.executor.now())
+        while self.num_finished + self.num_failed < total:  # `num_done`, without a property call a turn
+            self._admit_arrivals(self.executor.now())  # one now() a turn: a replay's clock moves on reads
             self._fill_pipeline()
             if self.inflight:
                 slot_free = len(self.inflight) < self.policy.max_inflight(self.view)
@@ -155,7 +157,8 @@ class Controller:
     # --- commit and completion -------------------------------------------------------------------
     def _commit(self, mb: MicroBatch) -> None:
         now = self.executor.now()
-        self.apply_preemptions(mb.preempted)
+        if mb.preempted:
+            self.apply_preemptions(mb.preempted)
         for chunk in mb.prefills:
             seq = chunk.seq
             if seq.is_waiting:
@@ -170,10 +173,12 @@ class Controller:
                     seq.first_scheduled_s = now
             self.kv.ensure(seq.seq_id, chunk.reserve_tokens)
             seq.in_flight = True
-        decodes = mb.decodes
-        self.kv.append_one_each([seq.seq_id for seq in decodes])  # a decode holds exactly num_computed tokens
-        for seq in decodes:
+        ids: list[int] = []
+        add = ids.append
+        for seq in mb.decodes:  # one pass: marks each decode and lists its id for the block manager
             seq.in_flight = True
+            add(seq.seq_id)
+        self.kv.append_one_each(ids)  # a decode holds exactly num_computed tokens
         mb.mb_id = self._next_mb_id
         self._next_mb_id += 1
         mb.scheduled_s = now
@@ -224,16 +229,26 @@ class Controller:
         else:
             k += len(mb.decodes)
         gaps = self.token_gaps
-        for seq in mb.decodes:
-            seq.in_flight = False
-            seq.num_computed += 1
-            n = seq.num_generated + 1
-            seq.num_generated = n
-            if gaps is not None:
-                gaps.append(now - seq.last_token_s)
-            seq.last_token_s = now
-            if n >= seq.output_len:
-                self._emit_finish(seq, now, finished)
+        if gaps is not None:  # two copies of the loop: no per-token test, `append` looked up once
+            append = gaps.append
+            for seq in mb.decodes:
+                seq.in_flight = False
+                seq.num_computed += 1
+                n = seq.num_generated + 1
+                seq.num_generated = n
+                append(now - seq.last_token_s)
+                seq.last_token_s = now
+                if n >= seq.output_len:
+                    self._emit_finish(seq, now, finished)
+        else:
+            for seq in mb.decodes:
+                seq.in_flight = False
+                seq.num_computed += 1
+                n = seq.num_generated + 1
+                seq.num_generated = n
+                seq.last_token_s = now
+                if n >= seq.output_len:
+                    self._emit_finish(seq, now, finished)
         if tokens is not None and k != len(tokens):
             raise RuntimeError(f"micro-batch {mb.mb_id}: {len(tokens)} tokens returned for {k} samplers")
         self.records.append(
@@ -243,7 +258,8 @@ class Controller:
         if not self.inflight and self._active_since is not None:
             self.active_time += now - self._active_since
             self._active_since = None
-        self.policy.on_complete(self.view, mb, finished)
+        if self._on_complete is not None:
+            self._on_complete(self.view, mb, finished)
         if self.check_integrity:
             self.kv.check_integrity()
             assert self.waiting_prefill_tokens == sum(q.remaining_prefill for q in self.waiting)
