@@ -150,6 +150,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Simulator speed and peak memory (figures, never assertions)."""
+    if args.compare:
+        from testbed.bench.sim_compare import run_compare
+
+        run_compare(args.compare, args.policies.split(","), args.overrides, setting=args.setting, rounds=args.rounds)
+        return 0
     from testbed.bench.sim import run_sim_bench
 
     run_sim_bench(args.policies.split(","), args.overrides, end_to_end=not args.no_e2e, setting=args.setting)
@@ -366,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--setting", choices=["reference", "main"], default="reference",
                     help="reference: TD-Pipe's 5,000 ShareGPT requests on Llama2-70B, PP=4 (default); "
                          "main: workload=azure as the main job runs it")
+    bs.add_argument("--compare", metavar="REF",
+                    help="side by side with git ref REF (checked out in a temporary worktree): the simulation "
+                         "alone, alternating, each round with its ratios and load (no end-to-end runs)")
+    bs.add_argument("--rounds", type=int, default=3, help="rounds per policy with --compare (default 3)")
     bs.add_argument("overrides", nargs="*", help="extra overrides for every run")
     bs.set_defaults(func=cmd_bench)
     be = bsub.add_parser("engine", help="real engine: step times against the floor, end-to-end tok/s "

@@ -15,6 +15,8 @@ Definitions (stable: `summary.json` keys are documented in the README):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence as SequenceABC
+
 import numpy as np
 
 from engine.core.controller import Controller
@@ -34,7 +36,10 @@ SUMMARY_KEYS = (
 def _stats(values: np.ndarray) -> tuple[float, float, float]:
     if values.size == 0:
         return (math.nan, math.nan, math.nan)
-    return (float(values.mean()), float(np.percentile(values, 50)), float(np.percentile(values, 99)))
+    # One call for both percentiles: one scratch copy of `values` instead of two (the 1.38M time
+    # between tokens of the 5,000-request benchmark: 11 MB each, and the second stayed resident).
+    p50, p99 = np.percentile(values, [50, 99])
+    return (float(values.mean()), float(p50), float(p99))
 
 
 def request_rows(ctrl: Controller) -> list[dict]:
@@ -59,6 +64,9 @@ def request_rows(ctrl: Controller) -> list[dict]:
 
 
 def summarize(ctrl: Controller, slo: SLO, stage_tracks: list[str]) -> dict:
+    # the time between tokens first, while little else is allocated: its percentiles copy every
+    # gap (11 MB in the 5,000-request benchmark), the largest transient of the run
+    itl = _stats(np.asarray(ctrl.token_gaps or (), dtype=float))  # an array('d'): a view, no copy
     rows = request_rows(ctrl)
     fin = [r for r in rows if r["status"] == "finished"]
     n = len(rows)
@@ -77,12 +85,11 @@ def summarize(ctrl: Controller, slo: SLO, stage_tracks: list[str]) -> dict:
     util = [b / window if window > 0 else 0.0 for b in busy]
     bubbles = [max(0.0, 1.0 - b / active) if active > 0 else 0.0 for b in busy]
     recs = ctrl.records
-    kv = np.array([m.kv_usage for m in recs], dtype=float)
-    tokens = np.array([m.num_prefill_tokens + m.num_decode_seqs for m in recs], dtype=float)
+    kv = np.asarray(recs.kv_usage, dtype=float)  # the records' columns (engine/core/records.py): views
+    tokens = (np.asarray(recs.num_prefill_tokens, dtype=np.int64) + np.asarray(recs.num_decode_seqs, dtype=np.int64)).astype(float)
     tt = _stats(ttft)
     tp = _stats(tpot)
     ee = _stats(e2el)
-    itl = _stats(np.asarray(ctrl.token_gaps or (), dtype=float))
     summary = {
         "num_requests": n,
         "num_finished": len(fin),
@@ -110,9 +117,44 @@ def summarize(ctrl: Controller, slo: SLO, stage_tracks: list[str]) -> dict:
     return summary
 
 
-def microbatch_rows(ctrl: Controller) -> list[dict]:
-    return [{"mb_id": m.mb_id, "scheduled_s": m.scheduled_s, "completed_s": m.completed_s, "kind": m.kind,
-             "num_prefill_tokens": m.num_prefill_tokens, "num_decode_seqs": m.num_decode_seqs,
-             "num_tokens": m.num_prefill_tokens + m.num_decode_seqs, "num_seqs": m.num_seqs,
-             "num_preempted": m.num_preempted, "kv_usage": m.kv_usage,
-             **{f"tag_{k}": v for k, v in m.tags.items()}} for m in ctrl.records]
+def microbatch_rows(ctrl: Controller) -> MicroBatchRows:
+    """The per-micro-batch table, one dict per row made when it is read."""
+    return MicroBatchRows(ctrl.records)
+
+
+def _row(m) -> dict:
+    return {"mb_id": m.mb_id, "scheduled_s": m.scheduled_s, "completed_s": m.completed_s, "kind": m.kind,
+            "num_prefill_tokens": m.num_prefill_tokens, "num_decode_seqs": m.num_decode_seqs,
+            "num_tokens": m.num_prefill_tokens + m.num_decode_seqs, "num_seqs": m.num_seqs,
+            "num_preempted": m.num_preempted, "kv_usage": m.kv_usage,
+            **{f"tag_{k}": v for k, v in m.tags.items()}}
+
+
+class MicroBatchRows(SequenceABC):
+    """The per-micro-batch table as a read-only sequence of row dicts built on access from the
+    controller's records: the 45k rows of the 5,000-request benchmark held at once took 12 MB
+    of a run's peak memory, for a table that is written once and sampled for plots. Compares
+    equal to a list of the same rows."""
+
+    __slots__ = ("_records",)
+
+    def __init__(self, records) -> None:
+        self._records = records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [_row(m) for m in self._records[i]]
+        return _row(self._records[i])
+
+    def __iter__(self):
+        return map(_row, self._records)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (MicroBatchRows, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]

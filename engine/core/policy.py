@@ -424,11 +424,6 @@ class SchedulerView:
             if builder.preempted:
                 self._c.apply_preemptions(builder.preempted)
             return None
-        return MicroBatch(
-            mb_id=-1,
-            prefills=tuple(builder.prefills),
-            decodes=tuple(builder.decodes),
-            preempted=tuple(builder.preempted),
-            shape=shape_of(builder.prefills, builder.decodes),
-            tags=dict(builder.tags),
-        )
+        # positional: MicroBatch(mb_id, prefills, decodes, preempted, shape, tags), once per micro-batch
+        return MicroBatch(-1, tuple(builder.prefills), tuple(builder.decodes), tuple(builder.preempted),
+                          shape_of(builder.prefills, builder.decodes), dict(builder.tags))

@@ -343,8 +343,10 @@ class CostModel:
         if not tokens:
             return (0.0,) * self.pp
         layer = self._layer_s(shape, tokens)
-        total = self._stage_total
         stages = self._stage_consts if shape.num_prefill_tokens else self._decode_consts
+        if self.kernels is not None:  # every stage in one call (the same floats): 4 calls fewer at P=4
+            return self.kernels.stage_totals(stages, layer, tokens, shape)
+        total = self._stage_total
         return tuple([total(consts, layer, tokens, shape) for consts in stages])
 
     def _layer_s(self, shape: BatchShape, tokens: int) -> float:

@@ -18,6 +18,17 @@ Per policy, three runs of the same config:
   machine) overlaps the simulation, so once that is shorter the gap between the two ratios is
   the wait for MLflow.
 
+Every measured child also reports its CPU seconds: `loop CPU s`, the process time of the
+controller's loop alone, and `child CPU s`, user + system time of the whole child (imports, the
+workload, the loop, the summary) from `wait4`. CPU time depends less on the load of a shared
+machine than wall time does, but neither is load-free: compare checkouts side by side.
+
+`--compare REF` does that: it checks REF (a git ref) out in a temporary worktree and runs the
+simulation-only child of this checkout and of REF alternately, `--rounds` times per policy (the
+order flips each round), each child with its own checkout's code (testbed/bench/sim_child.py is
+sent as text, so REF needs no bench code of its own). Each round prints both sides and their
+ratios, with the load average when the round started; the last rows give the median ratios.
+
 TD-Pipe's predictions are cached (policies/prediction_cache.py): the first, simulation-only run
 fits and stores them, the end-to-end runs read them back, as a user's second run would.
 """
@@ -25,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -37,29 +47,25 @@ SETTINGS = {"reference": ["workload=sharegpt", "workload.arrival=offline", "work
             "main": ["workload=azure"]}  # what `testbed run policy=<p> workload=azure` runs
 
 
-def measure_once(overrides: list[str]) -> dict:
-    """Run in this process; return timings, peak memory and the headline metrics."""
-    from testbed.config.spec import compose_spec
-    from testbed.config.overrides import merge
-    from testbed.run.runner import prepare_experiment
-
-    spec = compose_spec(merge(overrides, ["output.mlflow=false", "output.progress=false"]))
-    result = prepare_experiment(spec).run()
-    s = result.summary
-    return {"overrides": overrides, "simulate_s": result.info["simulation_s"], "build_s": result.info["build_s"],
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "num_microbatches": s["num_microbatches"],
-            "microbatches_per_wall_s": result.info["microbatches_per_wall_s"],
-            "throughput_tok_s": s["throughput_tok_s"], "bubble_ratio": s["bubble_ratio"],
-            "ttft_mean_s": s["ttft_mean_s"], "tpot_mean_s": s["tpot_mean_s"], "num_preemptions": s["num_preemptions"]}
+CHILD = Path(__file__).with_name("sim_child.py")
+REPO = Path(__file__).resolve().parents[2]
 
 
-def measure(overrides: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "testbed.bench.sim", "--child", json.dumps(overrides)],
-                          capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark run {overrides} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def measure(overrides: list[str], checkout: Path = REPO) -> dict:
+    """The simulation alone in a fresh child running `checkout`'s code: the child's own figures
+    (sim_child.py) plus its whole-process CPU time and peak RSS from wait4."""
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-c", CHILD.read_text(), json.dumps(overrides)],
+                                cwd=checkout, env=env, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        out.seek(0)
+        err.seek(0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"benchmark run {overrides} in {checkout} failed:\n{err.read()[-2000:]}")
+        row = json.loads(out.read().strip().splitlines()[-1])
+    row.update(child_cpu_s=usage.ru_utime + usage.ru_stime, peak_rss_mb=usage.ru_maxrss / 1024)
+    return row
 
 
 def measure_end_to_end(overrides: list[str], bare: bool = False) -> dict:
@@ -102,13 +108,14 @@ def run_sim_bench(policies: list[str], extra: list[str], end_to_end: bool = True
             row.update(bare_e2e_s=bare["e2e_s"], bare_ratio=bare["e2e_s"] / bare["e2e_simulate_s"])
         rows.append(row)
     t = Table(title=f"simulator benchmark ({setting}): " + " ".join(base + extra))
-    cols = ["policy", "simulate s", "peak RSS MB", "micro-batches", "mb / wall s"]
+    cols = ["policy", "simulate s", "loop CPU s", "child CPU s", "peak RSS MB", "micro-batches", "mb / wall s"]
     if end_to_end:
         cols += ["e2e s", "e2e / sim", "e2e RSS MB", "bare e2e s", "bare / sim"]
     for col in cols + ["throughput tok/s", "bubble", "TTFT mean s", "TPOT mean s"]:
         t.add_column(col, justify="right")
     for p, r in zip(policies, rows):
-        cells = [p, f"{r['simulate_s']:.2f}", f"{r['peak_rss_mb']:.0f}", str(r["num_microbatches"]),
+        cells = [p, f"{r['simulate_s']:.2f}", f"{r['loop_cpu_s']:.2f}", f"{r['child_cpu_s']:.2f}",
+                 f"{r['peak_rss_mb']:.0f}", str(r["num_microbatches"]),
                  f"{r['microbatches_per_wall_s']:.0f}"]
         if end_to_end:
             cells += [f"{r['e2e_s']:.2f}", f"{r['e2e_s'] / r['e2e_simulate_s']:.2f}", f"{r['e2e_peak_rss_mb']:.0f}",
@@ -120,8 +127,3 @@ def run_sim_bench(policies: list[str], extra: list[str], end_to_end: bool = True
         Console().print("e2e / sim: wall time of the whole `testbed run` process (MLflow on, normal outputs) "
                         "over the simulate time that same run reported; bare: the same with MLflow and figures off")
     return rows
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(measure_once(json.loads(sys.argv[2]))))
