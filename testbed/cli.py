@@ -159,6 +159,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     """The real engine against its floor (testbed/bench/engine_grid.py), or with --compare each
     policy's tokens/s against Hugging Face generate (testbed/bench/engine.py)."""
+    from testbed.bench.engine_args import check_engine_args
+
+    check_engine_args(args)  # counts, the other mode's options, the output: before any measurement
     if args.compare:
         from testbed.bench.engine import run
 

@@ -33,17 +33,20 @@ def plain_name(option: str, name: str) -> str:
     return name
 
 
-def writable_dir(option: str, path: str | os.PathLike) -> Path:
-    """Create `path` (with its parents) and prove it takes a file, before any work."""
+def writable_dir(option: str, path: str | os.PathLike, shown: str | os.PathLike | None = None) -> Path:
+    """Create `path` (with its parents) and prove it takes a file, before any work (`shown`: the
+    value the user gave, when `path` is its folder)."""
     p = Path(path).expanduser()
+    said = f"invalid {option}={str(shown if shown is not None else path)!r}"
     if p.exists() and not p.is_dir():
-        raise ConfigError(f"invalid {option}={str(path)!r}: it is a file, not a folder")
+        raise ConfigError(f"{said}: {'its folder ' + str(p) + ' is' if shown else 'it is'} a file, not a folder")
     try:
         p.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=p, prefix=".write-check-"):
             pass
     except OSError as exc:
-        raise ConfigError(f"invalid {option}={str(path)!r}: cannot write there ({exc.strerror or exc})") from None
+        raise ConfigError(f"{said}: cannot write {'in ' + str(p) if shown else 'there'} "
+                          f"({exc.strerror or exc})") from None
     return p
 
 
@@ -55,7 +58,7 @@ def writable_file(option: str, path: str | os.PathLike) -> Path:
         raise ConfigError(f"invalid {option}={str(path)!r}: it is a folder, not a file")
     if p.exists() and not p.is_file():
         raise ConfigError(f"invalid {option}={str(path)!r}: not a regular file (a device or a pipe)")
-    writable_dir(option, p.parent if str(p.parent) else Path("."))
+    writable_dir(option, p.parent, shown=path)
     if p.exists() and not os.access(p, os.W_OK):
         raise ConfigError(f"invalid {option}={str(path)!r}: the file is not writable")
     return p
