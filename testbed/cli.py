@@ -63,7 +63,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     from testbed.config.composer import group_nodes
 
     groups = group_nodes()
-    wanted = [args.group] if args.group else list(groups)
+    wanted = [args.group] if args.group is not None else list(groups)  # `testbed list ''` listed every group
     for g in wanted:
         if g not in groups:
             raise TestbedError(f"unknown group {g!r}; valid choices: {', '.join(groups)}")

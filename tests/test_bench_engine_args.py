@@ -29,7 +29,7 @@ def test_bad_options_are_one_line_before_any_measurement(argv, needle, capsys):
 def test_figures_whose_late_write_fails_are_kept(tmp_path):
     """The write checked at the start can still fail at the end (a disk that filled): the
     figures go to the temporary folder and the error says where."""
-    from testbed.calibrate.out_checks import ResultKept, write_or_keep
+    from testbed.run.out_checks import ResultKept, write_or_keep
 
     blocked = tmp_path / "file"
     blocked.write_text("")

@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> dict:
     results = _run_policies(names, requests, args, params) + _run_baselines(requests, args, path)
     out = {"info": info, "results": results}
     if args.out:  # checked before the measurement; a late failure keeps the figures elsewhere
-        from testbed.calibrate.out_checks import write_or_keep
+        from testbed.run.out_checks import write_or_keep
 
         write_or_keep(Path(args.out), json.dumps(out, indent=1), "the figures")
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from engine.base.errors import ConfigError
-from testbed.calibrate.out_checks import writable_file
+from testbed.run.out_checks import writable_file
 
 MAX_REPEATS = 1000
 # (dest, option, lowest value) of the counts a user sets

@@ -159,7 +159,7 @@ def run_grid(args: argparse.Namespace, console=None) -> dict:
 
         print_kernels(kernels, console)
     if args.json_out:  # checked before the measurement; a late failure keeps the figures elsewhere
-        from testbed.calibrate.out_checks import write_or_keep
+        from testbed.run.out_checks import write_or_keep
 
         write_or_keep(Path(args.json_out), json.dumps(out, indent=1), "the figures")
     return out

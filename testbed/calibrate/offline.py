@@ -23,7 +23,8 @@ from pathlib import Path
 
 from engine.base.errors import ConfigError
 from engine.pricing.hardware import get_hardware
-from testbed.calibrate.out_checks import plain_name, save_profile_or_keep, writable_dir
+from testbed.calibrate.keep import save_profile_or_keep
+from testbed.run.out_checks import plain_name, writable_dir
 from testbed.calibrate.profile import TARGETS, VALIDATE_METRICS, error_table, profile_dir
 from testbed.calibrate.run_fit import fitted_spec, fit_runs
 from testbed.calibrate.run_checks import distinct_runs, read_table

@@ -18,7 +18,7 @@ from engine.base.errors import ConfigError
 from testbed.calibrate.gpu_tables import DEVICES
 from engine.pricing.hardware import get_hardware
 from testbed.calibrate.kernel_fit import DEFAULT_FIT_MODELS
-from testbed.calibrate.out_checks import writable_dir
+from testbed.run.out_checks import writable_dir
 from testbed.calibrate.run_checks import read_table
 from engine.pricing.models import get_model
 

@@ -333,6 +333,7 @@ def _seed_sqlite_store(uri: str) -> None:
 
     db = Path(uri[len("sqlite:///"):])
     if db.exists() and db.stat().st_size > 0:
+        _check_is_mlflow(db)
         return
     for stale in db.parent.glob(f"{db.name}.*.creating*"):
         stale.unlink(missing_ok=True)
@@ -344,6 +345,22 @@ def _seed_sqlite_store(uri: str) -> None:
         _migrate(tmp)
         _save_template(tmp, template)
     os.replace(tmp, db)
+
+
+def _check_is_mlflow(db: Path) -> None:
+    """An existing SQLite file with tables but none of MLflow's belongs to another application:
+    MLflow added its tables to it without a word (issue 48 item 7). Refused, naming its tables."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30) as con:
+            tables = {r[0] for r in con.execute("select name from sqlite_master where type = 'table'")}
+    except sqlite3.Error:
+        return  # MLflow's own error says what the file is
+    if tables and not tables & {"experiments", "alembic_version"}:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise ConfigError(f"{db} is not an MLflow database (its tables: {shown}): it belongs to another "
+                          f"application; name another output.dir or output.tracking_uri")
 
 
 def _migrate(path: Path) -> None:

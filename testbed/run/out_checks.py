@@ -80,16 +80,3 @@ def _keep(path: Path, text: str, what: str, write: Callable[[], object]) -> Path
             fh.write(text)
         raise ResultKept(f"{what} could not be written to {path} ({exc.strerror or exc}); it is kept in {kept}") from None
 
-
-def save_profile_or_keep(spec, target: Path, provenance: dict) -> Path:
-    """`save_hardware_profile`, kept in the temporary folder when the write fails (ResultKept)."""
-    from testbed.calibrate.fit import save_hardware_profile
-
-    try:
-        return save_hardware_profile(spec, target, provenance)
-    except OSError as exc:
-        fd, kept = tempfile.mkstemp(prefix=f"testbed-{target.stem}-", suffix=".yaml")
-        os.close(fd)
-        save_hardware_profile(spec, Path(kept), provenance)
-        raise ResultKept(f"the fitted profile could not be written to {target} ({exc.strerror or exc}); "
-                         f"it is kept in {kept}") from None
