@@ -83,22 +83,25 @@ def open_study(problem: Problem):
 
 def run_tune(overrides: Sequence[str], console: Any = None) -> TuneOutcome:
     """The whole command: validate, open the study and its MLflow run, run the workers, report."""
+    where = {"dir": "output.dir"}  # the folder, once the config names it
     with signals.sigterm_as_interrupt():
         try:
-            return _run_tune(overrides, console)
+            return _run_tune(overrides, console, where)
         except Exception as exc:  # a full disk: one line (testbed/tune/disk.py)
             from testbed.tune.disk import disk_full, full_disk_error
 
             if isinstance(exc, ConfigError) or not disk_full(exc):
                 raise
-            raise full_disk_error(exc, "output.dir") from None
+            raise full_disk_error(exc, where["dir"]) from None
 
 
-def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
+def _run_tune(overrides: Sequence[str], console: Any, where: dict | None = None) -> TuneOutcome:
     quiet_optuna()
     backend, overrides = split_backend(overrides)  # sweep.backend=ray: each trial a Ray task
     problem = prepare(overrides)
     prepare_output_dir(problem.base.output.dir)  # a fresh folder is made, not refused (any storage)
+    if where is not None:
+        where["dir"] = str(problem.base.output.dir)
     if problem.base.output.mlflow:  # a server that will refuse us is found before the study exists
         check_tracking_uri(tracking_uri(problem.base.output))
     identity.new_session()
