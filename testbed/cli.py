@@ -63,7 +63,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     from testbed.config.composer import group_nodes
 
     groups = group_nodes()
-    wanted = [args.group] if args.group else list(groups)
+    wanted = [args.group] if args.group is not None else list(groups)  # `testbed list ''` listed every group
     for g in wanted:
         if g not in groups:
             raise TestbedError(f"unknown group {g!r}; valid choices: {', '.join(groups)}")
@@ -164,6 +164,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     """The real engine against its floor (testbed/bench/engine_grid.py), or with --compare each
     policy's tokens/s against Hugging Face generate (testbed/bench/engine.py)."""
+    from testbed.bench.engine_args import check_engine_args
+
+    check_engine_args(args)  # counts, the other mode's options, the output: before any measurement
     if args.compare:
         from testbed.bench.engine import run
 

@@ -50,7 +50,7 @@ class HeldRun:
     test does what it wants to the background process meanwhile, then `release()` drains the
     pipe and lets the run end. (A long simulation raced the same steps: ~8 s of CPU per test.)"""
 
-    def __init__(self, tmp_path: Path, **env: str) -> None:
+    def __init__(self, tmp_path: Path, *extra: str, **env: str) -> None:
         fresh_mlflow_db(tmp_path)
         read_end, write_end = os.pipe()
         os.set_blocking(write_end, False)
@@ -61,7 +61,7 @@ class HeldRun:
             pass
         os.set_blocking(write_end, True)
         full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **env}
-        args = ["run", *SMALL, f"workload.num_requests={HELD_REQUESTS}", f"output.dir={tmp_path}"]
+        args = ["run", *SMALL, f"workload.num_requests={HELD_REQUESTS}", f"output.dir={tmp_path}", *extra]
         self.proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", *args], cwd=REPO, env=full_env,
                                      stdout=subprocess.PIPE, stderr=write_end, text=True)
         os.close(write_end)

@@ -101,7 +101,16 @@ def _as_real_run(tmp_path: Path, *extra: str) -> Path:
     tree = yaml.safe_load((out / "config.yaml").read_text())
     tree["executor"] = compose_spec(["executor=torch", "executor.device=cuda"]).tree()["executor"]
     (out / "config.yaml").write_text(yaml.safe_dump(tree))
+    sample_tokens(out)
     return out
+
+
+def sample_tokens(run_dir: Path) -> None:
+    """Give the finished requests sampled token ids, as the torch engine records them (a run
+    without any is refused as simulated: testbed/calibrate/run_checks.py)."""
+    reqs = pd.read_csv(run_dir / "requests.csv")
+    reqs["output_token_ids"] = [" ".join(["7"] * int(n)) for n in reqs["num_generated"]]
+    reqs.to_csv(run_dir / "requests.csv", index=False)
 
 
 def test_calibrate_runs_recovers_known_engine_terms(tmp_path):
@@ -395,6 +404,7 @@ def test_calibrate_runs_on_cpu_fits_the_padding_and_one_fixed_cost_for_every_ste
         tree = yaml.safe_load((out / "config.yaml").read_text())
         tree["executor"] = compose_spec(["executor=torch"]).tree()["executor"]
         (out / "config.yaml").write_text(yaml.safe_dump(tree))
+        sample_tokens(out)
         fit = fit_runs([load_run(out, need_trace=True)], cpu)
     finally:
         HARDWARE.pop("cpu-test", None)

@@ -133,3 +133,20 @@ def test_the_doc_figures_check_still_finds_every_quote_it_reruns():
         found = re.search(check.pattern, (REPO / check.page).read_text())
         assert found and all(found.groups()), f"{check.page} no longer quotes /{check.pattern}/"
     assert mod.main(["--only", "nope"]) == 2
+
+
+def test_the_recipes_allowed_hosts_keep_the_servers_own_host():
+    """`--allowed-hosts` replaces MLflow's defaults (localhost, private addresses): the recipe's
+    list refused 127.0.0.1 and localhost on the server's own host (issue 48 item 6). Checked with
+    MLflow's own matcher."""
+    import shlex
+
+    from mlflow.server.security_utils import is_allowed_host_header
+
+    text = (REPO / "docs" / "beyond-one-machine.md").read_text()
+    server = text[text.index("mlflow server --backend-store-uri"):]
+    words = shlex.split(server[:server.index("```")].replace("\\\n", " "))
+    hosts = words[words.index("--allowed-hosts") + 1].split(",")
+    for host in ("mlflow-host", "mlflow-host:5000", "127.0.0.1:5000", "localhost:5000", "localhost"):
+        assert is_allowed_host_header(hosts, host), (host, hosts)
+    assert not is_allowed_host_header(hosts, "evil.example:5000")

@@ -59,6 +59,20 @@ def downloads_allowed() -> bool:
     return os.environ.get(ALLOW_DOWNLOAD_ENV, "1").strip() != "0"
 
 
+_FALLBACKS_SAID: set[tuple[str, str]] = set()
+
+
+def _say_fallback(data_dir: str | os.PathLike, relpath: str, used: Path) -> None:
+    """`data_dir=/nonexistent` fell back to the other folders without a word (issue 48 item 7):
+    said once per folder and file, on stderr."""
+    import sys
+
+    key = (str(data_dir), relpath)
+    if key not in _FALLBACKS_SAID:
+        _FALLBACKS_SAID.add(key)
+        print(f"warning: data_dir={data_dir} has no {relpath}; read {used} instead", file=sys.stderr, flush=True)
+
+
 def resolve_data_file(relpath: str, explicit_path: str | os.PathLike | None = None,
                       data_dir: str | os.PathLike | None = None) -> Path:
     """The path of data file `relpath` (e.g. "azure/AzureLLMInferenceTrace_conv.csv")."""
@@ -77,6 +91,8 @@ def resolve_data_file(relpath: str, explicit_path: str | os.PathLike | None = No
             continue
         path = Path(base).expanduser() / relpath
         if path.is_file():
+            if label != "data_dir argument" and data_dir:
+                _say_fallback(data_dir, relpath, path)
             return path
         looked.append(f"{label}: {path} (missing)")
 

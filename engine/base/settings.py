@@ -54,6 +54,9 @@ class ParallelSettings:
 
     def __post_init__(self) -> None:
         check(self, "parallel")
+        if self.layer_split is not None and len(self.layer_split) == 0:  # [] silently meant an even split
+            raise bad_value("parallel.layer_split", "[]", "must list the layers of each of the pp stages, or be "
+                                                          "null (as even as possible)")
         n = self.num_microbatches
         if n is not None and n > 2 * self.pp:
             raise bad_value("parallel.num_microbatches", n,
@@ -148,6 +151,8 @@ class OutputSettings:
 
     def __post_init__(self) -> None:
         check(self, "output")
+        if not str(self.experiment).strip():  # `output.experiment=` silently landed in "testbed"
+            raise bad_value("output.experiment", self.experiment, "must name an MLflow experiment (default: testbed)")
 
 
 @dataclass(frozen=True)

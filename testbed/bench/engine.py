@@ -315,9 +315,10 @@ def run(args: argparse.Namespace) -> dict:
     print(json.dumps(info), flush=True)
     results = _run_policies(names, requests, args, params) + _run_baselines(requests, args, path)
     out = {"info": info, "results": results}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1))
+    if args.out:  # checked before the measurement; a late failure keeps the figures elsewhere
+        from testbed.run.out_checks import write_or_keep
+
+        write_or_keep(Path(args.out), json.dumps(out, indent=1), "the figures")
     return out
 
 

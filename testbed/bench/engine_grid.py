@@ -158,9 +158,10 @@ def run_grid(args: argparse.Namespace, console=None) -> dict:
         from testbed.bench.engine_kernels import print_kernels
 
         print_kernels(kernels, console)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(out, indent=1))
+    if args.json_out:  # checked before the measurement; a late failure keeps the figures elsewhere
+        from testbed.run.out_checks import write_or_keep
+
+        write_or_keep(Path(args.json_out), json.dumps(out, indent=1), "the figures")
     return out
 
 

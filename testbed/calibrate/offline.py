@@ -25,9 +25,11 @@ from pathlib import Path
 
 from engine.base.errors import ConfigError
 from engine.pricing.hardware import get_hardware
-from testbed.calibrate.fit import save_hardware_profile
+from testbed.calibrate.keep import save_profile_or_keep
+from testbed.run.out_checks import plain_name, writable_dir
 from testbed.calibrate.profile import TARGETS, VALIDATE_METRICS, error_table, profile_dir
 from testbed.calibrate.run_fit import fitted_spec, fit_runs
+from testbed.calibrate.run_checks import distinct_runs, read_table
 from testbed.calibrate.runs import RealRun, group_by_setting, kv_num_blocks, load_run
 from testbed.calibrate.rank import (CSV_METRICS, Replayed, error_by_load, format_rank, rank_table, setting_label,
                                     write_errors_csv)
@@ -37,16 +39,18 @@ SPREAD_METRICS = ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s", "e2el_mean_s
 
 
 def cmd_calibrate_runs(args, console) -> int:
-    from engine.pricing.profile_table import read_profile
     from testbed.config.composer import load_saved_profiles
 
     load_saved_profiles()
     manifest = getattr(args, "manifest", None)  # set by the CLI when it read a manifest's fit runs
     if not args.base:
         raise ConfigError("calibrate runs needs --base <hardware profile> (or one manifest.yaml naming it)")
+    out = writable_dir("--out", args.out if args.out else profile_dir())  # before the fit: a minute of work
+    target = out / f"{plain_name('--name', args.name)}.yaml"
+    distinct_runs(args.runs)
     runs = [load_run(p, need_trace=True) for p in args.runs]
     base = get_hardware(args.base)
-    table = read_profile(args.table) if args.table else None
+    table = read_table(args.table) if args.table else None
     console.print(f"calibrate runs: {len(runs)} run(s) on base {base.name}; rebuilding micro-batch shapes")
     t0 = time.perf_counter()
     fit = fit_runs(runs, base, table, own_attention=args.own_attention)
@@ -54,7 +58,6 @@ def cmd_calibrate_runs(args, console) -> int:
     desc = (f"{base.description.split(';')[0]}; this project's torch engine ({rc.model.name}, P={rc.parallel.pp}, "
             f"{rc.executor.settings.device}) calibrated from real runs (testbed calibrate runs)")
     spec = fitted_spec(base, args.name, fit, desc)
-    out = Path(args.out) if args.out else profile_dir()
     provenance = {"source": "real runs (testbed calibrate runs)", "base": base.name,
                   "base_version": base.version, "command": _portable("testbed calibrate " + " ".join(map(shlex.quote, sys.argv[2:]))),
                   "date": time.strftime("%Y-%m-%d", time.gmtime()), "runs": [_run_record(r) for r in runs],
@@ -65,7 +68,7 @@ def cmd_calibrate_runs(args, console) -> int:
                   **({"manifest": _portable(manifest), "split": args.profile} if manifest else {}),
                   "errors": fit.errors,
                   "first_use_s": [round(x, 6) for x in fit.first_use_s]}
-    path = save_hardware_profile(spec, out / f"{args.name}.yaml", provenance)
+    path = save_profile_or_keep(spec, target, provenance)
     console.print("\n".join(fit.summary_lines()))
     console.print(f"fitted in {time.perf_counter() - t0:.1f} s; use it as hardware={args.name}")
     print(path.resolve())
@@ -136,8 +139,10 @@ def cmd_validate_runs(args, console) -> int:
         raise ConfigError("testbed validate --runs takes hardware=<profile> and nothing else (each run keeps its "
                           f"own settings); got {' '.join(overrides) or 'nothing'}")
     get_hardware(hardware)
-    runs = [load_run(p) for p in paths]
     out = Path(args.out) if args.out else Path("runs") / "validate" / f"{time.strftime('%Y%m%d-%H%M%S')}_runs-{hardware}"
+    writable_dir("--out", out)  # before the replays
+    distinct_runs(paths)
+    runs = [load_run(p) for p in paths]
     rows, replays = [], []
     for group in group_by_setting(runs).values():
         sp, sims = spread(group), []

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from engine.pricing.profile_table import OPERATOR_OPS, ProfileTable, read_profile
+from engine.pricing.profile_table import OPERATOR_OPS, ProfileTable
 from engine.pricing.costmodel import CostModel
 from engine.base.errors import ConfigError
 from testbed.calibrate.gpu_tables import DEVICES
 from engine.pricing.hardware import get_hardware
 from testbed.calibrate.kernel_fit import DEFAULT_FIT_MODELS
+from testbed.run.out_checks import writable_dir
+from testbed.calibrate.run_checks import read_table
 from engine.pricing.models import get_model
 
 __all__ = ["cli_calibrate", "profile_errors"]
@@ -49,9 +51,11 @@ def cli_calibrate(args, console) -> int:
     from testbed.calibrate.tables import run_tables, tables_dir
 
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out or f"runs/calibrate/tables-{stamp}")
+    out = writable_dir("--out", args.out or f"runs/calibrate/tables-{stamp}")  # before minutes of fitting
+    if args.save:
+        writable_dir("--save", args.save)
     if args.profile:
-        table = read_profile(args.profile)
+        table = read_table(args.profile)
         if any(r.op in OPERATOR_OPS for r in table.rows):
             return _operator_profile(table, args, out, console)
         df = profile_errors(table, args.hardware)

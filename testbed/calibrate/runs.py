@@ -33,9 +33,11 @@ from engine.core.kv import BlockManager
 from engine.core.policy import PrepareContext
 from engine.core.request import Request
 from engine.core.trace import Tracer
+from testbed.calibrate import run_checks as checks
 from testbed.config.spec import RunSpec
 
 RUN_FILES = ("config.yaml", "requests.csv", "microbatches.csv", "summary.json")
+REQUEST_COLUMNS = ("request_id", "arrival_s", "prompt_len", "output_len", "output_token_ids")
 # Span names the stages record (engine/torch_exec/worker.py); forward spans are "forward:<kind>".
 STAGE_SPANS = ("prepare", "forward", "sample", "send", "recv", "wait", "to_samplers")
 
@@ -103,16 +105,23 @@ def load_run(path: str | Path, need_trace: bool = False) -> RealRun:
     if missing:
         raise ConfigError(f"run directory {path} lacks {', '.join(missing)}: not a finished `testbed run`")
     try:
-        tree = yaml.safe_load((path / "config.yaml").read_text())
-        summary = json.loads((path / "summary.json").read_text())
+        tree = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
+        summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
         mbs = pd.read_csv(path / "microbatches.csv")
-        reqs = pd.read_csv(path / "requests.csv", usecols=["request_id", "arrival_s", "prompt_len", "output_len"])
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read run {path}: {str(exc).splitlines()[0]}") from None
+        reqs = pd.read_csv(path / "requests.csv", usecols=lambda c: c in REQUEST_COLUMNS, dtype={"output_token_ids": str})
+    except (OSError, ValueError, yaml.YAMLError, pd.errors.ParserError) as exc:
+        raise ConfigError(f"cannot read run {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    checks.check_microbatches(path / "microbatches.csv", mbs)
+    checks.check_requests(path / "requests.csv", reqs)
+    checks.check_summary(path, summary, reqs, mbs)
+    if not isinstance(tree, dict):
+        checks.check_config(path, tree, None, reqs)
     spec = RunSpec.from_tree(tree)
     if spec.settings.executor.name != "torch":
         raise ConfigError(f"run {path} ran executor={spec.settings.executor.name}: calibrate from real "
                           "(executor=torch) runs")
+    checks.check_real(path, reqs)
+    checks.check_config(path, tree, spec, reqs)
     requests = with_prompt_texts(spec, [Request(int(r.request_id), float(r.arrival_s), int(r.prompt_len),
                                                 int(r.output_len)) for r in reqs.itertuples()])
     spans = read_spans(path / "trace.json", len(mbs)) if (path / "trace.json").is_file() else None
@@ -144,18 +153,21 @@ def read_spans(path: Path, num_mbs: int) -> dict[tuple[int, int], dict[str, tupl
     """(mb, stage) -> span name -> (start s, duration s) from a Perfetto trace the run wrote.
     A trace that lacks micro-batches (sampled, or spans dropped) is refused."""
     try:
-        events = json.loads(path.read_text())["traceEvents"]
+        events = json.loads(path.read_text(encoding="utf-8"))["traceEvents"]
+        names = {e["tid"]: str(e["args"]["name"]) for e in events
+                 if isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == "thread_name"}
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"cannot read trace {path}: {str(exc).splitlines()[0]}") from None
-    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        raise ConfigError(f"cannot read trace {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     stage_of = {tid: int(n[5:]) for tid, n in names.items() if n.startswith("stage") and n[5:].isdigit()}
     out: dict[tuple[int, int], dict[str, tuple[float, float]]] = {}
-    for e in events:
-        if e.get("ph") != "X" or e.get("tid") not in stage_of:
+    for i, e in enumerate(events):
+        span = checks.check_span(path, i, e) if isinstance(e, dict) and e.get("tid") in stage_of else None
+        if span is None:
             continue
-        name = e["name"].split(":")[0]
+        mb, name, ts, dur = span
+        name = name.split(":")[0]
         if name in STAGE_SPANS:
-            out.setdefault((int(e["args"]["mb"]), stage_of[e["tid"]]), {})[name] = (e["ts"] / 1e6, e["dur"] / 1e6)
+            out.setdefault((mb, stage_of[e["tid"]]), {})[name] = (ts / 1e6, dur / 1e6)
     covered = {mb for mb, _ in out}
     if len(covered) < num_mbs:
         raise ConfigError(f"trace {path} has spans of {len(covered)} of {num_mbs} micro-batches: "

@@ -269,7 +269,15 @@ def error_frame(tables: PublishedTables, fit: KernelFit, fitted: HardwareSpec, d
     return df
 
 
+STAT_COLUMNS = ["rows"] + [f"{w}_{s}" for w in ("fitted", "default") for s in ("median", "p90", "max", "bias")]
+
+
 def summarise(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Error statistics per group; no rows (a device without attention tables: the A40's) is an
+    empty table, not a KeyError on the absent column (issue 48 item 4: `--device a40`)."""
+    if df.empty or not set(by) <= set(df.columns):
+        return pd.DataFrame(columns=[*by, *STAT_COLUMNS])
+
     def stats(g: pd.DataFrame) -> pd.Series:
         out: dict = {"rows": len(g)}
         for which in ("fitted", "default"):
@@ -444,6 +452,9 @@ def run_tables(directory: Path, devices: list[str], fit_models, out_dir: Path, s
                       + ("; ".join(fit.notes) or "no extrapolation"))
         for note in tables.skipped:  # what was not read: said, not passed over (issue 38 item 9)
             console.print(f"[yellow]warning:[/] {device}: {escape(note)}", highlight=False, soft_wrap=True)
+        for family in missing_families(frames[-1]):
+            console.print(f"[yellow]warning:[/] {device}: no {family} rows in its tables; the report has no "
+                          f"{family} errors for it", highlight=False, soft_wrap=True)
     df = pd.concat(frames, ignore_index=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = write_report(df, fits, out_dir)
@@ -459,6 +470,13 @@ def run_tables(directory: Path, devices: list[str], fit_models, out_dir: Path, s
             save_hardware_profile(spec, save / f"{spec.name}.yaml", extra=provenance)
             console.print(f"saved hardware profile {spec.name} -> {save / (spec.name + '.yaml')}")
     return report
+
+
+def missing_families(df: pd.DataFrame) -> list[str]:
+    """The kinds of rows a device's report lacks (the A40's tables have no attention)."""
+    have = set(df["family"]) if "family" in df.columns else set()
+    want = {"linear": {"linear"}, "attention": set(ATTENTION_FAMILIES), "network": {"send_recv", "all_reduce"}}
+    return [name for name, fams in want.items() if not have & fams]
 
 
 def markdown_table(df: pd.DataFrame) -> str:

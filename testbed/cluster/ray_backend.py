@@ -116,11 +116,32 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         return
     host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            pass
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+            answer = _http2_answer(conn)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot reach a Ray cluster at ray.address={address!r} ({exc}); start one with "
                           f"`ray start --head` (then ray.address=auto) or name HOST:PORT of its head") from None
+    if not (len(answer) >= 4 and answer[3] == HTTP2_SETTINGS):
+        said = answer[:40].decode("ascii", "replace").splitlines()[0] if answer.strip() else "nothing"
+        raise ConfigError(f"ray.address={address!r} is not a Ray cluster's head: it answered {said!r} (Ray's GCS "
+                          f"speaks gRPC); name HOST:PORT of the head (`ray start --head --port=6379`) or ray.address=auto")
+
+
+# Ray's GCS is a gRPC server: it answers any connection with an HTTP/2 SETTINGS frame (type 4, the
+# frame header's 4th byte). Any other listener passed the TCP probe and `ray.init` then retried it
+# for 260 s, deaf to SIGTERM (issue 48 item 5: a live HTTP port).
+HTTP2_SETTINGS = 0x04
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def _http2_answer(conn: socket.socket) -> bytes:
+    """The first bytes a listener answers an HTTP/2 client preface with (b"" if it closes or
+    stays silent for the connection's timeout)."""
+    conn.sendall(HTTP2_PREFACE)
+    try:
+        return conn.recv(64)
+    except (TimeoutError, socket.timeout, ConnectionError):
+        return b""
 
 
 def task_resources(spec: Any) -> dict[str, float]:

@@ -12,7 +12,8 @@ call that fails for any other reason is not retried. After the window, `ServiceL
 `error:` line, exit 1, and the caller ends what this host holds (docs/beyond-one-machine.md).
 
 Only failures that mean "the service did not get the request" are retried (a refused or reset
-connection, a connection the server closed), so a write is not applied twice in practice; the
+connection, a connection the server closed, an `mlflow server` answering 502/503/504 because its own
+store is away: tracking/tracker.py `server_unreachable`), so a write is not applied twice in practice; the
 rare write whose commit reached the server just before the connection broke is handled where it
 matters (a trial told twice: `storage.py`)."""
 from __future__ import annotations

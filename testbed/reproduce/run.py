@@ -206,6 +206,9 @@ def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), 
         _flush_partial(run, job_rows, time.perf_counter() - t0, signals.interrupted_message(exc))
         parent.end_interrupted(exc, console, f"the table of the {len(job_rows)} run(s) done", run.out_dir)
         raise
+    except Exception as exc:  # e.g. sweep.backend=ray whose cluster cannot be reached
+        parent.end_failed(exc)
+        raise
     wall = time.perf_counter() - t0
     outcome = _write_results(run, job_rows, wall, list(overrides), argv)
     _log(parent, outcome, job_rows)

@@ -244,6 +244,9 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
         _write(p, rows, time.perf_counter() - t0, parent, plots=False, interrupted=signals.interrupted_message(exc))
         parent.end_interrupted(exc, console, f"the table of the {len(rows)} point(s) done", p.out_dir)
         raise
+    except Exception as exc:  # e.g. sweep.backend=ray whose cluster cannot be reached
+        parent.end_failed(exc)
+        raise
     wall = time.perf_counter() - t0
     df = _write(p, rows, wall, parent, plots=True)
     parent.end("FINISHED")

@@ -315,6 +315,17 @@ class ParentRun:
             self._kill_children()
         self.tracker.client.set_terminated(self.run_id, status)
 
+    def end_failed(self, exc: BaseException) -> None:
+        """End FAILED with the error that stopped the sweep (its Ray cluster unreachable after the
+        run opened: it stayed RUNNING, issue 48 item 6); a store that fails too is let be."""
+        if self.tracker is None:
+            return
+        try:
+            self.tracker.client.set_tag(self.run_id, "error", f"{type(exc).__name__}: {exc}"[:5000])
+            self.end("FAILED")
+        except Exception:  # noqa: BLE001 - the sweep's own error is the one to report
+            pass
+
     def end_interrupted(self, exc: BaseException, console: Any, done: str, out_dir: Path) -> None:
         """End KILLED after an interrupt and say where the partial results are (`done`: what
         was written, e.g. "the table of the 3 point(s) done")."""

@@ -301,6 +301,19 @@ def _renderer(name: str):
     return getattr(importlib.import_module(module), function)
 
 
+def _answer(replies, reply: dict) -> bool:
+    """Write one reply; False when the reply pipe is closed. A `testbed run` killed in its first
+    seconds closes it before the run's `start` is answered: the write's BrokenPipeError, outside
+    any `try`, ended this process before it marked the run, which stayed RUNNING for good (issue
+    48: killed at 8 and 20 s). The pipe's end is the signal to end the run KILLED, not an error."""
+    try:
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+    except (BrokenPipeError, OSError, ValueError):
+        return False
+    return True
+
+
 def _serve(mlflow: bool, render: str | None) -> None:
     t0 = time.monotonic()
     replies = _reply_channel()
@@ -318,7 +331,10 @@ def _serve(mlflow: bool, render: str | None) -> None:
     tracker = run_id = None
     finished = False
     for line in sys.stdin:
-        msg = json.loads(line)
+        try:
+            msg = json.loads(line)
+        except ValueError:  # a line cut short by the caller's death: its end, not an error
+            break
         try:
             if msg["op"] == "start":
                 from testbed.tracking.tracker import Tracker
@@ -346,8 +362,8 @@ def _serve(mlflow: bool, render: str | None) -> None:
         except Exception as exc:  # reported by `testbed run` as one line
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:500]}
         reply["t"] = round(time.monotonic() - t0, 3)  # when it was done, on the sidecar's clock
-        replies.write(json.dumps(reply) + "\n")
-        replies.flush()
+        if not _answer(replies, reply):
+            break  # the caller is gone: its run ends here, below
     if tracker is not None and run_id is not None and not finished:
         tracker.fail(run_id, "testbed run ended without finishing (killed)", status="KILLED")
     sys.stdout.flush()

@@ -87,14 +87,40 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BA
                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
 
 
+# HTTP statuses that say the server did not do the work and may later: a server whose own store
+# (PostgreSQL, in the recipe's layout) restarts answers 503 TEMPORARILY_UNAVAILABLE for the whole
+# restart; that crashed one host of two with a 118-line traceback (issue 48 item 6). A 500 is the
+# server's own failure (an artifact store's full disk): not waited for.
+UNAVAILABLE_STATUSES = (502, 503, 504)
+
+
 def server_unreachable(exc: BaseException) -> bool:
     """Whether an MLflow client error means the tracking server could not be reached (refused,
-    reset, a connect timeout), not that it answered with an error."""
+    reset, a connect timeout) or answered that it cannot serve now (502, 503, 504, after MLflow's
+    own retries), not that it answered with an error."""
     import requests
 
-    from testbed.cluster.reconnect import caused_by
+    from testbed.cluster.reconnect import caused_by, chain
 
-    return caused_by(exc, (requests.exceptions.ConnectionError, ConnectionError))
+    if caused_by(exc, (requests.exceptions.ConnectionError, ConnectionError)):
+        return True
+    return any(_unavailable(e) for e in chain(exc))
+
+
+def _unavailable(exc: BaseException) -> bool:
+    """A 502/503/504: MLflow's retries exhausted on one (its message "too many 503 error
+    responses", a requests RetryError in the chain), or the answer itself (a RestException)."""
+    import re
+
+    import requests
+
+    text = str(exc)
+    if isinstance(exc, requests.exceptions.RetryError) or "error responses" in text:
+        said = re.search(r"too many (\d{3}) error responses", text)
+        return bool(said) and int(said.group(1)) in UNAVAILABLE_STATUSES
+    if type(exc).__name__ == "RestException" and hasattr(exc, "get_http_status_code"):
+        return exc.get_http_status_code() in UNAVAILABLE_STATUSES
+    return False
 
 
 def server_service(uri: str) -> Any:
@@ -336,6 +362,7 @@ def _seed_sqlite_store(uri: str) -> None:
 
     db = Path(uri[len("sqlite:///"):])
     if db.exists() and db.stat().st_size > 0:
+        _check_is_mlflow(db)
         return
     for stale in db.parent.glob(f"{db.name}.*.creating*"):
         stale.unlink(missing_ok=True)
@@ -347,6 +374,22 @@ def _seed_sqlite_store(uri: str) -> None:
         _migrate(tmp)
         _save_template(tmp, template)
     os.replace(tmp, db)
+
+
+def _check_is_mlflow(db: Path) -> None:
+    """An existing SQLite file with tables but none of MLflow's belongs to another application:
+    MLflow added its tables to it without a word (issue 48 item 7). Refused, naming its tables."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30) as con:
+            tables = {r[0] for r in con.execute("select name from sqlite_master where type = 'table'")}
+    except sqlite3.Error:
+        return  # MLflow's own error says what the file is
+    if tables and not tables & {"experiments", "alembic_version"}:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise ConfigError(f"{db} is not an MLflow database (its tables: {shown}): it belongs to another "
+                          f"application; name another output.dir or output.tracking_uri")
 
 
 def _migrate(path: Path) -> None:

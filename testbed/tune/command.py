@@ -21,6 +21,7 @@ from testbed import signals
 from testbed.cluster.ray_backend import split_backend
 from testbed.cluster import identity
 from testbed.cluster.reconnect import ServiceLost
+from testbed.run.outputs import prepare_output_dir
 from testbed.tracking.tracker import check_tracking_uri, tracking_uri
 from testbed.tracking.views import study_view
 from testbed.tune.display import Display, pareto_indices, print_start, values_text
@@ -82,14 +83,25 @@ def open_study(problem: Problem):
 
 def run_tune(overrides: Sequence[str], console: Any = None) -> TuneOutcome:
     """The whole command: validate, open the study and its MLflow run, run the workers, report."""
+    where = {"dir": "output.dir"}  # the folder, once the config names it
     with signals.sigterm_as_interrupt():
-        return _run_tune(overrides, console)
+        try:
+            return _run_tune(overrides, console, where)
+        except Exception as exc:  # a full disk: one line (testbed/tune/disk.py)
+            from testbed.tune.disk import disk_full, full_disk_error
+
+            if isinstance(exc, ConfigError) or not disk_full(exc):
+                raise
+            raise full_disk_error(exc, where["dir"]) from None
 
 
-def _run_tune(overrides: Sequence[str], console: Any) -> TuneOutcome:
+def _run_tune(overrides: Sequence[str], console: Any, where: dict | None = None) -> TuneOutcome:
     quiet_optuna()
     backend, overrides = split_backend(overrides)  # sweep.backend=ray: each trial a Ray task
     problem = prepare(overrides)
+    prepare_output_dir(problem.base.output.dir)  # a fresh folder is made, not refused (any storage)
+    if where is not None:
+        where["dir"] = str(problem.base.output.dir)
     if problem.base.output.mlflow:  # a server that will refuse us is found before the study exists
         check_tracking_uri(tracking_uri(problem.base.output))
     identity.new_session()

@@ -1,0 +1,98 @@
+"""A tracking server whose own store is away answers HTTP 503 (TEMPORARILY_UNAVAILABLE): that is
+waited for like a refused connection (issue 48 item 6). In the recipe's layout
+(docs/beyond-one-machine.md: the `mlflow server`'s store on the study's PostgreSQL) a 10 s
+PostgreSQL restart crashed one host of two with a 118-line traceback and left runs RUNNING."""
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+
+import pytest
+
+from services import MlflowServer
+
+
+class _Answering(http.server.BaseHTTPRequestHandler):
+    """Answers every request with the class's status and MLflow's JSON error body."""
+
+    status = 503
+    code = "TEMPORARILY_UNAVAILABLE"
+
+    def _answer(self) -> None:
+        body = json.dumps({"error_code": self.code, "message": "(psycopg.OperationalError) refused"}).encode()
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _error_of(status: int, code: str, monkeypatch) -> BaseException:
+    """The exception an MlflowClient call raises against a server that answers `status`."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    handler = type("Handler", (_Answering,), {"status": status, "code": code})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        MlflowClient(f"http://127.0.0.1:{server.server_address[1]}").search_experiments()
+    except Exception as exc:  # noqa: BLE001 - the exception is what is examined
+        return exc
+    finally:
+        server.shutdown()
+    raise AssertionError("the call did not fail")
+
+
+@pytest.mark.parametrize("status,code,waited", [(503, "TEMPORARILY_UNAVAILABLE", True), (502, "INTERNAL_ERROR", True),
+                                                (504, "INTERNAL_ERROR", True), (500, "INTERNAL_ERROR", False),
+                                                (400, "INVALID_PARAMETER_VALUE", False)])
+def test_a_server_that_cannot_serve_now_is_waited_for(status, code, waited, monkeypatch):
+    """503/502/504 after MLflow's own retries: waited for (was not: only refused connections);
+    a 500 (the server's own failure, e.g. its artifact store's full disk) and a 4xx are not."""
+    from testbed.tracking.tracker import server_unreachable
+
+    assert server_unreachable(_error_of(status, code, monkeypatch)) is waited
+
+
+@pytest.fixture(scope="module")
+def pg_mlflow_server(postgres, tmp_path_factory):
+    """`mlflow server` with its backend store on the session's PostgreSQL, as the recipe lays it out."""
+    server = MlflowServer(postgres.new_database("mlflow"), tmp_path_factory.mktemp("pg-mlflow"))
+    server.wait_healthy()
+    yield server
+    server.stop()
+
+
+@pytest.mark.services
+@pytest.mark.slow  # ~40 s: an mlflow server's start, a 10 s outage
+def test_a_run_rides_out_a_postgres_restart_under_its_mlflow_server(postgres, pg_mlflow_server, tmp_path):
+    """`testbed run` held at its summary (its MLflow run open on the server), PostgreSQL restarted
+    for 10 s, the run released inside the outage: its end meets 503s, waits, and is recorded.
+    Was: "MLflow logging failed: ... too many 503 error responses", exit 1, the run RUNNING."""
+    from test_background_logger import HeldRun
+    from test_mlflow_server import rest_get, rest_post
+
+    experiment = f"pgrestart-{time.monotonic_ns() % 100000}"
+    run = HeldRun(tmp_path, f"output.tracking_uri={pg_mlflow_server.base}", f"output.experiment={experiment}")
+    deadline = time.monotonic() + 600
+    while not any(tmp_path.glob("sarathi_*/summary.json")):
+        assert run.proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    away = threading.Thread(target=postgres.restart, args=(10,))
+    away.start()
+    time.sleep(2)  # PostgreSQL's fast shutdown is done: the server answers 503
+    out, err = run.release()
+    away.join()
+    assert run.proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "error:" not in err, err[-3000:]
+    exp = rest_get(pg_mlflow_server, "experiments/get-by-name", experiment_name=experiment)["experiment"]
+    runs = rest_post(pg_mlflow_server, "runs/search", {"experiment_ids": [exp["experiment_id"]]})["runs"]
+    assert [r["info"]["status"] for r in runs] == ["FINISHED"]
