@@ -29,7 +29,7 @@ ENGINE_TERMS = {"dispatch_fixed_s": 8e-4, "dispatch_per_seq_s": 4e-6, "dispatch_
                 "sample_per_token_vocab_s": 0.0}
 RUN = ["executor=sim", "model=qwen2.5-7b", "hardware=h100-80g", "parallel.pp=1", "policy=gllm", "workload=synthetic",
        "workload.num_requests=60", "workload.arrival=offline", "kv.num_blocks=20000", "output.mlflow=false",
-       "output.plots=false", "output.progress=false", "output.trace=full"]
+       "output.plots=false", "output.progress=false", "output.trace=full", "output.microbatches=true"]
 
 
 def _cost(**terms) -> CostModel:
