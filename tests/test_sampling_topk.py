@@ -53,3 +53,26 @@ def test_greedy_and_seeded_draws_unchanged_by_the_path():
     once = sample(x, keys, method="random", top_k=20, top_p=0.9, seed=4)
     assert once == sample(x.clone(), keys, method="random", top_k=20, top_p=0.9, seed=4)
     assert all(t in x[i].topk(20).indices.tolist() for i, t in enumerate(once))
+
+
+def _dense_penalties(logits, counts_vm, seen_vm, r, p, f):
+    """The replaced dense form of vLLM's penalties, over every [vocab, S] entry."""
+    x = logits.t()
+    x.copy_(torch.where(seen_vm | (counts_vm > 0), torch.where(x > 0, x / r, x * r), x))
+    x.sub_(f * counts_vm.to(x.dtype))
+    x.sub_(p * (counts_vm > 0).to(x.dtype))
+    return logits
+
+
+def test_sparse_penalties_equal_the_dense_form():
+    from engine.torch_exec.sampling import apply_penalties
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 400, generator=gen) * 4
+    counts = (torch.rand(5, 400, generator=gen) < 0.05).int() * torch.randint(1, 4, (5, 400), generator=gen)
+    seen = torch.rand(5, 400, generator=gen) < 0.1
+    for r, p, f in [(1.3, 0.5, 0.25), (1.0, 0.5, 0.0), (0.7, 0.0, 0.0), (1.0, 0.0, 0.3)]:
+        want = _dense_penalties(logits.clone(), counts.t(), seen.t(), r, p, f)
+        got = apply_penalties(logits.clone(), counts.t(), seen.t(), repetition=r, presence=p, frequency=f)
+        assert torch.equal(got, want), (r, p, f)
+        assert not torch.equal(got, logits)

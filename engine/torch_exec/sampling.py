@@ -110,13 +110,22 @@ def apply_penalties(logits: torch.Tensor, counts_vm: torch.Tensor, seen_vm: torc
     is divided by r, a negative one multiplied by r; then frequency (minus f x count) and presence
     (minus p if generated at all)."""
     x = logits.t()  # [vocab, S] view: column-wise, as SiPipe's samplers lay it out
+    # only the hit entries are touched (gather, change, scatter back): the dense form -- a dozen
+    # full [vocab, S] passes -- cost 1.7 ms a 152k row on one core, 7x the sampling after it
+    gen = counts_vm > 0
+    hit = (seen_vm | gen) if repetition != 1.0 else gen
+    idx = hit.nonzero(as_tuple=True)
+    if not idx[0].numel() or (repetition == 1.0 and frequency == 0.0 and presence == 0.0):
+        return logits
+    v = x[idx]
     if repetition != 1.0:
-        hit = seen_vm | (counts_vm > 0)
-        x.copy_(torch.where(hit, torch.where(x > 0, x / repetition, x * repetition), x))
+        v = torch.where(v > 0, v / repetition, v * repetition)
+    n = counts_vm[idx]
     if frequency != 0.0:
-        x.sub_(frequency * counts_vm.to(x.dtype))
+        v = v - frequency * n.to(v.dtype)
     if presence != 0.0:
-        x.sub_(presence * (counts_vm > 0).to(x.dtype))
+        v = v - presence * (n > 0).to(v.dtype)
+    x[idx] = v
     return logits
 
 
@@ -168,8 +177,9 @@ class Sampler:
                 if sid not in self.seen:
                     self.observe_prefill(sid, 0, ())
             # per-sequence state stays on the host; the batch's columns go to the logits' device
-            counts = torch.stack([self.counts[s] for s, _ in keys], dim=1).to(logits.device)
-            seen = torch.stack([self.seen[s] for s, _ in keys], dim=1).to(logits.device)
+            # stacked [S, vocab] like the logits, passed as vocab-major views: the same strides
+            counts = torch.stack([self.counts[s] for s, _ in keys]).to(logits.device).t()
+            seen = torch.stack([self.seen[s] for s, _ in keys]).to(logits.device).t()
             logits = logits.float().clone()
             apply_penalties(logits, counts, seen, repetition=self.rep, presence=self.pres, frequency=self.freq)
         tokens = sample(logits, keys, **self.kw)
