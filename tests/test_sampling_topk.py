@@ -32,6 +32,8 @@ def test_topk_first_keeps_the_candidates_and_probabilities():
         new, old = _dense(probs, cand, vocab), _old_probs(x, top_k, top_p)
         assert torch.equal(new > 0, old > 0), (vocab, top_k, top_p)  # the same kept tokens
         torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-7)
+        probs, cand = candidate_probs(x, temperature=0.7, top_k=top_k, top_p=top_p)
+        torch.testing.assert_close(_dense(probs, cand, vocab), _old_probs(x / 0.7, top_k, top_p), rtol=1e-5, atol=1e-7)
 
 
 def test_draws_follow_the_filtered_distribution():
@@ -76,3 +78,23 @@ def test_sparse_penalties_equal_the_dense_form():
         got = apply_penalties(logits.clone(), counts.t(), seen.t(), repetition=r, presence=p, frequency=f)
         assert torch.equal(got, want), (r, p, f)
         assert not torch.equal(got, logits)
+
+
+def test_sampler_penalties_equal_the_dense_form_over_steps():
+    from engine.torch_exec.sampling import Sampler
+
+    vocab, kw = 300, dict(method="random", temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.4,
+                          presence_penalty=0.3, frequency_penalty=0.2)
+    s = Sampler(vocab, **kw)
+    gen = torch.Generator().manual_seed(2)
+    for sid in range(3):
+        s.observe_prefill(sid, 0, torch.randint(0, vocab, (40,), generator=gen).tolist())
+    for step in range(4):
+        logits = torch.randn(3, vocab, generator=gen)
+        counts = torch.stack([s.counts[i] for i in range(3)]).t()
+        seen = torch.stack([s.seen[i] for i in range(3)]).t()
+        pen = _dense_penalties(logits.clone(), counts, seen, 1.4, 0.3, 0.2)
+        keys = [(i, 40 + step) for i in range(3)]
+        want = sample(pen, keys, method="random", temperature=0.9, top_k=20, top_p=0.9)
+        assert s.sample(logits, keys) == want
+    assert int(sum(s.counts[i].sum() for i in range(3))) == 12

@@ -34,23 +34,28 @@ def sample(logits: torch.Tensor, keys: list[tuple[int, int]], *, method: str = "
     if method == "greedy" or temperature == 0:
         return greedy(logits)
     logits = _finite(logits.float())
-    probs, cand = candidate_probs(_finite(logits / max(temperature, MIN_TEMPERATURE)), top_k=top_k, top_p=top_p)
+    probs, cand = candidate_probs(logits, temperature=max(temperature, MIN_TEMPERATURE), top_k=top_k, top_p=top_p)
     return _draw(probs, cand, logits, keys, seed)
 
 
-def candidate_probs(x: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Probabilities after top-k then top-p on tempered logits `x` [S, vocab]: (probs [S, n],
-    cand [S, n] token ids) over the candidates, or (probs [S, vocab], None) with no top-k/top-p.
+def candidate_probs(x: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0,
+                    top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Probabilities after temperature, top-k then top-p on finite logits `x` [S, vocab]:
+    (probs [S, n], cand [S, n] token ids) over the candidates, or (probs [S, vocab], None) with
+    no top-k/top-p.
 
-    With top-k, `topk` (sorted) is ~linear in the vocabulary and top-p runs on the k candidates
-    only; the full sort this replaced cost 7.7 ms a 152k row on one core (issue 46's
-    measurement). Without top-k, top-p sorts the whole vocabulary, O(V log V) a row."""
+    With top-k, `topk` (sorted) is ~linear in the vocabulary and temperature and top-p run on the
+    k candidates only (dividing by a temperature keeps the order); the full sort this replaced
+    cost 7.7 ms a 152k row on one core (issue 46's measurement). Without top-k, top-p sorts the
+    whole vocabulary, O(V log V) a row."""
     if 0 < top_k < x.shape[-1]:
         x, cand = torch.topk(x, top_k, dim=-1)
+        x = _finite(x / temperature)
     elif top_p < 1.0:
+        x = _finite(x / temperature)
         x, cand = torch.sort(x, dim=-1, descending=True)
     else:
-        cand = None
+        x, cand = _finite(x / temperature), None
     if top_p < 1.0:
         x = _top_p_sorted(x, top_p)
     return x.softmax(dim=-1), cand
@@ -109,23 +114,29 @@ def apply_penalties(logits: torch.Tensor, counts_vm: torch.Tensor, seen_vm: torc
     [vocab, S] bool: tokens in its prompt. Repetition (prompt or output tokens): a positive logit
     is divided by r, a negative one multiplied by r; then frequency (minus f x count) and presence
     (minus p if generated at all)."""
-    x = logits.t()  # [vocab, S] view: column-wise, as SiPipe's samplers lay it out
-    # only the hit entries are touched (gather, change, scatter back): the dense form -- a dozen
-    # full [vocab, S] passes -- cost 1.7 ms a 152k row on one core, 7x the sampling after it
     gen = counts_vm > 0
-    hit = (seen_vm | gen) if repetition != 1.0 else gen
-    idx = hit.nonzero(as_tuple=True)
-    if not idx[0].numel() or (repetition == 1.0 and frequency == 0.0 and presence == 0.0):
+    rows, cols = (seen_vm | gen).t().nonzero(as_tuple=True)
+    return penalise_at(logits, rows, cols, counts_vm.t()[rows, cols], repetition=repetition, presence=presence,
+                       frequency=frequency)
+
+
+def penalise_at(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, counts: torch.Tensor, *,
+                repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0) -> torch.Tensor:
+    """vLLM's penalties at the entries (rows[i], cols[i]) a row's sequence has seen or generated
+    (counts[i] times), in place on `logits` [S, vocab]; every other entry is left as it is, which
+    is what the dense form does to it (nothing, or minus 0). Gathering the hit entries: the dense
+    form -- a dozen full [vocab, S] passes -- cost 1.7 ms a 152k row on one core, 7x the
+    top-k/top-p sampling after it."""
+    if not rows.numel() or (repetition == 1.0 and frequency == 0.0 and presence == 0.0):
         return logits
-    v = x[idx]
+    v = logits[rows, cols]
     if repetition != 1.0:
         v = torch.where(v > 0, v / repetition, v * repetition)
-    n = counts_vm[idx]
     if frequency != 0.0:
-        v = v - frequency * n.to(v.dtype)
+        v = v - frequency * counts.to(v.dtype)
     if presence != 0.0:
-        v = v - presence * (n > 0).to(v.dtype)
-    x[idx] = v
+        v = v - presence * (counts > 0).to(v.dtype)
+    logits[rows, cols] = v
     return logits
 
 
@@ -133,9 +144,9 @@ class Sampler:
     """Sampling with per-sequence penalty state: the same object samples inline on the last stage
     and in each CPU sampler process, so both paths give the same tokens.
 
-    State per sequence (its vocab-long column of generated-token counts and prompt-token flags) is
-    updated in place after each sampled token; a micro-batch's rows are gathered vocab-major
-    [vocab, S] for the penalty kernels. A prefill chunk starting at 0 (a new or recomputed
+    State per sequence (its vocab-long column of generated-token counts, prompt-token flags and
+    their union, the hit flags) is updated in place after each sampled token; a micro-batch's
+    penalties touch only its rows' hit entries (`penalise_at`). A prefill chunk starting at 0 (a new or recomputed
     sequence) resets the sequence's state; recomputed output tokens then count as prompt tokens
     for the repetition penalty (frequency/presence restart from 0) -- a documented simplification."""
 
@@ -148,6 +159,7 @@ class Sampler:
         self.penalties = repetition_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
         self.counts: dict[int, torch.Tensor] = {}
         self.seen: dict[int, torch.Tensor] = {}
+        self.hit: dict[int, torch.Tensor] = {}  # seen | generated: the entries the penalties touch
         self.per_seq: dict[int, tuple] = {}  # seq id -> SamplingParams.as_tuple() (served requests)
 
     def set_params(self, params: dict[int, tuple]) -> None:
@@ -166,8 +178,11 @@ class Sampler:
         if start == 0 or seq_id not in self.seen:
             self.seen[seq_id] = torch.zeros(self.vocab, dtype=torch.bool)
             self.counts[seq_id] = torch.zeros(self.vocab, dtype=torch.int32)
+            self.hit[seq_id] = torch.zeros(self.vocab, dtype=torch.bool)
         if len(token_ids):
-            self.seen[seq_id][torch.as_tensor(list(token_ids), dtype=torch.long)] = True
+            ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+            self.seen[seq_id][ids] = True
+            self.hit[seq_id][ids] = True
 
     def sample(self, logits: torch.Tensor, keys: list[tuple[int, int]]) -> list[int]:
         if self.per_seq and any(sid in self.per_seq for sid, _ in keys):
@@ -176,16 +191,19 @@ class Sampler:
             for sid, _ in keys:
                 if sid not in self.seen:
                     self.observe_prefill(sid, 0, ())
-            # per-sequence state stays on the host; the batch's columns go to the logits' device
-            # stacked [S, vocab] like the logits, passed as vocab-major views: the same strides
-            counts = torch.stack([self.counts[s] for s, _ in keys]).to(logits.device).t()
-            seen = torch.stack([self.seen[s] for s, _ in keys]).to(logits.device).t()
+            # per-sequence state stays on the host; the batch's hit entries go to the logits' device
+            cols = [self.hit[s].nonzero().flatten() for s, _ in keys]
+            rows = torch.repeat_interleave(torch.arange(len(keys)), torch.tensor([len(c) for c in cols]))
+            counts = torch.cat([self.counts[s][c] for (s, _), c in zip(keys, cols)])
             logits = logits.float().clone()
-            apply_penalties(logits, counts, seen, repetition=self.rep, presence=self.pres, frequency=self.freq)
+            dev = logits.device
+            penalise_at(logits, rows.to(dev), torch.cat(cols).to(dev), counts.to(dev), repetition=self.rep,
+                        presence=self.pres, frequency=self.freq)
         tokens = sample(logits, keys, **self.kw)
         if self.penalties:
             for (sid, _), tok in zip(keys, tokens):
                 self.counts[sid][tok] += 1  # in place: the next micro-batch of this sequence sees it
+                self.hit[sid][tok] = True
         return tokens
 
     def _sample_row(self, row: torch.Tensor, key: tuple[int, int]) -> int:
@@ -206,4 +224,5 @@ class Sampler:
                      seed=self.kw["seed"] if seed is None else seed)[0]
         if sid in self.counts:
             self.counts[sid][tok] += 1
+            self.hit[sid][tok] = True
         return tok
