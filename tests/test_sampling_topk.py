@@ -96,5 +96,7 @@ def test_sampler_penalties_equal_the_dense_form_over_steps():
         pen = _dense_penalties(logits.clone(), counts, seen, 1.4, 0.3, 0.2)
         keys = [(i, 40 + step) for i in range(3)]
         want = sample(pen, keys, method="random", temperature=0.9, top_k=20, top_p=0.9)
+        before = logits.clone()
         assert s.sample(logits, keys) == want
+        assert torch.equal(logits, before)  # penalised in place, then put back
     assert int(sum(s.counts[i].sum() for i in range(3))) == 12
