@@ -3,7 +3,8 @@ sampler process runs per job) on this machine, and fit the cost model's CPU-samp
 
 One thread (a sampler process owns one core), fp32 logits as the stage sends them, rows x vocab
 over the settings the studies use: greedy; temperature 0.8 with top-p 0.95 and top-k 50; the same
-with SiPipe's penalties on (repetition 1.1, presence 0.1, frequency 0.1). Each point is the fastest
+with SiPipe's penalties on (repetition 1.1, presence 0.1, frequency 0.1), each row's sequence having seen a
+512-token prompt (the penalties touch only the entries a sequence has seen). Each point is the fastest
 of `--repeats` calls in the thread's own CPU time (`time.thread_time`: on the shared 2-core machine
 at load ~20 the wall time of a 30 ms sort was inflated 5-10x by waiting for a core; a sampler
 process owns its core). Fit per setting:
@@ -33,6 +34,7 @@ SETTINGS = {
 }
 ROWS = (1, 8, 32)
 VOCABS = (32000, 152064)
+PROMPT = 512  # prompt tokens each row's sequence has seen (the penalties touch those entries)
 
 
 def _cpu_model() -> str:
@@ -66,6 +68,8 @@ def measure(repeats: int) -> list[dict]:
             for rows in ROWS:
                 sampler = Sampler(vocab, **kw)
                 logits = torch.randn(rows, vocab, generator=gen)
+                for i in range(rows):
+                    sampler.observe_prefill(i, 0, torch.randint(0, vocab, (PROMPT,), generator=gen).tolist())
                 best = float("inf")
                 for step in range(repeats):
                     keys = [(i, step) for i in range(rows)]
@@ -110,7 +114,7 @@ def main() -> int:
         "threads": 1, "loadavg_before": [round(v, 2) for v in load_before],
         "loadavg_after": [round(v, 2) for v in os.getloadavg()],
         "statistic": f"fastest of {args.repeats} calls, thread CPU time (time.thread_time)",
-        "settings": SETTINGS, "points": points, "fit": fit(points),
+        "settings": SETTINGS, "prompt_tokens_per_row": PROMPT, "points": points, "fit": fit(points),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")

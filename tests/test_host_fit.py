@@ -104,4 +104,4 @@ def test_cpu_sampling_is_priced_from_the_committed_measurement():
     fit = rec["fit"]["top_p_top_k_penalties"]
     assert CostCoefficients().cpu_sample_per_token_vocab_s == pytest.approx(fit["cpu_sample_per_token_vocab_s"])
     greedy = rec["fit"]["greedy"]["cpu_sample_per_token_vocab_s"]
-    assert fit["cpu_sample_per_token_vocab_s"] > 100 * greedy  # the random path sorts the vocabulary
+    assert fit["cpu_sample_per_token_vocab_s"] > 10 * greedy  # topk + penalties: a few passes more

@@ -48,10 +48,11 @@ def test_each_feature_shortens_the_run(runs):
     u_off, u_cpu = base["stage_utilization"], runs["cpu_sampling"].summary["stage_utilization"]
     assert u_off[-1] - u_off[0] > 0.05 and u_cpu[-1] - u_cpu[0] < u_off[-1] - u_off[0]
     # ... but this project's CPU sampler, measured at SiPipe's settings (temperature, top-p/top-k,
-    # penalties: 60 ns per row x vocabulary entry, engine/pricing/measured/cpu_sampler.json), takes
-    # 7.7 ms a row of a 128k vocabulary on each of 4 samplers: they become the bottleneck and the
-    # run is ~3x slower (measured 926 vs 2,876 tok/s).
-    assert runs["cpu_sampling"].summary["throughput_tok_s"] < 0.5 * base["throughput_tok_s"]
+    # penalties: 2.0 ns per row x vocabulary entry, engine/pricing/measured/cpu_sampler.json), takes
+    # 0.26 ms a row of a 128k vocabulary on each of 4 samplers: at this scale the round trip eats
+    # the gain (measured 2,828 vs 2,876 tok/s; 926 when the sampler sorted the whole vocabulary).
+    ratio = runs["cpu_sampling"].summary["throughput_tok_s"] / base["throughput_tok_s"]
+    assert 0.9 < ratio < 1.0
     for f in ("overlap_input_prep", "structure_aware_transfer"):
         s = runs[f].summary
         assert s["num_finished"] == base["num_finished"]
