@@ -30,7 +30,7 @@ def _kernels(hw_name: str, model: str, tp: int) -> LayerKernels:
 
 
 def test_every_shipped_profile_is_checked():
-    assert {"a100-80g", "a40-48g", "l20-48g", "rtx4090", "h100-80g-torch-engine"} <= set(PROFILES)
+    assert {"a100-80g", "a40-48g", "l20-48g", "rtx4090", "h100-80g-torch-engine-1a5c8d9"} <= set(PROFILES)
     assert all(HARDWARE[p].kernels for p in PROFILES)
 
 

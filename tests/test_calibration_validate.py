@@ -17,7 +17,7 @@ def test_plan_is_cases_times_axes():
                           "workload=synthetic"], cases)
     assert len(plan) == 2 * 4 * 2
     labels = [label for label, _ in plan]
-    assert labels[0] == "sharegpt,policy=sarathi,parallel.pp=1" and labels[-1] == "azure-r2,policy=tdpipe,parallel.pp=2"
+    assert labels[0] == "sharegpt,sarathi · pp=1" and labels[-1] == "azure-r2,tdpipe · pp=2"
     ovs = dict(plan)[labels[-1]]
     assert "workload=azure" in ovs and "workload=synthetic" not in ovs  # the case's keys win
     assert "workload.rate=2" in ovs and "hardware=h100-80g" in ovs

@@ -79,7 +79,7 @@ def test_grid_rows_match_their_mlflow_runs(tmp_path, capsys):
         "001_policy=sarathi_parallel.pp=2", "003_policy=vllm_parallel.pp=2"]
     # the run folder budget: summaries by default, no trace or per-request tables (output.* asks for them)
     assert sorted(p.name for p in (out_dir / "runs" / "001_policy=sarathi_parallel.pp=2").iterdir()) == [
-        "config.yaml", "run_info.json", "summary.json"]
+        "breakdown.json", "config.yaml", "run_info.json", "summary.json"]  # breakdown: a few KB (engine/core/breakdown.py)
 
 
 def test_points_keep_traces_and_tables_when_asked_and_overload_is_warned(tmp_path, capsys):

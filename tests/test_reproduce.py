@@ -89,7 +89,7 @@ def test_list_names_every_study(capsys):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["nope"], "unknown study 'nope'; valid choices: gllm-capacity, gllm-rates"),
+    (["nope"], "unknown study 'nope'; valid choices: chunked-pp, gllm-capacity, gllm-rates"),
     ([], "name a study"),
     (["gllm-rates", "policy.TT=3"], "no policy of study gllm-rates has parameter 'TT'"),
     (["gllm-rates", "policy.T=3,4"], "a comma list is allowed only for a key that is already an axis"),
