@@ -238,6 +238,7 @@ def _priced(spec: PointSpec, settings: CapacitySettings, user: set[str]) -> Poin
 
 # --- the searches as a sweep feed -----------------------------------------------------------------
 
+INFO_PRECISION = 0.1  # a window that cannot bind stops at this precision (its capacity is information)
 HOST_BOUND = "host-bound"  # a live probe that measured its starved host, not the server (live.py)
 
 def start_rate(run: RunSpec, settings: CapacitySettings) -> float:
@@ -296,8 +297,22 @@ class CapacityFeed(sweep.Feed):
         return [job for pt in list(self.p.points) if not pt.pruned and (job := self._next(pt)) is not None]
 
     def _next(self, pt: PointSpec) -> sweep.Job | None:
+        self._coarsen(pt)
         rate = self.searches[pt.index].next_rate()
         return None if rate is None else self._job(pt, rate)
+
+    def _coarsen(self, pt: PointSpec) -> None:
+        """A window that passed at or above another window's failure cannot bind: its own
+        capacity is information (the median and range), searched to INFO_PRECISION only."""
+        point, search = self.points.get(pt.group), self.searches[pt.index]
+        if point is None or pt.index not in point.windows:
+            return
+        fails = [h for u in point.windows if u != pt.index and (h := self.searches[u].bracket()[1]) is not None]
+        lo = search.bracket()[0]
+        coarse = bool(fails) and lo is not None and lo >= min(fails)
+        want = max(search.s.precision, INFO_PRECISION) if coarse else self.p.settings.precision
+        if want != search.s.precision:
+            search.s = replace(search.s, precision=want)
 
     def _job(self, pt: PointSpec, rate: float, check: Check | None = None) -> sweep.Job:
         k = sum(1 for u in self.owner.values() if u == pt.index)  # the window's probe number

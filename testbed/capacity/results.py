@@ -271,7 +271,7 @@ def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
     if not interrupted:
         plot_search(p, feed, p.out_dir / "capacity.png")
     summary = {"experiment": p.name, "axes": p.axes, "overrides": p.overrides, "settings": _settings(p),
-               "points": [_point_json(pt, feed) for pt in p.points], "wall_s": wall,
+               "answers": _answers(p, df), "points": [_point_json(pt, feed) for pt in p.points], "wall_s": wall,
                "base_url": p.live.base_url if p.live is not None else None, "estimate_s": feed.estimate_s,
                "measured_estimate_s": feed.measured_estimate_s}
     if interrupted:
@@ -311,6 +311,19 @@ def log_points(parent: sweep.ParentRun, p: Any, df: pd.DataFrame) -> None:
         client.log_batch(run.info.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()
                                                    if isinstance(v, (int, float)) and math.isfinite(v)])
         client.set_terminated(run.info.run_id, "FINISHED")
+
+
+def _answers(p: Any, df: pd.DataFrame) -> list[dict]:
+    """Per grid point: what was printed, and the overrides that rerun it (scripts/capacity_long_check.py)."""
+    out = []
+    for _, r in df.iterrows():
+        g = next(pt for pt in p.groups if pt.group == int(r["point"]))
+        cap = r.get("capacity_req_s")
+        out.append({"point": g.group, "label": axis_name(g.axis_values), "overrides": list(g.overrides),
+                    "target": g.target, "trace": g.first_request is not None, "status": r.get("status"),
+                    "capacity_req_s": None if cap is None or cap != cap else float(cap),
+                    "binding": r.get("binding"), "search": r.get("search")})
+    return out
 
 
 def _settings(p: Any) -> dict:
