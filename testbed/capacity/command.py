@@ -150,7 +150,7 @@ def settle(spec: PointSpec, settings: CapacitySettings, live: Any = None) -> Poi
     """Before any probe: one request alone on the point (simulated, or served by the live
     server), which sets the probe length and prunes a point that does not fit or cannot meet the
     SLO at any rate."""
-    u = unloaded(spec.run) if live is None else live.unloaded(spec.run)
+    u = unloaded(spec.run) if live is None else live.unloaded(spec.run, settings.retries)
     pruned = u.error or unloaded_miss(settings, spec.target, spec.run.settings.slo, u)
     return replace(spec, unloaded=u, pruned=pruned, duration_s=probe_duration(settings, u))
 
@@ -294,7 +294,11 @@ class CapacityFeed(sweep.Feed):
         for pt in self.p.points:
             if pt.pruned:
                 self.errors[pt.index] = pt.pruned
-        return [job for pt in list(self.p.points) if not pt.pruned and (job := self._next(pt)) is not None]
+        for point in self.points.values():
+            if any(u in self.errors for u in point.windows):  # a pruned point is answered before any probe
+                point.status = "stopped"
+        return [job for pt in list(self.p.points) if not pt.pruned and self.points[pt.group].status is None
+                and (job := self._next(pt)) is not None]
 
     def _next(self, pt: PointSpec) -> sweep.Job | None:
         self._coarsen(pt)

@@ -130,7 +130,8 @@ def group_row(rows: list[dict], point: Any, units: Mapping[int, Any], gpu_budget
     status = point.status  # None: the search was stopped before it ended
     if status in ("no capacity", "stopped") and lacking:
         row["status"] = lacking[0]["status"]
-        row["search"] = "; ".join(f"{r['window_label'].split(' ')[0]} {r['search']}" for r in lacking)
+        row["search"] = "; ".join((f"{r['window_label'].split(' ')[0]} " if len(rows) > 1 else "") + str(r["search"])
+                                  for r in lacking)
         return row
     if status != "confirmed":
         row["status"] = "interrupted" if status is None else status
