@@ -92,6 +92,8 @@ class KernelFit:
     # shape label -> the coefficients fitted without that shape (leave-one-shape-out); empty when
     # the device has one attention shape (then alternate grid points are held out)
     held_out: dict[str, KernelCoefficients] = field(default_factory=dict)
+    # the fastest large weight stream of the GEMM rows, a fraction of peak bandwidth (calibrate/borrowed.py)
+    stream_cap: float | None = None
 
 
 def layer_shape(meta: dict, tp: int) -> LayerShape:

@@ -28,6 +28,7 @@ from testbed.calibrate.kernel_fit import (DEFAULT_FIT_MODELS, LINEAR_OPS, Attent
                                           attention_split, fit_kernels, gqa_points_from, kv_read_cap, layer_shape,
                                           link_features)
 from engine.pricing.kernels import KernelCoefficients, LayerKernels, LayerShape
+from testbed.calibrate.borrowed import borrow_attention, weight_stream_cap
 from engine.pricing.models import ModelSpec
 
 # The device each table was measured on, and the names its fit is shipped under.
@@ -309,6 +310,7 @@ def fit_device(tables: PublishedTables, fit_models, reference: KernelFit | None)
     base = reference.coefficients if reference is not None else None
     fit = fit_kernels(list(tables.compute.values()), tables.attention, tables.network, tables.host,
                       as_device(tables.device), fit_models=fit_models, base=base)
+    fit.stream_cap = weight_stream_cap(tables.compute.values(), fit.device.mem_bw_Bps, layer_shape)
     if reference is not None and tables.attention:
         cap = kv_read_cap(fit.attention, fit.device) or 1.0
         points = gqa_points_from(reference.coefficients, fit.coefficients, cap)
@@ -321,7 +323,15 @@ def fit_device(tables: PublishedTables, fit_models, reference: KernelFit | None)
                              f"capped at {cap:.2f} of peak bandwidth (the most any measured decode row reached)")
     elif reference is not None:
         fit.notes.append(f"attention terms are {reference.device.name}'s fit (no attention table for {tables.device})")
+        fit.coefficients, notes = borrow_attention(fit.coefficients, reference.device.sm_count, fit.device.sm_count,
+                                                   _same_memory(reference.device, fit.device), fit.stream_cap)
+        fit.notes += notes
     return fit
+
+
+def _same_memory(a: Device, b: Device) -> bool:
+    """Same SM count and peak bandwidth: a borrowed attention fit carries across no difference."""
+    return a.sm_count == b.sm_count and a.mem_bw_Bps == b.mem_bw_Bps
 
 
 def _link_fields(fit: KernelFit, setup: str) -> dict:
@@ -356,9 +366,12 @@ def shipped_specs(fits: dict[str, KernelFit], date: str) -> list[tuple[HardwareS
             ["links: TD-Pipe's measured PCIe (20.8 GB/s p2p, 14.7 GB/s all-reduce), not the tables' NVLink"])
         for name, sms in A100_FITTED_KIN.items():
             base = get_hardware(f"{name}-roofline")
-            add(base, name, replace(a, device=replace(a.device, sm_count=sms)),
+            kin = replace(a.device, sm_count=sms, mem_bw_Bps=base.mem_bw_Bps)
+            coeffs, notes = borrow_attention(a.coefficients, a.device.sm_count, sms, _same_memory(a.device, kin),
+                                             a.stream_cap)
+            add(base, name, replace(a, device=kin, coefficients=coeffs),
                 "datasheet peaks with A100-fitted efficiencies (no table for this GPU)", {},
-                [f"no measured table for {name}: A100-fitted efficiencies on its datasheet peaks"])
+                [f"no measured table for {name}: A100-fitted efficiencies on its datasheet peaks", *notes])
     if "h100" in fits:
         h = fits["h100"]
         host = [] if h.host else ["host costs: none measured on H100 hosts; A100 host fit used"]
