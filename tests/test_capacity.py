@@ -173,7 +173,6 @@ def test_two_workers_search_points_side_by_side(tmp_path, capsys):
     (["capacity.criterion=tbt_p99", "capacity.warmup_s=5"], "invalid capacity.warmup_s=5 with capacity.criterion"),
     (["capacity.gpus=1", "parallel.pp=2"], "no configuration of the grid fits capacity.gpus=1"),
     (["capacity.steady_factor=0.5"], "invalid capacity.steady_factor=0.5"),
-    (["capacity.duration_s=1e12"], "invalid capacity.duration_s=1000000000000.0: must be a number in (0, 86400]"),
     (["capacity.warmup_s=10"], "invalid capacity.warmup_s=10: a probe's warm-up must be shorter than the probe"),
     (["capacity.cycle_requests=500"], "unknown capacity key 'capacity.cycle_requests'"),
 ])

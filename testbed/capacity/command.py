@@ -199,7 +199,7 @@ def window_unit(spec: PointSpec, settings: CapacitySettings, index: int, window:
     run = spec.run.with_values(values)
     overrides = tuple(merge(spec.overrides, [f"{k}={v}" for k, v in values.items()]))
     tag = f"h{window}" if holdout else f"w{window}"
-    return replace(spec, index=index, group=spec.index, window=window, run=run, overrides=overrides,
+    return replace(spec, index=index, group=spec.group, window=window, run=run, overrides=overrides,
                    dirname=f"{spec.dirname}/{tag}", holdout=holdout, **extra)
 
 
@@ -272,7 +272,8 @@ class CapacityFeed(sweep.Feed):
     def _holdout(self, group: int, binding: int, tried: list[int]) -> int | None:
         """A held-out unit of `group` near window `binding`: a trace stretch no window or earlier
         hold-out started at, or the next unused seed."""
-        spec = self.p.points[binding]
+        bound = self.p.points[binding]
+        spec = replace(bound, dirname=bound.dirname.rsplit("/", 1)[0])  # the point's folder, not the window's
         layout = self.p.layouts.get(group)
         if layout is None:
             seed = spec.run.workload.seed - spec.window + len(self.p.windows_of(group)) + len(tried)
