@@ -391,6 +391,9 @@ def test_a_signal_ends_the_search_and_kills_its_runs(tmp_path, send, exit_code):
     probes = pd.read_csv(tmp_path / "capacity" / "sig" / "probes.csv")  # what was done, written
     assert (probes["point"] == 0).any()
     assert "interrupted" in (tmp_path / "capacity" / "sig" / "capacity.json").read_text()
+    table = pd.read_csv(tmp_path / "capacity" / "sig" / "table.csv")  # partial rows say so, not `probe limit`
+    assert "probe limit" not in " ".join(table["search"].astype(str))
+    assert "interrupted" in set(table["status"])
 
 
 def test_the_warm_up_is_sent_but_not_judged(tmp_path, capsys):

@@ -4,8 +4,8 @@
 
 For every point of a finished search (or the ranking's winner), plain `testbed run`s of
 `--requests` (4,000) requests of the trace from each of `--starts` (trace seconds 0, 600 and 1,800)
-at the capacity must each reach `--floor` (0.78) attainment, and one at `--over` (1.15) x the
-capacity from the first start must not reach the target (0.8). This is the check that the
+at the capacity must each reach `--floor` (0.78) attainment, and runs at `--over` (1.15) x the
+capacity from the first start and from the binding window's start must not reach the target (0.8). This is the check that the
 capacities of the cycled probes failed (gLLM 1.06 req/s: 0.39 / 0.43 / 0.60 attainment). A
 generated workload's runs move the seed instead of the start.
 """
@@ -59,7 +59,8 @@ def run_point(point: dict, starts: Sequence[float], requests: int, over: float, 
     cap, target = point["capacity_req_s"], point["target"]
     trace = point.get("trace", True)
     out = []
-    plan = [(s, cap, False) for s in starts] + [(starts[0], round(cap * over, 4), True)]
+    above = sorted({starts[0], *([point["binding_start_s"]] if point.get("binding_start_s") is not None else [])})
+    plan = [(s, cap, False) for s in starts] + [(s, round(cap * over, 4), True) for s in above]
     for start, rate, above in plan:
         where = [f"workload.start_s={start:g}"] if trace else [f"workload.seed={int(start)}"]
         spec = compose_spec([*base, *where, f"workload.num_requests={requests}", f"workload.rate={rate:g}"])

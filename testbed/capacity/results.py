@@ -144,6 +144,7 @@ def group_row(rows: list[dict], point: Any, units: Mapping[int, Any], gpu_budget
     at = by_unit[binding]
     violations = _violations(point)
     row.update(capacity_req_s=answer, binding=at["window_label"],
+               binding_start_s=getattr(units[binding].run.workload, "start_s", None),
                search="confirmed" + ("; non-monotone: " + "; ".join(violations) if violations else ""))
     _capacity_columns(row, gpu_budget)
     return row
@@ -323,8 +324,13 @@ def _answers(p: Any, df: pd.DataFrame) -> list[dict]:
         out.append({"point": g.group, "label": axis_name(g.axis_values), "overrides": list(g.overrides),
                     "target": g.target, "trace": g.first_request is not None, "status": r.get("status"),
                     "capacity_req_s": None if cap is None or cap != cap else float(cap),
-                    "binding": r.get("binding"), "search": r.get("search")})
+                    "binding": r.get("binding"), "binding_start_s": _number(r.get("binding_start_s")),
+                    "search": r.get("search")})
     return out
+
+
+def _number(v: Any) -> float | None:
+    return None if v is None or not isinstance(v, (int, float)) or v != v else float(v)
 
 
 def _settings(p: Any) -> dict:
