@@ -243,6 +243,9 @@ def test_a_starved_server_is_flagged_never_a_capacity(tmp_path, capsys):
     assert list(table["status"]) == ["host-bound"] and "capacity_req_s" not in table and probes.empty
     assert table["search"][0].startswith("host-bound before any probe: the server ran")
     assert "behind its clock" in table["search"][0]
+    shown = capsys.readouterr()
+    # the summary names the point and why (it printed `host-bound None: None`)
+    assert "None:" not in shown.out + shown.err and "host-bound point 0 (base): host-bound before" in shown.out + shown.err
 
 
 def test_a_probe_the_host_could_not_keep_up_with_is_run_again_then_not_counted(tmp_path, capsys, monkeypatch):
@@ -632,5 +635,6 @@ def test_the_live_time_estimate_drains_each_probe_for_the_slos_wait_beside_the_l
         plan, feed = SimpleNamespace(settings=s, points=[pt]), SimpleNamespace(searches=[RateSearch(s, 2.0)])
         return LiveOptions("http://127.0.0.1:1", time_scale=2.0).estimate_s(plan, feed)
 
-    assert estimate("attainment", 0.8) == pytest.approx(7 * ((30 + 5.3 + 4.0) / 2 + PROBE_OVERHEAD_S))
-    assert estimate("ttft_p99", 2.0) == pytest.approx(7 * ((30 + 5.3 + 2.0) / 2 + PROBE_OVERHEAD_S))
+    # 7 probes of the search and 2 checks (the upper and the held-out probe)
+    assert estimate("attainment", 0.8) == pytest.approx(9 * ((30 + 5.3 + 4.0) / 2 + PROBE_OVERHEAD_S))
+    assert estimate("ttft_p99", 2.0) == pytest.approx(9 * ((30 + 5.3 + 2.0) / 2 + PROBE_OVERHEAD_S))

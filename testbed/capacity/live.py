@@ -152,7 +152,7 @@ class LiveOptions:
             e2e = pt.unloaded.e2e_s if pt.unloaded is not None and math.isfinite(pt.unloaded.e2e_s) else DRAIN_S
             wait = pt.target if s.criterion == "ttft_p99" else pt.run.settings.slo.ttft_s
             probes = feed.searches[pt.index].planned()
-            if pt.window == 0 and not getattr(pt, "holdout", False):  # the point's checks: upper, hold-out, the others
+            if getattr(pt, "window", 0) == 0 and not getattr(pt, "holdout", False):  # the point's checks: upper, hold-out, the others
                 probes += 1 + len(p.windows_of(pt.group)) if hasattr(p, "windows_of") else 2
             total += probes * ((s.warmup_s + pt.duration_s + e2e + wait) / self.time_scale + PROBE_OVERHEAD_S)
         return total

@@ -253,7 +253,12 @@ def collect(p: Any, feed: Any, interrupted: bool = False) -> pd.DataFrame:
             continue
         per = [point_row(pt, feed.searches[pt.index], feed.probe_rows[pt.index], feed.errors.get(pt.index))
                for pt in windows]
-        rows.append(group_row(per, point, units, p.settings.gpus, interrupted))
+        row = group_row(per, point, units, p.settings.gpus, interrupted)
+        # what the table's footer names a row without a capacity by ("host-bound None: None" before)
+        row["run_name"] = f"point {g.group} ({g.label})"
+        if row["status"] != "finished" and not row.get("error"):
+            row["error"] = row.get("search")
+        rows.append(row)
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["point", *p.axes, "status"])
 
 
