@@ -267,6 +267,8 @@ class CapacityFeed(sweep.Feed):
         self.busy: set[int] = set()  # windows with a probe running
         self.probe_rows: dict[int, list[dict]] = {pt.index: [] for pt in p.points}
         self.estimate_s: float | None = None  # the time estimate printed at the start (wall seconds)
+        self.estimate_cpu_s: float | None = None  # ... and in CPU seconds (a simulated search)
+        self.cpu0 = estimate.cpu_used()
         self.measured_estimate_s: float | None = None  # ... and the one from the first probe's wall time
 
     def _holdout(self, group: int, binding: int, tried: list[int]) -> int | None:
@@ -536,10 +538,10 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
     if p.live is not None:
         p.live.print_estimate(console, p, feed)
     else:
-        feed.estimate_s = estimate.simulated_s(p, feed.planned())
-        console.print(f"capacity: the answer is the lowest window's, confirmed before it is printed; "
-                      f"about {estimate.text(feed.estimate_s)} at this machine's present speed "
-                      f"({s.resolved_workers} worker(s))", highlight=False)
+        feed.estimate_cpu_s, feed.estimate_s = estimate.simulated(p, feed.planned())
+        console.print(f"capacity: the answer is the lowest window's, confirmed before it is printed; about "
+                      f"{estimate.text(feed.estimate_cpu_s)} of CPU, {estimate.text(feed.estimate_s)} at this "
+                      f"machine's present speed ({s.resolved_workers} worker(s))", highlight=False)
 
 
 

@@ -269,6 +269,10 @@ def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
 
     df = collect(p, feed, bool(interrupted))
     df.attrs["estimate_s"] = (feed.estimate_s, feed.measured_estimate_s)
+    if getattr(feed, "estimate_cpu_s", None):
+        from testbed.capacity.estimate import cpu_used
+
+        df.attrs["cpu_s"] = (feed.estimate_cpu_s, cpu_used() - feed.cpu0)
     write_comparison(df, p.axes, p.out_dir, metrics=TABLE_METRICS, plots=False)
     probe_table(feed, p.axes).to_csv(p.out_dir / "probes.csv", index=False)
     ranked = ranking(df, p.axes)
@@ -362,6 +366,12 @@ def show(console: Any, p: Any, df: pd.DataFrame, ranked: pd.DataFrame | None, wa
     probes = int(df["probes"].sum()) if "probes" in df else 0
     print_table(console, df, p.axes, f"{p.name}: capacity per point ({probes} probes, {wall:.1f} s)",
                 metrics=PRINT_METRICS)
+    planned_cpu, cpu = df.attrs.get("cpu_s") or (None, None)
+    if planned_cpu:
+        first = (df.attrs.get("estimate_s") or (None,))[0]
+        console.print(f"the probes took {wall:.0f} s and {cpu:.0f} s of CPU; estimated {first:.0f} s and "
+                      f"{planned_cpu:.0f} s of CPU at the start ({wall / first - 1:+.0%}, {cpu / planned_cpu - 1:+.0%})",
+                      highlight=False)
     first, measured = df.attrs.get("estimate_s") or (None, None)
     if first and measured:
         console.print(f"the probes took {wall:.0f} s; estimated {first:.0f} s at the start ({wall / first - 1:+.0%}), "
