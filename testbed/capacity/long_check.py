@@ -50,21 +50,34 @@ def points(folder: Path, winner: bool = False) -> list[dict]:
     return found
 
 
-def run_point(point: dict, starts: Sequence[float], requests: int, over: float, floor: float) -> list[LongRun]:
+def _attainment(overrides: list[str]) -> float:
     from testbed.config.spec import compose_spec
     from testbed.run.runner import run_experiment
 
-    base = [ov for ov in point["overrides"] if ov.partition("=")[0] not in SET_HERE]
-    base += ["output.mlflow=false", "output.progress=false", "output.trace=off", "output.plots=false"]
+    return float(run_experiment(compose_spec(overrides)).summary["slo_attainment"])
+
+
+def run_point(point: dict, starts: Sequence[float], requests: int, over: float, floor: float,
+              workers: int = 1) -> list[LongRun]:
+    """The point's long runs, `workers` at a time (spawned processes)."""
+    quiet = ["output.mlflow=false", "output.progress=false", "output.trace=off", "output.plots=false"]
+    mine = {ov.partition("=")[0] for ov in quiet}
+    base = [ov for ov in point["overrides"] if ov.partition("=")[0] not in (*SET_HERE, *mine)] + quiet
     cap, target = point["capacity_req_s"], point["target"]
     trace = point.get("trace", True)
     out = []
     above = sorted({starts[0], *([point["binding_start_s"]] if point.get("binding_start_s") is not None else [])})
     plan = [(s, cap, False) for s in starts] + [(s, round(cap * over, 4), True) for s in above]
-    for start, rate, above in plan:
-        where = [f"workload.start_s={start:g}"] if trace else [f"workload.seed={int(start)}"]
-        spec = compose_spec([*base, *where, f"workload.num_requests={requests}", f"workload.rate={rate:g}"])
-        att = float(run_experiment(spec).summary["slo_attainment"])
+    specs = [[*base, f"workload.start_s={start!r}" if trace else f"workload.seed={int(start)}",
+              f"workload.num_requests={requests}", f"workload.rate={rate:g}"] for start, rate, _ in plan]
+    if workers > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(min(workers, len(specs))) as pool:
+            values = pool.map(_attainment, specs)
+    else:
+        values = [_attainment(ovs) for ovs in specs]
+    for (start, rate, above), att in zip(plan, values):
         out.append(LongRun(point["label"], start, rate, above, att, att < target if above else att >= floor))
     return out
 
@@ -88,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--over", type=float, default=1.15)
     ap.add_argument("--floor", type=float, default=0.78)
+    ap.add_argument("--workers", type=int, default=1, help="runs at a time (spawned processes)")
     a = ap.parse_args(argv)
     try:
         starts = [float(x) for x in a.starts.split(",")]
@@ -97,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     runs: list[Any] = []
     for point in found:
-        runs += run_point(point, starts, a.requests, a.over, a.floor)
+        runs += run_point(point, starts, a.requests, a.over, a.floor, a.workers)
     target = found[0]["target"] if found else 0.8
     print(report(runs, a.floor, target))
     return 0 if runs and all(r.holds for r in runs) else 1
