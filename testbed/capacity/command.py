@@ -18,9 +18,11 @@ each depends on the last. With `--base-url` the probe is `testbed bench serve` a
 (testbed/capacity/live.py), one probe at a time.
 
 Output: `<output.dir>/capacity/<experiment>/` with `table.csv` / `table.md` (one row per point:
-the median capacity over its windows and their range), `probes.csv` (every probe), `capacity.json`, `capacity.png` (the criterion against the rate per
-point, capacity marked), `ranking.csv` / `ranking.md` when hardware, P, TP or the model is an axis,
-and `runs/<point>/<probe>/` (each probe's run directory). The last line printed is the directory.
+the lowest window capacity, confirmed (testbed/capacity/cover.py), the binding window, the median and
+range of the windows', the confirmation probes), `probes.csv` (every probe), `capacity.json`,
+`capacity.png` (the criterion against the rate per window, capacity marked), `ranking.csv` /
+`ranking.md` when hardware, P, TP or the model is an axis, and `runs/<point>/<window>/<probe>/`
+(each probe's summary). The last line printed is the directory.
 """
 from __future__ import annotations
 
