@@ -268,7 +268,7 @@ def test_a_probe_the_host_could_not_keep_up_with_is_run_again_then_not_counted(t
     assert probes["host_flag"].isna()[0] and probes["host_flag"][1] == "starved (stand-in)"
     assert list(table["status"]) == ["host-bound"] and "capacity_req_s" not in table
     assert table["search"][0] == f"stopped: probe 1 host-bound at {second:g} req/s: starved (stand-in)"
-    assert (tmp_path / "capacity" / "retry" / "runs" / "000_base" / "00_rate=2_retry1" / "requests.csv").exists()
+    assert (tmp_path / "capacity" / "retry" / "runs" / "000_base" / "w0" / "00_rate=2_retry1" / "summary.json").exists()
 
 
 def test_the_host_check_names_a_lagging_server_a_slow_http_path_and_a_late_client():
@@ -635,6 +635,6 @@ def test_the_live_time_estimate_drains_each_probe_for_the_slos_wait_beside_the_l
         plan, feed = SimpleNamespace(settings=s, points=[pt]), SimpleNamespace(searches=[RateSearch(s, 2.0)])
         return LiveOptions("http://127.0.0.1:1", time_scale=2.0).estimate_s(plan, feed)
 
-    # 7 probes of the search and 2 checks (the upper and the held-out probe)
-    assert estimate("attainment", 0.8) == pytest.approx(9 * ((30 + 5.3 + 4.0) / 2 + PROBE_OVERHEAD_S))
-    assert estimate("ttft_p99", 2.0) == pytest.approx(9 * ((30 + 5.3 + 2.0) / 2 + PROBE_OVERHEAD_S))
+    # 6 probes of the search (no probe above the bracket by default) and 2 checks (upper, held-out)
+    assert estimate("attainment", 0.8) == pytest.approx(8 * ((30 + 5.3 + 4.0) / 2 + PROBE_OVERHEAD_S))
+    assert estimate("ttft_p99", 2.0) == pytest.approx(8 * ((30 + 5.3 + 2.0) / 2 + PROBE_OVERHEAD_S))

@@ -42,6 +42,7 @@ from engine.base.errors import ConfigError, TestbedError
 from engine.core.metrics import SLO
 from engine.core.request import Request
 from testbed.sweep import jobs as sweep
+import testbed.capacity.results as results
 from testbed.capacity.command import HOST_BOUND, CapacityFeed
 from testbed.capacity.settings import CapacitySettings
 from testbed.capacity.steady import Unloaded
@@ -235,6 +236,8 @@ class LiveFeed(CapacityFeed):
             row.update(run_id=result.info.get("run_id"), run_dir=str(run_dir), attempts=attempt + 1)
             sweep.fill_row(row, result)
             after = server_counters(o.base_url)
+            if not result.error:  # judged from the result in memory: the probe need not keep requests.csv
+                row["judged"] = results.judge(job.spec.settings.slo, self.p.settings.warmup_s, wl.rate, result)
             row["host_flag"] = host_check(before, after, result.requests, job.spec.settings.slo)
             row["ttft_path_s"] = ttft_path_s(before, after, result.requests)
             if not row["host_flag"] or result.error:
