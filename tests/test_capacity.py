@@ -94,21 +94,23 @@ def test_capacity_table_agrees_with_its_probes_and_their_mlflow_runs(tmp_path, c
     assert list(table["parallel.pp"]) == [1, 2]
     # the printed link opens the view that groups the probes by point (issue 40 items 1 and 6)
     assert "compareRunsMode=CHART&viewStateShareKey=testbed-capacity" in captured.err
-    # each probe's folder: its summary and tables, no trace or plots (the run folder budget; the
-    # steady-state check reads requests.csv)
+    # each probe's folder: its summary only (its worker judged it from the result in memory;
+    # with both tables a default search of the main setting wrote 348 MB)
     assert {p.name for p in Path(probes["run_dir"].dropna().iloc[0]).iterdir()} == {
-        "summary.json", "config.yaml", "run_info.json", "requests.csv"}  # microbatches.csv: output.microbatches=true
+        "summary.json", "config.yaml", "run_info.json", "breakdown.json"}
     unfit, fit = table.iloc[0], table.iloc[1]
     assert unfit["status"] == "does not fit" and math.isnan(unfit["capacity_req_s"])
     assert fit["status"] == "finished" and fit["probes"] == (probes["point"] == 1).sum()
-    mine = probes[probes["point"] == 1].set_index("workload.rate")
+    mine = probes[(probes["point"] == 1) & (probes["window"] == "w0")].set_index("workload.rate")
     cap, hi = fit["capacity_req_s"], fit["bracket_hi"]
     assert bool(mine.loc[cap, "capacity.passed"]) and not bool(mine.loc[hi, "capacity.passed"])
     assert not mine[(mine.index > cap) & (mine.index < hi)].shape[0]
+    assert fit["search"].startswith("confirmed") and fit["confirm_holdout"].endswith("pass")
+    assert probes.loc[probes["window"] == "h1", "workload.rate"].tolist() == [cap]  # the held-out stretch, at it
     for key in ("slo_attainment", "ttft_p99_s", "tpot_p99_s"):
         assert fit[key] == pytest.approx(mine.loc[cap, key], rel=1e-12)
     assert fit["output_tok_s"] == pytest.approx(mine.loc[cap, "output_throughput_tok_s"], rel=1e-12)
-    assert fit["capacity_per_gpu"] == pytest.approx(cap / 2)
+    assert fit["capacity_per_gpu"] == pytest.approx(cap / 2)  # no budget: no idle GPU charged
     assert fit["req_per_dollar"] == pytest.approx(cap * 3600 / (2 * 0.4))
     # the ranking (P is an axis): the point that fits first, the one that does not as a row saying so
     ranking = pd.read_csv(out_dir / "ranking.csv")
@@ -131,15 +133,20 @@ def test_capacity_table_agrees_with_its_probes_and_their_mlflow_runs(tmp_path, c
         if p["status"] == "finished":
             assert run.data.metrics["slo_attainment"] == pytest.approx(p["slo_attainment"], rel=1e-12)
             assert run.data.metrics["capacity.passed"] == float(p["capacity.passed"])
-            assert run.data.metrics.get("capacity/passed_rate") == (p["workload.rate"] if p["capacity.passed"] else None)
-            assert run.info.run_name == f"pp={p['parallel.pp']} · rate={p['workload.rate']:g}"
+            assert "capacity/req_s" not in run.data.metrics  # the chart's metric is the point run's alone
+            # named with its window (issue 45 item 4)
+            assert run.info.run_name == f"pp={p['parallel.pp']} · {p['window']} · rate={p['workload.rate']:g}"
     exp = client.get_experiment_by_name("cap")
     view = json.loads(json.loads(exp.tags["mlflow.sharedViewState.testbed-capacity"])["state"])
     assert view["groupBy"] == {"aggregateFunction": "max", "groupByKeys": [{"mode": "tag", "groupByData": "capacity.label"}]}
-    # the group's max of capacity/passed_rate is the point's capacity
-    passed = [r.data.metrics["capacity/passed_rate"] for r in runs if r.data.tags.get("capacity.label") == "pp=2"
-              and "capacity/passed_rate" in r.data.metrics]
-    assert max(passed) == fit["capacity_req_s"]
+    assert view["compareRunCharts"][0]["metricKey"] == "capacity/req_s"
+    # one summary run per point whose capacity/req_s is the capacity the command printed (before: the
+    # chart took the max over every passing probe of every window)
+    mine = [r for r in runs if r.data.tags.get("testbed.kind") == "capacity-point"]
+    assert sorted(r.data.tags["capacity.label"] for r in mine) == ["pp=1", "pp=2"]
+    point_run = next(r for r in mine if r.data.tags["capacity.label"] == "pp=2")
+    assert point_run.data.metrics["capacity/req_s"] == fit["capacity_req_s"]
+    assert point_run.data.tags["testbed.parent_run"] == parent[0].info.run_id
 
 
 def test_two_workers_search_points_side_by_side(tmp_path, capsys):
@@ -166,6 +173,8 @@ def test_two_workers_search_points_side_by_side(tmp_path, capsys):
     (["capacity.criterion=tbt_p99", "capacity.warmup_s=5"], "invalid capacity.warmup_s=5 with capacity.criterion"),
     (["capacity.gpus=1", "parallel.pp=2"], "no configuration of the grid fits capacity.gpus=1"),
     (["capacity.steady_factor=0.5"], "invalid capacity.steady_factor=0.5"),
+    (["capacity.warmup_s=10"], "invalid capacity.warmup_s=10: a probe's warm-up must be shorter than the probe"),
+    (["capacity.cycle_requests=500"], "unknown capacity key 'capacity.cycle_requests'"),
 ])
 def test_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     code = main(["capacity", *BASE, f"output.dir={tmp_path}", *args])
@@ -201,7 +210,8 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
     fresh_mlflow_db(tmp_path)
     table, probes = live_search(tmp_path, "live", 10, "capacity.precision=0.1", "capacity.max_probes=6",
                                 "output.requests=true")
-    assert len(table) == 1 and table["probes"][0] == len(probes) <= 6
+    # 6 a window, held-out stretches that failed searched as windows too (2 at most), + the checks
+    assert len(table) == 1 and table["probes"][0] == len(probes) <= 6 * 3 + 2
     if table["status"][0] == "host-bound" and probes.empty:  # a busy shared machine: flagged, never a capacity
         assert table["search"][0].startswith("host-bound before any probe") and "capacity_req_s" not in table
         return
@@ -213,7 +223,8 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
         if not flag:
             assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8 and p["capacity.steady"])
     if table["status"][0] == "finished":
-        assert probes.set_index("workload.rate").loc[table["capacity_req_s"][0], "capacity.passed"]
+        at = probes[probes["workload.rate"] == table["capacity_req_s"][0]]  # the window's and the hold-out's
+        assert at["capacity.passed"].astype(bool).all() and set(at["window"]) == {"w0", "h1"}
     client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("live").experiment_id])
     parent = next(r for r in runs if r.data.tags.get("testbed.kind") == "capacity")
@@ -234,6 +245,9 @@ def test_a_starved_server_is_flagged_never_a_capacity(tmp_path, capsys):
     assert list(table["status"]) == ["host-bound"] and "capacity_req_s" not in table and probes.empty
     assert table["search"][0].startswith("host-bound before any probe: the server ran")
     assert "behind its clock" in table["search"][0]
+    shown = capsys.readouterr()
+    # the summary names the point and why (it printed `host-bound None: None`)
+    assert "None:" not in shown.out + shown.err and "host-bound point 0 (base): host-bound before" in shown.out + shown.err
 
 
 def test_a_probe_the_host_could_not_keep_up_with_is_run_again_then_not_counted(tmp_path, capsys, monkeypatch):
@@ -256,7 +270,7 @@ def test_a_probe_the_host_could_not_keep_up_with_is_run_again_then_not_counted(t
     assert probes["host_flag"].isna()[0] and probes["host_flag"][1] == "starved (stand-in)"
     assert list(table["status"]) == ["host-bound"] and "capacity_req_s" not in table
     assert table["search"][0] == f"stopped: probe 1 host-bound at {second:g} req/s: starved (stand-in)"
-    assert (tmp_path / "capacity" / "retry" / "runs" / "000_base" / "00_rate=2_retry1" / "requests.csv").exists()
+    assert (tmp_path / "capacity" / "retry" / "runs" / "000_base" / "w0" / "00_rate=2_retry1" / "summary.json").exists()
 
 
 def test_the_host_check_names_a_lagging_server_a_slow_http_path_and_a_late_client():
@@ -338,7 +352,8 @@ def test_the_gllm_capacity_study_compares_capacities_with_the_verdict_rules(tmp_
         else:
             assert c["verdict"] == "n/a"
     probes = pd.read_csv(out_dir / "capacity" / "probes.csv")
-    assert (probes.groupby("point").size() <= 6).all()
+    searched = probes[~probes["capacity.phase"].isin(["verify", "upper", "holdout"])]
+    assert (searched.groupby(["point", "window"]).size() <= 6).all()
     assert "capacity/capacity.png" in (out_dir / "report.md").read_text()
 
 
@@ -381,12 +396,15 @@ def test_a_signal_ends_the_search_and_kills_its_runs(tmp_path, send, exit_code):
     probes = pd.read_csv(tmp_path / "capacity" / "sig" / "probes.csv")  # what was done, written
     assert (probes["point"] == 0).any()
     assert "interrupted" in (tmp_path / "capacity" / "sig" / "capacity.json").read_text()
+    table = pd.read_csv(tmp_path / "capacity" / "sig" / "table.csv")  # partial rows say so, not `probe limit`
+    assert "probe limit" not in " ".join(table["search"].astype(str))
+    assert "interrupted" in set(table["status"])
 
 
 def test_the_warm_up_is_sent_but_not_judged(tmp_path, capsys):
     code = main(["capacity", *BASE, f"output.dir={tmp_path}", "output.mlflow=false", "parallel.pp=2",
                  "policy=sarathi", "capacity.warmup_s=5", "capacity.max_probes=4", "capacity.experiment=warm",
-                 "slo.ttft_s=2"])
+                 "slo.ttft_s=2", "output.requests=true"])
     assert code == 0
     probes = pd.read_csv(tmp_path / "capacity" / "warm" / "probes.csv")
     for _, p in probes.iterrows():
@@ -424,14 +442,16 @@ def test_the_steady_state_check_sees_a_queue_that_still_grows():
 def test_a_probe_is_long_enough_to_reach_a_steady_state_and_the_l20_case_is_answered_before_any_probe(tmp_path):
     """The probe length comes from the longest request served alone; llama2-70b on 4 x L20 is
     pruned by its lone request's TPOT (0.223 s > 0.2 s), without a probe; a P that does not fit
-    likewise; three trace windows at 0, 1200 and 2400 s."""
+    likewise; trace windows of 4,000 requests covering the trace from its start."""
     from testbed.capacity.command import plan
 
     p = plan(["model=llama2-70b", "hardware=l20-48g,h100-80g", "parallel.pp=2,4", "workload=azure",
               f"output.dir={tmp_path}"])
     by = {(pt.axis_values["hardware"], pt.axis_values["parallel.pp"], pt.window): pt for pt in p.points}
-    assert sorted({k[2] for k in by}) == [0, 1, 2]
-    assert [by[("h100-80g", 4, w)].run.workload.start_s for w in range(3)] == [0, 1200, 2400]
+    assert sorted({k[2] for k in by}) == [0, 1, 2, 3, 4]
+    starts = [by[("h100-80g", 4, w)].run.workload.start_s for w in range(5)]
+    assert starts[0] == 0 and starts == sorted(starts) and starts[-1] < 3502
+    assert {by[("h100-80g", 4, w)].run.workload.num_requests for w in range(5)} == {4000}
     l20 = by[("l20-48g", 4, 0)]
     assert l20.pruned.startswith("misses the SLO unloaded: the lightest request alone has TPOT 0.22")
     assert "does not fit" in by[("l20-48g", 2, 0)].pruned
@@ -439,52 +459,31 @@ def test_a_probe_is_long_enough_to_reach_a_steady_state_and_the_l20_case_is_answ
     assert h100.pruned is None and h100.duration_s == max(300.0, math.ceil(8 * h100.unloaded.e2e_s / 10) * 10)
 
 
-def test_a_longer_probe_replays_the_same_trace_window_at_the_same_local_rates(tmp_path):
-    """A trace window's probe is its first `capacity.cycle_requests` requests at the probed rate,
-    replayed in whole cycles: doubling the probe length adds cycles of the same requests at the
-    same arrival times. (Before, a probe took rate x length requests of the trace and rescaled
-    their gaps to the rate over all of them: the longer probe had other requests, and its first
-    half arrived at another local rate.)"""
-    from testbed.capacity.command import plan, probe_job
-
-    def first_probe(factor: int) -> list:
-        p = plan(["model=llama2-70b", "hardware=h100-80g", "parallel.pp=4", "workload=azure", "capacity.windows=2",
-                  f"capacity.steady_factor={factor}", "capacity.cycle_requests=300", f"output.dir={tmp_path}"])
-        pt = p.points[1]  # the second window, 1200 s into the trace
-        return probe_job(p, pt, 3.2, 0, 0, None).requests
-
-    short, long = first_probe(8), first_probe(16)
-    assert len(short) % 300 == 0 and len(long) % 300 == 0 and len(long) >= 2 * len(short) - 300
-    pattern = [(r.arrival_s, r.prompt_len, r.output_len) for r in short[:300]]
-    for reqs in (short, long):  # every cycle: the same requests, one period (300 / 3.2 s) later
-        for k in range(len(reqs) // 300):
-            cycle = reqs[300 * k:300 * (k + 1)]
-            assert [(r.prompt_len, r.output_len) for r in cycle] == [(q[1], q[2]) for q in pattern]
-            assert [r.arrival_s - k * 300 / 3.2 for r in cycle] == pytest.approx([q[0] for q in pattern])
-    assert (len(long) - 1) / long[-1].arrival_s == pytest.approx(3.2, rel=0.05)  # the offered rate on average
-    assert [r.request_id for r in long] == list(range(len(long)))
-
-
-def test_capacity_over_windows_is_their_median_with_its_range(tmp_path, capsys):
+def test_capacity_over_windows_is_their_lowest_with_the_median_and_range_beside_it(tmp_path, capsys):
     code = main(["capacity", *[a for a in BASE if a != "capacity.windows=1"], f"output.dir={tmp_path}", "output.mlflow=false",
                  "parallel.pp=2", "policy=sarathi", "capacity.max_probes=6", "capacity.experiment=win",
                  "capacity.workers=2"])
     assert code == 0
     out_dir = tmp_path / "capacity" / "win"
     table, probes = pd.read_csv(out_dir / "table.csv"), pd.read_csv(out_dir / "probes.csv")
-    assert sorted(probes["window"].unique()) == [0, 1, 2] and table["probes"][0] == len(probes)
-    caps = []
-    for w in range(3):  # each window's capacity: its highest pass with nothing failing below it
-        mine = probes[probes["window"] == w]
+    assert set(probes["window"].unique()) >= {"w0", "w1", "w2", "h1"} and table["probes"][0] == len(probes)
+    caps = {}
+    for w in ("w0", "w1", "w2"):  # each window's capacity: its highest pass with nothing failing below it
+        mine = probes[(probes["window"] == w) & probes["capacity.phase"].isin(["bracket", "bisect"])]
         failed = mine.loc[~mine["capacity.passed"].astype(bool), "workload.rate"]
         passed = mine.loc[mine["capacity.passed"].astype(bool), "workload.rate"]
-        caps.append(max(r for r in passed if r < failed.min()))
+        caps[w] = max(r for r in passed if r < failed.min())
     row = table.iloc[0]
-    assert row["capacity_req_s"] == sorted(caps)[1]
-    assert (row["capacity_min_req_s"], row["capacity_max_req_s"]) == (min(caps), max(caps))
-    seeds = {w: pd.read_csv(Path(probes[probes["window"] == w]["run_dir"].iloc[0]) / "requests.csv")["arrival_s"].sum()
-             for w in range(3)}
-    assert len(set(seeds.values())) == 3  # another seed per window, all at the first probed rate
+    assert row["capacity_req_s"] == min(caps.values()) and row["binding"] == min(caps, key=caps.get)
+    assert row["capacity_median_req_s"] == sorted(caps.values())[1]
+    assert (row["capacity_min_req_s"], row["capacity_max_req_s"]) == (min(caps.values()), max(caps.values()))
+    for w in caps:  # every window was run at the capacity and passed there
+        assert probes[(probes["window"] == w) & (probes["workload.rate"] == row["capacity_req_s"])]["capacity.passed"].all()
+    import yaml
+
+    seeds = {w: yaml.safe_load((Path(probes[probes["window"] == w]["run_dir"].iloc[0]) / "config.yaml").read_text())
+             ["workload"]["seed"] for w in ("w0", "w1", "w2", "h1")}
+    assert len(set(seeds.values())) == 4  # another seed per window, and for the held-out one
 
 
 def test_a_gpu_budget_searches_layouts_as_replicas_and_ranks_them(tmp_path, capsys):
@@ -602,7 +601,10 @@ def test_the_plan_printed_at_the_start_counts_the_probes_a_simulated_search_runs
     captured = capsys.readouterr()
     planned = int(re.search(r"~(\d+) probes planned", captured.out + captured.err).group(1))
     probes = pd.read_csv(tmp_path / "capacity" / "plan" / "probes.csv")
-    assert planned == len(probes) == pd.read_csv(tmp_path / "capacity" / "plan" / "table.csv")["probes"][0]
+    assert len(probes) == pd.read_csv(tmp_path / "capacity" / "plan" / "table.csv")["probes"][0]
+    # + the upper and held-out checks; the upper one is answered without a run when the bracket's
+    # failure lies exactly there
+    assert len(probes) in (planned, planned - 1)
     phases = list(probes["capacity.phase"])
     assert phases[:2] == ["bracket", "bracket"] and phases[2] != "bracket"
 
@@ -635,5 +637,6 @@ def test_the_live_time_estimate_drains_each_probe_for_the_slos_wait_beside_the_l
         plan, feed = SimpleNamespace(settings=s, points=[pt]), SimpleNamespace(searches=[RateSearch(s, 2.0)])
         return LiveOptions("http://127.0.0.1:1", time_scale=2.0).estimate_s(plan, feed)
 
-    assert estimate("attainment", 0.8) == pytest.approx(7 * ((30 + 5.3 + 4.0) / 2 + PROBE_OVERHEAD_S))
-    assert estimate("ttft_p99", 2.0) == pytest.approx(7 * ((30 + 5.3 + 2.0) / 2 + PROBE_OVERHEAD_S))
+    # 6 probes of the search (no probe above the bracket by default) and 2 checks (upper, held-out)
+    assert estimate("attainment", 0.8) == pytest.approx(8 * ((30 + 5.3 + 4.0) / 2 + PROBE_OVERHEAD_S))
+    assert estimate("ttft_p99", 2.0) == pytest.approx(8 * ((30 + 5.3 + 2.0) / 2 + PROBE_OVERHEAD_S))

@@ -18,9 +18,11 @@ each depends on the last. With `--base-url` the probe is `testbed bench serve` a
 (testbed/capacity/live.py), one probe at a time.
 
 Output: `<output.dir>/capacity/<experiment>/` with `table.csv` / `table.md` (one row per point:
-the median capacity over its windows and their range), `probes.csv` (every probe), `capacity.json`, `capacity.png` (the criterion against the rate per
-point, capacity marked), `ranking.csv` / `ranking.md` when hardware, P, TP or the model is an axis,
-and `runs/<point>/<probe>/` (each probe's run directory). The last line printed is the directory.
+the lowest window capacity, confirmed (testbed/capacity/cover.py), the binding window, the median and
+range of the windows', the confirmation probes), `probes.csv` (every probe), `capacity.json`,
+`capacity.png` (the criterion against the rate per window, capacity marked), `ranking.csv` /
+`ranking.md` when hardware, P, TP or the model is an axis, and `runs/<point>/<window>/<probe>/`
+(each probe's summary). The last line printed is the directory.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -39,9 +41,12 @@ from testbed import signals
 from testbed.sweep import jobs as sweep
 import testbed.capacity.budget as budget
 import testbed.capacity.results as results
+import testbed.capacity.windows as cw
+import testbed.capacity.estimate as estimate
 from testbed.capacity.search import RateSearch
-from testbed.capacity.settings import CapacitySettings, check_prices, parse
-from testbed.capacity.steady import Unloaded, cycled, cycles, is_steady, probe_duration, unloaded, unloaded_miss
+from testbed.capacity.settings import MAX_PROBE_REQUESTS, CapacitySettings, check_prices, parse
+from testbed.capacity.cover import Check, PointSearch
+from testbed.capacity.steady import Unloaded, is_steady, probe_duration, unloaded, unloaded_miss
 from testbed.sweep.compare import Point, axis_value, grid
 from testbed.config.spec import compose_spec
 from testbed.config.spec import RunSpec
@@ -63,12 +68,21 @@ class PointSpec:
     axis_values: dict
     target: float
     group: int = 0  # the grid point (the table's row)
-    window: int = 0  # trace window / seed index
+    window: int = 0  # trace window / seed index (hold-outs: numbered after the windows)
     duration_s: float = 0.0  # seconds of arrivals per probe after the warm-up
     max_requests: int | None = None  # requests the trace holds from this window's offset
-    pattern: int | None = None  # a trace window at the steady-state length: requests of one cycle (steady.cycled)
+    window_requests: int | None = None  # a trace window: its requests (testbed/capacity/windows.py)
+    first_request: int | None = None  # a trace window: the index of its first request from workload.start_s
+    holdout: bool = False  # a held-out stretch (confirmation), not one of the windows the search probes
     pruned: str | None = None  # why no probe runs (does not fit, misses the SLO unloaded)
     unloaded: Unloaded | None = None
+
+    @property
+    def window_label(self) -> str:
+        """`w<k>` / `h<k>` (a hold-out) and, for a trace, where it starts: `w2 @1480s`."""
+        name = f"h{self.window}" if self.holdout else f"w{self.window}"
+        start = getattr(self.run.workload, "start_s", None) if self.first_request is not None else None
+        return name + (f" @{start:.0f}s" if start is not None else "")
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,7 @@ class Plan:
     out_dir: Path
     overrides: list[str]
     live: Any = None  # testbed.capacity.live.LiveOptions with --base-url
+    layouts: dict = field(default_factory=dict)  # group -> (trace arrivals, first request index) of a trace
     dropped: int = 0  # grid points over the GPU budget
     refused: tuple[str, ...] = ()  # combinations of a budget search that the simulator refuses, and why
 
@@ -88,12 +103,16 @@ class Plan:
         return self.points[0].run
 
     def probe_text(self) -> str:
-        return self.settings.probe_text([pt.duration_s for pt in self.points], any(pt.pattern for pt in self.points))
+        return self.settings.probe_text([pt.duration_s for pt in self.points],
+                                        next((pt.window_requests for pt in self.points if pt.window_requests), None))
 
     @property
     def groups(self) -> list[PointSpec]:
         """The grid points (their first window's search)."""
-        return [pt for pt in self.points if pt.window == 0]
+        return [pt for pt in self.points if pt.window == 0 and not pt.holdout]
+
+    def windows_of(self, group: int) -> list[PointSpec]:
+        return [pt for pt in self.points if pt.group == group and not pt.holdout]
 
 
 def plan(overrides: Sequence[str], live: Any = None) -> Plan:
@@ -123,62 +142,85 @@ def plan(overrides: Sequence[str], live: Any = None) -> Plan:
         raise ConfigError(f"capacity search {name!r} already exists at {out_dir}; choose another capacity.experiment=")
     if live is not None:
         live.reach()
-    units = windows([settle(s, settings, live) for s in specs], settings)
-    return Plan(name, settings, axes, units, out_dir, list(rest), live, dropped, tuple(refused))
+    layouts: dict = {}
+    units = windows([settle(s, settings, live) for s in specs], settings, user, layouts)
+    _warn_warmup(settings, units)
+    return Plan(name, settings, axes, units, out_dir, list(rest), live, layouts, dropped, tuple(refused))
 
 
 def settle(spec: PointSpec, settings: CapacitySettings, live: Any = None) -> PointSpec:
     """Before any probe: one request alone on the point (simulated, or served by the live
     server), which sets the probe length and prunes a point that does not fit or cannot meet the
     SLO at any rate."""
-    u = unloaded(spec.run) if live is None else live.unloaded(spec.run)
+    u = unloaded(spec.run) if live is None else live.unloaded(spec.run, settings.retries)
     pruned = u.error or unloaded_miss(settings, spec.target, spec.run.settings.slo, u)
     return replace(spec, unloaded=u, pruned=pruned, duration_s=probe_duration(settings, u))
 
 
-def windows(specs: Sequence[PointSpec], settings: CapacitySettings) -> list[PointSpec]:
-    """Each point once per window: `workload.start_s` moved by `window_step_s` for a trace, the
-    workload's seed moved by one otherwise. Window 0 is the workload as configured."""
+def windows(specs: Sequence[PointSpec], settings: CapacitySettings, user: set[str] = frozenset(),
+            layouts: dict | None = None) -> list[PointSpec]:
+    """Each point once per window (testbed/capacity/windows.py): trace windows of
+    `capacity.window_requests` requests covering the trace from `workload.start_s` (or the stretch
+    the user names: `capacity.windows=1`, `workload.num_requests` when set), or seeds of a
+    generated workload. `layouts` collects each point's trace layout (its hold-outs need it)."""
+    layouts = {} if layouts is None else layouts
     units: list[PointSpec] = []
+    cache: dict[str, Any] = {}
     for spec in specs:
-        wl = spec.run.workload
-        for w in range(settings.windows):
-            if hasattr(wl, "start_s"):
-                values: dict[str, Any] = {"workload.start_s": wl.start_s + w * settings.window_step_s}
-            else:
-                values = {"workload.seed": wl.seed + w}
-            run = spec.run.with_values(values) if w else spec.run
-            key, value = next(iter(values.items()))
-            unit = replace(spec, index=len(units), group=spec.index, window=w, run=run,
-                           overrides=tuple(merge(spec.overrides, [f"{key}={value:g}"])) if w else spec.overrides,
-                           dirname=spec.dirname + (f"/w{w}" if settings.windows > 1 else ""))
-            rows = trace_rows(run)
-            pattern = None if rows is None or settings.duration_s else min(settings.cycle_requests, rows)
-            units.append(replace(unit, max_requests=rows, pattern=pattern))
+        key = repr(replace(spec.run.workload, rate=None)) if hasattr(spec.run.workload, "start_s") else None
+        layout = cache[key] if key in cache else cache.setdefault(key, cw.trace_layout(spec.run, None))
+        if layout is None:
+            count = settings.windows or cw.DEFAULT_SEEDS
+            for w in range(count):
+                units.append(window_unit(spec, settings, len(units), w, seed=spec.run.workload.seed + w))
+            continue
+        arrivals, first = layout
+        rows = len(arrivals) - first
+        length = min(spec.run.workload.num_requests if "workload.num_requests" in user and
+                     spec.run.workload.num_requests else settings.window_requests, rows)
+        layouts[spec.index] = (arrivals, first, length)
+        for w, start in enumerate(cw.cover_starts(rows, length, settings.windows)):
+            units.append(window_unit(spec, settings, len(units), w, layout=layouts[spec.index], start=start))
     return units
 
 
-def trace_rows(run: RunSpec) -> int | None:
-    """Requests a trace workload holds from its offset (None: a generated workload, no limit)."""
-    if not hasattr(run.workload, "start_s"):
-        return None
-    from workloads.base import build_workload
+def window_unit(spec: PointSpec, settings: CapacitySettings, index: int, window: int, *, seed: int | None = None,
+                layout: tuple | None = None, start: int = 0, holdout: bool = False) -> PointSpec:
+    """One window (or hold-out) of a point: a seed, or a trace stretch from request `start` on."""
+    if layout is None:
+        values: dict[str, Any] = {"workload.seed": seed}
+        extra: dict[str, Any] = {}
+    else:
+        arrivals, first, length = layout
+        values = {"workload.start_s": spec.run.workload.start_s if start == 0 else
+                  cw.start_offsets(arrivals, first, [start])[0]}
+        if not settings.duration_s:
+            values["workload.num_requests"] = length
+        extra = {"max_requests": len(arrivals) - first - start, "first_request": start,
+                 "window_requests": None if settings.duration_s else length}
+    run = spec.run.with_values(values)
+    overrides = tuple(merge(spec.overrides, [f"{k}={v}" for k, v in values.items()]))
+    tag = f"h{window}" if holdout else f"w{window}"
+    return replace(spec, index=index, group=spec.group, window=window, run=run, overrides=overrides,
+                   dirname=f"{spec.dirname}/{tag}", holdout=holdout, **extra)
 
-    try:
-        return len(build_workload(run.with_values({"workload.num_requests": None}).workload, run.data_dir))
-    except ConfigError as exc:
-        raise ConfigError(f"trace window {run.workload.start_s:g} s: {exc}; lower capacity.windows or "
-                          f"capacity.window_step_s") from None
+
+def _warn_warmup(settings: CapacitySettings, units: Sequence[PointSpec]) -> None:
+    """A warm-up as long as a trace window at the first probed rate leaves nothing to judge."""
+    for pt in units:
+        rate = start_rate(pt.run, settings)
+        if pt.window_requests and settings.warmup_s and settings.warmup_s * rate >= pt.window_requests / 2:
+            print(f"warning: capacity.warmup_s={settings.warmup_s:g} is half or more of a {pt.window_requests}-request "
+                  f"window at {rate:g} req/s: most of each probe is not judged", file=sys.stderr)
+            return
 
 
 def _point_spec(pt: Point, settings: CapacitySettings, user: set[str]) -> PointSpec:
-    # per-probe traces and plots (~1 s each) only when asked; requests.csv always: every probe's
-    # steady-state check and scheduling delay are read from it (testbed/capacity/results.judged)
-    ovs = list(pt.overrides) + sweep.point_budget(user, ("output.requests",))
+    # a probe keeps its summary, config and run info only (its worker judges it from the result in
+    # memory: results.judge); per-request tables, traces and plots when the user asks for them.
+    # With both tables every probe kept, one default search of the main setting wrote 348 MB.
+    ovs = list(pt.overrides) + sweep.point_budget(user)
     run = compose_spec(ovs)
-    if not run.output.requests:
-        raise ConfigError("invalid output.requests=false for testbed capacity: each probe's steady-state check "
-                          "reads its requests.csv; leave output.requests unset")
     if getattr(run.workload, "arrival", None) == "offline":
         raise ConfigError(f"workload.arrival=offline has no request rate to search (point {pt.label}); "
                           f"valid choices: poisson, gamma")
@@ -198,6 +240,7 @@ def _priced(spec: PointSpec, settings: CapacitySettings, user: set[str]) -> Poin
 
 # --- the searches as a sweep feed -----------------------------------------------------------------
 
+INFO_PRECISION = 0.1  # a window that cannot bind stops at this precision (its capacity is information)
 HOST_BOUND = "host-bound"  # a live probe that measured its starved host, not the server (live.py)
 
 def start_rate(run: RunSpec, settings: CapacitySettings) -> float:
@@ -205,8 +248,10 @@ def start_rate(run: RunSpec, settings: CapacitySettings) -> float:
 
 
 class CapacityFeed(sweep.Feed):
-    """One RateSearch per point; a finished probe is judged here (in the parent) and queues the
-    point's next probe. Probe rows are collected per point for the table."""
+    """One RateSearch per window and one PointSearch per grid point (testbed/capacity/cover.py);
+    a finished probe is judged here (in the parent, from the verdict its worker computed) and
+    queues the window's next probe, or, once every window of the point is done, the point's
+    confirmation probes. Probe rows are collected per window for the table."""
 
     unit = "probes"
 
@@ -214,58 +259,160 @@ class CapacityFeed(sweep.Feed):
         super().__init__()
         self.p = p
         self.parent = parent
-        self.searches = [RateSearch(p.settings, start_rate(pt.run, p.settings)) for pt in p.points]
-        self.errors: dict[int, str] = {}  # point -> why its search stopped (a probe's run failed)
-        self.owner: dict[int, int] = {}  # job index -> point
+        self.searches: dict[int, RateSearch] = {pt.index: RateSearch(p.settings, start_rate(pt.run, p.settings))
+                                                for pt in p.points}
+        self.points = {g.group: PointSearch(p.settings, [pt.index for pt in p.windows_of(g.group)], self.searches,
+                                            lambda b, tried, g=g.group: self._holdout(g, b, tried)) for g in p.groups}
+        self.errors: dict[int, str] = {}  # window -> why its search stopped (a probe's run failed)
+        self.owner: dict[int, int] = {}  # job index -> window
+        self.checks: dict[int, Check] = {}  # job index -> the confirmation it runs
+        self.busy: set[int] = set()  # windows with a probe running
         self.probe_rows: dict[int, list[dict]] = {pt.index: [] for pt in p.points}
-        self.estimate_s: float | None = None  # a live search's time estimate (wall seconds)
-        self.measured_estimate_s: float | None = None  # ... and the one from its first probe's wall time
+        self.estimate_s: float | None = None  # the time estimate printed at the start (wall seconds)
+        self.estimate_cpu_s: float | None = None  # ... and in CPU seconds (a simulated search)
+        self.cpu0 = estimate.cpu_used()
+        self.measured_estimate_s: float | None = None  # ... and the one from the first probe's wall time
+
+    def _holdout(self, group: int, binding: int, tried: list[int]) -> int | None:
+        """A held-out unit of `group` near window `binding`: a trace stretch no window or earlier
+        hold-out started at, or the next unused seed."""
+        bound = self.p.points[binding]
+        spec = replace(bound, dirname=bound.dirname.rsplit("/", 1)[0])  # the point's folder, not the window's
+        layout = self.p.layouts.get(group)
+        if layout is None:
+            seed = spec.run.workload.seed - spec.window + len(self.p.windows_of(group)) + len(tried)
+            unit = window_unit(spec, self.p.settings, len(self.p.points), len(tried) + 1, seed=seed, holdout=True)
+        else:
+            used = [pt.first_request for pt in self.p.points if pt.group == group]
+            rows = len(layout[0]) - layout[1]
+            start = cw.holdout_start(spec.first_request, layout[2], rows, used)
+            if start is None:
+                return None
+            unit = window_unit(spec, self.p.settings, len(self.p.points), len(tried) + 1, layout=layout, start=start,
+                               holdout=True)
+        self.p.points.append(unit)
+        self.searches[unit.index] = RateSearch(self.p.settings, self.points[group].answer or 1.0)
+        self.probe_rows[unit.index] = []
+        return unit.index
 
     def initial(self) -> list[sweep.Job]:
         for pt in self.p.points:
             if pt.pruned:
                 self.errors[pt.index] = pt.pruned
-        return [job for pt in self.p.points if not pt.pruned and (job := self._next(pt)) is not None]
+        for point in self.points.values():
+            if any(u in self.errors for u in point.windows):  # a pruned point is answered before any probe
+                point.status = "stopped"
+        return [job for pt in list(self.p.points) if not pt.pruned and self.points[pt.group].status is None
+                and (job := self._next(pt)) is not None]
 
     def _next(self, pt: PointSpec) -> sweep.Job | None:
+        self._coarsen(pt)
         rate = self.searches[pt.index].next_rate()
-        if rate is None:
-            return None
-        job = probe_job(self.p, pt, rate, len(self.searches[pt.index].probes), len(self.owner),
-                        self.parent.run_id)
+        return None if rate is None else self._job(pt, rate)
+
+    def _coarsen(self, pt: PointSpec) -> None:
+        """A window that passed at or above another window's failure cannot bind: its own
+        capacity is information (the median and range), searched to INFO_PRECISION only."""
+        point, search = self.points.get(pt.group), self.searches[pt.index]
+        if point is None or pt.index not in point.windows:
+            return
+        fails = [h for u in point.windows if u != pt.index and (h := self.searches[u].bracket()[1]) is not None]
+        lo = search.bracket()[0]
+        coarse = bool(fails) and lo is not None and lo >= min(fails)
+        want = max(search.s.precision, INFO_PRECISION) if coarse else self.p.settings.precision
+        if want != search.s.precision:
+            search.s = replace(search.s, precision=want)
+
+    def _job(self, pt: PointSpec, rate: float, check: Check | None = None) -> sweep.Job:
+        k = sum(1 for u in self.owner.values() if u == pt.index)  # the window's probe number
+        job = probe_job(self.p, pt, rate, k, len(self.owner), self.parent.run_id, check.kind if check else None)
         self.owner[job.index] = pt.index
+        self.busy.add(pt.index)
+        if check is not None:
+            self.checks[job.index] = check
         return job
 
     def follow(self, row: dict) -> list[sweep.Job]:
         pt = self.p.points[self.owner[row["point"]]]
+        check = self.checks.get(row["point"])
+        self.busy.discard(pt.index)
         rate = row["workload.rate"]
         if row.get("status") != "finished" or row.get("host_flag"):
             self.errors[pt.index] = (f"{HOST_BOUND} at {rate:g} req/s: {row['host_flag']}" if row.get("host_flag")
                                      else str(row.get("error") or "the probe failed"))
             self.probe_rows[pt.index].append(row)
-            return []
+            return self._after(pt)
         search = self.searches[pt.index]
-        metrics = results.judged(row, pt.run.settings.slo, self.p.settings.warmup_s, rate)
+        metrics = row.get("judged") or results.judged(row, pt.run.settings.slo, self.p.settings.warmup_s, rate)
         value = metrics[self.p.settings.metric]
         steady = is_steady(metrics["backlog_growth"])
         passed = self.p.settings.passes(value, pt.target, metrics) and steady
         row["window_s"] = (row.get("num_requests", math.nan) - 1) / rate  # how long the arrivals lasted
-        search.record(rate, value, passed, **metrics, steady=steady, run_id=row.get("run_id"),
-                      run_dir=row.get("run_dir"))
-        row.update({"capacity.value": value, "capacity.passed": passed, "capacity.phase": search.probes[-1].phase,
+        probe = search.record(rate, value, passed, phase=check.kind if check else None, **metrics, steady=steady,
+                              run_id=row.get("run_id"), run_dir=row.get("run_dir"))
+        if check is not None:
+            self.points[pt.group].record(check, passed, value)
+        row.update({"capacity.value": value, "capacity.passed": passed, "capacity.phase": probe.phase,
                     "capacity.steady": steady, "capacity.metrics": metrics})
         self.probe_rows[pt.index].append(row)
         if row.get("run_id"):
-            # capacity/passed_rate: grouped by point and aggregated by max in the printed link's view, the capacity
-            self.parent.log({"capacity.value": value, "capacity.passed": float(passed),
-                             **({"capacity/passed_rate": rate} if passed else {})},
-                            {"capacity.phase": search.probes[-1].phase}, run_id=row["run_id"])
-        job = self._next(pt)
-        return [job] if job is not None else []
+            self.parent.log({"capacity.value": value, "capacity.passed": float(passed)},
+                            {"capacity.phase": probe.phase}, run_id=row["run_id"])
+        if check is None and (job := self._next(pt)) is not None:
+            return [job]
+        return self._after(pt)
+
+    def _after(self, pt: PointSpec) -> list[sweep.Job]:
+        """A window's search (or a check) ended: the point's confirmation, or its searches again."""
+        point = self.points[pt.group]
+        if point.status is not None:
+            return []
+        if point.checks:  # confirming the answer: settle once every check has its verdict
+            if pt.index in self.errors:
+                point.status = "stopped"
+                return []
+            return [] if any(c.passed is None for c in point.checks) else self._settle(point)
+        units = [self.p.points[u] for u in point.windows]
+        if any(u.index in self.busy for u in units):
+            return []
+        if any(u.index in self.errors for u in units):
+            point.status = "stopped"
+            return []
+        jobs = [job for u in units if (job := self._next(u)) is not None]
+        return jobs or self._confirm(point)
+
+    def _confirm(self, point: PointSearch) -> list[sweep.Job]:
+        jobs = []
+        for check in point.confirm():
+            ran = next((p for p in self.searches[check.unit].probes if p.rate == check.rate), None)
+            if ran is not None:  # already probed there (the bracket's failure above the answer, say)
+                point.record(check, ran.passed, ran.value)
+            else:
+                jobs.append(self._job(self.p.points[check.unit], check.rate, check))
+        if not jobs and point.checks and point.status is None:
+            return self._settle(point)
+        return jobs
+
+    def _settle(self, point: PointSearch) -> list[sweep.Job]:
+        if point.settle():
+            return []
+        point.checks = []
+        units = [self.p.points[u] for u in point.windows]
+        jobs = [job for u in units if (job := self._next(u)) is not None]
+        return jobs or self._confirm(point)
 
     def planned(self) -> int:
-        return sum(len(s.probes) if pt.index in self.errors else s.planned()
-                   for pt, s in zip(self.p.points, self.searches))
+        """Probes done plus those to come: each window's search, and per point its checks (the
+        other windows, the upper and the hold-out probe) until they ran."""
+        total = 0
+        for g, point in self.points.items():
+            units = point.windows
+            total += sum(len(self.searches[u].probes) if u in self.errors else self.searches[u].planned()
+                         for u in units)
+            total += sum(len(self.searches[u].probes) for u in point.tried if u not in units)
+            if point.status is None and not point.checks and not any(u in self.errors for u in units):
+                total += len(units) + 1  # verify the others, the upper probe, the hold-out
+        return total
 
     def describe(self, row: dict, job: sweep.Job) -> str:
         pt = self.p.points[self.owner[row["point"]]]
@@ -283,30 +430,34 @@ class CapacityFeed(sweep.Feed):
 
 
 def probe_requests(p: Plan, pt: PointSpec, rate: float) -> int:
-    """Requests of one probe: whole cycles of a trace window's pattern, else those arriving over
-    warm-up + duration at `rate` (as many as the trace holds from the window's offset; probes.csv's
-    `window_s` says how long they lasted)."""
-    if pt.pattern:
-        return pt.pattern * cycles(p.settings, pt.pattern, rate, pt.duration_s)
+    """Requests of one probe: a trace window's, else those arriving over warm-up + duration at
+    `rate` (as many as the trace holds from the window's offset; probes.csv's `window_s` says how
+    long they lasted)."""
+    if pt.window_requests:
+        return pt.window_requests
     n = max(2, math.ceil(rate * (p.settings.warmup_s + pt.duration_s)))
+    if n > MAX_PROBE_REQUESTS:
+        raise ConfigError(f"a probe of {rate:g} req/s x {p.settings.warmup_s + pt.duration_s:g} s is {n:,} requests, "
+                          f"over {MAX_PROBE_REQUESTS:,}; lower capacity.duration_s or capacity.max_rate")
     return min(n, pt.max_requests) if pt.max_requests else n
 
 
-def probe_job(p: Plan, pt: PointSpec, rate: float, k: int, index: int, parent_run_id: str | None) -> sweep.Job:
-    """Probe k of a point: its config with `workload.rate` and the request count set."""
-    values: dict[str, Any] = {"workload.rate": rate, "workload.num_requests": pt.pattern or probe_requests(p, pt, rate)}
-    spec = pt.run.with_values(values)
-    requests = None
-    if pt.pattern:  # the window's pattern at this rate, replayed (config.yaml's num_requests is one cycle)
-        from workloads.base import build_workload
+def probe_job(p: Plan, pt: PointSpec, rate: float, k: int, index: int, parent_run_id: str | None,
+              kind: str | None = None) -> sweep.Job:
+    """Probe k of a window: its config with `workload.rate` and the request count set (a plain
+    `testbed run` of the same overrides replays exactly these requests). Its worker judges it
+    (`judge`), so that the probe keeps only its summary."""
+    from functools import partial
 
-        requests = cycled(build_workload(spec.workload, spec.data_dir), rate, probe_requests(p, pt, rate) // pt.pattern)
-    where = f"{pt.label} · w{pt.window}" if p.settings.windows > 1 else pt.label
-    return sweep.Job(index=index, spec=spec, requests=requests, label=f"{where} @ {rate:g} req/s", axes=(*p.axes, "workload.rate"),
-                     axis_values={**pt.axis_values, "workload.rate": rate}, experiment=p.name,
-                     parent_run_id=parent_run_id,
-                     run_dir=str(p.out_dir / "runs" / pt.dirname / f"{k:02d}_rate={rate:g}"),
-                     tags={"testbed.kind": "probe", "capacity.point": pt.group, "capacity.window": pt.window,
+    spec = pt.run.with_values({"workload.rate": rate, "workload.num_requests": probe_requests(p, pt, rate)})
+    name = pt.window_label.split(" ")[0]
+    where = f"{pt.label} · {name}"
+    return sweep.Job(index=index, spec=spec, label=f"{where} @ {rate:g} req/s", axes=(*p.axes, "window", "workload.rate"),
+                     axis_values={**pt.axis_values, "window": name, "workload.rate": rate}, experiment=p.name,
+                     parent_run_id=parent_run_id, judge=partial(results.judge, pt.run.settings.slo, p.settings.warmup_s, rate),
+                     run_dir=str(p.out_dir / "runs" / pt.dirname / (f"{k:02d}_rate={rate:g}" + (f"_{kind}" if kind else ""))),
+                     tags={"testbed.kind": "probe", "capacity.point": pt.group, "capacity.window": name,
+                           "capacity.start_s": getattr(pt.run.workload, "start_s", ""),
                            "capacity.probe": k, "capacity.label": axis_name(pt.axis_values)})
 
 
@@ -362,7 +513,9 @@ def plan_for_jobs(jobs: Sequence[sweep.Job], axes: list[str], settings: Capacity
         run = job.spec.with_values({"output.plots": False})
         points.append(settle(PointSpec(job.index, job.label, Path(job.run_dir).name, run, (), dict(job.axis_values),
                                        settings.resolved_target(run.settings.slo), group=job.index), settings))
-    return Plan(name, settings, list(axes), windows(points, settings), out_dir, [])
+    layouts: dict = {}
+    units = windows(points, settings, set(), layouts)
+    return Plan(name, settings, list(axes), units, out_dir, [], layouts=layouts)
 
 
 def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
@@ -371,8 +524,9 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
     over = ", ".join(f"{k} ({n})" for k, n in sizes.items()) or "no axis"
     targets = sorted({pt.target for pt in p.points})
     what = f"{s.criterion}: {', '.join(s.describe(t) for t in targets)}"
-    spread = (f" x {s.windows} {'trace windows' if hasattr(p.run0.workload, 'start_s') else 'seeds'}"
-              if s.windows > 1 else "")
+    counts = sorted({len(p.windows_of(g.group)) for g in p.groups})
+    kind = "trace windows" if hasattr(p.run0.workload, "start_s") else "seeds"
+    spread = f" x {'-'.join(map(str, counts))} {kind}" if counts[-1] > 1 else ""
     budget_text = (f"; GPU budget {s.gpus} ({p.dropped} over it dropped, {len(p.refused)} invalid skipped)"
                    if s.gpus else "")
     console.print(f"capacity [bold]{p.name}[/bold]: {len(p.groups)} point(s){spread} over {over}{budget_text}; "
@@ -385,6 +539,11 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
             console.print(f"[yellow]pruned[/yellow] point {pt.group} {pt.label}: {pt.pruned}", highlight=False)
     if p.live is not None:
         p.live.print_estimate(console, p, feed)
+    else:
+        feed.estimate_cpu_s, feed.estimate_s = estimate.simulated(p, feed.planned())
+        console.print(f"capacity: the answer is the lowest window's, confirmed before it is printed; about "
+                      f"{estimate.text(feed.estimate_cpu_s)} of CPU, {estimate.text(feed.estimate_s)} at this "
+                      f"machine's present speed ({s.resolved_workers} worker(s))", highlight=False)
 
 
 

@@ -30,16 +30,18 @@ def plot_search(p: Any, feed: Any, path: Path) -> Path | None:
         cap = search.outcome().capacity
         label = pt.label if pt.label != "base" else "capacity"
         label += f": {cap:g} req/s" if cap is not None else ": none"
-        label += f" (w{pt.window})" if p.settings.windows > 1 else ""
+        label += f" ({pt.window_label})"
         ax.plot([pr.rate for pr in probes], [pr.value for pr in probes], color=color, lw=1, alpha=0.7, label=label,
-                ls=WINDOW_STYLES[pt.window % len(WINDOW_STYLES)])
+                ls=":" if pt.holdout else WINDOW_STYLES[pt.window % len(WINDOW_STYLES)])
         passed = [pr for pr in probes if pr.passed]
         failed = [pr for pr in probes if not pr.passed]
         ax.plot([pr.rate for pr in passed], [pr.value for pr in passed], "o", color=color, ms=MARKER_SIZE)
         ax.plot([pr.rate for pr in failed], [pr.value for pr in failed], "x", color=color, ms=MARKER_SIZE + 1)
         if cap is not None:
             at = next(pr for pr in probes if pr.rate == cap)
-            ax.plot([cap], [at.value], "*", color=color, ms=16, markeredgecolor="black", zorder=5)
+            point = feed.points[pt.group]
+            answer = point.binding == pt.index and point.status == "confirmed"  # the printed capacity: large
+            ax.plot([cap], [at.value], "*", color=color, ms=16 if answer else 8, markeredgecolor="black", zorder=5)
     for target in sorted({pt.target for pt, _ in searched}):
         ax.axhline(target, color="grey", ls="--", lw=1)
         ax.annotate(f"target {target:g}", (1.0, target), xycoords=("axes fraction", "data"), ha="right",
@@ -51,7 +53,8 @@ def plot_search(p: Any, feed: Any, path: Path) -> Path | None:
     ax.set_ylabel(LABELS.get(s.metric, s.metric))
     ax.set_title(_title(p), fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, title="point: capacity (star); o pass, x fail", title_fontsize=7)
+    ax.legend(fontsize=7, title="window: its capacity (star; large: the point's, confirmed); o pass, x fail",
+              title_fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

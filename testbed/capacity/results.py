@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,32 +17,50 @@ from engine.core.metrics import SLO
 from testbed.sweep import jobs as sweep
 from testbed.capacity.search import RateSearch
 from testbed.capacity.steady import backlog_growth
+from testbed.run.outputs import axis_name
 from testbed.sweep.report import print_table, print_wide, to_markdown, write_comparison
 
 JUDGED = ("slo_attainment", "ttft_p99_s", "tpot_p99_s", "itl_p99_s", "sched_delay_p50_s")  # after the warm-up
-TABLE_METRICS = ("capacity_req_s", "capacity_min_req_s", "capacity_max_req_s", "capacities", "output_tok_s", *JUDGED,
-                 "probes", "search", "window_s", "bracket_lo", "bracket_hi", "max_passed_req_s", "gpus", "replicas",
-                 "capacity_per_gpu", "capacity_total_req_s", "cost_per_gpu_hour", "req_per_dollar", "rates")
-PRINT_METRICS = ("capacity_req_s", "capacity_min_req_s", "capacity_max_req_s", "output_tok_s", "slo_attainment",
-                 "ttft_p99_s", "tpot_p99_s", "probes", "search")
+TABLE_METRICS = ("capacity_req_s", "binding", "capacity_median_req_s", "capacity_min_req_s", "capacity_max_req_s",
+                 "capacities", "confirm_holdout", "confirm_upper", "unconfirmed_req_s", "output_tok_s", *JUDGED,
+                 "holdout_value", "upper_req_s", "upper_value", "verified_windows", "probes", "search", "window_s",
+                 "bracket_lo", "bracket_hi", "max_passed_req_s", "gpus", "replicas", "idle_gpus", "capacity_per_gpu",
+                 "capacity_total_req_s", "cost_per_gpu_hour", "req_per_dollar", "rates")
+PRINT_METRICS = ("capacity_req_s", "binding", "capacity_median_req_s", "capacity_min_req_s", "capacity_max_req_s",
+                 "slo_attainment", "confirm_holdout", "confirm_upper", "probes", "search")
 RANK_AXES = ("hardware", "parallel.pp", "parallel.tp", "model")  # deployment axes: a ranking is written
-RANK_COLUMNS = ("gpus", "replicas", "status", "search", "capacity_req_s", "capacity_min_req_s", "capacity_max_req_s",
-                "capacity_per_gpu", "capacity_total_req_s", "cost_per_gpu_hour", "req_per_dollar")
+RANK_COLUMNS = ("gpus", "replicas", "idle_gpus", "status", "search", "capacity_req_s", "capacity_min_req_s",
+                "capacity_max_req_s", "capacity_per_gpu", "capacity_total_req_s", "cost_per_gpu_hour", "req_per_dollar")
+REPLICAS_NOTE = "replicas x capacity: arithmetic, not simulated behind a dispatcher"
+
+
+def judge(slo: SLO, warmup_s: float, rate: float, result: Any) -> dict:
+    """A probe's verdict metrics from its RunResult in memory (run in the probe's worker, so the
+    probe's folder need not keep requests.csv: testbed/sweep/jobs.Job.judge)."""
+    if result.error or not result.requests:
+        return {}
+    return judged_frame(pd.DataFrame(result.requests), result.summary, slo, warmup_s, rate)
 
 
 def judged(row: Mapping[str, Any], slo: SLO, warmup_s: float, rate: float) -> dict:
+    """The same from a probe's folder (a live probe: bench serve's requests.csv)."""
+    return judged_frame(pd.read_csv(Path(row["run_dir"]) / "requests.csv"), row, slo, warmup_s, rate)
+
+
+def judged_frame(req: pd.DataFrame, summary: Mapping[str, Any], slo: SLO, warmup_s: float, rate: float) -> dict:
     """The criterion metrics of a probe, over the requests arriving after the warm-up (the
     definitions of `testbed run`; the time between tokens over all of them), its median
     scheduling delay and how fast its queue still grew (testbed/capacity/steady.py)."""
-    req = pd.read_csv(Path(row["run_dir"]) / "requests.csv")
+    req = req.assign(**{c: pd.to_numeric(req[c], errors="coerce") for c in
+                        ("arrival_s", "first_token_s", "first_scheduled_s", "ttft_s", "tpot_s") if c in req})
     growth = backlog_growth(req, rate, warmup_s)
     late = req[req["arrival_s"] >= warmup_s]
     fin = late[late["status"] == "finished"]
     delay = (fin["first_scheduled_s"] - fin["arrival_s"]).dropna().to_numpy(float)
-    out = {"itl_p99_s": float(row.get("itl_p99_s", math.nan)), "backlog_growth": growth,
+    out = {"itl_p99_s": float(summary.get("itl_p99_s", math.nan)), "backlog_growth": growth,
            "sched_delay_p50_s": float(np.median(delay)) if delay.size else math.nan}
     if not warmup_s:
-        return {**{k: float(row.get(k, math.nan)) for k in JUDGED[:3]}, **out}
+        return {**{k: float(summary.get(k, math.nan)) for k in JUDGED[:3]}, **out}
     ttft, tpot = fin["ttft_s"].to_numpy(float), fin["tpot_s"].dropna().to_numpy(float)
     ok = ((fin["ttft_s"] <= slo.ttft_s) & (fin["tpot_s"].isna() | (fin["tpot_s"] <= slo.tpot_s))).sum()
     return {"slo_attainment": float(ok / len(late)) if len(late) else 0.0,
@@ -57,7 +76,8 @@ def point_row(pt: Any, search: RateSearch, probe_rows: list[dict], error: str | 
     out = search.outcome()
     gpus = pt.run.num_gpus
     price = pt.run.settings.hardware.cost_per_gpu_hour
-    row: dict[str, Any] = {"point": pt.group, **pt.axis_values, "window": pt.window, "status": "finished",
+    row: dict[str, Any] = {"point": pt.group, **pt.axis_values, "window": pt.window, "unit": pt.index,
+                           "window_label": pt.window_label, "status": "finished",
                            "error": error, "probes": len(probe_rows), "search": out.status, "target": pt.target,
                            "gpus": gpus, "cost_per_gpu_hour": price, "bracket_lo": out.lo, "bracket_hi": out.hi,
                            "max_passed_req_s": out.max_passed, "rates": rates_text(search),
@@ -81,30 +101,92 @@ def point_row(pt: Any, search: RateSearch, probe_rows: list[dict], error: str | 
     return row
 
 
-def group_row(rows: list[dict], gpu_budget: int | None) -> dict:
-    """A grid point's row from its windows' rows: the median capacity (the lower median, so a rate
-    that was run and passed), its range and each window's; the SLO metrics are the median window's.
-    A point any of whose windows found no capacity takes that window's status."""
+def group_row(rows: list[dict], point: Any, units: Mapping[int, Any], gpu_budget: int | None,
+              interrupted: bool = False) -> dict:
+    """A grid point's row from its windows' rows (testbed/capacity/cover.py): the capacity is the
+    lowest window capacity, printed only once confirmed; `binding` the window that gave it; the
+    median and range of the windows' own capacities as information; the confirmation probes
+    beside it (`confirm_holdout`: the held-out stretch at the capacity, must pass; `confirm_upper`:
+    the binding window at capacity x (1 + precision), must fail). The SLO metrics are the binding
+    window's at the capacity."""
+    by_unit = {r["unit"]: r for r in rows}
     found = sorted((r for r in rows if r["status"] == "finished" and r.get("capacity_req_s") is not None),
                    key=lambda r: r["capacity_req_s"])
     lacking = [r for r in rows if r not in found]
-    row = dict(lacking[0] if lacking else found[(len(found) - 1) // 2])
+    answer, binding = point.answer, point.binding
+    base = by_unit.get(binding) if binding in by_unit else (lacking[0] if lacking else (found[0] if found else rows[0]))
+    row = dict(base)
     caps = [r["capacity_req_s"] for r in found]
-    row.update(windows=len(rows), probes=sum(r["probes"] for r in rows),
-               capacities=" ".join(f"w{r['window']}:{r.get('capacity_req_s') or math.nan:.4g}" for r in rows),
-               rates=" | ".join(r["rates"] for r in rows))
-    if len({r["search"] for r in rows}) > 1:
-        row["search"] = "; ".join(f"w{r['window']} {r['search']}" for r in rows)
-    row.pop("window", None)
-    if lacking or not caps:
-        row.pop("capacity_req_s", None)
+    row.update(windows=len(rows), probes=sum(r["probes"] for r in rows) + _holdout_probes(point, units),
+               capacities=" ".join(f"{r['window_label']}:{r.get('capacity_req_s') or math.nan:.4g}" for r in rows),
+               rates=" | ".join(f"{r['window_label'].split(' ')[0]} {r['rates']}" for r in rows))
+    if caps:
+        row.update(capacity_median_req_s=caps[(len(caps) - 1) // 2], capacity_min_req_s=caps[0],
+                   capacity_max_req_s=caps[-1])
+    for key in ("window", "unit", "window_label"):
+        row.pop(key, None)
+    row.pop("capacity_req_s", None)
+    _confirmation(row, point, units)
+    status = point.status  # None: the search was stopped before it ended
+    if status in ("no capacity", "stopped") and lacking:
+        row["status"] = lacking[0]["status"]
+        row["search"] = "; ".join((f"{r['window_label'].split(' ')[0]} " if len(rows) > 1 else "") + str(r["search"])
+                                  for r in lacking)
         return row
-    gpus, price = row["gpus"], row["cost_per_gpu_hour"]
-    replicas = gpu_budget // gpus if gpu_budget else 1
-    row.update(capacity_min_req_s=caps[0], capacity_max_req_s=caps[-1], replicas=replicas,
-               capacity_per_gpu=row["capacity_req_s"] / gpus, capacity_total_req_s=replicas * row["capacity_req_s"],
-               req_per_dollar=row["capacity_req_s"] * 3600 / (gpus * price) if price else None)
+    if status != "confirmed":
+        row["status"] = "interrupted" if status is None else status
+        row["search"] = ("interrupted" if status is None else
+                         f"unconfirmed: a held-out stretch failed at {answer:g} req/s, "
+                         f"{point.settings.holdouts} time(s)" if answer is not None else str(status))
+        row["unconfirmed_req_s"] = answer
+        return row
+    row["status"] = "finished"
+    at = by_unit[binding]
+    violations = _violations(point)
+    row.update(capacity_req_s=answer, binding=at["window_label"],
+               binding_start_s=getattr(units[binding].run.workload, "start_s", None),
+               search="confirmed" + ("; non-monotone: " + "; ".join(violations) if violations else ""))
+    _capacity_columns(row, gpu_budget)
     return row
+
+
+def _violations(point: Any) -> list[str]:
+    out = [v for u in point.windows for v in point.searches[u].outcome().violations]
+    up = point.upper_check()
+    if up is not None and up.passed:
+        out.append(f"the binding window passed at {up.rate:g} above its failure")
+    return out
+
+
+def _holdout_probes(point: Any, units: Mapping[int, Any]) -> int:
+    return sum(len(point.searches[u].probes) for u in point.tried if u not in point.windows)
+
+
+def _confirmation(row: dict, point: Any, units: Mapping[int, Any]) -> None:
+    """The confirmation probes of the point's last answer, as numbers and as printed text."""
+    hold, up = point.holdout_check(), point.upper_check()
+    verified = [c for c in point.checks if c.kind == "verify"]
+    if hold is not None and hold.passed is not None:
+        label = units[hold.unit].window_label
+        row.update(holdout=label, holdout_value=hold.value,
+                   confirm_holdout=f"{label} {hold.value:.3g} {'pass' if hold.passed else 'FAIL'}")
+    if up is not None and up.passed is not None:
+        row.update(upper_req_s=up.rate, upper_value=up.value,
+                   confirm_upper=f"{up.rate:g}: {up.value:.3g} {'PASS (non-monotone)' if up.passed else 'fail'}")
+    if point.answer is not None and point.checks:
+        row["verified_windows"] = sum(1 for c in verified if c.passed) + 1 + sum(
+            1 for u in point.windows if u != point.binding and not any(c.unit == u for c in verified))
+
+
+def _capacity_columns(row: dict, gpu_budget: int | None) -> None:
+    """Per GPU and per dollar: under a budget, replicas of the layout fill it and the GPUs they
+    leave idle are charged too (P=4 under a budget of 6 runs one replica on 6 GPUs' bill)."""
+    gpus, price, cap = row["gpus"], row["cost_per_gpu_hour"], row["capacity_req_s"]
+    replicas = gpu_budget // gpus if gpu_budget else 1
+    charged = gpu_budget if gpu_budget else gpus
+    total = replicas * cap
+    row.update(replicas=replicas, idle_gpus=charged - replicas * gpus, capacity_per_gpu=total / charged,
+               capacity_total_req_s=total, req_per_dollar=total * 3600 / (charged * price) if price else None)
 
 
 def rates_text(search: RateSearch) -> str:
@@ -121,9 +203,10 @@ def probe_table(feed: Any, axes: list[str]) -> pd.DataFrame:
         pt = feed.p.points[unit]
         for k, r in enumerate(probes):
             metrics = r.get("capacity.metrics") or {}
-            rows.append({"point": pt.group, "window": pt.window, "probe": k, **{a: r.get(a) for a in axes},
+            rows.append({"point": pt.group, "window": pt.window_label.split(" ")[0],
+                         "start_s": getattr(pt.run.workload, "start_s", None), "probe": k, **{a: r.get(a) for a in axes},
                          "workload.rate": r.get("workload.rate"), **{c: metrics.get(c, r.get(c)) for c in keep}})
-    return pd.DataFrame(rows, columns=["point", "window", "probe", *axes, "workload.rate", *keep])
+    return pd.DataFrame(rows, columns=["point", "window", "start_s", "probe", *axes, "workload.rate", *keep])
 
 
 def ranking(df: pd.DataFrame, axes: list[str]) -> pd.DataFrame | None:
@@ -159,14 +242,23 @@ def _ties(ranked: pd.DataFrame, key: str, rank: str) -> list[str]:
 
 # --- writing and showing ----------------------------------------------------------------------------------
 
-def collect(p: Any, feed: Any) -> pd.DataFrame:
+def collect(p: Any, feed: Any, interrupted: bool = False) -> pd.DataFrame:
     """One row per grid point, over its windows (those with a probe or pruned before any)."""
-    units: dict[int, list[dict]] = {}
-    for pt in p.points:
-        if feed.probe_rows[pt.index] or pt.pruned:
-            units.setdefault(pt.group, []).append(
-                point_row(pt, feed.searches[pt.index], feed.probe_rows[pt.index], feed.errors.get(pt.index)))
-    rows = [group_row(r, p.settings.gpus) for r in units.values()]
+    rows = []
+    units = {pt.index: pt for pt in p.points}
+    for g in p.groups:
+        point = feed.points[g.group]
+        windows = [units[u] for u in point.windows]
+        if not any(feed.probe_rows[pt.index] or pt.pruned for pt in windows):
+            continue
+        per = [point_row(pt, feed.searches[pt.index], feed.probe_rows[pt.index], feed.errors.get(pt.index))
+               for pt in windows]
+        row = group_row(per, point, units, p.settings.gpus, interrupted)
+        # what the table's footer names a row without a capacity by ("host-bound None: None" before)
+        row["run_name"] = f"point {g.group} ({g.label})"
+        if row["status"] != "finished" and not row.get("error"):
+            row["error"] = row.get("search")
+        rows.append(row)
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["point", *p.axes, "status"])
 
 
@@ -175,8 +267,12 @@ def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
     """table.csv/.md, probes.csv, ranking.csv/.md, capacity.json, capacity.png; logged on the summary run."""
     from testbed.capacity.figure import plot_search
 
-    df = collect(p, feed)
+    df = collect(p, feed, bool(interrupted))
     df.attrs["estimate_s"] = (feed.estimate_s, feed.measured_estimate_s)
+    if getattr(feed, "estimate_cpu_s", None):
+        from testbed.capacity.estimate import cpu_used
+
+        df.attrs["cpu_s"] = (feed.estimate_cpu_s, cpu_used() - feed.cpu0)
     write_comparison(df, p.axes, p.out_dir, metrics=TABLE_METRICS, plots=False)
     probe_table(feed, p.axes).to_csv(p.out_dir / "probes.csv", index=False)
     ranked = ranking(df, p.axes)
@@ -186,7 +282,7 @@ def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
     if not interrupted:
         plot_search(p, feed, p.out_dir / "capacity.png")
     summary = {"experiment": p.name, "axes": p.axes, "overrides": p.overrides, "settings": _settings(p),
-               "points": [_point_json(pt, feed) for pt in p.points], "wall_s": wall,
+               "answers": _answers(p, df), "points": [_point_json(pt, feed) for pt in p.points], "wall_s": wall,
                "base_url": p.live.base_url if p.live is not None else None, "estimate_s": feed.estimate_s,
                "measured_estimate_s": feed.measured_estimate_s}
     if interrupted:
@@ -194,10 +290,58 @@ def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
     (p.out_dir / "capacity.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     found = df[df["status"] == "finished"] if "status" in df else df
     parent.log({f"capacity.point{int(r['point'])}": r["capacity_req_s"] for _, r in found.iterrows()},
-               tags={"capacity.probes": sum(len(s.probes) for s in feed.searches), "capacity.wall_s": f"{wall:.1f}",
+               tags={"capacity.probes": sum(len(s.probes) for s in feed.searches.values()), "capacity.wall_s": f"{wall:.1f}",
                      "compare.runs": len(df), "compare.failed": int((df["status"] != "finished").sum())})
+    log_points(parent, p, df)
     parent.log_files(p.out_dir)
     return df, ranked
+
+
+def log_points(parent: sweep.ParentRun, p: Any, df: pd.DataFrame) -> None:
+    """One MLflow run per grid point (tag `testbed.kind=capacity-point`, grouped with its probes by
+    `capacity.label`) whose metric `capacity/req_s` is the capacity the command prints: the first
+    chart of the printed link's view. (Before, the chart showed the highest passing probe of any
+    window: gLLM 1.47 where the command printed 1.06.)"""
+    if parent.tracker is None or df.empty:
+        return
+    from mlflow.entities import Metric
+
+    client, now = parent.tracker.client, int(time.time() * 1000)
+    for _, r in df.iterrows():
+        g = next(pt for pt in p.groups if pt.group == int(r["point"]))
+        label = axis_name(g.axis_values)
+        tags = {"testbed.kind": "capacity-point", "capacity.label": label, "capacity.point": str(g.group),
+                "capacity.status": str(r.get("status")), "capacity.search": str(r.get("search"))[:5000],
+                "capacity.binding": str(r.get("binding") or ""), sweep.PARENT_TAG: parent.run_id,
+                **{f"axis.{k}": str(v) for k, v in g.axis_values.items()}}
+        # `capacity/req_s` alone under `capacity/`: MLflow puts every `capacity/*` metric in the view's
+        # first section, alphabetically, which put the hold-out's attainment before the capacity
+        metrics = {k: r.get(c) for k, c in (("capacity/req_s", "capacity_req_s"), ("capacity.median_req_s",
+                   "capacity_median_req_s"), ("capacity.min_req_s", "capacity_min_req_s"), ("capacity.max_req_s",
+                   "capacity_max_req_s"), ("capacity.holdout_value", "holdout_value"), ("capacity.upper_value",
+                   "upper_value"), ("slo_attainment", "slo_attainment"))}
+        run = client.create_run(parent.tracker.experiment_id, run_name=f"{label} · capacity", tags=tags)
+        client.log_batch(run.info.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()
+                                                   if isinstance(v, (int, float)) and math.isfinite(v)])
+        client.set_terminated(run.info.run_id, "FINISHED")
+
+
+def _answers(p: Any, df: pd.DataFrame) -> list[dict]:
+    """Per grid point: what was printed, and the overrides that rerun it (scripts/capacity_long_check.py)."""
+    out = []
+    for _, r in df.iterrows():
+        g = next(pt for pt in p.groups if pt.group == int(r["point"]))
+        cap = r.get("capacity_req_s")
+        out.append({"point": g.group, "label": axis_name(g.axis_values), "overrides": list(g.overrides),
+                    "target": g.target, "trace": g.first_request is not None, "status": r.get("status"),
+                    "capacity_req_s": None if cap is None or cap != cap else float(cap),
+                    "binding": r.get("binding"), "binding_start_s": _number(r.get("binding_start_s")),
+                    "search": r.get("search")})
+    return out
+
+
+def _number(v: Any) -> float | None:
+    return None if v is None or not isinstance(v, (int, float)) or v != v else float(v)
 
 
 def _settings(p: Any) -> dict:
@@ -210,7 +354,8 @@ def _point_json(pt: Any, feed: Any) -> dict:
     search = feed.searches[pt.index]
     out = search.outcome()
     u = pt.unloaded
-    return {"point": pt.group, "window": pt.window, "label": pt.label, "axes": pt.axis_values, "target": pt.target,
+    return {"point": pt.group, "window": pt.window_label, "holdout": pt.holdout, "label": pt.label,
+            "start_s": getattr(pt.run.workload, "start_s", None), "seed": pt.run.workload.seed, "axes": pt.axis_values, "target": pt.target,
             "duration_s": pt.duration_s, "pruned": pt.pruned,
             "unloaded": None if u is None else {"ttft_s": u.ttft_s, "tpot_s": u.tpot_s, "longest_e2e_s": u.e2e_s},
             "error": feed.errors.get(pt.index), "capacity_req_s": out.capacity, "bracket": [out.lo, out.hi],
@@ -223,6 +368,12 @@ def show(console: Any, p: Any, df: pd.DataFrame, ranked: pd.DataFrame | None, wa
     probes = int(df["probes"].sum()) if "probes" in df else 0
     print_table(console, df, p.axes, f"{p.name}: capacity per point ({probes} probes, {wall:.1f} s)",
                 metrics=PRINT_METRICS)
+    planned_cpu, cpu = df.attrs.get("cpu_s") or (None, None)
+    if planned_cpu:
+        first = (df.attrs.get("estimate_s") or (None,))[0]
+        console.print(f"the probes took {wall:.0f} s and {cpu:.0f} s of CPU; estimated {first:.0f} s and "
+                      f"{planned_cpu:.0f} s of CPU at the start ({wall / first - 1:+.0%}, {cpu / planned_cpu - 1:+.0%})",
+                      highlight=False)
     first, measured = df.attrs.get("estimate_s") or (None, None)
     if first and measured:
         console.print(f"the probes took {wall:.0f} s; estimated {first:.0f} s at the start ({wall / first - 1:+.0%}), "
@@ -240,7 +391,8 @@ def show(console: Any, p: Any, df: pd.DataFrame, ranked: pd.DataFrame | None, wa
                 console.print(f"not distinguishable {what} (capacity ranges over the windows overlap): rank "
                               + "; ".join(ties), highlight=False)
 
-        t = Table(title="deployment ranking (capacity per GPU; requests per dollar where priced)")
+        t = Table(title=f"deployment ranking (capacity per GPU, idle GPUs of a budget charged; requests per dollar "
+                        f"where priced; total = {REPLICAS_NOTE})")
         for c in ranked.columns:
             t.add_column(str(c), no_wrap=True)
         for _, r in ranked.iterrows():

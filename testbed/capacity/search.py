@@ -104,8 +104,9 @@ class RateSearch:
             return "bracket"
         return "confirm" if self.converged() else "bisect"
 
-    def record(self, rate: float, value: float, passed: bool, **metrics) -> Probe:
-        probe = Probe(rate, passed, value, self.phase(), metrics)
+    def record(self, rate: float, value: float, passed: bool, phase: str | None = None, **metrics) -> Probe:
+        """`phase`: a probe the search did not ask for (a confirmation of the point's answer)."""
+        probe = Probe(rate, passed, value, phase or self.phase(), metrics)
         if probe.phase == "confirm":
             self.confirmed += 1
         self.probes.append(probe)

@@ -34,13 +34,20 @@ DELAY_METRIC = "sched_delay_p50_s"  # arrival to first scheduled, median over th
 PRICE_PREFIX = "price."  # capacity.price.<hardware>=<USD per GPU-hour>
 
 
+MAX_DURATION_S = 86_400.0  # a probe of at most a day of arrivals (1e12 s ran with no end)
+MAX_PROBE_REQUESTS = 1_000_000  # requests of one probe at most (rate x duration)
+
+
 @dataclass(frozen=True)
 class CapacitySettings:
-    """One search per grid point: bracket (x`growth` from `start`), then bisect until the bracket
-    is within `precision` (relative), then `confirm` probe(s) above the bracket to catch a
-    non-monotone curve. `duration_s` / `warmup_s` size each probe in (server) seconds (by default
-    the steady-state length, testbed/capacity/steady.py); `windows` repeats the search on other
-    stretches of a trace (or seeds); `gpus` makes it a configuration search within that budget."""
+    """One search per grid point and window: bracket (x`growth` from `start`), then bisect until
+    the bracket is within `precision` (relative); the point's capacity is the lowest of its
+    windows' (testbed/capacity/cover.py), then confirmed: every window run at it, the binding
+    window at capacity x (1 + precision) (must fail), and a held-out stretch at it (must pass;
+    else it becomes a window and the search narrows, up to `holdouts` times). A trace window is
+    `window_requests` contiguous requests of the trace at their own gaps, rescaled;
+    `windows` of them cover the trace (None) or are spread over it; `gpus` makes it a
+    configuration search within that budget."""
 
     criterion: str = setting("attainment", choices=CRITERIA)
     target: float | None = setting(None, gt=0)  # None: 0.8 attainment, or slo.tpot_s / slo.ttft_s
@@ -49,15 +56,15 @@ class CapacitySettings:
     growth: float = setting(2.0, gt=1, max=100)  # bracketing factor
     min_rate: float = setting(0.01, gt=0, max=MAX_RATE)
     max_rate: float = setting(1000.0, gt=0, max=MAX_RATE)
-    max_probes: int = setting(20, min=2, max=200)  # per point
-    confirm: int = setting(1, min=0, max=5)  # probes above the bracket after it converged
-    duration_s: float | None = setting(None, gt=0)  # None: the steady-state length (below); else seconds of arrivals
+    max_probes: int = setting(20, min=2, max=200)  # per point and window
+    confirm: int = setting(0, min=0, max=5)  # extra probes above a window's converged bracket (non-monotone check)
+    holdouts: int = setting(2, min=1, max=5)  # held-out stretches tried before an answer is called unconfirmed
+    duration_s: float | None = setting(None, gt=0, max=MAX_DURATION_S)  # None: a trace window / the steady-state length
     steady_factor: float = setting(8.0, min=1, max=100)  # auto length: this x the longest request's unloaded E2E
-    min_duration_s: float = setting(300.0, gt=0)  # auto length: at least this many seconds of arrivals
-    cycle_requests: int = setting(500, min=2)  # auto length, trace: a window's first N requests, replayed in cycles
-    warmup_s: float = setting(0.0, min=0)  # requests arriving earlier are sent but not judged
-    windows: int = setting(3, min=1, max=20)  # trace windows (offsets) or seeds per point
-    window_step_s: float = setting(1200.0, gt=0)  # trace offset between windows (workload.start_s)
+    min_duration_s: float = setting(300.0, gt=0, max=MAX_DURATION_S)  # auto length: at least this many seconds
+    window_requests: int = setting(4000, min=2, max=MAX_PROBE_REQUESTS)  # a trace window: this many requests
+    warmup_s: float = setting(0.0, min=0, max=MAX_DURATION_S)  # requests arriving earlier are sent but not judged
+    windows: int | None = setting(None, min=1, max=20)  # None: trace windows covering the trace (3 seeds otherwise)
     gpus: int | None = setting(None, min=1)  # a GPU budget: configurations of at most this many GPUs, as replicas
     retries: int = setting(1, min=0, max=5)  # live: reruns of a probe the host could not keep up with
     workers: int | None = setting(None, min=1)  # None: one per CPU core
@@ -73,6 +80,9 @@ class CapacitySettings:
         if self.warmup_s and self.metric == "itl_p99_s":
             raise ConfigError(f"invalid capacity.warmup_s={self.warmup_s:g} with capacity.criterion={self.criterion}: "
                               f"the time between tokens is judged over every request (set capacity.warmup_s=0)")
+        if self.duration_s is not None and self.warmup_s >= self.duration_s:
+            raise ConfigError(f"invalid capacity.warmup_s={self.warmup_s:g}: a probe's warm-up must be shorter than "
+                              f"the probe (capacity.duration_s={self.duration_s:g}), or nothing is judged")
         if self.experiment is not None and (not self.experiment.strip() or "/" in self.experiment
                                             or self.experiment.startswith(".")):
             raise ConfigError(f"invalid capacity.experiment={self.experiment!r}: a name without '/'")
@@ -91,13 +101,15 @@ class CapacitySettings:
         key = CRITERION_METRIC[self.criterion][2]
         return DEFAULT_ATTAINMENT if key is None else float(getattr(slo, key))
 
-    def probe_text(self, durations: Sequence[float], cycled: bool = False) -> str:
-        """What one probe sends: seconds of arrivals (per point when set by the steady-state rule;
-        `cycled`: a trace window's pattern in whole cycles, testbed/capacity/steady.py)."""
+    def probe_text(self, durations: Sequence[float], window_requests: int | None = None) -> str:
+        """What one probe sends: a trace window of `window_requests` requests at the probed rate,
+        else seconds of arrivals (per point when set by the steady-state rule)."""
+        warm = f" (the first {self.warmup_s:g} s not judged)" if self.warmup_s else ""
+        if window_requests:
+            return f"{window_requests:,} contiguous requests of the trace, their own gaps rescaled to the rate{warm}"
         lo, hi = min(durations), max(durations)
         span = f"{lo:.0f} s" if hi - lo < 0.5 else f"{lo:.0f}-{hi:.0f} s"
-        cycles = f"; whole cycles of each window's first {self.cycle_requests} requests" if cycled else ""
-        how = "" if self.duration_s else f" (steady state: {self.steady_factor:g} x the longest unloaded request{cycles})"
+        how = "" if self.duration_s else f" (steady state: {self.steady_factor:g} x the longest unloaded request)"
         return span + (f" + {self.warmup_s:g} s warm-up" if self.warmup_s else "") + " of arrivals" + how
 
     def describe(self, target: float) -> str:

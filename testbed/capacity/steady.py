@@ -15,13 +15,9 @@ that a longer probe would have shown as a failure, so such a probe fails whateve
 queue: requests being decoded fill the system for an end-to-end time after the first arrival,
 which a short probe would otherwise read as growth; the client of a live probe sees it too.
 
-On a trace the length alone does not make a steady state: the trace's mix and rate drift, and a
-probe of rate x length requests with its gaps rescaled over all of them was, when doubled, another
-load (its first half, the shorter probe's requests, arrived at another local rate; its second
-half was another stretch): two of four ranking capacities moved by 9.1%. So a trace window's probe
-replays the window's first `capacity.cycle_requests` requests in whole cycles (`cycled`), and a
-longer probe only adds cycles of the same load: 11 of 12 window capacities then kept their digits
-when the length doubled, the twelfth moved by one bisection step (docs/capacity.md).
+On a trace this length is not used: a probe is a trace window of 4,000 contiguous requests
+(testbed/capacity/windows.py), which holds the trace's own drift; replaying a window's first 500
+requests in cycles, as before, measured a sample that did not (docs/capacity.md).
 
 The unloaded request also prunes: when the workload's lightest request (shortest prompt, then
 shortest output of at least 2 tokens), served alone, already misses the SLO bound the criterion
@@ -46,7 +42,6 @@ BACKLOG_GROWTH_LIMIT = 0.05  # the queue may grow by at most 5% of the arrival r
 MIN_QUEUE_RISE = 2.0  # ... or by fewer requests than this over the second half (noise at low rates)
 MIN_STEADY_SAMPLES = 8  # fewer judged arrivals in the second half: the check has nothing to say (nan)
 ROUND_S = 10.0  # steady-state probe lengths are rounded up to whole 10 s
-MIN_CYCLES = 2  # a cycled probe replays its window's pattern at least twice
 
 
 @dataclass(frozen=True)
@@ -86,23 +81,6 @@ def probe_duration(s: CapacitySettings, u: Unloaded | None) -> float:
         return s.duration_s
     longest = u.e2e_s if u is not None and math.isfinite(u.e2e_s) else 0.0
     return max(s.min_duration_s, math.ceil(s.steady_factor * longest / ROUND_S) * ROUND_S)
-
-
-def cycles(s: CapacitySettings, pattern: int, rate: float, duration_s: float) -> int:
-    """Whole replays of a window's `pattern` requests that fill warm-up + duration at `rate`."""
-    return max(MIN_CYCLES, math.ceil(rate * (s.warmup_s + duration_s) / pattern))
-
-
-def cycled(pattern: list[Request], rate: float, count: int) -> list[Request]:
-    """`pattern` (its arrivals already rescaled to `rate`) replayed `count` times, one period of
-    len / rate apart, so that the whole probe arrives at `rate` on average and a longer probe
-    only adds replays of the same requests at the same local rates (see the module docstring)."""
-    from workloads.base import make_requests
-
-    period = len(pattern) / rate
-    reps = [(r.arrival_s + k * period, r.prompt_len, r.output_len) for k in range(count) for r in pattern]
-    arrivals, prompts, outputs = zip(*reps)
-    return make_requests(arrivals, prompts, outputs)
 
 
 def unloaded_miss(s: CapacitySettings, target: float, slo: SLO, u: Unloaded) -> str | None:

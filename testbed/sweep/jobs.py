@@ -109,6 +109,7 @@ class Job:
     tags: dict = field(default_factory=dict)  # extra tags of its MLflow run (e.g. capacity.point / capacity.probe)
     requests: Any = None  # the resolved request list, shipped with a Ray task (or a Ray ObjectRef to it)
     name: str | None = None  # its MLflow run name; None: what varies (testbed/naming.point_name)
+    judge: Any = None  # a picklable callable(RunResult) -> dict run where the point ran: row["judged"] (capacity)
 
 
 # A sweep point's run folder by default: summary, config, run info (~10 kB). Traces, per-request
@@ -193,6 +194,8 @@ def _run_point(job: Job, row: dict) -> None:
 
 def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
     run_dir = Path(job.run_dir)
+    if job.judge is not None:  # from the result in memory: the run folder need not keep requests.csv
+        row["judged"] = job.judge(result)
     write_run_dir(result, run_dir, plots=job.spec.output.plots)
     row["run_dir"] = str(run_dir)
     fill_row(row, result)

@@ -8,8 +8,8 @@ loads the experiment tag `mlflow.sharedViewState.<key>`, an envelope `{name, cre
 updatedAt, state}` whose `state` is the runs page's UI state as JSON (what "Views -> Save as new
 view" writes). The views written here show every run, put the `headline` section (and, for a
 capacity search, the `capacity` section) first, two charts a row, and optionally group the runs
-(a capacity search: one group per grid point, its probes inside, each group's bar its highest
-passing rate).
+(a capacity search: one group per grid point, its probes inside, each group's first bar the
+capacity the command printed).
 
 `isDirty: true` keeps MLflow from replacing the listed charts by its generated ones; charts of the
 other metrics are appended by MLflow itself, in their own sections.
@@ -83,11 +83,13 @@ def study_view(study: str, objective: str, maximize: bool) -> View:
                 search_filter="tags.`testbed.kind` = 'trial'", order_by=f"metrics.`{objective}`", order_asc=not maximize)
 
 
-CAPACITY = View("testbed-capacity", (("capacity", ("capacity/passed_rate",)),
+CAPACITY = View("testbed-capacity", (("capacity", ("capacity/req_s",)),
                                      *headline_view(HEADLINE_METRICS).sections), group_by="capacity.label")
-"""A capacity search: its probes grouped by grid point (tag `capacity.label`, e.g. `gllm`), each
-group's bar in the first chart the highest rate that passed (`capacity/passed_rate`, logged by
-every passing probe, aggregated by max): the point's capacity. Other charts show each group's max."""
+"""A capacity search: its runs grouped by grid point (tag `capacity.label`, e.g. `gllm`); the
+first chart is `capacity/req_s`, logged only by each point's summary run (tag
+`testbed.kind=capacity-point`): the capacity the command printed, one bar per point. (Before,
+each passing probe logged its rate and the group's max was shown: the easiest window's
+capacity, gLLM 1.47 where the command printed 1.06.) Other charts show each group's max."""
 
 
 def view_link(base: str, experiment_id: str, key: str) -> str:

@@ -1,0 +1,168 @@
+"""Capacity answers that hold on the workload they name (issue 45): trace windows are long
+contiguous stretches of the trace replayed as plain runs (no cycles of a small sample), they cover
+the trace, the answer is the lowest window's and is confirmed (every window at it, the binding
+window above it, a held-out stretch) before it is printed, and the printed figure is what a
+plain run of the stretch gives. Small settings only: 150-300-request windows."""
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from testbed.capacity import windows as cw
+from testbed.capacity.cover import PointSearch
+from testbed.capacity.search import RateSearch
+from testbed.capacity.settings import CapacitySettings
+from testbed.cli import main
+
+AZURE = ["policy=gllm", "workload=azure", "output.progress=false", "output.mlflow=false",
+         "capacity.window_requests=150", "capacity.precision=0.1", "capacity.workers=1"]
+
+
+@pytest.mark.parametrize("rows, length, count", [(19366, 4000, None), (1000, 300, None), (1000, 300, 3),
+                                                 (200, 300, None), (900, 300, None)])
+def test_windows_tile_the_trace_and_a_holdout_is_no_window(rows, length, count):
+    starts = cw.cover_starts(rows, length, count)
+    length = min(length, rows)
+    if count is None:  # every request of the trace is in some window
+        covered = set().union(*(range(s, s + length) for s in starts))
+        assert covered == set(range(rows))
+    else:
+        assert len(starts) == count and starts[0] == 0 and starts[-1] == rows - length
+    assert all(0 <= s <= rows - length for s in starts)
+    for b in starts:
+        h = cw.holdout_start(b, length, rows, starts)
+        assert h is None or (h not in starts and 0 <= h <= rows - length)
+
+
+def point_search(knees: dict[int, float], holdout_knees: list[float], s: CapacitySettings) -> PointSearch:
+    """Windows whose criterion passes up to their knee; hold-outs made on demand with their own knees."""
+    searches = {w: RateSearch(s, 1.0) for w in knees}
+    made = iter(holdout_knees)
+
+    def holdout(binding, tried):
+        knee = next(made, None)
+        if knee is None:
+            return None
+        unit = 100 + len(tried)
+        knees[unit] = knee
+        searches[unit] = RateSearch(s, 1.0)
+        return unit
+
+    return PointSearch(s, list(knees), searches, holdout)
+
+
+def drive(point: PointSearch, knees: dict[int, float]) -> PointSearch:
+    """What the feed does, without runs: every window's search, then the checks, until settled."""
+    for _ in range(50):
+        for w in list(point.windows):
+            search = point.searches[w]
+            while (rate := search.next_rate()) is not None:
+                search.record(rate, float(rate <= knees[w]), rate <= knees[w])
+        checks = point.confirm()
+        if not checks:
+            return point
+        for c in checks:
+            ok = c.rate <= knees[c.unit]
+            point.searches[c.unit].record(c.rate, float(ok), ok, phase=c.kind)
+            point.record(c, ok, float(ok))
+        if point.settle():
+            return point
+    raise AssertionError("the search did not end")
+
+
+def test_the_answer_is_the_lowest_window_and_every_check_ran():
+    s = CapacitySettings(precision=0.05)
+    knees = {0: 3.0, 1: 1.3, 2: 2.2}
+    point = drive(point_search(knees, [1.5], s), knees)
+    assert point.status == "confirmed" and point.binding == 1
+    assert point.answer <= 1.3 < point.answer * (1 + s.precision) + 1e-9
+    kinds = {c.kind: c for c in point.checks}
+    assert kinds["holdout"].passed and not kinds["upper"].passed  # held-out passes, above the answer fails
+    for w in point.windows:  # every window ran at the answer and passed
+        assert any(p.rate == point.answer and p.passed for p in point.searches[w].probes)
+
+
+def test_a_failed_holdout_becomes_a_window_and_the_answer_narrows():
+    s = CapacitySettings(precision=0.05, holdouts=2)
+    knees = {0: 3.0, 1: 2.0}
+    point = drive(point_search(knees, [1.6, 1.9], s), knees)  # the first hold-out is harder than every window
+    assert point.status == "confirmed" and 100 in point.windows and point.binding == 100
+    assert point.answer <= 1.6 and point.holdout_check().unit == 101 and point.holdout_check().passed
+
+
+def test_an_answer_no_holdout_confirms_is_never_reported():
+    s = CapacitySettings(precision=0.05, holdouts=1)
+    knees = {0: 3.0, 1: 2.0}
+    point = drive(point_search(knees, [1.0], s), knees)
+    assert point.status == "unconfirmed"
+    none_left = drive(point_search({0: 3.0}, [], s), {0: 3.0})
+    assert none_left.status == "unconfirmed"
+
+
+def trace_plan(tmp_path, *args):
+    from testbed.capacity.command import plan
+
+    return plan([*(args or AZURE), f"output.dir={tmp_path}"])
+
+
+def test_a_trace_probe_is_a_plain_run_of_contiguous_requests_covering_the_trace(tmp_path):
+    """The probe of a window at rate r is `testbed run workload.start_s=<s> workload.num_requests=L
+    workload.rate=r`: L distinct contiguous requests of the trace (the cycled probe repeated a
+    window's first 500), and the windows together hold every request of the trace."""
+    from testbed.capacity.command import probe_job
+    from workloads.base import build_workload
+
+    p = trace_plan(tmp_path, *[a for a in AZURE if "window_requests" not in a])  # the default: 4,000
+    whole = build_workload(p.run0.with_values({"workload.num_requests": None, "workload.rate": None}).workload,
+                           p.run0.data_dir)
+    key = [(r.prompt_len, r.output_len) for r in whole]
+    seen: set[int] = set()
+    for pt in p.points:
+        job = probe_job(p, pt, 0.7, 0, 0, None)
+        assert job.requests is None  # nothing shipped: the spec alone is the probe
+        reqs = build_workload(job.spec.workload, job.spec.data_dir)
+        first = pt.first_request
+        assert len(reqs) == 4000 and [(r.prompt_len, r.output_len) for r in reqs] == key[first:first + 4000]
+        assert (len(reqs) - 1) / reqs[-1].arrival_s == pytest.approx(0.7)
+        seen.update(range(first, first + 4000))
+    assert seen == set(range(len(whole))) and len(p.points) == 5
+
+
+def test_the_printed_capacity_holds_on_a_plain_run_of_each_window_and_the_holdout(tmp_path, capsys):
+    """End to end on the trace (150-request windows, two spread over it): the capacity printed is
+    the lowest window's; a plain run of every window and of the held-out stretch at it passes, of
+    the binding window at capacity x (1 + precision) fails; the probes kept no request tables."""
+    from testbed.config.spec import compose_spec
+    from testbed.run.runner import run_experiment
+
+    code = main(["capacity", *AZURE, "capacity.windows=2", f"output.dir={tmp_path}", "capacity.experiment=hold"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    out = tmp_path / "capacity" / "hold"
+    row = pd.read_csv(out / "table.csv").iloc[0]
+    probes = pd.read_csv(out / "probes.csv")
+    assert row["status"] == "finished" and row["search"].startswith("confirmed")
+    cap = row["capacity_req_s"]
+    assert cap == row["capacity_min_req_s"] <= row["capacity_median_req_s"] <= row["capacity_max_req_s"]
+    assert not any((out / "runs").rglob("requests.csv")) and not any((out / "runs").rglob("microbatches.csv"))
+    answer = json.loads((out / "capacity.json").read_text())["answers"][0]
+    base = [ov for ov in answer["overrides"] if not ov.startswith(("workload.start_s", "workload.num_requests"))]
+
+    def attainment(start_s: float, rate: float) -> float:
+        spec = compose_spec([*base, f"workload.start_s={start_s}", "workload.num_requests=150", f"workload.rate={rate}"])
+        return run_experiment(spec).summary["slo_attainment"]
+
+    for window, start in probes.groupby("window")["start_s"].first().items():
+        assert attainment(start, cap) >= 0.8, window  # held-out h1 included
+    binding = probes[probes["window"] == row["binding"].split(" ")[0]]["start_s"].iloc[0]
+    assert attainment(binding, row["upper_req_s"]) < 0.8 and not math.isnan(row["holdout_value"])
+
+
+def test_probe_lengths_and_warm_ups_are_bounded(tmp_path, capsys):
+    for args, message in ((["capacity.duration_s=1e12"], "invalid capacity.duration_s=1000000000000.0"),
+                          (["capacity.duration_s=10", "capacity.warmup_s=10"], "warm-up must be shorter")):
+        code = main(["capacity", *AZURE, f"output.dir={tmp_path}", *args])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and err.startswith("error: ") and "\n" not in err and message in err, err
