@@ -540,7 +540,7 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
     if p.live is not None:
         p.live.print_estimate(console, p, feed)
     else:
-        feed.estimate_cpu_s, feed.estimate_s = estimate.simulated(p, feed.planned())
+        feed.estimate_cpu_s, feed.estimate_s = estimate.simulated(p, feed.planned(), probe_requests, start_rate)
         console.print(f"capacity: the answer is the lowest window's, confirmed before it is printed; about "
                       f"{estimate.text(feed.estimate_cpu_s)} of CPU, {estimate.text(feed.estimate_s)} at this "
                       f"machine's present speed ({s.resolved_workers} worker(s))", highlight=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 SAMPLE_REQUESTS = 300  # requests of the timing sample (~0.4 s of CPU for the main setting)
@@ -20,9 +21,9 @@ PROBE_OVERHEAD_CPU_S = 0.5  # CPU seconds per probe outside its simulation (run 
 WORKER_START_CPU_S = 4.0  # a spawned worker's imports
 
 
-def sample(p: Any) -> tuple[float, float]:
-    """(CPU, wall) seconds of simulation per request of the first unpruned window, timed here."""
-    from testbed.capacity.command import probe_requests, start_rate
+def sample(p: Any, probe_requests: Callable, start_rate: Callable) -> tuple[float, float]:
+    """(CPU, wall) seconds of simulation per request of the first unpruned window, timed here.
+    `probe_requests` and `start_rate` are the command's own (passed in: this module sits below it)."""
     from testbed.run.runner import run_experiment
 
     pt = next((pt for pt in p.points if not pt.pruned), None)
@@ -43,14 +44,12 @@ def sample(p: Any) -> tuple[float, float]:
     return (max(took[1][0] - took[0][0], 0.0) / (n - small), max(took[1][1] - took[0][1], 0.0) / (n - small))
 
 
-def simulated(p: Any, planned: int) -> tuple[float, float]:
+def simulated(p: Any, planned: int, probe_requests: Callable, start_rate: Callable) -> tuple[float, float]:
     """(CPU seconds, wall seconds) for `planned` probes of the plan's points."""
-    from testbed.capacity.command import probe_requests, start_rate
-
     live = [pt for pt in p.points if not pt.pruned]
     if not live or not planned:
         return 0.0, 0.0
-    cpu_req, wall_req = sample(p)
+    cpu_req, wall_req = sample(p, probe_requests, start_rate)
     mean_requests = sum(probe_requests(p, pt, start_rate(pt.run, p.settings)) for pt in live) / len(live)
     workers = max(1, min(p.settings.resolved_workers, len(live)))
     cpu = planned * (mean_requests * cpu_req + PROBE_OVERHEAD_CPU_S) + (WORKER_START_CPU_S * workers if workers > 1 else 0)
