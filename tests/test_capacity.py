@@ -224,7 +224,10 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
             assert bool(p["capacity.passed"]) == (p["slo_attainment"] >= 0.8 and p["capacity.steady"])
     if table["status"][0] == "finished":
         at = probes[probes["workload.rate"] == table["capacity_req_s"][0]]  # the window's and the hold-out's
-        assert at["capacity.passed"].astype(bool).all() and set(at["window"]) == {"w0", "h1"}
+        # a live server is noisy: a failed hold-out becomes a window and a new one (h2, ...) is drawn
+        windows = set(at["window"])
+        assert at["capacity.passed"].astype(bool).all() and {"w0", "h1"} <= windows, windows
+        assert all(w == "w0" or (w[0] == "h" and w[1:].isdigit()) for w in windows), windows
     client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("live").experiment_id])
     parent = next(r for r in runs if r.data.tags.get("testbed.kind") == "capacity")
