@@ -243,13 +243,15 @@ def _ties(ranked: pd.DataFrame, key: str, rank: str) -> list[str]:
 # --- writing and showing ----------------------------------------------------------------------------------
 
 def collect(p: Any, feed: Any, interrupted: bool = False) -> pd.DataFrame:
-    """One row per grid point, over its windows (those with a probe or pruned before any)."""
+    """One row per grid point, over its windows (those with a probe done, one in flight, or pruned
+    before any). A point whose first probe was still running when a signal came gets its row too:
+    the interrupted search is part of what was done (the fresh-clone CI caught such a row missing)."""
     rows = []
     units = {pt.index: pt for pt in p.points}
     for g in p.groups:
         point = feed.points[g.group]
         windows = [units[u] for u in point.windows]
-        if not any(feed.probe_rows[pt.index] or pt.pruned for pt in windows):
+        if not any(feed.probe_rows[pt.index] or pt.pruned or pt.index in feed.busy for pt in windows):
             continue
         per = [point_row(pt, feed.searches[pt.index], feed.probe_rows[pt.index], feed.errors.get(pt.index))
                for pt in windows]
