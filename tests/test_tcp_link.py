@@ -77,8 +77,43 @@ def test_the_shipped_constants_load_and_the_model_choice_is_checked():
         tcp_links("netem", 2, B, D)
 
 
+def test_a_burst_larger_than_the_queue_costs_recovery_round_trips_and_cuts_the_window():
+    """A grown window sent at once after a pause overflows the bottleneck's queue (measured at
+    400 Mbps / 30 ms with a 1,000-frame queue: 4 MB after a 4 MB transfer in 165-218 ms, not 118)."""
+    small_q = dict(initial_window_bytes=14_480.0, goodput_fraction=0.95, per_message_s=1e-4, queue_bytes=100e3)
+    plain, bursty = TcpConstants(**small_q), TcpConstants(**small_q, burst_loss_rtts=1.0)
+    a, b = TcpConnection(B, D, plain), TcpConnection(B, D, bursty)
+    for conn in (a, b):  # the same history: the window grows beyond the 100 KB queue
+        conn.send(0.0, 2 << 20)
+        conn.window = 1 << 20
+        conn.ssthresh = math.inf
+    start = a.last_sent_s + 0.1  # a pause shorter than an RTO: the window is kept
+    ta, tb = a.send(start, 512 << 10)[1] - start, b.send(start, 512 << 10)[1] - start
+    assert tb >= ta + 2 * D  # one recovery round trip more
+    assert b.ssthresh < (1 << 20)  # Reno's cut
+    small = TcpConnection(B, D, bursty)
+    assert small.send(0.0, 50e3)[1] == pytest.approx(TcpConnection(B, D, plain).send(0.0, 50e3)[1])  # fits: no loss
+
+
+def test_the_queue_may_scale_with_the_path():
+    c = TcpConstants(initial_window_bytes=14_480.0, goodput_fraction=0.95, per_message_s=1e-4, queue_bytes=0.0,
+                     queue_bdp=1.0)
+    assert c.queue(3e6) == 3e6 and C.queue(3e6) == C.queue_bytes
+
+
+def test_repeats_are_separate_connections_and_the_fit_targets_their_mean():
+    from testbed.linkbench.fit import repeat_means
+
+    row = {"rate_bps": 100e6, "delay_s": D, "n": 1 << 20, "msgs": 1, "gap_s": 0.1}
+    rows = [dict(row, repeat=0, measured_s=0.2), dict(row, repeat=1, measured_s=0.4)]
+    first, again = predict_series(rows, C)
+    assert first == pytest.approx(again)  # a fresh connection each: slow start both times
+    (mean,) = repeat_means(rows)
+    assert mean["measured_s"] == pytest.approx(0.3) and mean["spread"] == pytest.approx(0.2 / 0.3)
+
+
 @pytest.mark.parametrize("bad", [dict(initial_window_bytes=0.0), dict(goodput_fraction=1.5),
-                                 dict(per_message_s=-1.0)])
+                                 dict(per_message_s=-1.0), dict(burst_loss_rtts=-1.0), dict(queue_bdp=-0.5)])
 def test_bad_constants_are_refused(bad):
     kw = dict(initial_window_bytes=14_480.0, goodput_fraction=0.95, per_message_s=1e-4) | bad
     with pytest.raises(Exception):

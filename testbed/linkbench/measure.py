@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from testbed.linkbench.netns import CONGESTION_CONTROL, TBF_QUEUE_BYTES, DelayedLink, LinkSetupError, LinkSpec
+from testbed.linkbench.netns import (CONGESTION_CONTROL, TBF_BURST_BYTES, TBF_QUEUE_BYTES, DelayedLink, LinkSetupError,
+                                     LinkSpec)
 
 SIZES = (1 << 10, 16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -59,25 +60,41 @@ def _run_pair(link: DelayedLink, plan: list[dict], port: int, timeout_s: float) 
     return [r - s for s, r in zip(*outs)]
 
 
-def measure(delay_s: float, rates_bps, plan: list[dict], timeout_s: float = 300.0) -> list[dict]:
+def queue_bytes_for(rate_bps: float, delay_s: float, queue_bdp: float | None) -> float | None:
+    """The bottleneck queue: `queue_bdp` x the path's bandwidth-delay product (rate x RTT, RTT = 2 x
+    the one-way delay), or None for the harness's fixed queue (`TBF_QUEUE_BYTES`)."""
+    return None if queue_bdp is None else max(TBF_BURST_BYTES, queue_bdp * rate_bps / 8.0 * 2.0 * delay_s)
+
+
+def measure(delay_s: float, rates_bps, plan: list[dict], timeout_s: float = 300.0, repeats: int = 1,
+            queue_bdp: float | None = None) -> list[dict]:
+    """Each rate's plan `repeats` times, each on a fresh connection; every row says its repeat, the
+    bottleneck's queue, and what that run's connection lost (queue drops, retransmitted segments,
+    timeouts: the same for every row of one run)."""
     rows = []
     with DelayedLink(LinkSpec(rates_bps[0], delay_s)) as link:
         for i, rate in enumerate(rates_bps):
-            link.set_rate(rate)
-            times = _run_pair(link, plan, 29500 + i, timeout_s)
-            rows += [{"rate_bps": rate, "delay_s": delay_s, "n": p["n"], "msgs": p["msgs"], "gap_s": p["gap"],
-                      "measured_s": t} for p, t in zip(plan, times)]
+            queue = queue_bytes_for(rate, delay_s, queue_bdp)
+            link.set_rate(rate, queue)
+            for k in range(repeats):
+                drops0, c0 = link.drops(), link.sender_counters()
+                times = _run_pair(link, plan, 29500 + (i * repeats + k) % 400, timeout_s)
+                c1 = link.sender_counters()
+                lost = {"drops": link.drops() - drops0} | {key: c1.get(key, 0) - c0.get(key, 0) for key in c1}
+                rows += [{"rate_bps": rate, "delay_s": delay_s, "n": p["n"], "msgs": p["msgs"], "gap_s": p["gap"],
+                          "measured_s": t, "repeat": k, "queue_bytes": queue or TBF_QUEUE_BYTES, "run_losses": lost}
+                         for p, t in zip(plan, times)]
     rows_relay = link.relay_report
     return rows if not rows_relay else [dict(r, relay=rows_relay) for r in rows]
 
 
-def provenance() -> dict:
+def provenance(load_before: list[str] | None = None) -> dict:
     import torch
 
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "kernel": platform.release(),
             "torch": torch.__version__, "python": platform.python_version(),
-            "loadavg": Path("/proc/loadavg").read_text().split()[:3],
-            "congestion_control": CONGESTION_CONTROL, "link": f"veth + tbf (queue {TBF_QUEUE_BYTES} B) + TUN delay relay (testbed/linkbench)",
+            "loadavg": Path("/proc/loadavg").read_text().split()[:3], "loadavg_before": load_before,
+            "congestion_control": CONGESTION_CONTROL, "link": "veth + tbf (queue: each row's queue_bytes) + TUN delay relay (testbed/linkbench)",
             "data_plane": "torch.distributed gloo send/recv over TCP (engine/torch_exec/worker.py)"}
 
 
@@ -90,26 +107,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out")
     ap.add_argument("--delays", default="0.03")
     ap.add_argument("--rates", default="60,100,200,400", help="Mbps")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of the plan per rate, each a fresh connection")
+    ap.add_argument("--queue-bdp", type=float, default=None,
+                    help="bottleneck queue as a multiple of rate x RTT (default: the fixed TBF_QUEUE_BYTES)")
+    ap.add_argument("--sizes", default=None, help="comma-separated bytes (default: the validation sizes)")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_cleanly)  # the link's namespaces are removed on the way out
     try:
         rates = [float(r) * 1e6 for r in a.rates.split(",")]
         delays = [float(x) for x in a.delays.split(",")]
+        sizes = SIZES if a.sizes is None else tuple(int(x) for x in a.sizes.split(","))
     except ValueError:
-        print(f"error: --rates {a.rates!r} / --delays {a.delays!r}: comma-separated numbers (Mbps, seconds)")
+        print(f"error: --rates {a.rates!r} / --delays {a.delays!r} / --sizes {a.sizes!r}: comma-separated numbers "
+              "(Mbps, seconds, bytes)")
+        return 2
+    if not 1 <= a.repeats <= 50 or (a.queue_bdp is not None and not 0 < a.queue_bdp <= 20):
+        print(f"error: --repeats {a.repeats} / --queue-bdp {a.queue_bdp}: repeats 1-50, queue-bdp in (0, 20]")
         return 2
     out = Path(a.out)
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         print(f"error: cannot write {out}: its folder is missing or not writable")
         return 2
-    rows = []
+    rows, load_before = [], Path("/proc/loadavg").read_text().split()[:3]
     try:
         for d in delays:
-            rows += measure(d, rates, validation_plan())
+            rows += measure(d, rates, validation_plan(sizes), repeats=a.repeats, queue_bdp=a.queue_bdp)
     except LinkSetupError as exc:
         print(f"error: the measured link could not be built (root and iproute2 needed): {exc}")
         return 2
-    out.write_text(json.dumps({"provenance": provenance(), "rows": rows}, indent=1) + "\n")
+    out.write_text(json.dumps({"provenance": provenance(load_before), "rows": rows}, indent=1) + "\n")
     print(f"{len(rows)} transfers -> {a.out}")
     return 0
 

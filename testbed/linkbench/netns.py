@@ -29,10 +29,14 @@ from dataclasses import dataclass
 # halves instead of falling to 0.7).
 CONGESTION_CONTROL = "reno"
 RELAY_RING_PACKETS = 50_000
-# The bottleneck's queue: 1,000 full-size frames, netem's default `limit` (MoLink's slow link was
-# emulated with tc; a rate-limited netem holds 1,000 packets): 200 ms at 60 Mbps, 30 ms at 400 Mbps.
-# With a 50 ms tbf queue instead, a grown window's burst after a pause overflowed it and 1 MB
-# transfers took up to 1.2 s in loss recovery (against 0.18 s without loss).
+# The bottleneck's queue: 1,000 full-size frames, netem's default `limit` (MoLink's paper gives only the
+# rate and delay; a tc-emulated link keeps one queue, fixed in packets, across a rate sweep): 3.4 x the
+# bandwidth-delay product at 60 Mbps / 30 ms, 0.5 x at 400 Mbps. Checked against a queue of one BDP at
+# every rate (the rule-of-thumb router buffer; `measure.py --queue-bdp 1`), 2026-11-27, 3-5 repeats:
+# at 400 Mbps the BDP queue narrows the spread of 16 MB (range 6-15% of the mean instead of 18-25%),
+# but at 60-100 Mbps a grown window's burst after a 0.1 s pause then overflows it every time (1 MB in
+# 0.70-0.97 s instead of 0.12-0.18 s), so it is no more realistic; the fixed queue stays. With a 50 ms
+# queue, 1 MB transfers took up to 1.2 s in loss recovery (against 0.18 s without loss).
 TBF_QUEUE_BYTES = 1000 * 1514
 TBF_BURST_BYTES = 4 * 1514
 
@@ -121,15 +125,35 @@ class DelayedLink:
         if line != "ready":
             raise LinkSetupError(f"delay relay did not start: {line} {self.relay.stderr.read()}")
 
-    def set_rate(self, rate_bps: float) -> None:
+    def set_rate(self, rate_bps: float, queue_bytes: float | None = None) -> None:
         """tbf on both of R's egress veths: `burst` four full-size frames (tbf's timer is a
         high-resolution one: it sustains 400 Mbps so), the queue `TBF_QUEUE_BYTES` long. A larger
         bucket lets a burst through at veth speed, as no real link does: with rate/250 s of bucket
         (100 KB at 200 Mbps), 128 KB crossed a 10 ms link in 12.1 ms against 15-16 ms at the rate."""
-        burst = TBF_BURST_BYTES
+        burst, limit = TBF_BURST_BYTES, int(queue_bytes or TBF_QUEUE_BYTES)
         for dev in ("ra", "rb"):
             self._in(self.ns_r, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(rate_bps)}bit",
-                     "burst", str(burst), "limit", str(TBF_QUEUE_BYTES))
+                     "burst", str(burst), "limit", str(limit))
+
+    def drops(self) -> int:
+        """Packets the bottleneck queues dropped so far (both directions; `tc -s qdisc`)."""
+        total = 0
+        for dev in ("ra", "rb"):
+            out = self._in(self.ns_r, "tc", "-s", "qdisc", "show", "dev", dev)
+            total += int(out.split("dropped ", 1)[1].split(",", 1)[0]) if "dropped " in out else 0
+        return total
+
+    def sender_counters(self) -> dict[str, int]:
+        """The sender namespace's TCP counters that tell loss recovery apart (`nstat`): segments
+        retransmitted, retransmission timeouts, fast recoveries."""
+        out = self._in(self.ns_a, "nstat", "-az", "TcpRetransSegs", "TcpExtTCPTimeouts", "TcpExtTCPSackRecovery",
+                       "TcpExtTCPRenoRecovery", "TcpExtTCPLossProbes")
+        got = {}
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                got[parts[0]] = int(parts[1])
+        return got
 
     def close(self) -> None:
         if self.relay is not None and self.relay.poll() is None:
