@@ -3,9 +3,9 @@
 Builds its own network namespaces (veth + tbf + a TUN delay relay: testbed/linkbench), runs two
 gloo processes across them as the engine's stages send, and checks the shipped model's prediction
 (engine/pricing/link_profiles/gloo-tcp.json) within 15% per transfer at MoLink's 30 ms delay, at
-60 and 100 Mbps (at 200-400 Mbps transfers of 4 MB and more miss: Reno's loss recovery there varies
-from run to run; and after a second's idle the model restarts the window where Linux, its RTO
-stretched by the queue's RTT variance, kept it: docs/links.md).
+60 and 100 Mbps (at 200-400 Mbps, 4-16 MB transfers vary from run to run, so the model is checked
+against the mean of repeats there, in docs/links.md, not one run here; and after a second's idle the
+model restarts the window where Linux, its RTO stretched by the queue's RTT variance, kept it).
 Needs root and iproute2: where namespaces cannot be made the test fails with the command's error.
 """
 from __future__ import annotations
