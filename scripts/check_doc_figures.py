@@ -72,7 +72,7 @@ CHECKS = (
     Check("step1", "README.md", r"\((\d+)% of requests within TTFT 4 s and TPOT 0\.2 s", step1),
     Check("step2", "README.md", r"SLO attainment (\d+)% / (\d+)% / (\d+)% / (\d+)% for gLLM and (\d+)% / (\d+)% / "
           r"(\d+)% / (\d+)% for\s+Sarathi", step2),
-    Check("sizes", "docs/configuration.md", r"A `testbed run` folder of the main job holds ([\d.]+) MB: `trace.json`\s+"
+    Check("sizes", "docs/run-outputs.md", r"A `testbed run` folder of the main job holds ([\d.]+) MB: `trace.json`\s+"
           r"([\d.]+) MB \(sampled\), `requests.csv` ([\d.]+) MB, the two figures ([\d.]+) MB", folder_mb, 0.15),
 )
 
