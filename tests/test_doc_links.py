@@ -95,3 +95,39 @@ def test_code_names_docs_anchors_that_exist():
             if not dest.exists() or anchor not in anchors(dest):
                 bad.append(f"{path.relative_to(REPO)}: docs/{page}#{anchor}")
     assert not bad, "\n".join(bad)
+
+
+def test_every_page_renders_its_tables_and_headings():
+    """A split page must still render (issue 52): each table block (a `|` header line over a `|---|`
+    line) becomes one <table> whose rows have the header's cell count, each `#` heading outside code
+    becomes a heading, and no code fence is left open. Rendered by markdown-it (rich's, a dependency)."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark").enable("table")
+    bad = []
+    for page in pages():
+        text = page.read_text()
+        lines = prose(text)
+        lines = [ln.strip() for ln in lines]  # a table may sit indented in a list item
+        blocks = [i for i in range(len(lines) - 1) if lines[i].startswith("|")
+                  and re.match(r"^\|(\s*:?-{3,}:?\s*\|)+$", lines[i + 1])]
+        tokens = md.parse(text)
+        tables = [t for t in tokens if t.type == "table_open"]
+        headings = [t for t in tokens if t.type == "heading_open"]
+        name = page.relative_to(REPO)
+        if len(tables) != len(blocks):
+            bad.append(f"{name}: {len(blocks)} table blocks, {len(tables)} render as tables")
+        for i in blocks:
+            width = lines[i + 1].count("|") - 1
+            for j in range(i + 2, len(lines)):
+                row = re.sub(r"\\\|", "", lines[j])
+                if not row.startswith("|"):
+                    break
+                if row.count("|") - 1 != width:
+                    bad.append(f"{name}:{j + 1}: {row.count('|') - 1} cells under a {width}-column header")
+        expected = sum(1 for ln in prose(text) if re.match(r"#{1,6} ", ln))
+        if len(headings) != expected:
+            bad.append(f"{name}: {expected} heading lines, {len(headings)} render as headings")
+        if sum(1 for ln in text.splitlines() if FENCE.match(ln)) % 2:
+            bad.append(f"{name}: a code fence is left open")
+    assert not bad, "\n".join(bad)
