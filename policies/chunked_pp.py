@@ -1,5 +1,5 @@
 """Chunked pipeline prefill with dynamic chunk sizes (SGLang's chunked pipeline parallelism,
-2026-01; vLLM RFC #33914; docs/policies.md#chunked_pp).
+2026-01; vLLM RFC #33914; docs/policies-specialised.md#chunked_pp).
 
 A long prompt is cut into chunks that are in flight on different stages at once: chunk k+1 enters
 stage 0 while chunk k runs on stage 1 (`BatchBuilder.add_pipelined_prefill`). Sarathi never puts

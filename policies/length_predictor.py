@@ -1,4 +1,4 @@
-"""Output-length predictors for TD-Pipe's KV planning (ICPP'25; docs/policies.md#tdpipe), behind one interface.
+"""Output-length predictors for TD-Pipe's KV planning (ICPP'25; docs/policies-specialised.md#tdpipe), behind one interface.
 
 TD-Pipe gives every request a predicted output length and plans its prefill phase with the KV
 cache those lengths imply. Three predictors, chosen by `policy.predictor=...`:

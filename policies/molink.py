@@ -1,4 +1,4 @@
-"""MoLink: serving over slow links between stages (MoLink, 2025; docs/policies.md#molink).
+"""MoLink: serving over slow links between stages (MoLink, 2025; docs/policies-specialised.md#molink).
 
 Batching is vLLM V0's (separate prefill / decode micro-batches, one scheduler per "virtual
 engine"), with two MoLink additions:

@@ -1,4 +1,4 @@
-"""SiPipe: continuous batching on a CPU-assisted pipeline runtime (arXiv 2506.22033; docs/policies.md#sipipe).
+"""SiPipe: continuous batching on a CPU-assisted pipeline runtime (arXiv 2506.22033; docs/policies-specialised.md#sipipe).
 
 SiPipe changes the runtime, not the batching: its scheduler is continuous batching with chunked
 prefill (Sarathi-style hybrid micro-batches under a token budget) at batch size 512, and it asks

@@ -1,4 +1,4 @@
-"""TD-Pipe, temporally-disaggregated pipeline (ICPP'25; docs/policies.md#tdpipe): offline throughput.
+"""TD-Pipe, temporally-disaggregated pipeline (ICPP'25; docs/policies-specialised.md#tdpipe): offline throughput.
 
 The engine alternates long prefill-only phases and long decode-only phases, so that the P
 micro-batches in flight are alike (all prefill or all decode) and the pipeline has few bubbles.

@@ -7,12 +7,13 @@ figures and traces off: the simulated numbers are the same, byte for byte; issue
 A quoted percentage must equal the measured one rounded; a size in MB must be within 15%.
 Exit 1 when a page no longer quotes what it checks or a figure is off; `--only step2` runs one.
 
-    python scripts/check_doc_figures.py            # all: 27 s of CPU, 97 s at load ~25 (2026-11-27)
+    python scripts/check_doc_figures.py            # all: 27 s of CPU, 97 s at load ~25 (2026-11-27, 3 checks); 32 s of CPU, 8.1 min at load 26-30 with 5
     python scripts/check_doc_figures.py --only step1,sizes
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 import tempfile
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["output.mlflow=false", "output.plots=false", "output.progress=false", "output.trace=off"]
 
 
+@functools.lru_cache(maxsize=None)  # a run several checks quote is simulated once
 def summary(*overrides: str) -> dict:
     from testbed.config.spec import compose_spec
     from testbed.run.runner import run_experiment
@@ -32,7 +34,11 @@ def summary(*overrides: str) -> dict:
 
 
 def percent(x: float) -> str:
-    return f"{round(100 * x)}"
+    """Rounded half up, as a reader rounds: 0.085 (170 of 2,000 requests) is 9%, where Python's
+    round() gives 8 (half to even)."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    return str((Decimal(repr(x)) * 100).quantize(Decimal(1), rounding=ROUND_HALF_UP))
 
 
 def step1() -> list[str]:
@@ -42,6 +48,19 @@ def step1() -> list[str]:
 def step2() -> list[str]:
     return [percent(summary(f"policy={p}", "workload=azure", f"workload.rate={r}")["slo_attainment"])
             for p in ("gllm", "sarathi") for r in ("0.25", "0.5", "1", "1.5")]
+
+
+def main_job() -> list[str]:
+    """The main job's attainment (one decimal), mean TTFT and mean TPOT as docs/configuration.md quotes them."""
+    got = summary("policy=gllm", "workload=azure")
+    return [f"{100 * got['slo_attainment']:.1f}", f"{got['ttft_mean_s']:.1f}", f"{got['tpot_mean_s']:.2f}"]
+
+
+def step2_ttft() -> list[str]:
+    """gLLM's TTFT p99 range over step 2's four rates; Sarathi's at 1 and 1.5 req/s (past its knee)."""
+    gllm = [summary("policy=gllm", "workload=azure", f"workload.rate={r}")["ttft_p99_s"] for r in ("0.25", "0.5", "1", "1.5")]
+    sarathi = [summary("policy=sarathi", "workload=azure", f"workload.rate={r}")["ttft_p99_s"] for r in ("1", "1.5")]
+    return [f"{min(gllm):.1f}", f"{max(gllm):.1f}", *(f"{x:.0f}" for x in sarathi)]
 
 
 def folder_mb() -> list[str]:
@@ -72,7 +91,10 @@ CHECKS = (
     Check("step1", "README.md", r"\((\d+)% of requests within TTFT 4 s and TPOT 0\.2 s", step1),
     Check("step2", "README.md", r"SLO attainment (\d+)% / (\d+)% / (\d+)% / (\d+)% for gLLM and (\d+)% / (\d+)% / "
           r"(\d+)% / (\d+)% for\s+Sarathi", step2),
-    Check("sizes", "docs/configuration.md", r"A `testbed run` folder of the main job holds ([\d.]+) MB: `trace.json`\s+"
+    Check("step2_ttft", "README.md", r"\(TTFT p99 ([\d.]+)-([\d.]+) s for gLLM; (\d+) s and (\d+) s for Sarathi", step2_ttft),
+    Check("main_job", "docs/configuration.md", r"\(([\d.]+)% SLO attainment\s+on the run's 2,000 requests, mean TTFT ([\d.]+) s, "
+          r"mean TPOT ([\d.]+) s", main_job),
+    Check("sizes", "docs/run-outputs.md", r"A `testbed run` folder of the main job holds ([\d.]+) MB: `trace.json`\s+"
           r"([\d.]+) MB \(sampled\), `requests.csv` ([\d.]+) MB, the two figures ([\d.]+) MB", folder_mb, 0.15),
 )
 

@@ -2,7 +2,7 @@
 # chunked_pp's direction on the real engine (CPU, tiny-llama, P=2) beside the simulator on the same
 # machine's profile: dynamic chunks, fixed chunks and Sarathi, 12 prompts of 1,984 tokens at 0.5 req/s,
 # first chunk / token budget 1,024. Engine runs under `chrt -f 10` (root) so other processes'
-# load does not distort them; the load before and after each run is printed (docs/policies.md#chunked_pp).
+# load does not distort them; the load before and after each run is printed (docs/policies-specialised.md#chunked_pp).
 #   scripts/chunked_pp_engine.sh [OUT_DIR]     # default /tmp/chunked-pp-engine
 set -uo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Every policy on the real engine on CPU (tiny-llama, P=1 and P=2): the runs that
 # measurements/cpu-tiny-llama/ holds and measurements/cpu-tiny-llama/manifest.yaml splits into
-# fit / validation / test (docs/calibrate-runs.md#every-policy-on-the-engine).
+# fit / validation / test (docs/measurements/calibrate-runs.md#every-policy-on-the-engine-and-rank-agreement-cpu-2026-11-27).
 #   OUT=/some/dir bash scripts/engine_runs_cpu.sh      (about 40 minutes on 2 shared cores)
 # Every engine command runs under `chrt -f 10` (SCHED_FIFO: other tenants' processes do not preempt
 # the engine's; needs root or CAP_SYS_NICE, else it runs at normal priority and says so) and

@@ -289,7 +289,7 @@ def test_a_sampled_trace_is_refused_for_a_fit(tmp_path, capsys):
     assert "output.trace=full" in capsys.readouterr().err
 
 
-# ---- the shipped H100 measurements (measurements/h100-engine-1a5c8d9/, docs/calibrate-runs.md) ----
+# ---- the shipped H100 measurements (measurements/h100-engine-1a5c8d9/, docs/measurements/calibrate-runs.md) ----
 # The engine at main 1a5c8d9 (2026-11-25), profile h100-80g-torch-engine-1a5c8d9. The 2026-11-26
 # runs (profile h100-80g-torch-engine) were never committed and are lost: that profile is withdrawn.
 OLD_ENGINE = "h100-80g-torch-engine-1a5c8d9"
@@ -355,7 +355,7 @@ def test_copy_of_a_run_directory_is_enough(tmp_path):
 
 def test_decode_padding_prices_decodes_padded_to_the_longest():
     """The CPU engine's torch attention reads every decode up to the longest one's context
-    (docs/calibrate-runs.md, "The same on CPU"); `decode_padding` prices that, 0 changes nothing."""
+    (docs/measurements/calibrate-runs.md, "The same on CPU"); `decode_padding` prices that, 0 changes nothing."""
     from engine.core.batch import shape_of
 
     cpu = dataclasses.replace(get_hardware("a100-80g"), kernels=None, calibration={})

@@ -1,5 +1,5 @@
 """The data set behind a workload, as history for policies that learn from it (TD-Pipe's output-
-length predictor, policies/length_predictor.py; docs/policies.md#tdpipe).
+length predictor, policies/length_predictor.py; docs/policies-specialised.md#tdpipe).
 
 Here, not in policies/, because it reads workload files: the runner hands `history_for_run` to
 the controller (`Controller(history=...)`) and a policy asks `view.history(mode)`; `testbed

@@ -2,7 +2,7 @@
 
 `testbed calibrate runs` fits a hardware profile from these and `testbed validate --runs` replays
 them in the simulator, so nothing here runs the engine again. A run directory is what
-`testbed run executor=torch` writes (docs/configuration.md#what-a-run-leaves-behind):
+`testbed run executor=torch` writes (docs/run-outputs.md#what-a-run-leaves-behind):
 `config.yaml`, `requests.csv`, `microbatches.csv`, `summary.json` and, for a fit,
 `trace.json` written with `output.trace=full` (every micro-batch's spans; a sampled trace keeps
 one micro-batch in ten, which would fit the sampled ones only and is refused).

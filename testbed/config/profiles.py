@@ -14,7 +14,7 @@ from engine.pricing.hardware import HARDWARE, SHIPPED_DIR, HardwareSpec, registe
 
 HW_FIELDS = tuple(f.name for f in fields(HardwareSpec))
 # Profiles shipped with the repository (a measured GPU: `testbed profile ... --out engine/pricing/hardware_profiles`),
-# registered at start-up before the user's $TESTBED_PROFILE_DIR (docs/calibration.md#on-a-gpu-machine).
+# registered at start-up before the user's $TESTBED_PROFILE_DIR (docs/profiling.md#on-a-gpu-machine).
 SHIPPED_PROFILES_DIR = SHIPPED_DIR  # engine/pricing/hardware_profiles/
 
 
