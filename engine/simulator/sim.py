@@ -564,7 +564,7 @@ class SimSettings:
     def __post_init__(self) -> None:
         if self.num_cpu_samplers < 1:
             raise bad_value("executor.num_cpu_samplers", self.num_cpu_samplers, "must be >= 1")
-        self.sampling  # validates
+        _ = self.sampling  # validates the six settings (one `error:` line each)
 
     @property
     def sampling(self) -> SamplerSettings:
