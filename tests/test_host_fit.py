@@ -103,5 +103,27 @@ def test_cpu_sampling_is_priced_from_the_committed_measurement():
     assert {"date", "commit", "cpu", "torch", "command", "points"} <= set(rec)
     fit = rec["fit"]["top_p_top_k_penalties"]
     assert CostCoefficients().cpu_sample_per_token_vocab_s == pytest.approx(fit["cpu_sample_per_token_vocab_s"])
+    assert CostCoefficients().cpu_sample_per_row_s == pytest.approx(fit["cpu_sample_per_row_s"])
     greedy = rec["fit"]["greedy"]["cpu_sample_per_token_vocab_s"]
     assert fit["cpu_sample_per_token_vocab_s"] > 10 * greedy  # topk + penalties: a few passes more
+    assert fit["median_error"] < 0.1  # with the per-row term (20% without it)
+
+
+def test_the_cpu_sampler_fit_has_a_per_row_term_that_the_points_need(tmp_path):
+    """Refitting the stored points gives the stored fit; the per-row cost is what a row costs
+    whatever its vocabulary (32k and 152k rows of one setting share it)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    rec = json.loads((root / "engine/pricing/measured/cpu_sampler.json").read_text())
+    copy = tmp_path / "s.json"
+    copy.write_text(json.dumps(rec))
+    subprocess.run([sys.executable, str(root / "scripts/measure_cpu_sampler.py"), "--refit", str(copy)], check=True,
+                   capture_output=True)
+    again = json.loads(copy.read_text())["fit"]
+    for name, f in rec["fit"].items():
+        assert again[name]["cpu_sample_per_row_s"] == pytest.approx(f["cpu_sample_per_row_s"], rel=1e-6)
+    assert rec["fit"]["top_p_top_k_penalties"]["cpu_sample_per_row_s"] > 1e-5

@@ -61,16 +61,17 @@ class CostCoefficients:
     sample_per_token_vocab_s: float = 5e-11
     # CPU sampler (SiPipe): this project's sampler (engine/torch_exec/sampling.py) measured on one
     # core with SiPipe's settings (temperature, top-p, top-k and all three penalties on, a 512-token
-    # prompt a row): 2.0 ns per row x vocabulary entry, 40x its greedy path (topk, then top-p on
-    # the k candidates; penalties at the hit entries only). The form misses the points by 20%
-    # median, 36% at worst: a row also costs ~0.1 ms whatever the vocabulary (per-row seeded
-    # draw, hit gather), so 32k rows are underpriced and 152k rows slightly overpriced; at
-    # SiPipe's job size (128 rows x 128k) the measured 2.2 ns is 11% above it. Was 60 ns when the
-    # sampler sorted the whole vocabulary per row (7.7 ms a 152k row).
+    # prompt a row): 57 us a row (its seeded draw, the gather of its penalty hits) + 1.41 ns per row x
+    # vocabulary entry, 30x its greedy path per entry (topk, then top-p on the k candidates;
+    # penalties at the hit entries only). Median error 3.5%, 9.7% at worst over the 18 points; the
+    # form without the per-row term missed by 20% / 36% (32k rows underpriced). Was 60 ns an entry
+    # when the sampler sorted the whole vocabulary per row (7.7 ms a 152k row).
     # engine/pricing/measured/cpu_sampler.json (scripts/measure_cpu_sampler.py) has the points and
-    # provenance. The fixed part (a job's messages) is not measured: 200 us, hand-set.
+    # provenance. The fixed part (a job's messages) is not measured: 200 us, hand-set (the sampler
+    # call's own fixed part fits at 137 us).
     cpu_sample_fixed_s: float = 200e-6
-    cpu_sample_per_token_vocab_s: float = 1.9831846401423422e-09
+    cpu_sample_per_row_s: float = 5.697542711005174e-05
+    cpu_sample_per_token_vocab_s: float = 1.4074301729565028e-09
     # Extra per-hop cost of a transfer that is not structure-aware (size, metadata blob, then each
     # tensor). SiPipe measured 2-5 ms per hop; we take the low end, consistent with its 3-6%
     # end-to-end gain from structure-aware transmission.

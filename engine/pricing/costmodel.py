@@ -37,6 +37,7 @@ from engine.base.errors import ConfigError, ImpossibleFitError
 from engine.pricing.hardware import HardwareSpec
 from engine.pricing.launch_floor import use_launch_floor
 from engine.pricing.models import ModelSpec
+from engine.pricing.sampling_ops import REFERENCE, SamplerSettings, kernels_s
 
 __all__ = ["split_layers", "CostCoefficients", "BatchShape", "CostModel"]
 
@@ -475,13 +476,26 @@ class CostModel:
         return self.bottleneck_s(BatchShape.from_parts(parts))
 
     # ---- sampling and CPU work ------------------------------------------------------------
-    def sample_s(self, shape: BatchShape) -> float:
-        """GPU sampling on the last stage (0 when nothing samples)."""
+    def sample_s(self, shape: BatchShape, sampling: SamplerSettings | None = None) -> float:
+        """GPU sampling on the last stage (0 when nothing samples): the host tables' fit, which
+        measured temperature-1 random sampling, + what `sampling`'s kernels cost more or less
+        than that path's (engine/pricing/sampling_ops.py; None or the reference: the fit alone)."""
         rows = shape.num_sampled
         if not rows:
             return 0.0
         c = self.coefficients
-        return c.sample_fixed_s + c.sample_per_token_vocab_s * rows * self._vocab
+        t = c.sample_fixed_s + c.sample_per_token_vocab_s * rows * self._vocab
+        if sampling is None or sampling == REFERENCE:
+            return t
+        return max(0.0, t + self._sampling_kernels_s(sampling, rows) - self._sampling_kernels_s(REFERENCE, rows))
+
+    def _sampling_kernels_s(self, sampling: SamplerSettings, rows: int) -> float:
+        """vLLM's sampler kernels for `sampling` at the device's measured element-wise rates."""
+        from engine.pricing.kernels import KernelCoefficients
+
+        k = KernelCoefficients.from_mapping(self.hardware.kernels) if self.hardware.kernels else KernelCoefficients()
+        return kernels_s(sampling, rows, self._vocab, self.dtype_bytes, self.hardware.mem_bw_Bps,
+                         k.add_efficiency, k.norm_efficiency, k.elementwise_floor_s)
 
     def dispatch_s(self, shape: BatchShape) -> float:
         """Driver to stage 0: from the completion that freed the slot until stage 0 prepares
@@ -501,7 +515,8 @@ class CostModel:
         if not rows:
             return 0.0
         c = self.coefficients
-        return c.cpu_sample_fixed_s + c.cpu_sample_per_token_vocab_s * rows * self._vocab / max(1, workers)
+        per_row = c.cpu_sample_per_row_s + c.cpu_sample_per_token_vocab_s * self._vocab
+        return c.cpu_sample_fixed_s + per_row * rows / max(1, workers)
 
     def prep_s(self, shape: BatchShape) -> float:
         """CPU input preparation of one micro-batch on one stage."""

@@ -41,6 +41,7 @@ from engine.base.errors import bad_value
 from engine.core.executor import EXECUTORS, Completion, Executor, ExecutorBuild, ExecutorSpec
 from engine.core.policy import LinkState, PendingTransfer, Policy, RuntimeFeatures, Transfer
 from engine.core.trace import Tracer
+from engine.pricing.sampling_ops import SamplerSettings
 from engine.pricing.tcp_link import tcp_links
 
 STAGE_DONE, LINK_DONE, ARRIVE, PREP_DONE, SAMPLE_DONE, COMPLETE = range(6)
@@ -74,8 +75,10 @@ class SimExecutor(Executor):
                  link_bandwidth_Bps: float, link_latency_s: float,
                  transfer_scheduler: Callable[[LinkState, Seq[PendingTransfer]], Transfer] | None = None,
                  num_cpu_samplers: int = 4, tracer: Tracer | None = None, blocking_send: bool = False,
-                 event_driven: bool = False, link_model: str = "ideal") -> None:
+                 event_driven: bool = False, link_model: str = "ideal",
+                 sampling: SamplerSettings | None = None) -> None:
         self.cost = cost_model
+        self._sampling = sampling  # what GPU sampling is priced for (None: the host tables' path)
         self.pipeline_depth = P = cost_model.pp
         self.runtime = runtime
         self.bandwidth = float(link_bandwidth_Bps)
@@ -208,7 +211,7 @@ class SimExecutor(Executor):
         checks that no other field moves them). 1,461 distinct keys among the 44,919 micro-batches
         of the 5,000-request Sarathi benchmark, where every whole shape is distinct."""
         cost = self.cost
-        return (cost.prep_s(shape), cost.sample_s(shape), cost.activation_bytes(shape), cost.dispatch_s(shape),
+        return (cost.prep_s(shape), cost.sample_s(shape, self._sampling), cost.activation_bytes(shape), cost.dispatch_s(shape),
                 cost.return_s(shape))
 
     # --- stages ------------------------------------------------------------------------------------
@@ -548,10 +551,25 @@ class SimSettings:
     # serial. SiPipe at P=2 on the 2-core machine: the engine served 2,906-2,933 tok/s like sarathi
     # (2,478-2,990), the simulator with the overlap +19-20% (tiny-llama ShareGPT 100, load ~15).
     host_device: bool = False
+    # The sampling parameters GPU sampling is priced for (engine/pricing/sampling_ops.py; the names
+    # and off values of vLLM's SamplingParams and of `executor=torch`). The defaults are what the
+    # host tables measured (temperature 1, nothing else), priced by their fit alone.
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_cpu_samplers < 1:
             raise bad_value("executor.num_cpu_samplers", self.num_cpu_samplers, "must be >= 1")
+        _ = self.sampling  # validates the six settings (one `error:` line each)
+
+    @property
+    def sampling(self) -> SamplerSettings:
+        return SamplerSettings(self.temperature, self.top_k, self.top_p, self.repetition_penalty,
+                               self.presence_penalty, self.frequency_penalty)
 
 
 def _make_sim(settings: SimSettings, build: ExecutorBuild) -> SimExecutor:
@@ -563,7 +581,8 @@ def _make_sim(settings: SimSettings, build: ExecutorBuild) -> SimExecutor:
                        link_latency_s=build.link.latency_s,
                        transfer_scheduler=build.policy.schedule_transfer if custom else None,
                        num_cpu_samplers=settings.num_cpu_samplers, tracer=build.tracer,
-                       blocking_send=settings.blocking_send, link_model=build.link.model)
+                       blocking_send=settings.blocking_send, link_model=build.link.model,
+                       sampling=settings.sampling)
 
 
 EXECUTORS.add("sim", ExecutorSpec(SimSettings, _make_sim))

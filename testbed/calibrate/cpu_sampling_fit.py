@@ -42,4 +42,5 @@ def fit_cpu_sampling(samples: list[tuple[int, int, float]], vocab: int, return_s
         return {}
     fixed, per = _nnls([[1.0] * len(samples), [rows * vocab / w for rows, w, _ in samples]],
                        [max(0.0, t - return_s) for _, _, t in samples], relative=False)
-    return {"cpu_sample_fixed_s": float(fixed), "cpu_sample_per_token_vocab_s": float(per)}
+    # the form has no per-row term: the default's (measured on the sampler alone) is zeroed, not added
+    return {"cpu_sample_fixed_s": float(fixed), "cpu_sample_per_row_s": 0.0, "cpu_sample_per_token_vocab_s": float(per)}
