@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from engine.core.kv import BlockManager  # noqa: E402
 from engine.pricing.models import get_model  # noqa: E402
-from engine.torch_exec.checkpoint import random_checkpoint, read_arch  # noqa: E402
+from engine.torch_exec.weights.checkpoint import random_checkpoint, read_arch  # noqa: E402
 from engine.torch_exec.model import StageModel  # noqa: E402
 from engine.torch_exec.kernels.paged_attention import HAVE_TRITON  # noqa: E402
 

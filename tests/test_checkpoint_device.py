@@ -1,4 +1,4 @@
-"""Random table models built in memory (the CUDA path of engine/torch_exec/checkpoint.py), checked
+"""Random table models built in memory (the CUDA path of engine/torch_exec/weights/checkpoint.py), checked
 on CPU with tiny models: the disk checkpoint's names and shapes, deterministic values, one value
 per tensor whatever the stage split, and a split pipeline computing what the whole model does."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from engine.base.errors import ConfigError  # noqa: E402
 from engine.pricing.models import get_model  # noqa: E402
-from engine.torch_exec.checkpoint import (EMBED, LM_HEAD, check_device_fit, random_checkpoint,  # noqa: E402
+from engine.torch_exec.weights.checkpoint import (EMBED, LM_HEAD, check_device_fit, random_checkpoint,  # noqa: E402
                                           random_tensors, read_arch, spec_arch, stage_tensor_names, tensor_files)
 from engine.torch_exec.wire import DecodeRow, PrefillChunk  # noqa: E402
 

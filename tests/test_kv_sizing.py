@@ -125,7 +125,7 @@ def test_stage_devices_and_backend():
 def test_the_warmup_batch_runs_on_a_stage_with_its_pool():
     torch = pytest.importorskip("torch")
     from engine.pricing.models import get_model
-    from engine.torch_exec.checkpoint import random_tensors, spec_arch, stage_tensor_names
+    from engine.torch_exec.weights.checkpoint import random_tensors, spec_arch, stage_tensor_names
     from engine.torch_exec.kv_sizing import warmup_batch
     from engine.torch_exec.model import StageModel
 
@@ -195,7 +195,7 @@ def test_profile_run_warms_up_probes_and_releases_the_warmup_pool(monkeypatch):
 
     from engine.pricing.models import get_model
     from engine.torch_exec import profile_run
-    from engine.torch_exec.checkpoint import random_tensors, spec_arch, stage_tensor_names
+    from engine.torch_exec.weights.checkpoint import random_tensors, spec_arch, stage_tensor_names
     from engine.torch_exec.model import StageModel
 
     calls = []

@@ -79,13 +79,13 @@ def tiny(model_cache):
     pytest.importorskip("transformers")
     pytest.importorskip("triton")
     from engine.pricing.models import get_model
-    from engine.torch_exec.checkpoint import random_checkpoint
+    from engine.torch_exec.weights.checkpoint import random_checkpoint
 
     return random_checkpoint(get_model("tiny-llama"), 0, model_cache)
 
 
 def _stage(path, split, fused=False, device=DEV):
-    from engine.torch_exec.checkpoint import read_arch
+    from engine.torch_exec.weights.checkpoint import read_arch
     from engine.torch_exec.model import StageModel
 
     first_layer, n, first, last = split
@@ -168,7 +168,7 @@ def test_piece_replays_equal_the_pieces_run_eagerly(tiny, dtype):
     """Bit for bit: replaying the captured pieces and running the same pieces without graphs
     (same buffers, same shapes, same kernels), for a mixed batch and a prefill; all buckets
     captured at configure."""
-    from engine.torch_exec.checkpoint import read_arch
+    from engine.torch_exec.weights.checkpoint import read_arch
     from engine.torch_exec.model import StageModel
 
     m = StageModel(read_arch(tiny), 0, 8, True, True, 256, 4, dtype=dtype, device="cuda", attention="triton")

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from engine.core.kv import BlockManager  # noqa: E402
 from engine.pricing.models import get_model  # noqa: E402
-from engine.torch_exec.checkpoint import read_arch, random_checkpoint, stage_tensor_names  # noqa: E402
+from engine.torch_exec.weights.checkpoint import read_arch, random_checkpoint, stage_tensor_names  # noqa: E402
 from engine.torch_exec.model import StageModel  # noqa: E402
 from engine.torch_exec.sampling import sample  # noqa: E402
 
@@ -165,7 +165,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(ckpts, tmp_path):
 
 def test_model_source_resolution(ckpts, tmp_path):
     from engine.base.errors import ConfigError
-    from engine.torch_exec.checkpoint import model_source
+    from engine.torch_exec.weights.checkpoint import model_source
     from engine.torch_exec.settings import TorchSettings
 
     path = ckpts["tiny-qwen2"]

@@ -226,7 +226,7 @@ from engine.core.kv import BlockManager  # noqa: E402
 from engine.pricing.models import get_model  # noqa: E402
 from engine.core.policy import POLICIES, RuntimeFeatures  # noqa: E402
 from engine.core.trace import Tracer  # noqa: E402
-from engine.torch_exec.checkpoint import random_checkpoint  # noqa: E402
+from engine.torch_exec.weights.checkpoint import random_checkpoint  # noqa: E402
 from engine.torch_exec.settings import TorchSettings  # noqa: E402
 from test_torch_engine import _alive, _hf_greedy, _requests  # noqa: E402
 

@@ -273,7 +273,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
     def _load_model(self) -> tuple[int, int]:
         """The checkpoint (a table model is written once with random weights), its layer split,
         and the KV pool's size check; returns (num_blocks, block_size)."""
-        from engine.torch_exec.checkpoint import (check_kv_memory, check_random_fits, model_source,
+        from engine.torch_exec.weights.checkpoint import (check_kv_memory, check_random_fits, model_source,
                                                   random_checkpoint, read_arch, spec_arch)
 
         st = self.settings

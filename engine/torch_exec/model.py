@@ -55,7 +55,7 @@ from engine.torch_exec.tensors.batch_inputs import BatchInputs, DecodeGroup
 from engine.torch_exec.tensors.inputs import ARRAYS, HostBatch, host_batch, pack, packed_size, pad_rows
 from engine.torch_exec.graphs.piecewise import pad_tokens
 from engine.pricing.models import ModelSpec
-from engine.torch_exec.checkpoint import EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
+from engine.torch_exec.weights.checkpoint import EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
 from engine.torch_exec.kernels import fused
 from engine.torch_exec.kernels.fused import rms_norm, rope
 

@@ -88,7 +88,7 @@ class LaunchRows:
     def prompt(self, request) -> list[int]:
         ids = self.prompts.get(request.request_id)
         if ids is None:
-            from engine.torch_exec.checkpoint import prompt_ids
+            from engine.torch_exec.weights.checkpoint import prompt_ids
 
             ids = self.prompts[request.request_id] = prompt_ids(request, self.vocab, self.prompt_seed)
         return ids

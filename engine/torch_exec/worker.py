@@ -279,7 +279,7 @@ class _Stage(LinkedStage):
         if init.path:
             self.model.load(init.path)
         else:  # a table model on the GPU: this stage's random tensors, built in place
-            from engine.torch_exec.checkpoint import random_tensors, stage_tensor_names
+            from engine.torch_exec.weights.checkpoint import random_tensors, stage_tensor_names
 
             names = stage_tensor_names(arch, first_layer, n_layers, self.first, self.last)
             self.model.set_weights(random_tensors(arch, names, init.model_seed, self.model.dtype, self.device))

@@ -23,7 +23,7 @@ request has its tokens (what static batching costs); throughput counts only the 
 request asked for. It runs with `pp * threads_per_stage` torch threads (the same cores as the
 pipeline) unless `--hf-threads` says otherwise.
 
-Prompt ids are the engine's deterministic ids (engine/torch_exec/checkpoint.py): a random model
+Prompt ids are the engine's deterministic ids (engine/torch_exec/weights/checkpoint.py): a random model
 has no tokenizer, and ShareGPT here supplies the lengths.
 """
 from __future__ import annotations
@@ -169,7 +169,7 @@ def run_hf(requests, args, path: str, threads: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.torch_exec.checkpoint import prompt_ids, read_arch
+    from engine.torch_exec.weights.checkpoint import prompt_ids, read_arch
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> dict:
     import policies  # noqa: F401
     from engine.pricing.models import get_model
     from engine.core.policy import POLICIES
-    from engine.torch_exec.checkpoint import random_checkpoint
+    from engine.torch_exec.weights.checkpoint import random_checkpoint
 
     names = args.policies or POLICIES.names()
     params = _policy_params(args, names)
