@@ -14,7 +14,7 @@ from engine.base.errors import ConfigError  # noqa: E402
 from engine.pricing.models import get_model  # noqa: E402
 from engine.torch_exec.weights.checkpoint import (EMBED, LM_HEAD, check_device_fit, random_checkpoint,  # noqa: E402
                                           random_tensors, read_arch, spec_arch, stage_tensor_names, tensor_files)
-from engine.torch_exec.wire import DecodeRow, PrefillChunk  # noqa: E402
+from engine.torch_exec.wire.messages import DecodeRow, PrefillChunk  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 
 from engine.base.errors import ConfigError
 from engine.core.kv import BlockManager
-from engine.torch_exec import wire
+from engine.torch_exec.wire import messages as wire
 from engine.torch_exec.kv_sizing import (DEFAULT_PROFILE_TOKENS, StageMemory, block_bytes, pool_size,
                                          profile_tokens, warmup_shape)
 from engine.torch_exec.settings import TorchSettings

@@ -19,7 +19,7 @@ import time
 import msgpack
 import pytest
 
-from engine.torch_exec import wire
+from engine.torch_exec.wire import messages as wire
 
 # --- the codec -------------------------------------------------------------------------------------------
 SECRET = bytes(range(32))
@@ -204,7 +204,7 @@ def test_binding_off_loopback_warns_with_the_port(caplog):
     from engine.torch_exec.control import ControlSocket
 
     codec = wire.Codec(SECRET)
-    with caplog.at_level("WARNING", logger="engine.torch_exec.control"):
+    with caplog.at_level("WARNING", logger="engine.torch_exec.wire.addresses"):
         quiet = ControlSocket(codec, "127.0.0.1")
         assert quiet.address.startswith("tcp://127.0.0.1:") and not caplog.records
         loud = ControlSocket(codec, "0.0.0.0")
@@ -258,7 +258,7 @@ def _run(requests, cache, progress, *, pp=2, runtime=RuntimeFeatures(), **settin
 ATTACKER = textwrap.dedent("""
     import os, pickle, sys, zmq
     sys.path.insert(0, os.getcwd())
-    from engine.torch_exec import wire
+    from engine.torch_exec.wire import messages as wire
 
     class Touch:
         def __reduce__(self):

@@ -7,7 +7,7 @@ Architecture
 ------------
     driver process: Controller + Policy + TorchExecutor (engine/torch_exec/driver.py)
         | ZeroMQ ROUTER (engine/torch_exec/control.py) <-> one DEALER per stage: typed,
-        | authenticated messages (wire.py): micro-batch metadata out (the same to every stage),
+        | authenticated messages (wire/messages.py): micro-batch metadata out (the same to every stage),
         | sampled token ids and per-stage spans back, errors with tracebacks back
     stage 0 --torch.distributed send/recv (gloo on CPU, NCCL on GPUs)--> stage 1 --> ... stage P-1
         each stage process (engine/torch_exec/worker.py) holds its slice of decoder layers
@@ -33,7 +33,7 @@ host, and start the stages by hand:
 (`TESTBED_STAGE_SECRET_FILE=<file holding the hex>` works too.) `master_addr`/`master_port` play
 MASTER_ADDR/MASTER_PORT's role: stage 0 hosts the torch.distributed TCP store there, bound to that
 address only, and the other stages join it. Every control message is a typed msgpack frame
-authenticated with an HMAC of the run secret (engine/torch_exec/wire.py), checked before it is
+authenticated with an HMAC of the run secret (engine/torch_exec/wire/messages.py), checked before it is
 parsed; frames without it are dropped and counted, so a port scanner or a stray client cannot
 run code or break the run. Binding a socket off loopback logs a warning naming its port. The
 driver cannot watch external processes, so a dead external stage is reported by the

@@ -4,7 +4,7 @@ Sampler k owns the rows of sequences with seq_id % n == k, so each sequence's pe
 in exactly one process and is updated in place there (engine/torch_exec/sampling.py `Sampler`).
 The last stage (`SamplerPool`, below) sends each sampler only its rows of a micro-batch's logits:
 an authenticated `SampleJob` (row indices, keys, the prefill tokens the penalty state needs,
-dtype and shape; engine/torch_exec/wire.py) followed by the rows' raw bytes in a second frame of
+dtype and shape; engine/torch_exec/wire/messages.py) followed by the rows' raw bytes in a second frame of
 the same ZeroMQ message, over a ROUTER the stage binds on 127.0.0.1 (the samplers always run on
 the stage's machine). Only samplers that said an authentic `SamplerHello` get jobs. Each sampler
 returns its token ids straight to the driver over its own DEALER (`Sampled`); the driver merges
@@ -18,7 +18,7 @@ import os
 import signal
 import time
 
-import engine.torch_exec.wire as wire
+import engine.torch_exec.wire.messages as wire
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
 
 DTYPES = ("float32",)  # what the stage sends (logits upcast once)

@@ -1,11 +1,11 @@
 """The driver side of the real engine: `TorchExecutor`, the `Executor` the controller drives.
 
 It lives in the controller's process and never touches a tensor: `launch(mb)` turns a
-micro-batch into plain metadata (engine/torch_exec/tables.py `LaunchRows`: per prefill chunk its
+micro-batch into plain metadata (engine/torch_exec/wire/tables.py `LaunchRows`: per prefill chunk its
 token ids, per decode its last token, block tables as deltas against what the stages hold) and
-sends the same `Launch` message to every stage: over the stage's own socketpair (lane.py) for
+sends the same `Launch` message to every stage: over the stage's own socketpair (wire/lane.py) for
 spawned stages once they are ready, else over one ZeroMQ ROUTER socket. Every frame is a typed
-msgpack message behind an HMAC of the run's secret (engine/torch_exec/wire.py); frames that fail
+msgpack message behind an HMAC of the run's secret (engine/torch_exec/wire/messages.py); frames that fail
 the check -- a port scanner, a stray client, a pickle -- are dropped, logged and counted in
 `dropped_frames`, never decoded further. The last stage answers with the sampled ids; every stage
 ships its spans per micro-batch, which the driver records in the run's Tracer on tracks
@@ -51,12 +51,13 @@ from engine.base.errors import ConfigError
 from engine.core.executor import Completion, Executor, ExecutorBuild
 from engine.base.settings import RunConfig
 from engine.torch_exec.settings import TorchSettings
-import engine.torch_exec.wire as wire
-from engine.torch_exec.control import ControlSocket, check_host, free_port, warn_exposed
+import engine.torch_exec.wire.messages as wire
+from engine.torch_exec.control import ControlSocket
+from engine.torch_exec.wire.addresses import check_host, free_port, warn_exposed
 from engine.torch_exec.diagnosis import FailureDiagnosis
-from engine.torch_exec.lane import POLL_SLICE_S, DriverLanes, Lane, LaneClosed
+from engine.torch_exec.wire.lane import POLL_SLICE_S, DriverLanes, Lane, LaneClosed
 from engine.torch_exec.stage_processes import start_stage
-from engine.torch_exec.tables import LaunchRows
+from engine.torch_exec.wire.tables import LaunchRows
 from engine.core.trace import Tracer
 
 STOP_GRACE_S = 5.0
@@ -91,7 +92,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self.kv: Any = None
         self.block_table: Callable[[int], list[int]] | None = None
         self._live: Callable[[int], bool] = lambda seq_id: False  # does the run still hold its blocks?
-        self._rows: LaunchRows | None = None  # a launch's rows, tables as deltas (tables.py); set at start
+        self._rows: LaunchRows | None = None  # a launch's rows, tables as deltas (wire/tables.py); set at start
         self.stage_info: list[dict] = []
         self.model_path: str | None = None
         self.arch: Any = None
@@ -101,7 +102,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self.measure_kv = settings.device == "cuda" and self.run_config.kv.num_blocks is None
         self.kv_pool = None  # the sizing (kv_sizing.PoolSize) when measured
         self._procs: list[Any] = []
-        self._lanes = DriverLanes()  # spawned stages' socketpairs (lane.py), used from Ready on
+        self._lanes = DriverLanes()  # spawned stages' socketpairs (wire/lane.py), used from Ready on
         self._ctl: ControlSocket | None = None
         self._sock = None
         self._poller = None
@@ -183,7 +184,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
                 if deadline is not None and now - self._t0 >= deadline:
                     return None
                 self._fail(self._hang_message())
-            self._poll(min(wait, POLL_SLICE_S))  # short polls: a long sleeper wakes late (lane.py)
+            self._poll(min(wait, POLL_SLICE_S))  # short polls: a long sleeper wakes late (wire/lane.py)
 
     def wait_until(self, t: float) -> None:
         """Idle until the run clock reads `t`, still watching the stages."""

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import time
 
-import engine.torch_exec.wire as wire
-from engine.torch_exec.lane import Stopped
-from engine.torch_exec.tables import StageLaunch
+import engine.torch_exec.wire.messages as wire
+from engine.torch_exec.wire.lane import Stopped
+from engine.torch_exec.wire.tables import StageLaunch
 from engine.torch_exec.orphan import IDLE_POLL_S, parent_gone
-from engine.torch_exec.wire import SpanRec
+from engine.torch_exec.wire.messages import SpanRec
 
 
 class LinkedStage:

@@ -7,7 +7,7 @@ import socket
 
 import torch
 
-import engine.torch_exec.wire as wire
+import engine.torch_exec.wire.messages as wire
 from engine.torch_exec.kv_sizing import block_bytes, warmup_batch
 
 

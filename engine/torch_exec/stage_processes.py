@@ -40,7 +40,7 @@ def stage_context(method: str) -> Any:
 
 def start_stage(method: str, driver_addr: str, stage: int, secret: bytes, run_id: str, lane=None) -> Any:
     """Start stage `stage` of this driver's run (a daemon: it ends with the driver's process);
-    the started `Process`. `lane`: the child's end of its socketpair to the driver (lane.py)."""
+    the started `Process`. `lane`: the child's end of its socketpair to the driver (wire/lane.py)."""
     from engine.torch_exec.worker import stage_main
 
     ctx = stage_context(method)

@@ -256,7 +256,7 @@ class LinkReceiver:
 
     A complete micro-batch's (buffer, ready time, metadata shape) goes to `done[mb_id]`, and its id
     is pushed through `notify` (a zmq inproc PAIR socket the stage's main loop polls). The metadata
-    blob is an authenticated `TensorMeta` (engine/torch_exec/wire.py), read by `read_meta`.
+    blob is an authenticated `TensorMeta` (engine/torch_exec/wire/messages.py), read by `read_meta`.
     """
 
     def __init__(self, dist, src: int, device: str, chunk_bytes: int, notify_addr: str, zctx,

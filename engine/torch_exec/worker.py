@@ -4,13 +4,13 @@ Lifecycle (all waits bounded): connect a DEALER socket (identity `stage<s>`) to 
 ROUTER and say `Hello`; receive `StageInit` (checkpoint, layer range, KV pool size, rendezvous,
 sampling); load this stage's tensors; join the process group (world = the P stages; the driver
 is not a member; engine/torch_exec/rendezvous.py); say `Ready`; from then on a spawned stage
-talks to the driver over its own socketpair (lane.py; external stages stay on ZeroMQ); answer
+talks to the driver over its own socketpair (wire/lane.py; external stages stay on ZeroMQ); answer
 `Ping`s with this process's clock; then serve `Launch` messages in order until `Stop`. Every message is a typed,
-HMAC-authenticated msgpack frame (engine/torch_exec/wire.py); a frame that fails the check is
+HMAC-authenticated msgpack frame (engine/torch_exec/wire/messages.py); a frame that fails the check is
 dropped and logged, never decoded.
 
 Launches carry block tables as deltas; each is resolved into whole tables when it arrives
-(tables.py). Per micro-batch, stage s: wait for its metadata (span `wait`), build index tensors (`prepare`),
+(wire/tables.py). Per micro-batch, stage s: wait for its metadata (span `wait`), build index tensors (`prepare`),
 stage > 0 receives the previous stage's hidden states (`recv`), runs its layers (`forward:<kind>`),
 then either posts an asynchronous send to stage s+1 (`send`; a send still pending from the
 previous micro-batch is awaited first, `send_wait`) or, on the last stage, samples (`sample`)
@@ -29,7 +29,7 @@ Any exception is reported to the driver as `StageError` with its traceback, then
 exits. Spawned stages die with the driver (orphan.py: PR_SET_PDEATHSIG, a parent check while
 idle), stages started by hand within seconds of losing it (driver_watch.py); both ignore SIGINT.
 
-Run by hand for multi-machine pipelines (executor.launch=external; secret: wire.py):
+Run by hand for multi-machine pipelines (executor.launch=external; secret: wire/messages.py):
     python -m engine.torch_exec.worker --driver tcp://<driver host>:<zmq_port> --stage <s>
 """
 from __future__ import annotations
@@ -44,15 +44,14 @@ import time
 import traceback
 from collections import deque
 
-import engine.torch_exec.wire as wire
-from engine.torch_exec.diagnosis import REPORTED_EXIT
+import engine.torch_exec.wire.messages as wire
 from engine.torch_exec.linked import LinkedStage
-from engine.torch_exec.lane import ACTIVE_WINDOW_S, POLL_SLICE_S, Lane, LaneClosed, StageLine, Stopped
+from engine.torch_exec.wire.lane import ACTIVE_WINDOW_S, POLL_SLICE_S, Lane, LaneClosed, StageLine, Stopped
 from engine.torch_exec.driver_watch import WAIT_DRIVER_S, wait_for_driver, watch_driver
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
-from engine.torch_exec.tables import StageLaunch, StageTables
+from engine.torch_exec.wire.tables import StageLaunch, StageTables
 from engine.torch_exec.timing import timer_for
-from engine.torch_exec.wire import SpanRec
+from engine.torch_exec.wire.messages import SpanRec
 
 CONTROL = (wire.StageInit, wire.KvPool, wire.Launch, wire.Ping, wire.Stop)  # what the driver may send a stage
 log = logging.getLogger(__name__)
@@ -61,7 +60,7 @@ log = logging.getLogger(__name__)
 def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secret: bytes | None = None,
                run: str = "", lane=None, wait_driver_s: float = WAIT_DRIVER_S) -> None:
     """Entry point of a stage process (spawned by the driver, or run by hand: then `wait_driver_s`).
-    `lane`: a spawned stage's end of its socketpair to the driver (lane.py), used from `Ready` on."""
+    `lane`: a spawned stage's end of its socketpair to the driver (wire/lane.py), used from `Ready` on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
     secret = secret or wire.secret_from_env()
@@ -87,7 +86,7 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
     except Stopped:
         pass
     except BaseException as exc:  # report, then exit non-zero
-        code = REPORTED_EXIT
+        code = wire.REPORTED_EXIT
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
         if parent_pid is None:  # started by hand: its own terminal is where it is read
             print(f"stage {stage}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -154,7 +153,7 @@ class _Stage(LinkedStage):
 
     def recv(self, timeout_s: float | None):
         """Next driver message; raises if the driver vanished or `timeout_s` passed. Right after a
-        micro-batch it waits in `POLL_SLICE_S` slices (lane.py: a long sleeper wakes late on a
+        micro-batch it waits in `POLL_SLICE_S` slices (wire/lane.py: a long sleeper wakes late on a
         loaded machine), later in `IDLE_POLL_S` ones."""
         since = checked = time.perf_counter()
         while True:

@@ -24,7 +24,7 @@ from datetime import timedelta
 META_BYTES = 96
 # The endpoints run SCHED_FIFO: they block on the link most of the time, and on a loaded machine a
 # sender or receiver waiting for a CPU shows up as link time (seen: 8 KB in 30-64 ms at load 14).
-RT_PRIORITY = 20  # an authenticated TensorMeta blob of a 2-D activation (wire.py), about this size
+RT_PRIORITY = 20  # an authenticated TensorMeta blob of a 2-D activation (wire/messages.py), about this size
 
 
 def run(rank: int, master: str, port: int, plan: list[dict]) -> list[float]:

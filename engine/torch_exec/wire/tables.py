@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.batch import MicroBatch
-import engine.torch_exec.wire as wire
+import engine.torch_exec.wire.messages as wire
 
 
 class DriverTables:
