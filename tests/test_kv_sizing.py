@@ -1,4 +1,4 @@
-"""Sizing the KV pool from measured GPU memory (engine/torch_exec/kv_sizing.py), the stages'
+"""Sizing the KV pool from measured GPU memory (engine/torch_exec/shared/kv_sizing.py), the stages'
 device assignment and data-plane backend (engine/torch_exec/transfer.py), the dtype default,
 and the handshake messages -- all pure logic, checked on CPU with fake memory figures."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from engine.base.errors import ConfigError
 from engine.core.kv import BlockManager
 from engine.torch_exec.wire import messages as wire
-from engine.torch_exec.kv_sizing import (DEFAULT_PROFILE_TOKENS, StageMemory, block_bytes, pool_size,
+from engine.torch_exec.shared.kv_sizing import (DEFAULT_PROFILE_TOKENS, StageMemory, block_bytes, pool_size,
                                          profile_tokens, warmup_shape)
 from engine.torch_exec.settings import TorchSettings
 
@@ -107,7 +107,7 @@ def test_handshake_messages_round_trip():
 
 def test_stage_devices_and_backend():
     pytest.importorskip("torch")
-    from engine.torch_exec.transfer import data_backend, stage_device
+    from engine.torch_exec.shared.placement import data_backend, stage_device
 
     assert [stage_device(s, 4) for s in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert [stage_device(s, 2) for s in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
@@ -126,7 +126,7 @@ def test_the_warmup_batch_runs_on_a_stage_with_its_pool():
     torch = pytest.importorskip("torch")
     from engine.pricing.models import get_model
     from engine.torch_exec.weights.checkpoint import random_tensors, spec_arch, stage_tensor_names
-    from engine.torch_exec.kv_sizing import warmup_batch
+    from engine.torch_exec.shared.kv_sizing import warmup_batch
     from engine.torch_exec.model import StageModel
 
     arch = spec_arch(get_model("tiny-llama"))

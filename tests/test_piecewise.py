@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 from engine.torch_exec.tensors.inputs import host_batch  # noqa: E402
 from engine.torch_exec.graphs.piecewise import pad_tokens, piece_sizes, token_bucket  # noqa: E402
-from engine.torch_exec.kv_sizing import stage_sizes  # noqa: E402
+from engine.torch_exec.shared.kv_sizing import stage_sizes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -20,7 +20,7 @@ a paced link that is still moving bytes (its sender reports `moved_bytes`) count
 
 Start-up: Hello from every stage, then one StageInit each, then Ready. On CUDA with
 `kv.num_blocks` unset the StageInit says num_blocks=0 and two rounds of KvProbe / KvPool come
-in between: the stages' measured memory gives one pool size for all (engine/torch_exec/kv_sizing.py),
+in between: the stages' measured memory gives one pool size for all (engine/torch_exec/shared/kv_sizing.py),
 which the controller's block manager takes before any block is handed out.
 
 Listening sockets: the control socket binds `executor.zmq_host` (127.0.0.1 unless the user names
@@ -98,7 +98,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self.arch: Any = None
         self.layers: list[tuple[int, int]] = []
         # CUDA without kv.num_blocks: the pool is sized from the stages' measured memory at start
-        # (engine/torch_exec/kv_sizing.py); the runner's block manager is resized then
+        # (engine/torch_exec/shared/kv_sizing.py); the runner's block manager is resized then
         self.measure_kv = settings.device == "cuda" and self.run_config.kv.num_blocks is None
         self.kv_pool = None  # the sizing (kv_sizing.PoolSize) when measured
         self._procs: list[Any] = []
@@ -302,12 +302,12 @@ class TorchExecutor(FailureDiagnosis, Executor):
         return num_blocks, block_size
 
     def _size_pool(self, deadline: float) -> None:
-        """The KV pool from the stages' measured memory (engine/torch_exec/kv_sizing.py): a first
+        """The KV pool from the stages' measured memory (engine/torch_exec/shared/kv_sizing.py): a first
         round of probes means every stage has loaded and warmed up; the second, asked for then,
         reads a quiescent device. The controller's block manager takes the size before any block
         is handed out."""
         from engine.base.settings import MAX_KV_BLOCKS
-        from engine.torch_exec.kv_sizing import StageMemory, pool_size
+        from engine.torch_exec.shared.kv_sizing import StageMemory, pool_size
 
         self._gather(wire.KvProbe, deadline)
         for s in range(self.pipeline_depth):
@@ -349,7 +349,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         st = self.settings
         if st.device != "cuda":
             return st.backend if st.backend != "auto" else "gloo"
-        from engine.torch_exec.transfer import data_backend
+        from engine.torch_exec.shared.placement import data_backend
 
         return data_backend(st.backend, st.device, self.pipeline_depth, self._device_count(), st.launch)
 
@@ -360,7 +360,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
         return torch.cuda.device_count()
 
     def _init_message(self, addr: str, num_blocks: int, block_size: int) -> wire.StageInit:
-        from engine.torch_exec.kv_sizing import profile_tokens
+        from engine.torch_exec.shared.kv_sizing import profile_tokens
 
         st, rt = self.settings, self.runtime
         master_port = st.master_port or free_port(st.master_addr)
@@ -590,7 +590,7 @@ def make_torch_executor(settings: TorchSettings, build: ExecutorBuild) -> TorchE
     rc = build.run_config
     pp = build.cost_model.pp if build.cost_model is not None else rc.parallel.pp
     if settings.device == "cuda" and settings.backend == "nccl" and settings.launch == "spawn":
-        from engine.torch_exec.transfer import data_backend
+        from engine.torch_exec.shared.placement import data_backend
 
         data_backend(settings.backend, settings.device, pp, TorchExecutor._device_count())  # refuses shared GPUs
     split = rc.parallel.layer_split

@@ -16,7 +16,7 @@ then either posts an asynchronous send to stage s+1 (`send`; a send still pendin
 previous micro-batch is awaited first, `send_wait`) or, on the last stage, samples (`sample`)
 and returns the token ids. Spans carry this process's `time.perf_counter()` (CLOCK_MONOTONIC on
 Linux, shared by every process of one machine); the driver maps them onto the run's clock. On a
-GPU, prepare/recv/forward/sample end at their CUDA events' elapsed time (timing.py), and when
+GPU, prepare/recv/forward/sample end at their CUDA events' elapsed time (shared/timing.py), and when
 the next launch is already there its inputs are built while the forward runs (`prepare_ahead`,
 before the forward's end event is waited on).
 `wait`, `recv` and `send_wait` are idle time (the stage waits on someone else) and are not
@@ -50,7 +50,7 @@ from engine.torch_exec.wire.lane import ACTIVE_WINDOW_S, POLL_SLICE_S, Lane, Lan
 from engine.torch_exec.driver_watch import WAIT_DRIVER_S, wait_for_driver, watch_driver
 from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
 from engine.torch_exec.wire.tables import StageLaunch, StageTables
-from engine.torch_exec.timing import timer_for
+from engine.torch_exec.shared.timing import timer_for
 from engine.torch_exec.wire.messages import SpanRec
 
 CONTROL = (wire.StageInit, wire.KvPool, wire.Launch, wire.Ping, wire.Stop)  # what the driver may send a stage
@@ -247,7 +247,7 @@ class _Stage(LinkedStage):
             if not torch.cuda.is_available():
                 raise RuntimeError(f"executor.device=cuda, but stage {self.stage} on {socket.gethostname()} "
                                    f"sees no CUDA device")
-            from engine.torch_exec.transfer import stage_device
+            from engine.torch_exec.shared.placement import stage_device
 
             device = stage_device(self.stage, torch.cuda.device_count())
             torch.cuda.set_device(device)
@@ -270,7 +270,7 @@ class _Stage(LinkedStage):
         first_layer, n_layers = init.layers[self.stage]
         num_blocks = init.num_blocks
         if num_blocks == 0:  # measured later: a pool just large enough for the warm-up batch
-            from engine.torch_exec.kv_sizing import warmup_shape
+            from engine.torch_exec.shared.kv_sizing import warmup_shape
 
             num_blocks = warmup_shape(init.profile_tokens, init.block_size)[2]
         self.model = StageModel(arch, first_layer, n_layers, self.first, self.last, num_blocks,
@@ -286,7 +286,7 @@ class _Stage(LinkedStage):
 
     def size_kv(self, init: wire.StageInit) -> None:
         """vLLM's profile run, then probes until the driver names the one pool size of all
-        stages (engine/torch_exec/profile_run.py, kv_sizing.py)."""
+        stages (engine/torch_exec/profile_run.py, shared/kv_sizing.py)."""
         from engine.torch_exec.profile_run import probe, warm_up
 
         peak = warm_up(self.model, init.profile_tokens, self.first)
@@ -422,7 +422,7 @@ class _Stage(LinkedStage):
         timer = timer_for(self.device)
         mark = timer.start()
         out = self.model.forward(b, hidden)
-        pending = timer.record(mark)  # CUDA events on a GPU (timing.py)
+        pending = timer.record(mark)  # CUDA events on a GPU (shared/timing.py)
         if ahead is not None:
             a = time.perf_counter()
             self.ready[ahead.mb_id] = self.model.prepare(ahead.prefills, ahead.decodes)

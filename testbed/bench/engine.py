@@ -111,7 +111,7 @@ def run_policy(policy_name: str, requests, args, policy_params: dict, executor: 
 
     spec = compose_spec([f"model={args.model}", f"parallel.pp={args.pp}", f"policy={policy_name}",
                          f"output.dir={args.output_dir}"])
-    values = {"kv.num_blocks": args.num_blocks}  # the pool below; never measured (engine/torch_exec/kv_sizing.py)
+    values = {"kv.num_blocks": args.num_blocks}  # the pool below; never measured (engine/torch_exec/shared/kv_sizing.py)
     if args.layer_split:
         values["parallel.layer_split"] = list(args.layer_split)
     spec = spec.with_values(values)

@@ -215,7 +215,7 @@ class StageInit:
 @dataclass(frozen=True)
 class KvProbe:
     """A stage's measured memory after loading its weights and a warm-up forward at the run's
-    largest micro-batch (engine/torch_exec/kv_sizing.py `StageMemory`)."""
+    largest micro-batch (engine/torch_exec/shared/kv_sizing.py `StageMemory`)."""
 
     stage: int
     device_key: str
