@@ -105,12 +105,17 @@ ENGINE_FLOORS: dict[str, set[str]] = {
     "engine.torch_exec.tensors": set(),
     "engine.torch_exec.kernels": {"engine.torch_exec.tensors"},
     "engine.torch_exec.graphs": {"engine.torch_exec.tensors", "engine.torch_exec.kernels"},
+    "engine.torch_exec.settings": {"engine.base"},  # the executor.* keys, torch-free, read by every process
     "engine.torch_exec.weights": {"engine.base", "engine.pricing"},  # checkpoints: neither side's
     "engine.torch_exec.wire": {"engine.base", "engine.core", "engine.torch_exec.weights"},  # neither side's
     "engine.torch_exec.shared": {"engine.base", "engine.torch_exec.wire", "engine.torch_exec.graphs"},  # both compute it
+    "engine.torch_exec.stage": {"engine.base", "engine.pricing", "engine.core", "engine.torch_exec.settings",
+                                "engine.torch_exec.weights", "engine.torch_exec.wire", "engine.torch_exec.shared",
+                                "engine.torch_exec.tensors", "engine.torch_exec.kernels", "engine.torch_exec.graphs"},
     "engine.torch_exec": {"engine.base", "engine.pricing", "engine.core", "engine.torch_exec.tensors",
                           "engine.torch_exec.kernels", "engine.torch_exec.graphs", "engine.torch_exec.weights",
-                          "engine.torch_exec.wire", "engine.torch_exec.shared"},
+                          "engine.torch_exec.wire", "engine.torch_exec.shared", "engine.torch_exec.settings",
+                          "engine.torch_exec.stage"},
 }
 # testbed/: its parts bottom-up; each imports only itself and the parts before it (the commands
 # reach each other sideways only downwards: capacity's live probe is `bench serve`, reproduce runs

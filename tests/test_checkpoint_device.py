@@ -72,7 +72,7 @@ def test_a_stage_split_draws_the_same_tensors():
 
 
 def test_in_memory_pipeline_of_two_stages_equals_one_stage():
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.stage.model import StageModel
 
     arch = spec_arch(get_model("tiny-llama"))
     L = arch.num_layers

@@ -122,7 +122,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels under T
 
 def _model(path, split=(0, 8, True, True), device=DEV, attention="triton", dtype="float32"):
     from engine.torch_exec.weights.checkpoint import read_arch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.stage.model import StageModel
 
     first_layer, n, first, last = split
     m = StageModel(read_arch(path), first_layer, n, first, last, 64, 4, dtype=dtype, device=device,

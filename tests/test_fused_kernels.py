@@ -126,7 +126,7 @@ def tiny(model_cache):
 
 def _stage(path, layers, fused, device=DEV, dtype="float32"):
     from engine.torch_exec.weights.checkpoint import read_arch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.stage.model import StageModel
 
     m = StageModel(read_arch(path), 0, layers, True, True, 64, 4, dtype=dtype, device=device, attention="triton",
                    fused=fused)
@@ -136,7 +136,7 @@ def _stage(path, layers, fused, device=DEV, dtype="float32"):
 
 def test_fused_kernels_are_chosen_on_cuda_with_triton_only(tiny):
     from engine.torch_exec.weights.checkpoint import read_arch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.stage.model import StageModel
 
     arch = read_arch(tiny["tiny-llama"])
     assert not StageModel(arch, 0, 1, True, True, 8, 4, device="cpu", attention="torch").fused

@@ -1,5 +1,5 @@
 """Sizing the KV pool from measured GPU memory (engine/torch_exec/shared/kv_sizing.py), the stages'
-device assignment and data-plane backend (engine/torch_exec/transfer.py), the dtype default,
+device assignment and data-plane backend (engine/torch_exec/stage/transfer.py), the dtype default,
 and the handshake messages -- all pure logic, checked on CPU with fake memory figures."""
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def test_the_warmup_batch_runs_on_a_stage_with_its_pool():
     from engine.pricing.models import get_model
     from engine.torch_exec.weights.checkpoint import random_tensors, spec_arch, stage_tensor_names
     from engine.torch_exec.shared.kv_sizing import warmup_batch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.stage.model import StageModel
 
     arch = spec_arch(get_model("tiny-llama"))
     prefill, decodes, blocks = warmup_shape(96, 16)
@@ -194,9 +194,9 @@ def test_profile_run_warms_up_probes_and_releases_the_warmup_pool(monkeypatch):
     from types import SimpleNamespace
 
     from engine.pricing.models import get_model
-    from engine.torch_exec import profile_run
+    from engine.torch_exec.stage import profile_run
     from engine.torch_exec.weights.checkpoint import random_tensors, spec_arch, stage_tensor_names
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.stage.model import StageModel
 
     calls = []
     fake = {"synchronize": lambda *a, **k: calls.append("sync"),

@@ -180,7 +180,7 @@ def tiny_ckpts(model_cache):
 
 def _stages(path, split, attention, num_blocks=64, block_size=4, device=DEV):
     from engine.torch_exec.weights.checkpoint import read_arch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.stage.model import StageModel
 
     arch = read_arch(path)
     out, first = [], 0

@@ -86,7 +86,7 @@ def tiny(model_cache):
 
 def _stage(path, split, fused=False, device=DEV):
     from engine.torch_exec.weights.checkpoint import read_arch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.stage.model import StageModel
 
     first_layer, n, first, last = split
     m = StageModel(read_arch(path), first_layer, n, first, last, 64, 4, device=device, attention="triton",
@@ -169,7 +169,7 @@ def test_piece_replays_equal_the_pieces_run_eagerly(tiny, dtype):
     (same buffers, same shapes, same kernels), for a mixed batch and a prefill; all buckets
     captured at configure."""
     from engine.torch_exec.weights.checkpoint import read_arch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.stage.model import StageModel
 
     m = StageModel(read_arch(tiny), 0, 8, True, True, 256, 4, dtype=dtype, device="cuda", attention="triton")
     m.load(tiny)

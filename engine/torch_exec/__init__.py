@@ -10,8 +10,8 @@ Architecture
         | authenticated messages (wire/messages.py): micro-batch metadata out (the same to every stage),
         | sampled token ids and per-stage spans back, errors with tracebacks back
     stage 0 --torch.distributed send/recv (gloo on CPU, NCCL on GPUs)--> stage 1 --> ... stage P-1
-        each stage process (engine/torch_exec/worker.py) holds its slice of decoder layers
-        (engine/torch_exec/model.py; stage 0 the embedding, the last the final norm, lm_head and
+        each stage process (engine/torch_exec/stage/worker.py) holds its slice of decoder layers
+        (engine/torch_exec/stage/model.py; stage 0 the embedding, the last the final norm, lm_head and
         sampler) and a paged KV pool per layer indexed by the controller's block tables.
 
 Clock: spans are taken with `time.perf_counter()` in every process. On one Linux machine that is
@@ -28,7 +28,7 @@ host, and start the stages by hand:
     testbed run executor=torch executor.launch=external executor.zmq_host=0.0.0.0 \
         executor.zmq_port=5555 executor.master_addr=<stage-0 host> executor.master_port=29500 ...
     # on each stage host s = 0..P-1 (the same checkpoint path must exist on every host)
-    python -m engine.torch_exec.worker --driver tcp://<driver host>:5555 --stage <s>
+    python -m engine.torch_exec.stage.worker --driver tcp://<driver host>:5555 --stage <s>
 
 (`TESTBED_STAGE_SECRET_FILE=<file holding the hex>` works too.) `master_addr`/`master_port` play
 MASTER_ADDR/MASTER_PORT's role: stage 0 hosts the torch.distributed TCP store there, bound to that
@@ -41,7 +41,7 @@ driver cannot watch external processes, so a dead external stage is reported by 
 driver until their next message (end them by hand). With the default `launch=spawn` the driver
 starts the P stages on this machine (torch.multiprocessing, spawn; the secret is a spawn
 argument), binds everything to 127.0.0.1 and picks free ports; the stages and their CPU samplers
-end when the driver dies, even by SIGKILL (engine/torch_exec/orphan.py).
+end when the driver dies, even by SIGKILL (engine/torch_exec/stage/orphan.py).
 
 See `TorchSettings` (engine/torch_exec/settings.py) for every `executor.*` key.
 """

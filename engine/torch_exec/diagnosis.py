@@ -11,7 +11,7 @@ processes, the control socket, the in-flight micro-batches and which stage finis
   A stage that reported its exception exits with `wire.REPORTED_EXIT`, which is not a silent death.
 - No progress for `executor.stage_timeout_s` with work in flight: the first stage that has not
   finished the oldest micro-batch is hung. Stages report a micro-batch as computed before a
-  send that blocks on the next stage (worker.py), so a stage waiting on a hung successor is
+  send that blocks on the next stage (stage/worker.py), so a stage waiting on a hung successor is
   not blamed.
 """
 from __future__ import annotations

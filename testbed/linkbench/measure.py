@@ -78,7 +78,7 @@ def provenance() -> dict:
             "torch": torch.__version__, "python": platform.python_version(),
             "loadavg": Path("/proc/loadavg").read_text().split()[:3],
             "congestion_control": CONGESTION_CONTROL, "link": f"veth + tbf (queue {TBF_QUEUE_BYTES} B) + TUN delay relay (testbed/linkbench)",
-            "data_plane": "torch.distributed gloo send/recv over TCP (engine/torch_exec/worker.py)"}
+            "data_plane": "torch.distributed gloo send/recv over TCP (engine/torch_exec/stage/worker.py)"}
 
 
 def _exit_cleanly(*_) -> None:

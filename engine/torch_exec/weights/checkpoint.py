@@ -38,7 +38,7 @@ MAX_RANDOM_PARAMS = 2_000_000_000  # building a random 70B model on the fly is n
 FIRST_PROMPT_ID = 3
 
 
-ROPE_TYPES = ("default", "linear", "llama3")  # what the stage's `inv_freq` implements (model.py)
+ROPE_TYPES = ("default", "linear", "llama3")  # what the stage's `inv_freq` implements (stage/model.py)
 
 
 def read_arch(path: str | os.PathLike) -> ModelSpec:
