@@ -110,7 +110,7 @@ def test_driver_builds_table_models_in_memory_on_cuda(monkeypatch, tmp_path, gib
 
     pytest.importorskip("zmq")
     from engine.core.kv import BlockManager
-    from engine.torch_exec.driver import TorchExecutor
+    from engine.torch_exec.driver.executor import TorchExecutor
     from engine.torch_exec.settings import TorchSettings
     from testbed.config.composer import compose, run_config, to_container
 

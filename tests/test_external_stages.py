@@ -207,7 +207,7 @@ def test_a_dead_external_stage_is_the_one_blamed(tmp_path):
 def test_every_way_gloo_reports_a_lost_peer_counts_as_a_consequence():
     """CI saw "Connection reset by peer" (a killed process) where the diagnosis looked only for
     "closed by peer", and blamed the surviving stage 0 for its dead neighbour."""
-    from engine.torch_exec.diagnosis import lost_peer
+    from engine.torch_exec.driver.diagnosis import lost_peer
 
     for text in ("Read error [127.0.0.1]:42397: Connection reset by peer",
                  "Connection closed by peer [127.0.0.1]:5000", "Write error: Broken pipe"):

@@ -149,7 +149,7 @@ def test_driver_sizes_the_pool_from_the_second_round_of_probes():
     re-measure request, a second round read on a quiescent device, the block manager resized, the
     size sent to every stage."""
     pytest.importorskip("zmq")
-    from engine.torch_exec.driver import TorchExecutor
+    from engine.torch_exec.driver.executor import TorchExecutor
 
     ex = TorchExecutor(TorchSettings(device="cuda"), pp=2)
     assert ex.measure_kv
@@ -175,7 +175,7 @@ def test_an_explicit_pool_is_kept_on_cuda():
     it measures. The engine tests' helper names its pool in the run's settings (issue 34: on the H100
     it did not, the executor resized its 24-block manager and no preemption happened)."""
     pytest.importorskip("zmq")
-    from engine.torch_exec.driver import TorchExecutor
+    from engine.torch_exec.driver.executor import TorchExecutor
     from test_torch_engine import pipeline_spec
 
     spec = pipeline_spec("tiny-llama", 2, 24, 4)

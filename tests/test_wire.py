@@ -155,7 +155,7 @@ def test_a_squatter_cannot_take_a_stage_identity_and_big_frames_are_refused():
     unauthenticated 700 MB frames were buffered whole (driver 249 MB -> 3.6 GB) (issue 25, item 3)."""
     import zmq
 
-    from engine.torch_exec.control import MAX_FRAME_BYTES, ControlSocket
+    from engine.torch_exec.driver.control import MAX_FRAME_BYTES, ControlSocket
 
     ctl = ControlSocket(wire.Codec(SECRET, me="driver", run="r1"), "127.0.0.1")
     ctx = zmq.Context()
@@ -201,7 +201,7 @@ def test_external_secret_comes_from_env_or_file(tmp_path):
 
 def test_binding_off_loopback_warns_with_the_port(caplog):
     pytest.importorskip("zmq")
-    from engine.torch_exec.control import ControlSocket
+    from engine.torch_exec.driver.control import ControlSocket
 
     codec = wire.Codec(SECRET)
     with caplog.at_level("WARNING", logger="engine.torch_exec.wire.addresses"):

@@ -5,14 +5,27 @@ factory are torch-free; stages import torch in their own processes).
 
 Architecture
 ------------
-    driver process: Controller + Policy + TorchExecutor (engine/torch_exec/driver.py)
-        | ZeroMQ ROUTER (engine/torch_exec/control.py) <-> one DEALER per stage: typed,
+    driver process: Controller + Policy + TorchExecutor (engine/torch_exec/driver/executor.py)
+        | ZeroMQ ROUTER (engine/torch_exec/driver/control.py) <-> one DEALER per stage: typed,
         | authenticated messages (wire/messages.py): micro-batch metadata out (the same to every stage),
         | sampled token ids and per-stage spans back, errors with tracebacks back
     stage 0 --torch.distributed send/recv (gloo on CPU, NCCL on GPUs)--> stage 1 --> ... stage P-1
         each stage process (engine/torch_exec/stage/worker.py) holds its slice of decoder layers
         (engine/torch_exec/stage/model.py; stage 0 the embedding, the last the final norm, lm_head and
         sampler) and a paged KV pool per layer indexed by the controller's block tables.
+
+Layout: by process, so that a module's folder says where it runs
+    driver/    the controller's process: TorchExecutor, its start-up, control socket, failure
+               diagnosis, the stage processes' start, profiling
+    stage/     each stage process (and its CPU samplers): the worker loop and set-up, the model slice,
+               paced links, sampling, rendezvous, orphan and driver watches; never imports driver/
+    wire/      what both speak: typed authenticated messages, the socketpair lane, block-table deltas,
+               socket addresses; imports neither side
+    shared/    what both compute: KV pool sizing, device placement, span timers
+    weights/   checkpoints and the random-weight tokenizer; imports neither side
+    tensors/ kernels/ graphs/   a stage's arrays, Triton kernels and CUDA graphs
+    settings.py  the executor.* keys (torch-free; the config layer builds them for every run)
+tests/test_architecture.py checks these directions.
 
 Clock: spans are taken with `time.perf_counter()` in every process. On one Linux machine that is
 CLOCK_MONOTONIC for all processes, so the driver only subtracts its run start; for stages on
@@ -52,7 +65,7 @@ from engine.torch_exec.settings import TorchSettings
 
 
 def _make_torch(settings: TorchSettings, build: ExecutorBuild):
-    from engine.torch_exec.driver import make_torch_executor
+    from engine.torch_exec.driver.executor import make_torch_executor
 
     return make_torch_executor(settings, build)
 

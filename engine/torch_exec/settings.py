@@ -15,7 +15,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 SAMPLING = ("greedy", "random")
 LAUNCH = ("spawn", "external")
-START_METHODS = ("forkserver", "spawn")  # engine/torch_exec/stage_processes.py
+START_METHODS = ("forkserver", "spawn")  # engine/torch_exec/driver/stage_processes.py
 BACKENDS = ("auto", "gloo", "nccl")
 ATTENTION = ("auto", "torch", "triton")
 

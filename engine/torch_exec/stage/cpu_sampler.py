@@ -137,7 +137,7 @@ def sampler_main(driver_addr: str, channel: str, k: int, n: int, secret: bytes, 
     jobs = ctx.socket(zmq.DEALER)
     jobs.setsockopt(zmq.LINGER, 0)
     jobs.connect(channel)
-    out = ctx.socket(zmq.DEALER)  # no chosen identity (see engine/torch_exec/control.py)
+    out = ctx.socket(zmq.DEALER)  # no chosen identity (see engine/torch_exec/driver/control.py)
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(driver_addr)
     s = Sampler(vocab, **sampling.kwargs())

@@ -18,7 +18,7 @@ Binding: the MAC also covers the run, the sender (`driver`, `stage<i>`, `sampler
 receiver (a name or the group `stages`/`samplers`: the direction) and the sender's counter, so a
 frame cannot be replayed, redirected or reused in another run (engine/torch_exec/wire/binding.py).
 External stages learn the run from the driver's first frame; the driver takes a run-less frame
-only for their `hello`, and binds each sender name to one connection (control.py).
+only for their `hello`, and binds each sender name to one connection (driver/control.py).
 
 The secret: 32 random bytes from `secrets.token_bytes`, made by the driver for each run and given
 to spawned stages as a spawn argument (never over a socket). External stages

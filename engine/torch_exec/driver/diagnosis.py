@@ -1,6 +1,6 @@
 """Why a torch run failed: which stage to name, from deaths, error reports and progress.
 
-Mixed into `TorchExecutor` (engine/torch_exec/driver.py), whose state it reads: the stage
+Mixed into `TorchExecutor` (engine/torch_exec/driver/executor.py), whose state it reads: the stage
 processes, the control socket, the in-flight micro-batches and which stage finished which.
 
 - A stage process that died without a word (a signal, `os._exit`) is the root cause: its
