@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
-from engine.torch_exec.driver.executor import free_port  # noqa: E402
+from engine.torch_exec.wire.addresses import free_port  # noqa: E402
 from testbed.config.spec import compose_spec  # noqa: E402
 
 MODEL = "tiny-llama"

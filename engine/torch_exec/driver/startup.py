@@ -157,7 +157,7 @@ class StageStartup:
             socket_ifname=st.socket_ifname or "")
 
     def _layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
-        from engine.pricing.costmodel import split_layers
+        from engine.pricing.layer_balance import split_layers
 
         split = split_layers(num_layers, self.pipeline_depth, self.layer_split)
         out, first = [], 0
