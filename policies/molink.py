@@ -31,7 +31,7 @@ or those of the `LinkState` of the first `schedule_transfer` call on a torch sta
 
 On the torch executor each sending stage rebuilds this policy from its class and params and
 calls `schedule_transfer` from its link's sender thread whenever the link is free
-(engine/torch_exec/transfer.py); `LinkState.info` then carries `upstream_busy` / `upstream_end_s`
+(engine/torch_exec/stage/transfer.py); `LinkState.info` then carries `upstream_busy` / `upstream_end_s`
 (the stage's running forward: its start plus the stage's mean forward time of that kind) and,
 while idle, `next_decode_s` (last decode forward start plus the mean decode period).
 """

@@ -1,4 +1,4 @@
-"""Measure this project's CPU sampler (engine/torch_exec/sampling.py `Sampler`, what each SiPipe
+"""Measure this project's CPU sampler (engine/torch_exec/stage/sampling.py `Sampler`, what each SiPipe
 sampler process runs per job) on this machine, and fit the cost model's CPU-sampling terms.
 
 One thread (a sampler process owns one core), fp32 logits as the stage sends them, rows x vocab
@@ -61,7 +61,7 @@ def _commit() -> str:
 def measure(repeats: int) -> list[dict]:
     import torch
 
-    from engine.torch_exec.sampling import Sampler
+    from engine.torch_exec.stage.sampling import Sampler
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
@@ -122,7 +122,7 @@ def main() -> int:
     import torch
 
     record = {
-        "what": "engine/torch_exec/sampling.py Sampler.sample on CPU, one thread, fp32 logits",
+        "what": "engine/torch_exec/stage/sampling.py Sampler.sample on CPU, one thread, fp32 logits",
         "command": f"python scripts/measure_cpu_sampler.py --out {args.out} --repeats {args.repeats}",
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "commit": _commit(), "cpu": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,

@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> str:
-    """One folder of random-weight checkpoints for the session (engine/torch_exec/checkpoint.py:
+    """One folder of random-weight checkpoints for the session (engine/torch_exec/weights/checkpoint.py:
     `random_checkpoint` builds a model into it once, then returns it): nine modules built their
     own copies of the same two tiny models, ~0.4 s of CPU each. Tests that change a checkpoint
     copy it first."""

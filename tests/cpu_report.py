@@ -4,7 +4,7 @@ assertions.
 
 What is counted: on Linux the whole machine's busy CPU time (/proc/stat), so run it on an
 otherwise idle machine. This process's own rusage would miss most of the suite: stage processes
-are children of the engine's fork server (engine/torch_exec/stage_processes.py), which is never
+are children of the engine's fork server (engine/torch_exec/driver/stage_processes.py), which is never
 reaped by pytest, and the PostgreSQL, mlflow server and Ray processes of the service fixtures
 run beside the tests. Elsewhere: this process and the children it reaped."""
 from __future__ import annotations

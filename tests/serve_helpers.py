@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.torch_exec.driver import free_port
+from engine.torch_exec.wire.addresses import free_port
 
 
 @contextlib.contextmanager

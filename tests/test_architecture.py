@@ -105,8 +105,19 @@ ENGINE_FLOORS: dict[str, set[str]] = {
     "engine.torch_exec.tensors": set(),
     "engine.torch_exec.kernels": {"engine.torch_exec.tensors"},
     "engine.torch_exec.graphs": {"engine.torch_exec.tensors", "engine.torch_exec.kernels"},
-    "engine.torch_exec": {"engine.base", "engine.pricing", "engine.core", "engine.torch_exec.tensors",
-                          "engine.torch_exec.kernels", "engine.torch_exec.graphs"},
+    # the real engine by process: the wire and the weights import neither side; a stage never
+    # imports the driver's side; the driver reaches a stage only through its entry point (STAGE_ENTRY)
+    "engine.torch_exec.settings": {"engine.base"},  # the executor.* keys, torch-free, read by every process
+    "engine.torch_exec.weights": {"engine.base", "engine.pricing"},
+    "engine.torch_exec.wire": {"engine.base", "engine.core", "engine.torch_exec.weights"},
+    "engine.torch_exec.shared": {"engine.base", "engine.torch_exec.wire", "engine.torch_exec.graphs"},
+    "engine.torch_exec.stage": {"engine.base", "engine.pricing", "engine.core", "engine.torch_exec.settings",
+                                "engine.torch_exec.weights", "engine.torch_exec.wire", "engine.torch_exec.shared",
+                                "engine.torch_exec.tensors", "engine.torch_exec.kernels", "engine.torch_exec.graphs"},
+    "engine.torch_exec.driver": {"engine.base", "engine.pricing", "engine.core", "engine.torch_exec.settings",
+                                 "engine.torch_exec.weights", "engine.torch_exec.wire", "engine.torch_exec.shared",
+                                 "engine.torch_exec.stage"},
+    "engine.torch_exec": {"engine.core", "engine.torch_exec.settings", "engine.torch_exec.driver"},  # registers it
 }
 # testbed/: its parts bottom-up; each imports only itself and the parts before it (the commands
 # reach each other sideways only downwards: capacity's live probe is `bench serve`, reproduce runs
@@ -169,6 +180,57 @@ def write_tree(root: Path, files: dict[str, str]) -> None:
 
 def test_engine_layering():
     assert climbing_in_engine(import_graph()) == []
+
+
+TORCH_SIDES = ("engine.torch_exec.driver", "engine.torch_exec.stage")
+STAGE_ENTRY = {"engine.torch_exec.stage", "engine.torch_exec.stage.worker"}  # `stage_main`, what a process runs
+
+
+def driver_reaching_into_stage(graph: dict[str, dict[str, int]]) -> list[str]:
+    """The driver's side starts stage processes and nothing more: it imports the stage's side only
+    at its entry point, so nothing of a stage's internals runs in the controller's process."""
+    return [f"{mod}:{line} imports {target}" for mod, targets in sorted(graph.items())
+            if _floor_of(mod, ENGINE_FLOORS) == TORCH_SIDES[0]
+            for target, line in _named(targets)
+            if _floor_of(target, ENGINE_FLOORS) == TORCH_SIDES[1] and target not in STAGE_ENTRY]
+
+
+def test_the_driver_reaches_a_stage_only_through_its_entry_point():
+    assert driver_reaching_into_stage(import_graph()) == []
+
+
+def test_the_torch_engine_layering_can_fail(tmp_path):
+    """The checks can fail: a stage importing the driver's diagnosis, the wire importing a stage's
+    model, the weights importing the wire, the driver importing a stage's sampler are each found."""
+    pkgs = ["engine", "engine/torch_exec", "engine/torch_exec/stage", "engine/torch_exec/driver",
+            "engine/torch_exec/wire", "engine/torch_exec/weights"]
+    write_tree(tmp_path, {**{f"{p}/__init__.py": "" for p in pkgs},
+                          "engine/torch_exec/stage/worker.py": "from engine.torch_exec.driver.diagnosis import X\n",
+                          "engine/torch_exec/stage/sampling.py": "",
+                          "engine/torch_exec/driver/diagnosis.py": "X = 1\n",
+                          "engine/torch_exec/driver/stage_processes.py":
+                              "def f():\n    from engine.torch_exec.stage.worker import stage_main\n"
+                              "    from engine.torch_exec.stage.sampling import Sampler\n",
+                          "engine/torch_exec/wire/messages.py": "import engine.torch_exec.stage.sampling\n",
+                          "engine/torch_exec/weights/checkpoint.py": "import engine.torch_exec.wire.messages\n"})
+    graph = import_graph(tmp_path, ("engine",))
+    assert climbing_in_engine(graph) == [
+        "engine.torch_exec.stage.worker:1 imports engine.torch_exec.driver.diagnosis (engine.torch_exec.stage may "
+        f"import {sorted(ENGINE_FLOORS['engine.torch_exec.stage'])})",
+        "engine.torch_exec.weights.checkpoint:1 imports engine.torch_exec.wire.messages (engine.torch_exec.weights "
+        f"may import {sorted(ENGINE_FLOORS['engine.torch_exec.weights'])})",
+        "engine.torch_exec.wire.messages:1 imports engine.torch_exec.stage.sampling (engine.torch_exec.wire may "
+        f"import {sorted(ENGINE_FLOORS['engine.torch_exec.wire'])})"]
+    assert driver_reaching_into_stage(graph) == [
+        "engine.torch_exec.driver.stage_processes:3 imports engine.torch_exec.stage.sampling"]
+
+
+def test_each_torch_engine_part_says_which_process_runs_it():
+    """Every sub-package of engine/torch_exec/ opens with a one-line docstring naming its process."""
+    words = ("driver", "stage", "process")
+    for init in sorted((ROOT / "engine/torch_exec").glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")))
+        assert doc and "\n" not in doc and any(w in doc for w in words), init.relative_to(ROOT).as_posix()
 
 
 def test_testbed_layering():

@@ -88,7 +88,7 @@ def test_azure_timestamps_outside_the_nanosecond_range_are_refused(tmp_path, cap
 
 def test_unbindable_or_unresolvable_hosts_name_the_setting():
     from engine.base.errors import ConfigError
-    from engine.torch_exec.control import check_host
+    from engine.torch_exec.wire.addresses import check_host
 
     for key, host, words in [("executor.zmq_host", "192.0.2.1", "cannot be bound"),
                              ("executor.zmq_host", "::1", "IPv6"),

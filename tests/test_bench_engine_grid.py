@@ -77,7 +77,7 @@ def test_workload_sharegpt_composes_and_synthetic_keeps_its_lengths(tmp_path):
 
 def test_steady_decodes_reuse_their_tables_and_launch_without_blocks():
     from engine.core.kv import BlockManager
-    from engine.torch_exec.tables import LaunchRows
+    from engine.torch_exec.wire.tables import LaunchRows
     from testbed.bench.engine_grid import SteadyBatches
 
     kv = BlockManager(256, 16)

@@ -21,8 +21,8 @@ pytest.importorskip("transformers")
 
 from engine.core.kv import BlockManager  # noqa: E402
 from engine.pricing.models import get_model  # noqa: E402
-from engine.torch_exec.checkpoint import random_checkpoint, read_arch  # noqa: E402
-from engine.torch_exec.model import StageModel  # noqa: E402
+from engine.torch_exec.weights.checkpoint import random_checkpoint, read_arch  # noqa: E402
+from engine.torch_exec.stage.model import StageModel  # noqa: E402
 from engine.torch_exec.kernels.paged_attention import HAVE_TRITON  # noqa: E402
 
 PROMPT_LENS = (5, 17, 33, 64, 100)
@@ -102,7 +102,7 @@ def test_the_bound_catches_a_wrong_model(tiny, monkeypatch):
     prompts = _prompts(arch.vocab_size)
     ref32 = _hf_last_logits(tiny, prompts, torch.float32, "cpu")
     hf_err = (_hf_last_logits(tiny, prompts, torch.bfloat16, "cpu") - ref32).abs().max().item()
-    import engine.torch_exec.model as model_mod
+    import engine.torch_exec.stage.model as model_mod
 
     real = model_mod.rms_norm
     monkeypatch.setattr(model_mod, "rms_norm", lambda x, w, eps: real(x, w, eps * 100 + 1e-2))

@@ -144,7 +144,7 @@ def test_profile_dir_loading_and_duplicates(tmp_path):
 def test_small_real_profile_run(tmp_path):
     """A tiny grid on the real torch engine (P=2): the table is complete and the fit is sane."""
     pytest.importorskip("torch")
-    from engine.torch_exec.profile import profile_engine
+    from engine.torch_exec.driver.profile import profile_engine
     from engine.core.request import Request
     from testbed.config.spec import compose_spec
     from testbed.run.runner import prepare_experiment

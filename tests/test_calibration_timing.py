@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine.torch_exec.profile import device_peaks, device_provenance, measure_peaks  # noqa: E402
-from engine.torch_exec.timing import CudaEventTimer, WallTimer, is_cuda, timer_for  # noqa: E402
+from engine.torch_exec.driver.profile import device_peaks, device_provenance, measure_peaks  # noqa: E402
+from engine.torch_exec.shared.timing import CudaEventTimer, WallTimer, is_cuda, timer_for  # noqa: E402
 
 NO_CUDA = not torch.cuda.is_available()
 

@@ -1,4 +1,4 @@
-"""Random table models built in memory (the CUDA path of engine/torch_exec/checkpoint.py), checked
+"""Random table models built in memory (the CUDA path of engine/torch_exec/weights/checkpoint.py), checked
 on CPU with tiny models: the disk checkpoint's names and shapes, deterministic values, one value
 per tensor whatever the stage split, and a split pipeline computing what the whole model does."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ pytest.importorskip("transformers")
 
 from engine.base.errors import ConfigError  # noqa: E402
 from engine.pricing.models import get_model  # noqa: E402
-from engine.torch_exec.checkpoint import (EMBED, LM_HEAD, check_device_fit, random_checkpoint,  # noqa: E402
+from engine.torch_exec.weights.checkpoint import (EMBED, LM_HEAD, check_device_fit, random_checkpoint,  # noqa: E402
                                           random_tensors, read_arch, spec_arch, stage_tensor_names, tensor_files)
-from engine.torch_exec.wire import DecodeRow, PrefillChunk  # noqa: E402
+from engine.torch_exec.wire.messages import DecodeRow, PrefillChunk  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_a_stage_split_draws_the_same_tensors():
 
 
 def test_in_memory_pipeline_of_two_stages_equals_one_stage():
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.stage.model import StageModel
 
     arch = spec_arch(get_model("tiny-llama"))
     L = arch.num_layers
@@ -110,7 +110,7 @@ def test_driver_builds_table_models_in_memory_on_cuda(monkeypatch, tmp_path, gib
 
     pytest.importorskip("zmq")
     from engine.core.kv import BlockManager
-    from engine.torch_exec.driver import TorchExecutor
+    from engine.torch_exec.driver.executor import TorchExecutor
     from engine.torch_exec.settings import TorchSettings
     from testbed.config.composer import compose, run_config, to_container
 

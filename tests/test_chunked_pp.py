@@ -89,7 +89,7 @@ def test_pipelined_chunks_on_the_real_engine_equal_hf_generate(model_cache, monk
     real spans adds up (the engine's half of tests/test_breakdown.py)."""
     from test_torch_engine import _hf_greedy, _requests, _run_pipeline
     from engine.pricing.models import get_model
-    from engine.torch_exec.checkpoint import random_checkpoint
+    from engine.torch_exec.weights.checkpoint import random_checkpoint
 
     pipelined = []  # sequences given a chunk while an earlier chunk of theirs was in flight
     schedule = ChunkedPPPolicy.schedule

@@ -122,7 +122,7 @@ def test_unset_link_is_the_hardware_link_in_both_executors():
 @pytest.mark.parametrize("link, paced", [(Link(2e9, 1e-5, explicit=False), False),
                                          (Link(1e6, 1e-3, explicit=True), True)])
 def test_torch_factory_paces_only_an_explicit_link(link, paced):
-    from engine.torch_exec.driver import make_torch_executor
+    from engine.torch_exec.driver.executor import make_torch_executor
     from engine.torch_exec.settings import TorchSettings
     from testbed.run.runner import build_cost_model
 

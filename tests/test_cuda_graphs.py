@@ -112,7 +112,7 @@ def tiny(model_cache):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest sets it before triton's first import
     pytest.importorskip("triton")
     from engine.pricing.models import get_model
-    from engine.torch_exec.checkpoint import random_checkpoint
+    from engine.torch_exec.weights.checkpoint import random_checkpoint
 
     return random_checkpoint(get_model("tiny-llama"), 0, model_cache)
 
@@ -121,8 +121,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels under T
 
 
 def _model(path, split=(0, 8, True, True), device=DEV, attention="triton", dtype="float32"):
-    from engine.torch_exec.checkpoint import read_arch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.weights.checkpoint import read_arch
+    from engine.torch_exec.stage.model import StageModel
 
     first_layer, n, first, last = split
     m = StageModel(read_arch(path), first_layer, n, first, last, 64, 4, dtype=dtype, device=device,

@@ -68,7 +68,7 @@ class Pipeline:
     def stage(self, s: int, folder: str, env: dict | None = None) -> subprocess.Popen:
         cwd = self.root / folder
         cwd.mkdir(exist_ok=True)
-        cmd = [sys.executable, "-m", "engine.torch_exec.worker", "--driver", f"tcp://127.0.0.1:{self.zmq_port}",
+        cmd = [sys.executable, "-m", "engine.torch_exec.stage.worker", "--driver", f"tcp://127.0.0.1:{self.zmq_port}",
                "--stage", str(s)]
         if HIDE:  # a private mount namespace in which the driver's folder is an empty tmpfs
             cmd = ["unshare", "-m", "sh", "-c", f"mount -t tmpfs none '{self.driver_dir}' && exec \"$@\"", "sh", *cmd]
@@ -146,7 +146,7 @@ def test_after_a_failed_start_the_surviving_stage_exits_and_the_next_run_works_a
 
 def test_socket_interfaces_come_from_the_host_then_the_config_then_loopback():
     from engine.base.errors import ConfigError
-    from engine.torch_exec.rendezvous import socket_ifnames
+    from engine.torch_exec.stage.rendezvous import socket_ifnames
     from engine.torch_exec.settings import TorchSettings
 
     both = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -163,11 +163,11 @@ def test_socket_interfaces_come_from_the_host_then_the_config_then_loopback():
 def test_a_stage_started_by_hand_for_a_driver_that_never_comes_gives_up(tmp_path):
     """Its hello sat in a queue and the stage waited silently (issue 38 item 11): now one line
     and exit 69 after --wait-driver-s."""
-    from engine.torch_exec.driver_watch import EXIT_NO_DRIVER
+    from engine.torch_exec.stage.driver_watch import EXIT_NO_DRIVER
 
     port = _free_port()  # nobody listens there
     env = {**os.environ, "TESTBED_STAGE_SECRET": secrets.token_hex(32), "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.torch_exec.worker", "--driver", f"tcp://127.0.0.1:{port}",
+    proc = subprocess.Popen([sys.executable, "-m", "engine.torch_exec.stage.worker", "--driver", f"tcp://127.0.0.1:{port}",
                              "--stage", "1", "--wait-driver-s", "2"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     code, err = _finish(proc)
@@ -207,7 +207,7 @@ def test_a_dead_external_stage_is_the_one_blamed(tmp_path):
 def test_every_way_gloo_reports_a_lost_peer_counts_as_a_consequence():
     """CI saw "Connection reset by peer" (a killed process) where the diagnosis looked only for
     "closed by peer", and blamed the surviving stage 0 for its dead neighbour."""
-    from engine.torch_exec.diagnosis import lost_peer
+    from engine.torch_exec.driver.diagnosis import lost_peer
 
     for text in ("Read error [127.0.0.1]:42397: Connection reset by peer",
                  "Connection closed by peer [127.0.0.1]:5000", "Write error: Broken pipe"):

@@ -119,14 +119,14 @@ def test_silu_mul_matches_the_unfused_code(dtype):
 def tiny(model_cache):
     pytest.importorskip("transformers")
     from engine.pricing.models import get_model
-    from engine.torch_exec.checkpoint import random_checkpoint
+    from engine.torch_exec.weights.checkpoint import random_checkpoint
 
     return {n: random_checkpoint(get_model(n), 0, model_cache) for n in ("tiny-llama", "tiny-qwen2")}
 
 
 def _stage(path, layers, fused, device=DEV, dtype="float32"):
-    from engine.torch_exec.checkpoint import read_arch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.weights.checkpoint import read_arch
+    from engine.torch_exec.stage.model import StageModel
 
     m = StageModel(read_arch(path), 0, layers, True, True, 64, 4, dtype=dtype, device=device, attention="triton",
                    fused=fused)
@@ -135,8 +135,8 @@ def _stage(path, layers, fused, device=DEV, dtype="float32"):
 
 
 def test_fused_kernels_are_chosen_on_cuda_with_triton_only(tiny):
-    from engine.torch_exec.checkpoint import read_arch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.weights.checkpoint import read_arch
+    from engine.torch_exec.stage.model import StageModel
 
     arch = read_arch(tiny["tiny-llama"])
     assert not StageModel(arch, 0, 1, True, True, 8, 4, device="cpu", attention="torch").fused

@@ -1,4 +1,4 @@
-"""On a GPU a stage prepares the next micro-batch while its forward runs (engine/torch_exec/worker.py):
+"""On a GPU a stage prepares the next micro-batch while its forward runs (engine/torch_exec/stage/worker.py):
 with two stages on one GPU and micro-batches in flight together, `prepare_ahead` spans appear and
 every request gets all its tokens. Marked `gpu`: skipped where CUDA is absent (tests/conftest.py);
 the timer that lets the host work before waiting on a span's end is tested on CPU with fake events

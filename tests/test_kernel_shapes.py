@@ -42,7 +42,7 @@ def test_a_non_gated_mlp_has_one_up_projection_and_a_one_tensor_activation():
 
 
 def test_the_real_engine_refuses_a_non_gated_mlp():
-    from engine.torch_exec.checkpoint import check_forward
+    from engine.torch_exec.weights.checkpoint import check_forward
 
     with pytest.raises(ConfigError, match="non-gated MLP is not supported"):
         check_forward(replace(PHI2, hidden_act="silu"))

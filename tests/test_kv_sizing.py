@@ -1,5 +1,5 @@
-"""Sizing the KV pool from measured GPU memory (engine/torch_exec/kv_sizing.py), the stages'
-device assignment and data-plane backend (engine/torch_exec/transfer.py), the dtype default,
+"""Sizing the KV pool from measured GPU memory (engine/torch_exec/shared/kv_sizing.py), the stages'
+device assignment and data-plane backend (engine/torch_exec/stage/transfer.py), the dtype default,
 and the handshake messages -- all pure logic, checked on CPU with fake memory figures."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 
 from engine.base.errors import ConfigError
 from engine.core.kv import BlockManager
-from engine.torch_exec import wire
-from engine.torch_exec.kv_sizing import (DEFAULT_PROFILE_TOKENS, StageMemory, block_bytes, pool_size,
+from engine.torch_exec.wire import messages as wire
+from engine.torch_exec.shared.kv_sizing import (DEFAULT_PROFILE_TOKENS, StageMemory, block_bytes, pool_size,
                                          profile_tokens, warmup_shape)
 from engine.torch_exec.settings import TorchSettings
 
@@ -107,7 +107,7 @@ def test_handshake_messages_round_trip():
 
 def test_stage_devices_and_backend():
     pytest.importorskip("torch")
-    from engine.torch_exec.transfer import data_backend, stage_device
+    from engine.torch_exec.shared.placement import data_backend, stage_device
 
     assert [stage_device(s, 4) for s in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert [stage_device(s, 2) for s in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
@@ -125,9 +125,9 @@ def test_stage_devices_and_backend():
 def test_the_warmup_batch_runs_on_a_stage_with_its_pool():
     torch = pytest.importorskip("torch")
     from engine.pricing.models import get_model
-    from engine.torch_exec.checkpoint import random_tensors, spec_arch, stage_tensor_names
-    from engine.torch_exec.kv_sizing import warmup_batch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.weights.checkpoint import random_tensors, spec_arch, stage_tensor_names
+    from engine.torch_exec.shared.kv_sizing import warmup_batch
+    from engine.torch_exec.stage.model import StageModel
 
     arch = spec_arch(get_model("tiny-llama"))
     prefill, decodes, blocks = warmup_shape(96, 16)
@@ -149,7 +149,7 @@ def test_driver_sizes_the_pool_from_the_second_round_of_probes():
     re-measure request, a second round read on a quiescent device, the block manager resized, the
     size sent to every stage."""
     pytest.importorskip("zmq")
-    from engine.torch_exec.driver import TorchExecutor
+    from engine.torch_exec.driver.executor import TorchExecutor
 
     ex = TorchExecutor(TorchSettings(device="cuda"), pp=2)
     assert ex.measure_kv
@@ -175,7 +175,7 @@ def test_an_explicit_pool_is_kept_on_cuda():
     it measures. The engine tests' helper names its pool in the run's settings (issue 34: on the H100
     it did not, the executor resized its 24-block manager and no preemption happened)."""
     pytest.importorskip("zmq")
-    from engine.torch_exec.driver import TorchExecutor
+    from engine.torch_exec.driver.executor import TorchExecutor
     from test_torch_engine import pipeline_spec
 
     spec = pipeline_spec("tiny-llama", 2, 24, 4)
@@ -194,9 +194,9 @@ def test_profile_run_warms_up_probes_and_releases_the_warmup_pool(monkeypatch):
     from types import SimpleNamespace
 
     from engine.pricing.models import get_model
-    from engine.torch_exec import profile_run
-    from engine.torch_exec.checkpoint import random_tensors, spec_arch, stage_tensor_names
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.stage import profile_run
+    from engine.torch_exec.weights.checkpoint import random_tensors, spec_arch, stage_tensor_names
+    from engine.torch_exec.stage.model import StageModel
 
     calls = []
     fake = {"synchronize": lambda *a, **k: calls.append("sync"),

@@ -1,4 +1,4 @@
-"""The driver's socketpair to a stage (engine/torch_exec/lane.py): whole frames in order, however
+"""The driver's socketpair to a stage (engine/torch_exec/wire/lane.py): whole frames in order, however
 the bytes arrive; a closed or corrupt line is an error, not a hang; a frame that fails the codec
 or names another stage is dropped and reported."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from engine.torch_exec import wire
-from engine.torch_exec.lane import HEADER, DriverLanes, Lane, LaneClosed, StageLine
+from engine.torch_exec.wire import messages as wire
+from engine.torch_exec.wire.lane import HEADER, DriverLanes, Lane, LaneClosed, StageLine
 
 SECRET = bytes(range(32))
 

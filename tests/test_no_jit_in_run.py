@@ -18,8 +18,8 @@ pytestmark = pytest.mark.gpu
 def _stage(model: str = "tiny-llama", num_blocks: int = 4096, block_size: int = 16):
     """The whole model as one stage, set up as a spawned stage sets itself up (graphs captured)."""
     from engine.pricing.models import get_model
-    from engine.torch_exec.checkpoint import random_tensors, spec_arch, stage_tensor_names
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.weights.checkpoint import random_tensors, spec_arch, stage_tensor_names
+    from engine.torch_exec.stage.model import StageModel
 
     arch = spec_arch(get_model(model))
     L = arch.num_layers

@@ -173,14 +173,14 @@ def test_table_width_compiles_no_new_kernel_variant():
 def tiny_ckpts(model_cache):
     pytest.importorskip("transformers")
     from engine.pricing.models import get_model
-    from engine.torch_exec.checkpoint import random_checkpoint
+    from engine.torch_exec.weights.checkpoint import random_checkpoint
 
     return {n: random_checkpoint(get_model(n), 0, model_cache) for n in ("tiny-llama", "tiny-qwen2")}
 
 
 def _stages(path, split, attention, num_blocks=64, block_size=4, device=DEV):
-    from engine.torch_exec.checkpoint import read_arch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.weights.checkpoint import read_arch
+    from engine.torch_exec.stage.model import StageModel
 
     arch = read_arch(path)
     out, first = [], 0

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 from engine.torch_exec.tensors.inputs import host_batch  # noqa: E402
 from engine.torch_exec.graphs.piecewise import pad_tokens, piece_sizes, token_bucket  # noqa: E402
-from engine.torch_exec.kv_sizing import stage_sizes  # noqa: E402
+from engine.torch_exec.shared.kv_sizing import stage_sizes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -79,14 +79,14 @@ def tiny(model_cache):
     pytest.importorskip("transformers")
     pytest.importorskip("triton")
     from engine.pricing.models import get_model
-    from engine.torch_exec.checkpoint import random_checkpoint
+    from engine.torch_exec.weights.checkpoint import random_checkpoint
 
     return random_checkpoint(get_model("tiny-llama"), 0, model_cache)
 
 
 def _stage(path, split, fused=False, device=DEV):
-    from engine.torch_exec.checkpoint import read_arch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.weights.checkpoint import read_arch
+    from engine.torch_exec.stage.model import StageModel
 
     first_layer, n, first, last = split
     m = StageModel(read_arch(path), first_layer, n, first, last, 64, 4, device=device, attention="triton",
@@ -168,8 +168,8 @@ def test_piece_replays_equal_the_pieces_run_eagerly(tiny, dtype):
     """Bit for bit: replaying the captured pieces and running the same pieces without graphs
     (same buffers, same shapes, same kernels), for a mixed batch and a prefill; all buckets
     captured at configure."""
-    from engine.torch_exec.checkpoint import read_arch
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.weights.checkpoint import read_arch
+    from engine.torch_exec.stage.model import StageModel
 
     m = StageModel(read_arch(tiny), 0, 8, True, True, 256, 4, dtype=dtype, device="cuda", attention="triton")
     m.load(tiny)

@@ -6,8 +6,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import engine.torch_exec  # noqa: E402,F401
-from engine.torch_exec.sampling import Sampler, apply_penalties  # noqa: E402
-from engine.torch_exec.transfer import reassemble, split  # noqa: E402
+from engine.torch_exec.stage.sampling import Sampler, apply_penalties  # noqa: E402
+from engine.torch_exec.stage.transfer import reassemble, split  # noqa: E402
 
 
 def test_penalties_exactly_as_defined():
@@ -108,7 +108,7 @@ def test_greedy_on_the_host_picks_what_torch_argmax_picks(dtype):
     every row, ties to the first index, a NaN taken as the largest, in every dtype."""
     import torch
 
-    from engine.torch_exec.sampling import greedy
+    from engine.torch_exec.stage.sampling import greedy
 
     x = torch.randn(64, 32000, generator=torch.Generator().manual_seed(0))
     x[3, 5] = x[3, 7] = float("nan")

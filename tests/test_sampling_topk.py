@@ -2,7 +2,7 @@
 the same candidates and probabilities as the full-vocabulary mask-and-sort it replaced."""
 import torch
 
-from engine.torch_exec.sampling import candidate_probs, greedy, sample
+from engine.torch_exec.stage.sampling import candidate_probs, greedy, sample
 
 
 def _old_probs(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -67,7 +67,7 @@ def _dense_penalties(logits, counts_vm, seen_vm, r, p, f):
 
 
 def test_sparse_penalties_equal_the_dense_form():
-    from engine.torch_exec.sampling import apply_penalties
+    from engine.torch_exec.stage.sampling import apply_penalties
 
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(5, 400, generator=gen) * 4
@@ -81,7 +81,7 @@ def test_sparse_penalties_equal_the_dense_form():
 
 
 def test_sampler_penalties_equal_the_dense_form_over_steps():
-    from engine.torch_exec.sampling import Sampler
+    from engine.torch_exec.stage.sampling import Sampler
 
     vocab, kw = 300, dict(method="random", temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.4,
                           presence_penalty=0.3, frequency_penalty=0.2)

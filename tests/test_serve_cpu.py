@@ -8,7 +8,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
-from engine.torch_exec.driver import free_port  # noqa: E402
+from engine.torch_exec.wire.addresses import free_port  # noqa: E402
 from testbed.config.spec import compose_spec  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def test_the_server_warms_up_before_it_listens_then_forgets_the_warm_up(server):
 
 def test_cpu_pool_is_sized_from_available_memory(server):
     from engine.base.settings import MAX_KV_BLOCKS
-    from engine.torch_exec.kv_sizing import CPU_KV_CAP_BYTES, block_bytes, cpu_pool_for
+    from engine.torch_exec.shared.kv_sizing import CPU_KV_CAP_BYTES, block_bytes, cpu_pool_for
 
     arch = server.ctrl.executor.arch
     n = server.info["kv_num_blocks"]
@@ -54,7 +54,7 @@ def test_cpu_pool_is_sized_from_available_memory(server):
 
 def test_cpu_pool_arithmetic():
     from engine.base.errors import ConfigError
-    from engine.torch_exec.kv_sizing import GIB, cpu_pool_blocks
+    from engine.torch_exec.shared.kv_sizing import GIB, cpu_pool_blocks
 
     assert cpu_pool_blocks(1 << 20, 8 * GIB) == 2048  # a quarter of 8 GiB in 1 MiB blocks
     assert cpu_pool_blocks(1 << 20, 64 * GIB) == 4096  # capped at 4 GiB on a big machine

@@ -148,7 +148,7 @@ def test_fallback_codec_round_trips_ids():
 
 def test_per_request_sampling_rows():
     torch = pytest.importorskip("torch")
-    from engine.torch_exec.sampling import Sampler
+    from engine.torch_exec.stage.sampling import Sampler
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     run = Sampler(50)  # the run samples greedily; rows 1 and 2 are served requests with their own params

@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from engine.torch_exec.driver import free_port  # noqa: E402
+from engine.torch_exec.wire.addresses import free_port  # noqa: E402
 from serve_helpers import cli_server  # noqa: E402
 from testbed.config.spec import compose_spec  # noqa: E402
 

@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
-from engine.torch_exec.driver import free_port  # noqa: E402
+from engine.torch_exec.wire.addresses import free_port  # noqa: E402
 from testbed.config.spec import compose_spec  # noqa: E402
 
 MODEL = "tiny-llama"
@@ -212,7 +212,7 @@ def test_a_request_past_the_api_checks_cannot_stop_the_engine(server, client, sa
 def test_error_text_for_clients_has_no_traceback():
     from testbed.serve.protocol import public_message
 
-    stage = ('stage 1 failed: Traceback (most recent call last):\n  File "/srv/engine/torch_exec/worker.py", '
+    stage = ('stage 1 failed: Traceback (most recent call last):\n  File "/srv/engine/torch_exec/stage/worker.py", '
              'line 9, in run\n    tok = sample(x)\n    ^^^^^^\nRuntimeError: probability tensor contains inf')
     msg = public_message(stage)
     assert msg == "stage 1 failed: RuntimeError: probability tensor contains inf"

@@ -1,4 +1,4 @@
-"""Block tables as deltas (engine/torch_exec/tables.py): the stages rebuild exactly the driver's
+"""Block tables as deltas (engine/torch_exec/wire/tables.py): the stages rebuild exactly the driver's
 tables from launches that carry only what changed, through allocation, growth, frees and reuse."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import pytest
 
 from engine.core.kv import BlockManager
-from engine.torch_exec import wire
-from engine.torch_exec.tables import DriverTables, StageTables
+from engine.torch_exec.wire import messages as wire
+from engine.torch_exec.wire.tables import DriverTables, StageTables
 
 SECRET = bytes(range(32))
 

@@ -31,7 +31,7 @@ from engine.pricing.models import get_model  # noqa: E402
 from engine.core.policy import POLICIES, RuntimeFeatures  # noqa: E402
 from engine.core.request import Request  # noqa: E402
 from engine.core.trace import Tracer  # noqa: E402
-from engine.torch_exec.checkpoint import prompt_ids, random_checkpoint  # noqa: E402
+from engine.torch_exec.weights.checkpoint import prompt_ids, random_checkpoint  # noqa: E402
 from engine.torch_exec.settings import TorchSettings  # noqa: E402
 
 PROMPT_LENS = (3, 17, 40, 9, 25, 60)
@@ -345,7 +345,7 @@ def test_prompt_ids_are_deterministic_and_respect_given_ids():
 
 
 def test_cpu_kv_pool_too_large_is_a_config_error(model_cache):
-    from engine.torch_exec.checkpoint import check_kv_memory, read_arch
+    from engine.torch_exec.weights.checkpoint import check_kv_memory, read_arch
 
     arch = read_arch(random_checkpoint(get_model("tiny-llama"), 0, model_cache))
     with pytest.raises(ConfigError, match="kv.num_blocks"):

@@ -9,9 +9,9 @@ pytest.importorskip("transformers")
 
 from engine.core.kv import BlockManager  # noqa: E402
 from engine.pricing.models import get_model  # noqa: E402
-from engine.torch_exec.checkpoint import read_arch, random_checkpoint, stage_tensor_names  # noqa: E402
-from engine.torch_exec.model import StageModel  # noqa: E402
-from engine.torch_exec.sampling import sample  # noqa: E402
+from engine.torch_exec.weights.checkpoint import read_arch, random_checkpoint, stage_tensor_names  # noqa: E402
+from engine.torch_exec.stage.model import StageModel  # noqa: E402
+from engine.torch_exec.stage.sampling import sample  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -165,7 +165,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(ckpts, tmp_path):
 
 def test_model_source_resolution(ckpts, tmp_path):
     from engine.base.errors import ConfigError
-    from engine.torch_exec.checkpoint import model_source
+    from engine.torch_exec.weights.checkpoint import model_source
     from engine.torch_exec.settings import TorchSettings
 
     path = ckpts["tiny-qwen2"]
@@ -190,7 +190,7 @@ def test_rope_scaling_llama3_matches_transformers(tmp_path):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from engine.torch_exec.model import inv_freq
+    from engine.torch_exec.stage.model import inv_freq
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -210,7 +210,7 @@ def test_decodes_are_grouped_by_length_so_padding_stays_bounded():
     near-equal decodes stay one group (one set of operations per layer)."""
     import numpy as np
 
-    from engine.torch_exec.model import PADDING_SLACK, decode_groups
+    from engine.torch_exec.stage.model import PADDING_SLACK, decode_groups
 
     rng = np.random.default_rng(0)
     for blocks in (rng.integers(1, 100, 64), np.array([63] + [10] * 45), rng.integers(1, 4, 7)):

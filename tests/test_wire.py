@@ -19,7 +19,7 @@ import time
 import msgpack
 import pytest
 
-from engine.torch_exec import wire
+from engine.torch_exec.wire import messages as wire
 
 # --- the codec -------------------------------------------------------------------------------------------
 SECRET = bytes(range(32))
@@ -155,7 +155,7 @@ def test_a_squatter_cannot_take_a_stage_identity_and_big_frames_are_refused():
     unauthenticated 700 MB frames were buffered whole (driver 249 MB -> 3.6 GB) (issue 25, item 3)."""
     import zmq
 
-    from engine.torch_exec.control import MAX_FRAME_BYTES, ControlSocket
+    from engine.torch_exec.driver.control import MAX_FRAME_BYTES, ControlSocket
 
     ctl = ControlSocket(wire.Codec(SECRET, me="driver", run="r1"), "127.0.0.1")
     ctx = zmq.Context()
@@ -201,10 +201,10 @@ def test_external_secret_comes_from_env_or_file(tmp_path):
 
 def test_binding_off_loopback_warns_with_the_port(caplog):
     pytest.importorskip("zmq")
-    from engine.torch_exec.control import ControlSocket
+    from engine.torch_exec.driver.control import ControlSocket
 
     codec = wire.Codec(SECRET)
-    with caplog.at_level("WARNING", logger="engine.torch_exec.control"):
+    with caplog.at_level("WARNING", logger="engine.torch_exec.wire.addresses"):
         quiet = ControlSocket(codec, "127.0.0.1")
         assert quiet.address.startswith("tcp://127.0.0.1:") and not caplog.records
         loud = ControlSocket(codec, "0.0.0.0")
@@ -226,7 +226,7 @@ from engine.core.kv import BlockManager  # noqa: E402
 from engine.pricing.models import get_model  # noqa: E402
 from engine.core.policy import POLICIES, RuntimeFeatures  # noqa: E402
 from engine.core.trace import Tracer  # noqa: E402
-from engine.torch_exec.checkpoint import random_checkpoint  # noqa: E402
+from engine.torch_exec.weights.checkpoint import random_checkpoint  # noqa: E402
 from engine.torch_exec.settings import TorchSettings  # noqa: E402
 from test_torch_engine import _alive, _hf_greedy, _requests  # noqa: E402
 
@@ -258,7 +258,7 @@ def _run(requests, cache, progress, *, pp=2, runtime=RuntimeFeatures(), **settin
 ATTACKER = textwrap.dedent("""
     import os, pickle, sys, zmq
     sys.path.insert(0, os.getcwd())
-    from engine.torch_exec import wire
+    from engine.torch_exec.wire import messages as wire
 
     class Touch:
         def __reduce__(self):

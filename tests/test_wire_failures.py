@@ -14,7 +14,7 @@ pytest.importorskip("zmq")
 import engine.torch_exec  # noqa: E402,F401
 from engine.pricing.models import get_model  # noqa: E402
 from engine.core.request import Request  # noqa: E402
-from engine.torch_exec.checkpoint import random_checkpoint  # noqa: E402
+from engine.torch_exec.weights.checkpoint import random_checkpoint  # noqa: E402
 from test_torch_engine import _assert_no_children  # noqa: E402
 
 

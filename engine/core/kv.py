@@ -34,7 +34,7 @@ class BlockManager:
 
     def resize(self, num_blocks: int) -> None:
         """Set the capacity before any block is handed out (the torch engine sizes its pool from
-        measured GPU memory when it starts: engine/torch_exec/kv_sizing.py)."""
+        measured GPU memory when it starts: engine/torch_exec/shared/kv_sizing.py)."""
         if self._tables:
             raise RuntimeError("resize() after blocks were allocated")
         self.__init__(num_blocks, self.block_size)

@@ -59,7 +59,7 @@ class CostCoefficients:
     # sequences x 128k vocab: ~22% of an H100 70B stage, the low end of SiPipe's 22-40%.
     sample_fixed_s: float = 500e-6
     sample_per_token_vocab_s: float = 5e-11
-    # CPU sampler (SiPipe): this project's sampler (engine/torch_exec/sampling.py) measured on one
+    # CPU sampler (SiPipe): this project's sampler (engine/torch_exec/stage/sampling.py) measured on one
     # core with SiPipe's settings (temperature, top-p, top-k and all three penalties on, a 512-token
     # prompt a row): 57 us a row (its seeded draw, the gather of its penalty hits) + 1.41 ns per row x
     # vocabulary entry, 30x its greedy path per entry (topk, then top-p on the k candidates;
@@ -129,7 +129,7 @@ class CostCoefficients:
     return_fixed_s: float = 0.0
     # How much of the padding of decodes to the longest one the decode attention reads: its KV
     # tokens are sum + decode_padding x (D x longest - sum). The torch attention path (the CPU
-    # default, engine/torch_exec/model.py) gathers every decode's blocks up to the longest decode's
+    # default, engine/torch_exec/stage/model.py) gathers every decode's blocks up to the longest decode's
     # and masks the rest: on tiny-llama P=1 (a gllm ShareGPT run, shared 2-core CPU) a mixed step of
     # 32 prefill tokens + 46 decodes took 406 ms while one long decode was running and 120 ms after it
     # finished (the decodes' context sum only 16% lower). 0 = no padding (the Triton path, vLLM).

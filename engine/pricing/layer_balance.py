@@ -1,4 +1,5 @@
-"""`parallel.layer_split=balanced`: layers per stage that balance stage time and KV memory.
+"""Layers per stage: the even split (`split_layers`, the default) and `parallel.layer_split=balanced`,
+layers per stage that balance stage time and KV memory.
 
 An even split gives every stage the same number of transformer layers, but the first stage also
 holds the embedding and the last the LM head, the final norm and (unless sampling runs on CPUs)
@@ -19,9 +20,42 @@ the same split) use one answer.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from engine.base.errors import ConfigError, ImpossibleFitError
+
+
+def split_layers(num_layers: int, pp: int, explicit: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Layers per stage. Even split; the remainder goes to the FIRST stages, one each.
+
+    Why the first: the last stage already carries the lm_head and (unless sampling runs on CPUs)
+    the sampler, so giving it an extra layer would make the bottleneck worse; the first stage's
+    extra work (the embedding gather) is negligible. `explicit` (config `parallel.layer_split`)
+    overrides it: one positive count per stage, summing to `num_layers`.
+    """
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ConfigError(f"invalid parallel.pp={pp!r}: must be an integer >= 1")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ConfigError(f"invalid num_layers={num_layers!r}: must be an integer >= 1")
+    if explicit is not None:
+        split = tuple(explicit)
+        if len(split) != pp:
+            raise ConfigError(
+                f"invalid parallel.layer_split={list(split)}: needs one entry per stage (pp={pp}), got {len(split)}"
+            )
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in split):
+            raise ConfigError(f"invalid parallel.layer_split={list(split)}: every stage needs an integer >= 1 layers")
+        if sum(split) != num_layers:
+            raise ConfigError(
+                f"invalid parallel.layer_split={list(split)}: sums to {sum(split)}, the model has {num_layers} layers"
+            )
+        return split
+    if pp > num_layers:
+        raise ConfigError(
+            f"invalid parallel.pp={pp}: the model has only {num_layers} layers, so at most pp={num_layers}"
+        )
+    base, extra = divmod(num_layers, pp)
+    return tuple(base + 1 if s < extra else base for s in range(pp))
 
 BALANCED = "balanced"
 # The stage time a move must not worsen: a decode step of 128 sequences at 1,024 tokens of context

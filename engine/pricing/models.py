@@ -61,7 +61,7 @@ class ModelSpec:
     # GEMM widths and activation traffic from it; the real engine implements gated MLPs only.
     gated_mlp: bool = True
     # What a spec may say is what config.json says; which rope types and activations the real
-    # engine's forward implements is its own check (engine/torch_exec/checkpoint.py,
+    # engine's forward implements is its own check (engine/torch_exec/weights/checkpoint.py,
     # `check_forward`), so that the simulator still costs any checkpoint's shapes.
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ of repetitions):
 - op=transfer: one stage-to-stage hop of `nbytes` bytes (latency + nbytes / bandwidth).
 
 Torch-free and in engine/ because the torch engine's profiler writes these rows
-(engine/torch_exec/profile.py); fitting them is `testbed profile`'s business
+(engine/torch_exec/driver/profile.py); fitting them is `testbed profile`'s business
 (testbed/calibrate/fit.py).
 """
 from __future__ import annotations

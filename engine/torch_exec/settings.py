@@ -15,7 +15,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 SAMPLING = ("greedy", "random")
 LAUNCH = ("spawn", "external")
-START_METHODS = ("forkserver", "spawn")  # engine/torch_exec/stage_processes.py
+START_METHODS = ("forkserver", "spawn")  # engine/torch_exec/driver/stage_processes.py
 BACKENDS = ("auto", "gloo", "nccl")
 ATTENTION = ("auto", "torch", "triton")
 
@@ -71,7 +71,7 @@ class TorchSettings:
     # kind = raise (an exception), hang (sleeps), exit (dies without a word)
     fault: str = ""
     # the KV pool on CUDA when kv.num_blocks is unset: profiled at this many tokens per micro-batch
-    # (None = the policy's token budget, see engine/torch_exec/kv_sizing.py); also the largest
+    # (None = the policy's token budget, see engine/torch_exec/shared/kv_sizing.py); also the largest
     # piecewise CUDA graph's tokens, plus 256 decode rows (engine/torch_exec/graphs/piecewise.py)
     profile_tokens: int | None = None
 

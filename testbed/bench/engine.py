@@ -23,7 +23,7 @@ request has its tokens (what static batching costs); throughput counts only the 
 request asked for. It runs with `pp * threads_per_stage` torch threads (the same cores as the
 pipeline) unless `--hf-threads` says otherwise.
 
-Prompt ids are the engine's deterministic ids (engine/torch_exec/checkpoint.py): a random model
+Prompt ids are the engine's deterministic ids (engine/torch_exec/weights/checkpoint.py): a random model
 has no tokenizer, and ShareGPT here supplies the lengths.
 """
 from __future__ import annotations
@@ -111,7 +111,7 @@ def run_policy(policy_name: str, requests, args, policy_params: dict, executor: 
 
     spec = compose_spec([f"model={args.model}", f"parallel.pp={args.pp}", f"policy={policy_name}",
                          f"output.dir={args.output_dir}"])
-    values = {"kv.num_blocks": args.num_blocks}  # the pool below; never measured (engine/torch_exec/kv_sizing.py)
+    values = {"kv.num_blocks": args.num_blocks}  # the pool below; never measured (engine/torch_exec/shared/kv_sizing.py)
     if args.layer_split:
         values["parallel.layer_split"] = list(args.layer_split)
     spec = spec.with_values(values)
@@ -169,7 +169,7 @@ def run_hf(requests, args, path: str, threads: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.torch_exec.checkpoint import prompt_ids, read_arch
+    from engine.torch_exec.weights.checkpoint import prompt_ids, read_arch
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> dict:
     import policies  # noqa: F401
     from engine.pricing.models import get_model
     from engine.core.policy import POLICIES
-    from engine.torch_exec.checkpoint import random_checkpoint
+    from engine.torch_exec.weights.checkpoint import random_checkpoint
 
     names = args.policies or POLICIES.names()
     params = _policy_params(args, names)

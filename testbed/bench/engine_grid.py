@@ -168,8 +168,8 @@ def run_grid(args: argparse.Namespace, console=None) -> dict:
 def _floors(spec: RunSpec, points: list[Point], repeats: int, bandwidth: bool):
     import torch
 
-    from engine.torch_exec.checkpoint import model_source, read_arch, spec_arch
-    from engine.torch_exec.driver import check_launchable
+    from engine.torch_exec.weights.checkpoint import model_source, read_arch, spec_arch
+    from engine.torch_exec.driver.executor import check_launchable
     from engine.torch_exec.settings import TorchSettings
     from testbed.bench.engine_floor import Floor, attention_bandwidth, copy_rate
 

@@ -80,8 +80,8 @@ def kernel_tables(spec, quick: bool, repeats: int, top: int = TOP) -> dict[str, 
     """{"device", "sort", "kinds": [{kind, shape, prepare_s, forward_s, host_ms, rows}]} for the run's model."""
     import torch
 
-    from engine.torch_exec.checkpoint import model_source, random_tensors, read_arch, spec_arch, stage_tensor_names
-    from engine.torch_exec.model import StageModel
+    from engine.torch_exec.weights.checkpoint import model_source, random_tensors, read_arch, spec_arch, stage_tensor_names
+    from engine.torch_exec.stage.model import StageModel
 
     rc = spec.settings
     st = rc.executor.settings

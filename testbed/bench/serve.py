@@ -57,7 +57,7 @@ class Outcome:
 
 
 def prompt_token_ids(req: Request, vocab: int, seed: int) -> list[int]:
-    from engine.torch_exec.checkpoint import prompt_ids  # numpy only; no torch
+    from engine.torch_exec.weights.checkpoint import prompt_ids  # numpy only; no torch
 
     return prompt_ids(req, vocab, seed)
 

@@ -1,7 +1,7 @@
 """Calibration: fitting `CostCoefficients` to a profile table, importing other tools' tables, and
 the hardware-profile files a fit is saved as.
 
-`testbed profile` (testbed/calibrate/profile.py, measuring in engine/torch_exec/profile.py)
+`testbed profile` (testbed/calibrate/profile.py, measuring in engine/torch_exec/driver/profile.py)
 writes a profile table, fits it here and saves a hardware profile usable as `hardware=<name>`.
 
 The table format is engine/pricing/profile_table.py's.

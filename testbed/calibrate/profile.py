@@ -39,8 +39,8 @@ from engine.pricing.hardware import (INTRA_BOX_LATENCY_S, PCIE_ALLREDUCE_GBS, PC
 from engine.pricing.models import ModelSpec
 from engine.core.request import Request
 from engine.pricing.profile_grid import ProfileGrid, get_grid
-from engine.torch_exec.profile import device_memory_gib, device_provenance, measure_peaks, profile_engine
-from engine.torch_exec.timing import is_cuda
+from engine.torch_exec.driver.profile import device_memory_gib, device_provenance, measure_peaks, profile_engine
+from engine.torch_exec.shared.timing import is_cuda
 from testbed import signals
 from testbed.calibrate.path_hint import fitted_on_runs, runs_fit_note
 from testbed.config.spec import compose_spec

@@ -38,7 +38,7 @@ from testbed.config.spec import RunSpec
 
 RUN_FILES = ("config.yaml", "requests.csv", "microbatches.csv", "summary.json")
 REQUEST_COLUMNS = ("request_id", "arrival_s", "prompt_len", "output_len", "output_token_ids")
-# Span names the stages record (engine/torch_exec/worker.py); forward spans are "forward:<kind>".
+# Span names the stages record (engine/torch_exec/stage/worker.py); forward spans are "forward:<kind>".
 STAGE_SPANS = ("prepare", "forward", "sample", "send", "recv", "wait", "to_samplers")
 
 

@@ -3,7 +3,7 @@
 `python -m testbed.linkbench.gloo_pair RANK MASTER_ADDR PORT PLAN_JSON` in each endpoint namespace
 (rank 0 sends, rank 1 receives). PLAN_JSON is a list of transfers `{"n": bytes, "msgs": 3|1,
 "gap": seconds}`. A 3-message transfer is the engine's plain data path when the receiver is not
-structure-aware (engine/torch_exec/worker.py `send_next` / `receive_hidden`): the metadata's size
+structure-aware (engine/torch_exec/stage/worker.py `send_next` / `receive_hidden`): the metadata's size
 (one int64), the metadata blob (`META_BYTES`), then the activation; a 1-message transfer is the
 activation alone (structure-aware). The sender sleeps `gap` before each transfer (the link idles;
 the receiver has long posted its first receive, as a stage waiting for input has), stamps
@@ -24,7 +24,7 @@ from datetime import timedelta
 META_BYTES = 96
 # The endpoints run SCHED_FIFO: they block on the link most of the time, and on a loaded machine a
 # sender or receiver waiting for a CPU shows up as link time (seen: 8 KB in 30-64 ms at load 14).
-RT_PRIORITY = 20  # an authenticated TensorMeta blob of a 2-D activation (wire.py), about this size
+RT_PRIORITY = 20  # an authenticated TensorMeta blob of a 2-D activation (wire/messages.py), about this size
 
 
 def run(rank: int, master: str, port: int, plan: list[dict]) -> list[float]:

@@ -95,7 +95,7 @@ def provenance(load_before: list[str] | None = None) -> dict:
             "torch": torch.__version__, "python": platform.python_version(),
             "loadavg": Path("/proc/loadavg").read_text().split()[:3], "loadavg_before": load_before,
             "congestion_control": CONGESTION_CONTROL, "link": "veth + tbf (queue: each row's queue_bytes) + TUN delay relay (testbed/linkbench)",
-            "data_plane": "torch.distributed gloo send/recv over TCP (engine/torch_exec/worker.py)"}
+            "data_plane": "torch.distributed gloo send/recv over TCP (engine/torch_exec/stage/worker.py)"}
 
 
 def _exit_cleanly(*_) -> None:

@@ -44,14 +44,14 @@ def build_cost_model(spec: RunSpec) -> CostModel:
 
 def kv_blocks(rc: RunConfig, cost: CostModel) -> tuple[int, int]:
     """(number of KV blocks, tokens per block): `kv.num_blocks`, else what the memory holds (the
-    torch engine on CPU: the machine's available memory, engine/torch_exec/kv_sizing.py)."""
+    torch engine on CPU: the machine's available memory, engine/torch_exec/shared/kv_sizing.py)."""
     kv = rc.kv
     if kv.num_blocks is not None:
         return kv.num_blocks, kv.block_size
     st = rc.executor.settings
     if rc.executor.name == "torch" and st.device == "cpu" and st.launch == "spawn":  # not the GPU's memory
         from engine.base.settings import MAX_KV_BLOCKS
-        from engine.torch_exec.kv_sizing import cpu_pool_for
+        from engine.torch_exec.shared.kv_sizing import cpu_pool_for
 
         n = cpu_pool_for(cost.model, kv.block_size, st.resolved_dtype, MAX_KV_BLOCKS)
         if n is not None:

@@ -6,7 +6,7 @@ messages go through its chat template when it has one (else the fallback's lines
 by the tokenizer), and its EOS id ends a request (unless the client sets `ignore_eos`).
 
 Random-weight checkpoints built on this machine (`model=tiny-llama` on CPU) ship their own
-tokenizer.json (engine/torch_exec/random_tokenizer.py): token t is the word `t`, so replies read
+tokenizer.json (engine/torch_exec/weights/random_tokenizer.py): token t is the word `t`, so replies read
 `"17 30512 8"` and an outside client given that file counts exactly the server's tokens; any
 word that is not an id is id 0; there is no EOS.
 
@@ -83,7 +83,7 @@ def chat_text(messages: list[dict]) -> str:
 
 def load_codec(model_path: str | None, vocab_size: int) -> Codec:
     """The checkpoint's tokenizer when it has one, else the fallback (see the module docstring).
-    A random-weight checkpoint's tokenizer (engine/torch_exec/random_tokenizer.py) has no EOS."""
+    A random-weight checkpoint's tokenizer (engine/torch_exec/weights/random_tokenizer.py) has no EOS."""
     if model_path and any(os.path.exists(os.path.join(model_path, f))
                           for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         from transformers import AutoTokenizer

@@ -269,7 +269,7 @@ def cli_serve(overrides: list[str], console) -> int:
     spec = compose_spec(overrides)
     _check_bind(spec.serve)
     if spec.serve.port == 0:  # pick the free port now, so that the line below can name it
-        from engine.torch_exec.driver import free_port
+        from engine.torch_exec.wire.addresses import free_port
 
         spec = spec.with_values({"serve.port": free_port(spec.serve.host)})
     server = build_server(spec, console)

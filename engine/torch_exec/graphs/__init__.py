@@ -1,1 +1,1 @@
-"""CUDA graphs of the real engine: whole decode steps and piecewise mixed steps."""
+"""CUDA graphs, captured and replayed in each stage process: whole decode steps and piecewise mixed steps."""

@@ -86,7 +86,7 @@ class GraphCapture:
 
 
 class CudaGraphRunner(GraphCapture):
-    """One captured forward per bucket size for a StageModel (engine/torch_exec/model.py)."""
+    """One captured forward per bucket size for a StageModel (engine/torch_exec/stage/model.py)."""
 
     def __init__(self, model, sizes: tuple[int, ...] = GRAPH_SIZES) -> None:
         self.model = model

@@ -84,7 +84,7 @@ def pad_tokens(hb, rows: int):
 
 
 class PiecewiseGraphs(GraphCapture):
-    """The L + 1 pieces of a StageModel (engine/torch_exec/model.py) per token bucket."""
+    """The L + 1 pieces of a StageModel (engine/torch_exec/stage/model.py) per token bucket."""
 
     def __init__(self, model, sizes: tuple[int, ...]) -> None:
         self.model = model

@@ -1,1 +1,1 @@
-"""Triton kernels of the real engine: paged attention, fused RMSNorm and rotary embedding."""
+"""Triton kernels of the real engine, run in each stage process: paged attention, fused RMSNorm and rotary embedding."""

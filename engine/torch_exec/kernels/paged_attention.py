@@ -1,6 +1,6 @@
 """Attention over the paged KV cache in one Triton launch per layer, and the K/V slot writes.
 
-Layout (engine/torch_exec/model.py): per layer a K and a V pool `[kv_heads, num_blocks,
+Layout (engine/torch_exec/stage/model.py): per layer a K and a V pool `[kv_heads, num_blocks,
 block_size, head_dim]`; key j of sequence s lives at block `block_tables[s, j // block_size]`,
 offset `j % block_size`. A micro-batch is a list of query chunks, `query_start[S + 1]` their rows
 in `q [T, heads, head_dim]`: a prefill chunk is `n` queries at the end of a context of

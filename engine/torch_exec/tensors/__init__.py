@@ -1,1 +1,1 @@
-"""A micro-batch as the real engine's arrays and tensors: what the model, its kernels and graphs read."""
+"""A micro-batch as the arrays and tensors a stage process builds: what the model, its kernels and graphs read."""

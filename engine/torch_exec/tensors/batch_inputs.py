@@ -1,6 +1,6 @@
 """`BatchInputs`: the tensors one micro-batch gives every layer of a stage (`StageModel.prepare`).
 
-A module of its own because two modules build it: the model (engine/torch_exec/model.py) from
+A module of its own because two modules build it: the model (engine/torch_exec/stage/model.py) from
 each micro-batch, and the CUDA-graph runner (engine/torch_exec/graphs/cuda_graphs.py) over its static
 buffers. The model imports the runner, so the runner cannot import the model back: that would be
 an import cycle (tests/test_architecture.py refuses any).

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.batch import MicroBatch
-import engine.torch_exec.wire as wire
+import engine.torch_exec.wire.messages as wire
 
 
 class DriverTables:
@@ -88,7 +88,7 @@ class LaunchRows:
     def prompt(self, request) -> list[int]:
         ids = self.prompts.get(request.request_id)
         if ids is None:
-            from engine.torch_exec.checkpoint import prompt_ids
+            from engine.torch_exec.weights.checkpoint import prompt_ids
 
             ids = self.prompts[request.request_id] = prompt_ids(request, self.vocab, self.prompt_seed)
         return ids

@@ -16,51 +16,13 @@ legitimate message to the driver is a few hundred kB.
 from __future__ import annotations
 
 import logging
-import socket
 
-import engine.torch_exec.wire as wire
+import engine.torch_exec.wire.messages as wire
+from engine.torch_exec.wire.addresses import warn_exposed
 
 LOGGED_DROPS = 10
 MAX_FRAME_BYTES = 16 << 20  # a stray client cannot make the driver buffer more than this per message
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def check_host(key: str, host: str, bind: bool = True) -> None:
-    """A host setting that cannot work is a one-line error naming it before any stage starts:
-    a name that does not resolve, an address not on this machine (`bind`), or an IPv6 address
-    (the control plane speaks IPv4)."""
-    from engine.base.errors import bad_value
-
-    valid = "use 127.0.0.1 (this machine), 0.0.0.0 (every interface) or an IPv4 address of this machine"
-    if ":" in host:
-        raise bad_value(key, host, f"IPv6 addresses are not supported; {valid}")
-    try:
-        socket.getaddrinfo(host, 0, socket.AF_INET, socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise bad_value(key, host, f"cannot be resolved ({exc.strerror}); {valid}") from None
-    if not bind:
-        return
-    try:
-        free_port(host)
-    except OSError as exc:
-        raise bad_value(key, host, f"cannot be bound here ({exc.strerror or exc}); {valid}") from None
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def warn_exposed(what: str, host: str, port: int | str) -> None:
-    """The one warning for a listening socket the user moved off loopback."""
-    if not is_loopback(host):
-        log.warning("%s listens on %s:%s, not loopback: reachable from other machines "
-                    "(messages still need the run's secret)", what, host, port)
 
 
 class ControlSocket:
@@ -124,7 +86,7 @@ class ControlSocket:
 
     def drop(self, source, exc: Exception) -> None:
         """Count (and log the first `LOGGED_DROPS` of) the frames that failed the codec, here or on a
-        stage's lane (lane.py)."""
+        stage's lane (wire/lane.py)."""
         self.dropped += 1
         if self.dropped <= LOGGED_DROPS:
             log.warning("dropped a frame from %r on the control line: %s", source, exc)

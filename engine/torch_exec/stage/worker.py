@@ -3,20 +3,20 @@
 Lifecycle (all waits bounded): connect a DEALER socket (identity `stage<s>`) to the driver's
 ROUTER and say `Hello`; receive `StageInit` (checkpoint, layer range, KV pool size, rendezvous,
 sampling); load this stage's tensors; join the process group (world = the P stages; the driver
-is not a member; engine/torch_exec/rendezvous.py); say `Ready`; from then on a spawned stage
-talks to the driver over its own socketpair (lane.py; external stages stay on ZeroMQ); answer
+is not a member; engine/torch_exec/stage/rendezvous.py); say `Ready`; from then on a spawned stage
+talks to the driver over its own socketpair (wire/lane.py; external stages stay on ZeroMQ); answer
 `Ping`s with this process's clock; then serve `Launch` messages in order until `Stop`. Every message is a typed,
-HMAC-authenticated msgpack frame (engine/torch_exec/wire.py); a frame that fails the check is
+HMAC-authenticated msgpack frame (engine/torch_exec/wire/messages.py); a frame that fails the check is
 dropped and logged, never decoded.
 
 Launches carry block tables as deltas; each is resolved into whole tables when it arrives
-(tables.py). Per micro-batch, stage s: wait for its metadata (span `wait`), build index tensors (`prepare`),
+(wire/tables.py). Per micro-batch, stage s: wait for its metadata (span `wait`), build index tensors (`prepare`),
 stage > 0 receives the previous stage's hidden states (`recv`), runs its layers (`forward:<kind>`),
 then either posts an asynchronous send to stage s+1 (`send`; a send still pending from the
 previous micro-batch is awaited first, `send_wait`) or, on the last stage, samples (`sample`)
 and returns the token ids. Spans carry this process's `time.perf_counter()` (CLOCK_MONOTONIC on
 Linux, shared by every process of one machine); the driver maps them onto the run's clock. On a
-GPU, prepare/recv/forward/sample end at their CUDA events' elapsed time (timing.py), and when
+GPU, prepare/recv/forward/sample end at their CUDA events' elapsed time (shared/timing.py), and when
 the next launch is already there its inputs are built while the forward runs (`prepare_ahead`,
 before the forward's end event is waited on).
 `wait`, `recv` and `send_wait` are idle time (the stage waits on someone else) and are not
@@ -29,8 +29,8 @@ Any exception is reported to the driver as `StageError` with its traceback, then
 exits. Spawned stages die with the driver (orphan.py: PR_SET_PDEATHSIG, a parent check while
 idle), stages started by hand within seconds of losing it (driver_watch.py); both ignore SIGINT.
 
-Run by hand for multi-machine pipelines (executor.launch=external; secret: wire.py):
-    python -m engine.torch_exec.worker --driver tcp://<driver host>:<zmq_port> --stage <s>
+Run by hand for multi-machine pipelines (executor.launch=external; secret: wire/messages.py):
+    python -m engine.torch_exec.stage.worker --driver tcp://<driver host>:<zmq_port> --stage <s>
 """
 from __future__ import annotations
 
@@ -44,15 +44,15 @@ import time
 import traceback
 from collections import deque
 
-import engine.torch_exec.wire as wire
-from engine.torch_exec.diagnosis import REPORTED_EXIT
-from engine.torch_exec.linked import LinkedStage
-from engine.torch_exec.lane import ACTIVE_WINDOW_S, POLL_SLICE_S, Lane, LaneClosed, StageLine, Stopped
-from engine.torch_exec.driver_watch import WAIT_DRIVER_S, wait_for_driver, watch_driver
-from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
-from engine.torch_exec.tables import StageLaunch, StageTables
-from engine.torch_exec.timing import timer_for
-from engine.torch_exec.wire import SpanRec
+import engine.torch_exec.wire.messages as wire
+from engine.torch_exec.stage.linked import LinkedStage
+from engine.torch_exec.stage.setup import StageSetup
+from engine.torch_exec.wire.lane import ACTIVE_WINDOW_S, POLL_SLICE_S, Lane, LaneClosed, StageLine, Stopped
+from engine.torch_exec.stage.driver_watch import WAIT_DRIVER_S, wait_for_driver, watch_driver
+from engine.torch_exec.stage.orphan import IDLE_POLL_S, die_with_parent, parent_gone
+from engine.torch_exec.wire.tables import StageLaunch, StageTables
+from engine.torch_exec.shared.timing import timer_for
+from engine.torch_exec.wire.messages import SpanRec
 
 CONTROL = (wire.StageInit, wire.KvPool, wire.Launch, wire.Ping, wire.Stop)  # what the driver may send a stage
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secret: bytes | None = None,
                run: str = "", lane=None, wait_driver_s: float = WAIT_DRIVER_S) -> None:
     """Entry point of a stage process (spawned by the driver, or run by hand: then `wait_driver_s`).
-    `lane`: a spawned stage's end of its socketpair to the driver (lane.py), used from `Ready` on."""
+    `lane`: a spawned stage's end of its socketpair to the driver (wire/lane.py), used from `Ready` on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
     secret = secret or wire.secret_from_env()
@@ -87,7 +87,7 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
     except Stopped:
         pass
     except BaseException as exc:  # report, then exit non-zero
-        code = REPORTED_EXIT
+        code = wire.REPORTED_EXIT
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
         if parent_pid is None:  # started by hand: its own terminal is where it is read
             print(f"stage {stage}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -108,7 +108,7 @@ def stage_main(driver_addr: str, stage: int, parent_pid: int | None = None, secr
         os._exit(0)
 
 
-class _Stage(LinkedStage):
+class _Stage(StageSetup, LinkedStage):
     def __init__(self, sock, codec: wire.Codec, stage: int, parent_pid: int | None, secret: bytes,
                  lane: Lane | None = None) -> None:
         self.sock = sock
@@ -154,7 +154,7 @@ class _Stage(LinkedStage):
 
     def recv(self, timeout_s: float | None):
         """Next driver message; raises if the driver vanished or `timeout_s` passed. Right after a
-        micro-batch it waits in `POLL_SLICE_S` slices (lane.py: a long sleeper wakes late on a
+        micro-batch it waits in `POLL_SLICE_S` slices (wire/lane.py: a long sleeper wakes late on a
         loaded machine), later in `IDLE_POLL_S` ones."""
         since = checked = time.perf_counter()
         while True:
@@ -210,127 +210,6 @@ class _Stage(LinkedStage):
         if self.backlog and isinstance(self.backlog[0], StageLaunch):
             return self.backlog[0]
         return None
-
-    # --- set-up ------------------------------------------------------------------------------------------
-    def setup(self, init: wire.StageInit) -> None:
-        t0 = time.perf_counter()
-        import torch
-
-        self.torch = torch
-        self.init = init
-        self.P = init.pp
-        self.first = self.stage == 0
-        self.last = self.stage == self.P - 1
-        self.setup_device(init)
-        self.setup_fault(init.fault)
-        self.load_model(init)
-        if init.num_blocks == 0:
-            self.size_kv(init)
-        t_load = time.perf_counter() - t0
-        if self.P > 1:
-            from engine.torch_exec.rendezvous import join_group
-
-            self.dist, self._store_socket = join_group(init, self.stage)
-        self.setup_runtime(init)
-        if self.P > 1 and (self.bw or self.lat):
-            self.setup_links(init)
-        if self.last:
-            self.setup_sampling(init)
-        self.send(wire.Ready(self.stage, os.getpid(), str(self.device), t_load, time.perf_counter() - t0))
-        self.line.use_lane()  # the driver writes to the lane from Ready on
-
-    def setup_device(self, init: wire.StageInit) -> None:
-        torch = self.torch
-        device = init.device
-        if device == "cpu":
-            torch.set_num_threads(init.threads)
-        elif device == "cuda":
-            if not torch.cuda.is_available():
-                raise RuntimeError(f"executor.device=cuda, but stage {self.stage} on {socket.gethostname()} "
-                                   f"sees no CUDA device")
-            from engine.torch_exec.transfer import stage_device
-
-            device = stage_device(self.stage, torch.cuda.device_count())
-            torch.cuda.set_device(device)
-        self.device = device
-        self.transfer_via_cpu = init.backend == "gloo" and device != "cpu"
-
-    def setup_fault(self, spec: str) -> None:
-        if spec:
-            from engine.torch_exec.settings import parse_fault
-
-            kind, st, n = parse_fault(spec)
-            if st == self.stage:
-                self.fault = (kind, n)
-
-    def load_model(self, init: wire.StageInit) -> None:
-        from engine.pricing.models import ModelSpec
-        from engine.torch_exec.model import StageModel
-
-        self.arch = arch = ModelSpec(**init.arch)
-        first_layer, n_layers = init.layers[self.stage]
-        num_blocks = init.num_blocks
-        if num_blocks == 0:  # measured later: a pool just large enough for the warm-up batch
-            from engine.torch_exec.kv_sizing import warmup_shape
-
-            num_blocks = warmup_shape(init.profile_tokens, init.block_size)[2]
-        self.model = StageModel(arch, first_layer, n_layers, self.first, self.last, num_blocks,
-                                init.block_size, init.dtype, self.device, attention=init.attention)
-        if init.path:
-            self.model.load(init.path)
-        else:  # a table model on the GPU: this stage's random tensors, built in place
-            from engine.torch_exec.checkpoint import random_tensors, stage_tensor_names
-
-            names = stage_tensor_names(arch, first_layer, n_layers, self.first, self.last)
-            self.model.set_weights(random_tensors(arch, names, init.model_seed, self.model.dtype, self.device))
-        self.hidden = arch.hidden_size
-
-    def size_kv(self, init: wire.StageInit) -> None:
-        """vLLM's profile run, then probes until the driver names the one pool size of all
-        stages (engine/torch_exec/profile_run.py, kv_sizing.py)."""
-        from engine.torch_exec.profile_run import probe, warm_up
-
-        peak = warm_up(self.model, init.profile_tokens, self.first)
-        while True:
-            self.send(probe(self.model, self.stage, peak))
-            msg = self.recv(max(600.0, 5 * init.stage_timeout_s))  # the other stages may still be loading
-            if not isinstance(msg, wire.KvPool):
-                raise RuntimeError(f"expected kv_pool, got {msg._wire_tag!r}")
-            if msg.num_blocks > 0:
-                self.model.allocate_kv(msg.num_blocks)
-                return
-
-    def setup_runtime(self, init: wire.StageInit) -> None:
-        self.model.configure(init.attention, init.cuda_graphs, init.profile_tokens)  # attention path; CUDA graphs
-        self.overlap = init.overlap_input_prep
-        # the next micro-batch, when it is known, is prepared while this one runs: by SiPipe's prep
-        # thread, or on a GPU between a forward's launch and its end (the host is idle then)
-        self.look_ahead = self.overlap or self.device != "cpu"
-        self.prepared: dict[int, object] = {}  # mb id -> future of its prepared inputs (<= 2 buffers)
-        self.ready: dict[int, object] = {}  # mb id -> its inputs, prepared on the main thread
-        self.aware = init.structure_aware_transfer
-        self.bw = init.link_bandwidth_Bps
-        self.lat = init.link_latency_s
-        self.chunk = init.link_chunk_bytes or (1 << 20)
-        if self.overlap:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self.prep_pool = ThreadPoolExecutor(1, thread_name_prefix="prep")
-        self.fwd_start: float | None = None  # the forward running now (for the policy's T_a)
-        self.fwd_kind = ""
-        self.fwd_ema: dict[str, float] = {}  # kind -> mean forward time
-        self.decode_starts: deque = deque(maxlen=8)  # recent decode forward starts (next decode's ETA)
-
-    def setup_sampling(self, init: wire.StageInit) -> None:
-        from engine.torch_exec.sampling import Sampler
-
-        self.sampler = Sampler(self.arch.vocab_size, **init.sampling.kwargs())
-        if init.cpu_sampling:
-            from engine.torch_exec.cpu_sampler import SamplerPool
-
-            self.samplers = SamplerPool(init.num_cpu_samplers, init.driver_addr, self.secret,
-                                        self.arch.vocab_size, init.sampling, timeout_s=120.0,
-                                        me=self.codec.me, run=self.codec.run)
 
     # --- data-plane metadata (vLLM-style tensor-dict sends) ---------------------------------------------
     def meta_blob(self, payload) -> bytes:
@@ -423,7 +302,7 @@ class _Stage(LinkedStage):
         timer = timer_for(self.device)
         mark = timer.start()
         out = self.model.forward(b, hidden)
-        pending = timer.record(mark)  # CUDA events on a GPU (timing.py)
+        pending = timer.record(mark)  # CUDA events on a GPU (shared/timing.py)
         if ahead is not None:
             a = time.perf_counter()
             self.ready[ahead.mb_id] = self.model.prepare(ahead.prefills, ahead.decodes)

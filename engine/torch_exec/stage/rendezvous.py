@@ -16,7 +16,7 @@ import os
 import socket
 import sys
 
-from engine.torch_exec.control import is_loopback, warn_exposed
+from engine.torch_exec.wire.addresses import is_loopback, warn_exposed
 
 
 def store_socket(host: str, port: int) -> socket.socket:

@@ -5,7 +5,7 @@ sharded with model.safetensors.index.json) is used as it is. A table model (`mod
 `tiny-qwen2`, any `ModelSpec`) is built once with transformers (`LlamaForCausalLM` /
 `Qwen2ForCausalLM` from the spec's `hf_config()`, float32, weights from `torch.manual_seed(seed)`)
 and saved with `save_pretrained` (safetensors) into `<cache>/<name>-seed<seed>/`, with a
-`tokenizer.json` whose token t is the numeral t (engine/torch_exec/random_tokenizer.py); the
+`tokenizer.json` whose token t is the numeral t (engine/torch_exec/weights/random_tokenizer.py); the
 stages then load it like any other checkpoint, reading only their own tensors with `safe_open`.
 
 Random weights use `initializer_range=0.1`, not transformers' 0.02: with 0.02 a tiny random
@@ -38,7 +38,7 @@ MAX_RANDOM_PARAMS = 2_000_000_000  # building a random 70B model on the fly is n
 FIRST_PROMPT_ID = 3
 
 
-ROPE_TYPES = ("default", "linear", "llama3")  # what the stage's `inv_freq` implements (model.py)
+ROPE_TYPES = ("default", "linear", "llama3")  # what the stage's `inv_freq` implements (stage/model.py)
 
 
 def read_arch(path: str | os.PathLike) -> ModelSpec:
@@ -243,7 +243,7 @@ def random_checkpoint(spec: ModelSpec, seed: int, cache_dir: str | os.PathLike) 
     if spec.total_params > MAX_RANDOM_PARAMS:
         raise ConfigError(f"model {spec.name!r} has {spec.total_params / 1e9:.1f}B parameters: too large to build "
                           f"with random weights; give a checkpoint (model.path or executor.model_path)")
-    from engine.torch_exec.random_tokenizer import has_tokenizer, write_random_tokenizer
+    from engine.torch_exec.weights.random_tokenizer import has_tokenizer, write_random_tokenizer
 
     cache_dir = Path(cache_dir)
     target = cache_dir / f"{spec.name}-seed{seed}"

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import time
 
-import engine.torch_exec.wire as wire
-from engine.torch_exec.lane import Stopped
-from engine.torch_exec.tables import StageLaunch
-from engine.torch_exec.orphan import IDLE_POLL_S, parent_gone
-from engine.torch_exec.wire import SpanRec
+import engine.torch_exec.wire.messages as wire
+from engine.torch_exec.wire.lane import Stopped
+from engine.torch_exec.wire.tables import StageLaunch
+from engine.torch_exec.stage.orphan import IDLE_POLL_S, parent_gone
+from engine.torch_exec.wire.messages import SpanRec
 
 
 class LinkedStage:
@@ -86,7 +86,7 @@ class LinkedStage:
 
     def setup_links(self, init: wire.StageInit) -> None:
         """Paced links: activations go through a policy-scheduled sender thread (transfer.py)."""
-        import engine.torch_exec.transfer as transfer
+        import engine.torch_exec.stage.transfer as transfer
 
         comm_dev = "cpu" if (self.transfer_via_cpu or self.device == "cpu") else self.device
         if not self.last:
@@ -132,7 +132,7 @@ class LinkedStage:
         return buf
 
     def send_paced(self, msg: StageLaunch, out, spans: list) -> None:
-        from engine.torch_exec.transfer import _MbRef
+        from engine.torch_exec.stage.transfer import _MbRef
 
         t3 = time.perf_counter()
         payload = (out.cpu() if self.transfer_via_cpu else out).contiguous()

@@ -1,4 +1,4 @@
-"""What binds a control frame to one run, sender, receiver and moment (engine/torch_exec/wire.py
+"""What binds a control frame to one run, sender, receiver and moment (engine/torch_exec/wire/messages.py
 signs it): without it a captured frame could be replayed (one replayed `done` or `hello` killed a
 run). The binding is [run, sender, receiver, counter]; a receiver refuses a frame for someone
 else (the direction), for another run, or whose counter it has already seen from that sender.
@@ -14,7 +14,7 @@ REPLAY_WINDOW = 1 << 16  # counters this far below a sender's highest are refuse
 GROUPS = {"stage": "stages", "sampler": "samplers"}  # name prefix -> the group it also answers to
 
 
-# The run's shared secret (engine/torch_exec/wire.py's module docstring: how external stages get it).
+# The run's shared secret (engine/torch_exec/wire/messages.py's module docstring: how external stages get it).
 SECRET_ENV = "TESTBED_STAGE_SECRET"
 SECRET_FILE_ENV = "TESTBED_STAGE_SECRET_FILE"
 SECRET_BYTES = 32

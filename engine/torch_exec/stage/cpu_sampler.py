@@ -1,14 +1,14 @@
 """SiPipe's CPU sampler pool (runtime.cpu_sampling): processes beside the last stage.
 
 Sampler k owns the rows of sequences with seq_id % n == k, so each sequence's penalty state lives
-in exactly one process and is updated in place there (engine/torch_exec/sampling.py `Sampler`).
+in exactly one process and is updated in place there (engine/torch_exec/stage/sampling.py `Sampler`).
 The last stage (`SamplerPool`, below) sends each sampler only its rows of a micro-batch's logits:
 an authenticated `SampleJob` (row indices, keys, the prefill tokens the penalty state needs,
-dtype and shape; engine/torch_exec/wire.py) followed by the rows' raw bytes in a second frame of
+dtype and shape; engine/torch_exec/wire/messages.py) followed by the rows' raw bytes in a second frame of
 the same ZeroMQ message, over a ROUTER the stage binds on 127.0.0.1 (the samplers always run on
 the stage's machine). Only samplers that said an authentic `SamplerHello` get jobs. Each sampler
 returns its token ids straight to the driver over its own DEALER (`Sampled`); the driver merges
-the n parts. A sampler exits on `Stop`, when the stage is gone (engine/torch_exec/orphan.py), or
+the n parts. A sampler exits on `Stop`, when the stage is gone (engine/torch_exec/stage/orphan.py), or
 when its channel fails.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import os
 import signal
 import time
 
-import engine.torch_exec.wire as wire
-from engine.torch_exec.orphan import IDLE_POLL_S, die_with_parent, parent_gone
+import engine.torch_exec.wire.messages as wire
+from engine.torch_exec.stage.orphan import IDLE_POLL_S, die_with_parent, parent_gone
 
 DTYPES = ("float32",)  # what the stage sends (logits upcast once)
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def sampler_main(driver_addr: str, channel: str, k: int, n: int, secret: bytes, 
     import torch
     import zmq
 
-    from engine.torch_exec.sampling import Sampler
+    from engine.torch_exec.stage.sampling import Sampler
 
     torch.set_num_threads(1)
     codec = wire.Codec(secret, me=f"sampler{k}", run=run)
@@ -137,7 +137,7 @@ def sampler_main(driver_addr: str, channel: str, k: int, n: int, secret: bytes, 
     jobs = ctx.socket(zmq.DEALER)
     jobs.setsockopt(zmq.LINGER, 0)
     jobs.connect(channel)
-    out = ctx.socket(zmq.DEALER)  # no chosen identity (see engine/torch_exec/control.py)
+    out = ctx.socket(zmq.DEALER)  # no chosen identity (see engine/torch_exec/driver/control.py)
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(driver_addr)
     s = Sampler(vocab, **sampling.kwargs())

@@ -9,16 +9,16 @@ last stage's sampler channel, the metadata blob on the torch.distributed data pl
 The receiver checks the MAC first (`hmac.compare_digest`) and only then parses the body, with
 msgpack (which builds only None, bools, numbers, str, bytes, lists and dicts -- never an arbitrary
 object, unlike pickle). The tag names one frozen dataclass below; the field names must be exactly
-the dataclass's fields and every value is checked against its annotation (wire_schema.py). Anything else -- a
+the dataclass's fields and every value is checked against its annotation (wire/schema.py). Anything else -- a
 short frame, a wrong MAC, malformed msgpack, an unknown tag, a missing/extra field, a wrong type --
 raises `WireError`, and the receiver drops the frame (the driver counts them in
 `TorchExecutor.dropped_frames`).
 
 Binding: the MAC also covers the run, the sender (`driver`, `stage<i>`, `sampler<k>`), the
 receiver (a name or the group `stages`/`samplers`: the direction) and the sender's counter, so a
-frame cannot be replayed, redirected or reused in another run (engine/torch_exec/binding.py).
+frame cannot be replayed, redirected or reused in another run (engine/torch_exec/wire/binding.py).
 External stages learn the run from the driver's first frame; the driver takes a run-less frame
-only for their `hello`, and binds each sender name to one connection (control.py).
+only for their `hello`, and binds each sender name to one connection (driver/control.py).
 
 The secret: 32 random bytes from `secrets.token_bytes`, made by the driver for each run and given
 to spawned stages as a spawn argument (never over a socket). External stages
@@ -41,10 +41,10 @@ from typing import Any, Callable, NamedTuple
 
 import msgpack
 
-from engine.torch_exec.binding import (REPLAY_WINDOW, SECRET_BYTES, SECRET_ENV,  # noqa: F401 (re-exported)
+from engine.torch_exec.wire.binding import (REPLAY_WINDOW, SECRET_BYTES, SECRET_ENV,  # noqa: F401 (re-exported)
                                        SECRET_FILE_ENV, Window, WireError, check_binding, new_run_id,
                                        new_secret, receiver_names, secret_from_env)
-from engine.torch_exec.wire_schema import record_checker
+from engine.torch_exec.wire.schema import record_checker
 
 MAC_BYTES = 32
 
@@ -215,7 +215,7 @@ class StageInit:
 @dataclass(frozen=True)
 class KvProbe:
     """A stage's measured memory after loading its weights and a warm-up forward at the run's
-    largest micro-batch (engine/torch_exec/kv_sizing.py `StageMemory`)."""
+    largest micro-batch (engine/torch_exec/shared/kv_sizing.py `StageMemory`)."""
 
     stage: int
     device_key: str
@@ -306,6 +306,9 @@ class LinkEvents:
     stage: int
     events: list[LinkSpan]
     moved_bytes: int
+
+
+REPORTED_EXIT = 70  # exit code of a stage that sent its `StageError` (EX_SOFTWARE): not a silent death
 
 
 @message("error")

@@ -85,7 +85,7 @@ def warmup_shape(tokens: int, block_size: int) -> tuple[int, int, int]:
 def warmup_batch(tokens: int, block_size: int) -> tuple[list, list]:
     """(prefill chunks, decode rows) of the warm-up micro-batch, on blocks 0..blocks-1 of a pool
     of `warmup_shape(...)[2]` blocks: sequence 0's prompt in one chunk, then one-block decodes."""
-    from engine.torch_exec.wire import DecodeRow, PrefillChunk
+    from engine.torch_exec.wire.messages import DecodeRow, PrefillChunk
 
     prefill, decodes, _ = warmup_shape(tokens, block_size)
     nb = -(-prefill // block_size)

@@ -18,7 +18,7 @@ What is measured and how (`profile_engine`):
 KV contents do not matter for timing, but cache locality does: every sequence gets its own blocks,
 round robin over the pool (`kv.num_blocks`; `testbed profile` sizes it for the largest batch).
 
-Spans are timed by the stages themselves (timing.py): wall clock on CPU, CUDA events on a GPU.
+Spans are timed by the stages themselves (shared/timing.py): wall clock on CPU, CUDA events on a GPU.
 Also `measure_peaks(device=...)`: the executor's device peaks, on the GPU when it is one (bf16
 GEMMs at several shapes, a large device-to-device copy, CUDA events), on the host otherwise;
 `device_provenance()`: GPU name, driver, torch and CUDA versions, date, for the saved profile.
@@ -34,7 +34,7 @@ from engine.core.batch import MicroBatch, PrefillChunk
 from engine.pricing.profile_table import ProfileRow, ProfileTable
 from engine.pricing.profile_grid import GRIDS, ProfileGrid, design, max_context
 from engine.core.request import Request, Sequence as Seq
-from engine.torch_exec.timing import WallTimer, is_cuda, timer_for
+from engine.torch_exec.shared.timing import WallTimer, is_cuda, timer_for
 
 DEFAULT_GRID = GRIDS["default"]
 QUICK_GRID = GRIDS["quick"]

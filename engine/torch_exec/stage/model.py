@@ -55,7 +55,7 @@ from engine.torch_exec.tensors.batch_inputs import BatchInputs, DecodeGroup
 from engine.torch_exec.tensors.inputs import ARRAYS, HostBatch, host_batch, pack, packed_size, pad_rows
 from engine.torch_exec.graphs.piecewise import pad_tokens
 from engine.pricing.models import ModelSpec
-from engine.torch_exec.checkpoint import EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
+from engine.torch_exec.weights.checkpoint import EMBED, LM_HEAD, NORM, stage_tensor_names, tensor_files
 from engine.torch_exec.kernels import fused
 from engine.torch_exec.kernels.fused import rms_norm, rope
 
@@ -186,7 +186,7 @@ class StageModel:
 
     def allocate_kv(self, num_blocks: int) -> None:
         """(Re)allocate the KV pools: a CUDA stage profiles with a small pool, then takes the size
-        the driver derived from measured memory (engine/torch_exec/kv_sizing.py). Before any CUDA
+        the driver derived from measured memory (engine/torch_exec/shared/kv_sizing.py). Before any CUDA
         graph is captured: graphs keep the addresses of the pools they were captured with."""
         self.k_cache = self.v_cache = []  # release the old pools before allocating the new
         self.num_blocks = num_blocks
@@ -260,7 +260,7 @@ class StageModel:
         if cuda_graphs and self.device.type == "cuda" and self.attention == "triton":
             from engine.torch_exec.graphs.cuda_graphs import CudaGraphRunner
             from engine.torch_exec.graphs.piecewise import PiecewiseGraphs
-            from engine.torch_exec.kv_sizing import stage_sizes
+            from engine.torch_exec.shared.kv_sizing import stage_sizes
 
             self.graphs = CudaGraphRunner(self)
             self.graphs.capture_all()

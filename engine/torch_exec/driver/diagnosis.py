@@ -1,6 +1,6 @@
 """Why a torch run failed: which stage to name, from deaths, error reports and progress.
 
-Mixed into `TorchExecutor` (engine/torch_exec/driver.py), whose state it reads: the stage
+Mixed into `TorchExecutor` (engine/torch_exec/driver/executor.py), whose state it reads: the stage
 processes, the control socket, the in-flight micro-batches and which stage finished which.
 
 - A stage process that died without a word (a signal, `os._exit`) is the root cause: its
@@ -8,10 +8,10 @@ processes, the control socket, the in-flight micro-batches and which stage finis
 - Stages started by hand have no process here: when a report says a peer's connection closed,
   the stages that reported nothing are pinged, and one that does not answer is named.
 - Otherwise the earliest error report (stage clocks mapped onto the driver's) names the stage.
-  A stage that reported its exception exits with `REPORTED_EXIT`, which is not a silent death.
+  A stage that reported its exception exits with `wire.REPORTED_EXIT`, which is not a silent death.
 - No progress for `executor.stage_timeout_s` with work in flight: the first stage that has not
   finished the oldest micro-batch is hung. Stages report a micro-batch as computed before a
-  send that blocks on the next stage (worker.py), so a stage waiting on a hung successor is
+  send that blocks on the next stage (stage/worker.py), so a stage waiting on a hung successor is
   not blamed.
 """
 from __future__ import annotations
@@ -19,9 +19,8 @@ from __future__ import annotations
 import time
 
 from engine.base.errors import RunFailedError
-import engine.torch_exec.wire as wire
+import engine.torch_exec.wire.messages as wire
 
-REPORTED_EXIT = 70  # exit code of a stage that reported its exception (EX_SOFTWARE; worker.py)
 # gloo's words when the stage at the other end is gone: "closed" when its socket shut cleanly,
 # "reset" when the kernel tore it down (a killed process; seen in CI on a send), "Broken pipe" on a write
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -61,7 +60,7 @@ class FailureDiagnosis:
         while self._sock is not None and time.perf_counter() < deadline:
             if self._sock.poll(20, zmq.POLLIN) and (msg := self._ctl.recv()) is not None:
                 yield msg
-            yield from self._lanes.messages(None, self._codec, self._ctl.drop)[0]  # spawned stages' lanes (lane.py)
+            yield from self._lanes.messages(None, self._codec, self._ctl.drop)[0]  # spawned stages' lanes (wire/lane.py)
 
     def _stage_error(self, err: wire.StageError) -> None:
         """A stage reported an exception. Its neighbours' communication then fails too, so the root
@@ -72,7 +71,7 @@ class FailureDiagnosis:
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline and not silent:
             silent = [(s, p) for s, p in enumerate(self._procs)
-                      if p.exitcode not in (None, REPORTED_EXIT) and s not in errors]
+                      if p.exitcode not in (None, wire.REPORTED_EXIT) and s not in errors]
             for msg in self._drain(0.05):
                 if isinstance(msg, wire.StageError):
                     errors.setdefault(msg.stage, msg)

@@ -18,7 +18,7 @@ PR_SET_PDEATHSIG = 1
 
 
 # The process that started this one: the driver itself (spawn), or the driver's fork server
-# (engine/torch_exec/stage_processes.py), which exits when the driver dies.
+# (engine/torch_exec/driver/stage_processes.py), which exits when the driver dies.
 _started_by: int | None = None
 
 

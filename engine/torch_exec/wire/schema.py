@@ -1,4 +1,4 @@
-"""The schema checks of wire messages (engine/torch_exec/wire.py), built from each message
+"""The schema checks of wire messages (engine/torch_exec/wire/messages.py), built from each message
 dataclass's annotations: a decoded msgpack map becomes the dataclass only if its field names are
 exactly the dataclass's and every value has its annotated type (int, float, bool, str, bytes,
 lists, tuples, dicts with str keys, NamedTuple rows, nested dataclasses, optionals); anything else
@@ -11,7 +11,7 @@ import types
 import typing
 from typing import Any, Callable
 
-from engine.torch_exec.binding import WireError
+from engine.torch_exec.wire.binding import WireError
 
 
 def _fail(where: str, want: str, v: Any):

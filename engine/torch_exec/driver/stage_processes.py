@@ -13,7 +13,7 @@ driver's: its environment is the one the driver had when its first run started t
 (`OMP_WAIT_POLICY=PASSIVE`, which the OpenMP runtime reads when torch loads it, is set for that
 moment). The stage's parent is the server, not the driver; the server exits when the driver dies
 (EOF on its pipe from the driver), and a stage dies with the server or when the driver's pid is
-gone (engine/torch_exec/orphan.py). `executor.start_method=spawn` starts each stage from scratch.
+gone (engine/torch_exec/stage/orphan.py). `executor.start_method=spawn` starts each stage from scratch.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 # imported once in the server; each stage forked from it starts with them loaded
-PRELOAD = ["torch", "torch.distributed", "zmq", "engine.torch_exec.worker", "engine.torch_exec.model"]
+PRELOAD = ["torch", "torch.distributed", "zmq", "engine.torch_exec.stage.worker", "engine.torch_exec.stage.model"]
 # Passive OpenMP waits: spinning threads of P stages (plus the driver) on few cores starve each
 # other (see testbed/bench/engine.py). The user's own value, if set, is kept.
 STAGE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -40,8 +40,8 @@ def stage_context(method: str) -> Any:
 
 def start_stage(method: str, driver_addr: str, stage: int, secret: bytes, run_id: str, lane=None) -> Any:
     """Start stage `stage` of this driver's run (a daemon: it ends with the driver's process);
-    the started `Process`. `lane`: the child's end of its socketpair to the driver (lane.py)."""
-    from engine.torch_exec.worker import stage_main
+    the started `Process`. `lane`: the child's end of its socketpair to the driver (wire/lane.py)."""
+    from engine.torch_exec.stage.worker import stage_main
 
     ctx = stage_context(method)
     saved = {k: os.environ.get(k) for k in STAGE_ENV}

@@ -1,14 +1,14 @@
 """A CUDA stage's profile run (vLLM's `determine_num_available_blocks`, per stage): one warm-up
 forward at the run's largest micro-batch on a pool just large enough for it, then memory probes
-for the driver, which derives the one pool size of all stages (engine/torch_exec/kv_sizing.py)."""
+for the driver, which derives the one pool size of all stages (engine/torch_exec/shared/kv_sizing.py)."""
 from __future__ import annotations
 
 import socket
 
 import torch
 
-import engine.torch_exec.wire as wire
-from engine.torch_exec.kv_sizing import block_bytes, warmup_batch
+import engine.torch_exec.wire.messages as wire
+from engine.torch_exec.shared.kv_sizing import block_bytes, warmup_batch
 
 
 def warm_up(model, tokens: int, first: bool) -> int:

@@ -6,7 +6,7 @@ thread, the receiver): a ping-pong of 100 bytes took 55-81 us against 10 us over
 (median of 2,000, load 9-13), and in a loaded run every extra wake-up can wait for a core.
 A socketpair made by the driver before it starts a stage (the child end travels as a start
 argument, like the run secret) wakes the reader directly and listens on nothing, so no other
-process can reach it. Frames are the same HMAC-authenticated wire messages (wire.py): 4 bytes of
+process can reach it. Frames are the same HMAC-authenticated wire messages (wire/messages.py): 4 bytes of
 length (little-endian), then the frame. External stages (`executor.launch=external`) keep
 ZeroMQ; spawned ones use ZeroMQ for the start-up handshake and their lane from `Ready` on.
 

@@ -1,7 +1,7 @@
 """Span timers for the stage processes: wall clock on CPU, CUDA events on a GPU.
 
 A stage reports each span as (start, end) on its process's `time.perf_counter()` clock
-(CLOCK_MONOTONIC, shared by every process of one machine: engine/torch_exec/worker.py). On a GPU
+(CLOCK_MONOTONIC, shared by every process of one machine: engine/torch_exec/stage/worker.py). On a GPU
 the host returns from a forward long before the kernels finish; the old code synchronised the
 whole device and read the host clock, which also counted other streams' work (a pending NCCL
 send) and the wake-up latency. `CudaEventTimer` records a CUDA event at the span's start and

@@ -1,11 +1,11 @@
 """The driver side of the real engine: `TorchExecutor`, the `Executor` the controller drives.
 
 It lives in the controller's process and never touches a tensor: `launch(mb)` turns a
-micro-batch into plain metadata (engine/torch_exec/tables.py `LaunchRows`: per prefill chunk its
+micro-batch into plain metadata (engine/torch_exec/wire/tables.py `LaunchRows`: per prefill chunk its
 token ids, per decode its last token, block tables as deltas against what the stages hold) and
-sends the same `Launch` message to every stage: over the stage's own socketpair (lane.py) for
+sends the same `Launch` message to every stage: over the stage's own socketpair (wire/lane.py) for
 spawned stages once they are ready, else over one ZeroMQ ROUTER socket. Every frame is a typed
-msgpack message behind an HMAC of the run's secret (engine/torch_exec/wire.py); frames that fail
+msgpack message behind an HMAC of the run's secret (engine/torch_exec/wire/messages.py); frames that fail
 the check -- a port scanner, a stray client, a pickle -- are dropped, logged and counted in
 `dropped_frames`, never decoded further. The last stage answers with the sampled ids; every stage
 ships its spans per micro-batch, which the driver records in the run's Tracer on tracks
@@ -20,7 +20,7 @@ a paced link that is still moving bytes (its sender reports `moved_bytes`) count
 
 Start-up: Hello from every stage, then one StageInit each, then Ready. On CUDA with
 `kv.num_blocks` unset the StageInit says num_blocks=0 and two rounds of KvProbe / KvPool come
-in between: the stages' measured memory gives one pool size for all (engine/torch_exec/kv_sizing.py),
+in between: the stages' measured memory gives one pool size for all (engine/torch_exec/shared/kv_sizing.py),
 which the controller's block manager takes before any block is handed out.
 
 Listening sockets: the control socket binds `executor.zmq_host` (127.0.0.1 unless the user names
@@ -39,8 +39,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import math
-import os
-import socket
 import time
 import weakref
 from collections import deque
@@ -51,18 +49,18 @@ from engine.base.errors import ConfigError
 from engine.core.executor import Completion, Executor, ExecutorBuild
 from engine.base.settings import RunConfig
 from engine.torch_exec.settings import TorchSettings
-import engine.torch_exec.wire as wire
-from engine.torch_exec.control import ControlSocket, check_host, free_port, warn_exposed
-from engine.torch_exec.diagnosis import FailureDiagnosis
-from engine.torch_exec.lane import POLL_SLICE_S, DriverLanes, Lane, LaneClosed
-from engine.torch_exec.stage_processes import start_stage
-from engine.torch_exec.tables import LaunchRows
+import engine.torch_exec.wire.messages as wire
+from engine.torch_exec.driver.control import ControlSocket
+from engine.torch_exec.driver.diagnosis import FailureDiagnosis
+from engine.torch_exec.wire.lane import POLL_SLICE_S, DriverLanes, LaneClosed
+from engine.torch_exec.driver.startup import StageStartup
+from engine.torch_exec.wire.tables import LaunchRows
 from engine.core.trace import Tracer
 
 STOP_GRACE_S = 5.0
 
 
-class TorchExecutor(FailureDiagnosis, Executor):
+class TorchExecutor(StageStartup, FailureDiagnosis, Executor):
     """P stage processes running a real model; see the package docstring for the architecture."""
 
     def __init__(self, settings: TorchSettings, *, pp: int, run_config: RunConfig | None = None,
@@ -91,17 +89,17 @@ class TorchExecutor(FailureDiagnosis, Executor):
         self.kv: Any = None
         self.block_table: Callable[[int], list[int]] | None = None
         self._live: Callable[[int], bool] = lambda seq_id: False  # does the run still hold its blocks?
-        self._rows: LaunchRows | None = None  # a launch's rows, tables as deltas (tables.py); set at start
+        self._rows: LaunchRows | None = None  # a launch's rows, tables as deltas (wire/tables.py); set at start
         self.stage_info: list[dict] = []
         self.model_path: str | None = None
         self.arch: Any = None
         self.layers: list[tuple[int, int]] = []
         # CUDA without kv.num_blocks: the pool is sized from the stages' measured memory at start
-        # (engine/torch_exec/kv_sizing.py); the runner's block manager is resized then
+        # (engine/torch_exec/shared/kv_sizing.py); the runner's block manager is resized then
         self.measure_kv = settings.device == "cuda" and self.run_config.kv.num_blocks is None
         self.kv_pool = None  # the sizing (kv_sizing.PoolSize) when measured
         self._procs: list[Any] = []
-        self._lanes = DriverLanes()  # spawned stages' socketpairs (lane.py), used from Ready on
+        self._lanes = DriverLanes()  # spawned stages' socketpairs (wire/lane.py), used from Ready on
         self._ctl: ControlSocket | None = None
         self._sock = None
         self._poller = None
@@ -183,7 +181,7 @@ class TorchExecutor(FailureDiagnosis, Executor):
                 if deadline is not None and now - self._t0 >= deadline:
                     return None
                 self._fail(self._hang_message())
-            self._poll(min(wait, POLL_SLICE_S))  # short polls: a long sleeper wakes late (lane.py)
+            self._poll(min(wait, POLL_SLICE_S))  # short polls: a long sleeper wakes late (wire/lane.py)
 
     def wait_until(self, t: float) -> None:
         """Idle until the run clock reads `t`, still watching the stages."""
@@ -245,190 +243,6 @@ class TorchExecutor(FailureDiagnosis, Executor):
     # --- helpers for tests and tools -----------------------------------------------------------------
     def stage_pids(self) -> list[int]:
         return [info.get("pid", -1) for info in self.stage_info]
-
-    # --- start-up -------------------------------------------------------------------------------------
-    def _start_workers(self) -> None:
-        st = self.settings  # hosts first: a typo must not wait for the model to be written
-        check_host("executor.zmq_host", st.zmq_host)
-        check_host("executor.master_addr", st.master_addr, bind=st.launch == "spawn")  # external: stage 0's host
-        num_blocks, block_size = self._load_model()
-        addr = self._bind_control()
-        if self.settings.launch == "spawn":
-            self._spawn_stages(addr)
-        deadline = time.perf_counter() + self.settings.start_timeout_s
-        hello = self._gather(wire.Hello, deadline)
-        self.stage_info = [{"host": h.host, "pid": h.pid} for h in hello]
-        init = self._init_message(addr, 0 if self.measure_kv else num_blocks, block_size)
-        for s in range(self.pipeline_depth):
-            self._send(s, init)
-        if self.measure_kv:
-            self._size_pool(deadline)
-        for s, r in enumerate(self._gather(wire.Ready, deadline)):
-            self.stage_info[s].update(load_s=r.load_s, init_s=r.init_s, pid=r.pid, device=r.device)
-        self._lanes.on = bool(self._lanes.lanes)  # each spawned stage reads its lane from Ready on
-        self._clock_offsets(deadline)
-        self._t0 = time.perf_counter()
-        self._last_progress = self._t0
-
-    def _load_model(self) -> tuple[int, int]:
-        """The checkpoint (a table model is written once with random weights), its layer split,
-        and the KV pool's size check; returns (num_blocks, block_size)."""
-        from engine.torch_exec.checkpoint import (check_kv_memory, check_random_fits, model_source,
-                                                  random_checkpoint, read_arch, spec_arch)
-
-        st = self.settings
-        model = self.run_config.model
-        path, spec = model_source(st, model)
-        # a table model: each stage builds its own weights on its GPU, or on a host that cannot
-        # read this one's runs/ (launch=external: issue 24, defect 9); else a checkpoint written once
-        if path is None and (st.device == "cuda" or st.launch == "external"):
-            if st.launch == "spawn":  # the GPUs of external stage hosts are not visible here
-                check_random_fits(spec, self.pipeline_depth, st.resolved_dtype,
-                                  self.run_config.kv.gpu_memory_utilization)
-            self.model_path = ""
-            self.arch = arch = spec_arch(spec)
-        else:
-            if path is None:
-                cache = st.model_cache_dir or os.path.join(self.run_config.output.dir, "models")
-                path = random_checkpoint(spec, st.model_seed, cache)
-            self.model_path = os.path.abspath(path)
-            self.arch = arch = read_arch(path)
-        self.layers = self._layer_ranges(arch.num_layers)
-        num_blocks, block_size = self.kv.num_blocks, self.kv.block_size
-        check_kv_memory(self.settings, arch, num_blocks, block_size)
-        seed = st.prompt_seed if st.prompt_seed is not None else self.run_config.seed
-        self._rows = LaunchRows(arch.vocab_size, seed)
-        return num_blocks, block_size
-
-    def _size_pool(self, deadline: float) -> None:
-        """The KV pool from the stages' measured memory (engine/torch_exec/kv_sizing.py): a first
-        round of probes means every stage has loaded and warmed up; the second, asked for then,
-        reads a quiescent device. The controller's block manager takes the size before any block
-        is handed out."""
-        from engine.base.settings import MAX_KV_BLOCKS
-        from engine.torch_exec.kv_sizing import StageMemory, pool_size
-
-        self._gather(wire.KvProbe, deadline)
-        for s in range(self.pipeline_depth):
-            self._send(s, wire.KvPool(0))
-        probes = [StageMemory(**dataclasses.asdict(p)) for p in self._gather(wire.KvProbe, deadline)]
-        size = pool_size(probes, self.run_config.kv.gpu_memory_utilization, MAX_KV_BLOCKS)
-        self.kv.resize(size.num_blocks)
-        self.kv_pool = size
-        for s in range(self.pipeline_depth):
-            self._send(s, wire.KvPool(size.num_blocks))
-
-    def _bind_control(self) -> str:
-        import zmq
-
-        st = self.settings
-        self._ctl = ControlSocket(self._codec, st.zmq_host, st.zmq_port)
-        self._sock = self._ctl.sock
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        return self._ctl.address
-
-    def _spawn_stages(self, addr: str) -> None:
-        import zmq
-
-        for s in range(self.pipeline_depth):
-            # the secret travels as a start argument (the pipe to the child), never over a socket;
-            # so does the child's end of its lane
-            lane, child_end = Lane.pair()
-            try:
-                p = start_stage(self.settings.start_method, addr, s, self._secret, self._run_id, child_end)
-            finally:
-                child_end.close()
-            self._procs.append(p)
-            self._lanes.add(s, lane)
-            self._poller.register(p.sentinel, zmq.POLLIN)
-            self._poller.register(lane, zmq.POLLIN)
-
-    def _backend(self) -> str:
-        st = self.settings
-        if st.device != "cuda":
-            return st.backend if st.backend != "auto" else "gloo"
-        from engine.torch_exec.transfer import data_backend
-
-        return data_backend(st.backend, st.device, self.pipeline_depth, self._device_count(), st.launch)
-
-    @staticmethod
-    def _device_count() -> int:
-        import torch
-
-        return torch.cuda.device_count()
-
-    def _init_message(self, addr: str, num_blocks: int, block_size: int) -> wire.StageInit:
-        from engine.torch_exec.kv_sizing import profile_tokens
-
-        st, rt = self.settings, self.runtime
-        master_port = st.master_port or free_port(st.master_addr)
-        warn_exposed(f"stage 0's torch.distributed store (executor.master_addr, port {master_port})",
-                     st.master_addr, master_port)
-        sampling = wire.SamplerConfig(st.sampling, st.temperature, st.top_k, st.top_p, st.sample_seed,
-                                      st.repetition_penalty, st.presence_penalty, st.frequency_penalty)
-        policy_class, policy_params = self._policy_spec()
-        return wire.StageInit(
-            pp=self.pipeline_depth, path=self.model_path, arch=self.arch.to_dict(), layers=self.layers,
-            num_blocks=num_blocks, block_size=block_size, dtype=st.resolved_dtype, device=st.device,
-            threads=st.threads_per_stage, backend=self._backend(), master_addr=st.master_addr,
-            master_port=master_port, stage_timeout_s=st.stage_timeout_s, fault=st.fault, sampling=sampling,
-            num_cpu_samplers=st.num_cpu_samplers, cpu_sampling=rt.cpu_sampling,
-            overlap_input_prep=rt.overlap_input_prep, structure_aware_transfer=rt.structure_aware_transfer,
-            link_bandwidth_Bps=self.link_bandwidth_Bps, link_latency_s=self.link_latency_s,
-            link_chunk_bytes=st.link_chunk_bytes, driver_addr=addr, policy_class=policy_class,
-            policy_params=policy_params, model_seed=st.model_seed,
-            profile_tokens=profile_tokens(st.profile_tokens, getattr(self.policy, "params", None)),
-            attention=st.attention, cuda_graphs=st.cuda_graphs,
-            socket_ifname=st.socket_ifname or "")
-
-    def _layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
-        from engine.pricing.costmodel import split_layers
-
-        split = split_layers(num_layers, self.pipeline_depth, self.layer_split)
-        out, first = [], 0
-        for n in split:
-            out.append((first, n))
-            first += n
-        return out
-
-    def _gather(self, kind: type, deadline: float) -> list:
-        got: dict[int, Any] = {}
-        while len(got) < self.pipeline_depth:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                missing = [s for s in range(self.pipeline_depth) if s not in got]
-                self._fail(f"stage(s) {missing} did not report {kind._wire_tag!r} within "
-                           f"executor.start_timeout_s={self.settings.start_timeout_s:g} s")
-            for msg in self._poll(left, expect=kind):
-                if 0 <= msg.stage < self.pipeline_depth:
-                    got[msg.stage] = msg
-        return [got[s] for s in range(self.pipeline_depth)]
-
-    def _clock_offsets(self, deadline: float) -> None:
-        """Stage clock - driver clock: 0 on this host (CLOCK_MONOTONIC), else from ping round trips."""
-        here = socket.gethostname()
-        for s, info in enumerate(self.stage_info):
-            if info["host"] == here and os.uname().sysname == "Linux":
-                continue
-            best = None
-            for _ in range(5):
-                a = time.perf_counter()
-                self._send(s, wire.Ping())
-                msg = self._poll_one(wire.Pong, deadline)
-                b = time.perf_counter()
-                if best is None or b - a < best[0]:
-                    best = (b - a, msg.clock - (a + b) / 2)
-            self._offsets[s] = best[1]
-
-    def _poll_one(self, kind: type, deadline: float):
-        while True:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                self._fail(f"no {kind._wire_tag!r} within executor.start_timeout_s")
-            msgs = self._poll(left, expect=kind)
-            if msgs:
-                return msgs[0]
 
     # --- messages --------------------------------------------------------------------------------------
     @staticmethod
@@ -589,7 +403,7 @@ def make_torch_executor(settings: TorchSettings, build: ExecutorBuild) -> TorchE
     rc = build.run_config
     pp = build.cost_model.pp if build.cost_model is not None else rc.parallel.pp
     if settings.device == "cuda" and settings.backend == "nccl" and settings.launch == "spawn":
-        from engine.torch_exec.transfer import data_backend
+        from engine.torch_exec.shared.placement import data_backend
 
         data_backend(settings.backend, settings.device, pp, TorchExecutor._device_count())  # refuses shared GPUs
     split = rc.parallel.layer_split

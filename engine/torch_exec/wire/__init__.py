@@ -1,0 +1,1 @@
+"""The wire between the driver and the stages, used by both processes: typed authenticated messages, the socketpair lane, block-table deltas, address checks; imports neither side."""
