@@ -44,13 +44,22 @@ class _SlotsFull:
     (piecewise linear, so any interval's share is two `np.interp` calls)."""
 
     def __init__(self, launched: np.ndarray, completed: np.ndarray, cap: int) -> None:
+        # One temporary at a time (the 5,000-request benchmark's 90k events: 0.7 MB an array); at one
+        # instant completions sort after launches (the key: is a completion).
+        n = len(launched)
         times = np.concatenate([launched, completed])
-        steps = np.concatenate([np.ones(len(launched)), -np.ones(len(completed))])
-        order = np.lexsort((-steps, times))  # at one instant: completions after launches
-        times, steps = times[order], steps[order]
-        inflight = np.cumsum(steps)
-        full = (inflight >= cap).astype(float)  # on [times[i], times[i+1])
-        cum = np.concatenate([[0.0], np.cumsum(full[:-1] * np.diff(times))]) if len(times) else np.zeros(0)
+        order = np.lexsort((np.arange(len(times)) >= n, times))
+        times = times[order]
+        inflight = np.cumsum(np.where(order < n, 1.0, -1.0))
+        del order
+        full = inflight >= cap  # on [times[i], times[i+1])
+        del inflight
+        if len(times):
+            cum = np.diff(times)
+            cum *= full[:-1]
+            cum = np.concatenate([[0.0], np.cumsum(cum)])
+        else:
+            cum = np.zeros(0)
         self.times, self.cum = times, cum
 
     def within(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
