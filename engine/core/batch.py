@@ -299,14 +299,26 @@ def shape_of(prefills: list[PrefillChunk] | tuple[PrefillChunk, ...],
         sampled += c.samples
     computed = [s.num_computed for s in decodes]  # a list comprehension: 19 us per 1,000 decodes, an
     # attrgetter map 33 us (Python 3.11's specialised attribute loads)
-    dctx = sum(computed) + len(decodes)
-    return BatchShape(
-        num_prefill_tokens=ptok,
-        num_decode_seqs=len(decodes),
-        decode_context_sum=dctx,
-        prefill_attention_pairs=pairs,
-        prefill_context_sum=ctx,
-        num_sampled=sampled + len(decodes),
-        num_seqs=len(prefills) + len(decodes),
-        decode_context_max=max(computed) + 1 if computed else 0,
-    )
+    n_dec = len(decodes)
+    # A shape built here is consistent by construction (each check of BatchShape.__post_init__
+    # follows from the sums above and the builder's chunk checks), so its fields are set through
+    # the slots' own setters, as the frozen dataclass's __init__ sets them, without the keyword
+    # call and the validation: 0.34 us instead of 1.10 us, once per micro-batch (micro-benchmark,
+    # shared 2-core machine). tests/test_shape_of.py compares it with the validated constructor.
+    shape = _new_object(BatchShape)
+    _set_prefill_tokens(shape, ptok)
+    _set_decode_seqs(shape, n_dec)
+    _set_decode_context_sum(shape, sum(computed) + n_dec)
+    _set_attention_pairs(shape, pairs)
+    _set_prefill_context_sum(shape, ctx)
+    _set_sampled(shape, sampled + n_dec)
+    _set_seqs(shape, len(prefills) + n_dec)
+    _set_decode_context_max(shape, max(computed) + 1 if computed else 0)
+    return shape
+
+
+_new_object = object.__new__
+_set_prefill_tokens, _set_decode_seqs, _set_decode_context_sum, _set_attention_pairs, _set_prefill_context_sum, \
+    _set_sampled, _set_seqs, _set_decode_context_max = (BatchShape.__dict__[f].__set__ for f in (
+        "num_prefill_tokens", "num_decode_seqs", "decode_context_sum", "prefill_attention_pairs", "prefill_context_sum",
+        "num_sampled", "num_seqs", "decode_context_max"))

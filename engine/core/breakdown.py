@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.core.trace import TRANSFER_NAMES
+
 PARTS = ("compute", "host", "transfer", "idle_wait_prev", "idle_wait_next", "idle_no_work", "idle_drain")
 HOST_NAMES = ("prepare", "sample", "to_samplers", "schedule")
-TRANSFER_NAMES = ("send",)
 
 
 def _category(name: str) -> str:
@@ -43,13 +44,22 @@ class _SlotsFull:
     (piecewise linear, so any interval's share is two `np.interp` calls)."""
 
     def __init__(self, launched: np.ndarray, completed: np.ndarray, cap: int) -> None:
+        # One temporary at a time (the 5,000-request benchmark's 90k events: 0.7 MB an array); at one
+        # instant completions sort after launches (the key: is a completion).
+        n = len(launched)
         times = np.concatenate([launched, completed])
-        steps = np.concatenate([np.ones(len(launched)), -np.ones(len(completed))])
-        order = np.lexsort((-steps, times))  # at one instant: completions after launches
-        times, steps = times[order], steps[order]
-        inflight = np.cumsum(steps)
-        full = (inflight >= cap).astype(float)  # on [times[i], times[i+1])
-        cum = np.concatenate([[0.0], np.cumsum(full[:-1] * np.diff(times))]) if len(times) else np.zeros(0)
+        order = np.lexsort((np.arange(len(times)) >= n, times))
+        times = times[order]
+        inflight = np.cumsum(np.where(order < n, 1.0, -1.0))
+        del order
+        full = inflight >= cap  # on [times[i], times[i+1])
+        del inflight
+        if len(times):
+            cum = np.diff(times)
+            cum *= full[:-1]
+            cum = np.concatenate([[0.0], np.cumsum(cum)])
+        else:
+            cum = np.zeros(0)
         self.times, self.cum = times, cum
 
     def within(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -66,9 +76,9 @@ def stage_breakdown(tracer, records, stage_tracks: list[str], window: tuple[floa
     w0, w1 = window
     wall = max(w1 - w0, 0.0)
     ledger = tracer.ledger
-    launch = {r.mb_id: r.scheduled_s for r in records}
-    slots = _SlotsFull(np.array([r.scheduled_s for r in records], dtype=float),
-                       np.array([r.completed_s for r in records], dtype=float), max(1, max_inflight))
+    ids, launched, completed = _record_columns(records)
+    launch = _LaunchTimes(ids, launched)
+    slots = _SlotsFull(launched, completed, max(1, max_inflight))
     stages = []
     for track in stage_tracks:
         row = dict.fromkeys(PARTS, 0.0)
@@ -79,7 +89,11 @@ def stage_breakdown(tracer, records, stage_tracks: list[str], window: tuple[floa
         else:
             for name, seconds in tl.parts.items():
                 row[_category(name)] += seconds
-            _classify(row, [(w0, first[0], first[1], first[2])] + tl.gaps, launch, slots)
+            a = np.concatenate([[w0], np.asarray(tl.gap_a, dtype=float)])  # the first gap: the window's start
+            b = np.concatenate([[first[0]], np.asarray(tl.gap_b, dtype=float)])
+            mb = np.concatenate([[first[1]], np.asarray(tl.gap_mb, dtype=np.int64)])
+            sends = np.concatenate([[first[2] in TRANSFER_NAMES], np.asarray(tl.gap_send, dtype=bool)])
+            _classify(row, a, b, mb, sends, launch, slots)
             row["idle_drain"] = max(0.0, w1 - tl.last)
         parts = sum(row[p] for p in PARTS)
         row["wall_s"] = wall
@@ -90,20 +104,40 @@ def stage_breakdown(tracer, records, stage_tracks: list[str], window: tuple[floa
             "gaps_over_cap": ledger.overflow}
 
 
-def _classify(row: dict, gaps: list[tuple[float, float, int, str]], launch: dict[int, float],
-              slots: _SlotsFull) -> None:
+def _record_columns(records) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mb ids, launch times, completion times) of the records: the controller's typed columns
+    (engine/core/records.py) read in place, or any sequence of records."""
+    if all(hasattr(records, c) for c in ("mb_id", "scheduled_s", "completed_s")):
+        return (np.asarray(records.mb_id, dtype=np.int64), np.asarray(records.scheduled_s, dtype=float),
+                np.asarray(records.completed_s, dtype=float))
+    return (np.array([r.mb_id for r in records], dtype=np.int64), np.array([r.scheduled_s for r in records], dtype=float),
+            np.array([r.completed_s for r in records], dtype=float))
+
+
+class _LaunchTimes:
+    """Launch time by micro-batch id (NaN for an id with no record: never completed, or -1)."""
+
+    def __init__(self, ids: np.ndarray, launched: np.ndarray) -> None:
+        size = int(ids.max()) + 1 if len(ids) else 0
+        self.table = np.full(size, np.nan)
+        ok = ids >= 0
+        self.table[ids[ok]] = launched[ok]
+
+    def of(self, mb: np.ndarray) -> np.ndarray:
+        known = (mb >= 0) & (mb < len(self.table))
+        if not len(self.table):
+            return np.full(len(mb), np.nan)
+        return np.where(known, self.table[np.where(known, mb, 0)], np.nan)
+
+
+def _classify(row: dict, a: np.ndarray, b: np.ndarray, mb: np.ndarray, sends: np.ndarray,
+              launch: _LaunchTimes, slots: _SlotsFull) -> None:
     """Split each idle gap [a, b) that ends in micro-batch m's span: a send waiting on what is
     downstream -> wait_next; before m's launch -> wait_next while every slot was taken, else
     no_work; after it -> wait_prev."""
-    if not gaps:
-        return
-    a = np.array([g[0] for g in gaps], dtype=float)
-    b = np.array([g[1] for g in gaps], dtype=float)
     ok = b > a
-    a, b = a[ok], b[ok]
-    sends = np.array([g[3] in TRANSFER_NAMES for g, k in zip(gaps, ok) if k], dtype=bool)
-    nan = float("nan")
-    lt = np.array([launch.get(g[2], nan) for g, k in zip(gaps, ok) if k], dtype=float)
+    a, b, sends = a[ok], b[ok], sends[ok]
+    lt = launch.of(mb[ok])
     lt = np.where(np.isnan(lt), a, lt)  # a batch the controller never completed: count it launched
     pre_end = np.clip(lt, a, b)  # [a, pre_end): before the launch; [pre_end, b): after it
     full = slots.within(a, pre_end)

@@ -175,12 +175,7 @@ class Controller:
             self.kv.ensure(seq.seq_id, chunk.reserve_tokens)
             seq.in_flight = True
             seq.inflight_prefill += chunk.num_tokens
-        ids: list[int] = []
-        add = ids.append
-        for seq in mb.decodes:  # one pass: marks each decode and lists its id for the block manager
-            seq.in_flight = True
-            add(seq.seq_id)
-        self.kv.append_one_each(ids)  # a decode holds exactly num_computed tokens
+        self.kv.launch_decodes(mb.decodes)  # marks each in flight; a decode holds exactly num_computed tokens
         mb.mb_id = self._next_mb_id
         self._next_mb_id += 1
         mb.scheduled_s = now
@@ -213,8 +208,11 @@ class Controller:
         tokens = completion.token_ids
         k = 0
         finished: list[Sequence] = []
-        for chunk in mb.prefills:
+        prefills, decodes = mb.prefills, mb.decodes
+        prefill_tokens = 0  # mb.num_prefill_tokens without its generator (once per micro-batch)
+        for chunk in prefills:
             seq = chunk.seq
+            prefill_tokens += chunk.num_tokens
             if chunk.start != seq.num_computed:  # chunks of one prompt complete in launch order
                 raise RuntimeError(f"micro-batch {mb.mb_id}: a chunk of {seq!r} from token {chunk.start} "
                                    "completed before the chunk ahead of it")
@@ -230,15 +228,15 @@ class Controller:
         # The hot path: _emit_token inlined for sequences past their first token (a decode stays
         # DECODING while in flight: nothing preempts or drops an in-flight sequence).
         if tokens is not None:
-            for seq in mb.decodes:
+            for seq in decodes:
                 seq.output_token_ids.append(tokens[k])
                 k += 1
         else:
-            k += len(mb.decodes)
+            k += len(decodes)
         gaps = self.token_gaps
         if gaps is not None:  # two copies of the loop: no per-token test, `append` looked up once
             append = gaps.append
-            for seq in mb.decodes:
+            for seq in decodes:
                 seq.in_flight = False
                 seq.num_computed += 1
                 n = seq.num_generated + 1
@@ -248,7 +246,7 @@ class Controller:
                 if n >= seq.output_len:
                     self._emit_finish(seq, now, finished)
         else:
-            for seq in mb.decodes:
+            for seq in decodes:
                 seq.in_flight = False
                 seq.num_computed += 1
                 n = seq.num_generated + 1
@@ -258,8 +256,9 @@ class Controller:
                     self._emit_finish(seq, now, finished)
         if tokens is not None and k != len(tokens):
             raise RuntimeError(f"micro-batch {mb.mb_id}: {len(tokens)} tokens returned for {k} samplers")
+        kind = ("mixed" if decodes else "prefill") if prefills else "decode"  # mb.kind, inline
         self.records.append(
-            mb.mb_id, mb.scheduled_s, now, mb.kind, mb.num_prefill_tokens, len(mb.decodes), mb.num_seqs,
+            mb.mb_id, mb.scheduled_s, now, kind, prefill_tokens, len(decodes), len(prefills) + len(decodes),
             len(mb.preempted), mb.kv_usage, mb.tags or _NO_TAGS)
         self.last_complete_s = now
         if not self.inflight and self._active_since is not None:

@@ -120,6 +120,25 @@ class BlockManager:
                 self._tables[seq_id].append(free.pop())
             tokens_of[seq_id] = tokens + 1
 
+    def launch_decodes(self, seqs) -> None:
+        """A launched micro-batch's decoding sequences, in one pass: each is marked in flight and
+        gets the slot of the token it decodes (`append_one_each` of their ids, same order and
+        blocks). The controller's commit did this as two passes, one marking and listing the
+        ids and `append_one_each` over the list: 1.38M decodes in the 5,000-request benchmark."""
+        tokens_of = self._tokens
+        tables = self._tables
+        free = self._free
+        bs = self.block_size
+        for seq in seqs:
+            seq.in_flight = True
+            seq_id = seq.seq_id
+            tokens = tokens_of[seq_id]
+            if not tokens % bs:
+                if not free:
+                    raise MemoryError(f"KV cache exhausted: sequence {seq_id} needs 1 block, 0 free")
+                tables[seq_id].append(free.pop())
+            tokens_of[seq_id] = tokens + 1
+
     def ensure(self, seq_id: int, total_tokens: int) -> None:
         """Allocate or append so that `seq_id` holds at least `total_tokens` tokens."""
         if seq_id not in self._tables:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 
 @dataclass(slots=True)
@@ -25,14 +26,14 @@ class MicroBatchRecord:
     num_seqs: int
     num_preempted: int
     kv_usage: float
-    tags: Mapping = field(default_factory=dict)  # the batch's own dict (untagged: an empty read-only one)
+    tags: Mapping = field(default_factory=dict)  # read-only, shared by records with equal tags (see `append`)
 
 
 class MicroBatchRecords:
     """Append-only columns of `MicroBatchRecord` fields; a read-only sequence of records."""
 
     __slots__ = ("mb_id", "scheduled_s", "completed_s", "kind", "num_prefill_tokens", "num_decode_seqs",
-                 "num_seqs", "num_preempted", "kv_usage", "tags")
+                 "num_seqs", "num_preempted", "kv_usage", "tags", "_shared_tags")
 
     def __init__(self) -> None:
         self.mb_id = array("q")
@@ -45,6 +46,7 @@ class MicroBatchRecords:
         self.num_preempted = array("q")
         self.kv_usage = array("d")
         self.tags: list[Mapping] = []
+        self._shared_tags: dict[tuple, Mapping] = {}  # the tags' items -> one read-only mapping
 
     def append(self, mb_id: int, scheduled_s: float, completed_s: float, kind: str, num_prefill_tokens: int,
                num_decode_seqs: int, num_seqs: int, num_preempted: int, kv_usage: float, tags: Mapping) -> None:
@@ -57,6 +59,17 @@ class MicroBatchRecords:
         self.num_seqs.append(num_seqs)
         self.num_preempted.append(num_preempted)
         self.kv_usage.append(kv_usage)
+        if tags:  # one read-only mapping per distinct set of tags, not the batch's own dict per record:
+            # gLLM tags every batch with its two budgets, and a capacity probe of the main setting (4,000
+            # requests at 0.2 req/s, 597,519 micro-batches) held ~140 MB of such dicts
+            key = tuple(tags.items())
+            if all(type(v) is int or type(v) is str for _, v in key):  # equal means identical (not 1 vs True)
+                shared = self._shared_tags.get(key)
+                if shared is None:
+                    shared = self._shared_tags[key] = MappingProxyType(dict(key))
+                tags = shared
+            else:  # other values: the record keeps a read-only view of its own copy
+                tags = MappingProxyType(dict(tags))
         self.tags.append(tags)
 
     def __len__(self) -> int:
