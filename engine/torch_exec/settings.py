@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 from engine.base.errors import bad_value
+from engine.base.sampling import SamplerSettings
 from engine.base.typed import setting
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -101,14 +102,8 @@ class TorchSettings:
         if isinstance(self.threads_per_stage, bool) or not isinstance(self.threads_per_stage, int) \
                 or self.threads_per_stage < 1:
             raise bad_value("executor.threads_per_stage", self.threads_per_stage, "must be an integer >= 1")
-        if not self.temperature >= 0:
-            raise bad_value("executor.temperature", self.temperature, "must be >= 0")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad_value("executor.top_k", self.top_k, "must be an integer >= 0 (0 = off)")
-        if not 0 < self.top_p <= 1:
-            raise bad_value("executor.top_p", self.top_p, "must be in (0, 1]")
-        if not self.repetition_penalty > 0:
-            raise bad_value("executor.repetition_penalty", self.repetition_penalty, "must be > 0 (1.0 = off)")
+        SamplerSettings(self.temperature, self.top_k, self.top_p, self.repetition_penalty,
+                        self.presence_penalty, self.frequency_penalty)  # validates the sampling keys
         if isinstance(self.num_cpu_samplers, bool) or not isinstance(self.num_cpu_samplers, int) \
                 or self.num_cpu_samplers < 1:
             raise bad_value("executor.num_cpu_samplers", self.num_cpu_samplers, "must be an integer >= 1")
