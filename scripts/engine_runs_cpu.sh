@@ -3,6 +3,8 @@
 # measurements/cpu-tiny-llama/ holds and measurements/cpu-tiny-llama/manifest.yaml splits into
 # fit / validation / test (docs/measurements/calibrate-runs.md#every-policy-on-the-engine-and-rank-agreement-cpu-2026-11-27).
 #   OUT=/some/dir bash scripts/engine_runs_cpu.sh      (about 40 minutes on 2 shared cores)
+#   OUT=/some/dir REPS="4 5 6" bash scripts/engine_runs_cpu.sh   (further repeats of every run: the
+#   second test set of 2026-11-27, taken with the engine of the first runs, b68a41a: see the manifest)
 # Every engine command runs under `chrt -f 10` (SCHED_FIFO: other tenants' processes do not preempt
 # the engine's; needs root or CAP_SYS_NICE, else it runs at normal priority and says so) and
 # `cat /proc/loadavg` is logged before and after each. Runs are interleaved (each repeat goes
@@ -36,9 +38,9 @@ for P in 1 2; do
   $PRIO $TB profile executor=torch model=tiny-llama parallel.pp=$P --quick --name cpu-tiny-llama-pp$P \
       --out "$OUT/profiles" >> "$OUT/log.txt" 2>&1
 done
-for rep in 1 2 3; do
+for rep in ${REPS:-1 2 3}; do
   for P in 1 2; do
-    [ "$rep" -gt "${REPEATS[$P]}" ] && continue
+    [ -z "${REPS:-}" ] && [ "$rep" -gt "${REPEATS[$P]}" ] && continue
     for wl in sharegpt azlo azhi; do
       case $wl in sharegpt) W=$SG;; azlo) W="$AZ workload.rate=${LO[$P]}";; azhi) W="$AZ workload.rate=${HI[$P]}";; esac
       for pol in $POLICIES; do

@@ -25,12 +25,13 @@ def pack(manifest: Path, source: Path) -> Path:
     tree = yaml.safe_load(manifest.read_text())
     splits = tree["profiles"].values()
     fit = {r for s in splits for r in s.get("fit") or ()}
-    names = sorted({r for s in splits for k in ("fit", "validation", "test") for r in s.get(k) or ()})
+    names = sorted({r for s in splits for k in ("fit", "validation", "test", "spent_test") for r in s.get(k) or ()})
     out = manifest.parent / tree["runs"]
     with lzma.open(out, "wb", preset=9 | lzma.PRESET_EXTREME) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
         for name in names:
             for f in sorted((source / name).iterdir()):
-                if f.suffix == ".png" or (f.name == "trace.json" and name not in fit):
+                # dot files: the marker an unpacked archive's runs carry (testbed/calibrate/run_checks.py)
+                if f.suffix == ".png" or f.name.startswith(".") or (f.name == "trace.json" and name not in fit):
                     continue
                 data = f.read_bytes()
                 if f.name == "requests.csv":

@@ -385,6 +385,31 @@ def test_decode_padding_prices_decodes_padded_to_the_longest():
         CostCoefficients(decode_padding=1.5)
 
 
+def test_gemv_rows_prices_a_few_rows_as_that_many_one_row_products():
+    """A CPU BLAS multiplies 2-3 rows as 2-3 matrix-vector products (engine/pricing/small_m.py): on
+    a memory-bound roofline two decodes then read every weight twice, and 1 or 4+ rows are as before."""
+    cpu = dataclasses.replace(get_hardware("a100-80g"), kernels=None, calibration={})
+    model = get_model("tiny-llama")
+    for pp in (1, 2):
+        plain = CostModel(model, cpu, pp=pp)
+        few = CostModel(model, cpu, pp=pp, coefficients=CostCoefficients(gemv_rows=3))
+        for n in (1, 4, 9):
+            assert few.stage_compute_all_s(BatchShape.decode(n, 100)) == plain.stage_compute_all_s(BatchShape.decode(n, 100))
+        rate = cpu.mem_bw_Bps * CostCoefficients().memory_efficiency
+        db, h = model.dtype_bytes, model.hidden_size
+        weights = [(model.linear_params_per_layer + model.norm_params_per_layer) * n * db / rate for n in few.layers]
+        weights[-1] += (model.vocab_size * h + h) * db / rate  # the lm_head and final norm
+        for n in (2, 3):
+            shape = BatchShape.decode(n, 100)
+            extra = [a - b for a, b in zip(few.stage_compute_all_s(shape), plain.stage_compute_all_s(shape))]
+            assert extra == pytest.approx([(n - 1) * w for w in weights], rel=1e-9)
+            assert [few.stage_compute_s(s, shape) for s in range(pp)] == list(few.stage_compute_all_s(shape))
+    with pytest.raises(Exception, match="gemv_rows"):
+        CostCoefficients(gemv_rows=3.0)
+    gpu = CostModel(model, get_hardware("h100-80g"), pp=1, coefficients=CostCoefficients(gemv_rows=3))
+    assert gpu.stage_compute_s(0, BatchShape.decode(2, 100)) == CostModel(model, get_hardware("h100-80g"), pp=1).stage_compute_s(0, BatchShape.decode(2, 100))
+
+
 def test_calibrate_runs_on_cpu_fits_the_padding_and_one_fixed_cost_for_every_step(tmp_path, monkeypatch):
     """A CPU run (no CUDA graphs) whose decodes are padded to the longest: the fit finds the padding
     and keeps a decode step's fixed cost that of any other step (decode_overhead_ratio = 1), where
@@ -393,7 +418,7 @@ def test_calibrate_runs_on_cpu_fits_the_padding_and_one_fixed_cost_for_every_ste
     from testbed.calibrate.fit import save_hardware_profile
 
     truth = {"decode_padding": 1.0, "stage_overhead_s": 4e-3, "per_layer_overhead_s": 2e-4,
-             "memory_efficiency": 0.3, "linear_efficiency": 0.5, "attention_efficiency": 0.4}
+             "memory_efficiency": 0.3, "linear_efficiency": 0.5, "attention_efficiency": 0.4, "gemv_rows": 3}
     cpu = dataclasses.replace(get_hardware("a100-80g"), name="cpu-test", kernels=None, calibration={})
     monkeypatch.setenv("TESTBED_PROFILE_DIR", str(tmp_path / "profiles"))
     save_hardware_profile(cpu, tmp_path / "profiles" / "cpu-test.yaml")
@@ -411,5 +436,6 @@ def test_calibrate_runs_on_cpu_fits_the_padding_and_one_fixed_cost_for_every_ste
     got = fit.coefficients
     assert got["decode_overhead_ratio"] == 1.0
     assert got["decode_padding"] == pytest.approx(1.0, abs=0.1)
+    assert got["gemv_rows"] == 3  # chosen by the fit (engine/pricing/small_m.py)
     forward = {e["kind"]: e for e in fit.errors if e["op"] == "forward"}
     assert forward["all"]["median"] < 0.02, forward

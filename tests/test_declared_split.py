@@ -71,6 +71,7 @@ def _manifest(tmp_path: Path, body: dict) -> Path:
     ({"p": {"fit": ["a"], "test": ["a"]}}, "run a is in both fit and test of p"),
     ({"p": {"fit": ["a"], "held_out": ["b"]}}, "profile p has held_out; valid keys"),
     ({"p": {"test": ["a"]}}, "profile p has no fit runs"),
+    ({"p": {"fit": ["a"], "spent_test": ["a"]}}, "run a is in both fit and spent_test of p"),
     ({"p": {"fit": ["nowhere"]}}, "names runs not in"),
 ])
 def test_a_bad_manifest_is_one_error_line(tmp_path, capsys, body, message):
@@ -119,6 +120,21 @@ def test_calibrate_fits_the_fit_runs_only_and_validate_reports_the_test_runs_onc
     assert {r["run"] for r in rows} == {"fit1", "val1", "test1"} and {r["set"] for r in rows} == {"fit", "validation", "test"}
     tp = next(r for r in rows if r["run"] == "test1" and r["metric"] == "throughput_tok_s")
     assert abs(float(tp["error"])) < 1e-6 and float(tp["predicted"]) == pytest.approx(float(tp["actual"]), rel=1e-5)
+    # a refit is tested on new runs: the reported ones are spent, and the new test set's first report says so
+    path.write_text(yaml.safe_dump({"runs": "runs", "profiles": {"truth-split": {
+        "base": "h100-80g", "fit": ["fit1"], "validation": ["val1"], "spent_test": ["test1"], "test": ["test2"]}}}))
+    shutil.copytree(truth, path.parent / "runs" / "test2")
+    save_hardware_profile(exact, tmp_path / "profiles" / "truth-terms.yaml")
+    try:
+        capsys.readouterr()
+        assert main(["validate", "--runs", str(path), "hardware=truth-terms", "--test", "--errors-csv",
+                     str(csv_path), "--out", str(tmp_path / "v")]) == 0
+        out = capsys.readouterr().out
+    finally:
+        HARDWARE.pop("truth-terms", None)
+    assert "first report of truth-split's test runs" in out
+    assert {r["run"] for r in csv.DictReader(csv_path.open())} == {"fit1", "val1", "test2"}
+    assert "test_set=" in (path.parent / "test_reports.log").read_text().splitlines()[-1]
 
 
 def test_the_shipped_cpu_profiles_are_fitted_on_their_manifests_fit_runs_only():

@@ -134,6 +134,10 @@ class CostCoefficients:
     # 32 prefill tokens + 46 decodes took 406 ms while one long decode was running and 120 ms after it
     # finished (the decodes' context sum only 16% lower). 0 = no padding (the Triton path, vLLM).
     decode_padding: float = 0.0
+    # A host BLAS that multiplies M <= gemv_rows rows as M matrix-vector products: such a GEMM costs
+    # M x its one-row time (engine/pricing/small_m.py; fp32 on this project's CPU: 3 rows, the
+    # lm_head 2.08 / 3.78 / 5.83 ms for 1 / 2 / 3 rows, 3.15 ms for 4). 0 = off (GPUs, roofline).
+    gemv_rows: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -152,5 +156,7 @@ class CostCoefficients:
                     raise ConfigError(f"invalid cost.{f.name}={value!r}: must be in (0, 1]")
             elif value < 0:
                 raise ConfigError(f"invalid cost.{f.name}={value!r}: must be >= 0")
+        if not isinstance(self.gemv_rows, int) or self.gemv_rows < 0:
+            raise ConfigError(f"invalid cost.gemv_rows={self.gemv_rows!r}: must be an integer >= 0")
         if not isinstance(self.activation_copies, int) or self.activation_copies < 1:
             raise ConfigError(f"invalid cost.activation_copies={self.activation_copies!r}: must be an integer >= 1")

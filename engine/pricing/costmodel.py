@@ -37,6 +37,7 @@ from engine.pricing.hardware import HardwareSpec
 from engine.pricing.batch_shape import BatchShape
 from engine.pricing.launch_floor import use_launch_floor
 from engine.pricing.layer_balance import split_layers
+from engine.pricing.small_m import use_gemv_rows
 from engine.pricing.models import ModelSpec
 from engine.pricing.sampling_ops import REFERENCE, SamplerSettings, kernels_s
 
@@ -161,6 +162,8 @@ class CostModel:
         self.kernels = None  # a KernelPricer when the hardware profile has fitted kernels
         if hardware.kernels is not None:
             self._use_kernels(consts, decode_fixed)
+        if c.gemv_rows:  # a CPU BLAS's few-row GEMMs (engine/pricing/small_m.py)
+            use_gemv_rows(self, int(c.gemv_rows))
         if c.launch_floor_per_layer_s or c.launch_floor_per_seq_s:
             use_launch_floor(self, c.launch_floor_per_layer_s, c.launch_floor_per_seq_s, c.launch_overlap_exponent)
 

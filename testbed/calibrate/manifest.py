@@ -12,8 +12,11 @@ fit (git log shows the order) and names, per profile:
 - `validation`: the runs that choose the fit's options (`options:` lists the candidates, e.g.
   `table: [null, profiles/x.csv]`);
 - `test`: the runs that say how good the chosen profile is. `validate --runs <manifest> --test`
-  reports them and appends a line to `test_reports.log` beside the manifest; a second report for the
-  same profile name says so (its test runs have then been looked at twice: say it when quoting).
+  reports them and appends a line to `test_reports.log` beside the manifest; a second report of the
+  same test runs says so (they have then been looked at twice: say it when quoting);
+- `spent_test`: earlier test runs, already reported: a refit is tested on new runs declared as
+  `test` before the refit, and the spent ones are neither fitted on, chosen on nor reported again
+  (the CPU runs' first test set after the small-M term of 2026-11-27, docs/calibrate-runs.md).
 
 The runs live packed (`runs: runs.tar.xz`, a few MB) in the repository's measurements/ folder and are
 unpacked once into a cache keyed by the archive's hash (`unpacked`).
@@ -31,7 +34,8 @@ from engine.base.errors import ConfigError
 from testbed.calibrate.run_checks import PACKED_MARKER
 
 SETS = ("fit", "validation", "test")
-PROFILE_KEYS = {"base", "options", *SETS}
+SPENT = "spent_test"
+PROFILE_KEYS = {"base", "options", SPENT, *SETS}
 MEASUREMENTS_DIR = Path(__file__).resolve().parents[2] / "measurements"
 
 
@@ -45,6 +49,7 @@ class Split:
     fit: tuple[str, ...] = ()
     validation: tuple[str, ...] = ()
     test: tuple[str, ...] = ()
+    spent_test: tuple[str, ...] = ()
 
     def set_of(self, run: str) -> str:
         return next(s for s in SETS if run in getattr(self, s))
@@ -97,7 +102,7 @@ def load_manifest(path: str | Path) -> Manifest:
         raise ConfigError(f"manifest {path}: runs {runs} is neither a folder nor an archive")
     profiles = {name: _split(path, str(name), body) for name, body in tree["profiles"].items()}
     for split in profiles.values():
-        missing = [r for r in split.runs() if not (runs_dir / r).is_dir()]
+        missing = [r for r in split.runs() + split.spent_test if not (runs_dir / r).is_dir()]
         if missing:
             raise ConfigError(f"manifest {path}: {split.name} names runs not in {runs}: {', '.join(missing[:5])}")
     _register_profiles(path.parent / "profiles")
@@ -119,7 +124,7 @@ def _split(path: Path, name: str, body) -> Split:
         bad = sorted(set(body) - PROFILE_KEYS) if isinstance(body, dict) else [type(body).__name__]
         raise ConfigError(f"manifest {path}: profile {name} has {', '.join(map(str, bad))}; valid keys: "
                           f"{', '.join(sorted(PROFILE_KEYS))}")
-    sets = {s: tuple(str(r) for r in (body.get(s) or ())) for s in SETS}
+    sets = {s: tuple(str(r) for r in (body.get(s) or ())) for s in (*SETS, SPENT)}
     seen: dict[str, str] = {}
     for s, names in sets.items():
         for r in names:
@@ -160,15 +165,24 @@ def unpacked(archive: Path) -> Path:
     return inner[0] if len(inner) == 1 else dest
 
 
+def test_set_id(split: Split) -> str:
+    """A short hash of the test runs' names: the log tells one test set's reports from another's."""
+    return hashlib.sha256("\n".join(split.test).encode()).hexdigest()[:8]
+
+
 def record_test_report(manifest: Manifest, split: Split, hardware: str, version: str) -> list[str]:
     """Append this test report to `test_reports.log` beside the manifest; the earlier lines for the
-    same profile (a test set looked at again after a refit is no longer untouched)."""
+    same profile and test set (a test set looked at again after a refit is no longer untouched).
+    Lines without `test_set=` predate it: they reported the runs now in `spent_test` if the split
+    has any, else its `test`."""
     log = manifest.path.parent / "test_reports.log"
-    earlier = [ln for ln in (log.read_text().splitlines() if log.is_file() else []) if f" {split.name} " in ln]
+    ident = test_set_id(split)
+    earlier = [ln for ln in (log.read_text().splitlines() if log.is_file() else []) if f" {split.name} " in ln
+               and (f"test_set={ident}" in ln or ("test_set=" not in ln and not split.spent_test))]
     try:
         with log.open("a") as fh:
             fh.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {split.name} hardware={hardware} "
-                     f"version={version} test_runs={len(split.test)}\n")
+                     f"version={version} test_runs={len(split.test)} test_set={ident}\n")
     except OSError:
         pass  # a read-only checkout: the report still prints
     return earlier

@@ -215,7 +215,8 @@ def _attention_start(hw: HardwareSpec, model) -> dict[str, float]:
 
 
 def fit_forward_samples(samples: Sequence[ForwardSample], model, hw: HardwareSpec, pp: int, layers,
-                        base_vals: dict, names: Sequence[str], own_attention: bool = False) -> dict[str, float]:
+                        base_vals: dict, names: Sequence[str], own_attention: bool = False,
+                        starts: int = 5) -> dict[str, float]:
     """Least squares on the error in seconds over `names` (log-space, bounded, a few starts: the
     max() of the roofline and of the launch floor make the surface piecewise); with
     `own_attention`, also over OWN_ATTENTION_PARAMS (returned with the rest)."""
@@ -248,13 +249,38 @@ def fit_forward_samples(samples: Sequence[ForwardSample], model, hw: HardwareSpe
         return (np.array([cost.stage_compute_s(s.stage, s.shape) for s in samples]) - meas) / scale
 
     best = None
-    for k in range(5):
+    for k in range(starts):
         x = x0 if k == 0 else np.clip(x0 + np.log(10.0) * np.array(
             [(-1) ** (k + i) * (0.5 + 0.5 * (k % 2)) for i in range(len(names))]), lo + 1e-9, hi - 1e-9)
         res = least_squares(resid, x, bounds=(lo, hi), max_nfev=300)
         if best is None or res.cost < best.cost:
             best = res
     return {n: float(math.exp(v)) for n, v in zip(names, best.x)}
+
+
+GEMV_ROWS = range(2, 9)  # the few-row thresholds tried (engine/pricing/small_m.py)
+
+
+def fit_gemv_rows(samples: Sequence[ForwardSample], model, hw: HardwareSpec, pp: int, layers, values: dict,
+                  names: Sequence[str]) -> dict:
+    """`gemv_rows` (engine/pricing/small_m.py) and the forward terms refitted with it: each
+    threshold in GEMV_ROWS refitted from `values` (the fit without it), kept where it lowers the
+    squared error in seconds; 0 when none does. On the P=1 CPU fit runs: 3 (the threshold the
+    lm_head micro-benchmark shows), decode forwards' bias by sequences gone (module small_m)."""
+    meas = np.array([x.time_s for x in samples])
+
+    def sq_error(v: dict) -> float:
+        cost = _cost(model, hw, pp, layers, v)
+        return float(np.sum((np.array([cost.stage_compute_s(s.stage, s.shape) for s in samples]) - meas) ** 2))
+
+    best, best_err = {"gemv_rows": 0}, sq_error(dict(values, gemv_rows=0))
+    for rows in GEMV_ROWS:
+        start = dict(values, gemv_rows=rows)
+        v = dict(start, **fit_forward_samples(samples, model, hw, pp, layers, start, names, starts=1))
+        err = sq_error(v)
+        if err < best_err:
+            best, best_err = {**{n: v[n] for n in names}, "gemv_rows": rows}, err
+    return best
 
 
 def _data_starts(samples: Sequence[ForwardSample], model, hw: HardwareSpec, pp: int, layers,
@@ -322,6 +348,8 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
     elif "decode_overhead_ratio" not in names:
         fitted["decode_overhead_ratio"] = 1.0
     fitted.update(fit_forward_samples(fwd, model, base, pp, split, base_vals, names, own_attention))
+    if base.kernels is None:
+        fitted.update(fit_gemv_rows(fwd, model, base, pp, split, dict(base_vals, **fitted), names))
     kernels = own_attention_terms(*(fitted.pop(n) for n in OWN_ATTENTION_PARAMS)) if own_attention else {}
     if kernels:
         base = replace(base, kernels=dict(base.kernels, **kernels))

@@ -141,8 +141,10 @@ def format_split(rows: list[Replayed], split: Split, hardware: str, with_test: b
         within = [all(abs(mean_errors(g)[m]) <= 0.10 for m in ("throughput_tok_s", "tpot_mean_s"))
                   for g in groups.values()]
         lines.append(f"  {sum(within)} of {len(within)} within 10% on throughput and TPOT mean")
-    if with_test:
-        lines.append(format_rank(rank_table(rows), error_by_load(rows)))
+    if with_test:  # on the test runs alone when they hold several policies a setting (new repeats of every run)
+        tested = [r for r in rows if r.set == "test"]
+        table = rank_table(tested) or rank_table(rows)
+        lines.append(format_rank(table, error_by_load(tested if rank_table(tested) else rows)))
     else:
         lines.append("\n(test runs and the rank agreement: --test; the test runs are reported once)")
     return "\n".join(lines)
