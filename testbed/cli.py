@@ -88,6 +88,13 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def absolute_test_paths(pytest_args: list[str]) -> list[str]:
+    """Test paths made absolute, node ids kept (`tests/test_x.py::test_y`: the whole id was
+    resolved as a path and its `::test_y` added again, which pytest could not collect)."""
+    return [str(Path(a.split("::")[0]).resolve()) + a[len(a.split("::")[0]):]
+            if not a.startswith("-") and Path(a.split("::")[0]).exists() else a for a in pytest_args]
+
+
 def cmd_test(pytest_args: list[str]) -> int:
     """Run this checkout's test suite: every argument goes to pytest as given (`-m slow`, `-x -k kv`,
     `tests/test_kv.py`, `--durations=15`). Pytest runs from the checkout, so with no path it
@@ -102,8 +109,7 @@ def cmd_test(pytest_args: list[str]) -> int:
     if not (root / "tests").is_dir():
         raise TestbedError(f"no tests folder at {root / 'tests'}: `testbed test` runs from a source checkout")
     # paths given relative to where the user stands keep working after the chdir below
-    args = [str(Path(a).resolve()) + (a[len(a.split("::")[0]):] if "::" in a else "")
-            if not a.startswith("-") and Path(a.split("::")[0]).exists() else a for a in pytest_args]
+    args = absolute_test_paths(pytest_args)
     os.chdir(root)
     # pyproject's addopts already says -q: a second -q (-qq) would drop the pass/fail summary line.
     # Progress as counts ([ 123/788]) rather than percentages.

@@ -69,13 +69,51 @@ class HeldRun:
         self._read: list[str] = []
 
     def release(self) -> tuple[str, str]:
-        """Drain the held stderr until the run ends; (stdout, stderr)."""
-        reader = threading.Thread(target=lambda: self._read.append(self._stderr.read()), daemon=True)
-        reader.start()
-        out = self.proc.stdout.read()
-        self.proc.wait(timeout=WAIT_S)
-        reader.join(timeout=WAIT_S)
-        return out, self._read[0].strip("\n")
+        """Drain the held stderr until the run ends; (stdout, stderr). Every wait is bounded: a
+        run that does not end fails the test with what its processes were doing (a fresh clone's
+        run once sat idle > 9 min in the unbounded `stdout.read()` here; not reproduced since)."""
+        out: list[str] = []
+        readers = [threading.Thread(target=_drain, args=(stream, into), daemon=True)
+                   for stream, into in ((self._stderr, self._read), (self.proc.stdout, out))]
+        for reader in readers:
+            reader.start()
+        try:
+            self.proc.wait(timeout=RELEASE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            report = hang_report(self.proc)
+            for p in [*psutil.Process(self.proc.pid).children(recursive=True), psutil.Process(self.proc.pid)]:
+                p.kill()
+            raise AssertionError(f"`testbed run` did not end within {RELEASE_WAIT_S} s of its release; its "
+                                 f"stderr so far:\n{''.join(self._read)[-2000:]}\n{report}") from None
+        for reader in readers:
+            reader.join(timeout=RELEASE_WAIT_S)
+        return "".join(out), "".join(self._read).strip("\n")
+
+
+RELEASE_WAIT_S = 240  # a released run ends in seconds (the whole test: 48-88 s at load ~16)
+
+
+def _drain(stream, into: list[str]) -> None:
+    for chunk in iter(lambda: stream.read(4096), ""):
+        into.append(chunk)
+
+
+def hang_report(proc: subprocess.Popen) -> str:
+    """The process tree of a run that hangs: state, kernel wait channel, and Python stacks
+    where py-spy is installed (`pip install py-spy`; it needs ptrace rights)."""
+    import shutil
+
+    lines = []
+    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+        try:
+            wchan = Path(f"/proc/{p.pid}/wchan").read_text()
+            lines.append(f"{p.pid} {p.status()} wchan={wchan}: {' '.join(p.cmdline())[:200]}")
+        except (OSError, psutil.Error):
+            continue
+        if shutil.which("py-spy"):
+            spy = subprocess.run(["py-spy", "dump", "--pid", str(p.pid)], capture_output=True, text=True, timeout=60)
+            lines.append(spy.stdout[-4000:] + spy.stderr[-500:])
+    return "\n".join(lines)
 
 
 def _wait_until_held(tmp_path: Path, proc: subprocess.Popen) -> None:

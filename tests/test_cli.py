@@ -166,3 +166,13 @@ def test_run_help_points_to_testbed_list(capsys):
         main(["run", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert exit_.value.code == 0 and "`testbed list` shows every group's choices" in out
+
+
+def test_a_test_node_id_is_passed_to_pytest_whole(tmp_path, monkeypatch):
+    """`./tb test tests/test_x.py::test_y` gave pytest `.../test_x.py::test_y::test_y` (no tests ran)."""
+    from testbed.cli import absolute_test_paths
+
+    (tmp_path / "test_x.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert absolute_test_paths(["-x", "test_x.py::test_y", "test_x.py", "nope.py::t"]) == \
+        ["-x", f"{tmp_path.resolve()}/test_x.py::test_y", f"{tmp_path.resolve()}/test_x.py", "nope.py::t"]

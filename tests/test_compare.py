@@ -212,11 +212,13 @@ def test_a_killed_sweep_kills_its_own_running_points_only(tmp_path):
 def test_runs_left_running_by_a_killed_sweep_are_ended_by_the_next_one(tmp_path, capsys):
     """SIGKILL (or the OOM killer) leaves no handler to end the summary run: it stayed RUNNING for
     good (issue 38 item 6). The next sweep on this host ends it KILLED, with its point runs, and
-    says so; its own runs are not touched."""
+    says so; its own runs are not touched. One worker (the command itself): no orphaned worker
+    ends them first (tests/test_orphaned_workers.py)."""
     from signal_helpers import Command, run_states, running_kinds, survivors
 
     fresh_mlflow_db(tmp_path)
-    cmd = Command("compare", *SIGNAL_GRID, f"output.dir={tmp_path}", "compare.experiment=killed")
+    grid = [a.replace("compare.workers=2", "compare.workers=1") for a in SIGNAL_GRID]
+    cmd = Command("compare", *grid, f"output.dir={tmp_path}", "compare.experiment=killed")
     cmd.wait_for("point   0 done")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(kind == "point" for kind, _ in running_kinds(tmp_path / "mlflow.db")):

@@ -102,10 +102,16 @@ def dead_local_process(where: dict) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """A zombie is dead: a SIGKILLed command stays one until its shell reaps it, and its orphaned
+    workers end its runs in that window (sweep/jobs.py `orphan_guard`)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True

@@ -97,17 +97,45 @@ def advisory_lock(url: str, name: str = LOCK_NAME, key: str = "database") -> Ite
             conn = engine.connect()
         except OperationalError as exc:
             raise unreachable(key, url, exc) from None
+        try:
+            _lock(conn, name)
+        except OperationalError:  # reachable a moment ago: a restart closed it, which is waited for
+            from testbed.cluster import reconnect
+
+            conn.close()
+            conn = reconnect.call(reconnect.Service(f"{key}={redact(url)}", lambda e: isinstance(e, OperationalError)),
+                                  _connect_and_lock, engine, name)
         with conn:
-            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": lock_key(name)})
-            conn.commit()
             try:
                 yield
             finally:
-                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": lock_key(name)})
-                conn.commit()
+                try:
+                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": lock_key(name)})
+                    conn.commit()
+                except OperationalError:  # the connection a restart closed: its lock went with it
+                    pass
     finally:
         engine.dispose()
         _release(db)
+
+
+def _lock(conn, name: str) -> None:
+    from sqlalchemy import text
+
+    conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": lock_key(name)})
+    conn.commit()
+
+
+def _connect_and_lock(engine, name: str):
+    """A new connection holding the lock (a 10 s PostgreSQL restart while a host opened its
+    study: a traceback from the unlock, issue 48 two-host study)."""
+    conn = engine.connect()
+    try:
+        _lock(conn, name)
+    except Exception:
+        conn.close()
+        raise
+    return conn
 
 
 def _release(db: tuple[str, int]) -> None:

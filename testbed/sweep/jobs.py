@@ -448,6 +448,7 @@ def _progress(console: Any, total: int, unit: str = "runs") -> Progress:
 def _worker_main(tasks: Any, results: Any, parent: int | None = None) -> None:
     """A spawned worker: run the jobs from the queue until it hands over None."""
     orphan_guard(parent)
+    job = None
     try:
         while True:
             try:
@@ -460,7 +461,23 @@ def _worker_main(tasks: Any, results: Any, parent: int | None = None) -> None:
             results.put(("start", job.index, os.getpid()))
             results.put(("row", job.index, run_point(job)))
     except KeyboardInterrupt:
+        if job is not None and parent is not None and os.getppid() != parent:
+            _end_for_dead_parent(job)
         sys.exit(signals.EXIT_CODES["SIGINT"])
+
+
+def _end_for_dead_parent(job: Job) -> None:
+    """The sweep's command was killed outright (SIGKILL, the OOM killer): this worker's point run
+    is ended KILLED already (run_point), and the summary run, which only the dead command could
+    end, is ended here with its other points. Before, they stayed RUNNING until the next sweep on
+    this host (issue 48). Best effort: a store that cannot be reached leaves them to that sweep."""
+    shield()
+    if not job.spec.output.mlflow:
+        return
+    try:
+        reclaim_stranded(_tracker(job.spec.output, job.experiment))
+    except Exception:  # noqa: BLE001 - the next sweep reclaims what could not be ended here
+        pass
 
 
 class WorkerPool:

@@ -28,7 +28,7 @@ from testbed.tune.display import Display, pareto_indices, print_start, values_te
 from testbed.tune.figures import trials_frame, write_study_figures
 from testbed.config.objectives import sig4
 from testbed.tune.problem import Problem, fingerprint_of, first_difference, prepare
-from testbed.tune.reclaim import end_stray_runs, reclaim, recoverer, settle
+from testbed.tune.reclaim import end_stray_runs, kill_running_trials, reclaim, recoverer, settle
 from testbed.tune.storage import (INTERRUPTED, counted, create_or_load, fail_stale, first_use_lock, heartbeat_of,
                                   make_sampler, mark_interrupted, problem_json, quiet_optuna, redact)
 from testbed.tune.tracking import log_study, study_run
@@ -189,7 +189,7 @@ def abandon(problem: Problem, study: Any, tracker: Any, exc: ServiceLost) -> Non
     if tracker is None or not problem.parent_run_id:
         return
     try:
-        _kill_running_trials(tracker, problem.parent_run_id)
+        kill_running_trials(tracker, problem.parent_run_id)
         tracker.fail(problem.parent_run_id, str(exc))
     except Exception:  # the tracking server is the one lost
         pass
@@ -276,27 +276,12 @@ def finish_study(problem: Problem, study: Any, tracker: Any, trials_run: int, wa
             print(f"warning: the study's files were not logged to MLflow: {artifact_error}", file=sys.stderr)
         status = "KILLED" if interrupted else "FAILED" if worker_errors else "FINISHED"
         if status != "FINISHED":  # a trial run a worker opened just before it was stopped
-            _kill_running_trials(tracker, problem.parent_run_id)
+            kill_running_trials(tracker, problem.parent_run_id)
         tracker.client.set_terminated(problem.parent_run_id, status)
     return TuneOutcome(study=problem.study, storage=problem.storage_url, out_dir=out_dir, best=best,
                        baseline=baseline, trials_run=trials_run, wall_s=wall_s, counts=counts,
                        interrupted=interrupted, worker_errors=worker_errors, figures=figures,
                        objectives=s.objectives)
-
-
-def _kill_running_trials(tracker: Any, parent_run_id: str, session: str | None = None) -> None:
-    """End KILLED every trial run of this command's workers still RUNNING once they are gone (a
-    worker stopped between opening its run and its own KILLED handler leaves one; seen 1 in ~3
-    SIGTERMs). Only this session's: another host's live trials under the same study run are not
-    ours to end (issue 24 item 3)."""
-    client = tracker.client
-    session = session or identity.session_id()
-    for run in client.search_runs([tracker.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' "
-                                                f"and attributes.status = 'RUNNING' "
-                                                f"and tags.`testbed.session` = '{session}'"):
-        client.set_tag(run.info.run_id, "error", "interrupted")
-        client.set_terminated(run.info.run_id, "KILLED")
 
 
 def print_outcome(outcome: TuneOutcome) -> None:

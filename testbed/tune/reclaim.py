@@ -24,7 +24,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from testbed.cluster import heartbeat
+from testbed.cluster import heartbeat, identity
 from testbed.tune.problem import Problem
 from testbed.tune.storage import counted, fail_stale, heartbeat_of
 from testbed.tune.trial import TRIAL_SUMMARY_KEYS, finite_or_none
@@ -149,3 +149,17 @@ def last_heartbeats(storage: Any, trial_ids: Sequence[int]) -> dict[int, Any]:
     except Exception:  # a lost connection: no beat seen this round
         return {}
 
+
+def kill_running_trials(tracker: Any, parent_run_id: str, session: str | None = None) -> None:
+    """End KILLED every trial run of this command's workers still RUNNING once they are gone (a
+    worker stopped between opening its run and its own KILLED handler leaves one; seen 1 in ~3
+    SIGTERMs). Only this session's: another host's live trials under the same study run are not
+    ours to end (issue 24 item 3)."""
+    client = tracker.client
+    session = session or identity.session_id()
+    for run in client.search_runs([tracker.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' "
+                                                f"and attributes.status = 'RUNNING' "
+                                                f"and tags.`testbed.session` = '{session}'"):
+        client.set_tag(run.info.run_id, "error", "interrupted")
+        client.set_terminated(run.info.run_id, "KILLED")

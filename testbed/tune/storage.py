@@ -78,10 +78,16 @@ def make_storage(url: str, hb: heartbeat.Heartbeat | None = None):
         kwargs["engine_kwargs"] = {"pool_pre_ping": True}
         reconnect.window_s()  # a bad TESTBED_RECONNECT_S is refused now, not at the first outage
     try:
-        storage = (optuna.storages.RDBStorage if url.startswith("sqlite:") else ReconnectingStorage)(url, **kwargs)
+        if url.startswith("sqlite:"):
+            storage = optuna.storages.RDBStorage(url, **kwargs)
+        else:  # reachable a moment ago (the first-use lock): a restart now is waited for
+            service = reconnect.Service(f"tune.storage={redact(url)}", connection_lost)
+            storage = reconnect.call(service, ReconnectingStorage, url, **kwargs)
         if sqlite_file is not None:
             _sqlite_fast_commits(storage.engine)
         return storage
+    except reconnect.ServiceLost:
+        raise
     except ImportError as exc:
         raise ConfigError(f"tune.storage={redact(url)} needs a database driver: {exc}") from None
     except Exception as exc:  # bad URL, unreachable server

@@ -33,8 +33,8 @@ import testbed.tune.reclaim as reclaim
 from testbed.tune.problem import Problem
 from testbed.cluster import heartbeat, identity
 from testbed.cluster.reconnect import ServiceLost
-from testbed.tune.storage import counted, heartbeat_of, make_sampler, make_storage, quiet_optuna
-from testbed.tune.trial import TrialRunner
+from testbed.tune.storage import counted, fail_stale, heartbeat_of, make_sampler, make_storage, quiet_optuna
+from testbed.tune.trial import TrialRunner, open_tracker
 
 START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30
@@ -90,6 +90,8 @@ def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: An
         worker_loop(problem, index, lock, events.put, ready, parent_pid=parent)
     except KeyboardInterrupt:
         code = signals.EXIT_CODES["SIGINT"]
+        if os.getppid() != parent:
+            _end_for_dead_parent(problem)
     except ServiceLost as exc:  # its trial is ended already (TrialRunner._lost): the reason, no traceback
         events.put({"worker_error": f"worker {index}: {exc}"})
         code = 1
@@ -100,6 +102,24 @@ def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: An
     finally:
         events.put({"worker_done": index, "code": code})
     sys.exit(code)
+
+
+def _end_for_dead_parent(problem: Problem) -> None:
+    """The `tune` command (worker 0) was killed outright: this worker's trial is ended already
+    (TrialRunner), and what only the dead command could end is ended here as its SIGTERM handler
+    would have: worker 0's trial (completed from its recorded results, or interrupted + FAILED),
+    this session's trial runs KILLED, the study run KILLED. Before, they stayed RUNNING until the
+    next `tune` (issue 48). Best effort: what cannot be reached is left to that command."""
+    sweep.shield()
+    try:
+        study = optuna.load_study(study_name=problem.study, storage=make_storage(problem.storage_url, None))
+        tracker = open_tracker(problem)
+        fail_stale(study, study._storage, tracker, reclaim.recoverer(study, tracker, problem))
+        if tracker is not None and problem.parent_run_id:
+            reclaim.kill_running_trials(tracker, problem.parent_run_id)
+            tracker.client.set_terminated(problem.parent_run_id, "KILLED")
+    except Exception:  # noqa: BLE001 - the next `tune` reclaims what could not be ended here
+        pass
 
 
 class _Drain:

@@ -1,0 +1,65 @@
+"""A sweep or tune command killed outright (SIGKILL, the OOM killer): its workers outlive it for
+a moment (pdeathsig, sweep/jobs.py `orphan_guard`) and end what only it could have ended, the
+summary or study run and worker 0's trial. Before, those stayed RUNNING until the next command on
+this host reclaimed them (issue 48)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from mlflow_db import fresh_mlflow_db
+from signal_helpers import Command, run_states, running_kinds, survivors
+
+SETTLE_S = 120  # how long the orphans get to end the runs: generous (a loaded 2-core machine), not a timing
+
+
+def _wait_until(what, timeout_s: float = SETTLE_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if what():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _kinds(db: Path) -> set[str]:
+    return {kind for kind, _ in running_kinds(db)}
+
+
+def test_a_killed_compare_leaves_no_run_running(tmp_path):
+    fresh_mlflow_db(tmp_path)
+    grid = ["workload=synthetic", "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2", "output.plots=false",
+            "workload.num_requests=40,30000,30001,30002", "compare.workers=2"]
+    cmd = Command("compare", *grid, f"output.dir={tmp_path}", "compare.experiment=orphan")
+    cmd.wait_for("point   0 done")
+    assert _wait_until(lambda: "point" in _kinds(tmp_path / "mlflow.db")), "no point run ever opened"
+    workers = cmd.descendants()
+    cmd.kill()  # SIGKILL the command alone: its workers learn it through pdeathsig
+    _wait_until(lambda: not running_kinds(tmp_path / "mlflow.db"))
+    assert survivors(workers) == []
+    runs = run_states(tmp_path / "mlflow.db")
+    assert "RUNNING" not in {r["status"] for r in runs.values()}, runs
+    assert [r["status"] for r in runs.values() if r["kind"] == "compare"] == ["KILLED"]
+
+
+def test_a_killed_tune_leaves_no_trial_or_run_running(tmp_path):
+    import optuna
+
+    base = ["policy=sarathi", "workload=synthetic", "workload.arrival=offline", "model=llama2-13b",
+            "hardware=a100-80g", "parallel.pp=2", "output.plots=false", "workload.num_requests=3000",
+            "tune.trials=400", "tune.workers=2", "tune.study=orphan"]
+    cmd = Command("tune", *base, f"output.dir={tmp_path}")
+    cmd.wait_for(" done ")
+    db = tmp_path / "mlflow.db"
+    # both workers inside a trial, worker 0 (the command itself) included, where the load allows
+    _wait_until(lambda: sum(kind == "trial" for kind, _ in running_kinds(db)) >= 2, 60)
+    workers = cmd.descendants()
+    cmd.kill()
+    _wait_until(lambda: not running_kinds(db))
+    assert survivors(workers) == []
+    runs = run_states(db)
+    assert "RUNNING" not in {r["status"] for r in runs.values()}, runs
+    assert [r["status"] for r in runs.values() if r["kind"] == "study"] == ["KILLED"]
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name="orphan", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    assert [t.number for t in study.trials if t.state.name == "RUNNING"] == []
