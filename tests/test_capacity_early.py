@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pandas as pd
+import pytest
 
 from testbed.capacity.early import EarlyStop
 from testbed.cli import main
@@ -31,6 +32,7 @@ def test_only_certain_misses_are_counted():
     assert stop.misses([_seq(20.0)], now) == 0  # not arrived yet
 
 
+@pytest.mark.slow  # two searches: 127 s of wall time at load ~20; `./tb test -m slow`
 def test_a_search_with_early_stops_gives_the_same_probes_and_answer(tmp_path, capsys):
     found = {}
     for flag in ("true", "false"):

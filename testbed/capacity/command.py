@@ -446,8 +446,11 @@ class CapacityFeed(sweep.Feed):
         verdict = "[green]pass[/green]" if row["capacity.passed"] else "[red]fail[/red]"
         growth = row["capacity.metrics"]["backlog_growth"]
         queue = "" if row["capacity.steady"] else f" [yellow]queue still growing ({growth:+.0%} of the rate)[/yellow]"
+        value = f"{row['capacity.value']:.4g}"
+        if (stopped := row["capacity.metrics"].get("stopped_at")) is not None:  # decided early (capacity/early.py)
+            value, queue = f"< {pt.target:g}", f" (stopped after {stopped:,} of {row.get('num_requests', 0):,.0f} requests)"
         return (f"point {pt.group:>3} probe {job.tags['capacity.probe']:>2} rate {rate:<8g} {verdict} "
-                f"{self.p.settings.metric} {row['capacity.value']:.4g} ({row['capacity.phase']}){queue} {where}")
+                f"{self.p.settings.metric} {value} ({row['capacity.phase']}){queue} {where}")
 
 
 def probe_requests(p: Plan, pt: PointSpec, rate: float) -> int:
