@@ -162,7 +162,10 @@ def test_the_printed_capacity_holds_on_a_plain_run_of_each_window_and_the_holdou
 
 def test_probe_lengths_and_warm_ups_are_bounded(tmp_path, capsys):
     for args, message in ((["capacity.duration_s=1e12"], "invalid capacity.duration_s=1000000000000.0"),
-                          (["capacity.duration_s=10", "capacity.warmup_s=10"], "warm-up must be shorter")):
-        code = main(["capacity", *AZURE, f"output.dir={tmp_path}", *args])
+                          (["capacity.duration_s=10", "capacity.warmup_s=10"], "warm-up must be shorter"),
+                          (["capacity.workers=1000000"], "invalid capacity.workers=1000000: must be an integer in [1, 64]"),
+                          (["capacity.gpus=100000"], "invalid capacity.gpus=100000: must be an integer in [1, 1024]")):
+        keys = {a.partition("=")[0] for a in args}
+        code = main(["capacity", *[a for a in AZURE if a.partition("=")[0] not in keys], f"output.dir={tmp_path}", *args])
         err = capsys.readouterr().err.strip()
         assert code == 2 and err.startswith("error: ") and "\n" not in err and message in err, err

@@ -26,6 +26,7 @@ range of the windows', the confirmation probes), `probes.csv` (every probe), `ca
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -43,6 +44,7 @@ import testbed.capacity.budget as budget
 import testbed.capacity.results as results
 import testbed.capacity.windows as cw
 import testbed.capacity.estimate as estimate
+from testbed.capacity.early import EarlyStop
 from testbed.capacity.search import RateSearch
 from testbed.capacity.settings import MAX_PROBE_REQUESTS, CapacitySettings, check_prices, parse
 from testbed.capacity.cover import Check, PointSearch
@@ -240,7 +242,7 @@ def _priced(spec: PointSpec, settings: CapacitySettings, user: set[str]) -> Poin
 
 # --- the searches as a sweep feed -----------------------------------------------------------------
 
-INFO_PRECISION = 0.1  # a window that cannot bind stops at this precision (its capacity is information)
+INFO_PRECISION = 0.25  # a window that cannot bind stops at this precision (its capacity is information; 0.1 before: one probe more per such window)
 HOST_BOUND = "host-bound"  # a live probe that measured its starved host, not the server (live.py)
 
 def start_rate(run: RunSpec, settings: CapacitySettings) -> float:
@@ -407,12 +409,31 @@ class CapacityFeed(sweep.Feed):
         total = 0
         for g, point in self.points.items():
             units = point.windows
-            total += sum(len(self.searches[u].probes) if u in self.errors else self.searches[u].planned()
+            low = self._likely_binding(units)
+            total += sum(len(self.searches[u].probes) if u in self.errors else self._window_plan(u, u != low)
                          for u in units)
             total += sum(len(self.searches[u].probes) for u in point.tried if u not in units)
             if point.status is None and not point.checks and not any(u in self.errors for u in units):
                 total += len(units) + 1  # verify the others, the upper probe, the hold-out
         return total
+
+    def _likely_binding(self, units: list[int]) -> int:
+        """The window that looks lowest so far (lowest failure, then lowest pass; the first before any probe)."""
+        def key(u: int) -> tuple[float, float]:
+            lo, hi = self.searches[u].bracket()
+            return (hi if hi is not None else math.inf, lo if lo is not None else math.inf)
+        return min(units, key=lambda u: (key(u), units.index(u)))
+
+    def _window_plan(self, unit: int, coarse: bool) -> int:
+        """A window's planned probes; one that will not bind (all but the lowest, when the point
+        has several windows) plans for INFO_PRECISION, as `_coarsen` will search it. Planning every
+        window at full precision said 46 probes where the default gLLM search ran 36."""
+        search = self.searches[unit]
+        if not coarse or search.s.precision >= INFO_PRECISION:
+            return search.planned()
+        probe = copy.copy(search)
+        probe.s = replace(search.s, precision=INFO_PRECISION)
+        return probe.planned()
 
     def describe(self, row: dict, job: sweep.Job) -> str:
         pt = self.p.points[self.owner[row["point"]]]
@@ -425,8 +446,11 @@ class CapacityFeed(sweep.Feed):
         verdict = "[green]pass[/green]" if row["capacity.passed"] else "[red]fail[/red]"
         growth = row["capacity.metrics"]["backlog_growth"]
         queue = "" if row["capacity.steady"] else f" [yellow]queue still growing ({growth:+.0%} of the rate)[/yellow]"
+        value = f"{row['capacity.value']:.4g}"
+        if (stopped := row["capacity.metrics"].get("stopped_at")) is not None:  # decided early (capacity/early.py)
+            value, queue = f"< {pt.target:g}", f" (stopped after {stopped:,} of {row.get('num_requests', 0):,.0f} requests)"
         return (f"point {pt.group:>3} probe {job.tags['capacity.probe']:>2} rate {rate:<8g} {verdict} "
-                f"{self.p.settings.metric} {row['capacity.value']:.4g} ({row['capacity.phase']}){queue} {where}")
+                f"{self.p.settings.metric} {value} ({row['capacity.phase']}){queue} {where}")
 
 
 def probe_requests(p: Plan, pt: PointSpec, rate: float) -> int:
@@ -451,10 +475,13 @@ def probe_job(p: Plan, pt: PointSpec, rate: float, k: int, index: int, parent_ru
 
     spec = pt.run.with_values({"workload.rate": rate, "workload.num_requests": probe_requests(p, pt, rate)})
     name = pt.window_label.split(" ")[0]
+    slo = pt.run.settings.slo
+    watch = (EarlyStop(slo.ttft_s, slo.tpot_s, pt.target, p.settings.warmup_s)
+             if kind is None and p.settings.early_stop and p.settings.criterion == "attainment" else None)
     where = f"{pt.label} · {name}"
     return sweep.Job(index=index, spec=spec, label=f"{where} @ {rate:g} req/s", axes=(*p.axes, "window", "workload.rate"),
                      axis_values={**pt.axis_values, "window": name, "workload.rate": rate}, experiment=p.name,
-                     parent_run_id=parent_run_id, judge=partial(results.judge, pt.run.settings.slo, p.settings.warmup_s, rate),
+                     parent_run_id=parent_run_id, judge=partial(results.judge, slo, p.settings.warmup_s, rate), watch=watch,
                      run_dir=str(p.out_dir / "runs" / pt.dirname / (f"{k:02d}_rate={rate:g}" + (f"_{kind}" if kind else ""))),
                      tags={"testbed.kind": "probe", "capacity.point": pt.group, "capacity.window": name,
                            "capacity.start_s": getattr(pt.run.workload, "start_s", ""),

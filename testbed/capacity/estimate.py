@@ -54,7 +54,11 @@ def simulated(p: Any, planned: int, probe_requests: Callable, start_rate: Callab
     workers = max(1, min(p.settings.resolved_workers, len(live)))
     cpu = planned * (mean_requests * cpu_req + PROBE_OVERHEAD_CPU_S) + (WORKER_START_CPU_S * workers if workers > 1 else 0)
     slowdown = wall_req / cpu_req if cpu_req > 0 else 1.0
+    INPUTS.update(planned=planned, cpu_per_request_s=cpu_req, wall_per_request_s=wall_req, requests=mean_requests)
     return cpu, cpu * max(slowdown, 1.0) / workers
+
+
+INPUTS: dict = {}  # the last estimate's inputs (capacity.json: how the printed estimate came about)
 
 
 def cpu_used() -> float:

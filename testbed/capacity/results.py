@@ -39,7 +39,10 @@ def judge(slo: SLO, warmup_s: float, rate: float, result: Any) -> dict:
     probe's folder need not keep requests.csv: testbed/sweep/jobs.Job.judge)."""
     if result.error or not result.requests:
         return {}
-    return judged_frame(pd.DataFrame(result.requests), result.summary, slo, warmup_s, rate)
+    out = judged_frame(pd.DataFrame(result.requests), result.summary, slo, warmup_s, rate)
+    if "stopped_at" in result.info:  # decided before its end (testbed/capacity/early.py)
+        out["stopped_at"] = result.info["stopped_at"]
+    return out
 
 
 def judged(row: Mapping[str, Any], slo: SLO, warmup_s: float, rate: float) -> dict:
@@ -196,8 +199,8 @@ def rates_text(search: RateSearch) -> str:
 
 def probe_table(feed: Any, axes: list[str]) -> pd.DataFrame:
     keep = ("status", "error", "capacity.phase", "capacity.passed", "capacity.value", "capacity.steady", *JUDGED,
-            "backlog_growth", "host_flag", "ttft_path_s", "attempts", "window_s", "num_requests", "output_throughput_tok_s", "throughput_tok_s",
-            "num_finished", "num_failed", "run_id", "run_dir")
+            "backlog_growth", "stopped_at", "host_flag", "ttft_path_s", "attempts", "window_s", "num_requests", "output_throughput_tok_s", "throughput_tok_s",
+            "num_finished", "num_failed", "cpu_s", "wall_s", "run_id", "run_dir")
     rows = []
     for unit, probes in feed.probe_rows.items():
         pt = feed.p.points[unit]
@@ -207,6 +210,12 @@ def probe_table(feed: Any, axes: list[str]) -> pd.DataFrame:
                          "start_s": getattr(pt.run.workload, "start_s", None), "probe": k, **{a: r.get(a) for a in axes},
                          "workload.rate": r.get("workload.rate"), **{c: metrics.get(c, r.get(c)) for c in keep}})
     return pd.DataFrame(rows, columns=["point", "window", "start_s", "probe", *axes, "workload.rate", *keep])
+
+
+def _estimate_inputs() -> dict:
+    from testbed.capacity.estimate import INPUTS
+
+    return dict(INPUTS)
 
 
 def ranking(df: pd.DataFrame, axes: list[str]) -> pd.DataFrame | None:
@@ -286,7 +295,9 @@ def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
     summary = {"experiment": p.name, "axes": p.axes, "overrides": p.overrides, "settings": _settings(p),
                "answers": _answers(p, df), "points": [_point_json(pt, feed) for pt in p.points], "wall_s": wall,
                "base_url": p.live.base_url if p.live is not None else None, "estimate_s": feed.estimate_s,
-               "measured_estimate_s": feed.measured_estimate_s}
+               "measured_estimate_s": feed.measured_estimate_s, "estimate_cpu_s": getattr(feed, "estimate_cpu_s", None),
+               "cpu_s": (df.attrs.get("cpu_s") or (None, None))[1],
+               "estimate_inputs": _estimate_inputs()}
     if interrupted:
         summary["interrupted"] = interrupted
     (p.out_dir / "capacity.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")

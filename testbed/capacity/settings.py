@@ -36,6 +36,8 @@ PRICE_PREFIX = "price."  # capacity.price.<hardware>=<USD per GPU-hour>
 
 MAX_DURATION_S = 86_400.0  # a probe of at most a day of arrivals (1e12 s ran with no end)
 MAX_PROBE_REQUESTS = 1_000_000  # requests of one probe at most (rate x duration)
+MAX_WORKERS = 64  # processes on one host (each imports ~4 s of CPU); unbounded before (issue 48 item 4)
+MAX_GPUS = 1024  # a GPU budget: its layouts are the powers of two of P and TP within it
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,10 @@ class CapacitySettings:
     window_requests: int = setting(4000, min=2, max=MAX_PROBE_REQUESTS)  # a trace window: this many requests
     warmup_s: float = setting(0.0, min=0, max=MAX_DURATION_S)  # requests arriving earlier are sent but not judged
     windows: int | None = setting(None, min=1, max=20)  # None: trace windows covering the trace (3 seeds otherwise)
-    gpus: int | None = setting(None, min=1)  # a GPU budget: configurations of at most this many GPUs, as replicas
+    gpus: int | None = setting(None, min=1, max=MAX_GPUS)  # a GPU budget: configurations of at most this many GPUs, as replicas
+    early_stop: bool = True  # end a search probe once its attainment cannot reach the target (capacity/early.py)
     retries: int = setting(1, min=0, max=5)  # live: reruns of a probe the host could not keep up with
-    workers: int | None = setting(None, min=1)  # None: one per CPU core
+    workers: int | None = setting(None, min=1, max=MAX_WORKERS)  # None: one per CPU core
     experiment: str | None = None  # MLflow experiment and folder; None: capacity-<UTC time>
     prices: tuple[tuple[str, float], ...] = ()  # (hardware, USD per GPU-hour) from capacity.price.<hw>=
 

@@ -110,6 +110,7 @@ class Job:
     requests: Any = None  # the resolved request list, shipped with a Ray task (or a Ray ObjectRef to it)
     name: str | None = None  # its MLflow run name; None: what varies (testbed/naming.point_name)
     judge: Any = None  # a picklable callable(RunResult) -> dict run where the point ran: row["judged"] (capacity)
+    watch: Any = None  # picklable: .progress(controller) -> its progress callback, .settle(result) (capacity/early.py)
 
 
 # A sweep point's run folder by default: summary, config, run info (~10 kB). Traces, per-request
@@ -161,21 +162,24 @@ def run_point(job: Job) -> dict:
     raises for a user-level failure (that becomes the row's error); an interrupt ends the
     point's run KILLED and propagates. A tracking server that stayed away past the reconnect
     window (cluster/reconnect.py) fails the point, not its worker process, with a traceback."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     row: dict[str, Any] = {"point": job.index, **job.axis_values, "status": "failed", "error": None,
                            "run_id": None, "run_dir": None}
     try:
         _run_point(job, row)
     except ServiceLost as exc:  # its run, if opened, stays RUNNING on the server that is gone
         row["status"], row["error"] = "failed", str(exc)
-    row["wall_s"] = time.perf_counter() - t0
+    row["wall_s"], row["cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
     return row
 
 
 def _run_point(job: Job, row: dict) -> None:
     tracker, row["run_id"] = _open_point_run(job)
     try:
-        result = prepare_experiment(job.spec, requests=None if job.requests is None else list(job.requests)).run()
+        prepared = prepare_experiment(job.spec, requests=None if job.requests is None else list(job.requests))
+        if job.watch is not None:  # a capacity probe that may end once its verdict is certain
+            prepared.controller.progress = job.watch.progress(prepared.controller)
+        result = prepared.run() if job.watch is None else job.watch.settle(prepared.run())
     except TestbedError as exc:
         row["error"] = str(exc)
     except Exception as exc:  # a policy bug at this point: one failed row, not a dead grid
