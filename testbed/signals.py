@@ -19,6 +19,7 @@ lost (`raise_if_stopped`). A command's record is its outermost `sigterm_as_inter
 from __future__ import annotations
 
 import signal
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -97,8 +98,24 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _quiet_lost_stop(unraisable) -> None:
+    """A stop raised while Python ran a finaliser or a weakref callback (SQLAlchemy's registry
+    clean-up, say) cannot propagate: Python prints it as "Exception ignored in ... Traceback" and
+    drops it. The stop is on record and `raise_if_stopped` acts on it, so that print is noise
+    that reads like a crash (the fresh-clone CI caught one in `compare`'s TERM,TERM test)."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and _first_signal is not None:
+        return
+    _other_unraisablehook(unraisable)
+
+
+_other_unraisablehook = sys.unraisablehook  # whoever printed the rest before (Python's, a test runner's)
+
+
 def _install(handler, signums=STOP_SIGNALS) -> dict | None:
     """Install `handler` for `signums`; the previous handlers, or None outside the main thread."""
+    global _other_unraisablehook
+    if sys.unraisablehook is not _quiet_lost_stop:
+        _other_unraisablehook, sys.unraisablehook = sys.unraisablehook, _quiet_lost_stop
     try:
         return {s: signal.signal(s, handler) for s in signums}
     except ValueError:  # not the main thread
