@@ -46,3 +46,15 @@ def test_another_applications_sqlite_file_is_not_made_an_mlflow_store(tmp_path):
         Tracker(None, "x", uri=f"sqlite:///{db}")
     with sqlite3.connect(db) as con:
         assert [r[0] for r in con.execute("select name from sqlite_master where type = 'table'")] == ["notes"]
+
+
+@pytest.mark.parametrize("command, override", [
+    ("compare", "compare.workers=100000"),  # started 100,000 processes' worth of pool on 2 cores
+    ("tune", "tune.workers=1000"),
+])
+def test_worker_counts_are_bounded(command, override, capsys):
+    """Issue 48 item 4: every command that starts worker processes bounds them as capacity does
+    (testbed/config/overrides.py MAX_WORKERS): one `error:` line naming the value and the range."""
+    assert main([command, *BASE, override, "output.mlflow=false"]) == 2
+    err = capsys.readouterr().err
+    assert f"invalid {override}: must be an integer in [1, 64]" in err and "Traceback" not in err

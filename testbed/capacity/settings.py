@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from engine.base.errors import ConfigError
 from engine.core.metrics import SLO
 from engine.base.typed import setting
-from testbed.config.overrides import check_keys, parse_settings, scalar
+from testbed.config.overrides import MAX_WORKERS, check_keys, parse_settings, scalar
 from workloads.arrivals import MAX_RATE
 
 CRITERIA = ("attainment", "tpot_p99", "tbt_p99", "ttft_p99", "sarathi")
@@ -36,7 +36,6 @@ PRICE_PREFIX = "price."  # capacity.price.<hardware>=<USD per GPU-hour>
 
 MAX_DURATION_S = 86_400.0  # a probe of at most a day of arrivals (1e12 s ran with no end)
 MAX_PROBE_REQUESTS = 1_000_000  # requests of one probe at most (rate x duration)
-MAX_WORKERS = 64  # processes on one host (each imports ~4 s of CPU); unbounded before (issue 48 item 4)
 MAX_GPUS = 1024  # a GPU budget: its layouts are the powers of two of P and TP within it
 
 

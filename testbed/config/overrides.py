@@ -96,6 +96,11 @@ def _bounds(minimum: float | None, maximum: float | None) -> dict[str, float]:
     return {k: v for k, v in (("min", minimum), ("max", maximum)) if v is not None}
 
 
+# worker processes on one host, for every command that starts them (capacity, compare, tune):
+# each imports ~4 s of CPU; unbounded before (issue 48 item 4)
+MAX_WORKERS = 64
+
+
 def as_int(key: str, raw: str, minimum: int | None = None, maximum: int | None = None) -> int:
     return coerce(key, scalar(raw), int, _bounds(minimum, maximum))
 

@@ -49,7 +49,7 @@ from testbed.sweep import jobs as sweep
 from testbed.cluster.ray_backend import split_backend
 from testbed.sweep.ray_points import ray_pool
 from testbed.config.spec import compose_spec
-from testbed.config.overrides import as_int, check_keys, explicit_keys, split_list, split_prefixed
+from testbed.config.overrides import MAX_WORKERS, as_int, check_keys, explicit_keys, split_list, split_prefixed
 from testbed.config.spec import RunSpec
 from testbed.sweep.report import FIGURE_METRICS, print_table, sort_rows, write_comparison
 from testbed.config.objectives import SCALAR_KEYS, resolve_metric
@@ -73,7 +73,7 @@ def parse_settings(raw: Mapping[str, str]) -> CompareSettings:
     check_keys(raw, COMPARE_KEYS, "compare")
     kw: dict[str, Any] = {}
     if "workers" in raw:
-        kw["workers"] = as_int("compare.workers", raw["workers"], 1)
+        kw["workers"] = as_int("compare.workers", raw["workers"], 1, MAX_WORKERS)
     if "experiment" in raw:
         name = raw["experiment"].strip()
         if not name or "/" in name or name.startswith("."):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.base.errors import ConfigError
-from testbed.config.overrides import as_bool, as_float, as_int, check_keys, split_list
+from testbed.config.overrides import MAX_WORKERS, as_bool, as_float, as_int, check_keys, split_list
 from testbed.config.objectives import Constraint, default_direction, resolve_metric
 from testbed.tune.space import SpaceSpec, parse_space
 
@@ -112,7 +112,7 @@ def _numbers(raw: Mapping[str, str]) -> dict[str, Any]:
     if "trials" in raw:
         kw["trials"] = as_int("tune.trials", raw["trials"], 1)
     if "workers" in raw:
-        kw["workers"] = as_int("tune.workers", raw["workers"], 1)
+        kw["workers"] = as_int("tune.workers", raw["workers"], 1, MAX_WORKERS)
     if "startup_trials" in raw:
         kw["startup_trials"] = as_int("tune.startup_trials", raw["startup_trials"], 0)
     if "seed" in raw:
