@@ -219,8 +219,13 @@ def record_interrupts() -> None:
 
 
 def terminate_on_stop_signals() -> None:
-    """For the rest of the process (a worker's), SIGTERM and SIGHUP raise `Terminated`, on record."""
+    """For the rest of the process (a worker's), SIGTERM and SIGHUP raise `Terminated`, and Ctrl-C
+    KeyboardInterrupt, each on record: a Ctrl-C to the process group that Python's own handler
+    raised inside a worker's SQLAlchemy weakref callback was printed as "Exception ignored ...
+    Traceback" and dropped (the fresh-clone CI's compare INT test)."""
     _install(_raise_terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        _install(_raise_interrupt, (signal.SIGINT,))
 
 
 def stopped_by() -> str | None:

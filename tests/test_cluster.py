@@ -72,14 +72,14 @@ def test_sigterm_ends_only_this_sessions_trial_runs(tmp_path):
     """A stopped host ended every RUNNING trial run of the study KILLED with error=interrupted,
     the other host's live ones included (issue 24 item 3)."""
     from testbed.tracking.tracker import Tracker
-    from testbed.tune.command import _kill_running_trials
+    from testbed.tune.reclaim import kill_running_trials
 
     tracker = Tracker({}, "tune-x", uri=fresh_mlflow_db(tmp_path))
     parent = tracker.client.create_run(tracker.experiment_id).info.run_id
     runs = {s: tracker.client.create_run(tracker.experiment_id, tags={"mlflow.parentRunId": parent,
                                                                      "testbed.session": s, "worker": f"{s}.0"})
             .info.run_id for s in ("host-a-1111", "host-b-2222")}
-    _kill_running_trials(tracker, parent, session="host-a-1111")
+    kill_running_trials(tracker, parent, session="host-a-1111")
     status = {s: tracker.client.get_run(r).info.status for s, r in runs.items()}
     assert status == {"host-a-1111": "KILLED", "host-b-2222": "RUNNING"}
     assert "error" not in tracker.client.get_run(runs["host-b-2222"]).data.tags

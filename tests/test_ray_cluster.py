@@ -63,7 +63,7 @@ def test_compare_on_ray_equals_local_and_its_artifacts_are_seen_from_elsewhere(c
     remote = _compare(Path("runs"), "grid", "sweep.backend=ray", f"ray.address={cluster.address}")
 
     # the same config and seed give bit-identical simulated results whatever the backend
-    numbers = [c for c in local.columns if c not in ("run_id", "run_dir", "wall_s") and c in remote.columns]
+    numbers = [c for c in local.columns if c not in ("run_id", "run_dir", "wall_s", "cpu_s") and c in remote.columns]
     assert len(numbers) > 10 and (remote["status"] == "finished").all()
     pd.testing.assert_frame_equal(local[numbers], remote[numbers], check_exact=True)
     for d in cluster.node_dirs:  # nothing landed beside the nodes' `ray start`
@@ -293,5 +293,5 @@ def test_a_node_without_the_drivers_files_runs_its_points_and_a_failed_point_fai
     local = table("local")
     remote = table("ray", "sweep.backend=ray", f"ray.address={cluster.address}")
     assert list(remote["status"]) == ["failed", "finished"], remote[["status", "error"]]
-    numbers = [c for c in local.columns if c not in ("run_id", "run_dir", "wall_s", "error") and c in remote.columns]
+    numbers = [c for c in local.columns if c not in ("run_id", "run_dir", "wall_s", "cpu_s", "error") and c in remote.columns]
     pd.testing.assert_frame_equal(local[numbers], remote[numbers], check_exact=True)
