@@ -4,8 +4,13 @@ summary or study run and worker 0's trial. Before, those stayed RUNNING until th
 this host reclaimed them (issue 48)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from mlflow_db import fresh_mlflow_db
 from signal_helpers import Command, run_states, running_kinds, survivors
@@ -63,3 +68,54 @@ def test_a_killed_tune_leaves_no_trial_or_run_running(tmp_path):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(study_name="orphan", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
     assert [t.number for t in study.trials if t.state.name == "RUNNING"] == []
+
+
+_PARENT = '''
+import multiprocessing as mp, os, sys, threading, time
+from pathlib import Path
+
+
+def worker(parent, out, wait_s):
+    from testbed.sweep import jobs
+    jobs.orphan_guard(parent)
+    jobs.PARENT_EXIT_WAIT_S = wait_s
+    Path(out + ".ready").write_text("")
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        Path(out).write_text(str(jobs.parent_died(parent)))
+
+
+if __name__ == "__main__":
+    out, wait_s, live_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+
+    def spawn():
+        mp.get_context("spawn").Process(target=worker, args=(os.getpid(), out, wait_s)).start()
+        while not Path(out + ".ready").exists():
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=spawn)
+    thread.start()
+    thread.join()  # the spawning thread ends: the kernel sends the worker its parent-death signal now
+    time.sleep(live_s)  # the process lives on a while, as a SIGKILLed one may while its threads exit
+    os._exit(0)
+'''
+
+
+@pytest.mark.parametrize("wait_s, live_s, died", [(10.0, 1.0, "True"), (0.5, 4.0, "False")],
+                         ids=["process-goes-after-its-thread", "process-lives-on"])
+def test_a_worker_tells_its_spawning_thread_ending_from_its_parent_dying(tmp_path, wait_s, live_s, died):
+    """pdeathsig fires when the *thread* that spawned a worker exits; in a SIGKILLed `tune` that
+    thread can go before the rest of the process, and the worker, seeing `getppid()` unchanged,
+    took its parent for alive and left the study run and worker 0's trial RUNNING (the fresh-clone
+    CI failure of test_a_killed_tune_leaves_no_trial_or_run_running, 1 in 5 runs at low load). It
+    now waits for the process to go; a parent that lives on is still alive to it."""
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT)
+    out = tmp_path / "parent_died"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    subprocess.run([sys.executable, str(script), str(out), str(wait_s), str(live_s)], env=env, timeout=120,
+                   check=True)
+    assert _wait_until(out.exists, 60), "the worker never stopped"
+    time.sleep(0.2)
+    assert out.read_text() == died

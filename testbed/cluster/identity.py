@@ -98,10 +98,10 @@ def dead_local_process(where: dict) -> bool:
     if where.get("namespace") != local_namespace():
         return False
     pid = where.get("pid")
-    return isinstance(pid, int) and not _alive(pid)
+    return isinstance(pid, int) and not process_alive(pid)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """A zombie is dead: a SIGKILLed command stays one until its shell reaps it, and its orphaned
     workers end its runs in that window (sweep/jobs.py `orphan_guard`)."""
     try:

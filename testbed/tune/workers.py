@@ -86,12 +86,12 @@ def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: An
         events.put({"ready": index})
         start.wait(START_TIMEOUT_S)
 
+    orphaned = False
     try:
         worker_loop(problem, index, lock, events.put, ready, parent_pid=parent)
     except KeyboardInterrupt:
         code = signals.EXIT_CODES["SIGINT"]
-        if os.getppid() != parent:
-            _end_for_dead_parent(problem)
+        orphaned = sweep.parent_died(parent)
     except ServiceLost as exc:  # its trial is ended already (TrialRunner._lost): the reason, no traceback
         events.put({"worker_error": f"worker {index}: {exc}"})
         code = 1
@@ -100,6 +100,8 @@ def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: An
                     "traceback": traceback.format_exc()})
         code = 1
     finally:
+        if orphaned:  # out of the except block: the stop's frames, and what they hold, are let go first
+            _end_for_dead_parent(problem)
         events.put({"worker_done": index, "code": code})
     sys.exit(code)
 
@@ -111,6 +113,7 @@ def _end_for_dead_parent(problem: Problem) -> None:
     this session's trial runs KILLED, the study run KILLED. Before, they stayed RUNNING until the
     next `tune` (issue 48). Best effort: what cannot be reached is left to that command."""
     sweep.shield()
+    sweep.release_cut_writes()
     try:
         study = optuna.load_study(study_name=problem.study, storage=make_storage(problem.storage_url, None))
         tracker = open_tracker(problem)
