@@ -38,15 +38,16 @@ costs a little host time (`per_message_s`: framing, syscalls, the notice's handl
 
 The constants are fitted to measurements (testbed/linkbench/fit.py; engine/pricing/link_profiles/
 gloo-tcp.json holds them with their provenance and every measured transfer beside its modelled
-time); the initial window is Linux's 10 segments; nothing here is set from a paper. Measured
-against gloo transfers (10-50 ms one way, 60-400 Mbps, 1 KB-16 MB; 3-5 repeats a point since
-2026-11-27, judged against the repeats' mean): median error 1.0-1.3% per series; within 15% for
-4-16 MB at 200-400 Mbps at 30 ms, not at 10 and 50 ms (the window Reno recovers to after slow
-start's loss differs from the fitted fraction: 16 MB at 200 Mbps / 50 ms -30%, repeats within 1%),
-and a few window-growth and idle cases (docs/links.md). Left out: the sending stage held by its
-blocking metadata sends (only the link is), a receiver that posts its first receive late (the model
-assumes the receiving stage waits for the data), Linux's window cut when the sender has been
-application-limited for an RTO, jitter, cross traffic, CUBIC.
+time); the initial window and Reno's cut are Linux's; nothing here is set from a paper. Fitted on
+10, 30 and 50 ms series, tested once on new 20 and 40 ms and fresh 10 and 50 ms series (3 repeats a
+point, judged against their mean; measurements/linkbench-2026-11-27): median error 0.5-0.8% per test
+series, within 15% for 1 KB-1 MB at 60-400 Mbps and 4-16 MB at 60-100 Mbps (but one point) over
+10-50 ms; not for 4-16 MB at 200-400 Mbps (11 of 32 points off, -39% to +22%: Linux cuts the window
+twice, at the overshoot and at the next burst, and the model puts the first cut on the wrong
+transfer; docs/links.md). Left out: the sending stage held by its blocking metadata sends (only the
+link is), a receiver that posts its first receive late (the model assumes the receiving stage waits
+for the data), Linux's window cut when the sender has been application-limited for an RTO, jitter,
+cross traffic, CUBIC's growth and HyStart (`loss_beta` 0.7 gives only its cut).
 """
 from __future__ import annotations
 
