@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -113,7 +114,8 @@ def test_repeats_are_separate_connections_and_the_fit_targets_their_mean():
 
 
 @pytest.mark.parametrize("bad", [dict(initial_window_bytes=0.0), dict(goodput_fraction=1.5),
-                                 dict(per_message_s=-1.0), dict(burst_loss_rtts=-1.0), dict(queue_bdp=-0.5)])
+                                 dict(per_message_s=-1.0), dict(burst_loss_rtts=-1.0), dict(queue_bdp=-0.5),
+                                 dict(loss_beta=1.0), dict(sender_Bps=0.0)])
 def test_bad_constants_are_refused(bad):
     kw = dict(initial_window_bytes=14_480.0, goodput_fraction=0.95, per_message_s=1e-4) | bad
     with pytest.raises(Exception):
@@ -132,3 +134,61 @@ def test_the_simulator_prices_a_slow_link_by_tcp():
     tcp = run_experiment(small_config(*base, "link.model=tcp")).summary
     assert tcp["ttft_mean_s"] > ideal["ttft_mean_s"] + 4 * 0.03
     assert math.isfinite(tcp["tpot_mean_s"]) and tcp["tpot_mean_s"] > ideal["tpot_mean_s"]
+
+
+def test_slow_start_grows_the_window_only_to_twice_what_was_in_flight():
+    """Linux `tcp_is_cwnd_limited`: a 16 KB transfer on a 29 KB window leaves it at ~32 KB, not 45 KB,
+    so 128 KB then takes two round trips before its last window (measured: 272 ms at 30 ms, 3
+    messages; a window grown by every byte acknowledged gave one round trip less)."""
+    conn = fresh()
+    conn.window, conn.last_sent_s = 2 * C.initial_window_bytes, 0.0
+    conn.send(0.1, 16384)
+    assert conn.window == pytest.approx(2 * 16384)
+
+
+def _after_burst(rate_Bps: float, delay_s: float) -> float:
+    c = TcpConstants(initial_window_bytes=14_480.0, goodput_fraction=1.0, per_message_s=0.0, queue_bytes=1.5e6,
+                     burst_loss_rtts=0.25, sender_Bps=100e6)
+    conn = TcpConnection(rate_Bps, delay_s, c)
+    conn.window, conn.ssthresh, conn.last_sent_s = 4e6, 4e6, 0.0  # a grown window, past slow start
+    conn.send(0.1, 8e6)
+    return conn.window
+
+
+def test_the_window_after_a_burst_loss_is_reno_s_cut_of_what_the_bottleneck_took():
+    """Not one fitted fraction: half (Reno) of the queue plus what the bottleneck forwarded while
+    the burst arrived at the sender's speed: larger at a faster rate, the same at any delay
+    (measured windows after the loss: ~0.95 MB at 200 Mbps at both 30 and 50 ms)."""
+    slow, fast = _after_burst(25e6, 0.05), _after_burst(50e6, 0.05)
+    assert slow == pytest.approx(0.5 * 1.5e6 / (1 - 25e6 / 100e6))
+    assert fast > slow and _after_burst(25e6, 0.03) == pytest.approx(slow)
+
+
+def test_slow_start_s_overshoot_cuts_to_half_of_what_the_path_holds():
+    c = TcpConstants(initial_window_bytes=14_480.0, goodput_fraction=1.0, per_message_s=0.0, queue_bytes=1e6)
+    for delay in (0.01, 0.05):
+        conn = TcpConnection(B, delay, c)
+        conn.send(0.0, 64e6)
+        assert conn.ssthresh == pytest.approx(0.5 * (B * 2 * delay + 1e6))
+
+
+@pytest.mark.slow  # 7 s on an idle 2-core machine, 23 s at load 13 (nine Nelder-Mead starts)
+def test_the_refit_writes_the_shipped_profile_byte_for_byte(tmp_path):
+    """From the repository's measurements and its declared split (measurements/linkbench-2026-11-27/
+    manifest.yaml: fit and validation series; the test series are never fitted on)."""
+    import tarfile
+
+    import yaml
+
+    from testbed.linkbench.fit import main
+
+    folder = Path(__file__).resolve().parents[1] / "measurements" / "linkbench-2026-11-27"
+    split = yaml.safe_load((folder / "manifest.yaml").read_text())
+    with tarfile.open(folder / "series.tar.xz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    path = lambda name: str(next(tmp_path.rglob(name)))
+    args = [str(tmp_path / "out.json")] + [x for f in split["fit"] for x in ("--fit", path(f))]
+    args += [x for f in split["validation"] for x in ("--check", path(f))] + ["--burst-loss"]
+    assert main(args) == 0
+    shipped = Path(__file__).resolve().parents[1] / "engine" / "pricing" / "link_profiles" / "gloo-tcp.json"
+    assert (tmp_path / "out.json").read_bytes() == shipped.read_bytes()

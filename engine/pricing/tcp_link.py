@@ -20,27 +20,34 @@ real kernel link (testbed/linkbench: veth + `tbf` + a packet-delaying relay; doc
    retransmission timeout (RTO ~ smoothed RTT + 200 ms; the RTT includes the queueing a large
    window caused) the sender sat idle, down to the initial window.
 4. Loss. A window that outgrows what the path holds (bandwidth-delay product + the bottleneck's
-   queue) overflows the queue; Reno then cuts it (to `loss_window_fraction` of what the path
-   holds, fitted) and grows it only linearly after. A transfer that starts (on an idle, fully
-   acknowledged connection) with a window larger than the queue sends it as one burst, which
-   overflows the queue too: `burst_loss_rtts` round trips of recovery (fitted) and the same cut.
-   Measured at 400 Mbps / 30 ms: 4 MB after a 4 MB transfer took 165-218 ms (the model without
-   it: 118 ms), each run losing 336-2,301 packets at the queue (`tc -s`).
+   queue) overflows the queue, and so does a transfer that starts (on an idle, fully acknowledged
+   connection) with a window larger than the bottleneck takes at once: its queue plus what it
+   forwards while the burst arrives at the sending host's speed (`sender_Bps`, fitted). Reno (the
+   harness's endpoints: testbed/linkbench/netns.py) then cuts the window to `loss_beta` = 0.5
+   (Linux `tcp_reno_ssthresh`; recovery ends at cwnd = ssthresh), of what the path held: the path +
+   queue after slow start's overshoot, the part of the burst the bottleneck took after a burst;
+   a burst's SACK recovery costs `burst_loss_rtts` round trips (fitted). So the window Linux ends
+   with depends on rate, delay and queue (measured with `ss -tin` at 200 Mbps / 30 and 50 ms: 3.6 MB
+   at the overshoot, 1.8 MB after its cut, 0.9 MB after the next transfer's burst), not on a fitted
+   fraction. Slow start grows the window only up to twice what was in flight
+   (`tcp_is_cwnd_limited`): 128 KB after two 16 KB transfers takes one round trip more than a
+   doubling window would.
 
 The bottleneck carries headers too: payload moves at `goodput_fraction` x B. Each message also
 costs a little host time (`per_message_s`: framing, syscalls, the notice's handling).
 
 The constants are fitted to measurements (testbed/linkbench/fit.py; engine/pricing/link_profiles/
 gloo-tcp.json holds them with their provenance and every measured transfer beside its modelled
-time); the initial window is Linux's 10 segments; nothing here is set from a paper. Measured
-against gloo transfers (10-50 ms one way, 60-400 Mbps, 1 KB-16 MB; 3-5 repeats a point since
-2026-11-27, judged against the repeats' mean): median error 1.0-1.3% per series; within 15% for
-4-16 MB at 200-400 Mbps at 30 ms, not at 10 and 50 ms (the window Reno recovers to after slow
-start's loss differs from the fitted fraction: 16 MB at 200 Mbps / 50 ms -30%, repeats within 1%),
-and a few window-growth and idle cases (docs/links.md). Left out: the sending stage held by its
-blocking metadata sends (only the link is), a receiver that posts its first receive late (the model
-assumes the receiving stage waits for the data), Linux's window cut when the sender has been
-application-limited for an RTO, jitter, cross traffic, CUBIC.
+time); the initial window and Reno's cut are Linux's; nothing here is set from a paper. Fitted on
+10, 30 and 50 ms series, tested once on new 20 and 40 ms and fresh 10 and 50 ms series (3 repeats a
+point, judged against their mean; measurements/linkbench-2026-11-27): median error 0.5-0.8% per test
+series, within 15% for 1 KB-1 MB at 60-400 Mbps and 4-16 MB at 60-100 Mbps (but one point) over
+10-50 ms; not for 4-16 MB at 200-400 Mbps (11 of 32 points off, -39% to +22%: Linux cuts the window
+twice, at the overshoot and at the next burst, and the model puts the first cut on the wrong
+transfer; docs/links.md). Left out: the sending stage held by its blocking metadata sends (only the
+link is), a receiver that posts its first receive late (the model assumes the receiving stage waits
+for the data), Linux's window cut when the sender has been application-limited for an RTO, jitter,
+cross traffic, CUBIC's growth and HyStart (`loss_beta` 0.7 gives only its cut).
 """
 from __future__ import annotations
 
@@ -63,29 +70,35 @@ class TcpConstants:
     initial_window_bytes: float  # the window a new (or long-idle) connection starts with
     goodput_fraction: float  # payload bytes / bottleneck bytes in the rate-limited phase
     per_message_s: float  # host time per gloo message on top of the wire
-    # The threshold Reno ends with after slow start overshoots what the path holds, as a fraction of
-    # it (fitted: one halving would give 0.5; the overshoot's losses are found over more than one
-    # round and cut it again). From then on the window grows by a segment per round trip: ~flat
-    # over the transfers that matter here.
-    loss_window_fraction: float = 0.5
+    # Reno's multiplicative decrease: the window after a loss's recovery is this fraction of the window
+    # when the loss was detected (Linux `tcp_reno_ssthresh`: cwnd >> 1; recovery ends with cwnd =
+    # ssthresh, `tcp_end_cwnd_reduction`). The harness's endpoints run Reno (testbed/linkbench/netns.py);
+    # CUBIC's is 0.7 (RFC 9438 beta_cubic). Not fitted.
+    loss_beta: float = 0.5
     # The bottleneck's queue the window may fill beyond the BDP: `queue_bytes` + `queue_bdp` x the
     # path's bandwidth-delay product (the harness's since 2026-11-27: one BDP, the rule-of-thumb router
     # buffer; before, a fixed 1,000 frames, half a BDP at 400 Mbps / 60 ms)
     queue_bytes: float = 1000 * 1514
     source: str = ""
     queue_bdp: float = 0.0
-    # A window larger than the queue, sent at once after a pause (every transfer here starts on an
-    # idle, fully acknowledged connection), overflows the bottleneck's queue: SACK recovery costs
+    # A window larger than what the bottleneck absorbs, sent at once after a pause (every transfer here
+    # starts on an idle, fully acknowledged connection), overflows its queue: SACK recovery costs
     # this many round trips more, and Reno halves the window (0 = not priced, the older profiles)
     burst_loss_rtts: float = 0.0
+    # How fast the sending host puts a burst onto the path (fitted): while a burst of b bytes arrives,
+    # the bottleneck forwards rate x b / sender_Bps of it, so a burst fits if
+    # b <= queue / (1 - rate / sender_Bps). Infinite: the queue alone absorbs it.
+    sender_Bps: float = math.inf
 
     def __post_init__(self) -> None:
         if not self.initial_window_bytes > 0:
             raise bad_value("initial_window_bytes", self.initial_window_bytes, "must be > 0")
         if not 0 < self.goodput_fraction <= 1:
             raise bad_value("goodput_fraction", self.goodput_fraction, "must be in (0, 1]")
-        if not 0 < self.loss_window_fraction <= 1:
-            raise bad_value("loss_window_fraction", self.loss_window_fraction, "must be in (0, 1]")
+        if not 0 < self.loss_beta < 1:
+            raise bad_value("loss_beta", self.loss_beta, "must be in (0, 1)")
+        if not self.sender_Bps > 0:
+            raise bad_value("sender_Bps", self.sender_Bps, "must be > 0")
         if min(self.per_message_s, self.queue_bytes, self.queue_bdp, self.burst_loss_rtts) < 0:
             raise bad_value("per_message_s/queue_bytes/queue_bdp/burst_loss_rtts",
                             (self.per_message_s, self.queue_bytes, self.queue_bdp, self.burst_loss_rtts), "must be >= 0")
@@ -94,13 +107,21 @@ class TcpConstants:
         """Bytes the bottleneck queues beyond a path holding `bdp`."""
         return self.queue_bytes + self.queue_bdp * bdp
 
+    def absorbs(self, queue: float, rate_Bps: float) -> float:
+        """The largest burst the bottleneck takes without a loss: its queue plus what it forwards
+        while the burst arrives at the sender's speed."""
+        if self.sender_Bps <= rate_Bps:
+            return math.inf
+        return queue / (1.0 - rate_Bps / self.sender_Bps)
+
 
 def load_constants(name: str = DEFAULT_PROFILE) -> TcpConstants:
     data = json.loads((PROFILE_DIR / f"{name}.json").read_text())
     c = data["constants"]
     return TcpConstants(float(c["initial_window_bytes"]), float(c["goodput_fraction"]), float(c["per_message_s"]),
-                        float(c["loss_window_fraction"]), float(c["queue_bytes"]), str(data.get("source", "")),
-                        float(c.get("queue_bdp", 0.0)), float(c.get("burst_loss_rtts", 0.0)))
+                        float(c["loss_beta"]), float(c["queue_bytes"]), str(data.get("source", "")),
+                        float(c.get("queue_bdp", 0.0)), float(c.get("burst_loss_rtts", 0.0)),
+                        float(c.get("sender_Bps") or math.inf))
 
 
 @dataclass
@@ -142,16 +163,22 @@ class TcpConnection:
 
     def stream_s(self, nbytes: float) -> float:
         """Seconds from a message's first byte leaving to its last byte leaving the bottleneck;
-        grows the window as slow start does, and cuts it as a loss does when slow start overshoots
-        what the path holds (bandwidth-delay product + the bottleneck's queue)."""
+        grows the window as slow start does, and cuts it as Reno does after a loss: a first burst
+        larger than the bottleneck absorbs, or slow start outgrowing what the path holds
+        (bandwidth-delay product + the bottleneck's queue)."""
         rate, rtt, c = self.rate_Bps, self.rtt_s, self.constants
         bdp = rate * rtt
         queue = c.queue(bdp)
         holds = bdp + queue
         t, left, w = 0.0, float(nbytes), self.window
-        if c.burst_loss_rtts and min(w, left) > queue:  # the first burst overflows the queue
-            t += c.burst_loss_rtts * rtt
-            w = self.ssthresh = max(c.initial_window_bytes, min(w, c.loss_window_fraction * holds))
+        burst = min(w, left)
+        if c.burst_loss_rtts and burst > queue:
+            absorbs = c.absorbs(queue, rate)
+            if burst > absorbs:  # the first burst overflows the queue
+                t += c.burst_loss_rtts * rtt
+                # Reno's cut, of what the bottleneck took of the burst (the ACK clock returns that much),
+                # not of the whole window (the textbook ssthresh): chosen on the validation series
+                w = self.ssthresh = max(c.initial_window_bytes, c.loss_beta * absorbs)
         while left > w and w < bdp:  # a window per round trip
             t += rtt
             left -= w
@@ -161,7 +188,9 @@ class TcpConnection:
         self.queued_s = max(0.0, min(w, holds, left) - bdp) / rate
         if left >= 0.5 * w and w < self.ssthresh:  # window-limited at the end: it keeps growing (cwnd validation)
             # the queue overflows only if the transfer can fill what the path holds
-            grown = self._grow(w + left, holds if left > holds else math.inf)
+            # Linux grows the window in slow start only up to twice what was in flight
+            # (`tcp_is_cwnd_limited`): an application-limited transfer does not double it
+            grown = self._grow(min(w + left, 2.0 * left), holds if left > holds else math.inf)
             if grown < w:  # the overshoot's loss, found one round trip later
                 t += rtt
             w = grown
@@ -169,12 +198,13 @@ class TcpConnection:
         return t
 
     def _grow(self, want: float, holds: float) -> float:
-        """Slow start's next window; past what the path holds, a loss: the window (and from then on
-        the threshold slow start stops at) falls to `loss_window_fraction` of it."""
+        """Slow start's next window; past what the path holds, a loss: Reno cuts the window to
+        `loss_beta` of what the path holds (the window the queue overflowed at), the threshold from then
+        on (chosen on the validation series over the cut of the doubled window)."""
         if want <= min(holds, self.ssthresh):
             return want
         if want > holds:
-            self.ssthresh = self.constants.loss_window_fraction * holds
+            self.ssthresh = max(self.constants.initial_window_bytes, self.constants.loss_beta * holds)
         return self.ssthresh
 
     def send(self, start: float, nbytes: float, messages: int = 1, small_bytes: float = 104.0) -> tuple[float, float]:

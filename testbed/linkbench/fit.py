@@ -1,8 +1,8 @@
 """Fit the TCP link model's constants to measured transfers, and the validation table.
 
 `python -m testbed.linkbench.fit OUT_PROFILE.json --fit A.json [--fit B.json] --check C.json ...`
-fits `goodput_fraction`, `per_message_s` and `loss_window_fraction` (engine/pricing/tcp_link.py;
-the initial window is the kernel's)
+fits `goodput_fraction`, `per_message_s` and, with --burst-loss, `burst_loss_rtts` and `sender_Bps` (engine/pricing/tcp_link.py;
+the initial window and Reno's cut are the kernel's)
 by robust least squares on the log of the transfer times of the `--fit` series, then reports the error on
 every series (`--check` ones held out of the fit) and writes the profile: the constants, where they
 came from, and every measured row beside its modelled time.
@@ -25,12 +25,11 @@ ROBUST_SCALE = 0.1  # log errors beyond ~10% count less than quadratically
 # 8-14.5 KB fits the same (the transfers that would tell them apart grow the window first)
 INITIAL_WINDOW = 14_480.0
 # Ethernet+IP+TCP headers; a syscall. The objective is piecewise (a loss happens or not), with local
-# minima a single Nelder-Mead start stays in (from Reno's halving, 0.5, alone it ended at 0.51 / 1.05
-# round trips with 21.5 where 0.355 / 0.38 gives 12.9), so it starts from each of a grid of Reno
-# thresholds and burst costs and keeps the best
+# minima a single Nelder-Mead start stays in, so it starts from each of a grid of burst costs and
+# sender speeds and keeps the best
 START = (0.95, 1e-4)
-LOSS_STARTS = (0.3, 0.4, 0.5)
 BURST_STARTS = (0.25, 0.5, 1.0)  # round trips a queue-overflowing burst costs
+SENDER_GBPS_STARTS = (1.0, 3.0, 10.0)  # how fast the sending host bursts onto the path
 
 
 def repeat_means(rows: list[dict]) -> list[dict]:
@@ -76,24 +75,27 @@ def errors(rows: list[dict], c: TcpConstants) -> list[float]:
 
 
 def constants(x, queue: tuple[float, float], source: str = "") -> TcpConstants:
-    """`x`: goodput fraction, seconds per message, Reno's threshold after slow start's overshoot and,
-    where fitted, the round trips a queue-overflowing burst costs; `queue`: (bytes, x BDP)."""
-    return TcpConstants(INITIAL_WINDOW, min(1.0, float(x[0])), max(0.0, float(x[1])), min(1.0, max(0.05, float(x[2]))),
-                        queue[0], source, queue[1], max(0.0, float(x[3])) if len(x) > 3 else 0.0)
+    """`x`: goodput fraction, seconds per message and, where fitted, the round trips a
+    queue-overflowing burst costs and the sender's burst speed (Gbit/s); `queue`: (bytes, x BDP).
+    Reno's cut (`loss_beta`) is the kernel's, not fitted."""
+    burst = max(0.0, float(x[2])) if len(x) > 2 else 0.0
+    sender = max(1e-3, float(x[3])) * 1e9 / 8.0 if len(x) > 3 else math.inf
+    return TcpConstants(INITIAL_WINDOW, min(1.0, float(x[0])), max(0.0, float(x[1])), 0.5, queue[0], source,
+                        queue[1], burst, sender)
 
 
 def fit(rows: list[dict], queue: tuple[float, float], burst: bool = False) -> TcpConstants:
     from scipy.optimize import minimize
 
     def loss_on(x, rows) -> float:
-        if not 0.5 < x[0] <= 1.0 or x[1] < 0 or not 0.05 < x[2] <= 1.0 or (burst and not 0 <= x[3] <= 10):
+        if not 0.5 < x[0] <= 1.0 or x[1] < 0 or (burst and not (0 <= x[2] <= 10 and 0.05 <= x[3] <= 100)):
             return 1e9
         # Cauchy (robust) loss on the log error: a few transfers the model does not describe (a second
         # loss in Reno's recovery at 400 Mbps) must not pull the constants off the rest
         return sum(math.log1p((math.log1p(e) / ROBUST_SCALE) ** 2) for e in errors(rows, constants(x, queue)))
 
     means = repeat_means(rows)
-    starts = [START + (f,) + ((b,) if burst else ()) for f in LOSS_STARTS for b in (BURST_STARTS if burst else (0,))]
+    starts = [START + (b, g) for b in BURST_STARTS for g in SENDER_GBPS_STARTS] if burst else [START]
     fits = [minimize(lambda x: loss_on(x, means), x0, method="Nelder-Mead",
                      options={"xatol": 1e-6, "fatol": 1e-9, "maxiter": 6000}) for x0 in starts]
     return constants(min(fits, key=lambda f: f.fun).x, queue)
@@ -170,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                "constants": {"initial_window_bytes": round(c.initial_window_bytes, 1),
                              "goodput_fraction": round(c.goodput_fraction, 5),
                              "per_message_s": round(c.per_message_s, 7),
-                             "loss_window_fraction": round(c.loss_window_fraction, 4), "queue_bytes": queue[0],
-                             "queue_bdp": queue[1], "burst_loss_rtts": round(c.burst_loss_rtts, 4)},
+                             "loss_beta": c.loss_beta, "queue_bytes": queue[0], "queue_bdp": queue[1],
+                             "burst_loss_rtts": round(c.burst_loss_rtts, 4),
+                             "sender_Bps": round(c.sender_Bps) if math.isfinite(c.sender_Bps) else None},
                "series": series}
     Path(a.out).write_text(json.dumps(profile, indent=1) + "\n")
     if a.table:
