@@ -27,6 +27,11 @@ from their sources):
   stage). Output processing is synchronous: 0.5.3 has no async output processor, and 0.7.2 / 0.8.1
   turn it off for PP (`ModelConfig.verify_async_output_proc`,
   `verify_with_parallel_config`); the cost model's host terms price the step, this policy adds none.
+Host costs are the cost model's, shared with every policy. One is vLLM 0.5.3's own: its mp executor
+pickles each step's whole `ExecuteModelRequest` to every stage (`ProcessWorkerWrapper._enqueue_task`),
+and each stage unpickles it. The variant `cost.prep_per_context_token_s=8e-8` prices that (measured
+here, 75-85 ns a context token; TD-Pipe's own message 20-27 ns). It moves TD-Pipe / PP+SB from 1.243x
+to 1.257x (docs/measurements/tdpipe-baseline-2026-11-27.md). It is off by default.
 `runtime=shared` is this testbed's earlier idealisation, kept to show what the split costs: one KV
 pool, a free virtual engine admits any waiting prompt, `max_num_batched_tokens` 8192 by default.
 `virtual_engines=false` makes one scheduler serve every slot (the PP pitfall of vllm issue 41682).

@@ -274,6 +274,18 @@ def test_coefficients_change_the_prediction():
 
 
 # --- sampling, CPU work and transfers ----------------------------------------------------
+def test_prep_per_context_token_prices_the_shipped_sequence_data():
+    """`prep_per_context_token_s` (off by default: prep is unchanged to the bit) adds the unpickling
+    of every scheduled sequence's token ids: a decode at context 2,000 pays 10x one at 200."""
+    m = cm()
+    on = CostModel(m.model, m.hardware, pp=4, tp=1, coefficients=dataclasses.replace(
+        m.coefficients, prep_per_context_token_s=1e-7))
+    short, long = BatchShape.decode(256, 200), BatchShape.decode(256, 2000)
+    assert on.prep_s(short) - m.prep_s(short) == pytest.approx(256 * 200 * 1e-7)
+    assert on.prep_s(long) - m.prep_s(long) == pytest.approx(10 * (on.prep_s(short) - m.prep_s(short)))
+    assert m.prep_s(long) == m.prep_s(short)
+
+
 def test_sampling_prep_and_transfers():
     m = cm()
     small, big = BatchShape.decode(8, 100), BatchShape.decode(256, 100)

@@ -40,7 +40,7 @@ def test_the_fit_recovers_costs_by_version_tp_and_vocabulary():
     model = fit_host_model(_tables(), _vocab_of)
     assert model.fixed["prepare"][("v1", "2")] == pytest.approx(0.8e-3, rel=1e-3)
     assert model.per_seq["schedule"][("v2", "1")] == pytest.approx(0.003e-3, rel=1e-3)
-    assert model.per_seq_vocab["v1"] == pytest.approx(0.004e-3, rel=1e-3)
+    assert model.per_seq_vocab[("v1", "2")] == pytest.approx(0.004e-3, rel=1e-3)
 
 
 def test_held_out_models_are_predicted_not_fitted():
@@ -86,9 +86,44 @@ def test_the_published_host_tables_meet_the_target_held_out(device):
     from testbed.calibrate.tables import _vocab_of
 
     t = read_published(SHARED, device)
-    rows = error_rows(t.host, fit_host_model(t.host, _vocab_of(t)), _vocab_of(t))
+    lm_head = _shipped_lm_head(t)
+    rows = error_rows(t.host, fit_host_model(t.host, _vocab_of(t), lm_head), _vocab_of(t), lm_head)
     err = np.array([r["fitted"] / r["measured"] - 1 for r in rows if r["held"]])
     assert len(err) > 100 and np.median(np.abs(err)) <= 0.15 and abs(np.median(err)) <= 0.05
+
+
+def _shipped_lm_head(t):
+    """The lm_head price of the device's shipped profile (its fitted kernels) on the links of the
+    node the host tables were measured in (fitted here from the device's NCCL tables)."""
+    from types import SimpleNamespace
+
+    from engine.pricing.hardware import get_hardware
+    from testbed.calibrate.kernel_fit import fit_link
+    from testbed.calibrate.tables import DEVICE_HARDWARE, host_table_spec, lm_head_pricer
+
+    links = {f"{name}/{link}": fit_link([r for r in table.rows if r.link == link])
+             for name, table in t.network.items() for link in {r.link for r in table.rows}}
+    hw = host_table_spec(SimpleNamespace(links=links), t, get_hardware(DEVICE_HARDWARE[t.device]))
+    return lm_head_pricer(hw, t)
+
+
+def test_the_lm_head_in_the_sample_rows_is_not_fitted_twice():
+    """The tables' sampler rows hold the lm_head GEMM (Sarathi's `Sampler.forward` computes the
+    logits; the cost model prices them in the last stage's forward). Rows built as true sampling +
+    an lm_head price: the fit recovers the true sampling alone, and fit + lm_head meets the rows."""
+    lm = lambda model, tp, rows: (0.2e-3 + 1e-6 * rows) * VOCAB[model] / 32000 / tp  # noqa: E731
+    tables = _tables()
+    for t in tables:
+        t.rows[:] = [r if r.op != "sample" else
+                     ProfileRow(r.op, None, "decode", r.batch, 0, 0, 256, 0, r.time_s + lm(t.meta["model"], r.tp, r.batch),
+                                tp=r.tp) for r in t.rows]
+    model = fit_host_model(tables, _vocab_of, lm)
+    assert model.fixed["sample"][("v1", "2")] == pytest.approx(0.9e-3, rel=1e-3)
+    assert model.per_seq_vocab[("v2", "1")] == pytest.approx(0.002e-3, rel=1e-3)
+    rows = error_rows(tables, model, _vocab_of, lm)
+    assert max(abs(r["fitted"] / r["measured"] - 1) for r in rows) < 1e-3
+    naive = fit_host_model(tables, _vocab_of)  # the double count: the lm_head left in the fit
+    assert naive.fixed["sample"][("v1", "2")] > 1.05 * model.fixed["sample"][("v1", "2")]
 
 
 def test_cpu_sampling_is_priced_from_the_committed_measurement():

@@ -54,6 +54,17 @@ class CostCoefficients:
     prep_fixed_s: float = 800e-6
     prep_per_seq_s: float = 6e-6
     prep_per_token_s: float = 0.2e-6
+    # A runtime that ships every step's whole sequence data to each stage and unpickles it there
+    # pays per token id of each scheduled sequence's context (prompt + output so far), each stage,
+    # each step. vLLM 0.5.3's mp executor does: `ProcessWorkerWrapper._enqueue_task` puts the
+    # `ExecuteModelRequest` on each stage's `mp.Queue` (vllm/executor/multiproc_worker_utils.py);
+    # its `SequenceData` holds the prompt twice and all tokens again (vllm/sequence.py). TD-Pipe
+    # sends its own `seq_group_metadata_list` to every Ray worker each step (TD_Pipe/engine/
+    # llm_engine.py `LLMEngine.step`), with prompt and output once. Unpickling measured on the
+    # shared 2-core EPYC (thread CPU time, 256 sequences, load 7-10): 0.5.3 75-85 ns, TD-Pipe 20-27
+    # ns a context token (docs/measurements/tdpipe-baseline-2026-11-27.md); TD-Pipe / PP+SB 1.243x
+    # -> 1.257x at 8e-8 / 2.5e-8. 0 (off) by default: a what-if, the papers' host CPUs are unknown.
+    prep_per_context_token_s: float = 0.0
     # GPU sampling on the last stage (softmax, penalties, top-k/top-p): a fixed part (many small
     # kernels) and a part per sampled sequence per vocabulary entry. 5e-11 s gives 3.3 ms for 512
     # sequences x 128k vocab: ~22% of an H100 70B stage, the low end of SiPipe's 22-40%.

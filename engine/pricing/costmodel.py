@@ -395,9 +395,12 @@ class CostModel:
     def prep_s(self, shape: BatchShape) -> float:
         """CPU input preparation of one micro-batch on one stage."""
         c = self.coefficients
-        return c.prep_fixed_s + c.prep_per_seq_s * shape.num_seqs + c.prep_per_token_s * (
+        t = c.prep_fixed_s + c.prep_per_seq_s * shape.num_seqs + c.prep_per_token_s * (
             shape.num_prefill_tokens + shape.num_decode_seqs
         )
+        if c.prep_per_context_token_s:  # every scheduled sequence's token ids, unpickled (off by default)
+            t += c.prep_per_context_token_s * (shape.decode_context_sum + shape.prefill_context_sum)
+        return t
 
     # ---- transfers ------------------------------------------------------------------------
     def activation_bytes(self, shape: BatchShape) -> int:

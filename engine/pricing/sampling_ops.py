@@ -1,7 +1,8 @@
 """GPU sampling priced by the sampling parameters a run uses (issue 46 item 2).
 
 What is measured: the published host tables' `sampler_e2e` rows (gpu-op-profiles/cpu_overheads,
-fitted in testbed/calibrate/host_fit.py into `sample_fixed_s` + `sample_per_token_vocab_s`). Vidur
+fitted in testbed/calibrate/host_fit.py into `sample_fixed_s` + `sample_per_token_vocab_s`, less
+the lm_head GEMM the rows hold and the stage forward prices). Vidur
 measured them with `SamplingParams(ignore_eos=True, max_tokens=...)` and nothing else
 (vidur/profiling/cpu_overhead/benchmark_runner.py, `_get_input_params`): temperature 1.0, no top-p,
 no top-k, no penalties, i.e. plain random sampling. That is the `REFERENCE` path below, and a run

@@ -249,7 +249,8 @@ def link_rows(tables: PublishedTables, fit: KernelFit, default: HardwareSpec) ->
 
 def host_rows(tables: PublishedTables, fit: KernelFit) -> list[dict]:
     if fit.host_model is not None:
-        return host_error_rows(tables.host, fit.host_model, _vocab_of(tables))
+        lm_head = lm_head_pricer(host_table_spec(fit, tables), tables)
+        return host_error_rows(tables.host, fit.host_model, _vocab_of(tables), lm_head)
     h = fit.host
     if h is None:
         return []
@@ -347,11 +348,45 @@ def _vocab_of(tables: PublishedTables):
     return lambda model: vocab.get(model.split("/")[-1], 32000)
 
 
+# The node the host tables were measured in, for the lm_head's logits gather at TP > 1 (the
+# device's own NCCL tables; the shipped A100 profile's PCIe links are the runs', not the tables').
+HOST_TABLE_LINKS = {"a100": "a100_dgx", "h100": "h100_dgx", "a40": "a40_pairwise_nvlink"}
+
+
+def host_table_spec(fit, tables: PublishedTables, base: HardwareSpec | None = None) -> HardwareSpec:
+    """`base` (default: the fit's kernels on the device's datasheet peaks) with the links of the node
+    the host tables were measured in (`fit.links`, the device's own NCCL tables)."""
+    if base is None:
+        base = fitted_spec(device_spec(tables.device), "host-tables", fit, "host tables' node", "fit")
+    return replace(base, **_link_fields(fit, HOST_TABLE_LINKS.get(tables.device, "")))
+
+
+def lm_head_pricer(hw: HardwareSpec, tables: PublishedTables):
+    """(model, tp, rows) -> what the stage forward charges for the lm_head GEMM and logits gather
+    (`KernelPricer.lm_head_s`) on `hw` (`host_table_spec`): the part of a host table's `sample` row
+    the forward already prices (testbed/calibrate/host_fit.py)."""
+    shapes = {name.split("/")[-1]: t.meta for name, t in tables.compute.items()}
+    memo: dict = {}
+
+    def price(model: str, tp: int, rows: int) -> float:
+        meta = shapes.get(model.split("/")[-1])
+        if meta is None:
+            return 0.0
+        if (model, tp) not in memo:
+            memo[model, tp] = _cost(hw, layer_shape(meta, tp)).kernels
+        return memo[model, tp].lm_head_s(rows)
+
+    return price
+
+
 def _fit_host(fit: KernelFit, tables: PublishedTables) -> None:
     """The host tables by code version, TP class and vocabulary (testbed/calibrate/host_fit.py); the
     shipped line is `SHIPPED_GROUP`'s (prepare and schedule per sequence, sampling per sequence x
-    vocabulary entry)."""
-    model = fit_host_model(tables.host, _vocab_of(tables)) if tables.host else None
+    vocabulary entry, without the lm_head the stage forward prices)."""
+    if not tables.host:
+        fit.host_model = None
+        return
+    model = fit_host_model(tables.host, _vocab_of(tables), lm_head_pricer(host_table_spec(fit, tables), tables))
     fit.host_model = model
     if model is None:
         return
@@ -360,7 +395,7 @@ def _fit_host(fit: KernelFit, tables: PublishedTables) -> None:
         return
     # the shipped group when measured, else a TP-1 group (a user's tables: their own code version)
     g = SHIPPED_GROUP if SHIPPED_GROUP in groups else min(groups, key=lambda k: (k[1] != "1", k))
-    per_vocab = model.per_seq_vocab.get(g[0], 0.0)
+    per_vocab = model.per_seq_vocab.get(g, 0.0)
     fit.host = HostFit(model.fixed["prepare"][g], model.per_seq["prepare"][g], model.fixed["sample"][g],
                        per_vocab, model.fixed["schedule"][g], model.per_seq["schedule"][g], len(model.fixed))
 
