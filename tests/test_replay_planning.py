@@ -39,6 +39,8 @@ def test_the_policy_sees_the_planning_runs_cost_model_and_the_executor_prices_wi
     assert prep.controller.cost_model.hardware.name == "l20-48g"
     assert prep.cost.hardware.name == CPU_PROFILE
     assert prepare_experiment(priced).controller.cost_model.hardware.name == CPU_PROFILE
+    # MoLink's in-flight count reads the link: the planning run's (l20's PCIe), not the fitted CPU one
+    assert prep.controller.view.link_bandwidth_Bps == 20.8e9
 
 
 def test_tdpipe_decides_with_the_planning_cost_model():
