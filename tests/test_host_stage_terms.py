@@ -53,3 +53,42 @@ def test_the_receive_and_the_handoff_hold_the_stage():
     # gllm samples on the stage: no handoff, but the receive still holds stage 1
     g = run_experiment(small_config("policy=gllm", *BASE, *terms))
     assert not _spans(g, "stage1", "to_samplers") and _spans(g, "stage1", "recv")
+
+
+@pytest.mark.slow  # the forward fit: 96 s at load 17
+def test_calibrate_runs_recovers_the_receive_and_the_handoff_of_a_cpu_run(tmp_path, monkeypatch):
+    """A simulated SiPipe run at P=2 with known terms, written as a CPU engine run: the fit reads
+    them back from its `recv` and `to_samplers` spans."""
+    import dataclasses
+
+    import yaml
+
+    from engine.pricing.hardware import HARDWARE
+    from test_calibrate_runs import sample_tokens
+    from testbed.calibrate.fit import save_hardware_profile
+    from testbed.calibrate.run_fit import fit_runs
+    from testbed.calibrate.runs import load_run
+    from testbed.config.spec import compose_spec
+    from testbed.run.outputs import write_run_dir
+
+    truth = {"recv_fixed_s": 5e-4, "recv_per_byte_s": 2e-9, "cpu_handoff_fixed_s": 3e-4,
+             "cpu_handoff_per_token_vocab_s": 4e-10}
+    cpu = dataclasses.replace(get_hardware("a100-80g"), name="cpu-test2", kernels=None, calibration={})
+    monkeypatch.setenv("TESTBED_PROFILE_DIR", str(tmp_path / "profiles"))
+    save_hardware_profile(cpu, tmp_path / "profiles" / "cpu-test2.yaml")
+    try:
+        res = run_experiment(small_config("policy=sipipe", "parallel.pp=2", "workload.num_requests=30",
+                                          "model=tiny-llama", "hardware=cpu-test2", "output.trace=full",
+                                          "output.microbatches=true", "executor.blocking_send=true",
+                                          *(f"cost.{k}={v}" for k, v in truth.items())))
+        out = write_run_dir(res, tmp_path / "cpu", plots=False, trace="full")
+        tree = yaml.safe_load((out / "config.yaml").read_text())
+        tree["executor"] = compose_spec(["executor=torch"]).tree()["executor"]
+        (out / "config.yaml").write_text(yaml.safe_dump(tree))
+        sample_tokens(out)
+        fit = fit_runs([load_run(out, need_trace=True)], cpu)
+    finally:
+        HARDWARE.pop("cpu-test2", None)
+    got = fit.coefficients
+    for k, v in truth.items():
+        assert got[k] == pytest.approx(v, rel=1e-3), k
