@@ -61,15 +61,11 @@ def test_calibrate_runs_recovers_the_receive_and_the_handoff_of_a_cpu_run(tmp_pa
     them back from its `recv` and `to_samplers` spans."""
     import dataclasses
 
-    import yaml
-
     from engine.pricing.hardware import HARDWARE
-    from test_calibrate_runs import sample_tokens
+    from test_calibrate_runs import as_cpu_engine_run
     from testbed.calibrate.fit import save_hardware_profile
     from testbed.calibrate.run_fit import fit_runs
     from testbed.calibrate.runs import load_run
-    from testbed.config.spec import compose_spec
-    from testbed.run.outputs import write_run_dir
 
     truth = {"recv_fixed_s": 5e-4, "recv_per_byte_s": 2e-9, "cpu_handoff_fixed_s": 3e-4,
              "cpu_handoff_per_token_vocab_s": 4e-10}
@@ -81,12 +77,7 @@ def test_calibrate_runs_recovers_the_receive_and_the_handoff_of_a_cpu_run(tmp_pa
                                           "model=tiny-llama", "hardware=cpu-test2", "output.trace=full",
                                           "output.microbatches=true", "executor.blocking_send=true",
                                           *(f"cost.{k}={v}" for k, v in truth.items())))
-        out = write_run_dir(res, tmp_path / "cpu", plots=False, trace="full")
-        tree = yaml.safe_load((out / "config.yaml").read_text())
-        tree["executor"] = compose_spec(["executor=torch"]).tree()["executor"]
-        (out / "config.yaml").write_text(yaml.safe_dump(tree))
-        sample_tokens(out)
-        fit = fit_runs([load_run(out, need_trace=True)], cpu)
+        fit = fit_runs([load_run(as_cpu_engine_run(res, tmp_path / "cpu"), need_trace=True)], cpu)
     finally:
         HARDWARE.pop("cpu-test2", None)
     got = fit.coefficients
