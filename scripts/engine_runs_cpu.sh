@@ -5,6 +5,8 @@
 #   OUT=/some/dir bash scripts/engine_runs_cpu.sh      (about 40 minutes on 2 shared cores)
 #   OUT=/some/dir REPS="4 5 6" bash scripts/engine_runs_cpu.sh   (further repeats of every run: the
 #   second test set of 2026-11-27, taken with the engine of the first runs, b68a41a: see the manifest)
+#   OUT=/some/dir REPS="7 8 9" SETTINGS="pp2-sharegpt pp2-azhi pp1-azhi" bash scripts/engine_runs_cpu.sh
+#   (only those settings, in that order within each repeat: the third test set)
 # Every engine command runs under `chrt -f 10` (SCHED_FIFO: other tenants' processes do not preempt
 # the engine's; needs root or CAP_SYS_NICE, else it runs at normal priority and says so) and
 # `cat /proc/loadavg` is logged before and after each. Runs are interleaved (each repeat goes
@@ -38,6 +40,19 @@ for P in 1 2; do
   $PRIO $TB profile executor=torch model=tiny-llama parallel.pp=$P --quick --name cpu-tiny-llama-pp$P \
       --out "$OUT/profiles" >> "$OUT/log.txt" 2>&1
 done
+run_setting() {  # run_setting <rep> <P> <wl>
+  local rep=$1 P=$2 wl=$3 W
+  case $wl in sharegpt) W=$SG;; azlo) W="$AZ workload.rate=${LO[$P]}";; azhi) W="$AZ workload.rate=${HI[$P]}";; esac
+  for pol in $POLICIES; do
+    one "pp$P-$wl-$pol-r$rep" parallel.pp=$P policy=$pol $W
+  done
+}
+if [ -n "${SETTINGS:-}" ]; then
+  for rep in ${REPS:?SETTINGS needs REPS}; do
+    for st in $SETTINGS; do run_setting "$rep" "${st:2:1}" "${st#pp?-}"; done
+  done
+  log "=== all done $(date -u +%T)"; exit 0
+fi
 for rep in ${REPS:-1 2 3}; do
   for P in 1 2; do
     [ -z "${REPS:-}" ] && [ "$rep" -gt "${REPEATS[$P]}" ] && continue

@@ -4,7 +4,7 @@
 
 Every run the manifest names, its files as `testbed run` wrote them but: no figures (*.png), no
 `output_token_ids` column in requests.csv (random weights' tokens, most of its bytes; nothing reads
-them), and `trace.json` only for the runs some split fits on (validate needs none). Deterministic
+them), and `trace.json` only for the runs some split fits on or diagnoses with (validate needs none). Deterministic
 (sorted names, fixed owner, mode and time) so that the same runs give the same archive.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ MTIME = 1795737600  # 2026-11-27 00:00 UTC
 def pack(manifest: Path, source: Path) -> Path:
     tree = yaml.safe_load(manifest.read_text())
     splits = tree["profiles"].values()
-    fit = {r for s in splits for r in s.get("fit") or ()}
-    names = sorted({r for s in splits for k in ("fit", "validation", "test", "spent_test") for r in s.get(k) or ()})
+    fit = {r for s in splits for k in ("fit", "diagnosis") for r in s.get(k) or ()}  # the traces kept
+    names = sorted({r for s in splits for k in ("fit", "validation", "test", "spent_test", "diagnosis") for r in s.get(k) or ()})
     out = manifest.parent / tree["runs"]
     with lzma.open(out, "wb", preset=9 | lzma.PRESET_EXTREME) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
         for name in names:

@@ -105,6 +105,17 @@ def _as_real_run(tmp_path: Path, *extra: str) -> Path:
     return out
 
 
+def as_cpu_engine_run(res, out_dir: Path) -> Path:
+    """A simulated run written as the torch engine's run on CPU (the config says executor=torch,
+    device cpu; sampled token ids): ground truth for a CPU fit."""
+    out = write_run_dir(res, out_dir, plots=False, trace="full")
+    tree = yaml.safe_load((out / "config.yaml").read_text())
+    tree["executor"] = compose_spec(["executor=torch"]).tree()["executor"]
+    (out / "config.yaml").write_text(yaml.safe_dump(tree))
+    sample_tokens(out)
+    return out
+
+
 def sample_tokens(run_dir: Path) -> None:
     """Give the finished requests sampled token ids, as the torch engine records them (a run
     without any is refused as simulated: testbed/calibrate/run_checks.py)."""
@@ -425,12 +436,7 @@ def test_calibrate_runs_on_cpu_fits_the_padding_and_one_fixed_cost_for_every_ste
     try:
         res = _sim(tmp_path, "cpu", "model=tiny-llama", "hardware=cpu-test", "kv.num_blocks=4096",
                    *(f"cost.{k}={v}" for k, v in truth.items()))
-        out = write_run_dir(res, tmp_path / "cpu", plots=False, trace="full")
-        tree = yaml.safe_load((out / "config.yaml").read_text())
-        tree["executor"] = compose_spec(["executor=torch"]).tree()["executor"]
-        (out / "config.yaml").write_text(yaml.safe_dump(tree))
-        sample_tokens(out)
-        fit = fit_runs([load_run(out, need_trace=True)], cpu)
+        fit = fit_runs([load_run(as_cpu_engine_run(res, tmp_path / "cpu"), need_trace=True)], cpu)
     finally:
         HARDWARE.pop("cpu-test", None)
     got = fit.coefficients

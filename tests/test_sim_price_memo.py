@@ -52,4 +52,4 @@ def test_price_memo_gives_the_cost_models_floats(hardware):
         for s in (shape, other):
             priced = ex._price(MicroBatch(-1, (), (), shape=s))
             assert priced.forward == cost.stage_compute_all_s(s)
-            assert (priced.prep, priced.sample, priced.nbytes, priced.dispatch, priced.ret) == direct
+            assert (priced.prep, priced.sample, priced.nbytes, priced.dispatch, priced.ret, priced.recv, priced.handoff) == direct

@@ -149,6 +149,17 @@ class CostCoefficients:
     # M x its one-row time (engine/pricing/small_m.py; fp32 on this project's CPU: 3 rows, the
     # lm_head 2.08 / 3.78 / 5.83 ms for 1 / 2 / 3 rows, 3.15 ms for 4). 0 = off (GPUs, roofline).
     gemv_rows: int = 0
+    # A host device's stage-to-stage receive (gloo on CPU): the receiving stage reads the activation
+    # itself, busy for fixed + per byte before its forward (0 = off: a GPU's copy engine, the link's
+    # latency alone). tiny-llama P=2 on the shared 2-core CPU: 0.45 ms flat behind gllm's blocking
+    # sends, 0.65-1.54 ms growing with the tokens behind SiPipe's asynchronous ones (issue 47).
+    recv_fixed_s: float = 0.0
+    recv_per_byte_s: float = 0.0
+    # SiPipe's CPU sampling: the last stage copies its logits to the sampler processes before it is
+    # free (`to_samplers`), fixed + per row x vocabulary entry: 0.39 ms for <8 rows to 1.05 ms for 48
+    # on that CPU (tiny-llama, vocab 32k). 0 = the stage is free at its forward's end.
+    cpu_handoff_fixed_s: float = 0.0
+    cpu_handoff_per_token_vocab_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

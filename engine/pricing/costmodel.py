@@ -392,6 +392,20 @@ class CostModel:
         per_row = c.cpu_sample_per_row_s + c.cpu_sample_per_token_vocab_s * self._vocab
         return c.cpu_sample_fixed_s + per_row * rows / max(1, workers)
 
+    def cpu_handoff_s(self, shape: BatchShape) -> float:
+        """The last stage's copy of `shape`'s logits to the CPU samplers, on the stage (SiPipe)."""
+        c = self.coefficients
+        if not shape.num_sampled or not (c.cpu_handoff_fixed_s or c.cpu_handoff_per_token_vocab_s):
+            return 0.0
+        return c.cpu_handoff_fixed_s + c.cpu_handoff_per_token_vocab_s * shape.num_sampled * self._vocab
+
+    def recv_s(self, shape: BatchShape) -> float:
+        """A host device's receive of `shape`'s activation, on the receiving stage (0 unless fitted)."""
+        c = self.coefficients
+        if not (c.recv_fixed_s or c.recv_per_byte_s):
+            return 0.0
+        return c.recv_fixed_s + c.recv_per_byte_s * self.activation_bytes(shape)
+
     def prep_s(self, shape: BatchShape) -> float:
         """CPU input preparation of one micro-batch on one stage."""
         c = self.coefficients

@@ -123,7 +123,9 @@ class SimExecutor(Executor):
         self._first_messages = 1 if runtime.structure_aware_transfer else 3  # size, metadata, tensor
         # No events where every server is FIFO (see the module doc); `event_driven=True` forces the
         # event loop (tests compare the two).
-        fifo_only = not (runtime.overlap_input_prep or runtime.cpu_sampling or blocking_send) and self._fifo_sends
+        c = cost_model.coefficients
+        host_recv = bool(c.recv_fixed_s or c.recv_per_byte_s)  # the FIFO path has no receive on the stage
+        fifo_only = not (runtime.overlap_input_prep or runtime.cpu_sampling or blocking_send or host_recv) and self._fifo_sends
         plain_tracer = type(self.tracer).span is Tracer.span and type(self.tracer).chain is Tracer.chain
         self._fifo = _FifoPipeline(self) if fifo_only and plain_tracer and not event_driven else None
 
@@ -214,7 +216,7 @@ class SimExecutor(Executor):
         of the 5,000-request Sarathi benchmark, where every whole shape is distinct."""
         cost = self.cost
         return (cost.prep_s(shape), cost.sample_s(shape, self._sampling), cost.activation_bytes(shape), cost.dispatch_s(shape),
-                cost.return_s(shape))
+                cost.return_s(shape), cost.recv_s(shape), cost.cpu_handoff_s(shape))
 
     # --- stages ------------------------------------------------------------------------------------
     def _arrive(self, stage: int, mb_id: int) -> None:
@@ -241,8 +243,13 @@ class SimExecutor(Executor):
             parts = (forward,)
         else:
             parts = (("prepare", priced.prep), forward)
-        if s == self.pipeline_depth - 1 and not self.runtime.cpu_sampling:
-            parts += (("sample", priced.sample),)
+        if s and priced.recv:  # a host device's receive, before the forward (0: not priced, no span)
+            parts = parts[:-1] + (("recv", priced.recv), forward)
+        if s == self.pipeline_depth - 1:
+            if not self.runtime.cpu_sampling:
+                parts += (("sample", priced.sample),)
+            elif priced.handoff:  # the logits' copy to the samplers holds the stage
+                parts += (("to_samplers", priced.handoff),)
         t = self.tracer.chain(self._stage_tracks[s], now, parts, mb_id)
         self._gpu_busy[s] = True
         self._running[s] = (now, t, mb_id)
@@ -540,6 +547,8 @@ class _Priced(NamedTuple):
     nbytes: int  # activation bytes per hop
     dispatch: float  # driver -> stage 0 before the first stage prepares (engine terms; 0 by default)
     ret: float  # last stage -> driver after sampling, on top of the link latency (0 by default)
+    recv: float  # a host device's receive on stages > 0, before the forward (0 by default)
+    handoff: float  # SiPipe: the last stage's copy of the logits to the CPU samplers (0 by default)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ before they sample (0.2 ms) and hand the ids to the driver: the stage's wait for
 micro-batch went from 0.80 ms (sarathi, inline sampling) to 3.41 ms median (tiny-llama, P=1,
 ShareGPT 100, load ~10 of other tenants). Host contention is not modelled as such (the simulator
 does not know the load); the path's time on this host is, like every other engine term: from the
-last stage's forward end to the completion, less the return the simulator adds after it, fitted
-as fixed + per row x vocab / samplers (`CostModel.cpu_sample_s`) by non-negative least squares.
+end of the last stage's logits handoff (`to_samplers`, its own term on the stage: run_fit.py) to the
+completion, less the return the simulator adds after it, fitted as fixed + per row x vocab /
+samplers (`CostModel.cpu_sample_s`) by non-negative least squares.
 A profile fitted without such a run keeps the defaults (a GPU host's free cores).
 """
 from __future__ import annotations
@@ -21,8 +22,8 @@ from testbed.calibrate.runs import RealRun, replayed_batches
 
 
 def cpu_sampling_samples(runs: Sequence[RealRun]) -> list[tuple[int, int, float]]:
-    """(rows sampled, sampler processes, seconds from the forward's end to the completion) of every
-    micro-batch but the first of the runs that sampled on CPU processes."""
+    """(rows sampled, sampler processes, seconds from the logits' handoff to the completion) of
+    every micro-batch but the first of the runs that sampled on CPU processes."""
     out = []
     for run in runs:
         workers = int(getattr(run.spec.settings.executor.settings, "num_cpu_samplers", 1) or 1)
@@ -30,7 +31,8 @@ def cpu_sampling_samples(runs: Sequence[RealRun]) -> list[tuple[int, int, float]
             last = b.stages[-1]
             if last.handoff is None or last.busy_end is None or not b.shape.num_sampled:
                 continue
-            out.append((b.shape.num_sampled, workers, b.completed_s - (last.busy_end - last.handoff)))
+            # from the handoff's end: the stage's copy is its own term (CostModel.cpu_handoff_s)
+            out.append((b.shape.num_sampled, workers, b.completed_s - last.busy_end))
     return out
 
 

@@ -16,7 +16,9 @@ fit (git log shows the order) and names, per profile:
   same test runs says so (they have then been looked at twice: say it when quoting);
 - `spent_test`: earlier test runs, already reported: a refit is tested on new runs declared as
   `test` before the refit, and the spent ones are neither fitted on, chosen on nor reported again
-  (the CPU runs' first test set after the small-M term of 2026-11-27, docs/calibrate-runs.md).
+  (the CPU runs' first test set after the small-M term of 2026-11-27, docs/calibrate-runs.md);
+- `diagnosis`: runs taken to find a mechanism (a simulator/engine disagreement) after the fit:
+  read freely while diagnosing, never fitted on, chosen on or reported as test runs.
 
 The runs live packed (`runs: runs.tar.xz`, a few MB) in the repository's measurements/ folder and are
 unpacked once into a cache keyed by the archive's hash (`unpacked`).
@@ -35,7 +37,8 @@ from testbed.calibrate.run_checks import PACKED_MARKER
 
 SETS = ("fit", "validation", "test")
 SPENT = "spent_test"
-PROFILE_KEYS = {"base", "options", SPENT, *SETS}
+DIAGNOSIS = "diagnosis"
+PROFILE_KEYS = {"base", "options", SPENT, DIAGNOSIS, *SETS}
 MEASUREMENTS_DIR = Path(__file__).resolve().parents[2] / "measurements"
 
 
@@ -50,6 +53,7 @@ class Split:
     validation: tuple[str, ...] = ()
     test: tuple[str, ...] = ()
     spent_test: tuple[str, ...] = ()
+    diagnosis: tuple[str, ...] = ()
 
     def set_of(self, run: str) -> str:
         return next(s for s in SETS if run in getattr(self, s))
@@ -102,7 +106,7 @@ def load_manifest(path: str | Path) -> Manifest:
         raise ConfigError(f"manifest {path}: runs {runs} is neither a folder nor an archive")
     profiles = {name: _split(path, str(name), body) for name, body in tree["profiles"].items()}
     for split in profiles.values():
-        missing = [r for r in split.runs() + split.spent_test if not (runs_dir / r).is_dir()]
+        missing = [r for r in split.runs() + split.spent_test + split.diagnosis if not (runs_dir / r).is_dir()]
         if missing:
             raise ConfigError(f"manifest {path}: {split.name} names runs not in {runs}: {', '.join(missing[:5])}")
     _register_profiles(path.parent / "profiles")
@@ -124,7 +128,7 @@ def _split(path: Path, name: str, body) -> Split:
         bad = sorted(set(body) - PROFILE_KEYS) if isinstance(body, dict) else [type(body).__name__]
         raise ConfigError(f"manifest {path}: profile {name} has {', '.join(map(str, bad))}; valid keys: "
                           f"{', '.join(sorted(PROFILE_KEYS))}")
-    sets = {s: tuple(str(r) for r in (body.get(s) or ())) for s in (*SETS, SPENT)}
+    sets = {s: tuple(str(r) for r in (body.get(s) or ())) for s in (*SETS, SPENT, DIAGNOSIS)}
     seen: dict[str, str] = {}
     for s, names in sets.items():
         for r in names:

@@ -107,7 +107,8 @@ def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None):
               "kv.num_blocks": kv_num_blocks(run), "output.mlflow": False,
               "output.plots": False, "output.progress": False, "output.trace": "off"}
     spec = run.spec.with_values(values)
-    res = prepare_experiment(spec, requests=list(run.requests)).run()
+    # the policy plans with the cost model the engine's policy had (the run's own hardware)
+    res = prepare_experiment(spec, requests=list(run.requests), planning=run.spec).run()
     if res.error:
         raise ConfigError(f"the simulated replay of {run.path} failed: {res.error}")
     if out_dir is not None:

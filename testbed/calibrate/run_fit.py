@@ -85,12 +85,15 @@ class EngineSamples:
     ret: list[tuple[str, BatchShape, float]]
     transfer: list[tuple[str, int, float]]  # (kind, bytes, seconds)
     first: list[tuple[ReplayedBatch, int]]  # each run's first micro-batch and its P
+    recv: list[tuple[str, int, float]] = field(default_factory=list)  # host runs: (kind, bytes, the receive's own s)
+    handoff: list[tuple[str, BatchShape, float]] = field(default_factory=list)  # SiPipe: logits to the samplers
 
 
 def engine_samples(runs: Sequence[RealRun], cost_for_bytes: CostModel) -> EngineSamples:
     """The measured spans of every traced run (module docstring)."""
-    fw, prep, samp, disp, ret, tr, first = [], [], [], [], [], [], []
+    fw, prep, samp, disp, ret, tr, first, recv, hand = [], [], [], [], [], [], [], [], []
     for run in runs:
+        host = run.spec.settings.executor.settings.device == "cpu"
         batches = replayed_batches(run)
         first.append((batches[0], run.pp))
         arrivals = sorted(r.arrival_s for r in run.requests)
@@ -109,7 +112,11 @@ def engine_samples(runs: Sequence[RealRun], cost_for_bytes: CostModel) -> Engine
                     # is the pipeline's wait, not the link's
                     tr.append((b.kind, cost_for_bytes.activation_bytes(b.shape),
                                nxt.recv_end - max(st.send_start, nxt.recv_start)))
+                    if host and st.send_start <= nxt.recv_start:  # the sender was there first: the receive itself
+                        recv.append((b.kind, cost_for_bytes.activation_bytes(b.shape), nxt.recv_end - nxt.recv_start))
             lst = b.stages[last]
+            if lst.handoff is not None and b.shape.num_sampled:
+                hand.append((b.kind, b.shape, lst.handoff))
             if lst.sample is not None and b.shape.num_sampled:
                 samp.append((b.kind, b.shape, lst.sample))
             if lst.sample_end is not None:
@@ -122,7 +129,7 @@ def engine_samples(runs: Sequence[RealRun], cost_for_bytes: CostModel) -> Engine
             prev = b
     if not fw:
         raise ConfigError("the runs' traces hold no forward spans: rerun them with output.trace=full")
-    return EngineSamples(fw, prep, samp, disp, ret, tr, first)
+    return EngineSamples(fw, prep, samp, disp, ret, tr, first, recv, hand)
 
 
 def _launch_s(b: ReplayedBatch, arrivals: Sequence[float]) -> float:
@@ -384,6 +391,13 @@ def _fit_linear_terms(result: RunFit, data: EngineSamples, vocab: int) -> None:
              [1.0 if s.num_prefill_tokens else 0.0 for s in shapes]], [t for _, _, t in data.dispatch], relative=False)
     if data.ret:
         c["return_fixed_s"] = float(np.mean([t for _, _, t in data.ret]))
+    if data.recv:  # a host device's receive, on the receiving stage (CostModel.recv_s; issue 47)
+        c["recv_fixed_s"], c["recv_per_byte_s"] = _nnls(
+            [[1.0] * len(data.recv), [float(b) for _, b, _ in data.recv]], [t for _, _, t in data.recv], relative=False)
+    if data.handoff:  # SiPipe's logits to the CPU samplers, on the last stage (CostModel.cpu_handoff_s)
+        c["cpu_handoff_fixed_s"], c["cpu_handoff_per_token_vocab_s"] = _nnls(
+            [[1.0] * len(data.handoff), [float(sh.num_sampled * vocab) for _, sh, _ in data.handoff]],
+            [t for _, _, t in data.handoff], relative=False)
     if data.transfer:
         lat, per_byte = _nnls([[1.0] * len(data.transfer), [float(b) for _, b, _ in data.transfer]],
                               [t for _, _, t in data.transfer], relative=False)
@@ -394,10 +408,15 @@ def _fit_linear_terms(result: RunFit, data: EngineSamples, vocab: int) -> None:
 def _linear_errors(result: RunFit, data: EngineSamples, cost: CostModel) -> list[dict]:
     rows = []
     for op, items, pred in (("prepare", data.prepare, cost.prep_s), ("sample", data.sample, cost.sample_s),
-                            ("dispatch", data.dispatch, cost.dispatch_s), ("return", data.ret, cost.return_s)):
+                            ("dispatch", data.dispatch, cost.dispatch_s), ("return", data.ret, cost.return_s),
+                            ("to_samplers", data.handoff, cost.cpu_handoff_s)):
         items = [x for x in items if x[2] > 0]
         if items:
             rows += _error_rows(op, [k for k, _, _ in items], [pred(sh) for _, sh, _ in items], [t for _, _, t in items])
+    if data.recv:
+        c = result.coefficients
+        rows += _error_rows("recv", [k for k, _, _ in data.recv],
+                            [c["recv_fixed_s"] + c["recv_per_byte_s"] * b for _, b, _ in data.recv], [t for _, _, t in data.recv])
     if data.transfer and result.p2p_bw_gbs:
         bw = result.p2p_bw_gbs * 1e9
         rows += _error_rows("transfer", [k for k, _, _ in data.transfer],

@@ -147,16 +147,25 @@ class PreparedRun:
 
 
 def prepare_experiment(spec: RunSpec, progress: Callable[[int, int], None] | None = None,
-                       requests=None) -> PreparedRun:
+                       requests=None, planning: RunSpec | None = None) -> PreparedRun:
     """Validate the config and build workload, policy, cost model and executor.
-    Raises TestbedError (one clear line) for any user mistake."""
+    Raises TestbedError (one clear line) for any user mistake.
+
+    `planning`: the run whose hardware the policy plans with (`view.cost_model`, `view.estimate`,
+    `prepare`'s short simulations, `view.link_bandwidth_Bps` / `link_latency_s`), when it is not the one that prices the run: a replay of a real
+    engine run (testbed/calibrate/offline.py) prices with the profile fitted to the engine but must
+    let the policy see the cost model the engine's policy saw (TD-Pipe's phase switch and MoLink's
+    in-flight count read them; issue 47: TD-Pipe's TTFT +199% at P=2, 9 req/s, when they differed)."""
     wall0 = time.perf_counter()
     rc = spec.settings
     cost = build_cost_model(spec)
+    plan = planning or spec
+    plan_cost = cost if planning is None else build_cost_model(planning)
     link = link_settings(rc, cost)
+    plan_link = link if planning is None else link_settings(planning.settings, plan_cost)
     num_microbatches = rc.parallel.num_microbatches
     policy = build_policy(spec)
-    prepare_info = policy.prepare(PrepareContext(cost.pp, lambda params, n: _short_simulation(spec, params, n)))
+    prepare_info = policy.prepare(PrepareContext(cost.pp, lambda params, n: _short_simulation(plan, params, n)))
     runtime = policy.runtime.merged(dataclasses.asdict(rc.runtime))
     ex_spec = EXECUTORS.get(rc.executor.name)
     if requests is None:
@@ -169,9 +178,9 @@ def prepare_experiment(spec: RunSpec, progress: Callable[[int, int], None] | Non
     measured = rc.kv.num_blocks is None and getattr(executor, "measure_kv", False)
     num_blocks, block_size = (1, rc.kv.block_size) if measured else kv_blocks(rc, cost)
     kv = BlockManager(num_blocks, block_size)
-    ctrl = Controller(requests, policy, executor, kv, cost_model=cost, check_integrity=rc.check_integrity,
+    ctrl = Controller(requests, policy, executor, kv, cost_model=plan_cost, check_integrity=rc.check_integrity,
                       data_dir=spec.data_dir, progress=progress, num_microbatches=num_microbatches,
-                      link_bandwidth_Bps=link.bandwidth_Bps, link_latency_s=link.latency_s,
+                      link_bandwidth_Bps=plan_link.bandwidth_Bps, link_latency_s=plan_link.latency_s,
                       history=history_for_run)  # `view.history`: the data set minus the run (TD-Pipe)
     check_microbatch_count(ctrl, num_microbatches)
     info = {"build_s": time.perf_counter() - wall0, "kv_num_blocks": num_blocks, "kv_block_size": block_size,
