@@ -72,17 +72,16 @@ def test_the_priced_plan_is_the_search_it_prices(trace, knees):
 
 
 def test_a_probe_is_priced_at_its_own_rate_and_early_stops_shorten_failures_only(trace):
-    """CPU per request through both pilots as a + b / rate, held one growth step below the low
-    pilot; a failing search probe at x times its capacity runs (1 - T) + T / x of its requests,
+    """CPU per request through both pilots as a + b / rate, held at the low pilot's below it; a failing search probe at x times its capacity runs (1 - T) + T / x of its requests,
     a passing one and a confirmation all of them."""
     pilot = Pilot((0.2, 0.8), (3e-3, 1e-3), (0.79, 0.5), (False, False), 0.8)
     b = (3e-3 - 1e-3) / (5 - 1.25)
-    assert pilot.cpu_per_request(0.4, 2.0) == pytest.approx(1e-3 - b / 0.8 + b / 0.4)
-    assert pilot.cpu_per_request(0.01, 2.0) == pilot.cpu_per_request(0.1, 2.0) > pilot.cpu_per_request(0.2, 2.0)
+    assert pilot.cpu_per_request(0.4) == pytest.approx(1e-3 - b / 0.8 + b / 0.4)
+    assert pilot.cpu_per_request(0.01) == pilot.cpu_per_request(0.2) == pytest.approx(3e-3)
     assert stop_share(0.8, 0.2, 0.8) == pytest.approx(0.2 + 0.8 / 4) and stop_share(0.2, 0.2, 0.8) == 1.0
     p = trace
     f = fc.Forecast(p, {0: pilot}, 0.0, lambda plan, pt, rate: 1000, 1)
-    full = 1000 * pilot.cpu_per_request(0.8, 2.0) + fc.PROBE_OVERHEAD_CPU_S
+    full = 1000 * pilot.cpu_per_request(0.8) + fc.PROBE_OVERHEAD_CPU_S
     assert f.cost(p, 0, 0.8, True, None, 0.2) == pytest.approx(full)
     assert f.cost(p, 0, 0.8, False, "verify", 0.2) == pytest.approx(full)
     assert f.cost(p, 0, 0.8, False, None, 0.2) == pytest.approx(full * 0.4 + fc.PROBE_OVERHEAD_CPU_S * 0.6)
