@@ -91,9 +91,20 @@ def test_a_probe_is_priced_at_its_own_rate_and_early_stops_shorten_failures_only
     ((0.95, 0.90), (True, True), 0.8 * math.sqrt(2)),  # both pass: above the start
     ((0.79, 0.50), (False, False), 0.2 / math.sqrt(2)),  # both fail: below the low pilot
     ((0.90, 0.70), (True, False), 0.2 * 4 ** 0.5),  # crossing half way: the geometric middle
-    ((0.85, 0.65), (True, False), 0.2 * 4 ** 0.25)])
+    ((0.85, 0.65), (True, False), 0.2 * 4 ** 0.25),
+    ((0.95, 0.9, 0.9, 0.6), (True, True, True, False), 3.2 * 4 ** (1 / 3)),  # climbed twice: between 3.2 and 12.8
+    ((0.95, 0.9, 0.9), (True, True, True), 3.2 * math.sqrt(2))])
 def test_a_window_capacity_is_guessed_where_its_pilots_cross_the_target(values, passed, expected):
-    assert Pilot((0.2, 0.8), (1e-3, 1e-3), values, passed, 0.8).guess(2.0) == pytest.approx(expected)
+    rates = (0.2, 0.8, 3.2, 12.8)[:len(values)]
+    assert Pilot(rates, (1e-3,) * len(values), values, passed, 0.8).guess(2.0) == pytest.approx(expected)
+
+
+def test_above_the_start_a_probe_is_priced_between_the_pilots_around_it():
+    pilot = Pilot((0.2, 0.8, 3.2), (3e-3, 1e-3, 4e-4), (0.9, 0.9, 0.5), (True, True, False), 0.8)
+    b = (1e-3 - 4e-4) / (1 / 0.8 - 1 / 3.2)
+    assert pilot.cpu_per_request(1.6) == pytest.approx(4e-4 - b / 3.2 + b / 1.6)
+    assert pilot.cpu_per_request(3.2) == pytest.approx(4e-4) and pilot.cpu_per_request(0.8) == pytest.approx(1e-3)
+    assert 2e-4 <= pilot.cpu_per_request(100.0) < 4e-4  # beyond the top pilot: the top segment's, floored
 
 
 def test_the_forecast_times_two_pilots_per_window_and_refresh_prices_only_what_is_left(trace, monkeypatch):
@@ -104,7 +115,9 @@ def test_the_forecast_times_two_pilots_per_window_and_refresh_prices_only_what_i
     monkeypatch.setattr(fc, "PILOT_REQUESTS", 40)  # short pilots: what is asserted is which runs, not their length
     p = trace
     f = fc.forecast(p, probe_requests, start_rate)
-    assert sorted(f.pilots) == [0, 1, 2] and all(pl.rates == (0.2, 0.8) for pl in f.pilots.values())
+    assert sorted(f.pilots) == [0, 1, 2] and all(pl.rates[:2] == (0.2, 0.8) for pl in f.pilots.values())
+    for pl in f.pilots.values():  # above the start only while every pilot passed, x growth^2 a step
+        assert pl.rates[2:] == (3.2, 12.8)[:len(pl.rates) - 2] and all(pl.passed[1:len(pl.rates) - 1])
     assert all(c > 0 for pl in f.pilots.values() for c in pl.cpu) and f.pilot_cpu_s > 0 and f.probes > 3
     refresh = fc.Refresh(f)
     feed = CapacityFeed(replace(p, points=list(p.points)), NO_PARENT)

@@ -7,14 +7,15 @@ where each request decodes in a small batch and costs ~3x the CPU (13-17 s a 4,0
 0.18 req/s against 4.4-4.8 s at 0.8). So the forecast prices each probe at its own rate:
 
 1. Pilots: each window's first `PILOT_REQUESTS` requests (at most a quarter of a probe) at the
-   start rate and at start / growth^2 (the bracket's second step down), simulated here: the CPU
-   per request at both rates and the criterion's value at both.
+   start rate and at start / growth^2 (the bracket's second step down), and while all pass at
+   x growth^2 above (`MAX_CLIMBS`), simulated here: the CPU per request and the criterion's value
+   at each rate.
 2. The CPU per request against the rate: `a + b / rate` through the two pilots (the iterations a
    request shares fall with the batch, which grows with the rate), held below the low pilot (a
    request alone costs what it costs).
 3. Each window's capacity guessed from its pilots: where the criterion crosses the target between
-   the two rates (log-rate interpolation); above the start by sqrt(growth) when both pass, below
-   the low rate by sqrt(growth) when both fail.
+   the last pass and the first failure (log-rate interpolation); above the top pilot by
+   sqrt(growth) when all pass, below the low one by sqrt(growth) when all fail.
 4. The search's own state machine (testbed/capacity/command.py's CapacityFeed: windows, bracket,
    bisection, windows that cannot bind at INFO_PRECISION, the confirmations) run against those
    guesses on `workers` simulated slots, each probe priced requests x cost per request x the share
@@ -37,6 +38,7 @@ from typing import Any
 PILOT_REQUESTS = 300  # requests of each pilot run (~0.3 s of CPU at 0.8 req/s, ~1 s at 0.2 for the main setting)
 PILOT_SHARE = 4  # ... and at most a quarter of a probe (short test searches stay short)
 WARM_REQUESTS = 30  # a first, discarded run: the trace parse and caches a process pays once
+MAX_CLIMBS = 2  # pilots above the start (x growth^2 each) while every pilot passed
 MAX_PILOT_UNITS = 24  # beyond this many windows, later points reuse the first point's pilots window by window
 PROBE_OVERHEAD_CPU_S = 0.5  # CPU seconds per probe outside its simulation (run folder, MLflow run, queue)
 WORKER_START_CPU_S = 4.0  # a spawned worker's imports
@@ -45,36 +47,40 @@ STOP_POWER = 1.0  # early stop: a probe x times over its capacity runs (1 - T) +
 
 @dataclass(frozen=True)
 class Pilot:
-    """One window's two timed pilot runs: (low rate, start rate), CPU seconds per request and the
-    criterion's value at each."""
+    """One window's timed pilot runs, by rising rate: CPU seconds per request and the criterion's
+    value at each."""
 
-    rates: tuple[float, float]
-    cpu: tuple[float, float]
-    values: tuple[float, float]
-    passed: tuple[bool, bool]
+    rates: tuple[float, ...]
+    cpu: tuple[float, ...]
+    values: tuple[float, ...]
+    passed: tuple[bool, ...]
     target: float  # the criterion's target at this window
 
     def cpu_per_request(self, rate: float) -> float:
-        """`a + b / rate` through both pilots, held at the low pilot's below it: there a request
-        decodes nearly alone (the default gLLM search's binding window cost 3.8 / 4.0 / 2.8 ms a
-        request at 0.1 / 0.14 / 0.2 req/s, where 1 / rate said 6.5 ms at 0.1)."""
-        (lo, hi), (c_lo, c_hi) = self.rates, self.cpu
+        """`a + b / rate` through the two pilots around `rate` (the top two above them), held at
+        the lowest pilot's below it: there a request decodes nearly alone (the default gLLM
+        search's binding window cost 3.8 / 4.0 / 2.8 ms a request at 0.1 / 0.14 / 0.2 req/s, where
+        1 / rate said 6.5 ms at 0.1)."""
+        rates, cpu = self.rates, self.cpu
+        if len(rates) < 2 or rate <= rates[0]:
+            return cpu[0]
+        k = next((i for i in range(1, len(rates)) if rate <= rates[i]), len(rates) - 1)
+        (lo, hi), (c_lo, c_hi) = rates[k - 1:k + 1], cpu[k - 1:k + 1]
         if hi <= lo:
             return c_hi
         b = max((c_lo - c_hi) / (1 / lo - 1 / hi), 0.0)
-        a = c_hi - b / hi
-        return max(a + b / max(rate, lo), min(c_lo, c_hi) / 2)
+        return max(c_hi - b / hi + b / rate, min(cpu) / 2)
 
     def guess(self, growth: float) -> float:
         """The window's capacity as the pilots suggest it (see the module docstring, step 3)."""
-        (lo, hi), (v_lo, v_hi), (p_lo, p_hi) = self.rates, self.values, self.passed
-        if p_hi:
-            return hi * math.sqrt(growth)
-        if not p_lo:
-            return lo / math.sqrt(growth)
-        share = 0.5 if not (math.isfinite(v_lo) and math.isfinite(v_hi)) or v_lo == v_hi else \
-            min(max(abs(v_lo - self.target) / abs(v_lo - v_hi), 0.0), 1.0)
-        return lo * (hi / lo) ** share
+        rates, values, passed = self.rates, self.values, self.passed
+        for i in range(len(rates) - 1):
+            if passed[i] and not passed[i + 1]:
+                (v_lo, v_hi), (lo, hi) = values[i:i + 2], rates[i:i + 2]
+                share = 0.5 if not (math.isfinite(v_lo) and math.isfinite(v_hi)) or v_lo == v_hi else \
+                    min(max(abs(v_lo - self.target) / abs(v_lo - v_hi), 0.0), 1.0)
+                return lo * (hi / lo) ** share
+        return rates[-1] * math.sqrt(growth) if passed[-1] else rates[0] / math.sqrt(growth)
 
 
 def stop_share(rate: float, capacity: float, target: float) -> float:
@@ -90,7 +96,6 @@ def stop_share(rate: float, capacity: float, target: float) -> float:
 
 def run_pilots(p: Any, probe_requests: Callable, start_rate: Callable) -> tuple[dict[int, Pilot], float]:
     """Every unpruned window's pilots (up to MAX_PILOT_UNITS windows), and the CPU they took."""
-    from testbed.capacity.results import judge
     from testbed.run.runner import run_experiment
 
     live = [pt for pt in p.points if not pt.pruned]
@@ -100,20 +105,29 @@ def run_pilots(p: Any, probe_requests: Callable, start_rate: Callable) -> tuple[
         return pilots, 0.0
     run_experiment(_spec(live[0], start_rate(live[0].run, p.settings), WARM_REQUESTS))
     for pt in live[:MAX_PILOT_UNITS]:
-        start = start_rate(pt.run, p.settings)
-        rates = (max(start / p.settings.growth ** 2, p.settings.min_rate), start)
-        cpu, values, passed = [], [], []
-        for rate in rates:
-            n = max(2, min(PILOT_REQUESTS, probe_requests(p, pt, rate) // PILOT_SHARE))
-            t0 = time.process_time()
-            result = run_experiment(_spec(pt, rate, n))
-            cpu.append((time.process_time() - t0) / max(n, 1))
-            metrics = judge(pt.run.settings.slo, p.settings.warmup_s, rate, result)
-            value = float(metrics.get(p.settings.metric, math.nan))
-            values.append(value)
-            passed.append(p.settings.passes(value, pt.target, metrics))
-        pilots[pt.index] = Pilot(rates, (cpu[0], cpu[1]), (values[0], values[1]), (passed[0], passed[1]), pt.target)
+        start, s = start_rate(pt.run, p.settings), p.settings
+        rates, runs = [max(start / s.growth ** 2, s.min_rate), start], []
+        while rates:
+            rate = rates.pop(0)
+            runs.append((rate, *_pilot(p, pt, rate, probe_requests)))
+            if not rates and runs[-1][3] and len(runs) < 2 + MAX_CLIMBS and rate < s.max_rate:
+                rates.append(min(rate * s.growth ** 2, s.max_rate))  # all passed: climb
+        pilots[pt.index] = Pilot(*(tuple(col) for col in zip(*runs)), target=pt.target)
     return pilots, time.process_time() - c0
+
+
+def _pilot(p: Any, pt: Any, rate: float, probe_requests: Callable) -> tuple[float, float, bool]:
+    """One pilot run: (CPU seconds per request, the criterion's value, passed)."""
+    from testbed.capacity.results import judge
+    from testbed.run.runner import run_experiment
+
+    n = max(2, min(PILOT_REQUESTS, probe_requests(p, pt, rate) // PILOT_SHARE))
+    t0 = time.process_time()
+    result = run_experiment(_spec(pt, rate, n))
+    cpu = (time.process_time() - t0) / n
+    metrics = judge(pt.run.settings.slo, p.settings.warmup_s, rate, result)
+    value = float(metrics.get(p.settings.metric, math.nan))
+    return cpu, value, p.settings.passes(value, pt.target, metrics)
 
 
 def _spec(pt: Any, rate: float, n: int) -> Any:
