@@ -573,7 +573,8 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
         feed.estimate_cpu_s, feed.estimate_s, fc = estimate.simulated(p, probe_requests, start_rate)
         feed.refresh = Refresh(fc)
         console.print(f"capacity: the answer is the lowest window's, confirmed before it is printed; about "
-                      f"{estimate.text(feed.estimate_cpu_s)} of CPU, {estimate.text(feed.estimate_s)} at this "
+                      f"{estimate.text(feed.estimate_cpu_s)} of CPU ({fc.probes} probes, each priced at its rate), "
+                      f"{estimate.text(feed.estimate_s)} at this "
                       f"machine's present speed ({s.resolved_workers} worker(s))", highlight=False)
 
 

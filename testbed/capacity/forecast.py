@@ -41,6 +41,7 @@ WARM_REQUESTS = 30  # a first, discarded run: the trace parse and caches a proce
 MAX_CLIMBS = 2  # pilots above the start (x growth^2 each) while every pilot passed
 MAX_PILOT_UNITS = 24  # beyond this many windows, later points reuse the first point's pilots window by window
 PROBE_OVERHEAD_CPU_S = 0.5  # CPU seconds per probe outside its simulation (run folder, MLflow run, queue)
+PROBE_OVERHEAD_BARE_CPU_S = 0.05  # ... without MLflow (a 12-probe search of 150-request windows: 2 s of CPU in all)
 WORKER_START_CPU_S = 4.0  # a spawned worker's imports
 STOP_POWER = 1.0  # early stop: a probe x times over its capacity runs (1 - T) + T / x of its requests (fit below)
 
@@ -207,6 +208,10 @@ class Forecast:
     cpu_s: float = 0.0
     makespan_s: float = 0.0
     probes: int = 0
+    units: int = 0  # the plan's windows before the search adds its hold-outs (the dry runs start from these)
+
+    def __post_init__(self) -> None:
+        self.units = self.units or len(self.p.points)
 
     def cost(self, plan: Any, unit: int, rate: float, passed: bool, kind: str | None, capacity: float) -> float:
         """CPU seconds of one probe: its requests x the CPU per request at its rate x the share an
@@ -216,7 +221,8 @@ class Forecast:
         share = 1.0
         if kind is None and not passed and plan.settings.early_stop and plan.settings.criterion == "attainment":
             share = stop_share(rate, capacity, pt.target)
-        return self.probe_requests(plan, pt, rate) * per * share + PROBE_OVERHEAD_CPU_S
+        overhead = PROBE_OVERHEAD_CPU_S if pt.run.output.mlflow else PROBE_OVERHEAD_BARE_CPU_S
+        return self.probe_requests(plan, pt, rate) * per * share + overhead
 
     def guesses(self) -> dict[int, float]:
         return {u: pl.guess(self.p.settings.growth) for u, pl in self.pilots.items()}
@@ -229,7 +235,8 @@ class Forecast:
             pilot = pilot_of(plan, self.pilots, u)
             return pilot.guess(plan.settings.growth) if pilot else math.inf
 
-        return dry_run(self.p, capacity,
+        plan = replace(self.p, points=self.p.points[:self.units])  # the real search appends its hold-outs to p
+        return dry_run(plan, capacity,
                        lambda plan, u, r, ok, k: self.cost(plan, u, r, ok, k, capacity(plan, u)), self.workers)
 
     def run(self) -> Forecast:
