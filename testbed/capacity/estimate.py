@@ -15,7 +15,7 @@ from typing import Any
 
 def simulated(p: Any, probe_requests: Callable, start_rate: Callable) -> tuple[float, float, Any]:
     """(CPU seconds, wall seconds, the Forecast) of the plan's search (testbed/capacity/forecast.py:
-    its own plan priced from two timed pilot runs per window). The wall time is the plan's
+    its own plan priced from timed pilot runs of each window). The wall time is the plan's
     makespan on the workers at the speed the pilots ran."""
     from testbed.capacity.forecast import forecast
 
@@ -23,10 +23,10 @@ def simulated(p: Any, probe_requests: Callable, start_rate: Callable) -> tuple[f
     fc = forecast(p, probe_requests, start_rate)
     took_cpu, took_wall = time.process_time() - c0, time.perf_counter() - t0
     slowdown = took_wall / took_cpu if took_cpu > 0 else 1.0
-    INPUTS.update(planned=fc.probes, pilot_cpu_s=fc.pilot_cpu_s, makespan_cpu_s=fc.makespan_s,
-                  pilots={p.points[u].window_label: {"rates": pl.rates, "cpu_per_request_s": pl.cpu,
-                                                     "values": pl.values, "capacity_guess": pl.guess(p.settings.growth)}
-                          for u, pl in fc.pilots.items()})
+    pilots = {f"{p.points[u].label} {p.points[u].window_label}": {
+        "rates": pl.rates, "cpu_per_request_s": pl.cpu, "values": pl.values,
+        "capacity_guess": pl.guess(p.settings.growth)} for u, pl in fc.pilots.items()}
+    INPUTS.update(planned=fc.probes, pilot_cpu_s=fc.pilot_cpu_s, makespan_cpu_s=fc.makespan_s, pilots=pilots)
     return fc.cpu_s, fc.makespan_s * max(slowdown, 1.0), fc
 
 
