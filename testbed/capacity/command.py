@@ -45,6 +45,7 @@ import testbed.capacity.results as results
 import testbed.capacity.windows as cw
 import testbed.capacity.estimate as estimate
 from testbed.capacity.early import EarlyStop
+from testbed.capacity.forecast import Refresh
 from testbed.capacity.search import RateSearch
 from testbed.capacity.settings import MAX_PROBE_REQUESTS, CapacitySettings, check_prices, parse
 from testbed.capacity.cover import Check, PointSearch
@@ -274,6 +275,7 @@ class CapacityFeed(sweep.Feed):
         self.estimate_cpu_s: float | None = None  # ... and in CPU seconds (a simulated search)
         self.cpu0 = estimate.cpu_used()
         self.measured_estimate_s: float | None = None  # ... and the one from the first probe's wall time
+        self.refresh: Refresh | None = None  # the CPU left, re-priced as probes finish (the progress line)
 
     def _holdout(self, group: int, binding: int, tried: list[int]) -> int | None:
         """A held-out unit of `group` near window `binding`: a trace stretch no window or earlier
@@ -449,8 +451,9 @@ class CapacityFeed(sweep.Feed):
         value = f"{row['capacity.value']:.4g}"
         if (stopped := row["capacity.metrics"].get("stopped_at")) is not None:  # decided early (capacity/early.py)
             value, queue = f"< {pt.target:g}", f" (stopped after {stopped:,} of {row.get('num_requests', 0):,.0f} requests)"
+        left = f" [dim]~{estimate.text(self.refresh.left_s(self.searches))} of CPU left[/dim]" if self.refresh else ""
         return (f"point {pt.group:>3} probe {job.tags['capacity.probe']:>2} rate {rate:<8g} {verdict} "
-                f"{self.p.settings.metric} {value} ({row['capacity.phase']}){queue} {where}")
+                f"{self.p.settings.metric} {value} ({row['capacity.phase']}){queue} {where}{left}")
 
 
 def probe_requests(p: Plan, pt: PointSpec, rate: float) -> int:
@@ -567,9 +570,11 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
     if p.live is not None:
         p.live.print_estimate(console, p, feed)
     else:
-        feed.estimate_cpu_s, feed.estimate_s = estimate.simulated(p, feed.planned(), probe_requests, start_rate)
+        feed.estimate_cpu_s, feed.estimate_s, fc = estimate.simulated(p, probe_requests, start_rate)
+        feed.refresh = Refresh(fc)
         console.print(f"capacity: the answer is the lowest window's, confirmed before it is printed; about "
-                      f"{estimate.text(feed.estimate_cpu_s)} of CPU, {estimate.text(feed.estimate_s)} at this "
+                      f"{estimate.text(feed.estimate_cpu_s)} of CPU ({fc.probes} probes, each priced at its rate), "
+                      f"{estimate.text(feed.estimate_s)} at this "
                       f"machine's present speed ({s.resolved_workers} worker(s))", highlight=False)
 
 
