@@ -12,7 +12,7 @@ The replies go to the process's original stdout, which it moves to a private des
 thing; its fd 1 then points at stderr, so nothing MLflow or a library prints ("View run ...")
 can reach the reply channel (it did, and `testbed run` died on a JSONDecodeError):
 
-    {"op": "start", "uri", "experiment", "artifact_location", "run_name", "tags", "params"}
+    {"op": "start", "uri", "experiment", "artifact_location", "run_name", "tags", "params", "journal"}
         -> {"ok": true, "run_id": ..., "experiment_id": ...} | {"ok": false, "error": ...}
     {"op": "plots", "run_dir", "plots": {...}}   (testbed/run/outputs.plot_data; drawn by the renderer
         the caller named, `--render module:function`: testbed/run/plots.render_plots)
@@ -72,6 +72,12 @@ def store_answers(uri: str, timeout_s: float = STORE_PROBE_S) -> bool:
     return True
 
 
+def surfaced(line: str) -> bool:
+    """Whether a line of the background process's stderr is meant for the user: a warning or note
+    of ours (testbed/cluster/reconnect.py, cluster/unwritten.py), or a service back again."""
+    return line.startswith(("warning:", "note:")) or " is reachable again after " in line
+
+
 def reply_timeout_s() -> float:
     """How long one reply is awaited (`TESTBED_BACKGROUND_TIMEOUT_S` overrides the default)."""
     try:
@@ -96,8 +102,11 @@ class Sidecar:
         flags = (["--mlflow"] if mlflow else []) + (["--render", render] if render else [])
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "testbed.tracking.background", *flags], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True)
+        self.said: list[str] = []  # its lines meant for the user (`surfaced`), shown as they came
+        self._err_reader = threading.Thread(target=self._read_stderr, name="sidecar-stderr", daemon=True)
+        self._err_reader.start()
         self._ops: list[str] = []  # requests sent, replies not read yet
         self.started = False
         self.timings: dict[str, float | None] = {}  # op -> when the sidecar was done with it (debugging)
@@ -119,6 +128,23 @@ class Sidecar:
         except (OSError, ValueError):
             pass
         self._lines.put(None)
+
+    def _read_stderr(self) -> None:
+        """Keep the process's stderr (for `_exit_reason`) and pass on at once, one line each, what
+        it says for the user: the reconnect logic's "waiting for" and "reachable again" lines and
+        the ends it wrote for a command that gave up. Before, they stayed in this private file,
+        and a `testbed run` whose tracking server was restarting sat silent (issue 48)."""
+        try:
+            for line in self.proc.stderr:
+                self._stderr.write(line)
+                if surfaced(line):
+                    self.said.append(line.strip())
+                    print(line.rstrip(), file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+
+    def _drain_stderr(self) -> None:
+        self._err_reader.join(timeout=10)
 
     def _send(self, msg: dict) -> None:
         try:
@@ -169,6 +195,7 @@ class Sidecar:
             self.proc.wait(timeout=reply_timeout_s())
         except subprocess.TimeoutExpired:
             return "background process closed its replies but did not exit; stopped it"
+        self._drain_stderr()
         self._stderr.seek(0)
         tail = self._stderr.read().strip().splitlines()
         return tail[-1] if tail else f"background process exited with code {self.proc.returncode}"
@@ -242,6 +269,7 @@ class Sidecar:
             self.proc.wait(timeout=reply_timeout_s())
         except subprocess.TimeoutExpired:
             self._kill()
+        self._drain_stderr()
         self._stderr.close()
 
 
@@ -340,7 +368,7 @@ def _serve(mlflow: bool, render: str | None) -> None:
                 from testbed.tracking.tracker import Tracker
 
                 tracker = Tracker(None, msg["experiment"], uri=msg["uri"],
-                                  artifact_location=msg["artifact_location"])
+                                  artifact_location=msg["artifact_location"], journal=msg.get("journal"))
                 run_id = tracker.start_flat(msg["params"], msg["run_name"], msg["tags"])
                 reply: dict = {"ok": True, "run_id": run_id, "experiment_id": tracker.experiment_id}
             elif msg["op"] == "plots":

@@ -418,14 +418,16 @@ class Tracker:
     (MLflow's active run is thread-local since mlflow PR 13456), so nested runs work from any worker."""
 
     def __init__(self, output: OutputSettings | None = None, experiment: str | None = None, *,
-                 uri: str | None = None, artifact_location: str | None = None) -> None:
+                 uri: str | None = None, artifact_location: str | None = None, journal: str | None = None) -> None:
         """`output`: the run's `output.*` (tracking URI, experiment, artifact folder); None with
-        `uri` given."""
+        `uri` given. `journal`: the folder whose unwritten run ends this store is owed
+        (cluster/unwritten.py; by default `output.dir`)."""
         import mlflow
         from mlflow.tracking import MlflowClient
 
         from testbed.cluster.postgres import check_driver
 
+        folder = journal or (getattr(output, "dir", None) if output else None)  # its journal of unwritten ends
         output = output or OutputSettings()
         self.uri = uri or tracking_uri(output)
         check_driver(self.uri, "output.tracking_uri")
@@ -457,6 +459,10 @@ class Tracker:
             self.view = ALL_RUNS
             if exp is None or TAG_PREFIX + ALL_RUNS not in (exp.tags or {}):
                 self.client.set_experiment_tag(self.experiment_id, *headline_view(HEADLINE_METRICS).tag())
+        from testbed.cluster.unwritten import end_runs
+
+        for line in end_runs(folder, self):  # what a command of this folder could not end when it gave up
+            print(f"note: {line}", file=sys.stderr, flush=True)
 
     def save_view(self, view: View) -> None:
         """Write `view` on the experiment; `link` opens it from now on."""
