@@ -55,21 +55,45 @@ STORE_CHECK_S = 5.0
 STORE_PROBE_S = 3.0
 
 
-def store_answers(uri: str, timeout_s: float = STORE_PROBE_S) -> bool:
-    """Whether the tracking store at `uri` answers at all (any HTTP status counts); stores other
-    than HTTP servers are not probed (True)."""
+def store_state(uri: str, timeout_s: float = STORE_PROBE_S) -> str:
+    """"answers" (any HTTP status counts; stores other than HTTP servers are not probed),
+    "refused" (nothing listens: a server restarting) or "silent" (no answer in `timeout_s`: a
+    stopped or hung server)."""
     if not uri.startswith(("http://", "https://")):
-        return True
+        return "answers"
+    import socket
     import urllib.error
     import urllib.request
 
     try:
         urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
     except urllib.error.HTTPError:
-        return True
+        return "answers"
+    except urllib.error.URLError as exc:
+        return "silent" if isinstance(exc.reason, (socket.timeout, TimeoutError)) else "refused"
+    except (socket.timeout, TimeoutError):
+        return "silent"
     except (OSError, ValueError):
-        return False
-    return True
+        return "refused"
+    return "answers"
+
+
+def store_answers(uri: str, timeout_s: float = STORE_PROBE_S) -> bool:
+    """Whether the tracking store at `uri` answers at all (`store_state`)."""
+    return store_state(uri, timeout_s) == "answers"
+
+
+def _restart_wait_s() -> float:
+    """How long a tracking server that refuses connections is waited for: as long as the
+    background process itself waits for it (its reconnect window), plus two checks. Before, two
+    refused checks (~10 s) ended the wait, so a 10 s `mlflow server` restart, which the
+    background process rides out, left the run RUNNING (issue 48 service probes)."""
+    from testbed.cluster.reconnect import window_s
+
+    try:
+        return window_s() + 2 * STORE_CHECK_S
+    except Exception:  # noqa: BLE001 - a bad TESTBED_RECONNECT_S is refused elsewhere
+        return 2 * STORE_CHECK_S
 
 
 def surfaced(line: str) -> bool:
@@ -174,7 +198,7 @@ class Sidecar:
         timeout = reply_timeout_s()
         deadline = time.monotonic() + timeout
         uri = (self.start_msg or {}).get("uri") or ""
-        silent = 0
+        silent, refused_since = 0, None
         while True:
             try:
                 line = self._lines.get(timeout=max(0.0, min(STORE_CHECK_S, deadline - time.monotonic())))
@@ -183,12 +207,27 @@ class Sidecar:
                 pass
             if time.monotonic() >= deadline:
                 return None, f"background process did not answer within {timeout:g} s; stopped it"
-            silent = silent + 1 if not store_answers(uri) else 0
-            if silent >= 2:
+            state = store_state(uri)
+            silent = silent + 1 if state == "silent" else 0
+            refused_since = (refused_since or time.monotonic()) if state == "refused" else None
+            if silent >= 2 or (refused_since is not None and time.monotonic() - refused_since > _restart_wait_s()):
                 from testbed.config.redact import redact
 
                 self.store_down = True
                 return None, f"the tracking store {redact(uri)} stopped answering; stopped the background process"
+
+    def _journal_end(self, run_dir: str | None) -> None:
+        """The run's end could not reach the store: journaled in the run's output folder, so that
+        its next command reaching the store ends it FAILED (cluster/unwritten.py) rather than
+        leaving it RUNNING for good; its results are in the run folder."""
+        folder = (self.start_msg or {}).get("journal")
+        if not folder or not self.run_id:
+            return
+        from testbed.cluster import unwritten
+
+        unwritten.record(folder, unwritten.run_end(self.start_msg["uri"], self.run_id,
+                                                   f"the tracking store was away when the run ended ({self.lost}); "
+                                                   f"its results are in {run_dir}", "FAILED"))
 
     def _exit_reason(self) -> str:
         try:
@@ -245,12 +284,14 @@ class Sidecar:
         if self.start_msg is None:  # no run was asked for: nothing to record
             return [f"MLflow logging failed: {self.lost}"]
         if self.store_down:  # nowhere to record it now: trying again here would wait as long
+            self._journal_end(run_dir)
             return [f"MLflow run not recorded: {self.lost}"]
         from testbed.tracking.tracker import record_run_end
 
         try:
             self.run_id, self.experiment_id = record_run_end(self.start_msg, self.run_id, run_dir, metrics, tags, status)
         except Exception as exc:  # noqa: BLE001 - one line for the user, never a traceback
+            self._journal_end(run_dir)
             return [f"MLflow run not recorded: {self.lost}; recording it here failed too: "
                     f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"]
         self.warnings.append(f"MLflow: {self.lost}; the run was recorded from the main process")
@@ -342,6 +383,17 @@ def _answer(replies, reply: dict) -> bool:
     return True
 
 
+def _owe(start: dict, run_id: str, reason: str, status: str, exc: BaseException) -> None:
+    """A run whose end its store did not take because the store stayed away (ServiceLost):
+    journaled in the run's output folder for its next command (cluster/unwritten.py)."""
+    from testbed.cluster.reconnect import ServiceLost
+
+    if isinstance(exc, ServiceLost) and start.get("journal"):
+        from testbed.cluster import unwritten
+
+        unwritten.record(start["journal"], unwritten.run_end(start["uri"], run_id, reason, status))
+
+
 def _serve(mlflow: bool, render: str | None) -> None:
     t0 = time.monotonic()
     replies = _reply_channel()
@@ -358,6 +410,7 @@ def _serve(mlflow: bool, render: str | None) -> None:
         from testbed.tracking.tracker import Tracker  # noqa: F401
     tracker = run_id = None
     finished = False
+    start: dict = {}
     for line in sys.stdin:
         try:
             msg = json.loads(line)
@@ -367,6 +420,7 @@ def _serve(mlflow: bool, render: str | None) -> None:
             if msg["op"] == "start":
                 from testbed.tracking.tracker import Tracker
 
+                start = msg
                 tracker = Tracker(None, msg["experiment"], uri=msg["uri"],
                                   artifact_location=msg["artifact_location"], journal=msg.get("journal"))
                 run_id = tracker.start_flat(msg["params"], msg["run_name"], msg["tags"])
@@ -382,8 +436,13 @@ def _serve(mlflow: bool, render: str | None) -> None:
                     from testbed.tracking.tracker import small_artifacts
 
                     run_dir = Path(msg["run_dir"]) if msg.get("run_dir") else None
-                    tracker.finish_flat(run_id, msg["metrics"], msg["tags"], small_artifacts(run_dir),
-                                        msg["status"])
+                    try:
+                        tracker.finish_flat(run_id, msg["metrics"], msg["tags"], small_artifacts(run_dir),
+                                            msg["status"])
+                    except Exception as exc:
+                        _owe(start, run_id, f"the tracking store was away when the run ended ({exc}); its results "
+                                            f"are in {run_dir}", "FAILED", exc)
+                        raise
                 reply = {"ok": True}
             else:
                 reply = {"ok": False, "error": f"unknown op {msg.get('op')!r}"}
@@ -393,7 +452,10 @@ def _serve(mlflow: bool, render: str | None) -> None:
         if not _answer(replies, reply):
             break  # the caller is gone: its run ends here, below
     if tracker is not None and run_id is not None and not finished:
-        tracker.fail(run_id, "testbed run ended without finishing (killed)", status="KILLED")
+        try:
+            tracker.fail(run_id, "testbed run ended without finishing (killed)", status="KILLED")
+        except Exception as exc:  # noqa: BLE001 - its store is away: the folder's next command ends it
+            _owe(start, run_id, "testbed run ended without finishing (killed)", "KILLED", exc)
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown: MLflow's exit hooks took ~4 s on a loaded machine
 
