@@ -37,9 +37,10 @@ BASE = ["policy=sarathi", "workload=synthetic", "workload.arrival=offline", "mod
         "parallel.pp=2", "output.plots=false", "output.progress=false", "output.dir=runs"]
 COMMANDS = {  # each long enough (seconds of simulation) for a fault to land inside it
     "run": ["run", *BASE, "workload.num_requests=15000"],
-    "compare": ["compare", *BASE, "policy=sarathi,gllm", "workload.num_requests=3000"],
+    "compare": ["compare", *BASE[1:], "policy=sarathi,gllm", "workload.num_requests=3000"],
     "tune": ["tune", *BASE, "tune.trials=4", "workload.num_requests=3000"],
-    "capacity": ["capacity", *BASE, "capacity.windows=1", "capacity.window_requests=1000", "capacity.precision=0.2"],
+    "capacity": ["capacity", *[b for b in BASE if not b.startswith("workload.arrival")], "capacity.windows=1",
+                 "capacity.window_requests=3000", "capacity.precision=0.1"],
 }
 LIMIT_S = 420
 DOWN_S = 10
@@ -106,7 +107,9 @@ def _lost(command: str, folder: Path, uri: str, storage: str | None) -> str:
             ids = [e.experiment_id for e in client.search_experiments()]
             finished = {r.info.run_id for r in client.search_runs(ids, "attributes.status = 'FINISHED'",
                                                                    max_results=1000)}
-            study = optuna.load_study(study_name="probe", storage=storage)
+            from testbed.tune.storage import make_storage
+
+            study = optuna.load_study(study_name="probe", storage=make_storage(storage))
             lost = [t.number for t in study.trials if t.state.name != "COMPLETE"
                     and t.user_attrs.get("mlflow_run_id") in finished]
             return "YES" if lost else "no"
@@ -165,7 +168,15 @@ def _after(p: Probe, folder: Path, env: dict, before: set) -> int:
     argv = ["run", *BASE, "workload.num_requests=20", *[a for a in p.argv if a.startswith("output.tracking_uri=")]]
     subprocess.run([sys.executable, "-m", "testbed.cli", *argv], cwd=folder, env=env, capture_output=True,
                    timeout=LIMIT_S)
-    return len(set(_running(p.store)) - before)
+    left = set(_running(p.store)) - before
+    if left:  # which ones, for the report
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(p.store)
+        for run_id in left:
+            run = client.get_run(run_id)
+            print(f"    still RUNNING: {run.info.run_name} ({run.data.tags.get('testbed.kind', '?')}) {run_id}")
+    return len(left)
 
 
 def mlflow_probes(tmp: Path) -> tuple[list[Probe], Callable[[], None]]:
@@ -260,6 +271,7 @@ def main() -> int:
     ap.add_argument("--only", choices=("mlflow", "ray", "postgres"), action="append")
     ap.add_argument("--command", choices=tuple(COMMANDS), action="append", help="only these commands")
     ap.add_argument("--out", help="append the table (markdown) here too")
+    ap.add_argument("--logs", help="write each probe's stdout/stderr into this folder")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="svcprobes48-"))
     env = {**os.environ, "PYTHONPATH": str(REPO), "TESTBED_ALLOW_DOWNLOAD": "0"}
@@ -273,6 +285,9 @@ def main() -> int:
                 if args.command and p.command not in args.command:
                     continue
                 folder, storage, code, err, wall, hit, before = run_probe(p, tmp, env)
+                if args.logs:
+                    Path(args.logs).mkdir(parents=True, exist_ok=True)
+                    Path(args.logs, folder.name + ".err").write_text(err)
                 back()
                 store = p.store if p.store != "sqlite" else f"sqlite:///{folder / 'runs' / 'mlflow.db'}"
                 p.store = store
@@ -280,7 +295,9 @@ def main() -> int:
                 after = _after(p, folder, env, before) if left else 0
                 line = next((ln for ln in err.splitlines() if ln.startswith(("error:", "warning:"))), "")
                 rows.append((p.service, p.fault, p.command, classify(code, err), "yes" if hit else "NOT HIT",
-                             str(left), str(after), _lost(p.command, folder, store, storage), f"{wall:.0f}",
+                             str(left), str(after),
+                             "n/a" if code == 2 else _lost(p.command, folder, store, storage),  # refused before work
+                             f"{wall:.0f}",
                              str(err.count("error:")), line[:100].replace("|", "/")))
                 print(" | ".join(rows[-1]), flush=True)
                 for said in err.splitlines():  # the whole story of each probe, for the report

@@ -124,11 +124,21 @@ def _unavailable(exc: BaseException) -> bool:
 
 
 def server_service(uri: str) -> Any:
-    """The tracking server at `uri` as a reconnecting service (None for a database store)."""
+    """The tracking server at `uri` as a reconnecting service; a server database (PostgreSQL,
+    MySQL) too: a 10 s restart of a PostgreSQL MLflow store failed `testbed run` ("MLflow logging
+    failed: ... the database system is shutting down") and crashed `tune` with a traceback (issue 48
+    service probes). None for SQLite and files."""
+    from testbed.cluster.reconnect import Service, connection_lost, window_s
+    from testbed.config.redact import redact
+
+    if uri.split(":", 1)[0].split("+", 1)[0].lower() in ("postgresql", "mysql", "mssql"):
+        window_s()
+        import logging  # MLflow logs each failed call's traceback; the waiting line says it once
+
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+        return Service(f"output.tracking_uri={redact(uri)}", connection_lost)
     if not uri.startswith(("http://", "https://")):
         return None
-    from testbed.cluster.reconnect import Service, window_s
-    from testbed.config.redact import redact
 
     window_s()  # a bad TESTBED_RECONNECT_S is refused now, not at the first outage
     for key, value in HTTP_DEFAULTS.items():  # a user's own setting wins
@@ -488,8 +498,12 @@ class Tracker:
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
         run_id = run.info.run_id
         plist = [Param(k, _param_value(v)) for k, v in sorted(params.items())]
-        for i in range(0, len(plist), 100):
-            self.client.log_batch(run_id, params=plist[i:i + 100])
+        try:
+            for i in range(0, len(plist), 100):
+                self.client.log_batch(run_id, params=plist[i:i + 100])
+        except Exception as exc:  # the caller ends (or journals) the run it could not be told of
+            exc.opened_run_id = run_id  # type: ignore[attr-defined]
+            raise
         return run_id
 
     def finish(self, run_id: str, result, run_dir: Path | None, steps: bool = True,

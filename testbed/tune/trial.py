@@ -108,7 +108,7 @@ class TrialRunner:
             self._interrupted(study, trial, run_id)
             raise
         except ServiceLost as exc:
-            self._lost(study, trial, run_id or self.opened, exc)
+            self._lost(study, trial, run_id or self.opened or getattr(exc, "opened_run_id", None), exc)
             raise
 
     def _start(self, trial: Any, event: dict) -> tuple[RunSpec, str | None]:
