@@ -47,6 +47,7 @@ from engine.base.errors import ConfigError
 from testbed import signals
 from testbed.sweep import jobs as sweep
 from testbed.cluster.ray_backend import split_backend
+from testbed.cluster.reconnect import ServiceLost
 from testbed.sweep.ray_points import ray_pool
 from testbed.config.spec import compose_spec
 from testbed.config.overrides import MAX_WORKERS, as_int, check_keys, explicit_keys, split_list, split_prefixed
@@ -248,8 +249,12 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
         parent.end_failed(exc)
         raise
     wall = time.perf_counter() - t0
-    df = _write(p, rows, wall, parent, plots=True)
-    parent.end("FINISHED")
+    try:
+        df = _write(p, rows, wall, parent, plots=True)
+        parent.end("FINISHED")
+    except ServiceLost as exc:  # the tracking store stayed away: the table is written, the run's end journaled
+        parent.owe(exc)
+        raise
     if console is not None:
         print_table(console, df, p.axes, f"{p.name} ({len(df)} runs, {wall:.1f} s)")
         warn_overloaded(console, df, p.axes)
