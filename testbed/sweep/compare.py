@@ -229,6 +229,14 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
     parent = sweep.ParentRun(p.specs[0].output, p.name, p.name, {
         "testbed.kind": "compare", "testbed.axes": json.dumps(p.axes),
         "compare.overrides": " ".join(p.overrides)[:5000], "compare.points": str(len(p.points))})
+    try:
+        return _run_grid(p, parent, console)
+    except ServiceLost as exc:  # the tracking store stayed away: what was done is written, the run's end journaled
+        parent.owe(exc)
+        raise
+
+
+def _run_grid(p: Plan, parent: sweep.ParentRun, console: Any) -> tuple[Path, pd.DataFrame]:
     jobs = make_jobs(p, parent.run_id)
     p.out_dir.mkdir(parents=True, exist_ok=True)
     (p.out_dir / "compare.json").write_text(json.dumps(_summary(p, [], 0.0), indent=2) + "\n")
@@ -249,12 +257,8 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
         parent.end_failed(exc)
         raise
     wall = time.perf_counter() - t0
-    try:
-        df = _write(p, rows, wall, parent, plots=True)
-        parent.end("FINISHED")
-    except ServiceLost as exc:  # the tracking store stayed away: the table is written, the run's end journaled
-        parent.owe(exc)
-        raise
+    df = _write(p, rows, wall, parent, plots=True)
+    parent.end("FINISHED")
     if console is not None:
         print_table(console, df, p.axes, f"{p.name} ({len(df)} runs, {wall:.1f} s)")
         warn_overloaded(console, df, p.axes)

@@ -116,10 +116,10 @@ def _run_tune(overrides: Sequence[str], console: Any, where: dict | None = None)
         stale = owed + reclaim(study, storage, tracker, problem)  # first: an interrupted baseline is enqueued again
         enqueue_baseline(problem, study)
         problem = dataclasses.replace(problem, parent_run_id=study_run(problem, study, tracker))
+    try:  # from here on the study run is open: a service lost ends (or journals) it
         if tracker is not None:  # the link shows every trial (views.study_view)
             s = problem.settings
             tracker.save_view(study_view(problem.study, s.objectives[0], s.directions[0] == "maximize"))
-    try:
         return _study_session(problem, study, storage, tracker, console, backend, stale)
     except ServiceLost as exc:  # the database or the tracking server stayed away: one error line, exit 1
         abandon(problem, study, tracker, exc)
