@@ -383,6 +383,24 @@ def _answer(replies, reply: dict) -> bool:
     return True
 
 
+def _open_tracker(msg: dict):
+    """The run's tracker. `testbed run` checked the store before it started this process, so a
+    store that refuses now is restarting: waited for like any call (cluster/reconnect.py). Before,
+    a tracking server or PostgreSQL store restarted in the run's first seconds (while this process
+    still imported MLflow) was "MLflow run not recorded: ... not reachable", exit 1 (issue 48)."""
+    from engine.base.errors import ConfigError
+    from testbed.cluster import reconnect
+    from testbed.config.redact import redact
+    from testbed.tracking.tracker import Tracker
+
+    def away(exc: BaseException) -> bool:
+        return isinstance(exc, ConfigError) and ("not reachable" in str(exc) or "cannot reach" in str(exc))
+
+    service = reconnect.Service(f"output.tracking_uri={redact(msg['uri'])}", away)
+    return reconnect.call(service, Tracker, None, msg["experiment"], uri=msg["uri"],
+                          artifact_location=msg["artifact_location"], journal=msg.get("journal"))
+
+
 def _owe(start: dict, run_id: str, reason: str, status: str, exc: BaseException) -> None:
     """A run whose end its store did not take because the store stayed away (ServiceLost):
     journaled in the run's output folder for its next command (cluster/unwritten.py)."""
@@ -421,8 +439,7 @@ def _serve(mlflow: bool, render: str | None) -> None:
                 from testbed.tracking.tracker import Tracker
 
                 start = msg
-                tracker = Tracker(None, msg["experiment"], uri=msg["uri"],
-                                  artifact_location=msg["artifact_location"], journal=msg.get("journal"))
+                tracker = _open_tracker(msg)
                 run_id = tracker.start_flat(msg["params"], msg["run_name"], msg["tags"])
                 reply: dict = {"ok": True, "run_id": run_id, "experiment_id": tracker.experiment_id}
             elif msg["op"] == "plots":
