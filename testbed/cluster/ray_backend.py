@@ -103,14 +103,10 @@ def connected(settings: SweepBackend) -> Iterator[Any]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"cannot reach a Ray cluster at ray.address={settings.address!r}: {first}; start one "
                           f"with `ray start --head` (then ray.address=auto) or name HOST:PORT") from None
-    from testbed.cluster.ray_watch import watched
-
-    with watched(ray.get_runtime_context().gcs_address, settings.address) as head:
-        try:
-            yield ray
-        finally:
-            if not head["lost"]:  # a shutdown waits on a head that is gone (until Ray ends the process)
-                ray.shutdown()
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
 
 
 def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
