@@ -61,6 +61,8 @@ class Probe:
 
 def _running(uri: str) -> list[str]:
     """Ids of the RUNNING runs in every experiment of the store at `uri` ([] if unreachable)."""
+    if not uri:  # MlflowClient("") would open (and create) ./mlflow.db
+        return []
     try:
         from mlflow.tracking import MlflowClient
 
@@ -98,7 +100,7 @@ def _lost(command: str, folder: Path, uri: str, storage: str | None) -> str:
         return "no" if any(runs.glob("*/summary.json")) else "YES"
     if command == "compare":
         return "no" if any(runs.rglob("summary.json")) else "YES"
-    if command == "tune" and storage:
+    if command == "tune" and storage and uri:
         try:
             import optuna
             from mlflow.tracking import MlflowClient
