@@ -230,6 +230,7 @@ class Host:
 
     def __init__(self, workdir: Path, host: str, *args: str) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir, self.name = workdir, host
         env = {**os.environ, "PYTHONPATH": str(REPO), "TESTBED_HOST": host}
         env.pop("TESTBED_WORKER_SESSION", None)
         self.isolated = bool(own_pid_namespace())

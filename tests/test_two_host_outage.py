@@ -17,7 +17,7 @@ import pytest
 
 from services import PASSWORD, Host
 from test_service_outages import pg_mlflow_server  # noqa: F401 - the recipe's `mlflow server`, its store on the PostgreSQL
-from test_services import _runs, _study_ended_clean, _tune, _wait_running
+from test_services import BASE, _runs, _study_ended_clean, _tune, _wait_running
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]  # ~2-4 min: two studies, a restart, an outage
 
@@ -56,12 +56,22 @@ def test_a_10s_postgres_restart_is_ridden_out_on_both_hosts(postgres, pg_mlflow_
     assert all(PASSWORD not in h.output for h in hosts)
 
 
+def _journaled(hosts: list[Host], kind: str) -> set:
+    """What the hosts journaled as unwritten ends of `kind` (testbed/cluster/unwritten.py)."""
+    from testbed.cluster import unwritten
+
+    ends = [e for h in hosts for e in unwritten.read(h.workdir / "runs" / unwritten.FILE) if e.kind == kind]
+    return {e.trial_id if kind == "trial" else e.run_id for e in ends}
+
+
 def test_postgres_gone_for_good_ends_both_hosts_with_one_line_and_loses_nothing(postgres, pg_mlflow_server, tmp_path,
                                                                                  monkeypatch):
     """Gone for good = longer than the hosts' reconnect window (5 s here, 120 s by default).
-    While the database is away nothing can be written; what the hosts could not end is ended by
-    the next command on the database (here a third host), which must complete every trial whose
-    run recorded its results rather than run it again."""
+    While the database is away nothing can be written: each host journals in its folder what it
+    could not end, and that folder's next command that reaches the store ends it. Here a
+    `testbed run` on each host ends the runs (before: 2 runs RUNNING until another host's `tune`),
+    then each host's `tune` ends its trial and completes the study, from a trial's recorded results
+    rather than by running it again."""
     import optuna
 
     monkeypatch.setenv("TESTBED_RECONNECT_S", "5")
@@ -76,21 +86,30 @@ def test_postgres_gone_for_good_ends_both_hosts_with_one_line_and_loses_nothing(
     away.join()
     trials = optuna.load_study(study_name=name, storage=storage).trials
     runs = _runs(pg_mlflow_server.base, f"tune-{name}")
-    left = {"trials_running_after": sum(t.state.name == "RUNNING" for t in trials),
-            "runs_running_after": sum(r.info.status == "RUNNING" for r in runs)}
+    running = {"trials": {t._trial_id for t in trials if t.state.name == "RUNNING"},
+               "runs": {r.info.run_id for r in runs if r.info.status == "RUNNING"}}
+    journaled = {k: _journaled(hosts, k) for k in ("trial", "run")}
+    left = {"trials_running_after": len(running["trials"]), "runs_running_after": len(running["runs"]),
+            "journaled": {k: len(v) for k, v in journaled.items()}}
     monkeypatch.delenv("TESTBED_RECONNECT_S")
+    for h in hosts:  # any command of the host's folder that reaches the store: here a tiny `testbed run`
+        Host(h.workdir, h.name, "run", *BASE, f"output.tracking_uri={pg_mlflow_server.base}",
+             "output.dir=runs").wait()
+    runs_after_run = [r.info.run_id for r in _runs(pg_mlflow_server.base, f"tune-{name}") if r.info.status == "RUNNING"]
     time.sleep(3)  # past the grace period of the stranded trials' last heartbeats
-    third = Host(tmp_path / "c", "lab-c", *_tune(storage, pg_mlflow_server.base, name, f"tune.trials={TRIALS}",
-                                                 REQUESTS, *extra))
-    third_code = third.wait()
+    again_codes = [Host(h.workdir, h.name, *_tune(storage, pg_mlflow_server.base, name, f"tune.trials={TRIALS}",
+                                                  REQUESTS, *extra)).wait() for h in hosts]  # one after the other
     trials = optuna.load_study(study_name=name, storage=storage).trials
     finished = {r.info.run_id for r in _runs(pg_mlflow_server.base, f"tune-{name}") if r.info.status == "FINISHED"
                 and r.data.tags.get("testbed.kind") == "trial"}
     lost = [t.number for t in trials if t.state.name == "FAIL" and t.user_attrs.get("mlflow_run_id") in finished]
-    fig = _figures("gone for good", hosts, codes, t0, **left, third_exit=third_code, lost_results=lost,
-                   trials=len(trials), reclaimed=third.output.count("reclaimed"))
+    fig = _figures("gone for good", hosts, codes, t0, **left, runs_running_after_a_run=len(runs_after_run),
+                   again_exits=again_codes, lost_results=lost, trials=len(trials),
+                   journals_left=sum(len(_journaled(hosts, k)) for k in ("trial", "run")))
     assert codes == [1, 1], [h.output[-3000:] for h in hosts]
     assert fig["error_lines"] == [1, 1] and fig["tracebacks"] == [0, 0], [h.output[-3000:] for h in hosts]
-    assert third_code == 0, third.output[-3000:]
+    assert running["trials"] <= journaled["trial"] and running["runs"] <= journaled["run"], fig  # all owed is kept
+    assert runs_after_run == [], fig  # before: the study run and a trial run RUNNING until another `tune`
+    assert again_codes == [0, 0], fig
     _study_ended_clean(storage, name, pg_mlflow_server.base, TRIALS)
-    assert lost == []
+    assert lost == [] and fig["journals_left"] == 0, fig

@@ -504,13 +504,16 @@ def run_capacity(overrides: Sequence[str], console: Any = None, live: Any = None
         **({"capacity.base_url": live.base_url} if live is not None else {})}, view=CAPACITY)
     try:
         df, ranking, wall = run_searches(p, parent, console)
+        parent.end("FINISHED")
     except KeyboardInterrupt as exc:
         parent.end("KILLED")
         if console is not None:
             console.print(f"{signals.interrupted_message(exc)}: the probes done so far are in {p.out_dir}",
                           highlight=False, markup=False)
         raise
-    parent.end("FINISHED")
+    except sweep.ServiceLost as exc:  # the tracking store stayed away: the run's end is journaled (cluster/unwritten.py)
+        parent.owe(exc)
+        raise
     if console is not None:
         results.show(console, p, df, ranking, wall)
     return p.out_dir, df

@@ -141,3 +141,12 @@ def chain(exc: BaseException) -> list[BaseException]:
 def caused_by(exc: BaseException, types: tuple[type, ...]) -> bool:
     """Whether `exc` or any exception in its cause/context chain is one of `types`."""
     return any(isinstance(e, types) for e in chain(exc))
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether a database error means the database could not be reached (refused, closed by a
+    restart), which is worth waiting for, rather than a wrong request."""
+    from sqlalchemy import exc as sa_exc
+
+    return any(isinstance(e, (sa_exc.OperationalError, sa_exc.InterfaceError))
+               or getattr(e, "connection_invalidated", False) for e in chain(exc))

@@ -65,6 +65,7 @@ def _run(overrides: Sequence[str], console, t_start: float, bg: Background) -> i
             from testbed.tracking.tracker import run_tags
 
             bg.tracker.start(uri=uri, experiment=out.experiment, artifact_location=artifact_root(out),
+                             journal=str(base),
                              run_name=display_name(spec, overrides),
                              tags={**run_tags(spec, source_name(overrides)),
                                    "testbed.run_dir": str(run_dir.resolve())},
@@ -115,6 +116,8 @@ def _finish(console, result: RunResult, run_dir: Path, out: OutputSettings, bg: 
         if result.error or unwritten:
             tags["error"] = (unwritten or result.error)[:5000]
         errors += bg.tracker.finish(run_dir=str(run_dir), metrics=run_metrics(result), tags=tags, status=status)
+        if bg.tracker.said and unwritten is None:  # shown on the console as they came; kept with the run
+            update_run_info(run_dir, tracking_notes=bg.tracker.said)
     for e in errors if not unwritten else ():  # a full disk fails these too: its one line says it
         console.print(f"[red]error:[/red] {escape(e)}")
     for w in (bg.tracker.warnings if bg.tracker is not None else []):

@@ -47,6 +47,7 @@ from engine.base.errors import ConfigError
 from testbed import signals
 from testbed.sweep import jobs as sweep
 from testbed.cluster.ray_backend import split_backend
+from testbed.cluster.reconnect import ServiceLost
 from testbed.sweep.ray_points import ray_pool
 from testbed.config.spec import compose_spec
 from testbed.config.overrides import MAX_WORKERS, as_int, check_keys, explicit_keys, split_list, split_prefixed
@@ -228,6 +229,14 @@ def run_compare(overrides: Sequence[str], console: Any = None, confirmed: bool =
     parent = sweep.ParentRun(p.specs[0].output, p.name, p.name, {
         "testbed.kind": "compare", "testbed.axes": json.dumps(p.axes),
         "compare.overrides": " ".join(p.overrides)[:5000], "compare.points": str(len(p.points))})
+    try:
+        return _run_grid(p, parent, console)
+    except ServiceLost as exc:  # the tracking store stayed away: what was done is written, the run's end journaled
+        parent.owe(exc)
+        raise
+
+
+def _run_grid(p: Plan, parent: sweep.ParentRun, console: Any) -> tuple[Path, pd.DataFrame]:
     jobs = make_jobs(p, parent.run_id)
     p.out_dir.mkdir(parents=True, exist_ok=True)
     (p.out_dir / "compare.json").write_text(json.dumps(_summary(p, [], 0.0), indent=2) + "\n")

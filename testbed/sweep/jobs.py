@@ -207,10 +207,21 @@ def run_point(job: Job) -> dict:
                            "run_id": None, "run_dir": None}
     try:
         _run_point(job, row)
-    except ServiceLost as exc:  # its run, if opened, stays RUNNING on the server that is gone
+    except ServiceLost as exc:  # its run, if opened, is journaled for the folder's next command
         row["status"], row["error"] = "failed", str(exc)
+        owe(job.spec.output, row["run_id"] or getattr(exc, "opened_run_id", None), str(exc))
     row["wall_s"], row["cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
     return row
+
+
+def owe(output: OutputSettings, run_id: str | None, reason: str, status: str = "FAILED") -> None:
+    """A run whose store stayed away past the reconnect window: its end is journaled in the
+    output folder and written by that folder's next command reaching the store
+    (cluster/unwritten.py). Before, it stayed RUNNING until a later sweep reclaimed it."""
+    if run_id:
+        from testbed.cluster import unwritten
+
+        unwritten.record(output.dir, unwritten.run_end(tracking_uri(output), run_id, reason, status))
 
 
 def _run_point(job: Job, row: dict) -> None:
@@ -284,6 +295,7 @@ class ParentRun:
                  view: Any = None) -> None:
         """`view`: the saved MLflow view (testbed/tracking/views.py) the printed link opens."""
         self.tracker = self.run_id = None
+        self.folder = output.dir  # its journal of unwritten ends (cluster/unwritten.py)
         if output.mlflow:
             self.tracker = _tracker(output, experiment)
             if view is not None:
@@ -371,7 +383,14 @@ class ParentRun:
             self.tracker.client.set_tag(self.run_id, "error", f"{type(exc).__name__}: {exc}"[:5000])
             self.end("FAILED")
         except Exception:  # noqa: BLE001 - the sweep's own error is the one to report
-            pass
+            self.owe(exc)
+
+    def owe(self, exc: BaseException) -> None:
+        """The store is away: this run's end is journaled for the folder's next command."""
+        if self.tracker is not None:
+            from testbed.cluster import unwritten
+
+            unwritten.record(self.folder, unwritten.run_end(self.tracker.uri, self.run_id, f"{exc}", "FAILED"))
 
     def end_interrupted(self, exc: BaseException, console: Any, done: str, out_dir: Path) -> None:
         """End KILLED after an interrupt and say where the partial results are (`done`: what

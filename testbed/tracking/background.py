@@ -12,7 +12,7 @@ The replies go to the process's original stdout, which it moves to a private des
 thing; its fd 1 then points at stderr, so nothing MLflow or a library prints ("View run ...")
 can reach the reply channel (it did, and `testbed run` died on a JSONDecodeError):
 
-    {"op": "start", "uri", "experiment", "artifact_location", "run_name", "tags", "params"}
+    {"op": "start", "uri", "experiment", "artifact_location", "run_name", "tags", "params", "journal"}
         -> {"ok": true, "run_id": ..., "experiment_id": ...} | {"ok": false, "error": ...}
     {"op": "plots", "run_dir", "plots": {...}}   (testbed/run/outputs.plot_data; drawn by the renderer
         the caller named, `--render module:function`: testbed/run/plots.render_plots)
@@ -55,21 +55,51 @@ STORE_CHECK_S = 5.0
 STORE_PROBE_S = 3.0
 
 
-def store_answers(uri: str, timeout_s: float = STORE_PROBE_S) -> bool:
-    """Whether the tracking store at `uri` answers at all (any HTTP status counts); stores other
-    than HTTP servers are not probed (True)."""
+def store_state(uri: str, timeout_s: float = STORE_PROBE_S) -> str:
+    """"answers" (any HTTP status counts; stores other than HTTP servers are not probed),
+    "refused" (nothing listens: a server restarting) or "silent" (no answer in `timeout_s`: a
+    stopped or hung server)."""
     if not uri.startswith(("http://", "https://")):
-        return True
+        return "answers"
+    import socket
     import urllib.error
     import urllib.request
 
     try:
         urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
     except urllib.error.HTTPError:
-        return True
+        return "answers"
+    except urllib.error.URLError as exc:
+        return "silent" if isinstance(exc.reason, (socket.timeout, TimeoutError)) else "refused"
+    except (socket.timeout, TimeoutError):
+        return "silent"
     except (OSError, ValueError):
-        return False
-    return True
+        return "refused"
+    return "answers"
+
+
+def store_answers(uri: str, timeout_s: float = STORE_PROBE_S) -> bool:
+    """Whether the tracking store at `uri` answers at all (`store_state`)."""
+    return store_state(uri, timeout_s) == "answers"
+
+
+def _restart_wait_s() -> float:
+    """How long a tracking server that refuses connections is waited for: as long as the
+    background process itself waits for it (its reconnect window), plus two checks. Before, two
+    refused checks (~10 s) ended the wait, so a 10 s `mlflow server` restart, which the
+    background process rides out, left the run RUNNING (issue 48 service probes)."""
+    from testbed.cluster.reconnect import window_s
+
+    try:
+        return window_s() + 2 * STORE_CHECK_S
+    except Exception:  # noqa: BLE001 - a bad TESTBED_RECONNECT_S is refused elsewhere
+        return 2 * STORE_CHECK_S
+
+
+def surfaced(line: str) -> bool:
+    """Whether a line of the background process's stderr is meant for the user: a warning or note
+    of ours (testbed/cluster/reconnect.py, cluster/unwritten.py), or a service back again."""
+    return line.startswith(("warning:", "note:")) or " is reachable again after " in line
 
 
 def reply_timeout_s() -> float:
@@ -96,8 +126,11 @@ class Sidecar:
         flags = (["--mlflow"] if mlflow else []) + (["--render", render] if render else [])
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "testbed.tracking.background", *flags], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True)
+        self.said: list[str] = []  # its lines meant for the user (`surfaced`), shown as they came
+        self._err_reader = threading.Thread(target=self._read_stderr, name="sidecar-stderr", daemon=True)
+        self._err_reader.start()
         self._ops: list[str] = []  # requests sent, replies not read yet
         self.started = False
         self.timings: dict[str, float | None] = {}  # op -> when the sidecar was done with it (debugging)
@@ -119,6 +152,23 @@ class Sidecar:
         except (OSError, ValueError):
             pass
         self._lines.put(None)
+
+    def _read_stderr(self) -> None:
+        """Keep the process's stderr (for `_exit_reason`) and pass on at once, one line each, what
+        it says for the user: the reconnect logic's "waiting for" and "reachable again" lines and
+        the ends it wrote for a command that gave up. Before, they stayed in this private file,
+        and a `testbed run` whose tracking server was restarting sat silent (issue 48)."""
+        try:
+            for line in self.proc.stderr:
+                self._stderr.write(line)
+                if surfaced(line):
+                    self.said.append(line.strip())
+                    print(line.rstrip(), file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+
+    def _drain_stderr(self) -> None:
+        self._err_reader.join(timeout=10)
 
     def _send(self, msg: dict) -> None:
         try:
@@ -148,7 +198,7 @@ class Sidecar:
         timeout = reply_timeout_s()
         deadline = time.monotonic() + timeout
         uri = (self.start_msg or {}).get("uri") or ""
-        silent = 0
+        silent, refused_since = 0, None
         while True:
             try:
                 line = self._lines.get(timeout=max(0.0, min(STORE_CHECK_S, deadline - time.monotonic())))
@@ -157,18 +207,34 @@ class Sidecar:
                 pass
             if time.monotonic() >= deadline:
                 return None, f"background process did not answer within {timeout:g} s; stopped it"
-            silent = silent + 1 if not store_answers(uri) else 0
-            if silent >= 2:
+            state = store_state(uri)
+            silent = silent + 1 if state == "silent" else 0
+            refused_since = (refused_since or time.monotonic()) if state == "refused" else None
+            if silent >= 2 or (refused_since is not None and time.monotonic() - refused_since > _restart_wait_s()):
                 from testbed.config.redact import redact
 
                 self.store_down = True
                 return None, f"the tracking store {redact(uri)} stopped answering; stopped the background process"
+
+    def _journal_end(self, run_dir: str | None) -> None:
+        """The run's end could not reach the store: journaled in the run's output folder, so that
+        its next command reaching the store ends it FAILED (cluster/unwritten.py) rather than
+        leaving it RUNNING for good; its results are in the run folder."""
+        folder = (self.start_msg or {}).get("journal")
+        if not folder or not self.run_id:
+            return
+        from testbed.cluster import unwritten
+
+        unwritten.record(folder, unwritten.run_end(self.start_msg["uri"], self.run_id,
+                                                   f"the tracking store was away when the run ended ({self.lost}); "
+                                                   f"its results are in {run_dir}", "FAILED"))
 
     def _exit_reason(self) -> str:
         try:
             self.proc.wait(timeout=reply_timeout_s())
         except subprocess.TimeoutExpired:
             return "background process closed its replies but did not exit; stopped it"
+        self._drain_stderr()
         self._stderr.seek(0)
         tail = self._stderr.read().strip().splitlines()
         return tail[-1] if tail else f"background process exited with code {self.proc.returncode}"
@@ -218,12 +284,14 @@ class Sidecar:
         if self.start_msg is None:  # no run was asked for: nothing to record
             return [f"MLflow logging failed: {self.lost}"]
         if self.store_down:  # nowhere to record it now: trying again here would wait as long
+            self._journal_end(run_dir)
             return [f"MLflow run not recorded: {self.lost}"]
         from testbed.tracking.tracker import record_run_end
 
         try:
             self.run_id, self.experiment_id = record_run_end(self.start_msg, self.run_id, run_dir, metrics, tags, status)
         except Exception as exc:  # noqa: BLE001 - one line for the user, never a traceback
+            self._journal_end(run_dir)
             return [f"MLflow run not recorded: {self.lost}; recording it here failed too: "
                     f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"]
         self.warnings.append(f"MLflow: {self.lost}; the run was recorded from the main process")
@@ -242,6 +310,7 @@ class Sidecar:
             self.proc.wait(timeout=reply_timeout_s())
         except subprocess.TimeoutExpired:
             self._kill()
+        self._drain_stderr()
         self._stderr.close()
 
 
@@ -314,6 +383,35 @@ def _answer(replies, reply: dict) -> bool:
     return True
 
 
+def _open_tracker(msg: dict):
+    """The run's tracker. `testbed run` checked the store before it started this process, so a
+    store that refuses now is restarting: waited for like any call (cluster/reconnect.py). Before,
+    a tracking server or PostgreSQL store restarted in the run's first seconds (while this process
+    still imported MLflow) was "MLflow run not recorded: ... not reachable", exit 1 (issue 48)."""
+    from engine.base.errors import ConfigError
+    from testbed.cluster import reconnect
+    from testbed.config.redact import redact
+    from testbed.tracking.tracker import Tracker
+
+    def away(exc: BaseException) -> bool:
+        return isinstance(exc, ConfigError) and ("not reachable" in str(exc) or "cannot reach" in str(exc))
+
+    service = reconnect.Service(f"output.tracking_uri={redact(msg['uri'])}", away)
+    return reconnect.call(service, Tracker, None, msg["experiment"], uri=msg["uri"],
+                          artifact_location=msg["artifact_location"], journal=msg.get("journal"))
+
+
+def _owe(start: dict, run_id: str, reason: str, status: str, exc: BaseException) -> None:
+    """A run whose end its store did not take because the store stayed away (ServiceLost):
+    journaled in the run's output folder for its next command (cluster/unwritten.py)."""
+    from testbed.cluster.reconnect import ServiceLost
+
+    if isinstance(exc, ServiceLost) and start.get("journal"):
+        from testbed.cluster import unwritten
+
+        unwritten.record(start["journal"], unwritten.run_end(start["uri"], run_id, reason, status))
+
+
 def _serve(mlflow: bool, render: str | None) -> None:
     t0 = time.monotonic()
     replies = _reply_channel()
@@ -330,6 +428,7 @@ def _serve(mlflow: bool, render: str | None) -> None:
         from testbed.tracking.tracker import Tracker  # noqa: F401
     tracker = run_id = None
     finished = False
+    start: dict = {}
     for line in sys.stdin:
         try:
             msg = json.loads(line)
@@ -339,8 +438,8 @@ def _serve(mlflow: bool, render: str | None) -> None:
             if msg["op"] == "start":
                 from testbed.tracking.tracker import Tracker
 
-                tracker = Tracker(None, msg["experiment"], uri=msg["uri"],
-                                  artifact_location=msg["artifact_location"])
+                start = msg
+                tracker = _open_tracker(msg)
                 run_id = tracker.start_flat(msg["params"], msg["run_name"], msg["tags"])
                 reply: dict = {"ok": True, "run_id": run_id, "experiment_id": tracker.experiment_id}
             elif msg["op"] == "plots":
@@ -354,8 +453,13 @@ def _serve(mlflow: bool, render: str | None) -> None:
                     from testbed.tracking.tracker import small_artifacts
 
                     run_dir = Path(msg["run_dir"]) if msg.get("run_dir") else None
-                    tracker.finish_flat(run_id, msg["metrics"], msg["tags"], small_artifacts(run_dir),
-                                        msg["status"])
+                    try:
+                        tracker.finish_flat(run_id, msg["metrics"], msg["tags"], small_artifacts(run_dir),
+                                            msg["status"])
+                    except Exception as exc:
+                        _owe(start, run_id, f"the tracking store was away when the run ended ({exc}); its results "
+                                            f"are in {run_dir}", "FAILED", exc)
+                        raise
                 reply = {"ok": True}
             else:
                 reply = {"ok": False, "error": f"unknown op {msg.get('op')!r}"}
@@ -365,7 +469,10 @@ def _serve(mlflow: bool, render: str | None) -> None:
         if not _answer(replies, reply):
             break  # the caller is gone: its run ends here, below
     if tracker is not None and run_id is not None and not finished:
-        tracker.fail(run_id, "testbed run ended without finishing (killed)", status="KILLED")
+        try:
+            tracker.fail(run_id, "testbed run ended without finishing (killed)", status="KILLED")
+        except Exception as exc:  # noqa: BLE001 - its store is away: the folder's next command ends it
+            _owe(start, run_id, "testbed run ended without finishing (killed)", "KILLED", exc)
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown: MLflow's exit hooks took ~4 s on a loaded machine
 

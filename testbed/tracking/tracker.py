@@ -124,11 +124,21 @@ def _unavailable(exc: BaseException) -> bool:
 
 
 def server_service(uri: str) -> Any:
-    """The tracking server at `uri` as a reconnecting service (None for a database store)."""
+    """The tracking server at `uri` as a reconnecting service; a server database (PostgreSQL,
+    MySQL) too: a 10 s restart of a PostgreSQL MLflow store failed `testbed run` ("MLflow logging
+    failed: ... the database system is shutting down") and crashed `tune` with a traceback (issue 48
+    service probes). None for SQLite and files."""
+    from testbed.cluster.reconnect import Service, connection_lost, window_s
+    from testbed.config.redact import redact
+
+    if uri.split(":", 1)[0].split("+", 1)[0].lower() in ("postgresql", "mysql", "mssql"):
+        window_s()
+        import logging  # MLflow logs each failed call's traceback; the waiting line says it once
+
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+        return Service(f"output.tracking_uri={redact(uri)}", connection_lost)
     if not uri.startswith(("http://", "https://")):
         return None
-    from testbed.cluster.reconnect import Service, window_s
-    from testbed.config.redact import redact
 
     window_s()  # a bad TESTBED_RECONNECT_S is refused now, not at the first outage
     for key, value in HTTP_DEFAULTS.items():  # a user's own setting wins
@@ -418,14 +428,16 @@ class Tracker:
     (MLflow's active run is thread-local since mlflow PR 13456), so nested runs work from any worker."""
 
     def __init__(self, output: OutputSettings | None = None, experiment: str | None = None, *,
-                 uri: str | None = None, artifact_location: str | None = None) -> None:
+                 uri: str | None = None, artifact_location: str | None = None, journal: str | None = None) -> None:
         """`output`: the run's `output.*` (tracking URI, experiment, artifact folder); None with
-        `uri` given."""
+        `uri` given. `journal`: the folder whose unwritten run ends this store is owed
+        (cluster/unwritten.py; by default `output.dir`)."""
         import mlflow
         from mlflow.tracking import MlflowClient
 
         from testbed.cluster.postgres import check_driver
 
+        folder = journal or (getattr(output, "dir", None) if output else None)  # its journal of unwritten ends
         output = output or OutputSettings()
         self.uri = uri or tracking_uri(output)
         check_driver(self.uri, "output.tracking_uri")
@@ -457,6 +469,10 @@ class Tracker:
             self.view = ALL_RUNS
             if exp is None or TAG_PREFIX + ALL_RUNS not in (exp.tags or {}):
                 self.client.set_experiment_tag(self.experiment_id, *headline_view(HEADLINE_METRICS).tag())
+        from testbed.cluster.unwritten import end_runs
+
+        for line in end_runs(folder, self):  # what a command of this folder could not end when it gave up
+            print(f"note: {line}", file=sys.stderr, flush=True)
 
     def save_view(self, view: View) -> None:
         """Write `view` on the experiment; `link` opens it from now on."""
@@ -482,8 +498,12 @@ class Tracker:
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
         run_id = run.info.run_id
         plist = [Param(k, _param_value(v)) for k, v in sorted(params.items())]
-        for i in range(0, len(plist), 100):
-            self.client.log_batch(run_id, params=plist[i:i + 100])
+        try:
+            for i in range(0, len(plist), 100):
+                self.client.log_batch(run_id, params=plist[i:i + 100])
+        except Exception as exc:  # the caller ends (or journals) the run it could not be told of
+            exc.opened_run_id = run_id  # type: ignore[attr-defined]
+            raise
         return run_id
 
     def finish(self, run_id: str, result, run_dir: Path | None, steps: bool = True,

@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 from engine.base.errors import ConfigError
 from testbed import signals
 from testbed.cluster.ray_backend import split_backend
-from testbed.cluster import identity
+from testbed.cluster import identity, unwritten
 from testbed.cluster.reconnect import ServiceLost
 from testbed.run.outputs import prepare_output_dir
 from testbed.tracking.tracker import check_tracking_uri, tracking_uri
@@ -110,14 +110,16 @@ def _run_tune(overrides: Sequence[str], console: Any, where: dict | None = None)
     # trial 0 twice: issue 24 items 2 and 6)
     with first_use_lock(problem.storage_url, Path(problem.out_dir).parent.parent, tracking_uri(problem.base.output)):
         study, storage = open_study(problem)
-        tracker = open_tracker(problem)  # creates the MLflow DB before any worker
-        stale = reclaim(study, storage, tracker, problem)  # first: an interrupted baseline is enqueued again
+        tracker = open_tracker(problem)  # creates the MLflow DB before any worker (and ends the runs owed to it)
+        owed = unwritten.end_trials(problem.base.output.dir, problem.storage_url, study, recoverer(study, tracker, problem),
+                                    lambda trial_id, reason: mark_interrupted(storage, trial_id, reason))
+        stale = owed + reclaim(study, storage, tracker, problem)  # first: an interrupted baseline is enqueued again
         enqueue_baseline(problem, study)
         problem = dataclasses.replace(problem, parent_run_id=study_run(problem, study, tracker))
+    try:  # from here on the study run is open: a service lost ends (or journals) it
         if tracker is not None:  # the link shows every trial (views.study_view)
             s = problem.settings
             tracker.save_view(study_view(problem.study, s.objectives[0], s.directions[0] == "maximize"))
-    try:
         return _study_session(problem, study, storage, tracker, console, backend, stale)
     except ServiceLost as exc:  # the database or the tracking server stayed away: one error line, exit 1
         abandon(problem, study, tracker, exc)
@@ -176,8 +178,10 @@ def enqueue_baseline(problem: Problem, study: Any) -> None:
 def abandon(problem: Problem, study: Any, tracker: Any, exc: ServiceLost) -> None:
     """After giving up on the study's database or the tracking server: end what this command
     holds wherever it can still be reached (its trials completed from their recorded results, or
-    interrupted + FAILED; its trial runs KILLED, the study run FAILED). What cannot be reached is reclaimed by the next command or
-    another host (tune/reclaim.py), and a trial whose run recorded its results is completed from it."""
+    interrupted + FAILED; its trial runs KILLED, the study run FAILED). What cannot be reached is
+    journaled in the output folder and ended by its next command that reaches the store
+    (cluster/unwritten.py), else reclaimed by another host (tune/reclaim.py); a trial whose run
+    recorded its results is completed from it."""
     session = identity.session_id()
     recover = recoverer(study, tracker, problem)
     try:
@@ -191,8 +195,9 @@ def abandon(problem: Problem, study: Any, tracker: Any, exc: ServiceLost) -> Non
     try:
         kill_running_trials(tracker, problem.parent_run_id)
         tracker.fail(problem.parent_run_id, str(exc))
-    except Exception:  # the tracking server is the one lost
-        pass
+    except Exception:  # the tracking server is the one lost: journaled for this folder's next command
+        unwritten.record(problem.base.output.dir, unwritten.run_end(tracker.uri, problem.parent_run_id, str(exc),
+                                                                    "FAILED"))
 
 
 def _print_reclaimed(console: Any, notes: list[str], when: str) -> None:

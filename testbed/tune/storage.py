@@ -95,13 +95,7 @@ def make_storage(url: str, hb: heartbeat.Heartbeat | None = None):
                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
-def connection_lost(exc: BaseException) -> bool:
-    """Whether a storage error means the database could not be reached (refused, closed by a
-    restart), which is worth waiting for, rather than a wrong request."""
-    from sqlalchemy import exc as sa_exc
-
-    return any(isinstance(e, (sa_exc.OperationalError, sa_exc.InterfaceError))
-               or getattr(e, "connection_invalidated", False) for e in reconnect.chain(exc))
+connection_lost = reconnect.connection_lost  # the one test, shared with a PostgreSQL MLflow store
 
 
 # the storage calls a tune makes; each is tried again while the database is unreachable

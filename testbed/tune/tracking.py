@@ -26,6 +26,7 @@ def study_run(problem: Problem, study: Any, tracker: Any) -> str | None:
         try:
             tracker.client.get_run(run_id)
             tracker.client.update_run(run_id, status="RUNNING")
+            tracker.client.set_tag(run_id, "testbed.resumed_at", f"{time.time():.3f}")  # cluster/unwritten.py
             return run_id
         except Exception:
             pass

@@ -18,7 +18,7 @@ from typing import Any
 from optuna.trial import TrialState
 
 from engine.base.errors import TestbedError
-from testbed.cluster import heartbeat, identity
+from testbed.cluster import heartbeat, identity, unwritten
 from testbed.cluster.artifacts import ArtifactStoreError
 from testbed.cluster.reconnect import ServiceLost
 from testbed.config.naming import point_name
@@ -108,7 +108,7 @@ class TrialRunner:
             self._interrupted(study, trial, run_id)
             raise
         except ServiceLost as exc:
-            self._lost(study, trial, run_id or self.opened, exc)
+            self._lost(study, trial, run_id or self.opened or getattr(exc, "opened_run_id", None), exc)
             raise
 
     def _start(self, trial: Any, event: dict) -> tuple[RunSpec, str | None]:
@@ -213,21 +213,26 @@ class TrialRunner:
         end what this trial holds wherever it can still be reached. The trial is marked
         interrupted + FAILED (it runs again); its run ends KILLED unless it FINISHED with its
         results, which a later command then completes the trial from (tune/reclaim.py). What
-        cannot be reached now is reclaimed by the next command or another host."""
-        status = None
+        cannot be reached now is journaled in the output folder and ended by this folder's next
+        command that reaches the store (cluster/unwritten.py), or reclaimed by another host."""
+        reason, status, owed = f"{INTERRUPTED}: {exc}", None, []
         try:
             if self.tracker is not None and run_id is not None:
                 status = self.tracker.client.get_run(run_id).info.status
                 if status == "RUNNING":
-                    self.tracker.fail(run_id, f"{INTERRUPTED}: {exc}", status="KILLED")
-        except Exception:  # the tracking server is the one lost
-            pass
-        if status == "FINISHED":
-            return  # results recorded: leave the trial RUNNING for `reclaim` to complete
-        try:
-            mark_interrupted(study._storage, trial._trial_id, f"{INTERRUPTED}: {exc}")
-        except Exception:  # the database is the one lost: its heartbeat goes stale instead
-            pass
+                    self.tracker.fail(run_id, reason, status="KILLED")
+        except Exception:  # the tracking server is the one lost: journaled (cluster/unwritten.py)
+            status = None
+            owed.append(unwritten.run_end(self.tracker.uri, run_id, reason, "KILLED"))
+        owed_trial = unwritten.trial_end(self.p.storage_url, self.p.study, trial._trial_id, trial.number, reason)
+        if status == "FINISHED":  # results recorded: the next command completes the trial from them
+            owed.append(owed_trial)
+        else:
+            try:
+                mark_interrupted(study._storage, trial._trial_id, reason)
+            except Exception:  # the database is the one lost: journaled, and its heartbeat goes stale
+                owed.append(owed_trial)
+        unwritten.record(self.p.base.output.dir, *owed)
 
 
 def _where(exc: BaseException) -> str:
