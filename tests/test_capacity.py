@@ -375,14 +375,14 @@ def test_a_signal_ends_the_search_and_kills_its_runs(tmp_path, send, exit_code):
     every 0.1 s for 3 s."""
     import time
 
-    from signal_helpers import Command, run_states, running_kinds, survivors
+    from signal_helpers import WAIT_S, Command, run_states, running_kinds, survivors
 
     fresh_mlflow_db(tmp_path)
     cmd = Command("capacity", "workload=synthetic", "model=llama2-13b", "hardware=a100-80g", "parallel.pp=2",
                   "workload.output_mean=8,4000", "capacity.min_duration_s=5", "capacity.windows=1",
                   "capacity.workers=2", f"output.dir={tmp_path}", "capacity.experiment=sig")
     cmd.wait_for("point   0 probe  0")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + WAIT_S  # 60 s once: under load the signal could come before that probe
     while time.monotonic() < deadline and not any(
             kind == "probe" and name.startswith("output_mean=4000")
             for kind, name in running_kinds(tmp_path / "mlflow.db")):

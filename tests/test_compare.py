@@ -129,12 +129,12 @@ SIGNAL_GRID = ["workload=synthetic", "model=llama2-13b", "hardware=a100-80g", "p
 
 
 def _signalled_grid(tmp_path: Path, send: str):
-    from signal_helpers import Command, run_states, running_kinds, survivors
+    from signal_helpers import WAIT_S, Command, run_states, running_kinds, survivors
 
     fresh_mlflow_db(tmp_path)
     cmd = Command("compare", *SIGNAL_GRID, f"output.dir={tmp_path}", "compare.experiment=sig")
     cmd.wait_for("point   0 done")
-    deadline = time.monotonic() + 60  # a 30k-request point has opened its MLflow run (slow on a loaded machine)
+    deadline = time.monotonic() + WAIT_S  # a 30k-request point has opened its MLflow run (slow on a loaded machine)
     while time.monotonic() < deadline and not any(kind == "point" for kind, _ in running_kinds(tmp_path / "mlflow.db")):
         time.sleep(0.2)
     children = cmd.descendants()
@@ -214,13 +214,13 @@ def test_runs_left_running_by_a_killed_sweep_are_ended_by_the_next_one(tmp_path,
     good (issue 38 item 6). The next sweep on this host ends it KILLED, with its point runs, and
     says so; its own runs are not touched. One worker (the command itself): no orphaned worker
     ends them first (tests/test_orphaned_workers.py)."""
-    from signal_helpers import Command, run_states, running_kinds, survivors
+    from signal_helpers import WAIT_S, Command, run_states, running_kinds, survivors
 
     fresh_mlflow_db(tmp_path)
     grid = [a.replace("compare.workers=2", "compare.workers=1") for a in SIGNAL_GRID]
     cmd = Command("compare", *grid, f"output.dir={tmp_path}", "compare.experiment=killed")
     cmd.wait_for("point   0 done")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + WAIT_S  # 60 s once: under load the kill could come before that run opened
     while time.monotonic() < deadline and not any(kind == "point" for kind, _ in running_kinds(tmp_path / "mlflow.db")):
         time.sleep(0.2)
     children = cmd.descendants()

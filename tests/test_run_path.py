@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from testbed.cli import main
+from signal_helpers import WAIT_S
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["policy=sarathi", "workload=azure", "workload.rate=2", "hardware=a100-80g",
@@ -139,7 +140,7 @@ def test_failure_text_with_brackets_is_printed_verbatim(tmp_path, capsys, monkey
     assert (run_dir / "requests.csv").is_file()
 
 
-def _wait_for_run_dir(base: Path, proc, timeout: float = 120) -> None:
+def _wait_for_run_dir(base: Path, proc, timeout: float = WAIT_S) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if any(p.is_dir() and p.name.startswith("sarathi_") for p in base.glob("*")):
@@ -165,7 +166,7 @@ def _long_run(tmp_path):
 
 
 def _check_killed_with_partial_outputs(proc, code, tmp_path):
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == code, err
     assert "Traceback" not in err and "interrupted" in err
     run_dir = Path(out.strip().splitlines()[-1])
@@ -218,7 +219,7 @@ def test_sigterm_stops_a_torch_run_and_its_stages(tmp_path):
     time.sleep(8.0)  # stages up and serving
     stages = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=180)
+    out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 143, err
     from signal_helpers import survivors
 

@@ -137,9 +137,12 @@ def _stream_through_shutdown(srv) -> list[str]:
 
     reader = threading.Thread(target=stream)
     reader.start()
-    assert first.wait(60)
+    from signal_helpers import WAIT_S
+
+    assert first.wait(WAIT_S)
     srv.shutdown()
-    reader.join(60)
+    reader.join(WAIT_S)  # 60 s once: a reader still running returned a partial list
+    assert not reader.is_alive()
     return lines
 
 
@@ -203,7 +206,9 @@ def test_one_address_holds_at_most_max_connections_per_client(tmp_path):
                 reply += chunk
         assert reply.startswith(b"HTTP/1.1 429") and b"serve.max_connections_per_client=2" in reply, reply
         held.pop().close()
-        deadline = time.monotonic() + 10
+        from signal_helpers import WAIT_S
+
+        deadline = time.monotonic() + WAIT_S  # bounded, not a speed assertion (10 s once)
         while True:  # the server sees the close a moment later
             r = _post(srv, b'{"prompt": [1, 2], "max_tokens": 2}')
             if r.status_code == 200 or time.monotonic() > deadline:

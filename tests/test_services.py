@@ -1,7 +1,8 @@
 """A study shared through PostgreSQL and an MLflow server, as two hosts would run it (issue 24):
 real servers from tests/services.py (one PostgreSQL and one mlflow server per session), each
 "host" a `testbed` process with its own working folder and TESTBED_HOST. Tiny workloads: a
-trial of 60 requests takes ~0.1 s, one of 3,000 a few seconds (long enough to be killed)."""
+trial of 60 requests takes ~0.1 s, one of 3,000 ~0.85 s; the kill tests use 10,000 (a 3,000-request
+trial seen RUNNING could end before the kill landed at load ~12-16)."""
 from __future__ import annotations
 
 import json
@@ -90,16 +91,41 @@ def _wait_running(host: Host, storage: str, name: str) -> object:
     pytest.fail(f"no trial of {name} started within {WAIT_S} s")
 
 
-def _killed_in_a_trial(host: Host, storage: str, name: str) -> object:
-    """SIGKILL the host inside its first trial, which is returned; skips where the host cannot
-    have its own pid namespace (in this one a dead worker is seen at once: marked interrupted)."""
-    if not host.isolated:
-        host.kill()
-        pytest.skip("needs unshare --pid (root) to imitate another host's process table")
-    victim = _wait_running(host, storage, name)
-    host.kill()
-    return victim
+def _killed_in_a_trial(tmp_path, postgres, tracking: str, prefix: str, *extra: str, number: int | None = None):
+    """A host SIGKILLed inside a trial whose results it had not recorded (its MLflow run still
+    RUNNING; trial `number` if given): (storage, study name, args, that trial). Skips where the
+    host cannot have its own pid namespace (in this one a dead worker is seen at once: marked
+    interrupted). The trial is chosen after the kill, and the whole set-up tried again when the
+    kill missed: under load (~12-16) a 3,000-request trial (0.85 s) seen RUNNING had finished before
+    the kill landed, and the next host rightly completed it from its FINISHED run (the test read
+    COMPLETE, not FAIL), or the host ended its study between two polls."""
+    import optuna
+    from mlflow.tracking import MlflowClient
 
+    client = MlflowClient(tracking)
+    for attempt in range(4):
+        storage, name = postgres.new_database("optuna"), f"{prefix}-{secrets.token_hex(3)}"
+        args = _tune(storage, tracking, name, *extra)
+        host = Host(tmp_path / f"a{attempt}", "lab-a", *args)
+        if not host.isolated:
+            host.kill()
+            pytest.skip("needs unshare --pid (root) to imitate another host's process table")
+        study, deadline = None, time.monotonic() + WAIT_S
+        while host.proc.poll() is None and time.monotonic() < deadline:
+            try:  # one storage for the whole wait: a load_study per poll took most of a trial under load
+                study = study or optuna.load_study(study_name=name, storage=storage)
+            except KeyError:  # not created yet
+                pass
+            if study and any(t.user_attrs.get("mlflow_run_id") for t in study.get_trials(states=(
+                    optuna.trial.TrialState.RUNNING,))):
+                break
+            time.sleep(0.05)
+        host.kill()
+        stranded = [t for t in _live_trials(storage, name) if (number is None or t.number == number)
+                    and client.get_run(t.user_attrs["mlflow_run_id"]).info.status == "RUNNING"]
+        if stranded:
+            return storage, name, args, stranded[0]
+    pytest.fail("four kills in a row missed a trial in flight")
 
 def test_a_killed_hosts_trial_is_failed_and_retried_by_another(postgres, mlflow_server, tmp_path):
     """A SIGKILLed host's trial stayed RUNNING for good and counted toward the budget (19
@@ -107,10 +133,9 @@ def test_a_killed_hosts_trial_is_failed_and_retried_by_another(postgres, mlflow_
     with the same parameters, and the budget counts finished trials."""
     import optuna
 
-    storage, name = postgres.new_database("optuna"), f"killed-{secrets.token_hex(3)}"
-    args = _tune(storage, mlflow_server.base, name, "tune.trials=3", "workload.num_requests=3000",
-                 "tune.heartbeat=1", "tune.grace_period=2")
-    victim = _killed_in_a_trial(Host(tmp_path / "a", "lab-a", *args), storage, name)
+    storage, name, args, victim = _killed_in_a_trial(tmp_path, postgres, mlflow_server.base, "killed", "tune.trials=3",
+                                                     "workload.num_requests=10000", "tune.heartbeat=1",
+                                                     "tune.grace_period=2")
     time.sleep(3)  # past the grace period: no heartbeat can come from a killed process
     second = Host(tmp_path / "b", "lab-b", *args)
     assert second.wait() == 0, second.output[-2000:]
@@ -341,10 +366,9 @@ def test_a_dead_hosts_baseline_is_reclaimed_at_the_end_of_a_short_study(postgres
     the grace period, reclaims the trial by name and runs the defaults again."""
     import optuna
 
-    storage, name = postgres.new_database("optuna"), f"settle-{secrets.token_hex(3)}"
-    args = _tune(storage, mlflow_server.base, name, "tune.trials=2", "workload.num_requests=3000",
-                 "tune.heartbeat=1", "tune.grace_period=30")  # longer than the second host's start
-    victim = _killed_in_a_trial(Host(tmp_path / "a", "lab-a", *args), storage, name)
+    storage, name, args, victim = _killed_in_a_trial(  # grace: longer than the second host's start
+        tmp_path, postgres, mlflow_server.base, "settle", "tune.trials=2", "workload.num_requests=10000",
+        "tune.heartbeat=1", "tune.grace_period=30", number=0)
     second = Host(tmp_path / "b", "lab-b", *args)  # within the grace period: trial 0 still looks alive
     assert second.wait() == 0, second.output[-3000:]
     assert victim.number == 0 and victim.user_attrs.get("baseline")

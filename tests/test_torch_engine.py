@@ -30,6 +30,7 @@ from engine.core.kv import BlockManager  # noqa: E402
 from engine.pricing.models import get_model  # noqa: E402
 from engine.core.policy import POLICIES, RuntimeFeatures  # noqa: E402
 from engine.core.request import Request  # noqa: E402
+from signal_helpers import WAIT_S  # noqa: E402
 from engine.core.trace import Tracer  # noqa: E402
 from engine.torch_exec.weights.checkpoint import prompt_ids, random_checkpoint  # noqa: E402
 from engine.torch_exec.settings import TorchSettings  # noqa: E402
@@ -300,9 +301,9 @@ def test_ctrl_c_ends_every_process(model_cache, tmp_path):
             break
     assert len(pids) == 2, "did not see the stage processes: " + "".join(seen[-20:])
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
-    rest = proc.communicate(timeout=30)[0]
+    rest = proc.communicate(timeout=WAIT_S)[0]
     assert proc.returncode == 130, rest
-    deadline = time.time() + 10
+    deadline = time.time() + WAIT_S  # liveness bound, not a speed assertion (10 s once)
     alive = pids
     while alive and time.time() < deadline:
         alive = [p for p in pids if _alive(p)]

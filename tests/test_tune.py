@@ -219,9 +219,9 @@ def _wait_for_a_running_trial(db: Path) -> None:
     still importing) a signal finds no trial to kill, and the test would see only FINISHED runs."""
     import time
 
-    from signal_helpers import running_kinds
+    from signal_helpers import WAIT_S, running_kinds
 
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + WAIT_S  # 60 s once
     while time.monotonic() < deadline:
         if any(kind == "trial" for kind, _ in running_kinds(db)):
             return

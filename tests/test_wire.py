@@ -228,6 +228,7 @@ from engine.core.policy import POLICIES, RuntimeFeatures  # noqa: E402
 from engine.core.trace import Tracer  # noqa: E402
 from engine.torch_exec.weights.checkpoint import random_checkpoint  # noqa: E402
 from engine.torch_exec.settings import TorchSettings  # noqa: E402
+from signal_helpers import WAIT_S  # noqa: E402
 from test_torch_engine import _alive, _hf_greedy, _requests  # noqa: E402
 
 
@@ -370,8 +371,8 @@ def test_stages_and_samplers_exit_when_the_driver_is_killed(model_cache, tmp_pat
             break
     assert len(pids) == 5, "expected the fork server, 2 stages and 2 samplers: " + "".join(seen[-20:])
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(30)
-    deadline = time.time() + 20  # liveness bound, not a speed assertion
+    proc.wait(WAIT_S)
+    deadline = time.time() + WAIT_S  # liveness bound, not a speed assertion (20 s once)
     alive = pids
     while alive and time.time() < deadline:
         alive = [p for p in pids if _alive(p)]
