@@ -63,12 +63,12 @@ def test_the_priced_plan_is_the_search_it_prices(trace, knees):
     p = trace
     ran = searched(p, knees)
     cost = lambda plan, u, r, ok, k: 1.0 / r + (3.0 if k else 0.0)  # noqa: E731 - a fake cost per probe
-    planned, makespan = dry_run(p, lambda plan, u: knee_of(plan, knees, u), cost, workers=1)
+    planned, makespan = dry_run(p, lambda plan, u: knee_of(plan, knees, u), cost, workers=1, feed_type=_feed())
     assert [(pr.unit, pr.rate, pr.kind) for pr in planned] == ran
     assert any(k == "holdout" for _, _, k in ran) and len(ran) > 10
     total = sum(1.0 / r + (3.0 if k else 0.0) for _, r, k in ran)
     assert sum(pr.cpu_s for pr in planned) == pytest.approx(total) and makespan == pytest.approx(total)
-    two, makespan2 = dry_run(p, lambda plan, u: knee_of(plan, knees, u), cost, workers=2)
+    two, makespan2 = dry_run(p, lambda plan, u: knee_of(plan, knees, u), cost, workers=2, feed_type=_feed())
     assert sorted((pr.unit, pr.rate, pr.kind) for pr in two) == sorted(ran)  # the same plan, other order
     assert total / 2 <= makespan2 < total
     assert len(p.points) == 3  # the dry run added its hold-out to a copy of the plan, not to the plan
@@ -118,7 +118,7 @@ def test_the_forecast_times_two_pilots_per_window_and_refresh_prices_only_what_i
 
     monkeypatch.setattr(fc, "PILOT_REQUESTS", 40)  # short pilots: what is asserted is which runs, not their length
     plan = replace(trace, points=list(trace.points))
-    f = fc.forecast(plan, probe_requests, start_rate)
+    f = fc.forecast(plan, probe_requests, start_rate, CapacityFeed)
     assert sorted(f.pilots) == [0, 1, 2] and all(pl.rates[:2] == (0.2, 0.8) for pl in f.pilots.values())
     for pl in f.pilots.values():  # above the start only while every pilot passed, x growth^2 a step
         assert pl.rates[2:] == (3.2, 12.8)[:len(pl.rates) - 2] and all(pl.passed[1:len(pl.rates) - 1])
@@ -130,3 +130,10 @@ def test_the_forecast_times_two_pilots_per_window_and_refresh_prices_only_what_i
     ran = drive(feed, f.guesses())
     assert len(plan.points) == 4 and any(k == "holdout" for _, _, k in ran)
     assert refresh.left_s(feed.searches) == 0
+
+
+def _feed() -> type:
+    """The search's own feed, which the dry run drives (handed down by the command)."""
+    from testbed.capacity.command import CapacityFeed
+
+    return CapacityFeed

@@ -276,6 +276,11 @@ class CapacityFeed(sweep.Feed):
         self.cpu0 = estimate.cpu_used()
         self.measured_estimate_s: float | None = None  # ... and the one from the first probe's wall time
         self.refresh: Refresh | None = None  # the CPU left, re-priced as probes finish (the progress line)
+        self.estimate_inputs: dict | None = None  # how the start estimate came about (capacity.json)
+
+    def cpu_spent(self) -> float:
+        """CPU seconds of the search so far, its finished workers included."""
+        return estimate.cpu_used() - self.cpu0
 
     def _holdout(self, group: int, binding: int, tried: list[int]) -> int | None:
         """A held-out unit of `group` near window `binding`: a trace stretch no window or earlier
@@ -573,8 +578,8 @@ def _print_start(console: Any, p: Plan, feed: CapacityFeed) -> None:
     if p.live is not None:
         p.live.print_estimate(console, p, feed)
     else:
-        feed.estimate_cpu_s, feed.estimate_s, fc = estimate.simulated(p, probe_requests, start_rate)
-        feed.refresh = Refresh(fc)
+        feed.estimate_cpu_s, feed.estimate_s, fc = estimate.simulated(p, probe_requests, start_rate, CapacityFeed)
+        feed.refresh, feed.estimate_inputs = Refresh(fc), fc.inputs
         console.print(f"capacity: the answer is the lowest window's, confirmed before it is printed; about "
                       f"{estimate.text(feed.estimate_cpu_s)} of CPU ({fc.probes} probes, each priced at its rate), "
                       f"{estimate.text(feed.estimate_s)} at this "

@@ -13,24 +13,22 @@ from collections.abc import Callable
 from typing import Any
 
 
-def simulated(p: Any, probe_requests: Callable, start_rate: Callable) -> tuple[float, float, Any]:
+def simulated(p: Any, probe_requests: Callable, start_rate: Callable, feed_type: type) -> tuple[float, float, Any]:
     """(CPU seconds, wall seconds, the Forecast) of the plan's search (testbed/capacity/forecast.py:
     its own plan priced from timed pilot runs of each window). The wall time is the plan's
     makespan on the workers at the speed the pilots ran."""
     from testbed.capacity.forecast import forecast
 
     t0, c0 = time.perf_counter(), time.process_time()
-    fc = forecast(p, probe_requests, start_rate)
+    fc = forecast(p, probe_requests, start_rate, feed_type)
     took_cpu, took_wall = time.process_time() - c0, time.perf_counter() - t0
     slowdown = took_wall / took_cpu if took_cpu > 0 else 1.0
     pilots = {f"{p.points[u].label} {p.points[u].window_label}": {
         "rates": pl.rates, "cpu_per_request_s": pl.cpu, "values": pl.values,
         "capacity_guess": pl.guess(p.settings.growth)} for u, pl in fc.pilots.items()}
-    INPUTS.update(planned=fc.probes, pilot_cpu_s=fc.pilot_cpu_s, makespan_cpu_s=fc.makespan_s, pilots=pilots)
+    fc.inputs = dict(planned=fc.probes, pilot_cpu_s=fc.pilot_cpu_s, makespan_cpu_s=fc.makespan_s, pilots=pilots)
     return fc.cpu_s, fc.makespan_s * max(slowdown, 1.0), fc
 
-
-INPUTS: dict = {}  # the last estimate's inputs (capacity.json: how the printed estimate came about)
 
 
 def cpu_used() -> float:

@@ -161,14 +161,14 @@ class PlannedProbe:
 
 
 def dry_run(p: Any, capacity: Callable[[Any, int], float], cost: Callable[[Any, int, float, bool, str | None], float],
-            workers: int) -> tuple[list[PlannedProbe], float]:
+            workers: int, feed_type: type) -> tuple[list[PlannedProbe], float]:
     """The search the command would run if window `u`'s capacity were `capacity(plan, u)`: its
     probes in the order they finish on `workers` slots (each taking `cost(plan, unit, rate, passed,
     kind)` CPU seconds; `plan` holds the hold-outs the search adds), and the makespan in CPU seconds
-    of one worker. Runs CapacityFeed itself."""
-    from testbed.capacity.command import CapacityFeed
+    of one worker. Runs the search's own feed (`feed_type`: command.py's CapacityFeed, handed down
+    so that this module stays below the command)."""
 
-    class DryFeed(CapacityFeed):
+    class DryFeed(feed_type):
         def _job(self, pt: Any, rate: float, check: Any = None) -> Any:
             index = len(self.owner)
             self.owner[index] = pt.index
@@ -209,6 +209,8 @@ class Forecast:
     makespan_s: float = 0.0
     probes: int = 0
     units: int = 0  # the plan's windows before the search adds its hold-outs (the dry runs start from these)
+    feed_type: Any = None  # the search's feed class, which the dry runs drive (command.py's CapacityFeed)
+    inputs: dict | None = None  # how the printed estimate came about (capacity.json `estimate_inputs`)
 
     def __post_init__(self) -> None:
         self.units = self.units or len(self.p.points)
@@ -237,7 +239,8 @@ class Forecast:
 
         plan = replace(self.p, points=self.p.points[:self.units])  # the real search appends its hold-outs to p
         return dry_run(plan, capacity,
-                       lambda plan, u, r, ok, k: self.cost(plan, u, r, ok, k, capacity(plan, u)), self.workers)
+                       lambda plan, u, r, ok, k: self.cost(plan, u, r, ok, k, capacity(plan, u)), self.workers,
+                       self.feed_type)
 
     def run(self) -> Forecast:
         probes, self.makespan_s = self.price(self.guesses())
@@ -248,9 +251,9 @@ class Forecast:
         return self
 
 
-def forecast(p: Any, probe_requests: Callable, start_rate: Callable) -> Forecast:
+def forecast(p: Any, probe_requests: Callable, start_rate: Callable, feed_type: type) -> Forecast:
     pilots, took = run_pilots(p, probe_requests, start_rate)
-    return Forecast(p, pilots, took, probe_requests, p.settings.resolved_workers).run()
+    return Forecast(p, pilots, took, probe_requests, p.settings.resolved_workers, feed_type=feed_type).run()
 
 
 # --- as the probes finish ---------------------------------------------------------------------------

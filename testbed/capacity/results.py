@@ -212,12 +212,6 @@ def probe_table(feed: Any, axes: list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["point", "window", "start_s", "probe", *axes, "workload.rate", *keep])
 
 
-def _estimate_inputs() -> dict:
-    from testbed.capacity.estimate import INPUTS
-
-    return dict(INPUTS)
-
-
 def ranking(df: pd.DataFrame, axes: list[str]) -> pd.DataFrame | None:
     """Deployments by capacity per GPU (and by requests per dollar where priced); `ties` lists the
     ranks whose capacity range over the windows overlaps this one's (not distinguishable by this
@@ -281,9 +275,7 @@ def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
     df = collect(p, feed, bool(interrupted))
     df.attrs["estimate_s"] = (feed.estimate_s, feed.measured_estimate_s)
     if getattr(feed, "estimate_cpu_s", None):
-        from testbed.capacity.estimate import cpu_used
-
-        df.attrs["cpu_s"] = (feed.estimate_cpu_s, cpu_used() - feed.cpu0)
+        df.attrs["cpu_s"] = (feed.estimate_cpu_s, feed.cpu_spent())
     write_comparison(df, p.axes, p.out_dir, metrics=TABLE_METRICS, plots=False)
     probe_table(feed, p.axes).to_csv(p.out_dir / "probes.csv", index=False)
     ranked = ranking(df, p.axes)
@@ -297,7 +289,7 @@ def write(p: Any, feed: Any, wall: float, parent: sweep.ParentRun,
                "base_url": p.live.base_url if p.live is not None else None, "estimate_s": feed.estimate_s,
                "measured_estimate_s": feed.measured_estimate_s, "estimate_cpu_s": getattr(feed, "estimate_cpu_s", None),
                "cpu_s": (df.attrs.get("cpu_s") or (None, None))[1],
-               "estimate_inputs": _estimate_inputs()}
+               "estimate_inputs": dict(getattr(feed, "estimate_inputs", None) or {})}
     if interrupted:
         summary["interrupted"] = interrupted
     (p.out_dir / "capacity.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
