@@ -234,17 +234,24 @@ def _run_point(job: Job, row: dict) -> None:
     except TestbedError as exc:
         row["error"] = str(exc)
     except Exception as exc:  # a policy bug at this point: one failed row, not a dead grid
+        if signals.stopped_by() is not None:  # the stop, turned into a library's own error
+            _end_interrupted(tracker, row)
+            raise signals.stop_exception(signals.stopped_by()) from exc
         row["error"] = f"{type(exc).__name__}: {exc}"
     except KeyboardInterrupt:
-        shield()
-        if tracker is not None:
-            tracker.client.set_tag(row["run_id"], "error", "interrupted")
-            tracker.client.set_terminated(row["run_id"], "KILLED")
+        _end_interrupted(tracker, row)
         raise
     else:
         _record(job, row, tracker, result)
     if row["error"] and tracker is not None and row["run_dir"] is None:
         tracker.fail(row["run_id"], row["error"])
+
+
+def _end_interrupted(tracker: Any, row: dict) -> None:
+    shield()
+    if tracker is not None:
+        tracker.client.set_tag(row["run_id"], "error", "interrupted")
+        tracker.client.set_terminated(row["run_id"], "KILLED")
 
 
 def _record(job: Job, row: dict, tracker: Any, result: Any) -> None:
@@ -524,6 +531,12 @@ def _worker_main(tasks: Any, results: Any, parent: int | None = None) -> None:
             results.put(("start", job.index, os.getpid()))
             results.put(("row", job.index, run_point(job)))
     except KeyboardInterrupt:
+        orphaned = job is not None and parent_died(parent)
+    except Exception:
+        if signals.stopped_by() is None:
+            raise  # a bug: multiprocessing prints it
+        # the stop, turned into a library's own error: a SIGTERM inside OmegaConf while a job was
+        # unpickled came out as ConfigKeyError and a traceback (fresh-clone CI, capacity TERM,TERM)
         orphaned = job is not None and parent_died(parent)
     if orphaned:  # out of the except block: the stop's frames, and what they hold, are let go first
         _end_for_dead_parent(job)
