@@ -524,6 +524,9 @@ def _worker_main(tasks: Any, results: Any, parent: int | None = None) -> None:
             try:
                 job = tasks.get(timeout=1.0)
             except queue_mod.Empty:
+                # a stop whose exception was lost in a GC callback while this worker waited: without
+                # this check an idle worker outlived its SIGKILLed parent (fresh-clone CI, 1 in 3)
+                signals.raise_if_stopped()
                 continue
             if job is None:
                 return
