@@ -1,5 +1,5 @@
 """A sweep or tune command killed outright (SIGKILL, the OOM killer): its workers outlive it for
-a moment (pdeathsig, sweep/jobs.py `orphan_guard`) and end what only it could have ended, the
+a moment (pdeathsig, sweep/orphans.py `orphan_guard`) and end what only it could have ended, the
 summary or study run and worker 0's trial. Before, those stayed RUNNING until the next command on
 this host reclaimed them (issue 48)."""
 from __future__ import annotations
@@ -76,14 +76,14 @@ from pathlib import Path
 
 
 def worker(parent, out, wait_s):
-    from testbed.sweep import jobs
-    jobs.orphan_guard(parent)
-    jobs.PARENT_EXIT_WAIT_S = wait_s
+    from testbed.sweep import orphans
+    orphans.orphan_guard(parent)
+    orphans.PARENT_EXIT_WAIT_S = wait_s
     Path(out + ".ready").write_text("")
     try:
         time.sleep(60)
     except KeyboardInterrupt:
-        Path(out).write_text(str(jobs.parent_died(parent)))
+        Path(out).write_text(str(orphans.parent_died(parent)))
 
 
 if __name__ == "__main__":

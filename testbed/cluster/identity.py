@@ -103,7 +103,7 @@ def dead_local_process(where: dict) -> bool:
 
 def process_alive(pid: int) -> bool:
     """A zombie is dead: a SIGKILLed command stays one until its shell reaps it, and its orphaned
-    workers end its runs in that window (sweep/jobs.py `orphan_guard`)."""
+    workers end its runs in that window (sweep/orphans.py `orphan_guard`)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

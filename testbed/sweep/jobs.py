@@ -24,16 +24,12 @@ worker that dies (OOM, signal) fails its point with the exit code and is replace
 """
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import signal
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -50,86 +46,12 @@ from testbed import signals
 from testbed.run.outputs import axis_name, write_run_dir
 from testbed.run.runner import prepare_experiment
 from testbed.config.spec import RunSpec
-from testbed.cluster import identity
 from testbed.cluster.artifacts import ArtifactStoreError
 from testbed.cluster.reconnect import ServiceLost
 from testbed.tracking.tracker import Tracker, tracking_uri
+from testbed.sweep.orphans import PARENT_POLL_S, orphan_guard, parent_died, release_cut_writes, shield  # noqa: F401 - workers' side
 
-PARENT_POLL_S = 0.5
 WORKER_STOP_S = 10.0  # a terminated worker ends its point's MLflow run, then exits
-PR_SET_PDEATHSIG = 1
-PARENT_EXIT_WAIT_S = 10.0  # after the parent-death signal, how long its process may take to finish dying
-PARENT_DEATH_SIGNAL = signal.SIGUSR1  # sent only by the kernel (pdeathsig) and the parent-pid poll
-_parent_lost = threading.Event()
-
-
-# --- worker processes and signals (the handlers and the stop's record: testbed/signals.py) -------
-
-def shield() -> None:
-    """In a worker that is cleaning up after an interrupt: ignore further signals, so a second
-    one cannot cut the MLflow call that ends its run (the parent SIGKILLs stragglers)."""
-    if mp.parent_process() is not None:
-        for s in signals.ALL_SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
-
-
-def orphan_guard(parent: int | None = None) -> None:
-    """Call first in a worker process: SIGTERM raises `Terminated`, and when its parent dies the
-    worker stops as on SIGTERM (pdeathsig on Linux, else the parent-pid poll of a daemon thread),
-    through a signal of its own (`PARENT_DEATH_SIGNAL`) so that `parent_died` can tell that stop
-    from any other. `parent`: the spawner's pid, passed by the spawner. Read here instead, it is
-    already the reaper's when the parent died while this process was still importing, and the
-    worker then outlived it."""
-    signals.terminate_on_stop_signals()
-    signal.signal(PARENT_DEATH_SIGNAL, _on_parent_death)
-    parent = os.getppid() if parent is None else parent
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:  # the parent died before the prctl took effect
-        os.kill(os.getpid(), PARENT_DEATH_SIGNAL)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
-        os.kill(os.getpid(), PARENT_DEATH_SIGNAL)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _on_parent_death(signum, frame) -> None:
-    """The parent-death signal: noted, then passed on as the SIGTERM it was before, so that
-    every block that defers or ignores a stop (`signals.deferred_stop`, `saving`) treats it so."""
-    _parent_lost.set()
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def parent_died(parent: int | None) -> bool:
-    """Whether the process that spawned this worker is gone (a zombie counts as gone). The
-    kernel's pdeathsig fires when the *thread* that spawned the worker exits; on a SIGKILL that
-    thread can go before the rest of the process, and `os.getppid()` then still names the dying
-    process: a killed `tune` left its study run and worker 0's trial RUNNING in 1 of 5 tries
-    (a fresh-clone CI failure). So once that signal came, wait for the process itself to go."""
-    if parent is None:
-        return False
-    deadline = time.monotonic() + (PARENT_EXIT_WAIT_S if _parent_lost.is_set() else 0.0)
-    while True:
-        if os.getppid() != parent or not identity.process_alive(parent):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-
-
-def release_cut_writes() -> None:
-    """Close the SQLite connections a stop cut short inside a write. Such a connection keeps the
-    database's write lock while anything still refers to it, and this process's own next write
-    then waits on itself: an orphaned `tune` worker hung for minutes ending the dead command's
-    runs, holding the lock it waited for (seen at load ~19, 1 in 6 tries). Once the stop's
-    exception is gone, a garbage collection closes them (SQLAlchemy rolls a dropped connection back)."""
-    gc.collect()
 
 
 # --- jobs and one point ----------------------------------------------------------------------------
