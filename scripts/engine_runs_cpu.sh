@@ -35,9 +35,10 @@ one() {  # one <name> <overrides...>
   $PRIO $TB run $COMMON "$@" output.run_name="$name" > "$OUT/runs/$name.log" 2>&1
   log "=== $name rc=$? end $(date -u +%T) load $(cat /proc/loadavg)"
 }
+TABLE=${TABLE_PREFIX:-cpu-tiny-llama}  # the quick tables' names: <prefix>-pp<P> (cpu-tiny-llama-quiet for 2026-11-28)
 for P in 1 2; do
-  [ -f "$OUT/profiles/cpu-tiny-llama-pp$P.csv" ] ||
-  $PRIO $TB profile executor=torch model=tiny-llama parallel.pp=$P --quick --name cpu-tiny-llama-pp$P \
+  [ -f "$OUT/profiles/$TABLE-pp$P.csv" ] ||
+  $PRIO $TB profile executor=torch model=tiny-llama parallel.pp=$P --quick --name $TABLE-pp$P \
       --out "$OUT/profiles" >> "$OUT/log.txt" 2>&1
 done
 run_setting() {  # run_setting <rep> <P> <wl>
