@@ -1,5 +1,5 @@
 """The simulator's FIFO path fills the time-breakdown ledger in bulk (engine/simulator/sim.py
-`_FifoPipeline.flush_gaps`, engine/core/trace.py typed gap columns): the breakdown must not depend
+`FifoPipeline.flush_gaps`, engine/core/trace.py typed gap columns): the breakdown must not depend
 on when the gap log is flushed, and must agree with the event loop, which feeds the ledger one
 span at a time."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import policies  # noqa: F401
 from engine.core.breakdown import PARTS
 from engine.core.trace import StageLedger
-from engine.simulator import sim
+from engine.simulator import fifo_pipeline, sim
 from testbed.config.spec import compose_spec
 from testbed.run.runner import run_experiment
 
@@ -22,7 +22,7 @@ RUN = ("output.mlflow=false", "policy=sarathi", "workload=azure", "workload.num_
 def _breakdown(monkeypatch, flush: int | None = None, event_driven: bool = False) -> dict:
     with monkeypatch.context() as m:
         if flush is not None:
-            m.setattr(sim, "GAP_LOG_FLUSH", flush)
+            m.setattr(fifo_pipeline, "GAP_LOG_FLUSH", flush)
         if event_driven:
             m.setattr(sim, "SimExecutor", functools.partial(sim.SimExecutor, event_driven=True))
         res = run_experiment(compose_spec(list(RUN)))

@@ -123,13 +123,14 @@ def test_launch_time_timeline_equals_the_event_loop(monkeypatch, overrides):
     # FIFO servers everywhere: the executor computes each batch's timeline at launch instead of
     # stepping through events; results, busy sums and every span (in order) must not change.
     import engine.simulator.sim as sim
+    from engine.simulator import fifo_pipeline
     launched = []
-    real = sim._FifoPipeline.launch
-    monkeypatch.setattr(sim._FifoPipeline, "launch", lambda self, *a: (launched.append(a[0]), real(self, *a)))
+    real = fifo_pipeline.FifoPipeline.launch
+    monkeypatch.setattr(fifo_pipeline.FifoPipeline, "launch", lambda self, *a: (launched.append(a[0]), real(self, *a)))
     cfg = small_config(*overrides, "output.trace=full", "workload.arrival=offline")
     fast = run_experiment(cfg)
     assert launched, "the launch-time path was not taken"
-    monkeypatch.setattr(sim, "_FifoPipeline", lambda ex: None)  # force the event loop
+    monkeypatch.setattr(sim, "FifoPipeline", lambda ex: None)  # force the event loop
     slow = run_experiment(cfg)
     assert fast.summary == slow.summary and fast.requests == slow.requests
     assert fast.tracer.busy == slow.tracer.busy

@@ -19,7 +19,7 @@ What one micro-batch does, stage s = 0..P-1:
 
 The common case needs no events at all: with FIFO sends, GPU sampling, serial input preparation
 and asynchronous sends every stage and link serves micro-batches in launch order, so one batch's
-whole timeline follows at launch from when each server is next free (`_FifoPipeline`, the same
+whole timeline follows at launch from when each server is next free (`fifo_pipeline.FifoPipeline`, the same
 float operations in the same order per stage and link). The controller and policies see only
 completions and the clock, which come out the same; the tracer gets the same busy sums and the
 same spans in the order the event loop would have recorded them (buffered and released by their
@@ -46,8 +46,8 @@ from engine.core.trace import Tracer
 from engine.pricing.sampling_ops import SamplerSettings
 from engine.pricing.tcp_link import tcp_links
 
-STAGE_DONE, LINK_DONE, ARRIVE, PREP_DONE, SAMPLE_DONE, COMPLETE = range(6)
-EVENT_NAMES = ("STAGE_DONE", "LINK_DONE", "ARRIVE", "PREP_DONE", "SAMPLE_DONE", "COMPLETE")
+from engine.simulator.fifo_pipeline import (  # noqa: F401  (the event names are this module's API)
+    ARRIVE, COMPLETE, EVENT_NAMES, LINK_DONE, PREP_DONE, SAMPLE_DONE, STAGE_DONE, FifoPipeline)
 
 
 class EventQueue:
@@ -127,7 +127,7 @@ class SimExecutor(Executor):
         host_recv = bool(c.recv_fixed_s or c.recv_per_byte_s)  # the FIFO path has no receive on the stage
         fifo_only = not (runtime.overlap_input_prep or runtime.cpu_sampling or blocking_send or host_recv) and self._fifo_sends
         plain_tracer = type(self.tracer).span is Tracer.span and type(self.tracer).chain is Tracer.chain
-        self._fifo = _FifoPipeline(self) if fifo_only and plain_tracer and not event_driven else None
+        self._fifo = FifoPipeline(self) if fifo_only and plain_tracer and not event_driven else None
 
     # --- Executor interface ----------------------------------------------------------------------
     def now(self) -> float:
@@ -374,165 +374,6 @@ class SimExecutor(Executor):
 
 _new_tuple = tuple.__new__
 _FORWARD_NAMES = {kind: f"forward:{kind}" for kind in ("prefill", "decode", "mixed")}  # by MicroBatch.kind
-_LAUNCH = 6  # a launch sorts after every event of its instant (the controller launches between pops)
-GAP_LOG_FLUSH = 4 * 8_192  # numbers (four a gap) logged by the FIFO path before they go to the tracer's ledger
-
-
-class _FifoPipeline:
-    """A micro-batch's whole timeline at launch, when every stage and link serves in launch order.
-
-    Each server keeps when it is next free and the heap key `(time, priority, parent, index)`
-    of the event that frees it: the event loop's key with the insertion counter replaced by the
-    key of the event that pushed it and the push's index within that event, so same-time ties
-    resolve as the heap's counter did. The parent is cut to (time, priority, push index): keys
-    stay flat instead of chaining the run's whole history, and two events that agree that far
-    are not told apart anyway. A stage starts at `max(arrival, free)`, on the arrival
-    when it is idle then (a stage's STAGE_DONE pops before an ARRIVE of the same instant) and
-    on the previous batch's STAGE_DONE otherwise; a link likewise, where a same-instant
-    LINK_DONE pops after the STAGE_DONE. Kept spans wait in a heap under their trigger's key
-    and join the tracer once the clock has passed it: every later launch's spans sort after."""
-
-    def __init__(self, ex: SimExecutor) -> None:
-        P = ex.pipeline_depth
-        self.tracer = ex.tracer
-        self.latency = ex.latency
-        self.bandwidth = ex.bandwidth
-        self.metadata_s = None if ex.runtime.structure_aware_transfer else ex._metadata_s
-        self.tcp, self.first_messages = ex._tcp, ex._first_messages
-        self.stage_tracks = ex._stage_tracks
-        self.link_tracks = ex._link_tracks
-        # Where each stage's time went (engine/core/breakdown.py), at O(1) per launch: preparation
-        # and sampling cost the same on every stage, so their sums and the stage's busy time give
-        # the parts (`settle`), and an idle gap is logged only where a stage starts idle, as four
-        # numbers (stage, idle since, start, mb) on one flat list that goes to the ledger's typed
-        # columns every GAP_LOG_FLUSH gaps (`flush_gaps`). A tuple per gap, handed over one
-        # `ledger.gap` call each, made the 5,000-request Sarathi benchmark's loop ~8% slower than
-        # without the ledger (1.34 vs 1.21 s CPU, load 17) and held 18 MB; this costs ~1%.
-        self.gap_log: list[float] = []
-        self.prep_total = 0.0
-        self.sample_total = 0.0
-        self.stage_free = [-math.inf] * P
-        self.stage_key: list[tuple] = [()] * P  # key of the STAGE_DONE that frees the stage
-        self.link_free = [-math.inf] * max(0, P - 1)
-        self.link_key: list[tuple] = [()] * max(0, P - 1)
-        self.done: deque[tuple[float, int]] = deque()  # (completion time, mb id), in time order
-        self.spans: list[tuple] = []  # heap of (trigger key, span index, spans)
-        self.launches = 0
-        self.dispatched = 0.0  # when the driver's last dispatch reached stage 0 (engine terms)
-
-    def launch(self, mb_id: int, priced: _Priced, now: float) -> None:
-        """Each stage is `Tracer.chain` of its parts inlined (the same sums in the same order):
-        one call per micro-batch instead of one per stage."""
-        self.launches += 1
-        last = len(self.stage_free) - 1
-        keep = self.tracer.keeps(mb_id)
-        busy = self.tracer.busy
-        stage_free, stage_key, link_free, link_key = self.stage_free, self.stage_key, self.link_free, self.link_key
-        stage_tracks, link_tracks, latency = self.stage_tracks, self.link_tracks, self.latency
-        prep, forward = priced.prep, priced.forward
-        send_s = priced.nbytes / self.bandwidth
-        if self.metadata_s is not None:
-            send_s += self.metadata_s
-        arrive, arrive_key = now, (now, _LAUNCH, (), self.launches)
-        if priced.dispatch:  # the event loop's ARRIVE pushed by the launch (engine terms)
-            self.dispatched = arrive = max(now + priced.dispatch, self.dispatched)
-            arrive_key = (arrive, ARRIVE, (now, _LAUNCH, self.launches), 0)
-        self.prep_total += prep
-        self.sample_total += priced.sample
-        gap_log = self.gap_log
-        if len(gap_log) >= GAP_LOG_FLUSH:
-            self.flush_gaps()
-        for s in range(last + 1):
-            free = stage_free[s]
-            if free > arrive:  # busy: starts when the previous batch's forward ends
-                start, trigger, index = free, stage_key[s], 1
-            else:
-                start, trigger, index = arrive, arrive_key, 0
-                if arrive > free:  # the stage was idle (or had not worked yet)
-                    gap_log += (s, free, arrive, mb_id)
-            track = stage_tracks[s]
-            prepared = start + prep
-            end = prepared + forward[s]
-            total = busy.get(track, 0.0) + (prepared - start) + (end - prepared)
-            if s == last:
-                sampled = end + priced.sample
-                busy[track] = total + (sampled - end)
-                if keep:
-                    heapq.heappush(self.spans, (trigger, index, [
-                        (track, "prepare", start, prepared, mb_id), (track, priced.forward_name, prepared, end, mb_id),
-                        (track, "sample", end, sampled, mb_id)]))
-                stage_free[s] = sampled
-                stage_key[s] = (sampled, STAGE_DONE, (trigger[0], trigger[1], trigger[3]), index)
-                self.done.append((sampled + latency + priced.ret, mb_id))
-                return
-            busy[track] = total
-            if keep:
-                heapq.heappush(self.spans, (trigger, index, [
-                    (track, "prepare", start, prepared, mb_id), (track, priced.forward_name, prepared, end, mb_id)]))
-            stage_free[s] = end
-            stage_key[s] = key = (end, STAGE_DONE, (trigger[0], trigger[1], trigger[3]), index)
-            if link_free[s] >= end:  # busy: sends when the previous activation has left
-                start, trigger, index = link_free[s], link_key[s], 1
-            else:
-                start, trigger, index = end, key, 0
-            sent = start + send_s if self.tcp is None else self.tcp[s].send(start, priced.nbytes, self.first_messages)[0]
-            track = link_tracks[s]
-            busy[track] = busy.get(track, 0.0) + (sent - start)
-            if keep:
-                heapq.heappush(self.spans, (trigger, index, [(track, "send", start, sent, mb_id)]))
-            link_free[s] = sent
-            link_key[s] = (sent, LINK_DONE, (trigger[0], trigger[1], trigger[3]), index)
-            arrive = sent + latency
-            arrive_key = (arrive, ARRIVE, (sent, LINK_DONE, index), 0)  # the LINK_DONE's key, cut
-
-    def flush_gaps(self) -> None:
-        """Hand the logged idle gaps to the tracer's ledger, per stage in launch order (a stage's
-        first one, from -inf, is its first span)."""
-        if not self.gap_log:
-            return
-        log = np.array(self.gap_log, dtype=np.float64).reshape(-1, 4)
-        self.gap_log.clear()
-        ledger = self.tracer.ledger
-        for s, track in enumerate(self.stage_tracks):
-            rows = log[log[:, 0] == s]
-            if len(rows):
-                ledger.extend_gaps(ledger.track(track), rows[:, 1], rows[:, 2], rows[:, 3].astype(np.int64), "prepare")
-
-    def settle(self) -> None:
-        """Write each stage's parts and latest end into the ledger (idempotent; at shutdown)."""
-        self.flush_gaps()
-        busy = self.tracer.busy
-        last = len(self.stage_tracks) - 1
-        for s, track in enumerate(self.stage_tracks):
-            tl = self.tracer.ledger.track(track)
-            total = busy.get(track, 0.0)
-            sample = self.sample_total if s == last else 0.0
-            tl.parts.update(prepare=self.prep_total, forward=total - self.prep_total - sample)
-            if s == last:
-                tl.parts["sample"] = sample
-            tl.last = self.stage_free[s]
-
-    def next_done(self, deadline: float | None) -> tuple[float, int] | None:
-        done = self.done
-        if not done or (deadline is not None and done[0][0] > deadline):
-            return None
-        t, mb_id = done.popleft()
-        if self.spans:
-            self.release_spans(t if done else math.inf)
-        return t, mb_id
-
-    def release_spans(self, until: float) -> None:
-        """Move buffered spans triggered at or before `until` to the tracer, in trigger order."""
-        heap, tracer = self.spans, self.tracer
-        spans, cap = tracer.spans, tracer.max_spans
-        while heap and heap[0][0][0] <= until:
-            for span in heapq.heappop(heap)[2]:
-                if len(spans) < cap:
-                    spans.append(span)
-                else:
-                    tracer.dropped += 1
-
-
 def _fifo(link: LinkState, pending: Seq[PendingTransfer]) -> Transfer:
     return Transfer(pending[0], pending[0].remaining_bytes)
 
