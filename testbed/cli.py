@@ -367,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--own-attention", action="store_true",
                     help="the engine decodes with its own attention kernel (this project's Triton kernel: one block "
                          "per sequence x KV head), not the base tables': fit its read rate and few-blocks term too")
+    cr.add_argument("--hop", choices=("link", "receive"), default="link",
+                    help="receive: a host (gloo) hop and the ids' return priced once, by the receive the engine "
+                         "measured (testbed/calibrate/hop_fit.py); link (default): as before")
     cr.add_argument("--commit", help="the project commit the runs measured (recorded in the profile's provenance)")
     cr.add_argument("--out", help="directory (default: $TESTBED_PROFILE_DIR or runs/profiles; the shipped "
                                   "profiles: engine/pricing/hardware_profiles)")

@@ -46,11 +46,12 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel
-from engine.base.errors import ConfigError
+from engine.base.errors import ConfigError, bad_value
 from engine.pricing.hardware import HardwareSpec
 from engine.pricing.profile_table import ProfileTable
 from testbed.calibrate.cpu_sampling_fit import cpu_sampling_samples, fit_cpu_sampling
 from testbed.calibrate.fit import FORWARD_PARAMS, _nnls
+from testbed.calibrate.hop_fit import HOP_MODES, price_hops_once
 from testbed.calibrate.runs import RealRun, ReplayedBatch, replayed_batches
 
 # The engine terms fitted above a kernel-table base (module docstring).
@@ -87,13 +88,16 @@ class EngineSamples:
     first: list[tuple[ReplayedBatch, int]]  # each run's first micro-batch and its P
     recv: list[tuple[str, int, float]] = field(default_factory=list)  # host runs: (kind, bytes, the receive's own s)
     handoff: list[tuple[str, BatchShape, float]] = field(default_factory=list)  # SiPipe: logits to the samplers
+    # host runs, hops where the receiver was there first: (kind, bytes, send start to receive end, structure-aware)
+    waited: list[tuple[str, int, float, bool]] = field(default_factory=list)
 
 
 def engine_samples(runs: Sequence[RealRun], cost_for_bytes: CostModel) -> EngineSamples:
     """The measured spans of every traced run (module docstring)."""
-    fw, prep, samp, disp, ret, tr, first, recv, hand = [], [], [], [], [], [], [], [], []
+    fw, prep, samp, disp, ret, tr, first, recv, hand, waited = [], [], [], [], [], [], [], [], [], []
     for run in runs:
         host = run.spec.settings.executor.settings.device == "cpu"
+        aware = host and run.pp > 1 and _structure_aware(run)
         batches = replayed_batches(run)
         first.append((batches[0], run.pp))
         arrivals = sorted(r.arrival_s for r in run.requests)
@@ -114,6 +118,8 @@ def engine_samples(runs: Sequence[RealRun], cost_for_bytes: CostModel) -> Engine
                                nxt.recv_end - max(st.send_start, nxt.recv_start)))
                     if host and st.send_start <= nxt.recv_start:  # the sender was there first: the receive itself
                         recv.append((b.kind, cost_for_bytes.activation_bytes(b.shape), nxt.recv_end - nxt.recv_start))
+                    elif host:  # the receiver waited: the whole hop (hop_fit.py)
+                        waited.append((b.kind, cost_for_bytes.activation_bytes(b.shape), nxt.recv_end - st.send_start, aware))
             lst = b.stages[last]
             if lst.handoff is not None and b.shape.num_sampled:
                 hand.append((b.kind, b.shape, lst.handoff))
@@ -129,7 +135,15 @@ def engine_samples(runs: Sequence[RealRun], cost_for_bytes: CostModel) -> Engine
             prev = b
     if not fw:
         raise ConfigError("the runs' traces hold no forward spans: rerun them with output.trace=full")
-    return EngineSamples(fw, prep, samp, disp, ret, tr, first, recv, hand)
+    return EngineSamples(fw, prep, samp, disp, ret, tr, first, recv, hand, waited)
+
+
+def _structure_aware(run: RealRun) -> bool:
+    """Whether the run's hops sent the activation alone (SiPipe's runtime), as the engine ran it."""
+    from testbed.run.runner import build_policy
+
+    runtime = build_policy(run.spec).runtime.merged(asdict(run.spec.settings.runtime))
+    return bool(runtime.structure_aware_transfer)
 
 
 def _launch_s(b: ReplayedBatch, arrivals: Sequence[float]) -> float:
@@ -308,10 +322,13 @@ def _data_starts(samples: Sequence[ForwardSample], model, hw: HardwareSpec, pp: 
 
 
 def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | None = None,
-             own_attention: bool = False) -> RunFit:
+             own_attention: bool = False, hop: str = "link") -> RunFit:
     """Fit `base`'s engine terms (or, on a roofline base, its coefficients) to the runs (module
-    docstring), and with `own_attention` its decode attention's read rate and few-blocks term.
+    docstring), and with `own_attention` its decode attention's read rate and few-blocks term;
+    `hop="receive"`: a host hop and the return priced once (testbed/calibrate/hop_fit.py).
     Every run must use the same model, P and layer split."""
+    if hop not in HOP_MODES:
+        raise bad_value("--hop", hop, f"choose one of {', '.join(HOP_MODES)}")
     if own_attention and base.kernels is None:
         raise ConfigError(f"--own-attention refits a kernel-table base's decode attention; {base.name} has no "
                           "kernel terms (a roofline base fits its attention efficiency already)")
@@ -362,8 +379,11 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
         base = replace(base, kernels=dict(base.kernels, **kernels))
     result = RunFit(fitted, counts={"forward": len(fwd), "runs": len(runs)}, kernels=kernels)
     _fit_linear_terms(result, data, model.vocab_size)
+    before_return = 0.0  # what the simulator adds before the return term (`hop="receive"`: its latency)
+    if hop == "receive":
+        before_return = price_hops_once(result, data.waited, [t for _, _, t in data.ret], base.p2p_latency_s)
     result.coefficients.update(fit_cpu_sampling(cpu_sampling_samples(runs), model.vocab_size,
-                                                result.coefficients.get("return_fixed_s", 0.0)))
+                                                result.coefficients.get("return_fixed_s", 0.0) + before_return))
     cost = _cost(model, base, pp, split, dict(base_vals, **result.coefficients))
     result.errors = _error_rows("forward", [s.kind for s in fwd],
                                 [cost.stage_compute_s(s.stage, s.shape) for s in fwd], [s.time_s for s in fwd])
