@@ -78,11 +78,13 @@ def errors(rows: list[dict], c: TcpConstants) -> list[float]:
 def constants(x, queue: tuple[float, float], source: str = "") -> TcpConstants:
     """`x`: goodput fraction, seconds per message and, where fitted, the round trips a
     queue-overflowing burst costs and the sender's burst speed (Gbit/s); `queue`: (bytes, x BDP).
-    Reno's cut (`loss_beta`) is the kernel's, not fitted."""
-    burst = max(0.0, float(x[2])) if len(x) > 2 else 0.0
-    sender = max(1e-3, float(x[3])) * 1e9 / 8.0 if len(x) > 3 else math.inf
-    return TcpConstants(INITIAL_WINDOW, min(1.0, float(x[0])), max(0.0, float(x[1])), 0.5, queue[0], source,
-                        queue[1], burst, sender)
+    Reno's cut (`loss_beta`) is the kernel's, not fitted. Rounded as the profile stores them, so that
+    the fit judges the constants it ships: at 400 Mbps a 2.1 MB burst sits on the edge of what the
+    queue absorbs, and the profile's rounding (1e-5 of the goodput) moved points across it."""
+    burst = round(max(0.0, float(x[2])), 4) if len(x) > 2 else 0.0
+    sender = float(round(max(1e-3, float(x[3])) * 1e9 / 8.0)) if len(x) > 3 else math.inf
+    return TcpConstants(INITIAL_WINDOW, round(min(1.0, float(x[0])), 5), round(max(0.0, float(x[1])), 7), 0.5,
+                        queue[0], source, queue[1], burst, sender)
 
 
 def fit(rows: list[dict], queue: tuple[float, float], burst: bool = False,

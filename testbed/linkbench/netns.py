@@ -45,9 +45,8 @@ RELAY_RING_PACKETS = 50_000
 TBF_QUEUE_BYTES = 1000 * 1514
 TBF_BURST_BYTES = 4 * 1514
 # The delay relays: "c" (delay_relay.c, built here with the system C compiler; the default since
-# 2026-11-28) or "python" (relay.py, the relay of every 2026-11-27 series). The Python relay forwarded a
-# window's burst at 95-170 MB/s, so whether a 2.1 MB burst fitted the 1.5 MB queue at 400 Mbps depended
-# on its speed that moment (docs/measurements/links-2026-11-28.md); the C relay forwards at memory speed.
+# 2026-11-28) or "python" (relay.py, the relay of every 2026-11-27 series). Both forward 1.2-1.5 GB/s
+# in bulk (relay_speed.py); the 400 Mbps spread is TCP's with either (docs/measurements/links-2026-11-28.md).
 RELAYS = ("c", "python")
 RELAY_SOURCE = Path(__file__).with_name("delay_relay.c")
 
