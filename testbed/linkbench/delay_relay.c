@@ -2,11 +2,11 @@
  *
  * Attaches to the TUN device DEV (virtio-net header, TSO/checksum offloads: the kernel hands over GSO
  * super-packets), stamps every packet as it is read, holds it DELAY_S and writes it back, where the
- * kernel forwards it on through the rate-limiting tbf (testbed/linkbench/netns.py). Why not the Python
- * relay: it stamped a whole read batch with one time and forwarded about 95-170 MB/s, so a window-sized
- * burst reached the tbf queue at the relay's speed, which decided whether a 2.1 MB burst fitted the
- * 1.5 MB queue at 400 Mbps (run to run: the spread of 4-16 MB there). Here a burst reaches the queue
- * as fast as the kernel forwards it, as from a sender whose NIC is much faster than the bottleneck.
+ * kernel forwards it on through the rate-limiting tbf (testbed/linkbench/netns.py). Written to test
+ * whether the Python relay caused the spread of 4-16 MB at 400 Mbps: it did not (2026-11-28,
+ * docs/measurements/links-2026-11-28.md): both relays forward 1.2-1.5 GB/s in bulk (relay_speed.py),
+ * and the 400 Mbps runs spread with either. This one stamps each packet as it is read (relay.py
+ * stamps a read batch with one time).
  *
  * Left out, as in relay.py: the segments of one super-packet are delayed as one unit; the delay is
  * constant (no jitter, no reordering); a relay descheduled longer than a packet's gap adds that time
