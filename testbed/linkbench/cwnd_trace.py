@@ -1,6 +1,6 @@
 """The sender's congestion window through one run of the validation plan (a diagnostic, root only).
 
-`python -m testbed.linkbench.cwnd_trace DELAY_S RATE_MBPS OUT.txt` builds the measured link, runs the
+`python -m testbed.linkbench.cwnd_trace DELAY_S RATE_MBPS OUT.txt [RELAY]` builds the measured link, runs the
 plan once (measure.py) while polling `ss -tin` in the sender's namespace, and writes, for the gloo
 connection, the window when the sender went idle after each transfer and every change of Reno's
 threshold. It showed what the link model's loss terms now follow (engine/pricing/tcp_link.py): at
@@ -54,7 +54,8 @@ def summary(samples: list[dict]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     delay, rate, out = float(argv[0]), float(argv[1]) * 1e6, argv[2]
-    with DelayedLink(LinkSpec(rate, delay)) as link, tempfile.TemporaryFile("w+") as raw:
+    relay = argv[3] if len(argv) > 3 else "c"
+    with DelayedLink(LinkSpec(rate, delay, relay)) as link, tempfile.TemporaryFile("w+") as raw:
         poll = subprocess.Popen(["ip", "netns", "exec", link.ns_a, "sh", "-c",
                                  "while true; do cat /proc/uptime; ss -tinH state established; done"], stdout=raw)
         try:
@@ -65,7 +66,7 @@ def main(argv: list[str]) -> int:
         raw.seek(0)
         lines = summary(_samples(raw.read(), link.addr_b))
     with open(out, "w") as f:
-        f.write(f"# {delay * 1e3:.0f} ms one way, {rate / 1e6:.0f} Mbps\n" + "\n".join(lines) + "\n")
+        f.write(f"# {delay * 1e3:.0f} ms one way, {rate / 1e6:.0f} Mbps, {relay} relay\n" + "\n".join(lines) + "\n")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Fit the TCP link model's constants to measured transfers, and the validation table.
 
 `python -m testbed.linkbench.fit OUT_PROFILE.json --fit A.json [--fit B.json] --check C.json ...`
-fits `goodput_fraction`, `per_message_s` and, with --burst-loss, `burst_loss_rtts` and `sender_Bps` (engine/pricing/tcp_link.py;
+fits `goodput_fraction`, `per_message_s` and, with --burst-loss, `burst_loss_rtts` and `sender_Bps` (or takes
+the last as measured: --sender-Bps; engine/pricing/tcp_link.py;
 the initial window and Reno's cut are the kernel's)
 by robust least squares on the log of the transfer times of the `--fit` series, then reports the error on
 every series (`--check` ones held out of the fit) and writes the profile: the constants, where they
@@ -77,17 +78,24 @@ def errors(rows: list[dict], c: TcpConstants) -> list[float]:
 def constants(x, queue: tuple[float, float], source: str = "") -> TcpConstants:
     """`x`: goodput fraction, seconds per message and, where fitted, the round trips a
     queue-overflowing burst costs and the sender's burst speed (Gbit/s); `queue`: (bytes, x BDP).
-    Reno's cut (`loss_beta`) is the kernel's, not fitted."""
-    burst = max(0.0, float(x[2])) if len(x) > 2 else 0.0
-    sender = max(1e-3, float(x[3])) * 1e9 / 8.0 if len(x) > 3 else math.inf
-    return TcpConstants(INITIAL_WINDOW, min(1.0, float(x[0])), max(0.0, float(x[1])), 0.5, queue[0], source,
-                        queue[1], burst, sender)
+    Reno's cut (`loss_beta`) is the kernel's, not fitted. Rounded as the profile stores them, so that
+    the fit judges the constants it ships: at 400 Mbps a 2.1 MB burst sits on the edge of what the
+    queue absorbs, and the profile's rounding (1e-5 of the goodput) moved points across it."""
+    burst = round(max(0.0, float(x[2])), 4) if len(x) > 2 else 0.0
+    sender = float(round(max(1e-3, float(x[3])) * 1e9 / 8.0)) if len(x) > 3 else math.inf
+    return TcpConstants(INITIAL_WINDOW, round(min(1.0, float(x[0])), 5), round(max(0.0, float(x[1])), 7), 0.5,
+                        queue[0], source, queue[1], burst, sender)
 
 
-def fit(rows: list[dict], queue: tuple[float, float], burst: bool = False) -> TcpConstants:
+def fit(rows: list[dict], queue: tuple[float, float], burst: bool = False,
+        sender_Bps: float | None = None) -> TcpConstants:
+    """`sender_Bps`: the sender's burst speed as measured (relay_speed.py), not fitted."""
     from scipy.optimize import minimize
 
+    fixed = () if sender_Bps is None or not burst else (sender_Bps * 8.0 / 1e9,)
+
     def loss_on(x, rows) -> float:
+        x = tuple(x) + fixed
         if not 0.5 < x[0] <= 1.0 or x[1] < 0 or (burst and not (0 <= x[2] <= 10 and 0.05 <= x[3] <= 100)):
             return 1e9
         # Cauchy (robust) loss on the log error: a few transfers the model does not describe (a second
@@ -95,10 +103,11 @@ def fit(rows: list[dict], queue: tuple[float, float], burst: bool = False) -> Tc
         return sum(math.log1p((math.log1p(e) / ROBUST_SCALE) ** 2) for e in errors(rows, constants(x, queue)))
 
     means = repeat_means(rows)
-    starts = [START + (b, g) for b in BURST_STARTS for g in SENDER_GBPS_STARTS] if burst else [START]
+    senders = [()] if fixed else [(g,) for g in SENDER_GBPS_STARTS]
+    starts = [START + (b,) + g for b in BURST_STARTS for g in senders] if burst else [START]
     fits = [minimize(lambda x: loss_on(x, means), x0, method="Nelder-Mead",
                      options={"xatol": 1e-6, "fatol": 1e-9, "maxiter": 6000}) for x0 in starts]
-    return constants(min(fits, key=lambda f: f.fun).x, queue)
+    return constants(tuple(min(fits, key=lambda f: f.fun).x) + fixed, queue)
 
 
 def summary(errs: list[float]) -> dict:
@@ -144,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the measured link's queue as a multiple of its BDP (measure.py --queue-bdp); "
                          "default: the fixed TBF_QUEUE_BYTES")
     ap.add_argument("--burst-loss", action="store_true", help="also fit the round trips a queue-overflowing burst costs")
+    ap.add_argument("--sender-Bps", type=float, default=None,
+                    help="with --burst-loss: the sender's burst speed as measured (relay_speed.py), not fitted")
     a = ap.parse_args(argv)
     missing = [p for p in a.fit + a.check if not Path(p).is_file()]
     if missing:
@@ -153,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     fitted = [load(p) for p in a.fit]
     checked = [load(p) for p in a.check]
     queue = (float(TBF_QUEUE_BYTES), 0.0) if a.queue_bdp is None else (0.0, a.queue_bdp)
-    c = fit([r for d in fitted for r in d["rows"]], queue, a.burst_loss)
+    if a.sender_Bps is not None and not (a.burst_loss and a.sender_Bps > 0):
+        print(f"error: --sender-Bps {a.sender_Bps}: a speed > 0 in bytes/s, with --burst-loss")
+        return 2
+    c = fit([r for d in fitted for r in d["rows"]], queue, a.burst_loss, a.sender_Bps)
     series = []
     for role, paths, data in (("fit", a.fit, fitted), ("held out", a.check, checked)):
         for p, d in zip(paths, data):

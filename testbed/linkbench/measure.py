@@ -5,7 +5,7 @@ fresh pair of gloo processes (a new TCP connection: slow start from the initial 
 the plan; it returns one row per transfer: rate, delay, bytes, messages, the idle gap before it,
 and the measured seconds (first byte offered by the sender to last byte received).
 
-`python -m testbed.linkbench.measure OUT.json [--delays 0.03] [--rates 60,100,200,400]` runs the
+`python -m testbed.linkbench.measure OUT.json [--delays 0.03] [--rates 60,100,200,400] [--relay c]` runs the
 validation grid (`validation_plan`) and writes the rows with the machine's provenance.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from testbed.linkbench.netns import (CONGESTION_CONTROL, TBF_BURST_BYTES, TBF_QUEUE_BYTES, DelayedLink, LinkSetupError,
-                                     LinkSpec)
+from testbed.linkbench.netns import (CONGESTION_CONTROL, RELAYS, TBF_BURST_BYTES, TBF_QUEUE_BYTES, DelayedLink,
+                                     LinkSetupError, LinkSpec)
 
 SIZES = (1 << 10, 16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -67,12 +67,12 @@ def queue_bytes_for(rate_bps: float, delay_s: float, queue_bdp: float | None) ->
 
 
 def measure(delay_s: float, rates_bps, plan: list[dict], timeout_s: float = 300.0, repeats: int = 1,
-            queue_bdp: float | None = None) -> list[dict]:
+            queue_bdp: float | None = None, relay: str = "c") -> list[dict]:
     """Each rate's plan `repeats` times, each on a fresh connection; every row says its repeat, the
     bottleneck's queue, and what that run's connection lost (queue drops, retransmitted segments,
     timeouts: the same for every row of one run)."""
     rows = []
-    with DelayedLink(LinkSpec(rates_bps[0], delay_s)) as link:
+    with DelayedLink(LinkSpec(rates_bps[0], delay_s, relay)) as link:
         for i, rate in enumerate(rates_bps):
             queue = queue_bytes_for(rate, delay_s, queue_bdp)
             link.set_rate(rate, queue)
@@ -88,13 +88,14 @@ def measure(delay_s: float, rates_bps, plan: list[dict], timeout_s: float = 300.
     return rows if not rows_relay else [dict(r, relay=rows_relay) for r in rows]
 
 
-def provenance(load_before: list[str] | None = None) -> dict:
+def provenance(load_before: list[str] | None = None, relay: str = "c") -> dict:
     import torch
 
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "kernel": platform.release(),
             "torch": torch.__version__, "python": platform.python_version(),
             "loadavg": Path("/proc/loadavg").read_text().split()[:3], "loadavg_before": load_before,
-            "congestion_control": CONGESTION_CONTROL, "link": "veth + tbf (queue: each row's queue_bytes) + TUN delay relay (testbed/linkbench)",
+            "congestion_control": CONGESTION_CONTROL, "relay": relay,
+            "link": "veth + tbf (queue: each row's queue_bytes) + TUN delay relay (testbed/linkbench)",
             "data_plane": "torch.distributed gloo send/recv over TCP (engine/torch_exec/stage/worker.py)"}
 
 
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queue-bdp", type=float, default=None,
                     help="bottleneck queue as a multiple of rate x RTT (default: the fixed TBF_QUEUE_BYTES)")
     ap.add_argument("--sizes", default=None, help="comma-separated bytes (default: the validation sizes)")
+    ap.add_argument("--relay", default="c", help=f"the delay relay: {', '.join(RELAYS)} (python: the 2026-11-27 series')")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_cleanly)  # the link's namespaces are removed on the way out
     try:
@@ -120,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"error: --rates {a.rates!r} / --delays {a.delays!r} / --sizes {a.sizes!r}: comma-separated numbers "
               "(Mbps, seconds, bytes)")
+        return 2
+    if a.relay not in RELAYS:
+        print(f"error: --relay {a.relay!r}: valid choices: {', '.join(RELAYS)}")
         return 2
     if not 1 <= a.repeats <= 50 or (a.queue_bdp is not None and not 0 < a.queue_bdp <= 20):
         print(f"error: --repeats {a.repeats} / --queue-bdp {a.queue_bdp}: repeats 1-50, queue-bdp in (0, 20]")
@@ -131,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     rows, load_before = [], Path("/proc/loadavg").read_text().split()[:3]
     try:
         for d in delays:
-            rows += measure(d, rates, validation_plan(sizes), repeats=a.repeats, queue_bdp=a.queue_bdp)
+            rows += measure(d, rates, validation_plan(sizes), repeats=a.repeats, queue_bdp=a.queue_bdp, relay=a.relay)
     except LinkSetupError as exc:
         print(f"error: the measured link could not be built (root and iproute2 needed): {exc}")
         return 2
-    out.write_text(json.dumps({"provenance": provenance(load_before), "rows": rows}, indent=1) + "\n")
+    out.write_text(json.dumps({"provenance": provenance(load_before, a.relay), "rows": rows}, indent=1) + "\n")
     print(f"{len(rows)} transfers -> {a.out}")
     return 0
 

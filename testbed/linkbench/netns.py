@@ -2,7 +2,8 @@
 
     ns A (sender, 10.<k>.1.1) --veth-- ns R (router) --veth-- ns B (receiver, 10.<k>.2.1)
                                           |
-                                   TUN device + relay.py (one-way delay, both directions)
+                                   TUN device + a delay relay (one-way delay, both directions:
+                                   delay_relay.c, or relay.py for the 2026-11-27 series)
                                    tbf on R's two egress veths (the link's rate, both directions)
 
 Every packet between A and B enters R, is routed into the TUN device (policy rule: from either
@@ -15,10 +16,14 @@ command and its message, never a silent fallback.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 # The endpoints' congestion control. This machine defaults to BBR, whose pacing makes a transfer
 # rate-like rather than window by window (measured: 64 KB took 22 ms beyond the 30 ms delay at
@@ -39,6 +44,11 @@ RELAY_RING_PACKETS = 50_000
 # queue, 1 MB transfers took up to 1.2 s in loss recovery (against 0.18 s without loss).
 TBF_QUEUE_BYTES = 1000 * 1514
 TBF_BURST_BYTES = 4 * 1514
+# The delay relays: "c" (delay_relay.c, built here with the system C compiler; the default since
+# 2026-11-28) or "python" (relay.py, the relay of every 2026-11-27 series). Both forward 1.2-1.5 GB/s
+# in bulk (relay_speed.py); the 400 Mbps spread is TCP's with either (docs/measurements/links-2026-11-28.md).
+RELAYS = ("c", "python")
+RELAY_SOURCE = Path(__file__).with_name("delay_relay.c")
 
 
 class LinkSetupError(RuntimeError):
@@ -56,6 +66,27 @@ def sh(*cmd: str) -> str:
 class LinkSpec:
     rate_bps: float  # bits per second of the bottleneck (tbf)
     delay_s: float  # one-way delay (the relay adds it in each direction)
+    relay: str = "c"  # one of RELAYS
+
+    def __post_init__(self) -> None:
+        if self.relay not in RELAYS:
+            raise LinkSetupError(f"relay {self.relay!r}: valid choices: {', '.join(RELAYS)}")
+
+
+def relay_binary() -> Path:
+    """delay_relay.c compiled (gcc/cc -O2) into a per-source cache under the temp folder, once."""
+    src = RELAY_SOURCE.read_bytes()
+    out = Path(tempfile.gettempdir()) / "testbed-linkbench" / f"delay_relay-{hashlib.sha256(src).hexdigest()[:12]}"
+    if out.is_file():
+        return out
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise LinkSetupError("the C delay relay needs a C compiler (gcc or cc); or choose relay 'python'")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}")
+    sh(cc, "-O2", "-Wall", "-o", str(tmp), str(RELAY_SOURCE))
+    tmp.replace(out)
+    return out
 
 
 class DelayedLink:
@@ -118,9 +149,10 @@ class DelayedLink:
         for dev in ("ra", "rb"):
             self._in(r, "ip", "rule", "add", "iif", dev, "table", "46")
         self.set_rate(self.spec.rate_bps)
-        self.relay = subprocess.Popen(
-            ["ip", "netns", "exec", r, sys.executable, "-m", "testbed.linkbench.relay", "dly", repr(self.spec.delay_s)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        relay = ([str(relay_binary())] if self.spec.relay == "c"
+                 else [sys.executable, "-m", "testbed.linkbench.relay"])
+        self.relay = subprocess.Popen(["ip", "netns", "exec", r, *relay, "dly", repr(self.spec.delay_s)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.relay.stdout.readline().strip()
         if line != "ready":
             raise LinkSetupError(f"delay relay did not start: {line} {self.relay.stderr.read()}")
