@@ -315,8 +315,14 @@ class CapacityFeed(sweep.Feed):
                 and (job := self._next(pt)) is not None]
 
     def _next(self, pt: PointSpec) -> sweep.Job | None:
+        """The window's next search probe; none, and the point unconfirmed, when narrowing after a
+        failed confirmation has no room left for it and the confirmation after it."""
         self._coarsen(pt)
         rate = self.searches[pt.index].next_rate()
+        point = self.points.get(pt.group)
+        if rate is not None and point is not None and not point.affords(1 + sum(u in self.busy for u in point.units())):
+            point.give_up("narrow_probes")
+            return None
         return None if rate is None else self._job(pt, rate)
 
     def _coarsen(self, pt: PointSpec) -> None:
@@ -391,6 +397,8 @@ class CapacityFeed(sweep.Feed):
         return jobs or self._confirm(point)
 
     def _confirm(self, point: PointSearch) -> list[sweep.Job]:
+        if point.status is not None:  # ended while its searches were asked for their next probe
+            return []
         jobs = []
         for check in point.confirm():
             ran = next((p for p in self.searches[check.unit].probes if p.rate == check.rate), None)
