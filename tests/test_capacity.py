@@ -446,7 +446,7 @@ def test_a_probe_is_long_enough_to_reach_a_steady_state_and_the_l20_case_is_answ
     """The probe length comes from the longest request served alone; llama2-70b on 4 x L20 is
     pruned by its lone request's TPOT (0.223 s > 0.2 s), without a probe; a P that does not fit
     likewise; trace windows of 4,000 requests covering the trace from its start."""
-    from testbed.capacity.command import plan
+    from testbed.capacity.planning import plan
 
     p = plan(["model=llama2-70b", "hardware=l20-48g,h100-80g", "parallel.pp=2,4", "workload=azure",
               f"output.dir={tmp_path}"])

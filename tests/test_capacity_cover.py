@@ -130,7 +130,7 @@ def test_narrowing_stays_within_its_probe_bound_and_then_reports_no_capacity(bou
 
 
 def trace_plan(tmp_path, *args):
-    from testbed.capacity.command import plan
+    from testbed.capacity.planning import plan
 
     return plan([*(args or AZURE), f"output.dir={tmp_path}"])
 
@@ -267,7 +267,8 @@ def test_every_point_of_a_grid_narrows_on_its_own(tmp_path):
     """The feed of a two-point grid (a ranking, a configuration search) run dry against known
     capacities: the point whose hold-outs are harder narrows to them and is confirmed; the other is
     confirmed at once."""
-    from testbed.capacity.command import CapacityFeed, plan
+    from testbed.capacity.command import CapacityFeed
+    from testbed.capacity.planning import plan
     from testbed.capacity.forecast import dry_feed
 
     p = plan([*[a for a in SYNTH if not a.startswith("policy=")], "policy=sarathi,vllm", f"output.dir={tmp_path}"])
