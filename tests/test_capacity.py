@@ -209,9 +209,9 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
 
     fresh_mlflow_db(tmp_path)
     table, probes = live_search(tmp_path, "live", 10, "capacity.precision=0.1", "capacity.max_probes=6",
-                                "output.requests=true")
-    # 6 a window, held-out stretches that failed searched as windows too (2 at most), + the checks
-    assert len(table) == 1 and table["probes"][0] == len(probes) <= 6 * 3 + 2
+                                "capacity.narrow_probes=8", "output.requests=true")
+    # 6 in the window, its upper and hold-out probes, then 8 at most narrowing after a failed confirmation
+    assert len(table) == 1 and table["probes"][0] == len(probes) <= 6 + 2 + 8
     if table["status"][0] == "host-bound" and probes.empty:  # a busy shared machine: flagged, never a capacity
         assert table["search"][0].startswith("host-bound before any probe") and "capacity_req_s" not in table
         return

@@ -263,10 +263,22 @@ def test_a_search_that_reaches_a_bound_prints_no_capacity_and_says_what_held(tmp
         assert len(first[first["window"] == "h1"]) <= 1 + 4
 
 
-def test_every_point_of_a_grid_narrows_on_its_own(tmp_path):
+def live_feed():
+    """The live search's feed (`--base-url`), its server never reached: the dry run answers its probes."""
+    from testbed.capacity.live import LiveFeed, LiveOptions
+
+    class Live(LiveFeed):
+        def __init__(self, p, parent):
+            super().__init__(p, parent, LiveOptions("http://127.0.0.1:9"))
+
+    return Live
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_every_point_of_a_grid_narrows_on_its_own(tmp_path, live):
     """The feed of a two-point grid (a ranking, a configuration search) run dry against known
-    capacities: the point whose hold-outs are harder narrows to them and is confirmed; the other is
-    confirmed at once."""
+    capacities, simulated and live: the point whose hold-outs are harder narrows to them and is
+    confirmed; the other is confirmed at once."""
     from testbed.capacity.command import CapacityFeed
     from testbed.capacity.planning import plan
     from testbed.capacity.forecast import dry_feed
@@ -278,7 +290,7 @@ def test_every_point_of_a_grid_narrows_on_its_own(tmp_path):
         pt = plan.points[u]
         return harder.get(pt.window, 5.0) if pt.holdout and pt.group == 0 else 3.0
 
-    feed, done, _ = dry_feed(p, capacity, lambda *a: 1.0, 2, CapacityFeed)
+    feed, done, _ = dry_feed(p, capacity, lambda *a: 1.0, 2, live_feed() if live else CapacityFeed)
     first, second = feed.points[0], feed.points[1]
     assert first.status == "confirmed" and 1.6 / 1.05 <= first.answer <= 1.6 and len(first.tried) == 3
     assert second.status == "confirmed" and 3.0 / 1.05 <= second.answer <= 3.0 and len(second.tried) == 1
