@@ -274,7 +274,15 @@ class CapacityFeed(sweep.Feed):
             value, queue = f"< {pt.target:g}", f" (stopped after {stopped:,} of {row.get('num_requests', 0):,.0f} requests)"
         left = f" [dim]~{estimate.text(self.refresh.left_s(self.searches))} of CPU left[/dim]" if self.refresh else ""
         return (f"point {pt.group:>3} probe {job.tags['capacity.probe']:>2} rate {rate:<8g} {verdict} "
-                f"{self.p.settings.metric} {value} ({row['capacity.phase']}){queue} {where}{left}")
+                f"{self.p.settings.metric} {value} ({row['capacity.phase']}){queue}{self._narrowing(pt, row)} {where}{left}")
+
+    def _narrowing(self, pt: PointSpec, row: dict) -> str:
+        """On a failed confirmation probe: the answer narrows, or (a bound reached) the point has none."""
+        if row["capacity.phase"] not in ("verify", "holdout") or row["capacity.passed"]:
+            return ""
+        point = self.points[pt.group]
+        return (" [yellow]confirmation failed: no capacity[/yellow]" if point.status == "unconfirmed"
+                else " [yellow]confirmation failed: narrowing[/yellow]")
 
 
 def probe_requests(p: Plan, pt: PointSpec, rate: float) -> int:
