@@ -209,9 +209,9 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
 
     fresh_mlflow_db(tmp_path)
     table, probes = live_search(tmp_path, "live", 10, "capacity.precision=0.1", "capacity.max_probes=6",
-                                "output.requests=true")
-    # 6 a window, held-out stretches that failed searched as windows too (2 at most), + the checks
-    assert len(table) == 1 and table["probes"][0] == len(probes) <= 6 * 3 + 2
+                                "capacity.narrow_probes=8", "output.requests=true")
+    # 6 in the window, its upper and hold-out probes, then 8 at most narrowing after a failed confirmation
+    assert len(table) == 1 and table["probes"][0] == len(probes) <= 6 + 2 + 8
     if table["status"][0] == "host-bound" and probes.empty:  # a busy shared machine: flagged, never a capacity
         assert table["search"][0].startswith("host-bound before any probe") and "capacity_req_s" not in table
         return
@@ -446,7 +446,7 @@ def test_a_probe_is_long_enough_to_reach_a_steady_state_and_the_l20_case_is_answ
     """The probe length comes from the longest request served alone; llama2-70b on 4 x L20 is
     pruned by its lone request's TPOT (0.223 s > 0.2 s), without a probe; a P that does not fit
     likewise; trace windows of 4,000 requests covering the trace from its start."""
-    from testbed.capacity.command import plan
+    from testbed.capacity.planning import plan
 
     p = plan(["model=llama2-70b", "hardware=l20-48g,h100-80g", "parallel.pp=2,4", "workload=azure",
               f"output.dir={tmp_path}"])

@@ -55,11 +55,15 @@ def point_search(knees: dict[int, float], holdout_knees: list[float], s: Capacit
 
 
 def drive(point: PointSearch, knees: dict[int, float]) -> PointSearch:
-    """What the feed does, without runs: every window's search, then the checks, until settled."""
+    """What the feed does, without runs: every window's search (while narrowing affords its next
+    probe), then the checks, until settled."""
     for _ in range(50):
         for w in list(point.windows):
             search = point.searches[w]
             while (rate := search.next_rate()) is not None:
+                if not point.affords(1):
+                    point.give_up("narrow_probes")
+                    return point
                 search.record(rate, float(rate <= knees[w]), rate <= knees[w])
         checks = point.confirm()
         if not checks:
@@ -97,13 +101,36 @@ def test_an_answer_no_holdout_confirms_is_never_reported():
     s = CapacitySettings(precision=0.05, holdouts=1)
     knees = {0: 3.0, 1: 2.0}
     point = drive(point_search(knees, [1.0], s), knees)
-    assert point.status == "unconfirmed"
+    assert point.status == "unconfirmed" and point.ended == "holdouts" and point.failed.kind == "holdout"
     none_left = drive(point_search({0: 3.0}, [], s), {0: 3.0})
-    assert none_left.status == "unconfirmed"
+    assert none_left.status == "unconfirmed" and none_left.ended == "no holdout"
+
+
+def test_each_failed_confirmation_narrows_until_a_fresh_holdout_confirms():
+    """Three held-out stretches each harder than the answer before them: the answer steps down
+    to each one's capacity and the fourth confirms it (two hold-outs ended this unconfirmed)."""
+    s = CapacitySettings(precision=0.05, narrow_probes=60)
+    knees = {0: 3.0}
+    point = drive(point_search(knees, [2.0, 1.6, 1.3, 2.5], s), knees)
+    assert point.status == "confirmed" and point.windows == [0, 100, 101, 102] and point.binding == 102
+    assert point.answer <= 1.3 < point.answer * (1 + s.precision) + 1e-9
+    assert point.holdout_check().unit == 103 and point.holdout_check().passed
+    for w in point.windows:  # the narrowed answer ran and passed on every stretch searched
+        assert any(p.rate == point.answer and p.passed for p in point.searches[w].probes)
+
+
+@pytest.mark.parametrize("bound", [0, 5, 12])
+def test_narrowing_stays_within_its_probe_bound_and_then_reports_no_capacity(bound):
+    s = CapacitySettings(precision=0.05, narrow_probes=bound)
+    knees = {0: 3.0}
+    point = drive(point_search(knees, [2.0, 1.6, 1.3, 2.5], s), knees)
+    assert point.status == "unconfirmed" and point.ended == "narrow_probes"
+    assert point.narrowed_from is not None and point.extra_probes() <= bound
+    assert point.failed.kind == "holdout" and not point.failed.passed
 
 
 def trace_plan(tmp_path, *args):
-    from testbed.capacity.command import plan
+    from testbed.capacity.planning import plan
 
     return plan([*(args or AZURE), f"output.dir={tmp_path}"])
 
@@ -169,3 +196,101 @@ def test_probe_lengths_and_warm_ups_are_bounded(tmp_path, capsys):
         code = main(["capacity", *[a for a in AZURE if a.partition("=")[0] not in keys], f"output.dir={tmp_path}", *args])
         err = capsys.readouterr().err.strip()
         assert code == 2 and err.startswith("error: ") and "\n" not in err and message in err, err
+
+
+# --- narrowing end to end: hold-outs made harder than the window (longer prompts) ----------------------
+
+SYNTH = ["policy=sarathi", "model=llama2-13b", "hardware=rtx4090", "parallel.pp=2", "workload=synthetic",
+         "capacity.duration_s=30", "capacity.start=2", "capacity.precision=0.05", "capacity.windows=1",
+         "output.progress=false", "output.mlflow=false", "capacity.workers=1"]
+
+
+def harder_holdouts(monkeypatch, prompts: list[int]) -> None:
+    """The k-th held-out seed sends prompts of prompts[k-1] tokens (the window's are 512; later
+    hold-outs 512 again): stretches harder than every window the search probed."""
+    from dataclasses import replace
+
+    import testbed.capacity.command as command
+    from testbed.config.overrides import merge
+
+    made = command.window_unit
+
+    def unit(spec, settings, index, window, **kw):
+        out = made(spec, settings, index, window, **kw)
+        if not kw.get("holdout"):
+            return out
+        n = prompts[window - 1] if window <= len(prompts) else 512
+        return replace(out, run=out.run.with_values({"workload.input_mean": n}),
+                       overrides=tuple(merge(out.overrides, [f"workload.input_mean={n}"])))
+
+    monkeypatch.setattr(command, "window_unit", unit)
+
+
+def test_a_search_narrows_past_two_harder_holdouts_and_confirms_on_a_third(tmp_path, capsys, monkeypatch):
+    """Hold-outs h1 (1,024-token prompts) and h2 (2,048) each fail at the answer before them: the
+    answer narrows to h2's capacity and h3 confirms it. (Two hold-outs ended this `unconfirmed`.)"""
+    harder_holdouts(monkeypatch, [1024, 2048])
+    assert main(["capacity", *SYNTH, f"output.dir={tmp_path}", "capacity.experiment=narrow"]) == 0
+    out = tmp_path / "capacity" / "narrow"
+    row = pd.read_csv(out / "table.csv").iloc[0]
+    probes = pd.read_csv(out / "probes.csv")
+    cap = row["capacity_req_s"]
+    assert row["search"] == "confirmed" and row["binding"] == "h2" and row["confirm_holdout"].startswith("h3")
+    assert cap == row["capacity_min_req_s"] < row["capacity_max_req_s"]
+    for window in ("w0", "h1", "h2", "h3"):  # the answer ran and passed on every stretch
+        at = probes[(probes["window"] == window) & (probes["workload.rate"] == cap)]
+        assert at["capacity.passed"].all() and len(at), window
+    assert f"{cap:g}" in capsys.readouterr().err  # the table (the console writes to stderr)
+
+
+@pytest.mark.parametrize("keys, ended", [(["capacity.holdouts=2"], "capacity.holdouts=2 spent"),
+                                         (["capacity.narrow_probes=4"], "capacity.narrow_probes=4 spent")])
+def test_a_search_that_reaches_a_bound_prints_no_capacity_and_says_what_held(tmp_path, capsys, monkeypatch,
+                                                                            keys, ended):
+    harder_holdouts(monkeypatch, [1024, 2048])
+    assert main(["capacity", *SYNTH, *keys, f"output.dir={tmp_path}", "capacity.experiment=bound"]) == 0
+    out = tmp_path / "capacity" / "bound"
+    row = pd.read_csv(out / "table.csv").iloc[0]
+    printed = capsys.readouterr().err
+    assert row["status"] == "unconfirmed" and math.isnan(row.get("capacity_req_s", math.nan))
+    table = printed[printed.index("capacity per point"):printed.index("unconfirmed point 0")]
+    rates = {f"{r:g}" for r in pd.read_csv(out / "probes.csv")["workload.rate"]}
+    assert not any(rate in table for rate in rates if "." in rate), table  # no probed rate in the printed table
+    line = next(ln for ln in printed.splitlines() if ln.startswith("unconfirmed point 0"))
+    assert "no capacity: " in line and "held on w0" in line and "failed on held-out h" in line and ended in line
+    if "narrow_probes" in ended:  # at most 4 probes after the first failed confirmation (h1 at w0's capacity)
+        first = pd.read_csv(out / "probes.csv")
+        assert len(first[first["window"] == "h1"]) <= 1 + 4
+
+
+def live_feed():
+    """The live search's feed (`--base-url`), its server never reached: the dry run answers its probes."""
+    from testbed.capacity.live import LiveFeed, LiveOptions
+
+    class Live(LiveFeed):
+        def __init__(self, p, parent):
+            super().__init__(p, parent, LiveOptions("http://127.0.0.1:9"))
+
+    return Live
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_every_point_of_a_grid_narrows_on_its_own(tmp_path, live):
+    """The feed of a two-point grid (a ranking, a configuration search) run dry against known
+    capacities, simulated and live: the point whose hold-outs are harder narrows to them and is
+    confirmed; the other is confirmed at once."""
+    from testbed.capacity.command import CapacityFeed
+    from testbed.capacity.planning import plan
+    from testbed.capacity.forecast import dry_feed
+
+    p = plan([*[a for a in SYNTH if not a.startswith("policy=")], "policy=sarathi,vllm", f"output.dir={tmp_path}"])
+    harder = {1: 2.0, 2: 1.6}
+
+    def capacity(plan, u):
+        pt = plan.points[u]
+        return harder.get(pt.window, 5.0) if pt.holdout and pt.group == 0 else 3.0
+
+    feed, done, _ = dry_feed(p, capacity, lambda *a: 1.0, 2, live_feed() if live else CapacityFeed)
+    first, second = feed.points[0], feed.points[1]
+    assert first.status == "confirmed" and 1.6 / 1.05 <= first.answer <= 1.6 and len(first.tried) == 3
+    assert second.status == "confirmed" and 3.0 / 1.05 <= second.answer <= 3.0 and len(second.tried) == 1

@@ -21,7 +21,7 @@ AZURE = ["policy=gllm", "workload=azure", "output.progress=false", "output.mlflo
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
     """A plan of three 150-request trace windows, start 0.8 req/s (`plan` settles each point)."""
-    from testbed.capacity.command import plan
+    from testbed.capacity.planning import plan
 
     return plan([*AZURE, "capacity.start=0.8", f"output.dir={tmp_path_factory.mktemp('fc')}"])
 
@@ -114,7 +114,8 @@ def test_the_forecast_times_two_pilots_per_window_and_refresh_prices_only_what_i
     """Real pilots on 150-request windows: one pair per window at start / growth^2 and the start
     (more above only while all pass); before any probe the CPU left is the whole plan's, after the
     search it is nothing, though the search appended its hold-out to the plan."""
-    from testbed.capacity.command import CapacityFeed, probe_requests, start_rate
+    from testbed.capacity.command import CapacityFeed, probe_requests
+    from testbed.capacity.planning import start_rate
 
     monkeypatch.setattr(fc, "PILOT_REQUESTS", 40)  # short pilots: what is asserted is which runs, not their length
     plan = replace(trace, points=list(trace.points))

@@ -14,9 +14,16 @@ Confirmation, before an answer is reported:
 - the binding window at answer x (1 + precision) must fail (else the point is marked non-monotone:
   the answer stays the conservative one);
 - a held-out stretch (testbed/capacity/windows.py), which no probe replayed, at the answer must pass.
-A failed verification reopens that window's search; a failed hold-out becomes a window of its own
-(its search continues below the answer) and another hold-out is tried, `capacity.holdouts` times in
-all; then the point is `unconfirmed` and no capacity is printed.
+A failed confirmation narrows the answer: a window that failed at it reopens its search; a failed
+hold-out becomes a window of its own (its search steps down from the answer to the highest rate
+that passes there too), and the new, lower answer is confirmed again, on a fresh hold-out. This
+repeats until a confirmation passes, within two bounds: `capacity.holdouts` held-out stretches
+and `capacity.narrow_probes` probes after the first failed confirmation (a narrowing step is only
+started when its confirmation still fits). A point that reaches a bound, or runs out of held-out
+stretches, ends `unconfirmed`: no capacity is printed, only what passed and what failed (`ended`).
+Before, the last hold-out's failure ended the search without narrowing: the docs' live example
+(seeds as hold-outs, two allowed) ended unconfirmed at 3.126 req/s, where one more step confirms
+2.701 on a third seed.
 """
 from __future__ import annotations
 
@@ -56,6 +63,9 @@ class PointSearch:
     answer: float | None = None
     binding: int | None = None
     status: str | None = None  # None while running; confirmed | unconfirmed | no capacity | stopped
+    narrowed_from: int | None = None  # the point's probe count when a confirmation first failed
+    ended: str | None = None  # why an unconfirmed point stopped: holdouts | narrow_probes | no holdout
+    failed: Check | None = None  # the last confirmation probe that failed (what the point ends on)
 
     # --- the answer -----------------------------------------------------------------------------------
     def capacities(self) -> dict[int, float | None]:
@@ -93,6 +103,32 @@ class PointSearch:
                 self.tried.append(current)
         return current
 
+    # --- narrowing within its bounds ----------------------------------------------------------------
+    def units(self) -> list[int]:
+        """The windows and every hold-out tried (those that failed are windows too)."""
+        return self.windows + [u for u in self.tried if u not in self.windows]
+
+    def probes_run(self) -> int:
+        return sum(len(self.searches[u].probes) for u in self.units())
+
+    def extra_probes(self) -> int:
+        """Probes run since a confirmation first failed (0 before)."""
+        return 0 if self.narrowed_from is None else self.probes_run() - self.narrowed_from
+
+    def affords(self, probes: int, confirm_after: bool = True) -> bool:
+        """Whether `probes` more (those in flight included) stay within `capacity.narrow_probes`,
+        with room left for the confirmation that follows (`confirm_after`: the other windows, the
+        upper probe and a hold-out); always before a confirmation failed."""
+        if self.narrowed_from is None:
+            return True
+        reserve = len(self.windows) + 1 if confirm_after else 0
+        return self.extra_probes() + probes + reserve <= self.settings.narrow_probes
+
+    def give_up(self, ended: str) -> None:
+        """End the point `unconfirmed`: a bound reached (`holdouts`, `narrow_probes`) or no
+        held-out stretch left (`no holdout`)."""
+        self.status, self.ended = "unconfirmed", ended
+
     def confirm(self) -> list[Check]:
         """Called when no window search has a probe left: the answer and its checks (empty when
         the point ends here: no capacity, or no hold-out left)."""
@@ -101,9 +137,12 @@ class PointSearch:
         if answer is None:
             self.status = "no capacity"
             return []
+        if not self.affords(len(self.windows) + 1, confirm_after=False):
+            self.give_up("narrow_probes")
+            return []
         self.checks = self.checks_for(answer, binding)
         if not any(c.kind == "holdout" for c in self.checks):
-            self.status = "unconfirmed"
+            self.give_up("no holdout")
             return []
         return list(self.checks)
 
@@ -115,18 +154,21 @@ class PointSearch:
         (a window failed at the answer, or the hold-out did and became a window)."""
         failed_windows = [c for c in self.checks if c.kind == "verify" and not c.passed]
         hold = next(c for c in self.checks if c.kind == "holdout")
+        if not failed_windows and hold.passed:
+            self.status = "confirmed"
+            return True
+        self.failed = hold if not hold.passed else failed_windows[0]
+        if self.narrowed_from is None:
+            self.narrowed_from = self.probes_run()
         if not hold.passed:
             self.windows.append(hold.unit)  # its search continues below the answer
             search = self.searches[hold.unit]
             # narrowing: the capacity is near the answer, so step down by the precision x 4, not x growth
             search.s = replace(search.s, growth=min(search.s.growth, (1 + self.settings.precision) ** 4))
             if len([u for u in self.tried if u in self.windows]) >= self.settings.holdouts:
-                self.status = "unconfirmed"
+                self.give_up("holdouts")
                 return True
-        if failed_windows or not hold.passed:
-            return False
-        self.status = "confirmed"
-        return True
+        return False
 
     def holdout_check(self) -> Check | None:
         return next((c for c in self.checks if c.kind == "holdout"), None)

@@ -167,6 +167,13 @@ def dry_run(p: Any, capacity: Callable[[Any, int], float], cost: Callable[[Any, 
     kind)` CPU seconds; `plan` holds the hold-outs the search adds), and the makespan in CPU seconds
     of one worker. Runs the search's own feed (`feed_type`: command.py's CapacityFeed, handed down
     so that this module stays below the command)."""
+    _, done, clock = dry_feed(p, capacity, cost, workers, feed_type)
+    return done, clock
+
+
+def dry_feed(p: Any, capacity: Callable[[Any, int], float], cost: Callable[[Any, int, float, bool, str | None], float],
+             workers: int, feed_type: type) -> tuple[Any, list[PlannedProbe], float]:
+    """`dry_run`, and the feed it drove (its points' outcomes: the tests drive the search with it)."""
 
     class DryFeed(feed_type):
         def _job(self, pt: Any, rate: float, check: Any = None) -> Any:
@@ -193,7 +200,7 @@ def dry_run(p: Any, capacity: Callable[[Any, int], float], cost: Callable[[Any, 
         ready.extend(feed.follow({"point": index, "workload.rate": rate, "status": "finished",
                                   "judged": {p.settings.metric: value, "backlog_growth": 0.0,
                                              "sched_delay_p50_s": 0.0}}))
-    return done, clock
+    return feed, done, clock
 
 
 @dataclass

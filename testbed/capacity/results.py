@@ -139,9 +139,10 @@ def group_row(rows: list[dict], point: Any, units: Mapping[int, Any], gpu_budget
     if status != "confirmed":
         row["status"] = "interrupted" if status is None else status
         row["search"] = ("interrupted" if status is None else
-                         f"unconfirmed: a held-out stretch failed at {answer:g} req/s, "
-                         f"{point.settings.holdouts} time(s)" if answer is not None else str(status))
+                         f"unconfirmed: {unconfirmed_line(point, units)}" if status == "unconfirmed" else str(status))
         row["unconfirmed_req_s"] = answer
+        if status == "unconfirmed":  # the footer's one line under the table
+            row["error"] = unconfirmed_line(point, units)
         return row
     row["status"] = "finished"
     at = by_unit[binding]
@@ -151,6 +152,30 @@ def group_row(rows: list[dict], point: Any, units: Mapping[int, Any], gpu_budget
                search="confirmed" + ("; non-monotone: " + "; ".join(violations) if violations else ""))
     _capacity_columns(row, gpu_budget)
     return row
+
+
+def unconfirmed_line(point: Any, units: Mapping[int, Any]) -> str:
+    """What an unconfirmed point did and did not confirm, with no figure given as its capacity:
+    `no capacity: 3.126 req/s held on w0, h1, failed on held-out h2 (0.915); capacity.holdouts=2 spent`
+    (short: the table's footer prints 120 characters of it)."""
+    def names(rate: float) -> str:
+        held = [units[u].window_label.split(" ")[0] for u in point.units()
+                if any(p.rate == rate and p.passed for p in point.searches[u].probes)]
+        return ", ".join(held) if len(held) <= 5 else f"{len(held)} stretches"
+
+    s, failed = point.settings, point.failed
+    text = "no capacity: "
+    if failed is not None:
+        where = units[failed.unit]
+        text += (f"{failed.rate:g} req/s held on {names(failed.rate) or 'no window'}, failed on "
+                 f"{'held-out ' if failed.kind == 'holdout' else ''}{where.window_label.split(' ')[0]} ({failed.value:.3g})")
+    if point.ended == "holdouts":
+        return text + f"; capacity.holdouts={s.holdouts} spent"
+    if point.ended == "narrow_probes":
+        return text + f"; capacity.narrow_probes={s.narrow_probes} spent"
+    lead = "; " if failed is not None else ""
+    return text + lead + (f"{point.answer:g} req/s held on {names(point.answer)}, no held-out stretch left"
+                          if point.answer is not None else "no held-out stretch left")
 
 
 def _violations(point: Any) -> list[str]:
@@ -369,9 +394,24 @@ def _point_json(pt: Any, feed: Any) -> dict:
                         **{k: v for k, v in pr.metrics.items()}} for pr in search.probes]}
 
 
+def _printed(df: pd.DataFrame) -> pd.DataFrame:
+    """The table as printed: an unconfirmed point shows no rate at all (its lowest window capacity
+    would read as its capacity: the docs' live example printed 3.126 there), only the line below
+    the table saying what held and what failed; table.csv keeps every figure."""
+    if "status" not in df or not (df["status"] == "unconfirmed").any():
+        return df
+    out = df.copy()
+    rows = out["status"] == "unconfirmed"
+    for col in ("capacity_median_req_s", "capacity_min_req_s", "capacity_max_req_s", "slo_attainment", "confirm_upper"):
+        if col in out:
+            out.loc[rows, col] = None if out[col].dtype == object else math.nan
+    out.loc[rows, "search"] = "unconfirmed"
+    return out
+
+
 def show(console: Any, p: Any, df: pd.DataFrame, ranked: pd.DataFrame | None, wall: float) -> None:
     probes = int(df["probes"].sum()) if "probes" in df else 0
-    print_table(console, df, p.axes, f"{p.name}: capacity per point ({probes} probes, {wall:.1f} s)",
+    print_table(console, _printed(df), p.axes, f"{p.name}: capacity per point ({probes} probes, {wall:.1f} s)",
                 metrics=PRINT_METRICS)
     planned_cpu, cpu = df.attrs.get("cpu_s") or (None, None)
     if planned_cpu:

@@ -45,7 +45,8 @@ class CapacitySettings:
     the bracket is within `precision` (relative); the point's capacity is the lowest of its
     windows' (testbed/capacity/cover.py), then confirmed: every window run at it, the binding
     window at capacity x (1 + precision) (must fail), and a held-out stretch at it (must pass;
-    else it becomes a window and the search narrows, up to `holdouts` times). A trace window is
+    else it becomes a window and the search narrows, up to `holdouts` hold-outs and
+    `narrow_probes` probes after the first failed confirmation). A trace window is
     `window_requests` contiguous requests of the trace at their own gaps, rescaled;
     `windows` of them cover the trace (None) or are spread over it; `gpus` makes it a
     configuration search within that budget."""
@@ -59,7 +60,8 @@ class CapacitySettings:
     max_rate: float = setting(1000.0, gt=0, max=MAX_RATE)
     max_probes: int = setting(20, min=2, max=200)  # per point and window
     confirm: int = setting(0, min=0, max=5)  # extra probes above a window's converged bracket (non-monotone check)
-    holdouts: int = setting(2, min=1, max=5)  # held-out stretches tried before an answer is called unconfirmed
+    holdouts: int = setting(4, min=1, max=10)  # held-out stretches tried before an answer is called unconfirmed
+    narrow_probes: int = setting(24, min=0, max=200)  # probes after a failed confirmation, at most (narrowing)
     duration_s: float | None = setting(None, gt=0, max=MAX_DURATION_S)  # None: a trace window / the steady-state length
     steady_factor: float = setting(8.0, min=1, max=100)  # auto length: this x the longest request's unloaded E2E
     min_duration_s: float = setting(300.0, gt=0, max=MAX_DURATION_S)  # auto length: at least this many seconds

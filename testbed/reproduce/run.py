@@ -112,7 +112,8 @@ def _capacity_settings(study: Study, planned: list[Planned], workers: int) -> An
 
 def _capacity_rows(run: StudyRun, parent: sweep.ParentRun, workers: int, console: Any) -> list[dict]:
     """One row per distinct point: its capacity (testbed/capacity/), the search's files under capacity/."""
-    from testbed.capacity.command import plan_for_jobs, run_searches
+    from testbed.capacity.command import run_searches
+    from testbed.capacity.planning import plan_for_jobs
 
     p = plan_for_jobs(run.jobs, run.axes, run.capacity, run.experiment, run.out_dir / "capacity")
     df, _, _ = run_searches(p, parent, console)
