@@ -127,8 +127,9 @@ class SimExecutor(Executor):
         c = cost_model.coefficients
         host_recv = bool(c.recv_fixed_s or c.recv_per_byte_s)  # the FIFO path has no receive on the stage
         # vLLM 0.5.3's mp executor: the last stage's next request waits for its last result's round trip
-        self._request_after_result = bool(c.last_stage_request_fixed_s or c.last_stage_request_per_seq_s
-                                          or c.last_stage_request_per_context_token_s)
+        # (at P = 1 the one stage is the driver's own worker, called without a lock or a queue)
+        self._request_after_result = P > 1 and bool(c.last_stage_request_fixed_s or c.last_stage_request_per_seq_s
+                                                    or c.last_stage_request_per_context_token_s)
         fifo_only = not (runtime.overlap_input_prep or runtime.cpu_sampling or blocking_send or host_recv
                          or self._request_after_result) and self._fifo_sends
         plain_tracer = type(self.tracer).span is Tracer.span and type(self.tracer).chain is Tracer.chain
