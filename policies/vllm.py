@@ -32,6 +32,12 @@ pickles each step's whole `ExecuteModelRequest` to every stage (`ProcessWorkerWr
 and each stage unpickles it. The variant `cost.prep_per_context_token_s=8e-8` prices that (measured
 here, 75-85 ns a context token; TD-Pipe's own message 20-27 ns). It moves TD-Pipe / PP+SB from 1.243x
 to 1.257x (docs/measurements/tdpipe-baseline-2026-11-27.md). It is off by default.
+The variant `vllm053-mp` adds 0.5.3's second asymmetry with TD-Pipe: a stage gets its next step only
+once its previous result is back at the driver (the request is put on the stage's queue inside the
+stage's asyncio lock: `MultiprocessingGPUExecutorAsync._driver_execute_model_async`,
+vllm/executor/multiproc_gpu_executor.py), which idles the last stage, whose call returns only after
+sampling; TD-Pipe queues every step on every worker when it schedules it. `cost.last_stage_request_*`
+price it from this machine's measurement (docs/measurements/reproduction-2026-11-28.md); off by default.
 `runtime=shared` is this testbed's earlier idealisation, kept to show what the split costs: one KV
 pool, a free virtual engine admits any waiting prompt, `max_num_batched_tokens` 8192 by default.
 `virtual_engines=false` makes one scheduler serve every slot (the PP pitfall of vllm issue 41682).

@@ -204,3 +204,20 @@ def test_claims_are_computed_from_rows_pairing_reducing_and_missing_points():
     spread = R.evaluate_claim(R.Claim(id="s", text="", published="", metric="tput", kind="spread",
                                       a={"system": "new"}, pair_by=(), at_most=0.02), rows)
     assert spread.measured == pytest.approx(1.0) and spread.verdict.category == "none"
+
+
+SEED_STUDIES_WITH_A_VLLM_BASELINE = ("tdpipe-scaling", "gllm-rates", "gllm-capacity", "sipipe-ablation",
+                                     "molink-tables", "microbatch-count")
+
+
+@pytest.mark.parametrize("name", SEED_STUDIES_WITH_A_VLLM_BASELINE)
+def test_each_study_names_its_vllm_baseline_version_and_cites_vllms_source(name):
+    """Issue 46: a study whose baseline is vLLM's runtime says which version (or that the paper names
+    none) and cites the file and function of vLLM's source the baseline models."""
+    import re
+
+    from testbed.reproduce.studies import load_study
+
+    setup = load_study(name).setup
+    assert re.search(r"0\.5\.3|0\.7\.2|0\.8\.1|names no version", setup), name
+    assert re.search(r"vllm/[\w/]+\.py", setup) and re.search(r"`\w+\.\w+`", setup), name

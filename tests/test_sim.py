@@ -114,6 +114,35 @@ def test_blocking_send_holds_the_sending_stage_until_the_activation_has_left():
     assert starts[True] - starts[False] == pytest.approx(send_s, rel=1e-9)
 
 
+def test_the_last_stages_next_request_waits_for_its_last_results_round_trip():
+    """`last_stage_request_*` (vLLM 0.5.3's mp executor): the last stage starts a step no sooner than
+    its previous result + the round trip priced for the step, a "schedule" span (host) on that stage
+    alone (the first step has no result to wait for); off, no such span."""
+    import dataclasses
+
+    base = CostModel(get_model("llama2-13b"), get_hardware("a100-80g"), pp=2)
+    coef = dataclasses.replace(base.coefficients, last_stage_request_fixed_s=1e-3,
+                               last_stage_request_per_context_token_s=1e-7)
+    on = CostModel(get_model("llama2-13b"), get_hardware("a100-80g"), pp=2, coefficients=coef)
+    runs = {}
+    for name, cost in (("off", base), ("on", on)):
+        ex = SimExecutor(cost, link_bandwidth_Bps=10e9, link_latency_s=1e-3)
+        for i in range(3):  # three 1,000-token prompts at once: the last stage is behind stage 0
+            chunk = PrefillChunk(Sequence(Request(i, 0.0, 1000, 10)), 0, 1000, True)
+            ex.launch(MicroBatch(i, (chunk,), (), shape=shape_of([chunk], [])))
+        while ex.next_completion() is not None:
+            pass
+        runs[name] = ex.tracer.spans
+    assert not [s for s in runs["off"] if s[1] == "schedule"]
+    waits = [s for s in runs["on"] if s[1] == "schedule"]
+    assert {s[0] for s in waits} == {"stage1"}
+    round_trip = on.last_stage_request_s(shape_of([PrefillChunk(Sequence(Request(0, 0.0, 1000, 10)), 0, 1000, True)], []))
+    assert round_trip == pytest.approx(1e-3 + 1000 * 1e-7)
+    ends = [s[3] for s in runs["on"] if s[0] == "stage1" and s[1] == "sample"]
+    assert [s[3] - s[2] for s in waits] == pytest.approx([round_trip] * 2)  # the 2nd and 3rd steps
+    assert [s[2] for s in waits] == pytest.approx(ends[:2])
+
+
 @pytest.mark.parametrize("overrides", [
     ("policy=sarathi", "parallel.pp=4"),
     ("policy=gllm", "parallel.pp=3", "link.bandwidth=1Gbps"),  # links busy: sends queue behind sends

@@ -65,6 +65,20 @@ class CostCoefficients:
     # ns a context token (docs/measurements/tdpipe-baseline-2026-11-27.md); TD-Pipe / PP+SB 1.243x
     # -> 1.257x at 8e-8 / 2.5e-8. 0 (off) by default: a what-if, the papers' host CPUs are unknown.
     prep_per_context_token_s: float = 0.0
+    # vLLM 0.5.3's mp PP executor hands a stage its next step only once its last result is back at
+    # the driver: each stage's call runs under that stage's asyncio lock and the request is put on the
+    # stage's mp.Queue inside it (`MultiprocessingGPUExecutorAsync._driver_execute_model_async`,
+    # vllm/executor/multiproc_gpu_executor.py; `_run_task_with_lock`, vllm/utils.py;
+    # `ProcessWorkerWrapper._enqueue_task`, vllm/executor/multiproc_worker_utils.py), and the queue's
+    # feeder thread pickles it in the driver. The last stage returns only after sampling, so that
+    # round trip (result back, event loop, lock, pickling, the pipe) idles it between steps; TD-Pipe
+    # submits each step to every worker when it schedules it (TD_Pipe/engine/llm_engine.py
+    # `LLMEngine.step`). Priced from scripts/measure_vllm053_roundtrip.py on this project's CPU
+    # (engine/pricing/measured/vllm053_roundtrip.json); 0 (off) by default, the papers' host CPUs
+    # being unknown. The unpickling on the stage is `prep_per_context_token_s`'s.
+    last_stage_request_fixed_s: float = 0.0
+    last_stage_request_per_seq_s: float = 0.0
+    last_stage_request_per_context_token_s: float = 0.0
     # GPU sampling on the last stage (softmax, penalties, top-k/top-p): a fixed part (many small
     # kernels) and a part per sampled sequence per vocabulary entry. 5e-11 s gives 3.3 ms for 512
     # sequences x 128k vocab: ~22% of an H100 70B stage, the low end of SiPipe's 22-40%.

@@ -383,6 +383,16 @@ class CostModel:
         of the link's latency (engine term `return_fixed_s`)."""
         return self.coefficients.return_fixed_s
 
+    def last_stage_request_s(self, shape: BatchShape) -> float:
+        """From the last stage's previous result until `shape`'s request is on it, where a runtime
+        sends a stage its next step only once the last one came back (vLLM 0.5.3's mp executor;
+        `last_stage_request_*`, 0 by default)."""
+        c = self.coefficients
+        if not (c.last_stage_request_fixed_s or c.last_stage_request_per_seq_s or c.last_stage_request_per_context_token_s):
+            return 0.0
+        return (c.last_stage_request_fixed_s + c.last_stage_request_per_seq_s * shape.num_seqs
+                + c.last_stage_request_per_context_token_s * (shape.decode_context_sum + shape.prefill_context_sum))
+
     def cpu_sample_s(self, shape: BatchShape, workers: int = 1) -> float:
         """CPU sampling of `shape`'s rows spread over `workers` sampler processes (SiPipe)."""
         rows = shape.num_sampled

@@ -107,6 +107,7 @@ class SimExecutor(Executor):
         self._sampler_free_at = [0.0] * max(1, num_cpu_samplers)
         self._dispatched = 0.0  # when the driver's last dispatch reached stage 0 (engine terms)
         self._blocked_since: list[float | None] = [None] * P  # blocking send: stage held since
+        self._last_result_at = -math.inf  # when the last stage last finished (`last_stage_request_s` counts from it)
         self._stage_tracks = [f"stage{s}" for s in range(P)]
         self._link_tracks = [f"link{s}-{s + 1}" for s in range(P - 1)]
         # Hot-path state (see `_price`, `_try_send`): the heap and its tie counter used directly,
@@ -125,7 +126,12 @@ class SimExecutor(Executor):
         # event loop (tests compare the two).
         c = cost_model.coefficients
         host_recv = bool(c.recv_fixed_s or c.recv_per_byte_s)  # the FIFO path has no receive on the stage
-        fifo_only = not (runtime.overlap_input_prep or runtime.cpu_sampling or blocking_send or host_recv) and self._fifo_sends
+        # vLLM 0.5.3's mp executor: the last stage's next request waits for its last result's round trip
+        # (at P = 1 the one stage is the driver's own worker, called without a lock or a queue)
+        self._request_after_result = P > 1 and bool(c.last_stage_request_fixed_s or c.last_stage_request_per_seq_s
+                                                    or c.last_stage_request_per_context_token_s)
+        fifo_only = not (runtime.overlap_input_prep or runtime.cpu_sampling or blocking_send or host_recv
+                         or self._request_after_result) and self._fifo_sends
         plain_tracer = type(self.tracer).span is Tracer.span and type(self.tracer).chain is Tracer.chain
         self._fifo = FifoPipeline(self) if fifo_only and plain_tracer and not event_driven else None
 
@@ -246,6 +252,10 @@ class SimExecutor(Executor):
         if s and priced.recv:  # a host device's receive, before the forward (0: not priced, no span)
             parts = parts[:-1] + (("recv", priced.recv), forward)
         if s == self.pipeline_depth - 1:
+            if self._request_after_result:  # the driver's round trip since the last result (host: "schedule")
+                wait = self._last_result_at + self.cost.last_stage_request_s(self._mbs[mb_id].shape) - now
+                if wait > 0:
+                    parts = (("schedule", wait),) + parts
             if not self.runtime.cpu_sampling:
                 parts += (("sample", priced.sample),)
             elif priced.handoff:  # the logits' copy to the samplers holds the stage
@@ -260,6 +270,8 @@ class SimExecutor(Executor):
         self._running[s] = None
         now = self._clock
         mb = self._mbs[mb_id]
+        if s == self.pipeline_depth - 1:
+            self._last_result_at = now
         if s < self.pipeline_depth - 1:
             nbytes = self._priced[mb_id].nbytes
             if not self._fifo_sends:  # FIFO sends whole activations: each arrives in one piece
