@@ -222,6 +222,12 @@ def _run_trials(problem: Problem, display: Display, already: int, backend: Any =
             return (*run_workers(problem, display), 0)
     except KeyboardInterrupt as exc:
         return 0, [], signals.exit_code(exc)
+    except Exception as exc:
+        if signals.stopped_by() is None or isinstance(exc, ServiceLost):
+            raise
+        # the stop, turned into a library's own error outside a trial (its trial is ended by
+        # TrialRunner): the stop's exit code, not a traceback
+        return 0, [], signals.EXIT_CODES[signals.stopped_by()]
 
 
 def best_trials(study: Any, directions: Sequence[str]) -> list:

@@ -95,10 +95,16 @@ def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: An
     except ServiceLost as exc:  # its trial is ended already (TrialRunner._lost): the reason, no traceback
         events.put({"worker_error": f"worker {index}: {exc}"})
         code = 1
-    except BaseException as exc:  # a bug: report it to the parent, then die loudly
-        events.put({"worker_error": f"worker {index}: {type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc()})
-        code = 1
+    except BaseException as exc:
+        if isinstance(exc, Exception) and signals.stopped_by() is not None:
+            # the stop, turned into a library's own error (a SIGTERM inside OmegaConf or SQLAlchemy
+            # comes out as their exception): the stop, not a bug, as in the sweep's worker (c85929b)
+            code = signals.EXIT_CODES["SIGINT"]
+            orphaned = sweep.parent_died(parent)
+        else:  # a bug: report it to the parent, then die loudly
+            events.put({"worker_error": f"worker {index}: {type(exc).__name__}: {exc}",
+                        "traceback": traceback.format_exc()})
+            code = 1
     finally:
         if orphaned:  # out of the except block: the stop's frames, and what they hold, are let go first
             _end_for_dead_parent(problem)
