@@ -31,7 +31,7 @@ from testbed import signals
 from testbed.sweep import jobs as sweep
 import testbed.tune.reclaim as reclaim
 from testbed.tune.problem import Problem
-from testbed.cluster import heartbeat, identity
+from testbed.cluster import heartbeat, identity, owners
 from testbed.cluster.reconnect import ServiceLost
 from testbed.tune.storage import counted, fail_stale, heartbeat_of, make_sampler, make_storage, quiet_optuna
 from testbed.tune.trial import TrialRunner, open_tracker
@@ -126,7 +126,7 @@ def _end_for_dead_parent(problem: Problem) -> None:
         fail_stale(study, study._storage, tracker, reclaim.recoverer(study, tracker, problem))
         if tracker is not None and problem.parent_run_id:
             reclaim.kill_running_trials(tracker, problem.parent_run_id)
-            tracker.client.set_terminated(problem.parent_run_id, "KILLED")
+            owners.end_shared(tracker, problem.parent_run_id, "KILLED")  # not while another host runs the study
     except Exception:  # noqa: BLE001 - the next `tune` reclaims what could not be ended here
         pass
 
