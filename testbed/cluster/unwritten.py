@@ -13,7 +13,8 @@ the first command of that folder that reaches the store again applies it:
 - trial ends: the next `tune` on that study (the only command that opens an Optuna study), before
   it reclaims anything, completing the trial from its recorded results where it has some.
 An entry is dropped once applied, or when its row has been ended by someone else meanwhile (a
-study run resumed by another host after the entry was written is left alone). Entries of other
+study run resumed by another host after the entry was written is left alone); a study run that
+another host still holds (cluster/owners.py) is kept until that host is gone. Entries of other
 stores are kept. No password is written: a store is named by its redacted URL."""
 from __future__ import annotations
 
