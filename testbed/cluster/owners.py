@@ -110,6 +110,7 @@ def holding(tracker: Any, run_id: str | None, beat_s: float, grace_s: float) -> 
             beat()
 
     beat()
+    _tidy(client, run_id)
     thread = threading.Thread(target=loop, name="study-run-holder", daemon=True)
     thread.start()
     try:
@@ -121,3 +122,13 @@ def holding(tracker: Any, run_id: str | None, beat_s: float, grace_s: float) -> 
             client.delete_tag(run_id, key)
         except Exception:  # noqa: BLE001 - left behind: it goes stale with its beat, or its pid
             pass
+
+
+def _tidy(client: Any, run_id: str) -> None:
+    """Remove the tags of holders that are gone (a host that gave up could not remove its own)."""
+    try:
+        for key, rec in holders(client.get_run(run_id).data.tags).items():
+            if gone(rec):
+                client.delete_tag(run_id, key)
+    except Exception:  # noqa: BLE001 - tidying only
+        pass
