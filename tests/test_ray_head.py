@@ -2,7 +2,7 @@
 Before: the driver polled on, and 60 s after the head died Ray's core worker ended it from C++
 (exit 1, no `error:` line, the summary run and a point run left RUNNING). Now: one `error:` line
 naming the Ray address once the head stayed away the reconnect window (3 s here), exit 1, the
-summary run FAILED, no run RUNNING, and every point that finished is in the table.
+summary run FAILED, no run RUNNING, and the points done are in the table.
 The cluster is this file's own (the test kills its head): tests/ray_cluster.py, two nodes on loopback."""
 from __future__ import annotations
 
@@ -72,6 +72,9 @@ def test_a_head_killed_under_compare_ends_it_with_one_line_and_no_run_running(tm
     runs = _runs(db)
     assert [r for r in runs if r[1] == "RUNNING"] == [], runs
     assert [r[1] for r in runs if r[2] == "compare"] == ["FAILED"], runs
-    table = pd.read_csv(tmp_path / "runs" / "compare" / "grid" / "table.csv")  # the points done are kept
-    finished = sorted(r[0] for r in runs if r[2] == "point" and r[1] == "FINISHED")
-    assert len(finished) == int((table["status"] == "finished").sum()), (runs, table)
+    # the points done are kept in the table; a point still running on the surviving node when the
+    # command gave up may finish later (no Ray call is made after giving up, not even a cancel):
+    # its run then ends FINISHED with its results, outside the table
+    table = pd.read_csv(tmp_path / "runs" / "compare" / "grid" / "table.csv")
+    finished = {r[0] for r in runs if r[2] == "point" and r[1] == "FINISHED"}
+    assert set(table.loc[table["status"] == "finished", "policy"]) <= finished, (runs, table)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.base.errors import ConfigError
-from testbed.cluster.ray_head import raise_ray_limit
+from testbed.cluster.ray_head import given_up, raise_ray_limit
 from testbed.config.overrides import as_int, split_prefixed
 
 BACKENDS = ("local", "ray")
@@ -108,7 +108,8 @@ def connected(settings: SweepBackend) -> Iterator[Any]:
     try:
         yield ray
     finally:
-        ray.shutdown()
+        if not given_up():  # a head given up on: no Ray call again (cluster/ray_head.py)
+            ray.shutdown()
 
 
 def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:

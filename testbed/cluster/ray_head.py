@@ -31,6 +31,8 @@ from typing import Any
 
 from testbed.cluster.reconnect import ENV, ServiceLost, window_s
 
+_given_up = False  # this process gave up on its cluster's head: Ray is left as it is (`given_up`)
+
 RAY_LIMIT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 RAY_DEFAULT_S = 60.0  # Ray's own default
 MARGIN_S = 60.0  # Ray's limit above ours: the cleanup after giving up (tables, runs, ray.shutdown ~5 s)
@@ -57,6 +59,21 @@ def head_window() -> float:
     return max(0.0, min(window_s(), ray_s - CLEANUP_S))
 
 
+def given_up() -> bool:
+    """Whether this process gave up on its Ray head. Then no Ray call is made again: the
+    service probes saw `ray.shutdown` (or the interpreter's teardown of Ray, without it) end the
+    process with SIGSEGV once the head was gone, after the command had ended its runs but before
+    it said its line; the command ends the process itself (`exit_now`)."""
+    return _given_up
+
+
+def exit_now(code: int) -> None:
+    """End this process with `code`, skipping Ray's teardown (`given_up`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 class HeadWatch:
     """The head's GCS at `address` ("host:port"), probed from the loop that drives the tasks.
     `shown`: the `ray.address` the user gave, for the messages."""
@@ -81,6 +98,8 @@ class HeadWatch:
             self.probed = now
             self._probe(now)
         if self.since is not None and now - self.since >= self.window:
+            global _given_up
+            _given_up = True
             raise HeadLost(f"the Ray cluster at ray.address={self.shown!r} stayed unreachable for "
                            f"{self.window:g} s (its head {self.host}:{self.port}: {self.error}); the points "
                            f"or trials it was running were not finished, what finished is kept: start the "

@@ -33,7 +33,7 @@ from typing import Any
 
 from engine.base.errors import TestbedError
 from testbed.cluster.ray_backend import SweepBackend, connected, task_resources
-from testbed.cluster.ray_head import head_watch
+from testbed.cluster.ray_head import given_up, head_watch
 from testbed.signals import deferred_stop
 from workloads.base import workload_key
 
@@ -157,7 +157,7 @@ class RayPool:
     def stop(self) -> None:
         """Cancel every task not yet returned (force: a running point's worker is killed; the
         sweep's summary run then ends its point runs KILLED, as after a local interrupt)."""
-        for ref in list(self.refs):
+        for ref in list(self.refs) if not given_up() else ():  # a head given up on: no Ray call again
             try:
                 self.ray.cancel(ref, force=True)
             except Exception:  # already finished, or the cluster is gone

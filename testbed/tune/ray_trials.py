@@ -13,7 +13,7 @@ import optuna
 
 from engine.base.errors import TestbedError
 from testbed.cluster.ray_backend import SweepBackend, connected, task_resources
-from testbed.cluster.ray_head import head_watch
+from testbed.cluster.ray_head import given_up, head_watch
 from testbed.cluster.ray_tasks import POLL_S, absolute, first_line, on_this_node, portable_spec, resolved_requests
 from testbed.signals import deferred_stop
 from testbed.tune.storage import INTERRUPTED, counted, make_sampler, make_storage, mark_interrupted, quiet_optuna
@@ -103,7 +103,7 @@ class _RayTrials:
                 _interrupted(self.study, [trial], "its Ray task was lost")
 
     def cancel(self) -> None:
-        for ref in self.refs:
+        for ref in self.refs if not given_up() else ():  # a head given up on: no Ray call again
             self.ray.cancel(ref, force=True)
         _interrupted(self.study, list(self.refs.values()), "its Ray task was cancelled")
         self.refs.clear()
