@@ -509,7 +509,13 @@ def main(argv: list[str] | None = None) -> int:
                     stopping_for_good()
     except TestbedError as exc:  # exit 2, or the error's own code (1: a service lost mid-command)
         print(f"error: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_code", EXIT_USER_ERROR)
+        code = getattr(exc, "exit_code", EXIT_USER_ERROR)
+        if entry and "ray" in sys.modules:
+            from testbed.cluster import ray_head
+
+            if ray_head.given_up():  # Ray's own teardown without its head ended the process with SIGSEGV
+                ray_head.exit_now(code)
+        return code
     except KeyboardInterrupt as exc:  # before the block
         return _interrupted(exc)
     finally:

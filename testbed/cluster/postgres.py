@@ -93,18 +93,23 @@ def advisory_lock(url: str, name: str = LOCK_NAME, key: str = "database") -> Ite
 
     engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
     try:
+        from testbed.cluster import reconnect
+
+        waited = reconnect.Service(f"{key}={redact(url)}", lambda e: isinstance(e, OperationalError))
         try:
             conn = engine.connect()
         except OperationalError as exc:
-            raise unreachable(key, url, exc) from None
-        try:
-            _lock(conn, name)
-        except OperationalError:  # reachable a moment ago: a restart closed it, which is waited for
-            from testbed.cluster import reconnect
-
-            conn.close()
-            conn = reconnect.call(reconnect.Service(f"{key}={redact(url)}", lambda e: isinstance(e, OperationalError)),
-                                  _connect_and_lock, engine, name)
+            if db[0] not in _reached:  # never reached from this process: a wrong address, one line
+                raise unreachable(key, url, exc) from None
+            # reached before (a second tracker of `tune`'s worker 0): a restart, waited for (issue 48 probes)
+            conn = reconnect.call(waited, _connect_and_lock, engine, name)
+        else:
+            try:
+                _lock(conn, name)
+            except OperationalError:  # reachable a moment ago: a restart closed it, which is waited for
+                conn.close()
+                conn = reconnect.call(waited, _connect_and_lock, engine, name)
+        _reached.add(db[0])
         with conn:
             try:
                 yield
@@ -117,6 +122,9 @@ def advisory_lock(url: str, name: str = LOCK_NAME, key: str = "database") -> Ite
     finally:
         engine.dispose()
         _release(db)
+
+
+_reached: set[str] = set()  # databases (redacted URLs) this process has held a lock of
 
 
 def _lock(conn, name: str) -> None:

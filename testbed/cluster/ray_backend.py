@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.base.errors import ConfigError
+from testbed.cluster.ray_head import given_up, raise_ray_limit
 from testbed.config.overrides import as_int, split_prefixed
 
 BACKENDS = ("local", "ray")
@@ -96,6 +97,7 @@ def connected(settings: SweepBackend) -> Iterator[Any]:
         yield ray
         return
     probe(settings.address)
+    raise_ray_limit()  # Ray would end this process 60 s after its head died, before our own check
     try:
         ray.init(address=settings.address, log_to_driver=False, logging_level="ERROR",
                  include_dashboard=False, configure_logging=False)
@@ -106,7 +108,8 @@ def connected(settings: SweepBackend) -> Iterator[Any]:
     try:
         yield ray
     finally:
-        ray.shutdown()
+        if not given_up():  # a head given up on: no Ray call again (cluster/ray_head.py)
+            ray.shutdown()
 
 
 def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.base.errors import TestbedError
 from testbed.cluster.ray_backend import SweepBackend, connected, task_resources
+from testbed.cluster.ray_head import given_up, head_watch
 from testbed.signals import deferred_stop
 from workloads.base import workload_key
 
@@ -105,6 +107,8 @@ class RayPool:
         self.remotes: dict[tuple, Any] = {}  # resources -> the task as a Ray remote function
         self.requests: dict[str, Any] = {}  # workload_key -> ObjectRef of its request list (one copy each)
         self.ray: Any = None
+        self.head: Any = None  # cluster/ray_head.py: the head probed every round
+        self.backlog: list[Any] = []  # jobs that came while the head was away: submitted once it is back
 
     def submit(self, job: Any) -> None:
         job = portable(job)
@@ -122,13 +126,17 @@ class RayPool:
         self.refs[self.remotes[key].remote(job)] = job
 
     def run(self, done: Callable[[dict], Sequence[Any] | None]) -> None:
+        """Never waits in Ray more than POLL_S at a time: each round the head is probed
+        (`HeadLost` once it stayed away the reconnect window) and a stop is checked."""
         with connected(self.settings) as ray, deferred_stop() as stop:
-            self.ray = ray
+            self.ray, self.head = ray, head_watch(ray, self.settings.address)
+            self.backlog = list(self.jobs)
             try:
-                for job in self.jobs:
-                    self.submit(job)
-                while self.refs:
-                    ready, _ = ray.wait(list(self.refs), num_returns=1, timeout=POLL_S)
+                while self.refs or self.backlog:
+                    while self.backlog and not self.head.down:
+                        self.submit(self.backlog.pop(0))
+                    ready = self.ready()
+                    self.head.check()
                     stop.check()
                     for ref in ready:
                         job = self.refs.pop(ref)
@@ -136,15 +144,20 @@ class RayPool:
                             row = ray.get(ref)
                         except ray.exceptions.RayError as exc:  # retries spent, or the task raised
                             row = self.failed(job, f"ray: {first_line(exc)}")
-                        for new in done(row) or ():
-                            self.submit(new)
+                        self.backlog.extend(done(row) or ())
             finally:
                 self.stop()
+
+    def ready(self) -> list[Any]:
+        if not self.refs:  # only a backlog, waiting for the head
+            time.sleep(POLL_S)
+            return []
+        return self.ray.wait(list(self.refs), num_returns=1, timeout=POLL_S)[0]
 
     def stop(self) -> None:
         """Cancel every task not yet returned (force: a running point's worker is killed; the
         sweep's summary run then ends its point runs KILLED, as after a local interrupt)."""
-        for ref in list(self.refs):
+        for ref in list(self.refs) if not given_up() else ():  # a head given up on: no Ray call again
             try:
                 self.ray.cancel(ref, force=True)
             except Exception:  # already finished, or the cluster is gone

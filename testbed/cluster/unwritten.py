@@ -13,7 +13,8 @@ the first command of that folder that reaches the store again applies it:
 - trial ends: the next `tune` on that study (the only command that opens an Optuna study), before
   it reclaims anything, completing the trial from its recorded results where it has some.
 An entry is dropped once applied, or when its row has been ended by someone else meanwhile (a
-study run resumed by another host after the entry was written is left alone). Entries of other
+study run resumed by another host after the entry was written is left alone); a study run that
+another host still holds (cluster/owners.py) is kept until that host is gone. Entries of other
 stores are kept. No password is written: a store is named by its redacted URL."""
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class End:
     trial_id: int = -1
     number: int = -1
     run_id: str = ""
+    session: str = ""  # the command that gave up (a study run's holder: cluster/owners.py)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS or self.status not in STATUSES:
@@ -70,11 +72,11 @@ def trial_end(storage_url: str, study: str, trial_id: int, number: int, reason: 
                study=study, trial_id=int(trial_id), number=int(number))
 
 
-def run_end(tracking_uri: str, run_id: str, reason: str, status: str) -> End:
+def run_end(tracking_uri: str, run_id: str, reason: str, status: str, session: str = "") -> End:
     from testbed.cluster import identity
 
     return End("run", store_key(tracking_uri), reason[:2000], status, identity.host_name(), time.time(),
-               run_id=run_id)
+               run_id=run_id, session=session)
 
 
 @contextmanager
@@ -151,8 +153,15 @@ def settle(folder: str | Path | None, kind: str, store: str, apply: Callable[[En
     return notes
 
 
+class StillHeld(LookupError):
+    """A journaled run end that must wait: another host still holds the run."""
+
+
 def end_runs(folder: str | Path | None, tracker) -> list[str]:
-    """Apply the run ends owed to `tracker`'s store (called when a tracker opens)."""
+    """Apply the run ends owed to `tracker`'s store (called when a tracker opens); a study run
+    that another host still runs is left RUNNING and its entry kept (cluster/owners.py)."""
+    from testbed.cluster import identity, owners
+
     def apply(e: End) -> str:
         try:
             run = tracker.client.get_run(e.run_id)
@@ -163,6 +172,9 @@ def end_runs(folder: str | Path | None, tracker) -> list[str]:
         resumed = float(run.data.tags.get("testbed.resumed_at", "0") or 0)
         if run.info.status != "RUNNING" or resumed > e.at:
             return ""
+        alive = owners.others_alive(tracker.client, e.run_id, e.session, identity.session_id())
+        if alive:  # a study run another host still runs: kept until it has stopped (cluster/owners.py)
+            raise StillHeld(f"MLflow run {e.run_id} is still held by {', '.join(alive)}")
         tracker.fail(e.run_id, e.reason, status=e.status)
         return (f"MLflow run {e.run_id} ended {e.status}: host {e.host} could not write it when it gave up "
                 f"({e.reason[:200]})")

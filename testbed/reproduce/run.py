@@ -207,6 +207,10 @@ def run_study(name: str, *, quick: bool = False, overrides: Sequence[str] = (), 
         _flush_partial(run, job_rows, time.perf_counter() - t0, signals.interrupted_message(exc))
         parent.end_interrupted(exc, console, f"the table of the {len(job_rows)} run(s) done", run.out_dir)
         raise
+    except sweep.ServiceLost as exc:  # e.g. the Ray head gone: the runs done are kept, the runs ended
+        _flush_partial(run, job_rows, time.perf_counter() - t0, f"stopped: {str(exc)[:300]}")
+        parent.end_failed(exc)
+        raise
     except Exception as exc:  # e.g. sweep.backend=ray whose cluster cannot be reached
         parent.end_failed(exc)
         raise

@@ -253,6 +253,10 @@ def _run_grid(p: Plan, parent: sweep.ParentRun, console: Any) -> tuple[Path, pd.
         _write(p, rows, time.perf_counter() - t0, parent, plots=False, interrupted=signals.interrupted_message(exc))
         parent.end_interrupted(exc, console, f"the table of the {len(rows)} point(s) done", p.out_dir)
         raise
+    except ServiceLost as exc:  # e.g. the Ray head gone: the points done are kept, the runs ended
+        _write_kept(p, rows, time.perf_counter() - t0, parent, exc)
+        parent.end_failed(exc)
+        raise
     except Exception as exc:  # e.g. sweep.backend=ray whose cluster cannot be reached
         parent.end_failed(exc)
         raise
@@ -310,6 +314,16 @@ def _write(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, plot
     parent.log({}, tags={"compare.runs": len(df), "compare.failed": failed, "compare.wall_s": f"{wall:.1f}"})
     parent.log_files(p.out_dir)
     return df
+
+
+def _write_kept(p: Plan, rows: list[dict], wall: float, parent: sweep.ParentRun, exc: ServiceLost) -> None:
+    """The table of the points done before a service was lost (a tracking store that is the one
+    lost fails the logging after the files are written: journaled by the caller)."""
+    try:
+        _write(p, rows, wall, parent, plots=False, interrupted=f"stopped: {str(exc)[:300]}")
+    except ServiceLost:
+        pass
+    print(f"note: the table of the {len(rows)} point(s) done is in {p.out_dir}", file=sys.stderr, flush=True)
 
 
 def _summary(p: Plan, rows: list[dict], wall: float) -> dict:

@@ -296,11 +296,12 @@ class ParentRun:
                                      f"be written ({error}); nothing was run. Check the store (mlflow server "
                                      f"--artifacts-destination) or name a new experiment")
 
-    def end(self, status: str = "FINISHED") -> None:
+    def end(self, status: str = "FINISHED", why: str = "interrupted") -> None:
+        """End this run; a run not FINISHED first ends its RUNNING points KILLED with `why`."""
         if self.tracker is None:
             return
         if status != "FINISHED":
-            self._kill_children()
+            kill_children(self.tracker.client, [self.tracker.experiment_id], self.run_id, why)
         self.tracker.client.set_terminated(self.run_id, status)
 
     def end_failed(self, exc: BaseException) -> None:
@@ -310,7 +311,7 @@ class ParentRun:
             return
         try:
             self.tracker.client.set_tag(self.run_id, "error", f"{type(exc).__name__}: {exc}"[:5000])
-            self.end("FAILED")
+            self.end("FAILED", f"killed: the sweep failed ({type(exc).__name__}: {str(exc)[:300]})")
         except Exception:  # noqa: BLE001 - the sweep's own error is the one to report
             self.owe(exc)
 
@@ -327,9 +328,6 @@ class ParentRun:
         self.end("KILLED")
         if console is not None:
             console.print(f"{signals.interrupted_message(exc)}: {done} is in {out_dir}", highlight=False, markup=False)
-
-    def _kill_children(self) -> None:
-        kill_children(self.tracker.client, [self.tracker.experiment_id], self.run_id)
 
 
 def kill_children(client: Any, experiment_ids: list[str], run_id: str, why: str = "interrupted") -> None:

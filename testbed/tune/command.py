@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 from engine.base.errors import ConfigError
 from testbed import signals
 from testbed.cluster.ray_backend import split_backend
-from testbed.cluster import identity, unwritten
+from testbed.cluster import identity, owners, unwritten
 from testbed.cluster.reconnect import ServiceLost
 from testbed.run.outputs import prepare_output_dir
 from testbed.tracking.tracker import check_tracking_uri, tracking_uri
@@ -120,10 +120,19 @@ def _run_tune(overrides: Sequence[str], console: Any, where: dict | None = None)
         if tracker is not None:  # the link shows every trial (views.study_view)
             s = problem.settings
             tracker.save_view(study_view(problem.study, s.objectives[0], s.directions[0] == "maximize"))
-        return _study_session(problem, study, storage, tracker, console, backend, stale)
+        with owners.holding(tracker, problem.parent_run_id, *_holder_beat(problem)):  # other hosts see this one
+            return _study_session(problem, study, storage, tracker, console, backend, stale)
     except ServiceLost as exc:  # the database or the tracking server stayed away: one error line, exit 1
         abandon(problem, study, tracker, exc)
         raise
+
+
+def _holder_beat(problem: Problem) -> tuple[float, float]:
+    """(beat, grace) of this host's hold on the study run: its trials' heartbeat where they have
+    one, else every 10 s; gone after the grace period (cluster/owners.py)."""
+    hb = heartbeat_of(problem.storage_url, problem.settings)
+    beat = float(hb.interval) if hb.on else owners.DEFAULT_BEAT_S
+    return beat, max(float(hb.grace), 3 * beat)
 
 
 def _study_session(problem: Problem, study: Any, storage: Any, tracker: Any, console: Any,
@@ -194,10 +203,10 @@ def abandon(problem: Problem, study: Any, tracker: Any, exc: ServiceLost) -> Non
         return
     try:
         kill_running_trials(tracker, problem.parent_run_id)
-        tracker.fail(problem.parent_run_id, str(exc))
+        owners.end_shared(tracker, problem.parent_run_id, "FAILED", str(exc))  # not while another host runs it
     except Exception:  # the tracking server is the one lost: journaled for this folder's next command
         unwritten.record(problem.base.output.dir, unwritten.run_end(tracker.uri, problem.parent_run_id, str(exc),
-                                                                    "FAILED"))
+                                                                    "FAILED", session))
 
 
 def _print_reclaimed(console: Any, notes: list[str], when: str) -> None:
@@ -222,6 +231,12 @@ def _run_trials(problem: Problem, display: Display, already: int, backend: Any =
             return (*run_workers(problem, display), 0)
     except KeyboardInterrupt as exc:
         return 0, [], signals.exit_code(exc)
+    except Exception as exc:
+        if signals.stopped_by() is None or isinstance(exc, ServiceLost):
+            raise
+        # the stop, turned into a library's own error outside a trial (its trial is ended by
+        # TrialRunner): the stop's exit code, not a traceback
+        return 0, [], signals.EXIT_CODES[signals.stopped_by()]
 
 
 def best_trials(study: Any, directions: Sequence[str]) -> list:
@@ -282,7 +297,9 @@ def finish_study(problem: Problem, study: Any, tracker: Any, trials_run: int, wa
         status = "KILLED" if interrupted else "FAILED" if worker_errors else "FINISHED"
         if status != "FINISHED":  # a trial run a worker opened just before it was stopped
             kill_running_trials(tracker, problem.parent_run_id)
-        tracker.client.set_terminated(problem.parent_run_id, status)
+            owners.end_shared(tracker, problem.parent_run_id, status)  # not while another host runs the study
+        else:
+            tracker.client.set_terminated(problem.parent_run_id, status)
     return TuneOutcome(study=problem.study, storage=problem.storage_url, out_dir=out_dir, best=best,
                        baseline=baseline, trials_run=trials_run, wall_s=wall_s, counts=counts,
                        interrupted=interrupted, worker_errors=worker_errors, figures=figures,

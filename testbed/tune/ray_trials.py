@@ -13,6 +13,7 @@ import optuna
 
 from engine.base.errors import TestbedError
 from testbed.cluster.ray_backend import SweepBackend, connected, task_resources
+from testbed.cluster.ray_head import given_up, head_watch
 from testbed.cluster.ray_tasks import POLL_S, absolute, first_line, on_this_node, portable_spec, resolved_requests
 from testbed.signals import deferred_stop
 from testbed.tune.storage import INTERRUPTED, counted, make_sampler, make_storage, mark_interrupted, quiet_optuna
@@ -48,9 +49,11 @@ def run_trials_on_ray(problem: Any, emit: Callable[[dict], None], settings: Swee
     study = optuna.load_study(study_name=problem.study, storage=make_storage(problem.storage_url))
     with connected(settings) as ray, deferred_stop() as stop:
         trials = _RayTrials(ray, problem, study, settings)
+        head = head_watch(ray, settings.address)  # HeadLost once the head stayed away (cluster/ray_head.py)
         try:
-            while trials.fill():
+            while trials.fill(paused=head.down):
                 trials.collect(emit)
+                head.check()
                 stop.check()
         finally:
             trials.cancel()
@@ -73,8 +76,11 @@ class _RayTrials:
         self.count = 0
         self.errors: list[str] = []
 
-    def fill(self) -> bool:
-        """Ask and submit trials up to `tune.workers` in flight; False once none is left to wait for."""
+    def fill(self, paused: bool = False) -> bool:
+        """Ask and submit trials up to `tune.workers` in flight; False once none is left to wait
+        for. `paused` (the head is away): nothing is submitted, and the loop goes on waiting."""
+        if paused:
+            return True
         s = self.problem.settings
         open_slots = self.deadline is None or time.monotonic() < self.deadline
         while open_slots and len(self.refs) < s.workers and counted(self.study.get_trials(deepcopy=False)) < s.trials:
@@ -83,6 +89,9 @@ class _RayTrials:
         return bool(self.refs)
 
     def collect(self, emit: Callable[[dict], None]) -> None:
+        if not self.refs:  # the head is away and nothing is in flight
+            time.sleep(POLL_S)
+            return
         ready, _ = self.ray.wait(list(self.refs), num_returns=1, timeout=POLL_S)
         for ref in ready:
             trial = self.refs.pop(ref)
@@ -94,7 +103,7 @@ class _RayTrials:
                 _interrupted(self.study, [trial], "its Ray task was lost")
 
     def cancel(self) -> None:
-        for ref in self.refs:
+        for ref in self.refs if not given_up() else ():  # a head given up on: no Ray call again
             self.ray.cancel(ref, force=True)
         _interrupted(self.study, list(self.refs.values()), "its Ray task was cancelled")
         self.refs.clear()

@@ -24,7 +24,7 @@ from testbed.cluster.reconnect import ServiceLost
 from testbed.config.naming import point_name
 from testbed.run.outputs import write_run_dir
 from testbed.run.runner import prepare_experiment
-from testbed.signals import raise_if_stopped
+from testbed.signals import raise_if_stopped, stop_exception, stopped_by
 from testbed.config.spec import RunSpec
 from testbed.tracking.tracker import Tracker, run_tags
 from testbed.tune.problem import Problem, jsonable
@@ -110,6 +110,13 @@ class TrialRunner:
         except ServiceLost as exc:
             self._lost(study, trial, run_id or self.opened or getattr(exc, "opened_run_id", None), exc)
             raise
+        except Exception as exc:
+            if stopped_by() is None:
+                raise
+            # the stop, turned into a library's own error (SQLAlchemy, OmegaConf): the trial is
+            # interrupted, not left RUNNING, and the stop goes on (as the sweep's points: c85929b)
+            self._interrupted(study, trial, run_id or self.opened)
+            raise stop_exception(stopped_by()) from exc
 
     def _start(self, trial: Any, event: dict) -> tuple[RunSpec, str | None]:
         """The trial's config and its MLflow run (opened before the run, so a crash is recorded)."""
@@ -170,10 +177,12 @@ class TrialRunner:
         except TestbedError as exc:
             raise TrialFailed(f"invalid config: {exc}") from None
         except Exception as exc:  # a bug while building: fail the trial, keep where it happened
+            _raise_if_the_stop(exc)
             raise TrialFailed(f"build error: {type(exc).__name__}: {exc} ({_where(exc)})") from None
         try:
             return prepared.run()
         except Exception as exc:  # a policy bug for these parameters: a failed trial, not a dead study
+            _raise_if_the_stop(exc)
             raise TrialFailed(f"run error: {type(exc).__name__}: {exc} ({_where(exc)})") from None
 
     def _log(self, trial: Any, spec: RunSpec, run_id: str | None, result: Any) -> None:
@@ -233,6 +242,14 @@ class TrialRunner:
             except Exception:  # the database is the one lost: journaled, and its heartbeat goes stale
                 owed.append(owed_trial)
         unwritten.record(self.p.base.output.dir, *owed)
+
+
+def _raise_if_the_stop(exc: Exception) -> None:
+    """A library's error while a stop is on record is the stop (a SIGTERM inside the library came
+    out as its own exception): the trial is interrupted and runs again, not told FAIL with a
+    "run error" that counts against the study."""
+    if stopped_by() is not None:
+        raise stop_exception(stopped_by()) from exc
 
 
 def _where(exc: BaseException) -> str:

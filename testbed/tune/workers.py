@@ -31,7 +31,7 @@ from testbed import signals
 from testbed.sweep import jobs as sweep
 import testbed.tune.reclaim as reclaim
 from testbed.tune.problem import Problem
-from testbed.cluster import heartbeat, identity
+from testbed.cluster import heartbeat, identity, owners
 from testbed.cluster.reconnect import ServiceLost
 from testbed.tune.storage import counted, fail_stale, heartbeat_of, make_sampler, make_storage, quiet_optuna
 from testbed.tune.trial import TrialRunner, open_tracker
@@ -95,10 +95,16 @@ def _worker_main(problem: Problem, index: int, lock: Any, events: Any, start: An
     except ServiceLost as exc:  # its trial is ended already (TrialRunner._lost): the reason, no traceback
         events.put({"worker_error": f"worker {index}: {exc}"})
         code = 1
-    except BaseException as exc:  # a bug: report it to the parent, then die loudly
-        events.put({"worker_error": f"worker {index}: {type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc()})
-        code = 1
+    except BaseException as exc:
+        if isinstance(exc, Exception) and signals.stopped_by() is not None:
+            # the stop, turned into a library's own error (a SIGTERM inside OmegaConf or SQLAlchemy
+            # comes out as their exception): the stop, not a bug, as in the sweep's worker (c85929b)
+            code = signals.EXIT_CODES["SIGINT"]
+            orphaned = sweep.parent_died(parent)
+        else:  # a bug: report it to the parent, then die loudly
+            events.put({"worker_error": f"worker {index}: {type(exc).__name__}: {exc}",
+                        "traceback": traceback.format_exc()})
+            code = 1
     finally:
         if orphaned:  # out of the except block: the stop's frames, and what they hold, are let go first
             _end_for_dead_parent(problem)
@@ -120,7 +126,7 @@ def _end_for_dead_parent(problem: Problem) -> None:
         fail_stale(study, study._storage, tracker, reclaim.recoverer(study, tracker, problem))
         if tracker is not None and problem.parent_run_id:
             reclaim.kill_running_trials(tracker, problem.parent_run_id)
-            tracker.client.set_terminated(problem.parent_run_id, "KILLED")
+            owners.end_shared(tracker, problem.parent_run_id, "KILLED")  # not while another host runs the study
     except Exception:  # noqa: BLE001 - the next `tune` reclaims what could not be ended here
         pass
 
