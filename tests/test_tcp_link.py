@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.pricing.tcp_link import (LINUX_RTO_MIN_S, TcpConnection, TcpConstants, load_constants,
-                                     predict_series, tcp_links)
+from engine.pricing.tcp_link import LINUX_RTO_MIN_S, TcpConnection, TcpConstants, load_constants
+from engine.pricing.tcp_modes import predict_series, tcp_links
 
 C = TcpConstants(initial_window_bytes=14_480.0, goodput_fraction=0.95, per_message_s=1e-4)
 B, D = 100e6 / 8, 0.03  # 100 Mbps, 30 ms one way

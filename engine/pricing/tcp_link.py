@@ -283,38 +283,3 @@ class TcpConnection:
         t += c.per_message_s + self.stream_s(nbytes, lose_burst)
         self.last_sent_s = t
         return t, t + d
-
-
-def tcp_links(model: str, count: int, bandwidth_Bps: float, latency_s: float,
-              constants: TcpConstants | None = None) -> list | None:
-    """One connection per link for `link.model=tcp` (the shipped measured constants unless given), each
-    priced over its uncertain burst losses (engine/pricing/tcp_modes.py); None for the ideal pipe."""
-    from engine.pricing.tcp_modes import TcpModes
-
-    if model == "ideal":
-        return None
-    if model != "tcp":
-        raise bad_value("link.model", model, "valid choices: ideal, tcp")
-    c = constants or load_constants()
-    return [TcpModes(bandwidth_Bps, latency_s, c) for _ in range(count)]
-
-
-def predict_series(rows, constants: TcpConstants) -> list[float]:
-    """Model each measured transfer of a series (rows in the order they ran; one connection per
-    (rate, delay, repeat)): seconds from the sender's start to the last byte's arrival. As in the harness
-    (testbed/linkbench/gloo_pair.py), the sender starts the next transfer `gap_s` after the
-    receiver's one-byte acknowledgement (one-way delay later) is back. Priced over the uncertain
-    burst losses (engine/pricing/tcp_modes.py): the expected time, the target being the repeats' mean."""
-    from engine.pricing.tcp_modes import TcpModes
-
-    out, conn, key, clock = [], None, None, 0.0
-    for r in rows:
-        k = (r["rate_bps"], r["delay_s"], r.get("repeat", 0))
-        if k != key:
-            key, clock = k, 0.0
-            conn = TcpModes(r["rate_bps"] / 8.0, r["delay_s"], constants)
-        start = clock + r["gap_s"]
-        _, arrive = conn.send(start, r["n"], r["msgs"])
-        out.append(arrive - start)
-        clock = arrive + r["delay_s"]
-    return out

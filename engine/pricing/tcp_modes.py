@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import copy
 
-from engine.pricing.tcp_link import CERTAIN, TcpConnection, TcpConstants
+from engine.base.errors import bad_value
+from engine.pricing.tcp_link import CERTAIN, TcpConnection, TcpConstants, load_constants
 
 MAX_MODES = 8
 
@@ -40,14 +41,18 @@ class TcpModes:
     def send(self, start: float, nbytes: float, messages: int = 1, small_bytes: float = 104.0) -> tuple[float, float]:
         out: list[tuple[float, TcpConnection, tuple[float, float]]] = []
         for weight, conn in self.modes:
-            before = copy.copy(conn)
+            state = _state_of(conn)  # a copy only where the mode splits: the common case costs one send
             times = conn.send(start, nbytes, messages, small_bytes, lose_burst=True)
             p = conn.burst_p
             if CERTAIN < p < 1.0 - CERTAIN:  # the mode splits: lost (as sent) and kept
+                kept = copy.copy(conn)
+                kept.window, kept.ssthresh, kept.last_sent_s, kept.queued_s = state
                 out.append((weight * p, conn, times))
-                out.append((weight * (1.0 - p), before, before.send(start, nbytes, messages, small_bytes, lose_burst=False)))
+                out.append((weight * (1.0 - p), kept, kept.send(start, nbytes, messages, small_bytes, lose_burst=False)))
             else:
                 out.append((weight, conn, times))
+        if len(out) == 1:
+            return out[0][2]
         self.modes = _merged(out)
         free = sum(w * t[0] for w, _, t in out)
         arrive = sum(w * t[1] for w, _, t in out)
@@ -57,6 +62,10 @@ class TcpModes:
     def window(self) -> float:
         """The expected window (for reports and tests)."""
         return sum(w * c.window for w, c in self.modes)
+
+
+def _state_of(conn: TcpConnection) -> tuple[float, float, float, float]:
+    return conn.window, conn.ssthresh, conn.last_sent_s, conn.queued_s
 
 
 def _state(conn: TcpConnection) -> tuple:
@@ -76,3 +85,34 @@ def _merged(out: list[tuple[float, TcpConnection, tuple[float, float]]]) -> list
     kept = sorted(by_state.values(), key=lambda m: -m[0])[:MAX_MODES]
     total = sum(w for w, _ in kept)
     return [(w / total, conn) for w, conn in kept]
+
+
+def tcp_links(model: str, count: int, bandwidth_Bps: float, latency_s: float,
+              constants: TcpConstants | None = None) -> list | None:
+    """One connection per link for `link.model=tcp` (the shipped measured constants unless given), each
+    priced over its uncertain burst losses (`TcpModes`); None for the ideal pipe."""
+    if model == "ideal":
+        return None
+    if model != "tcp":
+        raise bad_value("link.model", model, "valid choices: ideal, tcp")
+    c = constants or load_constants()
+    return [TcpModes(bandwidth_Bps, latency_s, c) for _ in range(count)]
+
+
+def predict_series(rows, constants: TcpConstants) -> list[float]:
+    """Model each measured transfer of a series (rows in the order they ran; one connection per
+    (rate, delay, repeat)): seconds from the sender's start to the last byte's arrival. As in the harness
+    (testbed/linkbench/gloo_pair.py), the sender starts the next transfer `gap_s` after the
+    receiver's one-byte acknowledgement (one-way delay later) is back. Priced over the uncertain
+    burst losses (`TcpModes`): the expected time, the target being the repeats' mean."""
+    out, conn, key, clock = [], None, None, 0.0
+    for r in rows:
+        k = (r["rate_bps"], r["delay_s"], r.get("repeat", 0))
+        if k != key:
+            key, clock = k, 0.0
+            conn = TcpModes(r["rate_bps"] / 8.0, r["delay_s"], constants)
+        start = clock + r["gap_s"]
+        _, arrive = conn.send(start, r["n"], r["msgs"])
+        out.append(arrive - start)
+        clock = arrive + r["delay_s"]
+    return out

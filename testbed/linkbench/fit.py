@@ -17,7 +17,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from engine.pricing.tcp_link import TcpConstants, predict_series
+from engine.pricing.tcp_link import TcpConstants
+from engine.pricing.tcp_modes import predict_series
 from testbed.linkbench.netns import TBF_QUEUE_BYTES
 
 ROBUST_SCALE = 0.1  # log errors beyond ~10% count less than quadratically
