@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.pricing.tcp_link import load_constants, predict_series
+from engine.pricing.tcp_link import load_constants
+from engine.pricing.tcp_modes import predict_series
 
 PLAN = [{"n": 1 << 10, "msgs": 3, "gap": 0.1}, {"n": 64 << 10, "msgs": 1, "gap": 0.1},
         {"n": 1 << 20, "msgs": 3, "gap": 0.1}, {"n": 4 << 20, "msgs": 1, "gap": 0.1},

@@ -1,13 +1,14 @@
 """The TCP link model's arithmetic (engine/pricing/tcp_link.py) and its use by the simulator."""
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
 import pytest
 
-from engine.pricing.tcp_link import (LINUX_RTO_MIN_S, TcpConnection, TcpConstants, load_constants,
-                                     predict_series, tcp_links)
+from engine.pricing.tcp_link import LINUX_RTO_MIN_S, TcpConnection, TcpConstants, load_constants
+from engine.pricing.tcp_modes import predict_series, tcp_links
 
 C = TcpConstants(initial_window_bytes=14_480.0, goodput_fraction=0.95, per_message_s=1e-4)
 B, D = 100e6 / 8, 0.03  # 100 Mbps, 30 ms one way
@@ -115,7 +116,8 @@ def test_repeats_are_separate_connections_and_the_fit_targets_their_mean():
 
 @pytest.mark.parametrize("bad", [dict(initial_window_bytes=0.0), dict(goodput_fraction=1.5),
                                  dict(per_message_s=-1.0), dict(burst_loss_rtts=-1.0), dict(queue_bdp=-0.5),
-                                 dict(loss_beta=1.0), dict(sender_Bps=0.0)])
+                                 dict(loss_beta=1.0), dict(sender_Bps=0.0), dict(slow_burst_p=1.5),
+                                 dict(slow_burst_p=-0.1)])
 def test_bad_constants_are_refused(bad):
     kw = dict(initial_window_bytes=14_480.0, goodput_fraction=0.95, per_message_s=1e-4) | bad
     with pytest.raises(Exception):
@@ -175,14 +177,16 @@ def test_a_burst_loss_in_slow_start_cuts_half_of_the_window_grown_until_it_is_fo
 
 
 def test_a_lost_burst_crosses_at_the_bottleneck_rate_before_the_cut_window_applies():
-    """The queue the burst filled keeps the bottleneck busy through the recovery: the burst's bytes
-    cross at the rate, and only the rest of the transfer runs at the cut window."""
+    """The queue the burst filled keeps the bottleneck busy while it drains, then it idles until the
+    retransmissions come (a round trip after the hole): the burst's bytes cross at the rate, and only
+    the rest of the transfer runs at the cut window."""
     rate, delay = 25e6, 0.05
     conn = _burst_conn(rate, delay, 1.8e6, 1.8e6)
     took = conn.send(0.1, 4e6)[0] - 0.1
     rtt, cut = 2 * delay, 0.9e6
     rest = 4e6 - 1.8e6  # 2.2 MB at 0.9 MB a round trip: two round trips, then 0.4 MB at the rate
-    assert took == pytest.approx(0.25 * rtt + 1.8e6 / rate + 2 * rtt + (rest - 2 * cut) / rate)
+    idle = rtt - Q / rate  # the queue drains in 60 ms; the retransmissions come a round trip after the hole
+    assert took == pytest.approx(0.25 * rtt + idle + 1.8e6 / rate + 2 * rtt + (rest - 2 * cut) / rate)
 
 
 def test_slow_start_s_overshoot_cuts_to_what_the_path_holds():
@@ -204,23 +208,79 @@ def test_slow_start_stops_at_the_threshold_without_a_loss():
     assert conn.ssthresh == 0.2e6 and conn.window == 0.2e6
 
 
-@pytest.mark.slow  # 7 s on an idle 2-core machine, 23 s at load 13 (nine Nelder-Mead starts)
+def _two_speed(slow_burst_p: float) -> TcpConstants:
+    """The harness's queue, a sender whose slow bursts reach the bottleneck at 200 MB/s."""
+    return TcpConstants(initial_window_bytes=14_480.0, goodput_fraction=1.0, per_message_s=0.0, queue_bytes=Q,
+                        burst_loss_rtts=0.25, sender_Bps=200e6, slow_burst_p=slow_burst_p)
+
+
+def test_a_burst_is_lost_by_chance_only_where_it_fits_at_the_slow_speed():
+    """400 Mbps: the queue alone takes 1.5 MB; at 200 MB/s it absorbs 1.5 / (1 - 50/200) = 2.0 MB."""
+    c, rate = _two_speed(0.7), 50e6
+    assert c.burst_loss_p(1.4e6, Q, rate) == 0.0  # the queue alone takes it
+    assert c.burst_loss_p(1.9e6, Q, rate) == pytest.approx(0.3)  # lost only if it comes at line speed
+    assert c.burst_loss_p(2.2e6, Q, rate) == 1.0  # lost at either speed
+    assert c.absorbed(1.9e6, Q, rate) == Q  # lost at line speed: the queue took only its size
+    assert c.absorbed(2.2e6, Q, rate) == pytest.approx(0.7 * 2.0e6 + 0.3 * Q)
+
+
+def test_one_outcome_gives_the_deterministic_model_bit_for_bit():
+    from engine.pricing.tcp_modes import TcpModes
+
+    c = _two_speed(1.0)
+    one, modes = TcpConnection(50e6, 0.03, c), TcpModes(50e6, 0.03, c)
+    t = 0.0
+    for n in (1 << 20, 1 << 20, 4 << 20, 4 << 20, 16 << 20):
+        assert modes.send(t, n) == one.send(t, n)
+        assert len(modes.modes) == 1
+        t = one.last_sent_s + 0.1
+
+
+def test_an_uncertain_burst_is_priced_as_the_mean_of_its_two_outcomes():
+    from engine.pricing.tcp_modes import TcpModes
+
+    c = _two_speed(0.7)
+    modes = TcpModes(50e6, 0.03, c)
+    (_, conn), = modes.modes
+    conn.window, conn.last_sent_s = 1.9e6, 0.0  # a window that fits only at the slow speed
+    lost, kept = copy.copy(conn), copy.copy(conn)
+    t_lost, t_kept = lost.send(0.1, 4e6, lose_burst=True)[1], kept.send(0.1, 4e6, lose_burst=False)[1]
+    assert t_lost > t_kept and lost.window < kept.window
+    assert modes.send(0.1, 4e6)[1] == pytest.approx(0.3 * t_lost + 0.7 * t_kept)
+    assert sorted(w for w, _ in modes.modes) == pytest.approx([0.3, 0.7])
+
+
+def test_the_modes_stay_few_and_their_chances_add_to_one():
+    from engine.pricing.tcp_modes import MAX_MODES, TcpModes
+
+    modes = TcpModes(50e6, 0.03, _two_speed(0.5))
+    t = 0.0
+    for i in range(12):
+        t = modes.send(t + 0.1, (1 << 20) if i < 2 else (4 << 20))[0]
+    assert 1 < len(modes.modes) <= MAX_MODES
+    assert sum(w for w, _ in modes.modes) == pytest.approx(1.0)
+
+
+@pytest.mark.slow  # ~80 s at load 9 on the shared 2-core machine (nine Nelder-Mead starts, then two with slow_burst_p)
 def test_the_refit_writes_the_shipped_profile_byte_for_byte(tmp_path):
-    """From the repository's measurements and its declared split (measurements/linkbench-2026-11-28/
-    manifest.yaml: fit and validation series; the test series are never fitted on)."""
+    """From the repository's measurements and its declared split (measurements/linkbench-2026-11-28b/
+    manifest.yaml: fit and validation series, all taken on 2026-11-28 by link46d; the test series
+    are never fitted on)."""
     import tarfile
 
     import yaml
 
     from testbed.linkbench.fit import main
 
-    folder = Path(__file__).resolve().parents[1] / "measurements" / "linkbench-2026-11-28"
+    folder = Path(__file__).resolve().parents[1] / "measurements" / "linkbench-2026-11-28b"
     split = yaml.safe_load((folder / "manifest.yaml").read_text())
-    with tarfile.open(folder / "series.tar.xz") as tar:
-        tar.extractall(tmp_path, filter="data")
+    for source in split["sources"]:
+        if (folder / source).is_file():  # only the fit and validation files are read
+            with tarfile.open(folder / source) as tar:
+                tar.extractall(tmp_path, filter="data")
     path = lambda name: str(next(tmp_path.rglob(name)))
     args = [str(tmp_path / "out.json")] + [x for f in split["fit"] for x in ("--fit", path(f))]
-    args += [x for f in split["validation"] for x in ("--check", path(f))] + ["--burst-loss"]
+    args += [x for f in split["validation"] for x in ("--check", path(f))] + ["--burst-loss", "--modes"]
     assert main(args) == 0
     shipped = Path(__file__).resolve().parents[1] / "engine" / "pricing" / "link_profiles" / "gloo-tcp.json"
     assert (tmp_path / "out.json").read_bytes() == shipped.read_bytes()

@@ -44,7 +44,7 @@ from engine.core.executor import EXECUTORS, Completion, Executor, ExecutorBuild,
 from engine.core.policy import LinkState, PendingTransfer, Policy, RuntimeFeatures, Transfer
 from engine.core.trace import Tracer
 from engine.pricing.sampling_ops import SamplerSettings
-from engine.pricing.tcp_link import tcp_links
+from engine.pricing.tcp_modes import tcp_links
 
 from engine.simulator.fifo_pipeline import (  # noqa: F401  (the event names are this module's API)
     ARRIVE, COMPLETE, EVENT_NAMES, LINK_DONE, PREP_DONE, SAMPLE_DONE, STAGE_DONE, FifoPipeline)
@@ -119,7 +119,8 @@ class SimExecutor(Executor):
         self._by_counts: dict[tuple[int, int, int, int], tuple] = {}  # `_price`'s memo
         self._fifo_sends = transfer_scheduler is None or transfer_scheduler is _fifo
         self._metadata_s = 0.0 if runtime.structure_aware_transfer else cost_model.coefficients.transfer_metadata_s
-        # link.model=tcp: one TCP connection's state per link (engine/pricing/tcp_link.py); None: the ideal pipe
+        # link.model=tcp: one TCP connection's state per link (engine/pricing/tcp_link.py), priced over its
+        # burst outcomes (tcp_modes.py); None: the ideal pipe
         self._tcp = tcp_links(link_model, max(0, P - 1), self.bandwidth, self.latency)
         self._first_messages = 1 if runtime.structure_aware_transfer else 3  # size, metadata, tensor
         # No events where every server is FIFO (see the module doc); `event_driven=True` forces the

@@ -2,7 +2,7 @@
 
 `python -m testbed.linkbench.fit OUT_PROFILE.json --fit A.json [--fit B.json] --check C.json ...`
 fits `goodput_fraction`, `per_message_s` and, with --burst-loss, `burst_loss_rtts` and `sender_Bps` (or takes
-the last as measured: --sender-Bps; engine/pricing/tcp_link.py;
+the last as measured: --sender-Bps) and, with --modes, `slow_burst_p` (engine/pricing/tcp_link.py;
 the initial window and Reno's cut are the kernel's)
 by robust least squares on the log of the transfer times of the `--fit` series, then reports the error on
 every series (`--check` ones held out of the fit) and writes the profile: the constants, where they
@@ -17,7 +17,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from engine.pricing.tcp_link import TcpConstants, predict_series
+from engine.pricing.tcp_link import TcpConstants
+from engine.pricing.tcp_modes import predict_series
 from testbed.linkbench.netns import TBF_QUEUE_BYTES
 
 ROBUST_SCALE = 0.1  # log errors beyond ~10% count less than quadratically
@@ -31,6 +32,7 @@ INITIAL_WINDOW = 14_480.0
 START = (0.95, 1e-4)
 BURST_STARTS = (0.25, 0.5, 1.0)  # round trips a queue-overflowing burst costs
 SENDER_GBPS_STARTS = (1.0, 3.0, 10.0)  # how fast the sending host bursts onto the path
+SLOW_STARTS = (0.4, 0.7)  # the chance a burst comes at that speed, not at line speed
 
 
 def repeat_means(rows: list[dict]) -> list[dict]:
@@ -83,20 +85,23 @@ def constants(x, queue: tuple[float, float], source: str = "") -> TcpConstants:
     queue absorbs, and the profile's rounding (1e-5 of the goodput) moved points across it."""
     burst = round(max(0.0, float(x[2])), 4) if len(x) > 2 else 0.0
     sender = float(round(max(1e-3, float(x[3])) * 1e9 / 8.0)) if len(x) > 3 else math.inf
+    slow = round(min(1.0, max(0.0, float(x[4]))), 4) if len(x) > 4 else 1.0
     return TcpConstants(INITIAL_WINDOW, round(min(1.0, float(x[0])), 5), round(max(0.0, float(x[1])), 7), 0.5,
-                        queue[0], source, queue[1], burst, sender)
+                        queue[0], source, queue[1], burst, sender, slow)
 
 
 def fit(rows: list[dict], queue: tuple[float, float], burst: bool = False,
-        sender_Bps: float | None = None) -> TcpConstants:
-    """`sender_Bps`: the sender's burst speed as measured (relay_speed.py), not fitted."""
-    from scipy.optimize import minimize
-
+        sender_Bps: float | None = None, modes: bool = False) -> TcpConstants:
+    """`sender_Bps`: the sender's burst speed as measured (relay_speed.py), not fitted. `modes`: also
+    fit `slow_burst_p` (a burst lost with a chance; the expected time over both outcomes)."""
     fixed = () if sender_Bps is None or not burst else (sender_Bps * 8.0 / 1e9,)
+    modes = modes and burst and not fixed
 
     def loss_on(x, rows) -> float:
         x = tuple(x) + fixed
         if not 0.5 < x[0] <= 1.0 or x[1] < 0 or (burst and not (0 <= x[2] <= 10 and 0.05 <= x[3] <= 100)):
+            return 1e9
+        if len(x) > 4 and not 0.0 <= x[4] <= 1.0:
             return 1e9
         # Cauchy (robust) loss on the log error: a few transfers the model does not describe (a second
         # loss in Reno's recovery at 400 Mbps) must not pull the constants off the rest
@@ -105,9 +110,18 @@ def fit(rows: list[dict], queue: tuple[float, float], burst: bool = False,
     means = repeat_means(rows)
     senders = [()] if fixed else [(g,) for g in SENDER_GBPS_STARTS]
     starts = [START + (b,) + g for b in BURST_STARTS for g in senders] if burst else [START]
-    fits = [minimize(lambda x: loss_on(x, means), x0, method="Nelder-Mead",
-                     options={"xatol": 1e-6, "fatol": 1e-9, "maxiter": 6000}) for x0 in starts]
-    return constants(tuple(min(fits, key=lambda f: f.fun).x) + fixed, queue)
+    best = _best(lambda x: loss_on(x, means), starts)
+    if modes:  # widened from the one-outcome optimum (a grid of 5-D starts takes too long)
+        best = _best(lambda x: loss_on(x, means), [tuple(best) + (s,) for s in SLOW_STARTS])
+    return constants(tuple(best) + fixed, queue)
+
+
+def _best(loss, starts) -> tuple:
+    from scipy.optimize import minimize
+
+    fits = [minimize(loss, x0, method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-9, "maxiter": 6000})
+            for x0 in starts]
+    return tuple(min(fits, key=lambda f: f.fun).x)
 
 
 def summary(errs: list[float]) -> dict:
@@ -153,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the measured link's queue as a multiple of its BDP (measure.py --queue-bdp); "
                          "default: the fixed TBF_QUEUE_BYTES")
     ap.add_argument("--burst-loss", action="store_true", help="also fit the round trips a queue-overflowing burst costs")
+    ap.add_argument("--modes", action="store_true",
+                    help="with --burst-loss: also fit slow_burst_p (a burst lost by chance; priced over both outcomes)")
     ap.add_argument("--sender-Bps", type=float, default=None,
                     help="with --burst-loss: the sender's burst speed as measured (relay_speed.py), not fitted")
     a = ap.parse_args(argv)
@@ -167,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.sender_Bps is not None and not (a.burst_loss and a.sender_Bps > 0):
         print(f"error: --sender-Bps {a.sender_Bps}: a speed > 0 in bytes/s, with --burst-loss")
         return 2
-    c = fit([r for d in fitted for r in d["rows"]], queue, a.burst_loss, a.sender_Bps)
+    c = fit([r for d in fitted for r in d["rows"]], queue, a.burst_loss, a.sender_Bps, a.modes)
     series = []
     for role, paths, data in (("fit", a.fit, fitted), ("held out", a.check, checked)):
         for p, d in zip(paths, data):
@@ -188,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                              "per_message_s": round(c.per_message_s, 7),
                              "loss_beta": c.loss_beta, "queue_bytes": queue[0], "queue_bdp": queue[1],
                              "burst_loss_rtts": round(c.burst_loss_rtts, 4),
-                             "sender_Bps": round(c.sender_Bps) if math.isfinite(c.sender_Bps) else None},
+                             "sender_Bps": round(c.sender_Bps) if math.isfinite(c.sender_Bps) else None,
+                             "slow_burst_p": c.slow_burst_p},
                "series": series}
     Path(a.out).write_text(json.dumps(profile, indent=1) + "\n")
     if a.table:
