@@ -88,3 +88,45 @@ def test_pack_runs_packs_into_the_named_archive_only_what_the_others_lack(folder
         assert tar.getnames() == ["runs/t1/summary.json"]
     with pytest.raises(SystemExit):
         pack_runs.pack(path, src)  # several archives: the one to pack must be named
+
+
+# ---- set 5's profiles (measurements/cpu-tiny-llama-2026-11-28/manifest-set5.yaml) ----------------------
+SET5 = ROOT / "measurements" / "cpu-tiny-llama-2026-11-28" / "manifest-set5.yaml"
+SET5_TABLE = {"cpu-tiny-llama-set5-pp1-runs": "0", "cpu-tiny-llama-set5-pp2-runs": "1"}  # chosen on validation: notes
+
+
+def test_set5_profiles_are_fitted_on_their_fit_runs_only_and_test_on_r5_to_r7():
+    m = load_manifest(SET5)
+    for name, split in m.profiles.items():
+        assert {r.rsplit("-", 1)[1] for r in split.fit + split.validation} == {"r1", "r2", "r3", "r4"}
+        assert sorted(split.test) == sorted(f"pp{name[-6]}-{w}-{p}-r{r}" for w in ("sharegpt", "azlo", "azhi")
+                                            for p in ("gllm", "sarathi", "vllm", "molink", "sipipe", "tdpipe")
+                                            for r in (5, 6, 7))
+        prov = yaml.safe_load((m.path.parent / "profiles" / f"{name}.yaml").read_text())["profile"]
+        assert sorted(r["dir"] for r in prov["runs"]) == sorted(split.fit)
+        assert all((m.run_dir(r) / "trace.json").is_file() for r in split.fit)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SET5_TABLE))
+def test_set5_profiles_refit_exactly_from_the_repository(tmp_path, name):
+    from testbed.cli import main
+
+    assert main(["calibrate", "runs", str(SET5), "--profile", name, "--table-option", SET5_TABLE[name],
+                 "--hop", "receive", "--name", name, "--out", str(tmp_path)]) == 0
+    fitted = yaml.safe_load((tmp_path / f"{name}.yaml").read_text())
+    shipped = yaml.safe_load((SET5.parent / "profiles" / f"{name}.yaml").read_text())
+    for key in set(shipped) - {"profile", "version"}:
+        assert fitted[key] == shipped[key], key
+    assert fitted["profile"]["errors"] == shipped["profile"]["errors"]
+
+
+def test_a_micro_batch_launched_behind_another_is_timed_from_that_ones_completion():
+    import pandas as pd
+
+    from testbed.calibrate.offline import own_times
+
+    mbs = pd.DataFrame({"mb_id": [0, 1, 2, 3], "scheduled_s": [0.0, 0.01, 0.5, 0.6],
+                        "completed_s": [0.40, 0.42, 0.55, 0.9]})
+    got = own_times(mbs)  # mb 1 waited behind mb 0's 0.4 s prefill: its own time is 0.02 s
+    assert got == pytest.approx({0: 0.40, 1: 0.02, 2: 0.05, 3: 0.30})
