@@ -21,7 +21,10 @@ fit (git log shows the order) and names, per profile:
   read freely while diagnosing, never fitted on, chosen on or reported as test runs.
 
 The runs live packed (`runs: runs.tar.xz`, a few MB) in the repository's measurements/ folder and are
-unpacked once into a cache keyed by the archive's hash (`unpacked`).
+unpacked once into a cache keyed by the archive's hash (`unpacked`). `runs:` may list several archives,
+unpacked in order into one tree (a later one adds runs, or files such as a fit run's trace.json, to
+it): a test set declared before it is taken names an archive that is not there yet, and only its
+test runs may be missing until it is (`Manifest.absent`; `validate --test` then says so).
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ class Manifest:
     path: Path
     runs_dir: Path
     profiles: dict[str, Split]
+    absent: tuple[str, ...] = ()  # archives `runs:` lists that are not there yet (a declared test set)
 
     def split(self, profile: str | None) -> Split:
         if profile is None and len(self.profiles) == 1:
@@ -100,17 +104,22 @@ def load_manifest(path: str | Path) -> Manifest:
         raise ConfigError(f"cannot read manifest {path}: {str(exc).splitlines()[0]}") from None
     if not isinstance(tree, dict) or not isinstance(tree.get("profiles"), dict) or "runs" not in tree:
         raise ConfigError(f"manifest {path} needs `runs:` (a folder or .tar.xz) and `profiles:` (name -> split)")
-    runs = path.parent / str(tree["runs"])
-    runs_dir = unpacked(runs) if runs.is_file() else runs
-    if not runs_dir.is_dir():
-        raise ConfigError(f"manifest {path}: runs {runs} is neither a folder nor an archive")
+    listed = tree["runs"] if isinstance(tree["runs"], list) else [tree["runs"]]
+    archives = [path.parent / str(r) for r in listed]
+    absent = tuple(a.name for a in archives if len(archives) > 1 and a.suffix == ".xz" and not a.exists())
+    present = [a for a in archives if a.name not in absent]
+    runs = present[0] if len(present) == 1 else path.parent
+    runs_dir = runs if runs.is_dir() and len(present) == 1 else unpacked(present) if all(a.is_file() for a in present) else None
+    if runs_dir is None or not runs_dir.is_dir():
+        raise ConfigError(f"manifest {path}: runs {', '.join(map(str, listed))} is neither a folder nor an archive")
     profiles = {name: _split(path, str(name), body) for name, body in tree["profiles"].items()}
     for split in profiles.values():
         missing = [r for r in split.runs() + split.spent_test + split.diagnosis if not (runs_dir / r).is_dir()]
-        if missing:
-            raise ConfigError(f"manifest {path}: {split.name} names runs not in {runs}: {', '.join(missing[:5])}")
+        if missing and not (absent and set(missing) <= set(split.test)):
+            raise ConfigError(f"manifest {path}: {split.name} names runs not in {', '.join(map(str, listed))}: "
+                              f"{', '.join(missing[:5])}")
     _register_profiles(path.parent / "profiles")
-    return Manifest(path, runs_dir, profiles)
+    return Manifest(path, runs_dir, profiles, absent)
 
 
 def _register_profiles(folder: Path) -> None:
@@ -144,18 +153,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("TESTBED_CACHE_DIR") or Path.home() / ".cache" / "testbed") / "measurements"
 
 
-def unpacked(archive: Path) -> Path:
-    """The archive's folder tree, unpacked once into the cache (keyed by its content hash, so an
-    updated archive is unpacked afresh); only regular files and folders, nothing outside it."""
+def unpacked(archives: Path | list[Path]) -> Path:
+    """The archives' folder tree, unpacked once, in order, into the cache (keyed by their content
+    hash, so an updated archive is unpacked afresh); only regular files and folders, nothing outside it."""
     import shutil
 
-    digest = hashlib.sha256(archive.read_bytes() + PACKED_MARKER.encode()).hexdigest()[:16]  # + the marker: caches unpacked before it differ
+    archives = [archives] if isinstance(archives, Path) else list(archives)
+    archive = archives[0]
+    blob = b"".join(a.read_bytes() for a in archives)
+    digest = hashlib.sha256(blob + PACKED_MARKER.encode()).hexdigest()[:16]  # + the marker: caches unpacked before it differ
     dest = cache_root() / f"{archive.parent.name}-{digest}"
     if not (dest / ".unpacked").is_file():
         tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        with tarfile.open(archive) as tar:
-            tar.extractall(tmp, filter="data")
+        for one in archives:
+            with tarfile.open(one) as tar:
+                tar.extractall(tmp, filter="data")
         for req in tmp.rglob("requests.csv"):  # the packer dropped the token ids (run_checks.check_real)
             (req.parent / PACKED_MARKER).write_text(str(archive))
         (tmp / ".unpacked").write_text(str(archive))

@@ -210,11 +210,12 @@ def stalls(run: RealRun, hardware: str) -> dict:
                      coefficients=CostCoefficients(**(hw.calibration or {})))
     shapes = replay_shapes(run)
     excess, where, intervals = 0.0, [], []
+    own = own_times(run.microbatches)
     for row in run.microbatches.itertuples():
         shape = shapes[int(row.mb_id)][0]
         pred = (cost.dispatch_s(shape) + sum(cost.prep_s(shape) for _ in range(cost.pp))
                 + sum(cost.stage_compute_all_s(shape)) + cost.sample_s(shape) + cost.return_s(shape))
-        took = float(row.completed_s) - float(row.scheduled_s)
+        took = own[int(row.mb_id)]
         if took - pred > STALL_MIN_S and took > STALL_RATIO * pred:
             excess += took - pred
             where.append(f"mb {int(row.mb_id)} {row.kind} {took:.2f} s")
@@ -224,6 +225,21 @@ def stalls(run: RealRun, hardware: str) -> dict:
     without = tokens / (float(s["duration_s"]) - excess) if excess else float(s["throughput_tok_s"])
     return {"count": len(where), "excess_s": excess, "where": where[:6], "throughput_without": without,
             **stall_latency(run.path / "requests.csv", intervals)}
+
+
+def own_times(microbatches) -> dict[int, float]:
+    """mb_id -> its completion less the later of its launch and the completion before it: with two
+    or more micro-batches in flight, one launched behind a large prefill waits for it, and that wait
+    is the prefill's time, not its own. On P=2 Azure 9 req/s (2026-11-28) every "stall" of 8 checked
+    was a 5-20-sequence decode launched behind a 1,236-1,984-token prefill that took 0.29-0.45 s,
+    within -4..+7% of its price (docs/measurements/diag-cpu-2026-11-28b.md). One micro-batch in
+    flight (P=1): the completion before is before the launch, and this is completion - launch."""
+    rows = sorted(zip(microbatches["completed_s"], microbatches["scheduled_s"], microbatches["mb_id"]))
+    out, before = {}, float("-inf")
+    for done, sched, mb in rows:
+        out[int(mb)] = float(done) - max(float(sched), before)
+        before = float(done)
+    return out
 
 
 def stalls_against(run: RealRun, hardware: str, sim: dict) -> dict:

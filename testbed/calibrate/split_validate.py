@@ -61,6 +61,10 @@ def cmd_validate_manifest(args, console) -> int:
     split = m.split(args.profile)
     hw = get_hardware(hardware)
     sets = ("fit", "validation", "test") if args.test else ("fit", "validation")
+    unpacked_test = [r for r in split.test if not m.run_dir(r).is_dir()]
+    if args.test and unpacked_test:
+        raise ConfigError(f"the test runs of {split.name} are not packed yet ({', '.join(m.absent) or m.path.name} "
+                          f"missing): {', '.join(unpacked_test[:3])}")
     rows = replay_all(m, split, sets, hardware, console)
     text = format_split(rows, split, hardware, args.test)
     if args.test:

@@ -1,0 +1,132 @@
+"""A manifest's `runs:` as a list of archives (testbed/calibrate/manifest.py, scripts/pack_runs.py):
+unpacked in order into one tree, a later archive adding runs or files (a fit run's trace.json); a
+test set declared before it is taken names an archive not there yet, and only its test runs may be
+missing until then."""
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import lzma
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.base.errors import ConfigError
+from testbed.calibrate.manifest import load_manifest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _archive(path: Path, files: dict[str, str]) -> None:
+    with lzma.open(path, "wb") as xz, tarfile.open(fileobj=xz, mode="w") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+
+
+def _manifest(folder: Path, runs, test=("t1",)) -> Path:
+    path = folder / "manifest.yaml"
+    path.write_text(yaml.safe_dump({"runs": runs, "profiles": {"p": {"fit": ["f1"], "validation": ["v1"],
+                                                                    "test": list(test)}}}))
+    return path
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESTBED_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "m").mkdir()
+    _archive(tmp_path / "m" / "a.tar.xz", {"runs/f1/summary.json": "{}", "runs/v1/summary.json": "{}"})
+    _archive(tmp_path / "m" / "b.tar.xz", {"runs/f1/trace.json": "[]"})
+    return tmp_path / "m"
+
+
+def test_later_archives_add_files_and_an_absent_one_may_hold_only_test_runs(folder):
+    m = load_manifest(_manifest(folder, ["a.tar.xz", "b.tar.xz", "c.tar.xz"]))
+    assert m.absent == ("c.tar.xz",)
+    assert (m.run_dir("f1") / "summary.json").is_file() and (m.run_dir("f1") / "trace.json").is_file()
+    assert not m.run_dir("t1").exists()
+    _archive(folder / "c.tar.xz", {"runs/t1/summary.json": json.dumps({"num_finished": 100})})
+    m = load_manifest(_manifest(folder, ["a.tar.xz", "b.tar.xz", "c.tar.xz"]))
+    assert m.absent == () and (m.run_dir("t1") / "summary.json").is_file()
+
+
+def test_an_absent_archive_does_not_excuse_a_missing_fit_or_validation_run(folder):
+    path = folder / "manifest.yaml"
+    path.write_text(yaml.safe_dump({"runs": ["a.tar.xz", "c.tar.xz"], "profiles": {"p": {
+        "fit": ["f1"], "validation": ["v2"], "test": ["t1"]}}}))
+    with pytest.raises(ConfigError, match="names runs not in.*v2"):
+        load_manifest(path)
+    with pytest.raises(ConfigError, match="names runs not in.*t1"):  # one archive: nothing is excused
+        load_manifest(_manifest(folder, "a.tar.xz"))
+
+
+def test_validate_test_says_the_test_runs_are_not_packed_yet(folder, capsys):
+    from testbed.cli import main
+
+    path = _manifest(folder, ["a.tar.xz", "b.tar.xz", "c.tar.xz"])
+    assert main(["validate", "--runs", str(path), "hardware=h100-80g", "--test"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not packed yet (c.tar.xz missing): t1" in err[0]
+
+
+def test_pack_runs_packs_into_the_named_archive_only_what_the_others_lack(folder, tmp_path):
+    spec = importlib.util.spec_from_file_location("pack_runs", ROOT / "scripts" / "pack_runs.py")
+    pack_runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pack_runs)
+    src = tmp_path / "src"
+    for run, files in {"f1": ("summary.json", "trace.json"), "t1": ("summary.json", "trace.json")}.items():
+        (src / run).mkdir(parents=True)
+        for f in files:
+            (src / run / f).write_text("{}")
+    path = _manifest(folder, ["a.tar.xz", "b.tar.xz", "c.tar.xz"])
+    out = pack_runs.pack(path, src, "c.tar.xz")
+    with tarfile.open(out) as tar:  # f1's files are in a and b; t1 is a test run: no trace kept
+        assert tar.getnames() == ["runs/t1/summary.json"]
+    with pytest.raises(SystemExit):
+        pack_runs.pack(path, src)  # several archives: the one to pack must be named
+
+
+# ---- set 5's profiles (measurements/cpu-tiny-llama-2026-11-28/manifest-set5.yaml) ----------------------
+SET5 = ROOT / "measurements" / "cpu-tiny-llama-2026-11-28" / "manifest-set5.yaml"
+SET5_TABLE = {"cpu-tiny-llama-set5-pp1-runs": "1", "cpu-tiny-llama-set5-pp2-runs": "0"}  # chosen on validation (3.30% / 4.58%: docs/measurements/diag-cpu-2026-11-28b.md)
+
+
+def test_set5_profiles_are_fitted_on_their_fit_runs_only_and_test_on_r5_to_r7():
+    m = load_manifest(SET5)
+    for name, split in m.profiles.items():
+        assert {r.rsplit("-", 1)[1] for r in split.fit + split.validation} == {"r1", "r2", "r3", "r4"}
+        assert sorted(split.test) == sorted(f"pp{name[-6]}-{w}-{p}-r{r}" for w in ("sharegpt", "azlo", "azhi")
+                                            for p in ("gllm", "sarathi", "vllm", "molink", "sipipe", "tdpipe")
+                                            for r in (5, 6, 7))
+        prov = yaml.safe_load((m.path.parent / "profiles" / f"{name}.yaml").read_text())["profile"]
+        assert sorted(r["dir"] for r in prov["runs"]) == sorted(split.fit)
+        assert all((m.run_dir(r) / "trace.json").is_file() for r in split.fit)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SET5_TABLE))
+def test_set5_profiles_refit_exactly_from_the_repository(tmp_path, name):
+    from testbed.cli import main
+
+    assert main(["calibrate", "runs", str(SET5), "--profile", name, "--table-option", SET5_TABLE[name],
+                 "--hop", "receive", "--name", name, "--out", str(tmp_path)]) == 0
+    fitted = yaml.safe_load((tmp_path / f"{name}.yaml").read_text())
+    shipped = yaml.safe_load((SET5.parent / "profiles" / f"{name}.yaml").read_text())
+    for key in set(shipped) - {"profile", "version"}:
+        assert fitted[key] == shipped[key], key
+    assert fitted["profile"]["errors"] == shipped["profile"]["errors"]
+
+
+def test_a_micro_batch_launched_behind_another_is_timed_from_that_ones_completion():
+    import pandas as pd
+
+    from testbed.calibrate.offline import own_times
+
+    mbs = pd.DataFrame({"mb_id": [0, 1, 2, 3], "scheduled_s": [0.0, 0.01, 0.5, 0.6],
+                        "completed_s": [0.40, 0.42, 0.55, 0.9]})
+    got = own_times(mbs)  # mb 1 waited behind mb 0's 0.4 s prefill: its own time is 0.02 s
+    assert got == pytest.approx({0: 0.40, 1: 0.02, 2: 0.05, 3: 0.30})
