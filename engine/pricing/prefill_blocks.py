@@ -22,11 +22,12 @@ Torch-free scalar arithmetic: the simulator calls it per micro-batch.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
-from engine.pricing.decode_blocks import num_splits
+from engine.pricing.decode_blocks import SPLIT_KV_FRACTION, num_splits
 
-__all__ = ["causal_tile_keys", "block_makespan_s", "LIST_SCHEDULE_TAIL"]
+__all__ = ["causal_tile_keys", "block_makespan_s", "makespan_s", "split_makespan_s", "LIST_SCHEDULE_TAIL"]
 
 # The makespan's tail: FlashAttention-2 dispatches a head's tiles in grid order (the longest, last
 # tile last), and a greedy list schedule of those blocks over the slots ends about this fraction of
@@ -54,15 +55,21 @@ def causal_tile_keys(x: int, tile: int, kblock: int) -> tuple[int, int]:
     return full + last, last
 
 
-def block_makespan_s(x: float, prefix: float, heads: int, chunks: int, *, tile: int, kblock: int, sms: int,
+def split_makespan_s(x: float, prefix: float, heads: int, chunks: int, *, tile: int, kblock: int, sms: int,
                      slots_per_sm: int, causal_s: float, prefix_s: float, tail: float, split_s: float) -> float:
-    """One prefill call's blocks over the GPU's slots: `chunks` chunks of `x` tokens after `prefix`
-    cached ones each (several chunks are taken as equal, the cost model's convention), `heads`
-    query heads. `causal_s` / `prefix_s`: seconds per tile-key at one slot's share of the FLOP rate.
-    The list schedule's makespan is approximated as max(longest block, balanced share + `tail` x
-    longest block): the grid dispatches a head's tiles in order, so the longest (last) tiles start
-    late. One slot per SM: a block runs at its SM's rate."""
-    xi = max(1, int(round(x)))
+    """One prefill call's blocks over the GPU's slots, with the split count FlashAttention-2 picks for
+    exactly this call: `chunks` chunks of `x` tokens after `prefix` cached ones each (several chunks
+    are taken as equal, the cost model's convention), `heads` query heads. `causal_s` / `prefix_s`:
+    seconds per tile-key at one slot's share of the FLOP rate. The list schedule's makespan is
+    approximated as max(longest block, balanced share + `tail` x longest block): the grid dispatches
+    a head's tiles in order, so the longest (last) tiles start late. One slot per SM: a block runs
+    at its SM's rate. Not monotone in `x` (the split count steps): `block_makespan_s` is."""
+    return _span(max(1, int(round(x))), prefix, heads, chunks,
+                 (tile, kblock, sms, slots_per_sm, causal_s, prefix_s, tail, split_s))
+
+
+def _span(xi: int, prefix: float, heads: int, chunks: int, consts: tuple) -> float:
+    tile, kblock, sms, slots_per_sm, causal_s, prefix_s, tail, split_s = consts
     n = -(-xi // tile)
     ck_sum, ck_max = causal_tile_keys(xi, tile, kblock)
     blocks = chunks * heads * n
@@ -74,3 +81,57 @@ def block_makespan_s(x: float, prefix: float, heads: int, chunks: int, *, tile: 
     longest = (ck_max * causal_s + prefix * prefix_s) / splits
     span = max(longest, work / slots + tail * longest) if blocks * splits > slots else longest
     return span + (split_s if splits > 1 else 0.0)
+
+
+def block_makespan_s(x: float, prefix: float, heads: int, chunks: int, *, tile: int, kblock: int, sms: int,
+                     slots_per_sm: int, causal_s: float, prefix_s: float, tail: float, split_s: float) -> float:
+    """`split_makespan_s`, never below a shorter chunk's after the same prefix (issue 46 item 4).
+
+    FlashAttention-2's split count is not monotone in the chunk (`num_splits_heuristic`): on H100
+    (132 SMs) 7 query heads a GPU (Qwen2.5-7B at TP 4) make 49 blocks for 385-448 tokens, split 2
+    ways while prefix + chunk spans 11 key blocks and 12 ways at 12, so the per-block form priced 416
+    tokens after 1,000 17.7% below 408 (34.7 vs 42.2 us; A100's form 33% at 72 vs 64 tokens after
+    128). The measured kernel steps down far less: A100's complete 70B table (4,418 prefill rows)
+    drops at 284 of 4,338 adjacent chunk pairs, by at most 9.5% (21 -> 19 us, 64 -> 80 tokens after
+    96-160), H100's samples at none of 138. The form's split price leaves out each piece's partial
+    output and prices H100's combine at its bound (no H100 row splits), so the step is not priced
+    here: a call costs at least what any shorter chunk after the same prefix costs."""
+    return makespan_s(max(1, int(round(x))), prefix, heads, chunks,
+                      (tile, kblock, sms, slots_per_sm, causal_s, prefix_s, tail, split_s))
+
+
+def makespan_s(xi: int, prefix: float, heads: int, chunks: int, consts: tuple) -> float:
+    """`block_makespan_s` on a whole chunk length and the constants' tuple (tile, kblock, sms,
+    slots_per_sm, causal_s, prefix_s, tail, split_s), as `LayerKernels` holds them."""
+    t = _span(xi, prefix, heads, chunks, consts)
+    tile, sms = consts[0], consts[2]
+    if not sms or chunks * heads >= SPLIT_KV_FRACTION * sms:  # not even one tile a head splits
+        return t
+    last = (math.ceil(SPLIT_KV_FRACTION * sms / (chunks * heads)) - 1) * tile  # the split regime's longest
+    if xi > last:
+        # no shorter chunk's span exceeds its longest block L (unsplit, fewer blocks than slots) or, split,
+        # half of it + its work over the slots (< 0.8 L: fewer blocks than 0.8 x SMs) + the combine
+        kblock, tail, split_s = consts[1], consts[6], consts[7]
+        longest = -(-last // kblock) * kblock * consts[4] + prefix * consts[5]
+        if t >= max(longest, (SPLIT_KV_FRACTION + 0.5 * tail) * longest + split_s):
+            return t
+    # past the regime every shorter end counts: one cache entry for every longer chunk
+    floor = _shorter_max_s(min(xi, last + 1), prefix, heads, chunks, consts)
+    return t if t >= floor else floor
+
+
+@lru_cache(maxsize=1 << 15)
+def _shorter_max_s(xi: int, prefix: float, heads: int, chunks: int, consts: tuple) -> float:
+    """The highest `_span` over the shorter chunks `1..xi-1` (the caller keeps them in the split
+    regime). The split count changes only where the tile count or prefix + chunk's key blocks do,
+    and with a constant count the span grows with the chunk, so the maximum is at a segment's last
+    length: a whole number of tiles, or the last length with j key blocks."""
+    tile, kblock = consts[0], consts[1]
+    top = xi - 1
+    ends = set(range(tile, top + 1, tile))
+    ends.add(top)
+    for j in range(-(-int(prefix + 1) // kblock), -(-int(prefix + top) // kblock) + 1):
+        e = math.ceil(kblock * j + 1 - prefix) - 1  # int(prefix + e) <= kblock * j < int(prefix + e + 1)
+        if 1 <= e <= top:
+            ends.add(e)
+    return max((_span(e, prefix, heads, chunks, consts) for e in ends if e >= 1), default=0.0)
