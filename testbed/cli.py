@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         if entry and "ray" in sys.modules:
             from testbed.cluster import ray_head
 
-            if ray_head.given_up():  # Ray's own teardown without its head ended the process with SIGSEGV
+            if ray_head.given_up(exc):  # Ray's own teardown without its head ended the process with SIGSEGV
                 ray_head.exit_now(code)
         return code
     except KeyboardInterrupt as exc:  # before the block

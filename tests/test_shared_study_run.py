@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlflow_db import fresh_mlflow_db
-from testbed.cluster import identity, owners, unwritten
+from testbed.cluster import heartbeat, identity, owners, unwritten
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 120.0
@@ -41,6 +41,16 @@ def test_a_holder_is_gone_by_its_stale_beat_or_its_dead_pid():
             owners.tag_key("lab-e-4"): "not json", "mlflow.runName": "study"}
     assert owners.others_alive(_client(tags), "r", "me") == ["lab-b"]
     assert owners.others_alive(_client(tags), "r", "lab-b-1") == []
+
+
+@pytest.mark.parametrize("url, interval, grace, beat", [
+    ("sqlite:///o.db", None, None, (10.0, 60.0)),  # no trial heartbeats: the heartbeat's default beat
+    ("postgresql://h/db", None, None, (10.0, 60.0)),  # the study's heartbeat and grace
+    ("postgresql://h/db", 30, None, (30.0, 90.0)),
+    ("postgresql://h/db", 10, 15, (10.0, 30.0)),  # a grace under three beats: three beats for a holder
+])
+def test_a_holder_beats_with_the_study_heartbeat(url, interval, grace, beat):
+    assert owners.beat_of(heartbeat.default_for(url, interval, grace)) == beat
 
 
 def _sessions(db: Path) -> dict[str, str]:

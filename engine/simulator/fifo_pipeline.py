@@ -1,20 +1,56 @@
 """The simulator's fast path (engine/simulator/sim.py): a micro-batch's whole timeline computed at
 launch when every stage and link serves in launch order, with the event loop's tie-breaking keys.
 
-Split from sim.py to keep both modules small; the event priorities live here because both use them.
+Split from sim.py to keep both modules small; the event priorities and a batch's costs (`Priced`) live
+here because both use them, and the executor hands over what the path needs as a `PipelineView`.
 """
 from __future__ import annotations
 
 import heapq
 import math
 from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+
+from engine.core.trace import Tracer
+from engine.pricing.tcp_link import TcpConnection
 
 STAGE_DONE, LINK_DONE, ARRIVE, PREP_DONE, SAMPLE_DONE, COMPLETE = range(6)
 EVENT_NAMES = ("STAGE_DONE", "LINK_DONE", "ARRIVE", "PREP_DONE", "SAMPLE_DONE", "COMPLETE")
 _LAUNCH = 6  # a launch sorts after every event of its instant (the controller launches between pops)
 GAP_LOG_FLUSH = 4 * 8_192  # numbers (four a gap) logged by the FIFO path before they go to the tracer's ledger
+
+
+@dataclass(frozen=True)
+class PipelineView:
+    """What the launch-time path needs of its executor (sim.SimExecutor builds it), so that neither
+    module reads the other's state: the servers' names, the links' terms and where spans go."""
+
+    tracer: Tracer  # busy sums, spans and the breakdown ledger: shared with the executor
+    latency: float  # s: a link's propagation, also the token ids' return to the driver
+    bandwidth: float  # bytes/s of every link (the ideal pipe)
+    metadata_s: float | None  # per-hop metadata rounds added to each send; None: structure-aware transfer
+    tcp: Sequence[TcpConnection] | None  # link.model=tcp: one connection per link (its state); None: the ideal pipe
+    first_messages: int  # messages of an activation's first send on a TCP link (size, metadata, tensor: 3)
+    stage_tracks: tuple[str, ...]  # the tracer's track of each stage
+    link_tracks: tuple[str, ...]  # of each link s -> s+1
+
+
+class Priced(NamedTuple):
+    """One micro-batch's costs, computed once at launch instead of once per stage and event."""
+
+    forward: tuple[float, ...]  # GPU time per stage, sampling excluded
+    forward_name: str  # the trace label, "forward:<kind>"
+    prep: float  # input preparation (the same on every stage)
+    sample: float  # GPU sampling on the last stage
+    nbytes: int  # activation bytes per hop
+    dispatch: float  # driver -> stage 0 before the first stage prepares (engine terms; 0 by default)
+    ret: float  # last stage -> driver after sampling, on top of the link latency (0 by default)
+    recv: float  # a host device's receive on stages > 0, before the forward (0 by default; the event loop's)
+    handoff: float  # SiPipe: the last stage's copy of the logits to the CPU samplers (0 by default; the event loop's)
 
 
 class FifoPipeline:
@@ -31,15 +67,15 @@ class FifoPipeline:
     LINK_DONE pops after the STAGE_DONE. Kept spans wait in a heap under their trigger's key
     and join the tracer once the clock has passed it: every later launch's spans sort after."""
 
-    def __init__(self, ex) -> None:  # ex: sim.SimExecutor (not imported: sim imports this module)
-        P = ex.pipeline_depth
-        self.tracer = ex.tracer
-        self.latency = ex.latency
-        self.bandwidth = ex.bandwidth
-        self.metadata_s = None if ex.runtime.structure_aware_transfer else ex._metadata_s
-        self.tcp, self.first_messages = ex._tcp, ex._first_messages
-        self.stage_tracks = ex._stage_tracks
-        self.link_tracks = ex._link_tracks
+    def __init__(self, view: PipelineView) -> None:
+        P = len(view.stage_tracks)
+        self.tracer = view.tracer
+        self.latency = view.latency
+        self.bandwidth = view.bandwidth
+        self.metadata_s = view.metadata_s
+        self.tcp, self.first_messages = view.tcp, view.first_messages
+        self.stage_tracks = view.stage_tracks
+        self.link_tracks = view.link_tracks
         # Where each stage's time went (engine/core/breakdown.py), at O(1) per launch: preparation
         # and sampling cost the same on every stage, so their sums and the stage's busy time give
         # the parts (`settle`), and an idle gap is logged only where a stage starts idle, as four
@@ -59,7 +95,7 @@ class FifoPipeline:
         self.launches = 0
         self.dispatched = 0.0  # when the driver's last dispatch reached stage 0 (engine terms)
 
-    def launch(self, mb_id: int, priced, now: float) -> None:  # priced: sim._Priced
+    def launch(self, mb_id: int, priced: Priced, now: float) -> None:
         """Each stage is `Tracer.chain` of its parts inlined (the same sums in the same order):
         one call per micro-batch instead of one per stage."""
         self.launches += 1

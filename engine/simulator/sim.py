@@ -34,7 +34,6 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import numpy as np
 
@@ -47,7 +46,7 @@ from engine.pricing.sampling_ops import SamplerSettings
 from engine.pricing.tcp_modes import tcp_links
 
 from engine.simulator.fifo_pipeline import (  # noqa: F401  (the event names are this module's API)
-    ARRIVE, COMPLETE, EVENT_NAMES, LINK_DONE, PREP_DONE, SAMPLE_DONE, STAGE_DONE, FifoPipeline)
+    ARRIVE, COMPLETE, EVENT_NAMES, LINK_DONE, PREP_DONE, SAMPLE_DONE, STAGE_DONE, FifoPipeline, PipelineView, Priced)
 
 
 class EventQueue:
@@ -115,7 +114,7 @@ class SimExecutor(Executor):
         # a LinkState when the scheduler is the default.
         self._heap = self.events._heap
         self._counter = self.events._counter
-        self._priced: dict[int, _Priced] = {}
+        self._priced: dict[int, Priced] = {}
         self._by_counts: dict[tuple[int, int, int, int], tuple] = {}  # `_price`'s memo
         self._fifo_sends = transfer_scheduler is None or transfer_scheduler is _fifo
         self._metadata_s = 0.0 if runtime.structure_aware_transfer else cost_model.coefficients.transfer_metadata_s
@@ -134,7 +133,15 @@ class SimExecutor(Executor):
         fifo_only = not (runtime.overlap_input_prep or runtime.cpu_sampling or blocking_send or host_recv
                          or self._request_after_result) and self._fifo_sends
         plain_tracer = type(self.tracer).span is Tracer.span and type(self.tracer).chain is Tracer.chain
-        self._fifo = FifoPipeline(self) if fifo_only and plain_tracer and not event_driven else None
+        self._fifo = FifoPipeline(self._pipeline_view()) if fifo_only and plain_tracer and not event_driven else None
+
+    def _pipeline_view(self) -> PipelineView:
+        """What the launch-time path (fifo_pipeline.py) needs of this executor."""
+        return PipelineView(
+            tracer=self.tracer, latency=self.latency, bandwidth=self.bandwidth,
+            metadata_s=None if self.runtime.structure_aware_transfer else self._metadata_s,
+            tcp=self._tcp, first_messages=self._first_messages,
+            stage_tracks=tuple(self._stage_tracks), link_tracks=tuple(self._link_tracks))
 
     # --- Executor interface ----------------------------------------------------------------------
     def now(self) -> float:
@@ -207,14 +214,14 @@ class SimExecutor(Executor):
             self._fifo.release_spans(math.inf)
             self._fifo.settle()
 
-    def _price(self, mb: MicroBatch) -> _Priced:
+    def _price(self, mb: MicroBatch) -> Priced:
         shape = mb.shape
         key = (shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_seqs, shape.num_sampled)
         counts = self._by_counts.get(key)
         if counts is None:
             counts = self._by_counts[key] = self._price_counts(shape)
         # tuple.__new__ directly: a NamedTuple's own __new__ is Python code, run per micro-batch
-        return _new_tuple(_Priced, (self.cost.stage_compute_all_s(shape), _FORWARD_NAMES[mb.kind], *counts))
+        return _new_tuple(Priced, (self.cost.stage_compute_all_s(shape), _FORWARD_NAMES[mb.kind], *counts))
 
     def _price_counts(self, shape) -> tuple:
         """What a batch costs besides its forward: (prep, sample, nbytes, dispatch, ret), functions of
@@ -389,20 +396,6 @@ _new_tuple = tuple.__new__
 _FORWARD_NAMES = {kind: f"forward:{kind}" for kind in ("prefill", "decode", "mixed")}  # by MicroBatch.kind
 def _fifo(link: LinkState, pending: Seq[PendingTransfer]) -> Transfer:
     return Transfer(pending[0], pending[0].remaining_bytes)
-
-
-class _Priced(NamedTuple):
-    """One micro-batch's costs, computed once at launch instead of once per stage and event."""
-
-    forward: tuple[float, ...]  # GPU time per stage, sampling excluded
-    forward_name: str  # the trace label, "forward:<kind>"
-    prep: float  # input preparation (the same on every stage)
-    sample: float  # GPU sampling on the last stage
-    nbytes: int  # activation bytes per hop
-    dispatch: float  # driver -> stage 0 before the first stage prepares (engine terms; 0 by default)
-    ret: float  # last stage -> driver after sampling, on top of the link latency (0 by default)
-    recv: float  # a host device's receive on stages > 0, before the forward (0 by default)
-    handoff: float  # SiPipe: the last stage's copy of the logits to the CPU samplers (0 by default)
 
 
 @dataclass(frozen=True)

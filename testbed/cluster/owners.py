@@ -5,7 +5,7 @@ another host was still running the study.
 
 Each `tune` command holds the study run while it runs (`holding`): a tag
 `testbed.owner.<session>` records its host, pid, pid namespace and a beat (wall-clock time)
-that a thread renews every `beat_s` seconds, and is removed when the command ends. A run may
+that a thread renews every beat, and is removed when the command ends. A run may
 be ended KILLED or FAILED only when no other holder is alive (`others_alive`); a holder is gone
 when its beat is older than its grace, or when its pid names a dead process of this pid
 namespace (identity.dead_local_process). Otherwise the run is left RUNNING for the hosts still
@@ -13,7 +13,21 @@ on it, the last of which ends it. The beats go through the raw MLflow client (no
 wait): a beat the store does not take is skipped, so a holder whose store stayed away longer
 than its grace counts as gone; should it come back, its own end of the run is written last.
 Hosts compare beats across machines by wall clock: keep their clocks in sync (NTP) well inside
-the grace (60 s by default, `tune.grace_period`)."""
+the grace (60 s by default, `tune.grace_period`).
+
+The beat and the grace are the study's own (`beat_of`: `tune.heartbeat` and `tune.grace_period`,
+cluster/heartbeat.py), not settings of their own; the holder's beat is still a second signal beside
+Optuna's trial heartbeats, because it marks another thing in another store:
+- a heartbeat says that a *trial* has a live worker, in the study's database; a holder says that a
+  `tune` *command* still runs the study, in the MLflow store. A command holds the run while none
+  of its trials is running (between two trials, waiting at the end for other hosts' trials in
+  tune/reclaim.py `settle`, a Ray driver whose trials run in other processes): a reader of trial
+  heartbeats would count it gone there and end the run under it;
+- the run is ended where only the MLflow store is at hand: a journaled end applied by the
+  folder's next `testbed run` (cluster/unwritten.py) opens no study database;
+- SQLite and journal storages have no heartbeats (a dead local worker is found by its pid); the
+  run's holders beat there too, every `heartbeat.DEFAULT_INTERVAL_S`: two `tune` commands on one
+  SQLite study share its run as two hosts do (tests/test_shared_study_run.py)."""
 from __future__ import annotations
 
 import json
@@ -27,13 +41,24 @@ from contextlib import contextmanager
 from typing import Any
 
 from testbed.cluster import identity
+from testbed.cluster.heartbeat import DEFAULT_INTERVAL_S, Heartbeat
 
 PREFIX = "testbed.owner."
-DEFAULT_BEAT_S = 10.0  # without Optuna heartbeats (SQLite): the beat of the run's holders
 
 
 def tag_key(session: str) -> str:
     return PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "_", session)[:200]
+
+
+def beat_of(hb: Heartbeat) -> tuple[float, float]:
+    """(beat, grace) in seconds of a holder of the study's run: the study's heartbeat interval
+    (`heartbeat.DEFAULT_INTERVAL_S` where its trials have none) and its grace period, at least
+    three beats. A trial taken for dead too early is run again; a holder taken for gone too early
+    has the shared run ended FAILED or KILLED under the hosts still on it, so a user's
+    `tune.grace_period` under three beats is not followed that far here (the default grace,
+    `heartbeat.default_for`, is at least three beats already)."""
+    beat = float(hb.interval) if hb.on else float(DEFAULT_INTERVAL_S)
+    return beat, max(float(hb.grace), 3 * beat)
 
 
 def record(beat_s: float, grace_s: float) -> dict[str, Any]:
@@ -91,11 +116,13 @@ def end_shared(tracker: Any, run_id: str, status: str, reason: str | None = None
 
 
 @contextmanager
-def holding(tracker: Any, run_id: str | None, beat_s: float, grace_s: float) -> Iterator[None]:
-    """Hold the shared run `run_id` for the block (nothing without a tracker or run)."""
+def holding(tracker: Any, run_id: str | None, hb: Heartbeat) -> Iterator[None]:
+    """Hold the shared run `run_id` for the block, beating as `beat_of(hb)` says for the study's
+    heartbeat `hb` (nothing without a tracker or run)."""
     if tracker is None or not run_id:
         yield
         return
+    beat_s, grace_s = beat_of(hb)
     client = getattr(tracker.client, "_client", tracker.client)  # no reconnect wait: a missed beat is skipped
     key, stop = tag_key(identity.session_id()), threading.Event()
 

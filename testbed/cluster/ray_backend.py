@@ -107,9 +107,11 @@ def connected(settings: SweepBackend) -> Iterator[Any]:
                           f"with `ray start --head` (then ray.address=auto) or name HOST:PORT") from None
     try:
         yield ray
-    finally:
-        if not given_up():  # a head given up on: no Ray call again (cluster/ray_head.py)
+    except BaseException as exc:
+        if not given_up(exc):  # a head given up on: no Ray call again (cluster/ray_head.py)
             ray.shutdown()
+        raise
+    ray.shutdown()
 
 
 def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:

@@ -20,7 +20,12 @@ never wait in Ray more than `ray_tasks.POLL_S` at a time, call `HeadWatch.check(
 at most once a second it opens a TCP connection to the head's GCS port (1 s timeout); while that
 fails it says once that it waits and nothing new is submitted (`down`); after the reconnect
 window (`TESTBED_RECONNECT_S`, 120 s) it raises `HeadLost`, a `ServiceLost`: the command writes
-what it has, ends its runs FAILED or KILLED and says one line, exit 1."""
+what it has, ends its runs FAILED or KILLED and says one line, exit 1.
+
+That the command gave up is the watch's own state (`HeadWatch.given_up`, asked by the loop that
+holds it before any Ray call) and, past that loop, the `HeadLost` itself (`given_up(exc)`: the
+error the command ends with, or one it was raised while handling): nothing of it is left in the
+process for its next command (a test, the tune worker 0 that is the parent process)."""
 from __future__ import annotations
 
 import os
@@ -30,8 +35,6 @@ import time
 from typing import Any
 
 from testbed.cluster.reconnect import ENV, ServiceLost, window_s
-
-_given_up = False  # this process gave up on its cluster's head: Ray is left as it is (`given_up`)
 
 RAY_LIMIT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 RAY_DEFAULT_S = 60.0  # Ray's own default
@@ -59,12 +62,19 @@ def head_window() -> float:
     return max(0.0, min(window_s(), ray_s - CLEANUP_S))
 
 
-def given_up() -> bool:
-    """Whether this process gave up on its Ray head. Then no Ray call is made again: the
-    service probes saw `ray.shutdown` (or the interpreter's teardown of Ray, without it) end the
-    process with SIGSEGV once the head was gone, after the command had ended its runs but before
-    it said its line; the command ends the process itself (`exit_now`)."""
-    return _given_up
+def given_up(exc: BaseException | None) -> bool:
+    """Whether the command whose error is `exc` gave up on its Ray head: `exc` is a `HeadLost`,
+    or was raised while one was handled (a run's end that failed after it). Then no Ray call is
+    made again: the service probes saw `ray.shutdown` (or the interpreter's teardown of Ray,
+    without it) end the process with SIGSEGV once the head was gone, after the command had ended
+    its runs but before it said its line; the command ends the process itself (`exit_now`)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, HeadLost):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def exit_now(code: int) -> None:
@@ -85,6 +95,7 @@ class HeadWatch:
         self.probed = -float("inf")
         self.since: float | None = None  # when the head was first found away
         self.error = ""
+        self.given_up = False  # the head stayed away the window: no Ray call again (`given_up`)
 
     @property
     def down(self) -> bool:
@@ -98,8 +109,7 @@ class HeadWatch:
             self.probed = now
             self._probe(now)
         if self.since is not None and now - self.since >= self.window:
-            global _given_up
-            _given_up = True
+            self.given_up = True
             raise HeadLost(f"the Ray cluster at ray.address={self.shown!r} stayed unreachable for "
                            f"{self.window:g} s (its head {self.host}:{self.port}: {self.error}); the points "
                            f"or trials it was running were not finished, what finished is kept: start the "
@@ -125,6 +135,7 @@ class NoWatch:
     """Where the head's address is unknown (Ray Client, an odd address): nothing is probed."""
 
     down = False
+    given_up = False
 
     def check(self) -> None:
         return None

@@ -33,7 +33,7 @@ from typing import Any
 
 from engine.base.errors import TestbedError
 from testbed.cluster.ray_backend import SweepBackend, connected, task_resources
-from testbed.cluster.ray_head import given_up, head_watch
+from testbed.cluster.ray_head import HeadWatch, NoWatch, head_watch
 from testbed.signals import deferred_stop
 from workloads.base import workload_key
 
@@ -107,7 +107,7 @@ class RayPool:
         self.remotes: dict[tuple, Any] = {}  # resources -> the task as a Ray remote function
         self.requests: dict[str, Any] = {}  # workload_key -> ObjectRef of its request list (one copy each)
         self.ray: Any = None
-        self.head: Any = None  # cluster/ray_head.py: the head probed every round
+        self.head: HeadWatch | NoWatch | None = None  # cluster/ray_head.py: the head probed every round
         self.backlog: list[Any] = []  # jobs that came while the head was away: submitted once it is back
 
     def submit(self, job: Any) -> None:
@@ -157,7 +157,8 @@ class RayPool:
     def stop(self) -> None:
         """Cancel every task not yet returned (force: a running point's worker is killed; the
         sweep's summary run then ends its point runs KILLED, as after a local interrupt)."""
-        for ref in list(self.refs) if not given_up() else ():  # a head given up on: no Ray call again
+        lost = self.head is not None and self.head.given_up  # a head given up on: no Ray call again
+        for ref in list(self.refs) if not lost else ():
             try:
                 self.ray.cancel(ref, force=True)
             except Exception:  # already finished, or the cluster is gone

@@ -120,19 +120,11 @@ def _run_tune(overrides: Sequence[str], console: Any, where: dict | None = None)
         if tracker is not None:  # the link shows every trial (views.study_view)
             s = problem.settings
             tracker.save_view(study_view(problem.study, s.objectives[0], s.directions[0] == "maximize"))
-        with owners.holding(tracker, problem.parent_run_id, *_holder_beat(problem)):  # other hosts see this one
+        with owners.holding(tracker, problem.parent_run_id, heartbeat_of(problem.storage_url, problem.settings)):
             return _study_session(problem, study, storage, tracker, console, backend, stale)
     except ServiceLost as exc:  # the database or the tracking server stayed away: one error line, exit 1
         abandon(problem, study, tracker, exc)
         raise
-
-
-def _holder_beat(problem: Problem) -> tuple[float, float]:
-    """(beat, grace) of this host's hold on the study run: its trials' heartbeat where they have
-    one, else every 10 s; gone after the grace period (cluster/owners.py)."""
-    hb = heartbeat_of(problem.storage_url, problem.settings)
-    beat = float(hb.interval) if hb.on else owners.DEFAULT_BEAT_S
-    return beat, max(float(hb.grace), 3 * beat)
 
 
 def _study_session(problem: Problem, study: Any, storage: Any, tracker: Any, console: Any,

@@ -13,7 +13,7 @@ import optuna
 
 from engine.base.errors import TestbedError
 from testbed.cluster.ray_backend import SweepBackend, connected, task_resources
-from testbed.cluster.ray_head import given_up, head_watch
+from testbed.cluster.ray_head import head_watch
 from testbed.cluster.ray_tasks import POLL_S, absolute, first_line, on_this_node, portable_spec, resolved_requests
 from testbed.signals import deferred_stop
 from testbed.tune.storage import INTERRUPTED, counted, make_sampler, make_storage, mark_interrupted, quiet_optuna
@@ -56,7 +56,7 @@ def run_trials_on_ray(problem: Any, emit: Callable[[dict], None], settings: Swee
                 head.check()
                 stop.check()
         finally:
-            trials.cancel()
+            trials.cancel(calls=not head.given_up)  # a head given up on: no Ray call again
     return trials.count, trials.errors
 
 
@@ -102,8 +102,10 @@ class _RayTrials:
                 self.errors.append(f"trial {trial.number}: {first_line(exc)}")
                 _interrupted(self.study, [trial], "its Ray task was lost")
 
-    def cancel(self) -> None:
-        for ref in self.refs if not given_up() else ():  # a head given up on: no Ray call again
+    def cancel(self, calls: bool = True) -> None:
+        """Cancel the trials in flight (`calls`: through Ray, unless its head was given up on) and
+        mark them interrupted."""
+        for ref in self.refs if calls else ():
             self.ray.cancel(ref, force=True)
         _interrupted(self.study, list(self.refs.values()), "its Ray task was cancelled")
         self.refs.clear()
