@@ -28,8 +28,8 @@ PRELOAD = ["torch", "torch.distributed", "zmq", "engine.torch_exec.stage.worker"
 # the fork server): by default large tensors (the gathered KV of a decode, a prefill's scores) are
 # mmap'd and unmapped per use and the heap's free top is trimmed, so stretches of steps re-fault
 # their memory page by page. On CPU (tiny-llama, P=1 Azure 6 req/s, 2 cores) such decodes took
-# 12-16k minor faults and about twice their usual time (1.4 us a fault), 0.1-0.9 s a run; with
-# these settings 1.3k faults a run's decodes and mean TPOT 36.0/39.9 -> 30.2/27.9 ms
+# 12-16k minor faults (about 1 us each) and 2.25x their usual time; a run's decodes 80k-1.27M
+# faults, with these settings 1.4-1.7k, mean TPOT 57.4/28.2/32.7 -> 25.9/26.1/27.5 ms
 # (docs/measurements/decode-episodes-2026-11-28b.md). The stage's heap stays at its peak.
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4294967295", "MALLOC_TOP_PAD_": "67108864"}
 STAGE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", **MALLOC_ENV}
