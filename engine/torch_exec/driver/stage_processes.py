@@ -10,8 +10,8 @@ the fork (each stage initialises its own GPU, as a spawned one does).
 
 A forked stage inherits the server's state, fixed when the server started, and none of the
 driver's: its environment is the one the driver had when its first run started the server
-(`OMP_WAIT_POLICY=PASSIVE`, which the OpenMP runtime reads when torch loads it, is set for that
-moment). The stage's parent is the server, not the driver; the server exits when the driver dies
+(`OMP_WAIT_POLICY=PASSIVE`, which the OpenMP runtime reads when torch loads it, and glibc's
+malloc settings, `MALLOC_ENV`, are set for that moment). The stage's parent is the server, not the driver; the server exits when the driver dies
 (EOF on its pipe from the driver), and a stage dies with the server or when the driver's pid is
 gone (engine/torch_exec/stage/orphan.py). `executor.start_method=spawn` starts each stage from scratch.
 """
@@ -24,7 +24,15 @@ from typing import Any
 PRELOAD = ["torch", "torch.distributed", "zmq", "engine.torch_exec.stage.worker", "engine.torch_exec.stage.model"]
 # Passive OpenMP waits: spinning threads of P stages (plus the driver) on few cores starve each
 # other (see testbed/bench/engine.py). The user's own value, if set, is kept.
-STAGE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# glibc malloc keeps what a stage frees (read by glibc as the process starts: a spawned stage or
+# the fork server): by default large tensors (the gathered KV of a decode, a prefill's scores) are
+# mmap'd and unmapped per use and the heap's free top is trimmed, so stretches of steps re-fault
+# their memory page by page. On CPU (tiny-llama, P=1 Azure 6 req/s, 2 cores) such decodes took
+# 12-16k minor faults (about 1 us each) and 2.25x their usual time; a run's decodes 80k-1.27M
+# faults, with these settings 1.4-1.7k, mean TPOT 57.4/28.2/32.7 -> 25.9/26.1/27.5 ms
+# (docs/measurements/decode-episodes-2026-11-28b.md). The stage's heap stays at its peak.
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4294967295", "MALLOC_TOP_PAD_": "67108864"}
+STAGE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", **MALLOC_ENV}
 
 
 def stage_context(method: str) -> Any:
