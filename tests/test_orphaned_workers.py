@@ -119,3 +119,98 @@ def test_a_worker_tells_its_spawning_thread_ending_from_its_parent_dying(tmp_pat
     assert _wait_until(out.exists, 60), "the worker never stopped"
     time.sleep(0.2)
     assert out.read_text() == died
+
+
+_STUCK = '''
+import multiprocessing as mp, os, sqlite3, sys, time
+from pathlib import Path
+
+
+def worker(parent, db):
+    from testbed.sweep import orphans
+    orphans.ORPHAN_END_S = 2.0
+    orphans.orphan_guard(parent)
+    Path(db + ".pid").write_text(str(os.getpid()))
+    con = sqlite3.connect(db, timeout=300, isolation_level=None)
+    con.execute("BEGIN IMMEDIATE")  # waits in SQLite's busy handler: no Python signal handler runs
+
+
+if __name__ == "__main__":
+    mp.get_context("spawn").Process(target=worker, args=(os.getpid(), sys.argv[1])).start()
+    time.sleep(600)
+'''
+
+
+def test_an_orphan_stuck_in_a_native_wait_still_ends(tmp_path):
+    """A worker whose parent is SIGKILLed while its main thread waits in native code that signals
+    do not cut short (here SQLite's busy wait on a lock another process holds) never runs its
+    parent-death handler; it lived on for the whole wait (60 s and more: the CI failure of
+    test_tune.py::test_workers_stop_when_the_parent_is_killed). It now ends `ORPHAN_END_S` after
+    its parent-pid poll finds the parent gone."""
+    import signal
+    import sqlite3
+
+    import psutil
+
+    db = tmp_path / "locked.db"
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # the write lock, held by this (live) process
+    script = tmp_path / "parent.py"
+    script.write_text(_STUCK)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    parent = subprocess.Popen([sys.executable, str(script), str(db)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_until(Path(str(db) + ".pid").exists, 120), "the worker never started"
+        worker = psutil.Process(int(Path(str(db) + ".pid").read_text()))
+        time.sleep(1.0)  # into the busy wait
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=60)
+        _, alive = psutil.wait_procs([worker], timeout=45)  # old code: alive until the 300 s busy timeout
+        assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    finally:
+        parent.kill()
+        holder.close()
+        for p in psutil.Process().children(recursive=True):  # an old-code survivor
+            p.kill()
+
+
+_REENTER = '''
+import os, sys
+from testbed.sweep import orphans
+
+os.kill = lambda pid, sig: None  # the SIGTERM it passes on: not wanted in this process
+fired, inside = set(), [False]
+
+
+def local(frame, event, arg):
+    """At each line of the handler (and of what it calls) a second parent-death signal arrives
+    once: the kernel's pdeathsig and the parent-pid poll each send one."""
+    if event == "line" and not inside[0] and (frame.f_code, frame.f_lineno) not in fired:
+        fired.add((frame.f_code, frame.f_lineno))
+        inside[0] = True
+        orphans._on_parent_death(10, None)
+        inside[0] = False
+    return local
+
+
+sys.settrace(lambda frame, event, arg: None if inside[0] else local)
+orphans._on_parent_death(10, None)
+sys.settrace(None)
+print("returned", len(fired))
+'''
+
+
+def test_the_parent_death_handler_survives_a_second_signal_inside_it(tmp_path):
+    """The pdeathsig and the parent-pid poll each send the parent-death signal, so its handler can
+    run inside itself. It set a threading.Event, whose lock is not reentrant: a second signal inside
+    Event.set waited for that lock for ever, and the orphan of a SIGKILLed `tune` never stopped
+    (the CI failure of test_tune.py::test_workers_stop_when_the_parent_is_killed; py-spy showed
+    five nested handlers in `Condition.__enter__`). A second signal at each line of it, in turn."""
+    script = tmp_path / "reenter.py"
+    script.write_text(_REENTER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        done = subprocess.run([sys.executable, str(script)], env=env, timeout=60, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the parent-death handler, run inside itself, never returned")
+    assert done.returncode == 0 and done.stdout.startswith("returned"), done.stderr[-2000:]

@@ -4,6 +4,7 @@ orphan can do. Moved out of jobs.py (which runs the points) when it passed 600 l
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import multiprocessing as mp
 import os
@@ -19,7 +20,15 @@ PARENT_POLL_S = 0.5
 PR_SET_PDEATHSIG = 1
 PARENT_EXIT_WAIT_S = 10.0  # after the parent-death signal, how long its process may take to finish dying
 PARENT_DEATH_SIGNAL = signal.SIGUSR1  # sent only by the kernel (pdeathsig) and the parent-pid poll
-_parent_lost = threading.Event()
+# An orphan's whole end (the 10 s wait above, then ending what the dead command held) gets this
+# long, then the process exits anyway (`_bound_the_orphan`): the next command reclaims the rest.
+ORPHAN_END_S = 30.0
+# Set by the parent-death handler: a plain flag, no lock. It was a threading.Event, whose set()
+# takes a non-reentrant lock; the kernel's pdeathsig and the parent-pid poll each send a signal,
+# and the second one's handler, run inside the first one's Event.set, waited for that lock for
+# ever: the orphan of a SIGKILLed `tune` never stopped (CI; 1 of 60 kills here, py-spy's stack:
+# five nested `_on_parent_death` -> `Event.set` -> `Condition.__enter__`).
+_parent_lost = False
 
 
 # --- worker processes and signals (the handlers and the stop's record: testbed/signals.py) -------
@@ -53,15 +62,32 @@ def orphan_guard(parent: int | None = None) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
+        _bound_the_orphan()
         os.kill(os.getpid(), PARENT_DEATH_SIGNAL)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _bound_the_orphan() -> None:
+    """The parent is gone: this process ends within `ORPHAN_END_S` whatever its main thread is
+    doing. A Python signal handler runs only when the main thread is back in Python code: a worker
+    stuck in its own parent-death handler (`_parent_lost`), or in any native call that signals do
+    not cut short (SQLite's busy wait sleeps through them: up to 60 s for the study's database,
+    20 s per try for MLflow's), would otherwise outlive its parent for as long. faulthandler's
+    watchdog is a native thread that needs no GIL: it prints every thread's stack to stderr (so
+    the next such orphan says where it sat) and exits the process (code 1)."""
+    try:
+        faulthandler.dump_traceback_later(ORPHAN_END_S, exit=True)
+    except (RuntimeError, ValueError, AttributeError, OSError):  # no usable stderr: the clean-up is unbounded
+        pass
+
+
 def _on_parent_death(signum, frame) -> None:
     """The parent-death signal: noted, then passed on as the SIGTERM it was before, so that
-    every block that defers or ignores a stop (`signals.deferred_stop`, `saving`) treats it so."""
-    _parent_lost.set()
+    every block that defers or ignores a stop (`signals.deferred_stop`, `saving`) treats it so.
+    It may run inside itself (a second signal at any line of it): nothing here takes a lock."""
+    global _parent_lost
+    _parent_lost = True
     os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -73,7 +99,7 @@ def parent_died(parent: int | None) -> bool:
     (a fresh-clone CI failure). So once that signal came, wait for the process itself to go."""
     if parent is None:
         return False
-    deadline = time.monotonic() + (PARENT_EXIT_WAIT_S if _parent_lost.is_set() else 0.0)
+    deadline = time.monotonic() + (PARENT_EXIT_WAIT_S if _parent_lost else 0.0)
     while True:
         if os.getppid() != parent or not identity.process_alive(parent):
             return True
