@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from engine.pricing.decode_blocks import SPLIT_KV_FRACTION, num_splits
 
-__all__ = ["BlockForm", "causal_tile_keys", "block_makespan_s", "makespan_s", "split_makespan_s", "LIST_SCHEDULE_TAIL"]
+__all__ = ["BlockForm", "causal_tile_keys", "makespan_s", "split_makespan_s", "LIST_SCHEDULE_TAIL"]
 
 # The makespan's tail: FlashAttention-2 dispatches a head's tiles in grid order (the longest, last
 # tile last), and a greedy list schedule of those blocks over the slots ends about this fraction of
@@ -119,11 +119,6 @@ def makespan_s(xi: int, prefix: float, heads: int, chunks: int, form: BlockForm)
     # past the regime every shorter end counts: one cache entry for every longer chunk
     floor = _shorter_max_s(min(xi, last + 1), prefix, heads, chunks, form)
     return t if t >= floor else floor
-
-
-def block_makespan_s(x: float, prefix: float, heads: int, chunks: int, **form: float) -> float:
-    """`makespan_s` on a chunk length rounded to whole tokens, the form's constants as keywords."""
-    return makespan_s(max(1, int(round(x))), prefix, heads, chunks, BlockForm(**form))
 
 
 @lru_cache(maxsize=1 << 15)
