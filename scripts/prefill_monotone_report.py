@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--form", action="store_true", help="price with the per-block form alone (no floor)")
     args = ap.parse_args(argv)
     if args.form:
-        kernels.makespan_s = lambda xi, prefix, heads, chunks, consts: prefill_blocks._span(xi, prefix, heads, chunks,
-                                                                                            consts)
+        kernels.makespan_s = prefill_blocks.split_makespan_s
     from testbed.calibrate.gpu_tables import read_published
     from testbed.calibrate.tables import tables_dir
 

@@ -498,8 +498,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(getattr(args, "overrides", None), list):
             args.overrides = checkpoint_models(args.overrides)
         # `testbed test` is no command of its own: its tests run commands in this process, each with
-        # its own record of a stop (testbed/signals.py); SIGTERM stops pytest as Ctrl-C does
-        with nullcontext() if args is None else sigterm_as_interrupt():
+        # its own record of a stop (testbed/signals.py); SIGTERM stops pytest as Ctrl-C does. Each
+        # command has its own record of the services it gave up on (cluster/reconnect.py)
+        from testbed.cluster.reconnect import for_command
+
+        with nullcontext() if args is None else sigterm_as_interrupt(), for_command():
             try:
                 return func(args)
             except KeyboardInterrupt as exc:  # inside the block: its record names the stop

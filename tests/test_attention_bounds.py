@@ -10,7 +10,7 @@ import pytest
 from engine.pricing.hardware import HARDWARE, get_hardware
 from engine.pricing.kernels import KernelCoefficients, LayerKernels, LayerShape
 from engine.pricing.models import get_model
-from engine.pricing.prefill_blocks import block_makespan_s
+from engine.pricing.prefill_blocks import BlockForm, makespan_s
 
 PROFILE_DIR = Path(__file__).resolve().parents[1] / "engine" / "pricing" / "hardware_profiles"
 PROFILES = sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
@@ -59,7 +59,7 @@ def test_a_longer_chunk_is_not_priced_below_a_shorter_one(hw):
     the chunk and the per-block form followed it down by up to 17.7% on H100 (42.2 -> 34.7 us,
     Qwen2.5-7B TP 4, 408 -> 416 tokens after 1,000) and 33% on A100 (30.0 -> 20.0 us, Llama-2-70B TP
     2, 64 -> 72 after 128), where A100's complete table drops by at most 9.5% and H100's samples
-    never (`block_makespan_s`)."""
+    never (`makespan_s`)."""
     last = {}
     for _, (model, tp, prefix, x), t, _ in _prefill_times(hw):
         key = (model, tp, prefix)
@@ -81,8 +81,8 @@ def test_a_split_cuts_the_longest_block_not_the_work():
     """64 blocks on 84 SMs split 5 ways are 320 pieces: more than one wave, so the call takes at least
     the whole work over the slots (the balanced share once divided the work by the splits too: a
     64-token chunk after 8,192 on A40 came out at 1.15x the dense peak)."""
-    kw = dict(tile=64, kblock=128, sms=84, slots_per_sm=1, causal_s=1e-9, prefix_s=1e-9, tail=0.63, split_s=0.0)
-    one = block_makespan_s(64, 8192, 64, 1, **kw)
+    form = BlockForm(tile=64, kblock=128, sms=84, slots_per_sm=1, causal_s=1e-9, prefix_s=1e-9, tail=0.63, split_s=0.0)
+    one = makespan_s(64, 8192, 64, 1, form)
     work = 64 * (128 + 8192) * 1e-9  # heads x (one tile's causal keys + its prefix keys)
     assert one >= work / 84
     assert one < (128 + 8192) * 1e-9  # still faster than one unsplit block

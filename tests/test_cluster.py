@@ -271,6 +271,41 @@ def test_a_lost_service_is_waited_for_said_so_and_then_given_up(monkeypatch, cap
         reconnect.window_s()
 
 
+def test_what_a_command_gave_up_on_is_its_own(monkeypatch, capsys):
+    """The services a command waited a whole window for are its `Outages`' (review of issue 48: a
+    module-global set once made the next command in the process fail at once without waiting):
+    another owner, and the next command (`for_command`, as `cli.main` runs each), wait again."""
+    import pytest
+
+    from testbed.cluster import reconnect
+
+    monkeypatch.setattr(reconnect, "WAITS_S", (0.01,))
+    monkeypatch.setenv(reconnect.ENV, "0.1")
+    svc = reconnect.Service("svc", lambda e: isinstance(e, ConnectionRefusedError))
+    calls = []
+
+    def down() -> None:
+        calls.append(1)
+        raise ConnectionRefusedError("refused")
+
+    def tries(call) -> int:
+        calls.clear()
+        with pytest.raises(reconnect.ServiceLost):
+            call(svc, down)
+        return len(calls)
+
+    one, two = reconnect.Outages(), reconnect.Outages()
+    assert tries(one.call) > 1 and one.given_up(svc)
+    assert tries(one.call) == 1  # the same owner: at once
+    assert not two.given_up(svc) and tries(two.call) > 1  # another owner: waited for again
+    with reconnect.for_command() as first:
+        assert tries(reconnect.call) > 1 and tries(reconnect.call) == 1 and first.given_up(svc)
+    with reconnect.for_command() as second:
+        assert tries(reconnect.call) > 1 and second is not first
+    err = capsys.readouterr().err
+    assert err.count("warning: svc is unreachable") == 4  # once per owner that waited
+
+
 def test_storage_errors_that_mean_a_lost_database_are_told_apart():
     import optuna
     from sqlalchemy import exc as sa_exc

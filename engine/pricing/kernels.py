@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from engine.base.errors import ConfigError
 from engine.pricing import decode_blocks
 from engine.pricing.decode_blocks import SPLIT_KV_FRACTION
-from engine.pricing.prefill_blocks import makespan_s
+from engine.pricing.prefill_blocks import BlockForm, makespan_s
 
 from engine.pricing.kernel_coefficients import ELEMENTWISE, GEMMS, KernelCoefficients
 
@@ -123,9 +123,8 @@ class LayerKernels:
         # seconds per tile-key (one block's query rows against one key) at one slot's FLOP share
         slot_flops = 4.0 * c.prefill_tile * shape.head_dim * self._sms * c.prefill_slots_per_sm / peak_flops
         self._tile_key_s = (slot_flops / c.prefill_efficiency, slot_flops / (c.prefill_prefix_efficiency or 1.0))
-        # the per-block form's constants (engine/pricing/prefill_blocks.py `makespan_s`)
-        self._blocks = (c.prefill_tile, self._kv_tile, self._sms, c.prefill_slots_per_sm, *self._tile_key_s,
-                        c.prefill_tail, c.prefill_split_s)
+        self._block_form = BlockForm(c.prefill_tile, self._kv_tile, self._sms, c.prefill_slots_per_sm,
+                                     *self._tile_key_s, c.prefill_tail, c.prefill_split_s)
 
     # ---- token-count ops (numpy arrays or scalars) ------------------------------------------
     def gemm_s(self, m, k: int, n: int):
@@ -212,7 +211,7 @@ class LayerKernels:
         c = self.c
         if c.prefill_slots_per_sm:
             return makespan_s(max(1, int(round(tokens / chunks))), (context_sum - tokens) / chunks,
-                              self.shape.q_heads_gpu, chunks, self._blocks)
+                              self.shape.q_heads_gpu, chunks, self._block_form)
         fill = self.prefill_wave_fill(tokens, chunks)
         if not c.prefill_prefix_efficiency:
             keys = (context_sum - tokens / 2.0) / chunks  # the mean over chunks of L + x/2

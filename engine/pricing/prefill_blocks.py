@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 from engine.pricing.decode_blocks import SPLIT_KV_FRACTION, num_splits
 
-__all__ = ["causal_tile_keys", "block_makespan_s", "makespan_s", "split_makespan_s", "LIST_SCHEDULE_TAIL"]
+__all__ = ["BlockForm", "causal_tile_keys", "makespan_s", "split_makespan_s", "LIST_SCHEDULE_TAIL"]
 
 # The makespan's tail: FlashAttention-2 dispatches a head's tiles in grid order (the longest, last
 # tile last), and a greedy list schedule of those blocks over the slots ends about this fraction of
@@ -55,21 +56,29 @@ def causal_tile_keys(x: int, tile: int, kblock: int) -> tuple[int, int]:
     return full + last, last
 
 
-def split_makespan_s(x: float, prefix: float, heads: int, chunks: int, *, tile: int, kblock: int, sms: int,
-                     slots_per_sm: int, causal_s: float, prefix_s: float, tail: float, split_s: float) -> float:
+class BlockForm(NamedTuple):
+    """The per-block form's constants for one layer on one device, as `LayerKernels` holds them: a
+    NamedTuple (hashable as a plain tuple) because the per-prefix floor is cached on it."""
+
+    tile: int  # query rows a block (`prefill_tile`)
+    kblock: int  # keys a key block (128 for head_dim <= 128)
+    sms: int  # the device's SMs (0: no split-KV regime)
+    slots_per_sm: int  # resident blocks an SM (`prefill_slots_per_sm`)
+    causal_s: float  # seconds a causal tile-key at one slot's share of the FLOP rate
+    prefix_s: float  # the same for a prefix tile-key
+    tail: float  # the list schedule's tail, a fraction of the longest block (`LIST_SCHEDULE_TAIL`)
+    split_s: float  # the split-KV combine kernel (`prefill_split_s`)
+
+
+def split_makespan_s(xi: int, prefix: float, heads: int, chunks: int, form: BlockForm) -> float:
     """One prefill call's blocks over the GPU's slots, with the split count FlashAttention-2 picks for
-    exactly this call: `chunks` chunks of `x` tokens after `prefix` cached ones each (several chunks
-    are taken as equal, the cost model's convention), `heads` query heads. `causal_s` / `prefix_s`:
-    seconds per tile-key at one slot's share of the FLOP rate. The list schedule's makespan is
-    approximated as max(longest block, balanced share + `tail` x longest block): the grid dispatches
-    a head's tiles in order, so the longest (last) tiles start late. One slot per SM: a block runs
-    at its SM's rate. Not monotone in `x` (the split count steps): `block_makespan_s` is."""
-    return _span(max(1, int(round(x))), prefix, heads, chunks,
-                 (tile, kblock, sms, slots_per_sm, causal_s, prefix_s, tail, split_s))
-
-
-def _span(xi: int, prefix: float, heads: int, chunks: int, consts: tuple) -> float:
-    tile, kblock, sms, slots_per_sm, causal_s, prefix_s, tail, split_s = consts
+    exactly this call: `chunks` chunks of `xi` tokens after `prefix` cached ones each (several chunks
+    are taken as equal, the cost model's convention), `heads` query heads. `form.causal_s` /
+    `form.prefix_s`: seconds per tile-key at one slot's share of the FLOP rate. The list schedule's
+    makespan is approximated as max(longest block, balanced share + `tail` x longest block): the grid
+    dispatches a head's tiles in order, so the longest (last) tiles start late. One slot per SM: a
+    block runs at its SM's rate. Not monotone in `xi` (the split count steps): `makespan_s` is."""
+    tile, kblock, sms, slots_per_sm, causal_s, prefix_s, tail, split_s = form
     n = -(-xi // tile)
     ck_sum, ck_max = causal_tile_keys(xi, tile, kblock)
     blocks = chunks * heads * n
@@ -83,9 +92,9 @@ def _span(xi: int, prefix: float, heads: int, chunks: int, consts: tuple) -> flo
     return span + (split_s if splits > 1 else 0.0)
 
 
-def block_makespan_s(x: float, prefix: float, heads: int, chunks: int, *, tile: int, kblock: int, sms: int,
-                     slots_per_sm: int, causal_s: float, prefix_s: float, tail: float, split_s: float) -> float:
-    """`split_makespan_s`, never below a shorter chunk's after the same prefix (issue 46 item 4).
+def makespan_s(xi: int, prefix: float, heads: int, chunks: int, form: BlockForm) -> float:
+    """`split_makespan_s`, never below a shorter chunk's after the same prefix (issue 46 item 4):
+    `chunks` chunks of `xi` tokens (a whole number) after `prefix` cached ones each.
 
     FlashAttention-2's split count is not monotone in the chunk (`num_splits_heuristic`): on H100
     (132 SMs) 7 query heads a GPU (Qwen2.5-7B at TP 4) make 49 blocks for 385-448 tokens, split 2
@@ -96,37 +105,29 @@ def block_makespan_s(x: float, prefix: float, heads: int, chunks: int, *, tile: 
     96-160), H100's samples at none of 138. The form's split price leaves out each piece's partial
     output and prices H100's combine at its bound (no H100 row splits), so the step is not priced
     here: a call costs at least what any shorter chunk after the same prefix costs."""
-    return makespan_s(max(1, int(round(x))), prefix, heads, chunks,
-                      (tile, kblock, sms, slots_per_sm, causal_s, prefix_s, tail, split_s))
-
-
-def makespan_s(xi: int, prefix: float, heads: int, chunks: int, consts: tuple) -> float:
-    """`block_makespan_s` on a whole chunk length and the constants' tuple (tile, kblock, sms,
-    slots_per_sm, causal_s, prefix_s, tail, split_s), as `LayerKernels` holds them."""
-    t = _span(xi, prefix, heads, chunks, consts)
-    tile, sms = consts[0], consts[2]
+    t = split_makespan_s(xi, prefix, heads, chunks, form)
+    tile, sms = form.tile, form.sms
     if not sms or chunks * heads >= SPLIT_KV_FRACTION * sms:  # not even one tile a head splits
         return t
     last = (math.ceil(SPLIT_KV_FRACTION * sms / (chunks * heads)) - 1) * tile  # the split regime's longest
     if xi > last:
         # no shorter chunk's span exceeds its longest block L (unsplit, fewer blocks than slots) or, split,
         # half of it + its work over the slots (< 0.8 L: fewer blocks than 0.8 x SMs) + the combine
-        kblock, tail, split_s = consts[1], consts[6], consts[7]
-        longest = -(-last // kblock) * kblock * consts[4] + prefix * consts[5]
-        if t >= max(longest, (SPLIT_KV_FRACTION + 0.5 * tail) * longest + split_s):
+        longest = -(-last // form.kblock) * form.kblock * form.causal_s + prefix * form.prefix_s
+        if t >= max(longest, (SPLIT_KV_FRACTION + 0.5 * form.tail) * longest + form.split_s):
             return t
     # past the regime every shorter end counts: one cache entry for every longer chunk
-    floor = _shorter_max_s(min(xi, last + 1), prefix, heads, chunks, consts)
+    floor = _shorter_max_s(min(xi, last + 1), prefix, heads, chunks, form)
     return t if t >= floor else floor
 
 
 @lru_cache(maxsize=1 << 15)
-def _shorter_max_s(xi: int, prefix: float, heads: int, chunks: int, consts: tuple) -> float:
-    """The highest `_span` over the shorter chunks `1..xi-1` (the caller keeps them in the split
+def _shorter_max_s(xi: int, prefix: float, heads: int, chunks: int, form: BlockForm) -> float:
+    """The highest `split_makespan_s` over the shorter chunks `1..xi-1` (the caller keeps them in the split
     regime). The split count changes only where the tile count or prefix + chunk's key blocks do,
     and with a constant count the span grows with the chunk, so the maximum is at a segment's last
     length: a whole number of tiles, or the last length with j key blocks."""
-    tile, kblock = consts[0], consts[1]
+    tile, kblock = form.tile, form.kblock
     top = xi - 1
     ends = set(range(tile, top + 1, tile))
     ends.add(top)
@@ -134,4 +135,4 @@ def _shorter_max_s(xi: int, prefix: float, heads: int, chunks: int, consts: tupl
         e = math.ceil(kblock * j + 1 - prefix) - 1  # int(prefix + e) <= kblock * j < int(prefix + e + 1)
         if 1 <= e <= top:
             ends.add(e)
-    return max((_span(e, prefix, heads, chunks, consts) for e in ends if e >= 1), default=0.0)
+    return max((split_makespan_s(e, prefix, heads, chunks, form) for e in ends if e >= 1), default=0.0)

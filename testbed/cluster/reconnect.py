@@ -22,7 +22,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -66,26 +67,89 @@ def window_s() -> float:
     return value
 
 
-_outages: dict[str, float] = {}  # service name -> when this process first found it unreachable
-_given_up: set[str] = set()  # services this process waited the whole window for: fail at once
-_outages_guard = threading.Lock()
+class Outages:
+    """One command's outages: when it first found each service unreachable (its waiting line is said
+    once, its "reachable again" line gives the time since) and which services it waited a whole
+    window for, whose next calls fail at once until one gets through (the cleanup after giving up
+    must not wait a window per call: `abandon` ends a study's trials and runs through other objects
+    than the one that gave up, and a sweep's next points open their own trackers). Owned by the
+    command (`for_command`, around each command `cli.main` runs), shared by its threads; nothing of
+    it is left for the next command in the process (a test, a tune worker 0 that is the parent)."""
+
+    def __init__(self) -> None:
+        self._since: dict[str, float] = {}  # service name -> when first found unreachable
+        self._given_up: set[str] = set()
+        self._guard = threading.Lock()
+
+    def given_up(self, service: Service) -> bool:
+        with self._guard:
+            return service.name in self._given_up
+
+    def call(self, service: Service, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)`, tried again while `service` is unreachable, for up to `window_s()`;
+        at once `ServiceLost` if this command has waited a whole window for it already."""
+        deadline: float | None = None
+        attempt = 0
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as exc:
+                if not service.lost(exc):
+                    raise
+                now = time.monotonic()
+                if deadline is None:
+                    window = 0.0 if self.given_up(service) else window_s()
+                    deadline = now + window
+                    if window:
+                        self._announce(service, exc, window)
+                if now >= deadline:
+                    with self._guard:
+                        self._given_up.add(service.name)
+                    raise ServiceLost(f"{service.name} stayed unreachable for {window_s():g} s ({first_line(exc)}); "
+                                      f"run the same command again once it is back (or set {ENV})") from None
+                time.sleep(min(WAITS_S[min(attempt, len(WAITS_S) - 1)], max(0.0, deadline - now)))
+                attempt += 1
+                continue
+            if deadline is not None:
+                self._recovered(service)
+            return result
+
+    def _announce(self, service: Service, exc: BaseException, window: float) -> None:
+        with self._guard:
+            if service.name in self._since:
+                return
+            self._since[service.name] = time.monotonic()
+        print(f"warning: {service.name} is unreachable ({first_line(exc)}); waiting for it, up to {window:g} s "
+              f"({ENV})", file=sys.stderr, flush=True)
+
+    def _recovered(self, service: Service) -> None:
+        with self._guard:
+            self._given_up.discard(service.name)
+            since = self._since.pop(service.name, None)
+        if since is not None:
+            print(f"{service.name} is reachable again after {time.monotonic() - since:.1f} s", file=sys.stderr,
+                  flush=True)
 
 
-def _announce(service: Service, exc: BaseException, window: float) -> None:
-    with _outages_guard:
-        if service.name in _outages:
-            return
-        _outages[service.name] = time.monotonic()
-    print(f"warning: {service.name} is unreachable ({first_line(exc)}); waiting for it, up to {window:g} s "
-          f"({ENV})", file=sys.stderr, flush=True)
+_command = Outages()  # the running command's (a process outside `cli.main`: its own, for its life)
 
 
-def _recovered(service: Service) -> None:
-    with _outages_guard:
-        _given_up.discard(service.name)
-        since = _outages.pop(service.name, None)
-    if since is not None:
-        print(f"{service.name} is reachable again after {time.monotonic() - since:.1f} s", file=sys.stderr, flush=True)
+@contextmanager
+def for_command() -> Iterator[Outages]:
+    """A fresh `Outages` for the command run inside the block, the previous one's back after it."""
+    global _command
+    before, _command = _command, Outages()
+    try:
+        yield _command
+    finally:
+        _command = before
+
+
+def call(service: Service, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`Outages.call` of the running command: `fn(*args, **kwargs)`, tried again while `service`
+    is unreachable, for up to `window_s()`. Once the command has waited a whole window for the
+    service, its next calls fail at once until one gets through."""
+    return _command.call(service, fn, *args, **kwargs)
 
 
 def first_line(exc: BaseException) -> str:
@@ -95,37 +159,6 @@ def first_line(exc: BaseException) -> str:
     inner = said[-1] if said else exc
     text = str(inner).strip().splitlines()
     return f"{type(inner).__name__}: {text[0][:300]}" if text else type(inner).__name__
-
-
-def call(service: Service, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """`fn(*args, **kwargs)`, tried again while `service` is unreachable, for up to `window_s()`.
-    Once this process has waited a whole window for the service, its next calls fail at once
-    (the cleanup after giving up must not wait a window per call) until one gets through."""
-    deadline: float | None = None
-    attempt = 0
-    while True:
-        try:
-            result = fn(*args, **kwargs)
-        except Exception as exc:
-            if not service.lost(exc):
-                raise
-            now = time.monotonic()
-            if deadline is None:
-                window = 0.0 if service.name in _given_up else window_s()
-                deadline = now + window
-                if window:
-                    _announce(service, exc, window)
-            if now >= deadline:
-                with _outages_guard:
-                    _given_up.add(service.name)
-                raise ServiceLost(f"{service.name} stayed unreachable for {window_s():g} s ({first_line(exc)}); "
-                                  f"run the same command again once it is back (or set {ENV})") from None
-            time.sleep(min(WAITS_S[min(attempt, len(WAITS_S) - 1)], max(0.0, deadline - now)))
-            attempt += 1
-            continue
-        if deadline is not None:
-            _recovered(service)
-        return result
 
 
 def chain(exc: BaseException) -> list[BaseException]:

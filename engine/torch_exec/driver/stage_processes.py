@@ -11,9 +11,10 @@ the fork (each stage initialises its own GPU, as a spawned one does).
 A forked stage inherits the server's state, fixed when the server started, and none of the
 driver's: its environment is the one the driver had when its first run started the server
 (`OMP_WAIT_POLICY=PASSIVE`, which the OpenMP runtime reads when torch loads it, and glibc's
-malloc settings, `MALLOC_ENV`, are set for that moment). The stage's parent is the server, not the driver; the server exits when the driver dies
-(EOF on its pipe from the driver), and a stage dies with the server or when the driver's pid is
-gone (engine/torch_exec/stage/orphan.py). `executor.start_method=spawn` starts each stage from scratch.
+malloc settings, `MALLOC_ENV`, are set for that moment). The stage's parent is the server, not
+the driver; the server exits when the driver dies (EOF on its pipe from the driver), and a stage
+dies with the server or when the driver's pid is gone (engine/torch_exec/stage/orphan.py).
+`executor.start_method=spawn` starts each stage from scratch.
 """
 from __future__ import annotations
 
