@@ -90,32 +90,41 @@ def test_pack_runs_packs_into_the_named_archive_only_what_the_others_lack(folder
         pack_runs.pack(path, src)  # several archives: the one to pack must be named
 
 
-# ---- set 5's profiles (measurements/cpu-tiny-llama-2026-11-28/manifest-set5.yaml) ----------------------
-SET5 = ROOT / "measurements" / "cpu-tiny-llama-2026-11-28" / "manifest-set5.yaml"
-SET5_TABLE = {"cpu-tiny-llama-set5-pp1-runs": "1", "cpu-tiny-llama-set5-pp2-runs": "0"}  # chosen on validation (3.30% / 4.58%: docs/measurements/diag-cpu-2026-11-28b.md)
+# ---- sets 5 and 6's profiles (measurements/cpu-tiny-llama-2026-11-28/manifest-set{5,6}.yaml) -----------------
+MEASURED = ROOT / "measurements" / "cpu-tiny-llama-2026-11-28"
+SET5 = MEASURED / "manifest-set5.yaml"
+SET6 = MEASURED / "manifest-set6.yaml"
+# the quick-table option each profile's validation runs chose (set 5: 3.30% / 4.58%,
+# docs/measurements/diag-cpu-2026-11-28b.md; set 6: 2.11% / 2.39%, docs/measurements/real-runs-2026-11-28c.md)
+TABLE_OPTION = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1"), "cpu-tiny-llama-set5-pp2-runs": (SET5, "0"),
+                "cpu-tiny-llama-set6-pp1-runs": (SET6, "0"), "cpu-tiny-llama-set6-pp2-runs": (SET6, "1")}
+REPEATS = {SET5: ((1, 2, 3, 4), (5, 6, 7)), SET6: ((1, 2, 3), (4, 5, 6))}  # (fit and validation, test)
 
 
-def test_set5_profiles_are_fitted_on_their_fit_runs_only_and_test_on_r5_to_r7():
-    m = load_manifest(SET5)
+@pytest.mark.parametrize("manifest", sorted(REPEATS), ids=lambda p: p.stem)
+def test_each_sets_profiles_are_fitted_on_their_fit_runs_only_and_tested_on_later_repeats(manifest):
+    seen, test = REPEATS[manifest]
+    m = load_manifest(manifest)
     for name, split in m.profiles.items():
-        assert {r.rsplit("-", 1)[1] for r in split.fit + split.validation} == {"r1", "r2", "r3", "r4"}
+        assert {r.rsplit("-", 1)[1] for r in split.fit + split.validation} == {f"r{r}" for r in seen}
         assert sorted(split.test) == sorted(f"pp{name[-6]}-{w}-{p}-r{r}" for w in ("sharegpt", "azlo", "azhi")
                                             for p in ("gllm", "sarathi", "vllm", "molink", "sipipe", "tdpipe")
-                                            for r in (5, 6, 7))
+                                            for r in test)
         prov = yaml.safe_load((m.path.parent / "profiles" / f"{name}.yaml").read_text())["profile"]
         assert sorted(r["dir"] for r in prov["runs"]) == sorted(split.fit)
         assert all((m.run_dir(r) / "trace.json").is_file() for r in split.fit)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(SET5_TABLE))
-def test_set5_profiles_refit_exactly_from_the_repository(tmp_path, name):
+@pytest.mark.parametrize("name", sorted(TABLE_OPTION))
+def test_each_sets_profiles_refit_exactly_from_the_repository(tmp_path, name):
     from testbed.cli import main
 
-    assert main(["calibrate", "runs", str(SET5), "--profile", name, "--table-option", SET5_TABLE[name],
+    manifest, option = TABLE_OPTION[name]
+    assert main(["calibrate", "runs", str(manifest), "--profile", name, "--table-option", option,
                  "--hop", "receive", "--name", name, "--out", str(tmp_path)]) == 0
     fitted = yaml.safe_load((tmp_path / f"{name}.yaml").read_text())
-    shipped = yaml.safe_load((SET5.parent / "profiles" / f"{name}.yaml").read_text())
+    shipped = yaml.safe_load((manifest.parent / "profiles" / f"{name}.yaml").read_text())
     for key in set(shipped) - {"profile", "version"}:
         assert fitted[key] == shipped[key], key
     assert fitted["profile"]["errors"] == shipped["profile"]["errors"]
