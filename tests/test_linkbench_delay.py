@@ -39,19 +39,32 @@ else:
 """
 
 
-def _ping(link: DelayedLink, n: int, port: int) -> subprocess.Popen:
+def _ping(link: DelayedLink, n: int, port: int, started: list) -> subprocess.Popen:
+    """The client of a ping-pong of `n` round trips; both ends go into `started` (killed at the end:
+    an end whose namespace is removed first would wait forever)."""
     server = subprocess.Popen(["ip", "netns", "exec", link.ns_b, sys.executable, "-c", PING, link.addr_b, str(port),
                                "0"], stdout=subprocess.PIPE, text=True)
+    started.append(server)
     assert server.stdout.readline().strip() == "ok"
-    return subprocess.Popen(["ip", "netns", "exec", link.ns_a, sys.executable, "-c", PING, link.addr_b, str(port),
-                             str(n)], stdout=subprocess.PIPE, text=True)
+    started.append(subprocess.Popen(["ip", "netns", "exec", link.ns_a, sys.executable, "-c", PING, link.addr_b,
+                                     str(port), str(n)], stdout=subprocess.PIPE, text=True))
+    return started[-1]
 
 
-def test_the_relay_gives_the_asked_round_trip_and_flags_a_run_it_was_late_in():
+@pytest.fixture
+def started():
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_the_relay_gives_the_asked_round_trip_and_flags_a_run_it_was_late_in(started):
     delay = 0.02
     with DelayedLink(LinkSpec(400e6, delay)) as link:
         link.relay_snapshot()  # the link's setup traffic, if any
-        client = _ping(link, 20, 29466)
+        client = _ping(link, 20, 29466, started)
         median_rtt = float(client.communicate(timeout=30)[0])
         quiet = link.relay_snapshot()
         # the asked RTT is 2 x delay; the hosts and Python add a little (measured 40.40 ms
@@ -59,7 +72,7 @@ def test_the_relay_gives_the_asked_round_trip_and_flags_a_run_it_was_late_in():
         assert 2 * delay <= median_rtt < 2 * delay + 0.005, median_rtt
         assert quiet["packets"] >= 40 and quiet["late_max_s"] < 2 * delay, quiet
 
-        client = _ping(link, 20, 29467)
+        client = _ping(link, 20, 29467, started)
         time.sleep(0.2)  # round trips under way: packets are held in the relay
         os.kill(link.relay.pid, signal.SIGSTOP)  # the relay descheduled for 100 ms, as under load
         time.sleep(0.1)
