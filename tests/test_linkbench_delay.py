@@ -1,6 +1,5 @@
 """Where the measured link's delay comes from (testbed/linkbench/netns.py): the relay gives the RTT that
-was asked, a relay made late is flagged, and the kernel delay mode (TCP_TX_DELAY + fq) is refused with
-its reason where the kernel has no fq. Each builds its own namespaces (root and iproute2 needed: where
+was asked and a relay made late is flagged. Each builds its own namespaces (root and iproute2 needed: where
 they cannot be made, the test fails with the command's error); a few seconds each."""
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ import time
 
 import pytest
 
-from testbed.linkbench import measure
-from testbed.linkbench.netns import DelayedLink, LinkSetupError, LinkSpec, late_flag
+from testbed.linkbench.netns import DelayedLink, LinkSpec, late_flag
 
 # One side of a TCP ping-pong of one byte (TCP_NODELAY), each end SCHED_FIFO as gloo_pair's endpoints:
 # the client prints the median round trip of N in seconds.
@@ -87,17 +85,3 @@ def test_the_late_flag_weighs_lateness_against_the_delay():
     assert late_flag({"late_mean_s": 0.0044, "late_max_s": 0.01}, 0.015)  # link46e's 15 ms / 400 Mbps series
     assert not late_flag({"late_mean_s": 0.0044, "late_max_s": 0.01}, 0.1)
     assert late_flag({"late_mean_s": 0.0001, "late_max_s": 0.031}, 0.03)  # one packet a whole delay late
-
-
-def test_the_kernel_delay_mode_is_refused_with_its_reason_not_replaced_by_the_relay():
-    with pytest.raises(LinkSetupError, match="kernel delay"):
-        with DelayedLink(LinkSpec(100e6, 0.01, delay_mode="kernel")):
-            pass
-    with pytest.raises(LinkSetupError, match="valid choices: relay, kernel"):
-        LinkSpec(100e6, 0.01, delay_mode="netem")
-
-
-def test_an_unknown_delay_mode_is_one_error_line_and_exit_2(tmp_path, capsys):
-    assert measure.main([str(tmp_path / "o.json"), "--delay-mode", "netem"]) == 2
-    out = capsys.readouterr().out
-    assert out.startswith("error: --delay-mode 'netem': valid choices: relay, kernel")

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from testbed.linkbench.netns import (CONGESTION_CONTROL, DELAY_MODES, RELAYS, TBF_BURST_BYTES, TBF_QUEUE_BYTES, DelayedLink,
+from testbed.linkbench.netns import (CONGESTION_CONTROL, RELAYS, TBF_BURST_BYTES, TBF_QUEUE_BYTES, DelayedLink,
                                      LinkSetupError, LinkSpec)
 
 SIZES = (1 << 10, 16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -67,13 +67,13 @@ def queue_bytes_for(rate_bps: float, delay_s: float, queue_bdp: float | None) ->
 
 
 def measure(delay_s: float, rates_bps, plan: list[dict], timeout_s: float = 300.0, repeats: int = 1,
-            queue_bdp: float | None = None, relay: str = "c", delay_mode: str = "relay") -> list[dict]:
+            queue_bdp: float | None = None, relay: str = "c") -> list[dict]:
     """Each rate's plan `repeats` times, each on a fresh connection; every row says its repeat, the
     bottleneck's queue, and what that run's connection lost (queue drops, retransmitted segments,
     timeouts: the same for every row of one run) and how late the relay was in it (`relay_run`, with
     `late` = netns.late_flag; a late run is also warned about on stderr)."""
     rows = []
-    with DelayedLink(LinkSpec(rates_bps[0], delay_s, relay, delay_mode)) as link:
+    with DelayedLink(LinkSpec(rates_bps[0], delay_s, relay)) as link:
         for i, rate in enumerate(rates_bps):
             queue = queue_bytes_for(rate, delay_s, queue_bdp)
             link.set_rate(rate, queue)
@@ -118,9 +118,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="bottleneck queue as a multiple of rate x RTT (default: the fixed TBF_QUEUE_BYTES)")
     ap.add_argument("--sizes", default=None, help="comma-separated bytes (default: the validation sizes)")
     ap.add_argument("--relay", default="c", help=f"the delay relay: {', '.join(RELAYS)} (python: the 2026-11-27 series')")
-    ap.add_argument("--delay-mode", default="relay",
-                    help=f"where the delay is added: {', '.join(DELAY_MODES)} (kernel: TCP_TX_DELAY + fq; refused "
-                         "where the kernel has no fq)")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_cleanly)  # the link's namespaces are removed on the way out
     try:
@@ -130,9 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"error: --rates {a.rates!r} / --delays {a.delays!r} / --sizes {a.sizes!r}: comma-separated numbers "
               "(Mbps, seconds, bytes)")
-        return 2
-    if a.delay_mode not in DELAY_MODES:
-        print(f"error: --delay-mode {a.delay_mode!r}: valid choices: {', '.join(DELAY_MODES)}")
         return 2
     if a.relay not in RELAYS:
         print(f"error: --relay {a.relay!r}: valid choices: {', '.join(RELAYS)}")
@@ -147,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, load_before = [], Path("/proc/loadavg").read_text().split()[:3]
     try:
         for d in delays:
-            rows += measure(d, rates, validation_plan(sizes), repeats=a.repeats, queue_bdp=a.queue_bdp, relay=a.relay,
-                            delay_mode=a.delay_mode)
+            rows += measure(d, rates, validation_plan(sizes), repeats=a.repeats, queue_bdp=a.queue_bdp, relay=a.relay)
     except LinkSetupError as exc:
         print(f"error: the measured link could not be built (root and iproute2 needed): {exc}")
         return 2

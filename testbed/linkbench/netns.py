@@ -51,13 +51,11 @@ TBF_BURST_BYTES = 4 * 1514
 # in bulk (relay_speed.py); the 400 Mbps spread is TCP's with either (docs/measurements/links-2026-11-28.md).
 RELAYS = ("c", "python")
 RELAY_SOURCE = Path(__file__).with_name("delay_relay.c")
-# Where the delay is added: "relay" (a user-space relay above, the only mode this kernel can run) or
-# "kernel" (TCP_TX_DELAY on each endpoint's sockets, which only the `fq` qdisc honours: it sets each
-# packet's departure time). This machine's kernel (6.18, CONFIG_NET_SCH_FQ, _ETF, _NETEM not set) has
-# no fq: `tc qdisc add ... fq` fails ("Specified qdisc kind is unknown"), and TCP_TX_DELAY = 10 ms is
-# accepted by setsockopt but leaves the RTT at 0.013 ms (measured 2026-11-28c). The kernel mode is
-# therefore refused with that reason (`kernel_delay_missing`), never silently replaced by the relay.
-DELAY_MODES = ("relay", "kernel")
+# The delay is added by the user-space relay above: this machine's kernel (6.18; CONFIG_NET_SCH_FQ,
+# _ETF, _NETEM not set) cannot hold a packet in any qdisc it has. TCP_TX_DELAY, the kernel-side
+# alternative, is honoured only by `fq`: `tc qdisc add ... fq` fails ("Specified qdisc kind is
+# unknown"), and TCP_TX_DELAY = 10 ms is accepted by setsockopt but leaves the RTT at 0.013 ms
+# (checked 2026-11-28c; docs/measurements/links-2026-11-28c.md). No kernel mode is offered.
 # A run is flagged late when its relay's mean lateness exceeds this share of the one-way delay, or any
 # packet is held longer than one delay beyond its due time. Lateness adds to the RTT in each direction,
 # so a mean of 5% of the delay adds ~5% to a latency-bound transfer: a third of issue 46's 15% target,
@@ -83,28 +81,10 @@ class LinkSpec:
     rate_bps: float  # bits per second of the bottleneck (tbf)
     delay_s: float  # one-way delay (the relay adds it in each direction)
     relay: str = "c"  # one of RELAYS
-    delay_mode: str = "relay"  # one of DELAY_MODES
 
     def __post_init__(self) -> None:
         if self.relay not in RELAYS:
             raise LinkSetupError(f"relay {self.relay!r}: valid choices: {', '.join(RELAYS)}")
-        if self.delay_mode not in DELAY_MODES:
-            raise LinkSetupError(f"delay mode {self.delay_mode!r}: valid choices: {', '.join(DELAY_MODES)}")
-
-
-def kernel_delay_missing() -> str | None:
-    """Why the kernel delay mode cannot run here, or None if it can: it needs the `fq` qdisc (the one
-    qdisc that honours TCP_TX_DELAY's departure times); tried on a veth in a scratch namespace."""
-    ns = f"l{os.getpid() % 100000}q"
-    try:
-        sh("ip", "netns", "add", ns)
-        sh("ip", "netns", "exec", ns, "ip", "link", "add", "q0", "type", "veth", "peer", "name", "q1")
-        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "q0", "root", "fq")
-        return None
-    except LinkSetupError as exc:
-        return f"the kernel delay needs the fq qdisc (TCP_TX_DELAY is honoured only by fq): {exc}"
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def late_flag(run: dict, delay_s: float) -> bool:
@@ -161,10 +141,6 @@ class DelayedLink:
         return sh("ip", "netns", "exec", ns, *cmd)
 
     def _build(self) -> None:
-        if self.spec.delay_mode == "kernel" and (why := kernel_delay_missing()):
-            raise LinkSetupError(f"{why}; use delay mode 'relay'")
-        if self.spec.delay_mode == "kernel":  # a kernel with fq: not built here, none to test it on
-            raise LinkSetupError("the kernel delay mode is not built yet (this machine has no fq to check it)")
         k, a, r, b = self._k, self.ns_a, self.ns_r, self.ns_b
         for ns in (a, r, b):
             sh("ip", "netns", "add", ns)
