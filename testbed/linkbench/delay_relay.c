@@ -12,7 +12,9 @@
  * constant (no jitter, no reordering); a relay descheduled longer than a packet's gap adds that time
  * (`late_max_s` / `late_mean_s` in the report measure it).
  *
- * Usage: delay_relay DEV DELAY_S. Prints "ready" once attached, and on SIGTERM one JSON report line.
+ * Usage: delay_relay DEV DELAY_S. Prints "ready" once attached; on SIGUSR1 one JSON line of what it
+ * forwarded and how late since the last SIGUSR1 (netns.py takes one per measured run: a late run is
+ * flagged, 2026-11-28c), and on SIGTERM one JSON report line of the whole life.
  * Built by netns.py with the system C compiler (gcc -O2) the first time a link needs it.
  */
 #define _GNU_SOURCE
@@ -43,8 +45,30 @@ struct held {
     uint32_t off, len;
 };
 
-static volatile sig_atomic_t stop;
+static volatile sig_atomic_t stop, snapshot;
 static void on_term(int sig) { (void)sig; stop = 1; }
+static void on_usr1(int sig) { (void)sig; snapshot = 1; }
+
+struct tally {
+    uint64_t packets, nbytes, dropped, late_sum, late_max, write_ns;
+};
+
+static void count(struct tally *t, uint64_t len, uint64_t late, int drop, uint64_t write_ns) {
+    t->packets++;
+    t->write_ns += write_ns;
+    t->nbytes += len;
+    t->dropped += (uint64_t)drop;
+    t->late_sum += late;
+    if (late > t->late_max) t->late_max = late;
+}
+
+static void report(const struct tally *t) {
+    printf("{\"packets\": %llu, \"bytes\": %llu, \"late_max_s\": %.9f, \"late_mean_s\": %.9f, \"write_drops\": %llu, "
+           "\"write_s\": %.6f, \"relay\": \"c\"}\n",
+           (unsigned long long)t->packets, (unsigned long long)t->nbytes, t->late_max / 1e9,
+           t->packets ? t->late_sum / 1e9 / t->packets : 0.0, (unsigned long long)t->dropped, t->write_ns / 1e9);
+    fflush(stdout);
+}
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -104,13 +128,20 @@ int main(int argc, char **argv) {
     sched_setscheduler(0, SCHED_FIFO, &sp); /* best effort, as relay.py */
     signal(SIGTERM, on_term);
     signal(SIGINT, on_term);
+    struct sigaction su = {.sa_handler = on_usr1}; /* no SA_RESTART: ppoll returns EINTR at once */
+    sigaction(SIGUSR1, &su, NULL);
     printf("ready\n");
     fflush(stdout);
 
     uint32_t head = 0, tail = 0, wr = 0; /* slots [head, tail); next byte to fill at wr */
-    uint64_t packets = 0, nbytes = 0, dropped = 0, late_sum = 0, late_max = 0;
+    struct tally life = {0}, run = {0};
     struct pollfd pfd = {.fd = fd, .events = POLLIN};
     while (!stop) {
+        if (snapshot) {
+            snapshot = 0;
+            report(&run);
+            run = (struct tally){0};
+        }
         struct timespec ts = {0, 200000000}, *tsp = &ts;
         if (head != tail) {
             uint64_t t = now_ns(), due = q[head % SLOTS].due_ns;
@@ -134,20 +165,17 @@ int main(int argc, char **argv) {
         uint64_t t = now_ns();
         while (head != tail && q[head % SLOTS].due_ns <= t) {
             struct held *h = &q[head % SLOTS];
-            uint64_t late = t - h->due_ns;
-            late_sum += late;
-            if (late > late_max) late_max = late;
-            if (write(fd, ring + h->off, h->len) < 0) dropped++; /* a full kernel queue: a router's drop */
-            packets++;
-            nbytes += h->len;
+            /* the write forwards the packet inside this call (routing, tbf, the veth to the endpoint and,
+             * at the endpoint, TCP's receive path run in the relay's time): write_s measures it */
+            uint64_t w0 = now_ns();
+            int drop = write(fd, ring + h->off, h->len) < 0; /* a full kernel queue: a router's drop */
+            uint64_t w1 = now_ns();
+            count(&life, h->len, t - h->due_ns, drop, w1 - w0);
+            count(&run, h->len, t - h->due_ns, drop, w1 - w0);
             head++;
-            if ((packets & 63) == 0) t = now_ns();
+            t = w1;
         }
     }
-    printf("{\"packets\": %llu, \"bytes\": %llu, \"late_max_s\": %.9f, \"late_mean_s\": %.9f, \"write_drops\": %llu, "
-           "\"relay\": \"c\"}\n",
-           (unsigned long long)packets, (unsigned long long)nbytes, late_max / 1e9,
-           packets ? late_sum / 1e9 / packets : 0.0, (unsigned long long)dropped);
-    fflush(stdout);
+    report(&life);
     return 0;
 }

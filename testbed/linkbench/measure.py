@@ -70,20 +70,25 @@ def measure(delay_s: float, rates_bps, plan: list[dict], timeout_s: float = 300.
             queue_bdp: float | None = None, relay: str = "c") -> list[dict]:
     """Each rate's plan `repeats` times, each on a fresh connection; every row says its repeat, the
     bottleneck's queue, and what that run's connection lost (queue drops, retransmitted segments,
-    timeouts: the same for every row of one run)."""
+    timeouts: the same for every row of one run) and how late the relay was in it (`relay_run`, with
+    `late` = netns.late_flag; a late run is also warned about on stderr)."""
     rows = []
     with DelayedLink(LinkSpec(rates_bps[0], delay_s, relay)) as link:
         for i, rate in enumerate(rates_bps):
             queue = queue_bytes_for(rate, delay_s, queue_bdp)
             link.set_rate(rate, queue)
             for k in range(repeats):
-                drops0, c0 = link.drops(), link.sender_counters()
+                drops0, c0, _ = link.drops(), link.sender_counters(), link.relay_snapshot()
                 times = _run_pair(link, plan, 29500 + (i * repeats + k) % 400, timeout_s)
+                late = link.relay_snapshot()
                 c1 = link.sender_counters()
                 lost = {"drops": link.drops() - drops0} | {key: c1.get(key, 0) - c0.get(key, 0) for key in c1}
+                if late["late"]:
+                    print(f"warning: relay late in run {k} at {rate / 1e6:g} Mbps, {delay_s * 1e3:g} ms: mean "
+                          f"{late['late_mean_s'] * 1e3:.2f} ms, worst {late['late_max_s'] * 1e3:.1f} ms", file=sys.stderr)
                 rows += [{"rate_bps": rate, "delay_s": delay_s, "n": p["n"], "msgs": p["msgs"], "gap_s": p["gap"],
-                          "measured_s": t, "repeat": k, "queue_bytes": queue or TBF_QUEUE_BYTES, "run_losses": lost}
-                         for p, t in zip(plan, times)]
+                          "measured_s": t, "repeat": k, "queue_bytes": queue or TBF_QUEUE_BYTES, "run_losses": lost,
+                          "relay_run": late} for p, t in zip(plan, times)]
     rows_relay = link.relay_report
     return rows if not rows_relay else [dict(r, relay=rows_relay) for r in rows]
 
@@ -141,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the measured link could not be built (root and iproute2 needed): {exc}")
         return 2
     out.write_text(json.dumps({"provenance": provenance(load_before, a.relay), "rows": rows}, indent=1) + "\n")
-    print(f"{len(rows)} transfers -> {a.out}")
+    late = {(r["delay_s"], r["rate_bps"], r["repeat"]) for r in rows if r["relay_run"]["late"]}
+    print(f"{len(rows)} transfers -> {a.out}" + (f"; {len(late)} run(s) with a late relay (rows' relay_run.late)"
+                                                  if late else ""))
     return 0
 
 

@@ -17,7 +17,9 @@ command and its message, never a silent fallback.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -49,6 +51,18 @@ TBF_BURST_BYTES = 4 * 1514
 # in bulk (relay_speed.py); the 400 Mbps spread is TCP's with either (docs/measurements/links-2026-11-28.md).
 RELAYS = ("c", "python")
 RELAY_SOURCE = Path(__file__).with_name("delay_relay.c")
+# The delay is added by the user-space relay above: this machine's kernel (6.18; CONFIG_NET_SCH_FQ,
+# _ETF, _NETEM not set) cannot hold a packet in any qdisc it has. TCP_TX_DELAY, the kernel-side
+# alternative, is honoured only by `fq`: `tc qdisc add ... fq` fails ("Specified qdisc kind is
+# unknown"), and TCP_TX_DELAY = 10 ms is accepted by setsockopt but leaves the RTT at 0.013 ms
+# (checked 2026-11-28c; docs/measurements/links-2026-11-28c.md). No kernel mode is offered.
+# A run is flagged late when its relay's mean lateness exceeds this share of the one-way delay, or any
+# packet is held longer than one delay beyond its due time. Lateness adds to the RTT in each direction,
+# so a mean of 5% of the delay adds ~5% to a latency-bound transfer: a third of issue 46's 15% target,
+# left for the model. link46d's quiet runs had 0.3-0.8 ms (2-5% at 15 ms); link46e's 15 ms / 400 Mbps
+# series 4.4 ms (29%). A packet held a whole extra delay doubles one round trip of its transfer.
+LATE_MEAN_SHARE = 0.05
+LATE_MAX_DELAYS = 1.0
 
 
 class LinkSetupError(RuntimeError):
@@ -71,6 +85,13 @@ class LinkSpec:
     def __post_init__(self) -> None:
         if self.relay not in RELAYS:
             raise LinkSetupError(f"relay {self.relay!r}: valid choices: {', '.join(RELAYS)}")
+
+
+def late_flag(run: dict, delay_s: float) -> bool:
+    """Whether one run's relay report (`DelayedLink.relay_snapshot`) was late enough to distort the
+    run: mean lateness over LATE_MEAN_SHARE of the delay, or a packet LATE_MAX_DELAYS delays late."""
+    return (run.get("late_mean_s", 0.0) > LATE_MEAN_SHARE * delay_s
+            or run.get("late_max_s", 0.0) > LATE_MAX_DELAYS * delay_s)
 
 
 def relay_binary() -> Path:
@@ -166,6 +187,18 @@ class DelayedLink:
         for dev in ("ra", "rb"):
             self._in(self.ns_r, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(rate_bps)}bit",
                      "burst", str(burst), "limit", str(limit))
+
+    def relay_snapshot(self, timeout_s: float = 2.0) -> dict:
+        """What the relay forwarded, and how late, since the last snapshot (SIGUSR1 -> one JSON line),
+        with `late` = `late_flag`; taken after each measured run."""
+        import select
+
+        self.relay.send_signal(signal.SIGUSR1)
+        ready, _, _ = select.select([self.relay.stdout], [], [], timeout_s)
+        if not ready:
+            raise LinkSetupError(f"the delay relay gave no report within {timeout_s} s")
+        run = json.loads(self.relay.stdout.readline())
+        return dict(run, late=late_flag(run, self.spec.delay_s))
 
     def drops(self) -> int:
         """Packets the bottleneck queues dropped so far (both directions; `tc -s qdisc`)."""

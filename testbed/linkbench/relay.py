@@ -16,7 +16,8 @@ a relay descheduled for longer than a packet's gap adds that time (`late_s` in i
 much, measured).
 
 Run as `python -m testbed.linkbench.relay DEV DELAY_S` inside the router namespace; it prints
-`ready` once attached, and on SIGTERM a JSON report line (packets, bytes, worst lateness).
+`ready` once attached, on SIGUSR1 a JSON line of what it forwarded since the last one (one per
+measured run, as delay_relay.c), and on SIGTERM a JSON report line (packets, bytes, worst lateness).
 """
 from __future__ import annotations
 
@@ -48,15 +49,41 @@ def open_tun(dev: str) -> int:
     return fd
 
 
-def serve(fd: int, delay_s: float, stop: list) -> dict:
-    """Hold each packet `delay_s`, in arrival order (a constant delay keeps the order)."""
+class Tally:
+    """Packets forwarded and how late, over the relay's life or one run."""
+
+    def __init__(self) -> None:
+        self.packets = self.nbytes = 0
+        self.late_max = self.late_sum = 0.0
+
+    def count(self, nbytes: int, late: float) -> None:
+        self.packets += 1
+        self.nbytes += nbytes
+        self.late_max = max(self.late_max, late)
+        self.late_sum += late
+
+    def report(self) -> dict:
+        return {"packets": self.packets, "bytes": self.nbytes, "late_max_s": self.late_max,
+                "late_mean_s": self.late_sum / max(1, self.packets), "relay": "python"}
+
+
+def serve(fd: int, delay_s: float, stop: list, snapshot: list | None = None) -> dict:
+    """Hold each packet `delay_s`, in arrival order (a constant delay keeps the order); print one
+    run's tally whenever `snapshot` is set (SIGUSR1)."""
     held: deque[tuple[float, bytes]] = deque()
-    packets = nbytes = 0
-    late_max = late_sum = 0.0
+    life, run = Tally(), Tally()
+    snapshot = [] if snapshot is None else snapshot
     clock = time.monotonic
     while not stop:
+        if snapshot:
+            snapshot.clear()
+            print(json.dumps(run.report()), flush=True)
+            run = Tally()
         timeout = max(0.0, held[0][0] - clock()) if held else 0.2
-        readable, _, _ = select.select([fd], [], [], timeout)
+        try:
+            readable, _, _ = select.select([fd], [], [], timeout)
+        except InterruptedError:
+            continue
         if readable:
             now = clock()
             while True:
@@ -68,15 +95,13 @@ def serve(fd: int, delay_s: float, stop: list) -> dict:
         now = clock()
         while held and held[0][0] <= now:
             due, pkt = held.popleft()
-            late_max = max(late_max, now - due)
-            late_sum += now - due
+            life.count(len(pkt), now - due)
+            run.count(len(pkt), now - due)
             try:
                 os.write(fd, pkt)
             except BlockingIOError:  # the kernel's queue is full: dropped, as a full router queue would
                 pass
-            packets += 1
-            nbytes += len(pkt)
-    return {"packets": packets, "bytes": nbytes, "late_max_s": late_max, "late_mean_s": late_sum / max(1, packets)}
+    return life.report()
 
 
 def main(argv: list[str]) -> int:
@@ -87,9 +112,11 @@ def main(argv: list[str]) -> int:
     except (OSError, AttributeError):
         pass
     stop: list = []
+    snapshot: list = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGUSR1, lambda *_: snapshot.append(1))
     print("ready", flush=True)
-    report = serve(fd, delay_s, stop)
+    report = serve(fd, delay_s, stop, snapshot)
     print(json.dumps(report), flush=True)
     return 0
 
