@@ -54,6 +54,7 @@ from engine.core.request import SeqStatus, Sequence
 from policies.common import add_decode_or_preempt
 
 RUNTIMES = ("v0", "shared")
+IDLE_ENGINES = ("park", "step")  # v0: vLLM's run_engine_loop parks an engine that ran dry / every engine always stepped
 SHARED_BATCHED_TOKENS = 8192  # the `shared` idealisation's budget (this testbed's earlier default)
 WATERMARK = 0.01  # vLLM's `CacheConfig.watermark`: blocks a prefill admission must leave free
 
@@ -64,6 +65,7 @@ class VllmParams:
     max_num_seqs: int = 256  # vLLM's default, per virtual engine
     virtual_engines: bool = True
     runtime: str = "v0"
+    idle_engines: str = "park"  # v0 only: "park" is vLLM's run_engine_loop, "step" the earlier idealisation
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 0:
@@ -73,6 +75,8 @@ class VllmParams:
             raise bad_value("policy.max_num_seqs", self.max_num_seqs, "must be >= 1")
         if self.runtime not in RUNTIMES:
             raise bad_value("policy.runtime", self.runtime, f"choose one of {', '.join(RUNTIMES)}")
+        if self.idle_engines not in IDLE_ENGINES:
+            raise bad_value("policy.idle_engines", self.idle_engines, f"choose one of {', '.join(IDLE_ENGINES)}")
 
 
 @register_policy("vllm")
@@ -87,6 +91,8 @@ class VllmPolicy(Policy):
         self._busy: set[int] = set()  # virtual engines with a micro-batch in flight
         self._next = 0  # round-robin start
         self._v0 = self.params.runtime == "v0" and self.params.virtual_engines
+        self._park = self._v0 and self.params.idle_engines == "park"
+        self._parked: set[int] = set()  # v0 "park": engines run_engine_loop no longer steps
         self._budget = self.params.max_num_batched_tokens or SHARED_BATCHED_TOKENS
 
     @classmethod
@@ -108,7 +114,7 @@ class VllmPolicy(Policy):
             self._assign_arrivals(view, engines)
         for i in range(engines):
             ve = (self._next + i) % engines
-            if ve in self._busy:
+            if ve in self._busy or ve in self._parked:
                 continue
             mb = self._schedule_engine(view, ve, engines)
             if mb is not None:
@@ -133,10 +139,31 @@ class VllmPolicy(Policy):
                 break
             new.append(seq)
         counts = self._unfinished
+        if self._park:
+            self._park_or_restart(engines, bool(new))
         for seq in reversed(new):
             ve = min(range(engines), key=lambda e: counts.get(e, 0))
             self._engine_of[seq.seq_id] = ve
             counts[ve] = counts.get(ve, 0) + 1
+
+    def _park_or_restart(self, engines: int, arrivals: bool) -> None:
+        """vLLM's `AsyncLLMEngine.run_engine_loop` (vllm/engine/async_llm_engine.py, the same in
+        0.5.3, 0.7.2 and 0.8.1): an engine whose `engine_step` returned no unfinished output and whose
+        scheduler has no unfinished sequence (`has_unfinished_requests_for_virtual_engine`) is no
+        longer stepped (`has_requests_in_progress[ve] = False`); only when every engine is so does
+        the loop wait for a new request (`wait_for_new_requests`, at once if one came since the last
+        restart: the event is cleared only there) and step them all again. Arrivals are meanwhile
+        placed (`_assign_arrivals`) by the cost that ignores this, fewest unfinished: often on a
+        parked engine, where they wait until the others drain. A free engine with nothing to do
+        parks at once (its empty step costs nothing here). Offline, nothing arrives after the first
+        restart, so nothing waits on a parked engine."""
+        unfinished = self._unfinished
+        parked = self._parked
+        for ve in range(engines):
+            if ve not in self._busy and not unfinished.get(ve, 0):
+                parked.add(ve)
+        if len(parked) == engines and (arrivals or any(unfinished.get(ve, 0) for ve in range(engines))):
+            parked.clear()
 
     def _schedule_engine(self, view: SchedulerView, ve: int, engines: int):
         p = self.params

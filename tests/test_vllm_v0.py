@@ -78,3 +78,62 @@ def test_a_decode_short_of_its_share_preempts_within_its_engine():
 def test_an_unknown_runtime_is_refused():
     with pytest.raises(ConfigError, match="policy.runtime"):
         VllmParams(runtime="v1")
+
+
+def _serve_two(idle_engines):
+    """Two engines, one step a time unit: request 0 (3 tokens) at t=0 goes to engine 0; request 1
+    arrives while it is in flight. Returns the policy, when request 1 first ran, when 0 finished."""
+    from engine.core.request import Request
+    pol = VllmPolicy(VllmParams(idle_engines=idle_engines))
+    ctrl, (first,) = make_state(pol, pp=2, waiting=[(20, 3)])
+    pol.start(ctrl.view)
+    inflight, t, starts = [], 0.0, []
+
+    def fill():
+        while (mb := pol.schedule(ctrl.view)) is not None:
+            ctrl._commit(mb)
+            inflight.append(mb)
+            if 1 in [s.seq_id for s in mb.sequences()]:
+                starts.append(t)
+    fill()
+    assert len(inflight) == 1  # engine 1 has nothing: it ran dry (and, with "park", parked)
+    ctrl.submit(Request(1, 0.0, 20, 3))
+    fill()
+    while inflight:
+        t += 1.0
+        ctrl.complete(Completion(inflight.pop(0).mb_id, t))
+        fill()
+    return pol, starts, first.finish_s
+
+
+def test_a_request_placed_on_a_parked_engine_waits_until_the_others_drain():
+    """vLLM's run_engine_loop steps an engine that ran dry again only once every engine has; the
+    request placed on it (fewest unfinished: engine 1) waits for engine 0's 3 steps.
+    `idle_engines=step` (the earlier model) served it at once."""
+    pol, starts, finished = _serve_two("park")
+    assert finished == 3.0 and starts[0] == 3.0
+    _, starts, finished = _serve_two("step")
+    assert starts[0] == 0.0 < finished
+
+
+def test_an_unknown_idle_engine_rule_is_refused():
+    with pytest.raises(ConfigError, match="policy.idle_engines"):
+        VllmParams(idle_engines="spin")
+
+
+def _requests_csv(tmp_path, *overrides):
+    from conftest import small_config
+    from testbed.run.outputs import write_run_dir
+    from testbed.run.runner import run_experiment
+    res = run_experiment(small_config("policy=vllm", "parallel.pp=4", "workload.num_requests=120", *overrides))
+    return (write_run_dir(res, tmp_path, plots=False) / "requests.csv").read_bytes()
+
+
+def test_parking_changes_online_runs_and_leaves_offline_runs_bit_for_bit(tmp_path):
+    """Offline every request is placed at the first restart, so no engine ever parks with work
+    (tdpipe-scaling, microbatch-count fast-offline); with arrivals over time requests wait."""
+    off = ["workload.arrival=offline"]
+    assert (_requests_csv(tmp_path / "a", *off, "policy.idle_engines=park")
+            == _requests_csv(tmp_path / "b", *off, "policy.idle_engines=step"))
+    assert (_requests_csv(tmp_path / "c", "workload.rate=2", "policy.idle_engines=park")
+            != _requests_csv(tmp_path / "d", "workload.rate=2", "policy.idle_engines=step"))
