@@ -27,6 +27,10 @@ from their sources):
   stage). Output processing is synchronous: 0.5.3 has no async output processor, and 0.7.2 / 0.8.1
   turn it off for PP (`ModelConfig.verify_async_output_proc`,
   `verify_with_parallel_config`); the cost model's host terms price the step, this policy adds none.
+- An engine that runs dry parks (`idle_engines=park`, default): `AsyncLLMEngine.run_engine_loop`
+  steps it again only when every engine is idle, while arrivals are still placed on it
+  (`_park_or_restart`). Online, a request can wait there until the others drain; offline nothing
+  changes (a test). `idle_engines=step` is the earlier model (every engine always stepped).
 Host costs are the cost model's, shared with every policy. One is vLLM 0.5.3's own: its mp executor
 pickles each step's whole `ExecuteModelRequest` to every stage (`ProcessWorkerWrapper._enqueue_task`),
 and each stage unpickles it. The variant `cost.prep_per_context_token_s=8e-8` prices that (measured
