@@ -59,9 +59,6 @@ class MoLinkParams(VllmParams):
     rule_context: int = 1024
     search_requests: int = 60  # requests per simulation of extension=search
     search_metric: str = "e2el_mean_s"  # minimised by extension=search
-    # MoLink's own loop restarts every finished step at once, busy or not (`MolinkEngine.run_engine_loop`,
-    # molink/engine/molink_engine.py, oldcpple/MoLink 087e078): no engine parks as vLLM's does
-    idle_engines: str = "step"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -27,10 +27,13 @@ from their sources):
   stage). Output processing is synchronous: 0.5.3 has no async output processor, and 0.7.2 / 0.8.1
   turn it off for PP (`ModelConfig.verify_async_output_proc`,
   `verify_with_parallel_config`); the cost model's host terms price the step, this policy adds none.
-- An engine that runs dry parks (`idle_engines=park`, default): `AsyncLLMEngine.run_engine_loop`
-  steps it again only when every engine is idle, while arrivals are still placed on it
-  (`_park_or_restart`). Online, a request can wait there until the others drain; offline nothing
-  changes (a test). `idle_engines=step` is the earlier model (every engine always stepped).
+- An engine that ran dry is stepped again as soon as a request is placed on it (`idle_engines=step`):
+  `run_engine_loop` stops re-creating its `engine_step` task (`has_requests_in_progress[ve] = False`),
+  but the finished task stays in `requests_in_progress`, so every `asyncio.wait(...,
+  FIRST_COMPLETED)` returns at once with it in `done` and the loop re-checks
+  `has_unfinished_requests_for_virtual_engine(ve)` each turn (0.5.3, 0.7.2, 0.8.1 alike). Only
+  when every engine is dry does it wait for a new request. `idle_engines=park` is the what-if of an
+  engine that is not re-checked (`_park_or_restart`); it is not what vLLM does.
 Host costs are the cost model's, shared with every policy. One is vLLM 0.5.3's own: its mp executor
 pickles each step's whole `ExecuteModelRequest` to every stage (`ProcessWorkerWrapper._enqueue_task`),
 and each stage unpickles it. The variant `cost.prep_per_context_token_s=8e-8` prices that (measured
@@ -58,7 +61,7 @@ from engine.core.request import SeqStatus, Sequence
 from policies.common import add_decode_or_preempt
 
 RUNTIMES = ("v0", "shared")
-IDLE_ENGINES = ("park", "step")  # v0: vLLM's run_engine_loop parks an engine that ran dry / every engine always stepped
+IDLE_ENGINES = ("step", "park")  # v0: an engine with work is stepped (vLLM) / the "park" what-if (`_park_or_restart`)
 SHARED_BATCHED_TOKENS = 8192  # the `shared` idealisation's budget (this testbed's earlier default)
 WATERMARK = 0.01  # vLLM's `CacheConfig.watermark`: blocks a prefill admission must leave free
 
@@ -69,7 +72,7 @@ class VllmParams:
     max_num_seqs: int = 256  # vLLM's default, per virtual engine
     virtual_engines: bool = True
     runtime: str = "v0"
-    idle_engines: str = "park"  # v0 only: "park" is vLLM's run_engine_loop, "step" the earlier idealisation
+    idle_engines: str = "step"  # v0 only: "step" is vLLM's run_engine_loop as it runs; "park" a what-if it does not do
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 0:
@@ -151,16 +154,17 @@ class VllmPolicy(Policy):
             counts[ve] = counts.get(ve, 0) + 1
 
     def _park_or_restart(self, engines: int, arrivals: bool) -> None:
-        """vLLM's `AsyncLLMEngine.run_engine_loop` (vllm/engine/async_llm_engine.py, the same in
-        0.5.3, 0.7.2 and 0.8.1): an engine whose `engine_step` returned no unfinished output and whose
-        scheduler has no unfinished sequence (`has_unfinished_requests_for_virtual_engine`) is no
-        longer stepped (`has_requests_in_progress[ve] = False`); only when every engine is so does
-        the loop wait for a new request (`wait_for_new_requests`, at once if one came since the last
-        restart: the event is cleared only there) and step them all again. Arrivals are meanwhile
-        placed (`_assign_arrivals`) by the cost that ignores this, fewest unfinished: often on a
-        parked engine, where they wait until the others drain. A free engine with nothing to do
-        parks at once (its empty step costs nothing here). Offline, nothing arrives after the first
-        restart, so nothing waits on a parked engine."""
+        """The `park` what-if, a reading of `AsyncLLMEngine.run_engine_loop` (vllm/engine/
+        async_llm_engine.py, 0.5.3 / 0.7.2 / 0.8.1) that vLLM does not run: an engine whose step
+        left it no unfinished sequence is not stepped until every engine is so (then all restart
+        when a request came since the last restart: `wait_for_new_requests`), while arrivals are
+        placed on it by fewest unfinished (`LLMEngine._add_processed_request`), so they wait there
+        until the others drain. vLLM re-checks such an engine every loop turn (its finished task
+        stays in the set `asyncio.wait` returns at once: module docstring), so `step` is the
+        default. Kept to show what parking would cost (gllm-capacity: gLLM / vLLM-SB 1.27x -> 23.1x,
+        docs/measurements/vllm-v0-idle-2026-11-28c.md). A free engine with nothing to do parks at
+        once (its empty step costs nothing here); offline nothing arrives after the first restart,
+        so nothing changes (a test)."""
         unfinished = self._unfinished
         parked = self._parked
         for ve in range(engines):

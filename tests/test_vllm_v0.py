@@ -106,14 +106,15 @@ def _serve_two(idle_engines):
     return pol, starts, first.finish_s
 
 
-def test_a_request_placed_on_a_parked_engine_waits_until_the_others_drain():
-    """vLLM's run_engine_loop steps an engine that ran dry again only once every engine has; the
-    request placed on it (fewest unfinished: engine 1) waits for engine 0's 3 steps.
-    `idle_engines=step` (the earlier model) served it at once."""
+def test_the_park_what_if_holds_a_request_until_the_other_engines_drain():
+    """`idle_engines=park`: the engine that ran dry is not stepped again until every engine has;
+    the request placed on it (fewest unfinished: engine 1) waits for engine 0's 3 steps. The
+    default, `step` (vLLM's loop re-checks a dry engine every turn), serves it at once."""
     pol, starts, finished = _serve_two("park")
     assert finished == 3.0 and starts[0] == 3.0
     _, starts, finished = _serve_two("step")
     assert starts[0] == 0.0 < finished
+    assert VllmParams().idle_engines == "step"
 
 
 def test_an_unknown_idle_engine_rule_is_refused():
@@ -129,9 +130,9 @@ def _requests_csv(tmp_path, *overrides):
     return (write_run_dir(res, tmp_path, plots=False) / "requests.csv").read_bytes()
 
 
-def test_parking_changes_online_runs_and_leaves_offline_runs_bit_for_bit(tmp_path):
-    """Offline every request is placed at the first restart, so no engine ever parks with work
-    (tdpipe-scaling, microbatch-count fast-offline); with arrivals over time requests wait."""
+def test_the_park_what_if_changes_online_runs_and_leaves_offline_runs_bit_for_bit(tmp_path):
+    """The `park` what-if: offline every request is placed at the first restart, so no engine
+    ever parks with work; with arrivals over time requests wait."""
     off = ["workload.arrival=offline"]
     assert (_requests_csv(tmp_path / "a", *off, "policy.idle_engines=park")
             == _requests_csv(tmp_path / "b", *off, "policy.idle_engines=step"))
