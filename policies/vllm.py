@@ -27,6 +27,8 @@ from their sources):
   stage). Output processing is synchronous: 0.5.3 has no async output processor, and 0.7.2 / 0.8.1
   turn it off for PP (`ModelConfig.verify_async_output_proc`,
   `verify_with_parallel_config`); the cost model's host terms price the step, this policy adds none.
+- An arrival is placed when an engine's next `engine_step` starts, not on arrival (`placement=
+  step-start`, `_arrivals_read`); `placement=arrival` is the earlier model.
 - An engine that ran dry is stepped again as soon as a request is placed on it (`idle_engines=step`):
   `run_engine_loop` stops re-creating its `engine_step` task (`has_requests_in_progress[ve] = False`),
   but the finished task stays in `requests_in_progress`, so every `asyncio.wait(...,
@@ -61,6 +63,7 @@ from engine.core.request import SeqStatus, Sequence
 from policies.common import add_decode_or_preempt
 
 RUNTIMES = ("v0", "shared")
+PLACEMENTS = ("step-start", "arrival")  # v0: when an arrival is placed (vLLM: an engine_step's start)
 IDLE_ENGINES = ("step", "park")  # v0: an engine with work is stepped (vLLM) / the "park" what-if (`_park_or_restart`)
 SHARED_BATCHED_TOKENS = 8192  # the `shared` idealisation's budget (this testbed's earlier default)
 WATERMARK = 0.01  # vLLM's `CacheConfig.watermark`: blocks a prefill admission must leave free
@@ -72,6 +75,7 @@ class VllmParams:
     max_num_seqs: int = 256  # vLLM's default, per virtual engine
     virtual_engines: bool = True
     runtime: str = "v0"
+    placement: str = "step-start"  # v0 only: "step-start" is vLLM (`_arrivals_read`), "arrival" the earlier model
     idle_engines: str = "step"  # v0 only: "step" is vLLM's run_engine_loop as it runs; "park" a what-if it does not do
 
     def __post_init__(self) -> None:
@@ -82,6 +86,8 @@ class VllmParams:
             raise bad_value("policy.max_num_seqs", self.max_num_seqs, "must be >= 1")
         if self.runtime not in RUNTIMES:
             raise bad_value("policy.runtime", self.runtime, f"choose one of {', '.join(RUNTIMES)}")
+        if self.placement not in PLACEMENTS:
+            raise bad_value("policy.placement", self.placement, f"choose one of {', '.join(PLACEMENTS)}")
         if self.idle_engines not in IDLE_ENGINES:
             raise bad_value("policy.idle_engines", self.idle_engines, f"choose one of {', '.join(IDLE_ENGINES)}")
 
@@ -99,6 +105,7 @@ class VllmPolicy(Policy):
         self._next = 0  # round-robin start
         self._v0 = self.params.runtime == "v0" and self.params.virtual_engines
         self._park = self._v0 and self.params.idle_engines == "park"
+        self._at_step_start = self._v0 and self.params.placement == "step-start"
         self._parked: set[int] = set()  # v0 "park": engines run_engine_loop no longer steps
         self._budget = self.params.max_num_batched_tokens or SHARED_BATCHED_TOKENS
 
@@ -148,10 +155,26 @@ class VllmPolicy(Policy):
         counts = self._unfinished
         if self._park:
             self._park_or_restart(engines, bool(new))
+        if new and self._at_step_start and not self._arrivals_read(engines):
+            return
         for seq in reversed(new):
             ve = min(range(engines), key=lambda e: counts.get(e, 0))
             self._engine_of[seq.seq_id] = ve
             counts[ve] = counts.get(ve, 0) + 1
+
+    def _arrivals_read(self, engines: int) -> bool:
+        """vLLM reads new requests only where an `engine_step(ve)` starts
+        (`RequestTracker.get_new_and_finished_requests`, vllm/engine/async_llm_engine.py, 0.5.3 /
+        0.7.2 / 0.8.1), and places them then, by the costs of that moment. A step starts on an
+        engine that is free and has work (it just finished a step, or spins on empty ones), or on
+        every engine when all are dry (`wait_for_new_requests` returns at once). While each engine
+        with work is mid-step and the rest are dry, an arrival waits in the tracker for the next
+        step to end (a dry engine is re-checked but not stepped: it has nothing to read them)."""
+        busy, unfinished, parked = self._busy, self._unfinished, self._parked
+        free = [ve for ve in range(engines) if ve not in busy and ve not in parked]
+        if any(unfinished.get(ve, 0) for ve in free):
+            return True
+        return len(free) == engines
 
     def _park_or_restart(self, engines: int, arrivals: bool) -> None:
         """The `park` what-if, a reading of `AsyncLLMEngine.run_engine_loop` (vllm/engine/
