@@ -10,9 +10,11 @@ from their sources):
   each with 1/P of the KV blocks (`Scheduler.__init__`, vllm/core/scheduler.py: `num_gpu_blocks //=
   pipeline_parallel_size`) and the full `max_num_seqs` / `max_num_batched_tokens` budget (one
   `SchedulerConfig` shared by all).
-- A request joins, on arrival, the waiting queue of the virtual engine with the fewest unfinished
-  sequence groups, the first on a tie (`LLMEngine.add_request`: `costs.index(min(costs))`), and
-  stays there: a preempted sequence waits again at the front of its own engine's queue.
+- A request joins the waiting queue of the virtual engine with the fewest unfinished sequence
+  groups (waiting + running + swapped), the first on a tie (`LLMEngine._add_processed_request`:
+  `costs.index(min(costs))`), and stays there: a preempted sequence waits again at the front of its
+  own engine's queue. It is placed when an engine's next `engine_step` starts, not on arrival
+  (`placement=step-start`, `_arrivals_read`); `placement=arrival` is the earlier model.
 - Prefill admission (`Scheduler._schedule_prefills`): FCFS over the engine's own queue, stopping at
   the first prompt its share of KV cannot take with the watermark (`BlockSpaceManager.can_allocate`,
   1% of the blocks) or the budget cannot; decodes only when no prompt was admitted
@@ -27,8 +29,6 @@ from their sources):
   stage). Output processing is synchronous: 0.5.3 has no async output processor, and 0.7.2 / 0.8.1
   turn it off for PP (`ModelConfig.verify_async_output_proc`,
   `verify_with_parallel_config`); the cost model's host terms price the step, this policy adds none.
-- An arrival is placed when an engine's next `engine_step` starts, not on arrival (`placement=
-  step-start`, `_arrivals_read`); `placement=arrival` is the earlier model.
 - An engine that ran dry is stepped again as soon as a request is placed on it (`idle_engines=step`):
   `run_engine_loop` stops re-creating its `engine_step` task (`has_requests_in_progress[ve] = False`),
   but the finished task stays in `requests_in_progress`, so every `asyncio.wait(...,
@@ -164,8 +164,8 @@ class VllmPolicy(Policy):
 
     def _arrivals_read(self, engines: int) -> bool:
         """vLLM reads new requests only where an `engine_step(ve)` starts
-        (`RequestTracker.get_new_and_finished_requests`, vllm/engine/async_llm_engine.py, 0.5.3 /
-        0.7.2 / 0.8.1), and places them then, by the costs of that moment. A step starts on an
+        (`RequestTracker.get_new_and_finished_requests`, 0.7.2 / 0.8.1 `get_new_and_aborted_requests`,
+        vllm/engine/async_llm_engine.py), and places them then, by the costs of that moment. A step starts on an
         engine that is free and has work (it just finished a step, or spins on empty ones), or on
         every engine when all are dry (`wait_for_new_requests` returns at once). While each engine
         with work is mid-step and the rest are dry, an arrival waits in the tracker for the next
@@ -184,8 +184,8 @@ class VllmPolicy(Policy):
         placed on it by fewest unfinished (`LLMEngine._add_processed_request`), so they wait there
         until the others drain. vLLM re-checks such an engine every loop turn (its finished task
         stays in the set `asyncio.wait` returns at once: module docstring), so `step` is the
-        default. Kept to show what parking would cost (gllm-capacity: gLLM / vLLM-SB 1.27x -> 23.1x,
-        docs/measurements/vllm-v0-idle-2026-11-28c.md). A free engine with nothing to do parks at
+        default. Kept to show what parking would cost (gllm-capacity, placement on arrival: vLLM-SB
+        0.2828 -> 0.0155 req/s, docs/measurements/vllm-v0-idle-2026-11-28c.md). A free engine with nothing to do parks at
         once (its empty step costs nothing here); offline nothing arrives after the first restart,
         so nothing changes (a test)."""
         unfinished = self._unfinished
