@@ -59,6 +59,10 @@ class MoLinkParams(VllmParams):
     rule_context: int = 1024
     search_requests: int = 60  # requests per simulation of extension=search
     search_metric: str = "e2el_mean_s"  # minimised by extension=search
+    # MoLink's loop re-creates every finished step at once (`MolinkEngine.run_engine_loop`,
+    # molink/engine/molink_engine.py, oldcpple/MoLink 087e078; an empty step sleeps 2 ms), so an
+    # idle engine reads a new request within ~2 ms: placed on arrival, not at vLLM's next step
+    placement: str = "arrival"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,9 +10,11 @@ from their sources):
   each with 1/P of the KV blocks (`Scheduler.__init__`, vllm/core/scheduler.py: `num_gpu_blocks //=
   pipeline_parallel_size`) and the full `max_num_seqs` / `max_num_batched_tokens` budget (one
   `SchedulerConfig` shared by all).
-- A request joins, on arrival, the waiting queue of the virtual engine with the fewest unfinished
-  sequence groups, the first on a tie (`LLMEngine.add_request`: `costs.index(min(costs))`), and
-  stays there: a preempted sequence waits again at the front of its own engine's queue.
+- A request joins the waiting queue of the virtual engine with the fewest unfinished sequence
+  groups (waiting + running + swapped), the first on a tie (`LLMEngine._add_processed_request`:
+  `costs.index(min(costs))`), and stays there: a preempted sequence waits again at the front of its
+  own engine's queue. It is placed when an engine's next `engine_step` starts, not on arrival
+  (`placement=step-start`, `_arrivals_read`); `placement=arrival` is the earlier model.
 - Prefill admission (`Scheduler._schedule_prefills`): FCFS over the engine's own queue, stopping at
   the first prompt its share of KV cannot take with the watermark (`BlockSpaceManager.can_allocate`,
   1% of the blocks) or the budget cannot; decodes only when no prompt was admitted
@@ -27,6 +29,13 @@ from their sources):
   stage). Output processing is synchronous: 0.5.3 has no async output processor, and 0.7.2 / 0.8.1
   turn it off for PP (`ModelConfig.verify_async_output_proc`,
   `verify_with_parallel_config`); the cost model's host terms price the step, this policy adds none.
+- An engine that ran dry is stepped again as soon as a request is placed on it (`idle_engines=step`):
+  `run_engine_loop` stops re-creating its `engine_step` task (`has_requests_in_progress[ve] = False`),
+  but the finished task stays in `requests_in_progress`, so every `asyncio.wait(...,
+  FIRST_COMPLETED)` returns at once with it in `done` and the loop re-checks
+  `has_unfinished_requests_for_virtual_engine(ve)` each turn (0.5.3, 0.7.2, 0.8.1 alike). Only
+  when every engine is dry does it wait for a new request. `idle_engines=park` is the what-if of an
+  engine that is not re-checked (`_park_or_restart`); it is not what vLLM does.
 Host costs are the cost model's, shared with every policy. One is vLLM 0.5.3's own: its mp executor
 pickles each step's whole `ExecuteModelRequest` to every stage (`ProcessWorkerWrapper._enqueue_task`),
 and each stage unpickles it. The variant `cost.prep_per_context_token_s=8e-8` prices that (measured
@@ -54,6 +63,8 @@ from engine.core.request import SeqStatus, Sequence
 from policies.common import add_decode_or_preempt
 
 RUNTIMES = ("v0", "shared")
+PLACEMENTS = ("step-start", "arrival")  # v0: when an arrival is placed (vLLM: an engine_step's start)
+IDLE_ENGINES = ("step", "park")  # v0: an engine with work is stepped (vLLM) / the "park" what-if (`_park_or_restart`)
 SHARED_BATCHED_TOKENS = 8192  # the `shared` idealisation's budget (this testbed's earlier default)
 WATERMARK = 0.01  # vLLM's `CacheConfig.watermark`: blocks a prefill admission must leave free
 
@@ -64,6 +75,8 @@ class VllmParams:
     max_num_seqs: int = 256  # vLLM's default, per virtual engine
     virtual_engines: bool = True
     runtime: str = "v0"
+    placement: str = "step-start"  # v0 only: "step-start" is vLLM (`_arrivals_read`), "arrival" the earlier model
+    idle_engines: str = "step"  # v0 only: "step" is vLLM's run_engine_loop as it runs; "park" a what-if it does not do
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 0:
@@ -73,6 +86,10 @@ class VllmParams:
             raise bad_value("policy.max_num_seqs", self.max_num_seqs, "must be >= 1")
         if self.runtime not in RUNTIMES:
             raise bad_value("policy.runtime", self.runtime, f"choose one of {', '.join(RUNTIMES)}")
+        if self.placement not in PLACEMENTS:
+            raise bad_value("policy.placement", self.placement, f"choose one of {', '.join(PLACEMENTS)}")
+        if self.idle_engines not in IDLE_ENGINES:
+            raise bad_value("policy.idle_engines", self.idle_engines, f"choose one of {', '.join(IDLE_ENGINES)}")
 
 
 @register_policy("vllm")
@@ -87,6 +104,9 @@ class VllmPolicy(Policy):
         self._busy: set[int] = set()  # virtual engines with a micro-batch in flight
         self._next = 0  # round-robin start
         self._v0 = self.params.runtime == "v0" and self.params.virtual_engines
+        self._park = self._v0 and self.params.idle_engines == "park"
+        self._at_step_start = self._v0 and self.params.placement == "step-start"
+        self._parked: set[int] = set()  # v0 "park": engines run_engine_loop no longer steps
         self._budget = self.params.max_num_batched_tokens or SHARED_BATCHED_TOKENS
 
     @classmethod
@@ -108,7 +128,7 @@ class VllmPolicy(Policy):
             self._assign_arrivals(view, engines)
         for i in range(engines):
             ve = (self._next + i) % engines
-            if ve in self._busy:
+            if ve in self._busy or ve in self._parked:
                 continue
             mb = self._schedule_engine(view, ve, engines)
             if mb is not None:
@@ -133,10 +153,48 @@ class VllmPolicy(Policy):
                 break
             new.append(seq)
         counts = self._unfinished
+        if self._park:
+            self._park_or_restart(engines, bool(new))
+        if new and self._at_step_start and not self._arrivals_read(engines):
+            return
         for seq in reversed(new):
             ve = min(range(engines), key=lambda e: counts.get(e, 0))
             self._engine_of[seq.seq_id] = ve
             counts[ve] = counts.get(ve, 0) + 1
+
+    def _arrivals_read(self, engines: int) -> bool:
+        """vLLM reads new requests only where an `engine_step(ve)` starts
+        (`RequestTracker.get_new_and_finished_requests`, 0.7.2 / 0.8.1 `get_new_and_aborted_requests`,
+        vllm/engine/async_llm_engine.py), and places them then, by the costs of that moment. A step starts on an
+        engine that is free and has work (it just finished a step, or spins on empty ones), or on
+        every engine when all are dry (`wait_for_new_requests` returns at once). While each engine
+        with work is mid-step and the rest are dry, an arrival waits in the tracker for the next
+        step to end (a dry engine is re-checked but not stepped: it has nothing to read them)."""
+        busy, unfinished, parked = self._busy, self._unfinished, self._parked
+        free = [ve for ve in range(engines) if ve not in busy and ve not in parked]
+        if any(unfinished.get(ve, 0) for ve in free):
+            return True
+        return len(free) == engines
+
+    def _park_or_restart(self, engines: int, arrivals: bool) -> None:
+        """The `park` what-if, a reading of `AsyncLLMEngine.run_engine_loop` (vllm/engine/
+        async_llm_engine.py, 0.5.3 / 0.7.2 / 0.8.1) that vLLM does not run: an engine whose step
+        left it no unfinished sequence is not stepped until every engine is so (then all restart
+        when a request came since the last restart: `wait_for_new_requests`), while arrivals are
+        placed on it by fewest unfinished (`LLMEngine._add_processed_request`), so they wait there
+        until the others drain. vLLM re-checks such an engine every loop turn (its finished task
+        stays in the set `asyncio.wait` returns at once: module docstring), so `step` is the
+        default. Kept to show what parking would cost (gllm-capacity, placement on arrival: vLLM-SB
+        0.2828 -> 0.0155 req/s, docs/measurements/vllm-v0-idle-2026-11-28c.md). A free engine with nothing to do parks at
+        once (its empty step costs nothing here); offline nothing arrives after the first restart,
+        so nothing changes (a test)."""
+        unfinished = self._unfinished
+        parked = self._parked
+        for ve in range(engines):
+            if ve not in self._busy and not unfinished.get(ve, 0):
+                parked.add(ve)
+        if len(parked) == engines and (arrivals or any(unfinished.get(ve, 0) for ve in range(engines))):
+            parked.clear()
 
     def _schedule_engine(self, view: SchedulerView, ve: int, engines: int):
         p = self.params

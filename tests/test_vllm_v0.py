@@ -78,3 +78,77 @@ def test_a_decode_short_of_its_share_preempts_within_its_engine():
 def test_an_unknown_runtime_is_refused():
     with pytest.raises(ConfigError, match="policy.runtime"):
         VllmParams(runtime="v1")
+
+
+def _serve_two(idle_engines, placement="step-start"):
+    """Two engines, one step a time unit: request 0 (3 tokens) at t=0 goes to engine 0; request 1
+    arrives while it is in flight. Returns the policy, when request 1 first ran, when 0 finished."""
+    from engine.core.request import Request
+    pol = VllmPolicy(VllmParams(idle_engines=idle_engines, placement=placement))
+    ctrl, (first,) = make_state(pol, pp=2, waiting=[(20, 3)])
+    pol.start(ctrl.view)
+    inflight, t, starts = [], 0.0, []
+
+    def fill():
+        while (mb := pol.schedule(ctrl.view)) is not None:
+            ctrl._commit(mb)
+            inflight.append(mb)
+            if 1 in [s.seq_id for s in mb.sequences()]:
+                starts.append(t)
+    fill()
+    assert len(inflight) == 1  # engine 1 has nothing: it ran dry (and, with "park", parked)
+    ctrl.submit(Request(1, 0.0, 20, 3))
+    fill()
+    while inflight:
+        t += 1.0
+        ctrl.complete(Completion(inflight.pop(0).mb_id, t))
+        fill()
+    return pol, starts, first.finish_s
+
+
+def test_an_arrival_waits_for_the_next_engine_step_to_start():
+    """vLLM reads new requests where an `engine_step` starts: engine 1 is dry and engine 0
+    mid-step, so request 1 is placed (on engine 1) only when engine 0's step ends, at t=1.
+    `placement=arrival` (the earlier model) placed and served it at t=0."""
+    pol, starts, _ = _serve_two("step")
+    assert pol.params.placement == "step-start" and pol._engine_of.get(1, 1) == 1 and starts[0] == 1.0
+    _, starts, _ = _serve_two("step", "arrival")
+    assert starts[0] == 0.0
+
+
+def test_the_park_what_if_holds_a_request_until_the_other_engines_drain():
+    """`idle_engines=park`: the engine that ran dry is not stepped again until every engine has;
+    the request placed on it (fewest unfinished: engine 1) waits for engine 0's 3 steps. The
+    default, `step` (vLLM's loop re-checks a dry engine every turn), serves it at once."""
+    pol, starts, finished = _serve_two("park", "arrival")
+    assert finished == 3.0 and starts[0] == 3.0
+    _, starts, finished = _serve_two("step", "arrival")
+    assert starts[0] == 0.0 < finished
+    assert VllmParams().idle_engines == "step"
+
+
+def test_an_unknown_idle_engine_rule_or_placement_is_refused():
+    with pytest.raises(ConfigError, match="policy.idle_engines"):
+        VllmParams(idle_engines="spin")
+    with pytest.raises(ConfigError, match="policy.placement"):
+        VllmParams(placement="now")
+
+
+def _requests_csv(tmp_path, *overrides):
+    from conftest import small_config
+    from testbed.run.outputs import write_run_dir
+    from testbed.run.runner import run_experiment
+    res = run_experiment(small_config("policy=vllm", "parallel.pp=4", "workload.num_requests=120", *overrides))
+    return (write_run_dir(res, tmp_path, plots=False) / "requests.csv").read_bytes()
+
+
+def test_placement_and_parking_change_online_runs_and_leave_offline_runs_bit_for_bit(tmp_path):
+    """Offline every request is read at the first step, so neither the placement time nor the
+    `park` what-if changes anything (tdpipe-scaling, microbatch-count fast-offline); online both do."""
+    off = ["workload.arrival=offline"]
+    old = ["policy.placement=arrival", "policy.idle_engines=step"]
+    base = _requests_csv(tmp_path / "a", *off, *old)
+    assert base == _requests_csv(tmp_path / "b", *off) == _requests_csv(tmp_path / "c", *off, "policy.idle_engines=park")
+    online = _requests_csv(tmp_path / "d", "workload.rate=2")
+    assert online != _requests_csv(tmp_path / "e", "workload.rate=2", *old)
+    assert online != _requests_csv(tmp_path / "f", "workload.rate=2", "policy.idle_engines=park")
