@@ -82,7 +82,8 @@ def test_an_unknown_runtime_is_refused():
 
 def _serve_two(idle_engines, placement="step-start"):
     """Two engines, one step a time unit: request 0 (3 tokens) at t=0 goes to engine 0; request 1
-    arrives while it is in flight. Returns the policy, when request 1 first ran, when 0 finished."""
+    arrives while it is in flight. Returns the policy, when (and on which engine) request 1
+    first ran, when 0 finished."""
     from engine.core.request import Request
     pol = VllmPolicy(VllmParams(idle_engines=idle_engines, placement=placement))
     ctrl, (first,) = make_state(pol, pp=2, waiting=[(20, 3)])
@@ -94,7 +95,7 @@ def _serve_two(idle_engines, placement="step-start"):
             ctrl._commit(mb)
             inflight.append(mb)
             if 1 in [s.seq_id for s in mb.sequences()]:
-                starts.append(t)
+                starts.append((t, pol._engine_of[1]))
     fill()
     assert len(inflight) == 1  # engine 1 has nothing: it ran dry (and, with "park", parked)
     ctrl.submit(Request(1, 0.0, 20, 3))
@@ -111,9 +112,9 @@ def test_an_arrival_waits_for_the_next_engine_step_to_start():
     mid-step, so request 1 is placed (on engine 1) only when engine 0's step ends, at t=1.
     `placement=arrival` (the earlier model) placed and served it at t=0."""
     pol, starts, _ = _serve_two("step")
-    assert pol.params.placement == "step-start" and pol._engine_of.get(1, 1) == 1 and starts[0] == 1.0
+    assert pol.params.placement == "step-start" and starts[0] == (1.0, 1)
     _, starts, _ = _serve_two("step", "arrival")
-    assert starts[0] == 0.0
+    assert starts[0][0] == 0.0
 
 
 def test_the_park_what_if_holds_a_request_until_the_other_engines_drain():
@@ -121,9 +122,9 @@ def test_the_park_what_if_holds_a_request_until_the_other_engines_drain():
     the request placed on it (fewest unfinished: engine 1) waits for engine 0's 3 steps. The
     default, `step` (vLLM's loop re-checks a dry engine every turn), serves it at once."""
     pol, starts, finished = _serve_two("park", "arrival")
-    assert finished == 3.0 and starts[0] == 3.0
+    assert finished == 3.0 and starts[0] == (3.0, 1)
     _, starts, finished = _serve_two("step", "arrival")
-    assert starts[0] == 0.0 < finished
+    assert starts[0][0] == 0.0 < finished
     assert VllmParams().idle_engines == "step"
 
 

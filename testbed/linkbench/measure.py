@@ -78,7 +78,8 @@ def measure(delay_s: float, rates_bps, plan: list[dict], timeout_s: float = 300.
             queue = queue_bytes_for(rate, delay_s, queue_bdp)
             link.set_rate(rate, queue)
             for k in range(repeats):
-                drops0, c0, _ = link.drops(), link.sender_counters(), link.relay_snapshot()
+                link.relay_snapshot()  # starts the relay's tally for this run (what came before is not its)
+                drops0, c0 = link.drops(), link.sender_counters()
                 times = _run_pair(link, plan, 29500 + (i * repeats + k) % 400, timeout_s)
                 late = link.relay_snapshot()
                 c1 = link.sender_counters()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import signal
 import shutil
 import subprocess
@@ -191,8 +192,6 @@ class DelayedLink:
     def relay_snapshot(self, timeout_s: float = 2.0) -> dict:
         """What the relay forwarded, and how late, since the last snapshot (SIGUSR1 -> one JSON line),
         with `late` = `late_flag`; taken after each measured run."""
-        import select
-
         self.relay.send_signal(signal.SIGUSR1)
         ready, _, _ = select.select([self.relay.stdout], [], [], timeout_s)
         if not ready:
