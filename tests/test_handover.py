@@ -53,8 +53,8 @@ def test_a_sending_stage_is_held_until_the_next_stage_takes_its_activation():
     # on: stage 0 takes mb 2 only once stage 1 has begun receiving mb 1 (after its preparation), + H
     assert on[("stage0", "prepare", 2)][0] == pytest.approx(on[("stage1", "prepare", 1)][1] + H, rel=1e-12)
     assert on[("stage0", "send", 1)][1] == pytest.approx(on[("stage1", "prepare", 1)][1] + H, rel=1e-12)
-    # the receiver was free for mb 0: held past the link (its metadata rounds) by its preparation + H
-    assert on[("stage0", "send", 0)][1] == pytest.approx(on[("stage1", "prepare", 0)][1] + H, rel=1e-12)
+    # the receiver sat idle for mb 0 (the engine's had posted its receive): held past the arrival by H
+    assert on[("stage0", "send", 0)][1] == pytest.approx(on[("stage1", "prepare", 0)][0] + H, rel=1e-12)
     assert off[("stage0", "send", 0)][1] == pytest.approx(off[("stage1", "prepare", 0)][0], rel=1e-12)
     assert on[("stage0", "prepare", 2)][0] > off[("stage0", "prepare", 2)][0] + 0.005
     assert done_on[-1] == done_off[-1]  # stage 1 binds: the last stage's work alone sets the end here

@@ -15,7 +15,9 @@ start the next batch while stage 1 still worked, and the last stage waited 1.53 
 where the engine's waited 2.6 s (and vLLM's, two in flight, 2.77 s).
 
 The rule, per link s -> s+1: every activation the stage finished is "untaken" until stage s+1
-starts that micro-batch (its receive begins after its input preparation); the sending stage stays
+starts that micro-batch (its receive begins after its input preparation; a stage that sat idle
+until the activation came had prepared and posted its receive already, since the engine's stages
+get each launch when it is made, so there it begins at the arrival); the sending stage stays
 held while more than `window` are untaken (0: the blocking metadata send; 1: `isend`, one left
 pending) and is freed `handover_s` after the receive that satisfies it began. Off (None) unless
 the profile carries a positive `handover_rendezvous_s`.

@@ -246,9 +246,9 @@ class SimExecutor(Executor):
                 self._ready[stage].append(mb_id)
         else:
             self._ready[stage].append(mb_id)
-        self._try_start(stage)
+        self._try_start(stage, arrived=True)
 
-    def _try_start(self, s: int) -> None:
+    def _try_start(self, s: int, arrived: bool = False) -> None:
         ready = self._ready[s]
         if self._gpu_busy[s] or not ready:
             return
@@ -275,7 +275,7 @@ class SimExecutor(Executor):
             elif priced.handoff:  # the logits' copy to the samplers holds the stage
                 parts += (("to_samplers", priced.handoff),)
         if s and self._handover is not None:  # the previous stage waits for this receive (handover.py)
-            freed = self._handover.taken(s - 1, mb_id, receive_start(now, parts))
+            freed = self._handover.taken(s - 1, mb_id, now if arrived else receive_start(now, parts))
             if freed is not None:
                 heapq.heappush(self._heap, (freed[0], RELEASE, next(self._counter), (s - 1, freed[1])))
         t = self.tracer.chain(self._stage_tracks[s], now, parts, mb_id)
