@@ -116,3 +116,15 @@ def test_the_fit_takes_the_hops_where_the_sender_was_first(monkeypatch):
     assert handover_fit.fit_handover([_run(pp=1)], [False]) is None  # P = 1: the option changes nothing
     with pytest.raises(ConfigError, match="--inflight-handover.*not structure-aware"):
         handover_fit.fit_handover([_run()], [True])
+
+
+def test_a_run_config_turns_it_on_by_the_cost_key_and_it_changes_only_host_runs_at_p2():
+    from conftest import small_config
+    from testbed.run.runner import run_experiment
+
+    def tpot(*extra):
+        base = ("policy=molink", "model=tiny-llama", "workload.num_requests=40", "executor.blocking_send=true")
+        return run_experiment(small_config(*base, *extra)).summary["tpot_mean_s"]
+
+    assert tpot("parallel.pp=2", "cost.handover_rendezvous_s=0.0003") != tpot("parallel.pp=2")
+    assert tpot("parallel.pp=1", "cost.handover_rendezvous_s=0.0003") == tpot("parallel.pp=1")
