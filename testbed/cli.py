@@ -370,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--hop", choices=("link", "receive"), default="link",
                     help="receive: a host (gloo) hop and the ids' return priced once, by the receive the engine "
                          "measured (testbed/calibrate/hop_fit.py); link (default): as before")
+    cr.add_argument("--inflight-handover", action="store_true",
+                    help="price a host (gloo) blocking send as a rendezvous: the sending stage held until the next "
+                         "stage takes the activation, fitted from the traces (testbed/calibrate/handover_fit.py)")
     cr.add_argument("--commit", help="the project commit the runs measured (recorded in the profile's provenance)")
     cr.add_argument("--out", help="directory (default: $TESTBED_PROFILE_DIR or runs/profiles; the shipped "
                                   "profiles: engine/pricing/hardware_profiles)")

@@ -174,6 +174,11 @@ class CostCoefficients:
     # on that CPU (tiny-llama, vocab 32k). 0 = the stage is free at its forward's end.
     cpu_handoff_fixed_s: float = 0.0
     cpu_handoff_per_token_vocab_s: float = 0.0
+    # A host device's blocking send is a rendezvous (gloo): the sending stage is held until the next
+    # stage begins receiving that activation, then this long (engine/simulator/handover.py). Where
+    # the sender was first, its send ended 0.28-0.38 ms (median) after the receive began (tiny-llama
+    # P=2, 2-core CPU, set 6). 0 = off: the stage goes on once its bytes have left the link.
+    handover_rendezvous_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -45,6 +45,7 @@ from engine.core.trace import Tracer
 from engine.pricing.sampling_ops import SamplerSettings
 from engine.pricing.tcp_modes import tcp_links
 
+from engine.simulator.handover import RELEASE, handover_for, receive_start
 from engine.simulator.fifo_pipeline import (  # noqa: F401  (the event names are this module's API)
     ARRIVE, COMPLETE, EVENT_NAMES, LINK_DONE, PREP_DONE, SAMPLE_DONE, STAGE_DONE, FifoPipeline, PipelineView, Priced)
 
@@ -122,6 +123,9 @@ class SimExecutor(Executor):
         # burst outcomes (tcp_modes.py); None: the ideal pipe
         self._tcp = tcp_links(link_model, max(0, P - 1), self.bandwidth, self.latency)
         self._first_messages = 1 if runtime.structure_aware_transfer else 3  # size, metadata, tensor
+        # a blocking send held until the next stage takes the activation (handover.py; None: off)
+        self._handover = handover_for(blocking_send, P, cost_model.coefficients.handover_rendezvous_s,
+                                      bool(runtime.structure_aware_transfer))
         # No events where every server is FIFO (see the module doc); `event_driven=True` forces the
         # event loop (tests compare the two).
         c = cost_model.coefficients
@@ -203,6 +207,8 @@ class SimExecutor(Executor):
                 self._on_prep_done(*payload)
             elif prio == SAMPLE_DONE:
                 self._complete_after_return(payload[0])
+            elif prio == RELEASE:
+                self._release(*payload)
             else:  # COMPLETE
                 mb_id = payload[0]
                 del self._mbs[mb_id]
@@ -240,9 +246,9 @@ class SimExecutor(Executor):
                 self._ready[stage].append(mb_id)
         else:
             self._ready[stage].append(mb_id)
-        self._try_start(stage)
+        self._try_start(stage, arrived=True)
 
-    def _try_start(self, s: int) -> None:
+    def _try_start(self, s: int, arrived: bool = False) -> None:
         ready = self._ready[s]
         if self._gpu_busy[s] or not ready:
             return
@@ -268,6 +274,10 @@ class SimExecutor(Executor):
                 parts += (("sample", priced.sample),)
             elif priced.handoff:  # the logits' copy to the samplers holds the stage
                 parts += (("to_samplers", priced.handoff),)
+        if s and self._handover is not None:  # the previous stage waits for this receive (handover.py)
+            freed = self._handover.taken(s - 1, mb_id, now if arrived else receive_start(now, parts))
+            if freed is not None:
+                heapq.heappush(self._heap, (freed[0], RELEASE, next(self._counter), (s - 1, freed[1])))
         t = self.tracer.chain(self._stage_tracks[s], now, parts, mb_id)
         self._gpu_busy[s] = True
         self._running[s] = (now, t, mb_id)
@@ -290,6 +300,8 @@ class SimExecutor(Executor):
                 # the stage stays busy until its activation is off the link.
                 self._gpu_busy[s] = True
                 self._blocked_since[s] = now
+                if self._handover is not None:
+                    self._handover.sent(s, mb_id)
             self._try_send(s)
             if self.blocking_send:
                 return
@@ -372,12 +384,20 @@ class SimExecutor(Executor):
         self._link_busy[link] = False
         heapq.heappush(self._heap, (self._clock + self.latency, ARRIVE, next(self._counter), (link + 1, mb_id, nbytes)))
         if self.blocking_send and last and self._blocked_since[link] is not None:
-            # the sending stage (index == link) is released once its activation has left
-            self.tracer.span(self._stage_tracks[link], "send", self._blocked_since[link], self._clock, mb_id)
-            self._blocked_since[link] = None
-            self._gpu_busy[link] = False
-            self._try_start(link)
+            # the sending stage (index == link) is released once its activation has left (and,
+            # with the hand-over term, once the next stage has taken it: handover.py)
+            if self._handover is None or self._handover.free(link):
+                self._release(link, mb_id)
+            else:
+                self._handover.hold(link, mb_id)
         self._try_send(link)
+
+    def _release(self, s: int, mb_id: int) -> None:
+        """Stage `s`, held by its blocking send of `mb_id`, goes on."""
+        self.tracer.span(self._stage_tracks[s], "send", self._blocked_since[s], self._clock, mb_id)
+        self._blocked_since[s] = None
+        self._gpu_busy[s] = False
+        self._try_start(s)
 
     def _on_arrive(self, stage: int, mb_id: int, nbytes: int | None) -> None:
         if self._fifo_sends or nbytes is None:  # whole activations, or the driver's dispatch to stage 0

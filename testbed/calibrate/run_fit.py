@@ -51,6 +51,7 @@ from engine.pricing.hardware import HardwareSpec
 from engine.pricing.profile_table import ProfileTable
 from testbed.calibrate.cpu_sampling_fit import cpu_sampling_samples, fit_cpu_sampling
 from testbed.calibrate.fit import FORWARD_PARAMS, _nnls
+from testbed.calibrate.handover_fit import fit_handover
 from testbed.calibrate.hop_fit import HOP_MODES, price_hops_once
 from testbed.calibrate.runs import RealRun, ReplayedBatch, replayed_batches
 
@@ -322,10 +323,11 @@ def _data_starts(samples: Sequence[ForwardSample], model, hw: HardwareSpec, pp: 
 
 
 def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | None = None,
-             own_attention: bool = False, hop: str = "link") -> RunFit:
+             own_attention: bool = False, hop: str = "link", inflight_handover: bool = False) -> RunFit:
     """Fit `base`'s engine terms (or, on a roofline base, its coefficients) to the runs (module
     docstring), and with `own_attention` its decode attention's read rate and few-blocks term;
-    `hop="receive"`: a host hop and the return priced once (testbed/calibrate/hop_fit.py).
+    `hop="receive"`: a host hop and the return priced once (testbed/calibrate/hop_fit.py);
+    `inflight_handover`: the blocking send held until the receive (testbed/calibrate/handover_fit.py).
     Every run must use the same model, P and layer split."""
     if hop not in HOP_MODES:
         raise bad_value("--hop", hop, f"choose one of {', '.join(HOP_MODES)}")
@@ -382,6 +384,11 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
     before_return = 0.0  # what the simulator adds before the return term (`hop="receive"`: its latency)
     if hop == "receive":
         before_return = price_hops_once(result, data.waited, [t for _, _, t in data.ret], base.p2p_latency_s)
+    if inflight_handover:
+        aware = [run.pp > 1 and _structure_aware(run) for run in runs]
+        handover = fit_handover(runs, aware)
+        if handover is not None:
+            result.coefficients["handover_rendezvous_s"], result.counts["handover"] = handover
     result.coefficients.update(fit_cpu_sampling(cpu_sampling_samples(runs), model.vocab_size,
                                                 result.coefficients.get("return_fixed_s", 0.0) + before_return))
     cost = _cost(model, base, pp, split, dict(base_vals, **result.coefficients))
