@@ -54,7 +54,8 @@ def cmd_calibrate_runs(args, console) -> int:
     console.print(f"calibrate runs: {len(runs)} run(s) on base {base.name}; rebuilding micro-batch shapes")
     t0 = time.perf_counter()
     hop = getattr(args, "hop", None) or "link"
-    fit = fit_runs(runs, base, table, own_attention=args.own_attention, hop=hop)
+    by_batch = bool(getattr(args, "decode_by_batch", False))
+    fit = fit_runs(runs, base, table, own_attention=args.own_attention, hop=hop, decode_by_batch=by_batch)
     rc = runs[0].spec.settings
     desc = (f"{base.description.split(';')[0]}; this project's torch engine ({rc.model.name}, P={rc.parallel.pp}, "
             f"{rc.executor.settings.device}) calibrated from real runs (testbed calibrate runs)")
@@ -65,7 +66,7 @@ def cmd_calibrate_runs(args, console) -> int:
                   "model": rc.model.name, "pp": rc.parallel.pp, "device": rc.executor.settings.device,
                   "sampling": rc.executor.settings.sampling, "cuda_graphs": rc.executor.settings.cuda_graphs,
                   "engine_commit": args.commit, "table": _portable(args.table) if args.table else None,
-                  "own_attention": args.own_attention, "hop": hop,
+                  "own_attention": args.own_attention, "hop": hop, **({"decode_by_batch": True} if by_batch else {}),
                   **({"manifest": _portable(manifest), "split": args.profile} if manifest else {}),
                   "errors": fit.errors,
                   "first_use_s": [round(x, 6) for x in fit.first_use_s]}
