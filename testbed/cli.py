@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "measured (testbed/calibrate/hop_fit.py); link (default): as before")
     cr.add_argument("--decode-by-batch", action="store_true",
                     help="after the forward fit, correct the decode-only price per stage and batch size by the runs' "
-                         "median measured / priced (testbed/calibrate/decode_batch_fit.py); off by default")
+                         "mean measured / priced (testbed/calibrate/decode_batch_fit.py); off by default")
     cr.add_argument("--commit", help="the project commit the runs measured (recorded in the profile's provenance)")
     cr.add_argument("--out", help="directory (default: $TESTBED_PROFILE_DIR or runs/profiles; the shipped "
                                   "profiles: engine/pricing/hardware_profiles)")

@@ -177,7 +177,7 @@ class CostCoefficients:
     # A measured correction of a decode-only step's price by batch size, one row per stage: a decode
     # step of n sequences on stage s costs row_s[n - 1] x its price, the last entry held above
     # (engine/pricing/decode_batch.py; `testbed calibrate runs --decode-by-batch`). On the CPU engine
-    # the set-6 P=1 profile priced 1 / 2-3 / 4-6 sequences 11% cheap / 17-21% dear / 12-15% cheap.
+    # the set-6 P=1 profile priced 1 / 2-3 / 4-6 sequences 12% cheap / 15-19% dear / 11-16% cheap.
     # Empty = off.
     decode_batch_factors: tuple[tuple[float, ...], ...] = ()
 
