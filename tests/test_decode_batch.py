@@ -154,6 +154,10 @@ def test_calibrate_runs_decode_by_batch_stores_the_factors_and_the_profile_price
         # ... and the factors take the rest: every well-sampled size priced at its mean
         for n in sized:
             assert sum(after[n]) / len(after[n]) == pytest.approx(1.0, abs=0.005), n
+        # refitted on that profile as its base without the option: its correction is not carried over
+        from testbed.calibrate.run_fit import fit_runs
+
+        assert "decode_batch_factors" not in fit_runs([load_run(run_dir, need_trace=True)], fitted).coefficients
     finally:
         for name in ("dbb-cpu", "dbb-fit"):
             HARDWARE.pop(name, None)

@@ -343,6 +343,7 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
             raise ConfigError(f"run {run.path} has model={rc.model.name} parallel.pp={rc.parallel.pp}; "
                               f"{runs[0].path} has model={model.name} parallel.pp={pp}: fit one setting at a time")
     base_vals = asdict(CostCoefficients(**(base.calibration or {})))
+    base_vals["decode_batch_factors"] = ()  # a base's own correction is refitted (--decode-by-batch), never compounded
     probe = _cost(model, base, pp, split, base_vals)
     data = engine_samples(runs, probe)
     fwd = list(data.forward)
@@ -369,7 +370,7 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
             base_vals["decode_overhead_ratio"] = 1.0
         if any(_padded(s.shape) for s in fwd):
             names.append("decode_padding")
-    fitted = dict(base.calibration or {})
+    fitted = {k: v for k, v in (base.calibration or {}).items() if k != "decode_batch_factors"}
     if base.kernels is not None:
         fitted["stage_overhead_s"] = base_vals["stage_overhead_s"]
     elif "decode_overhead_ratio" not in names:
