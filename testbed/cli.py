@@ -373,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--inflight-handover", action="store_true",
                     help="price a host (gloo) blocking send as a rendezvous: the sending stage held until the next "
                          "stage takes the activation, fitted from the traces (testbed/calibrate/handover_fit.py)")
+    cr.add_argument("--decode-by-batch", action="store_true",
+                    help="after the forward fit, correct the decode-only price per stage and batch size by the runs' "
+                         "mean measured / priced (testbed/calibrate/decode_batch_fit.py); off by default")
     cr.add_argument("--commit", help="the project commit the runs measured (recorded in the profile's provenance)")
     cr.add_argument("--out", help="directory (default: $TESTBED_PROFILE_DIR or runs/profiles; the shipped "
                                   "profiles: engine/pricing/hardware_profiles)")

@@ -179,10 +179,19 @@ class CostCoefficients:
     # the sender was first, its send ended 0.28-0.38 ms (median) after the receive began (tiny-llama
     # P=2, 2-core CPU, set 6). 0 = off: the stage goes on once its bytes have left the link.
     handover_rendezvous_s: float = 0.0
+    # A measured correction of a decode-only step's price by batch size, one row per stage: a decode
+    # step of n sequences on stage s costs row_s[n - 1] x its price, the last entry held above
+    # (engine/pricing/decode_batch.py; `testbed calibrate runs --decode-by-batch`). On the CPU engine
+    # the set-6 P=1 profile priced 1 / 2-3 / 4-6 sequences 12% cheap / 15-19% dear / 11-16% cheap.
+    # Empty = off.
+    decode_batch_factors: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "decode_batch_factors", _factor_rows(self.decode_batch_factors))
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "decode_batch_factors":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"invalid cost.{f.name}={value!r}: must be a finite number")
             if f.name == "kv_read_efficiency":
@@ -201,3 +210,21 @@ class CostCoefficients:
             raise ConfigError(f"invalid cost.gemv_rows={self.gemv_rows!r}: must be an integer >= 0")
         if not isinstance(self.activation_copies, int) or self.activation_copies < 1:
             raise ConfigError(f"invalid cost.activation_copies={self.activation_copies!r}: must be an integer >= 1")
+
+
+def _factor_rows(value) -> tuple[tuple[float, ...], ...]:
+    """`decode_batch_factors` as a tuple of per-stage tuples (a profile's YAML gives lists), each a
+    non-empty row of finite factors > 0."""
+    bad = ConfigError(f"invalid cost.decode_batch_factors={value!r}: must be one list per stage of factors > 0 "
+                      "(for 1, 2, 3, ... sequences), or [] for off")
+    if not isinstance(value, (list, tuple)):
+        raise bad
+    rows = []
+    for row in value:
+        if not isinstance(row, (list, tuple)) or not row:
+            raise bad
+        for x in row:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+                raise bad
+        rows.append(tuple(float(x) for x in row))
+    return tuple(rows)

@@ -166,6 +166,10 @@ class CostModel:
             use_gemv_rows(self, int(c.gemv_rows))
         if c.launch_floor_per_layer_s or c.launch_floor_per_seq_s:
             use_launch_floor(self, c.launch_floor_per_layer_s, c.launch_floor_per_seq_s, c.launch_overlap_exponent)
+        if c.decode_batch_factors:  # a measured decode price by batch size (engine/pricing/decode_batch.py)
+            from engine.pricing.decode_batch import use_decode_batch_factors
+
+            use_decode_batch_factors(self, c.decode_batch_factors)
 
     def _use_kernels(self, consts: list[tuple], decode_fixed: list[float]) -> None:
         """Price operators with the hardware profile's fitted kernels (engine/pricing/kernels.py) instead of

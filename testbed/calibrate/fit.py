@@ -306,7 +306,7 @@ def save_hardware_profile(spec: HardwareSpec, path: str | Path, extra: dict | No
     data: dict[str, Any] = {k: getattr(spec, k) for k in HW_FIELDS}
     if data.get("calibration"):
         # integer terms (cost.gemv_rows) stay integers: CostCoefficients refuses 3.0 for them
-        data["calibration"] = {k: v if type(v) is int else float(v) for k, v in data["calibration"].items()}
+        data["calibration"] = {k: v if type(v) in (int, list) else float(v) for k, v in data["calibration"].items()}
     if extra:
         data["profile"] = extra
     import json

@@ -55,7 +55,9 @@ def cmd_calibrate_runs(args, console) -> int:
     t0 = time.perf_counter()
     hop = getattr(args, "hop", None) or "link"
     handover = bool(getattr(args, "inflight_handover", False))
-    fit = fit_runs(runs, base, table, own_attention=args.own_attention, hop=hop, inflight_handover=handover)
+    by_batch = bool(getattr(args, "decode_by_batch", False))
+    fit = fit_runs(runs, base, table, own_attention=args.own_attention, hop=hop, inflight_handover=handover,
+                   decode_by_batch=by_batch)
     rc = runs[0].spec.settings
     desc = (f"{base.description.split(';')[0]}; this project's torch engine ({rc.model.name}, P={rc.parallel.pp}, "
             f"{rc.executor.settings.device}) calibrated from real runs (testbed calibrate runs)")
@@ -68,6 +70,7 @@ def cmd_calibrate_runs(args, console) -> int:
                   "engine_commit": args.commit, "table": _portable(args.table) if args.table else None,
                   "own_attention": args.own_attention, "hop": hop,
                   **({"inflight_handover": True} if handover else {}),
+                  **({"decode_by_batch": True} if by_batch else {}),
                   **({"manifest": _portable(manifest), "split": args.profile} if manifest else {}),
                   "errors": fit.errors,
                   "first_use_s": [round(x, 6) for x in fit.first_use_s]}

@@ -170,9 +170,11 @@ class RunFit:
     first_use_s: list[float] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     kernels: dict = field(default_factory=dict)  # the base's kernel terms this fit replaces (--own-attention)
+    notes: list[str] = field(default_factory=list)  # extra summary lines (--decode-by-batch's ratios)
 
     def summary_lines(self) -> list[str]:
-        out = [f"  {k} = {v:.6g}" for k, v in self.coefficients.items()]
+        out = [f"  {k} = {v:.6g}" if not isinstance(v, list) else f"  {k} = {v}" for k, v in self.coefficients.items()]
+        out += self.notes
         out += [f"  kernels.{k} = {v}" for k, v in self.kernels.items()]
         if self.p2p_bw_gbs is not None:
             out.append(f"  p2p_bw_gbs = {self.p2p_bw_gbs:.6g}   p2p_latency_s = {self.p2p_latency_s:.6g}")
@@ -323,11 +325,13 @@ def _data_starts(samples: Sequence[ForwardSample], model, hw: HardwareSpec, pp: 
 
 
 def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | None = None,
-             own_attention: bool = False, hop: str = "link", inflight_handover: bool = False) -> RunFit:
+             own_attention: bool = False, hop: str = "link", inflight_handover: bool = False,
+             decode_by_batch: bool = False) -> RunFit:
     """Fit `base`'s engine terms (or, on a roofline base, its coefficients) to the runs (module
     docstring), and with `own_attention` its decode attention's read rate and few-blocks term;
     `hop="receive"`: a host hop and the return priced once (testbed/calibrate/hop_fit.py);
-    `inflight_handover`: the blocking send held until the receive (testbed/calibrate/handover_fit.py).
+    `inflight_handover`: the blocking send held until the receive (testbed/calibrate/handover_fit.py);
+    `decode_by_batch`: the decode-only price corrected by batch size (testbed/calibrate/decode_batch_fit.py).
     Every run must use the same model, P and layer split."""
     if hop not in HOP_MODES:
         raise bad_value("--hop", hop, f"choose one of {', '.join(HOP_MODES)}")
@@ -342,6 +346,7 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
             raise ConfigError(f"run {run.path} has model={rc.model.name} parallel.pp={rc.parallel.pp}; "
                               f"{runs[0].path} has model={model.name} parallel.pp={pp}: fit one setting at a time")
     base_vals = asdict(CostCoefficients(**(base.calibration or {})))
+    base_vals["decode_batch_factors"] = ()  # a base's own correction is refitted (--decode-by-batch), never compounded
     probe = _cost(model, base, pp, split, base_vals)
     data = engine_samples(runs, probe)
     fwd = list(data.forward)
@@ -368,7 +373,7 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
             base_vals["decode_overhead_ratio"] = 1.0
         if any(_padded(s.shape) for s in fwd):
             names.append("decode_padding")
-    fitted = dict(base.calibration or {})
+    fitted = {k: v for k, v in (base.calibration or {}).items() if k != "decode_batch_factors"}
     if base.kernels is not None:
         fitted["stage_overhead_s"] = base_vals["stage_overhead_s"]
     elif "decode_overhead_ratio" not in names:
@@ -380,6 +385,12 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
     if kernels:
         base = replace(base, kernels=dict(base.kernels, **kernels))
     result = RunFit(fitted, counts={"forward": len(fwd), "runs": len(runs)}, kernels=kernels)
+    if decode_by_batch:  # after the forward fit, from the runs' own decode forwards (not the table's rows)
+        from testbed.calibrate.decode_batch_fit import fit_decode_batch, summary
+
+        plain = _cost(model, base, pp, split, {**base_vals, **fitted, "decode_batch_factors": ()})
+        fitted["decode_batch_factors"] = fit_decode_batch(data.forward, plain)
+        result.notes = summary(data.forward, plain)
     _fit_linear_terms(result, data, model.vocab_size)
     before_return = 0.0  # what the simulator adds before the return term (`hop="receive"`: its latency)
     if hop == "receive":

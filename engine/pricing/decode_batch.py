@@ -1,0 +1,49 @@
+"""A measured correction of the decode-only step's price by batch size (`cost.decode_batch_factors`).
+
+Why: on the CPU engine (tiny-llama, fp32, set 6 of issue 47) a decode step's time is not monotone in
+its sequences (3 sequences 13.6-15.2 ms, 4 sequences 10.2-10.7 ms at P=1) and the roofline form
+cannot follow it: the set-6 P=1 profile priced decode forwards of 1 sequence 12% cheap, 2-3
+sequences 15-19% dear and 4-6 sequences 11-16% cheap (mean measured / priced on its fit runs).
+Summed over a run these cancel, but under congestion the batches grow to 4-7 sequences, where the
+price is low, and the high-rate TPOT came out 10-13% fast. `testbed calibrate runs --decode-by-batch`
+fits one factor per stage and batch size (testbed/calibrate/decode_batch_fit.py); this module
+applies it: a decode-only step of n sequences on stage s costs factors[s][n - 1] x its price, the
+last factor held above the table. Steps with a prefill chunk are not scaled (their measured /
+priced ratio on those runs has no pattern by the decodes they carry: 0.95-1.04). Empty = off.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.base.errors import ConfigError
+
+
+def use_decode_batch_factors(cost: Any, factors: tuple[tuple[float, ...], ...]) -> None:
+    """Swap `cost`'s (a CostModel's) stage-time methods for ones that scale a decode-only step by
+    its stage's factor for its sequences, per instance (a profile without the term pays no branch).
+    Called last by CostModel, so the factor multiplies the whole decode price."""
+    if len(factors) != cost.pp:
+        raise ConfigError(f"invalid cost.decode_batch_factors: {len(factors)} row(s) for parallel.pp={cost.pp}; "
+                          "it needs one row per stage (a profile fitted at another depth?)")
+    rows = tuple(tuple(r) for r in factors)
+    pp = cost.pp
+    plain_one, plain_all = cost.stage_compute_s, cost.stage_compute_all_s
+
+    def factor(row: tuple[float, ...], n: int) -> float:
+        return row[n - 1] if n <= len(row) else row[-1]
+
+    def one(stage: int, shape: Any) -> float:
+        t = plain_one(stage, shape)
+        if shape.num_prefill_tokens or not t:
+            return t
+        return t * factor(rows[stage % pp], shape.num_decode_seqs)
+
+    def every(shape: Any) -> tuple[float, ...]:
+        times = plain_all(shape)
+        n = shape.num_decode_seqs
+        if shape.num_prefill_tokens or not n:
+            return times
+        return tuple([t * factor(r, n) for t, r in zip(times, rows)])
+
+    cost.stage_compute_s = one  # type: ignore[method-assign]
+    cost.stage_compute_all_s = every  # type: ignore[method-assign]

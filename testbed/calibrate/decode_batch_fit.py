@@ -1,0 +1,77 @@
+"""`testbed calibrate runs --decode-by-batch`: the decode-only step's price corrected by batch size.
+
+After the forward fit, the fit runs' traced decode-only forwards (the ForwardSamples the forward fit
+used; a profile table's rows are not: one row a shape says nothing about a step's spread) are
+priced with the fitted profile, and per stage and batch size n (sequences) the factor is the
+mean of measured / priced over the forwards within TRIM of 1 (a stall of 15x its price is not a
+step's cost). A batch size needs MIN_SAMPLES such forwards for its own factor; between
+two such sizes the factor is interpolated linearly in n, below the smallest held at its value,
+above the largest held by CostModel (engine/pricing/decode_batch.py). A stage with no size
+measured enough gets [1.0] (no correction).
+
+Why a factor per size, not a form: the CPU engine's decode time is not monotone in the sequences
+(set 6, P=1 fit runs: measured / priced 1.12 at 1 sequence, 0.85 / 0.81 at 2 / 3, 1.13-1.16 at
+4-6), which no smooth form follows, and the dynamics under congestion depend on the sizes the
+batches actually reach. Why a mean, not a median: a run's time is a sum of steps and the ratios
+are skewed (episodes of slow steps), so the median priced the steps below their mean: on set 6
+at P=1 the median's factors (0.92-0.95 at 20-60 sequences) raised the ShareGPT throughput error
+of molink from +3.8% to +7.2%, the trimmed mean's kept it at +3.2% (docs/measurements/
+decode-by-batch-2026-11-28d.md). Why MIN_SAMPLES = 20: a decode forward's ratio scatters by about
+10% (run-to-run speed, episodes), so the mean of 20 is within about 2-3% (10% / sqrt(20)), the
+per-step precision a high-rate TPOT within 10% needs (at P=1 Azure 6 a 1% step price moved TPOT
+2-3%).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+MIN_SAMPLES = 20
+TRIM = 3.0  # forwards above TRIM x or below 1 / TRIM x their price are left out (stalls, not costs)
+
+
+def decode_ratios(samples: Sequence[Any], cost: Any) -> dict[int, dict[int, list[float]]]:
+    """Per stage, per batch size: measured / priced of each decode-only forward (`samples` are
+    run_fit.ForwardSample; `cost` the fitted CostModel without the correction)."""
+    out: dict[int, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for s in samples:
+        sh = s.shape
+        if sh.num_prefill_tokens or not sh.num_decode_seqs or s.time_s <= 0:
+            continue
+        price = cost.stage_compute_s(s.stage, sh)
+        if price > 0:
+            out[s.stage % cost.pp][sh.num_decode_seqs].append(s.time_s / price)
+    return out
+
+
+def factor_row(by_size: dict[int, list[float]], min_samples: int = MIN_SAMPLES) -> list[float]:
+    """Factors for 1..largest measured size (module docstring); [1.0] when no size has enough."""
+    kept = {n: [x for x in v if 1.0 / TRIM < x < TRIM] for n, v in by_size.items()}
+    sizes = sorted(n for n, v in kept.items() if len(v) >= min_samples)
+    if not sizes:
+        return [1.0]
+    mean = [float(np.mean(kept[n])) for n in sizes]
+    row = np.interp(np.arange(1, sizes[-1] + 1), sizes, mean)  # held below the smallest size
+    return [round(float(x), 4) for x in row]
+
+
+def fit_decode_batch(samples: Sequence[Any], cost: Any, min_samples: int = MIN_SAMPLES) -> list[list[float]]:
+    """`cost.decode_batch_factors` (lists, as a profile's YAML holds them): one row per stage."""
+    ratios = decode_ratios(samples, cost)
+    return [factor_row(ratios.get(s, {}), min_samples) for s in range(cost.pp)]
+
+
+def summary(samples: Sequence[Any], cost: Any, min_samples: int = MIN_SAMPLES, sizes: int = 8) -> list[str]:
+    """Lines for `calibrate runs`' output: per stage, the first `sizes` batch sizes' forwards and
+    mean measured / priced within TRIM (before the correction)."""
+    ratios = decode_ratios(samples, cost)
+    out = [f"  decode price by batch size (--decode-by-batch; mean measured / priced within {TRIM:g}x, n >= "
+           f"{min_samples} for its own factor):"]
+    for s in range(cost.pp):
+        kept = {n: [x for x in v if 1.0 / TRIM < x < TRIM] for n, v in ratios.get(s, {}).items()}
+        cells = [f"{n}: {float(np.mean(v)):.3f} (n={len(v)})" for n, v in sorted(kept.items()) if n <= sizes and v]
+        out.append(f"    stage {s}: " + (", ".join(cells) or "no decode-only forwards"))
+    return out
