@@ -24,7 +24,8 @@ def renumber(rows):  # repeat_means wants a repeat 0 per (rate, delay): keep the
     return [dict(r, repeat=keep[(r["rate_bps"], r["delay_s"])][r["repeat"]]) for r in rows]
 
 PROBES = ["probe_15ms_400Mbps_shared_r5", "probe_15ms_400Mbps_perdirection_r5"]
-TESTS = ["test_15ms_60-200Mbps_r3", "test_15ms_400Mbps_r10", "test_35ms_60-200Mbps_r3", "test_35ms_400Mbps_r10"]
+TESTS = ["test_15ms_60-200Mbps_r3", "test_15ms_400Mbps_r10", "test_35ms_60-200Mbps_r3", "test_35ms_400Mbps_r10",
+         "addendum_15ms_400Mbps_perdirection_r10", "addendum_35ms_400Mbps_perdirection_r10"]
 
 def directions(run):
     d = run.get("directions")
