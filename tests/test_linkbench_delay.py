@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from testbed.linkbench.netns import DelayedLink, LinkSpec, late_flag
+from testbed.linkbench.netns import DelayedLink, LinkSetupError, LinkSpec, late_flag, merge_reports
 
 # One side of a TCP ping-pong of one byte (TCP_NODELAY), each end SCHED_FIFO as gloo_pair's endpoints:
 # the client prints the median round trip of N in seconds.
@@ -85,3 +85,34 @@ def test_the_late_flag_weighs_lateness_against_the_delay():
     assert late_flag({"late_mean_s": 0.0044, "late_max_s": 0.01}, 0.015)  # link46e's 15 ms / 400 Mbps series
     assert not late_flag({"late_mean_s": 0.0044, "late_max_s": 0.01}, 0.1)
     assert late_flag({"late_mean_s": 0.0001, "late_max_s": 0.031}, 0.03)  # one packet a whole delay late
+
+
+def test_per_direction_relays_each_carry_one_direction_and_give_the_asked_round_trip(started):
+    delay = 0.015
+    with DelayedLink(LinkSpec(400e6, delay, layout="per-direction")) as link:
+        assert len(link.relays) == 2
+        link.relay_snapshot()
+        client = _ping(link, 20, 29468, started)
+        median_rtt = float(client.communicate(timeout=30)[0])
+        run = link.relay_snapshot()
+    assert 2 * delay <= median_rtt < 2 * delay + 0.005, median_rtt
+    a_to_b, b_to_a = run["directions"]
+    # each byte of the ping-pong crosses once each way: both relays carried packets, about as many
+    assert a_to_b["packets"] >= 20 and b_to_a["packets"] >= 20, run
+    assert run["packets"] == a_to_b["packets"] + b_to_a["packets"]
+
+
+def test_two_relay_reports_merge_into_one_run():
+    a = {"packets": 300, "bytes": 9_000_000, "late_max_s": 0.004, "late_mean_s": 0.001, "write_drops": 0,
+         "write_s": 0.012, "relay": "c"}
+    b = {"packets": 100, "bytes": 6_600, "late_max_s": 0.009, "late_mean_s": 0.005, "write_drops": 1,
+         "write_s": 0.002, "relay": "c"}
+    m = merge_reports([a, b])
+    assert m["packets"] == 400 and m["write_drops"] == 1 and m["late_max_s"] == 0.009
+    assert abs(m["late_mean_s"] - (300 * 0.001 + 100 * 0.005) / 400) < 1e-12
+    assert merge_reports([a]) is a
+
+
+def test_an_unknown_relay_layout_is_refused_with_the_choices():
+    with pytest.raises(LinkSetupError, match="valid choices: shared, per-direction"):
+        LinkSpec(100e6, 0.03, layout="both")

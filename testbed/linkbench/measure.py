@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from testbed.linkbench.netns import (CONGESTION_CONTROL, RELAYS, TBF_BURST_BYTES, TBF_QUEUE_BYTES, DelayedLink,
-                                     LinkSetupError, LinkSpec)
+from testbed.linkbench.netns import (CONGESTION_CONTROL, RELAY_LAYOUTS, RELAYS, TBF_BURST_BYTES, TBF_QUEUE_BYTES,
+                                     DelayedLink, LinkSetupError, LinkSpec)
 
 SIZES = (1 << 10, 16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -67,13 +67,13 @@ def queue_bytes_for(rate_bps: float, delay_s: float, queue_bdp: float | None) ->
 
 
 def measure(delay_s: float, rates_bps, plan: list[dict], timeout_s: float = 300.0, repeats: int = 1,
-            queue_bdp: float | None = None, relay: str = "c") -> list[dict]:
+            queue_bdp: float | None = None, relay: str = "c", layout: str = "shared") -> list[dict]:
     """Each rate's plan `repeats` times, each on a fresh connection; every row says its repeat, the
     bottleneck's queue, and what that run's connection lost (queue drops, retransmitted segments,
     timeouts: the same for every row of one run) and how late the relay was in it (`relay_run`, with
     `late` = netns.late_flag; a late run is also warned about on stderr)."""
     rows = []
-    with DelayedLink(LinkSpec(rates_bps[0], delay_s, relay)) as link:
+    with DelayedLink(LinkSpec(rates_bps[0], delay_s, relay, layout)) as link:
         for i, rate in enumerate(rates_bps):
             queue = queue_bytes_for(rate, delay_s, queue_bdp)
             link.set_rate(rate, queue)
@@ -94,13 +94,13 @@ def measure(delay_s: float, rates_bps, plan: list[dict], timeout_s: float = 300.
     return rows if not rows_relay else [dict(r, relay=rows_relay) for r in rows]
 
 
-def provenance(load_before: list[str] | None = None, relay: str = "c") -> dict:
+def provenance(load_before: list[str] | None = None, relay: str = "c", layout: str = "shared") -> dict:
     import torch
 
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "kernel": platform.release(),
             "torch": torch.__version__, "python": platform.python_version(),
             "loadavg": Path("/proc/loadavg").read_text().split()[:3], "loadavg_before": load_before,
-            "congestion_control": CONGESTION_CONTROL, "relay": relay,
+            "congestion_control": CONGESTION_CONTROL, "relay": relay, "relay_layout": layout,
             "link": "veth + tbf (queue: each row's queue_bytes) + TUN delay relay (testbed/linkbench)",
             "data_plane": "torch.distributed gloo send/recv over TCP (engine/torch_exec/stage/worker.py)"}
 
@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="bottleneck queue as a multiple of rate x RTT (default: the fixed TBF_QUEUE_BYTES)")
     ap.add_argument("--sizes", default=None, help="comma-separated bytes (default: the validation sizes)")
     ap.add_argument("--relay", default="c", help=f"the delay relay: {', '.join(RELAYS)} (python: the 2026-11-27 series')")
+    ap.add_argument("--layout", default="shared",
+                    help=f"relays: {', '.join(RELAY_LAYOUTS)} (shared: one for both directions, every series to 2026-11-28c)")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_cleanly)  # the link's namespaces are removed on the way out
     try:
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.relay not in RELAYS:
         print(f"error: --relay {a.relay!r}: valid choices: {', '.join(RELAYS)}")
         return 2
+    if a.layout not in RELAY_LAYOUTS:
+        print(f"error: --layout {a.layout!r}: valid choices: {', '.join(RELAY_LAYOUTS)}")
+        return 2
     if not 1 <= a.repeats <= 50 or (a.queue_bdp is not None and not 0 < a.queue_bdp <= 20):
         print(f"error: --repeats {a.repeats} / --queue-bdp {a.queue_bdp}: repeats 1-50, queue-bdp in (0, 20]")
         return 2
@@ -142,11 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     rows, load_before = [], Path("/proc/loadavg").read_text().split()[:3]
     try:
         for d in delays:
-            rows += measure(d, rates, validation_plan(sizes), repeats=a.repeats, queue_bdp=a.queue_bdp, relay=a.relay)
+            rows += measure(d, rates, validation_plan(sizes), repeats=a.repeats, queue_bdp=a.queue_bdp, relay=a.relay,
+                            layout=a.layout)
     except LinkSetupError as exc:
         print(f"error: the measured link could not be built (root and iproute2 needed): {exc}")
         return 2
-    out.write_text(json.dumps({"provenance": provenance(load_before, a.relay), "rows": rows}, indent=1) + "\n")
+    out.write_text(json.dumps({"provenance": provenance(load_before, a.relay, a.layout), "rows": rows}, indent=1) + "\n")
     late = {(r["delay_s"], r["rate_bps"], r["repeat"]) for r in rows if r["relay_run"]["late"]}
     print(f"{len(rows)} transfers -> {a.out}" + (f"; {len(late)} run(s) with a late relay (rows' relay_run.late)"
                                                   if late else ""))

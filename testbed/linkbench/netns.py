@@ -2,13 +2,15 @@
 
     ns A (sender, 10.<k>.1.1) --veth-- ns R (router) --veth-- ns B (receiver, 10.<k>.2.1)
                                           |
-                                   TUN device + a delay relay (one-way delay, both directions:
+                                   TUN device(s) + delay relay(s) (one-way delay, both directions:
                                    delay_relay.c, or relay.py for the 2026-11-27 series)
                                    tbf on R's two egress veths (the link's rate, both directions)
 
-Every packet between A and B enters R, is routed into the TUN device (policy rule: from either
-veth, table 46), held by the relay, written back and forwarded out of the other veth through its
-`tbf` qdisc. TCP between A and B therefore sees RTT = 2 x delay + serialisation + queueing, and a
+Every packet between A and B enters R, is routed into a TUN device (policy rules by incoming veth),
+held by a relay, written back and forwarded out of the other veth through its `tbf` qdisc. With
+`layout="shared"` one TUN device and relay carry both directions (every series up to 2026-11-28c);
+with `layout="per-direction"` each direction has its own TUN device and relay process, so that the
+ACKs are not written behind a burst of data (RELAY_LAYOUTS). TCP between A and B therefore sees RTT = 2 x delay + serialisation + queueing, and a
 bottleneck queue whose size is `tbf`'s `latency` setting.
 
 Needs root and `ip`/`tc` (iproute2); a failure to create a namespace raises `LinkSetupError` with the
@@ -51,6 +53,12 @@ TBF_BURST_BYTES = 4 * 1514
 # 2026-11-28) or "python" (relay.py, the relay of every 2026-11-27 series). Both forward 1.2-1.5 GB/s
 # in bulk (relay_speed.py); the 400 Mbps spread is TCP's with either (docs/measurements/links-2026-11-28.md).
 RELAYS = ("c", "python")
+# How the relays share the two directions. "shared": one TUN device and one relay for both (every series
+# up to 2026-11-28c). Its writes carry the kernel's forwarding (38-45 us a write at 400 Mbps against 7-13
+# at 60-200, 2026-11-28c), so the ACKs waited behind each released burst of data and every 15 ms /
+# 400 Mbps run was late by 3.3-6.0 ms on average. "per-direction": A->B and B->A each through their own
+# TUN device and relay process (two CPUs work in parallel; an ACK waits only behind other ACKs).
+RELAY_LAYOUTS = ("shared", "per-direction")
 RELAY_SOURCE = Path(__file__).with_name("delay_relay.c")
 # The delay is added by the user-space relay above: this machine's kernel (6.18; CONFIG_NET_SCH_FQ,
 # _ETF, _NETEM not set) cannot hold a packet in any qdisc it has. TCP_TX_DELAY, the kernel-side
@@ -82,10 +90,13 @@ class LinkSpec:
     rate_bps: float  # bits per second of the bottleneck (tbf)
     delay_s: float  # one-way delay (the relay adds it in each direction)
     relay: str = "c"  # one of RELAYS
+    layout: str = "shared"  # one of RELAY_LAYOUTS
 
     def __post_init__(self) -> None:
         if self.relay not in RELAYS:
             raise LinkSetupError(f"relay {self.relay!r}: valid choices: {', '.join(RELAYS)}")
+        if self.layout not in RELAY_LAYOUTS:
+            raise LinkSetupError(f"relay layout {self.layout!r}: valid choices: {', '.join(RELAY_LAYOUTS)}")
 
 
 def late_flag(run: dict, delay_s: float) -> bool:
@@ -93,6 +104,18 @@ def late_flag(run: dict, delay_s: float) -> bool:
     run: mean lateness over LATE_MEAN_SHARE of the delay, or a packet LATE_MAX_DELAYS delays late."""
     return (run.get("late_mean_s", 0.0) > LATE_MEAN_SHARE * delay_s
             or run.get("late_max_s", 0.0) > LATE_MAX_DELAYS * delay_s)
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One run's (or life's) relay report from each direction's relay: counts added, the worst lateness
+    kept, the mean weighted by packets; each relay's own report kept under `directions`."""
+    if len(reports) == 1:
+        return reports[0]
+    packets = sum(r["packets"] for r in reports)
+    merged = {key: sum(r.get(key, 0) for r in reports) for key in ("packets", "bytes", "write_drops", "write_s")}
+    merged["late_max_s"] = max(r["late_max_s"] for r in reports)
+    merged["late_mean_s"] = sum(r["late_mean_s"] * r["packets"] for r in reports) / packets if packets else 0.0
+    return merged | {"relay": reports[0].get("relay"), "directions": reports}
 
 
 def relay_binary() -> Path:
@@ -123,7 +146,7 @@ class DelayedLink:
         self.ns_a, self.ns_r, self.ns_b = f"{self.tag}a", f"{self.tag}r", f"{self.tag}b"
         self.addr_a, self.addr_b = f"10.{k}.1.1", f"10.{k}.2.1"
         self._k = k
-        self.relay: subprocess.Popen | None = None
+        self.relays: list[subprocess.Popen] = []  # A->B first; one for both directions when shared
         self.relay_report: str = ""
 
     # --- building ----------------------------------------------------------------------------------
@@ -160,24 +183,35 @@ class DelayedLink:
         self._in(b, "ip", "route", "add", "default", "via", f"10.{k}.2.2")
         for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"):
             self._in(r, "sysctl", "-qw", key)
-        self._in(r, "ip", "tuntap", "add", "dev", "dly", "mode", "tun", "vnet_hdr")
-        # The ring between the kernel and the relay: a grown window leaves the sender at veth speed, and
-        # 500 packets (the default) overflowed before the relay read them, as no real link would
-        # (16 MB at 200 Mbps ran at 62% of the rate, Reno's threshold cut to 0.9 MB by those drops).
-        self._in(r, "ip", "link", "set", "dly", "txqueuelen", str(RELAY_RING_PACKETS), "up")
-        for dev in ("dly", "ra", "rb"):
-            self._in(r, "sysctl", "-qw", f"net.ipv4.conf.{dev}.rp_filter=0")
-        self._in(r, "ip", "route", "add", "default", "dev", "dly", "table", "46")
+        # shared: both veths into "dly" (table 46); per-direction: from A into "dly", from B into "dlz" (47)
+        tuns = {"ra": "dly", "rb": "dly" if self.spec.layout == "shared" else "dlz"}
+        for table, tun in enumerate(dict.fromkeys(tuns.values()), start=46):
+            self._in(r, "ip", "tuntap", "add", "dev", tun, "mode", "tun", "vnet_hdr")
+            # The ring between the kernel and the relay: a grown window leaves the sender at veth speed, and
+            # 500 packets (the default) overflowed before the relay read them, as no real link would
+            # (16 MB at 200 Mbps ran at 62% of the rate, Reno's threshold cut to 0.9 MB by those drops).
+            self._in(r, "ip", "link", "set", tun, "txqueuelen", str(RELAY_RING_PACKETS), "up")
+            self._in(r, "sysctl", "-qw", f"net.ipv4.conf.{tun}.rp_filter=0")
+            self._in(r, "ip", "route", "add", "default", "dev", tun, "table", str(table))
+            for dev in (d for d, t in tuns.items() if t == tun):
+                self._in(r, "ip", "rule", "add", "iif", dev, "table", str(table))
         for dev in ("ra", "rb"):
-            self._in(r, "ip", "rule", "add", "iif", dev, "table", "46")
+            self._in(r, "sysctl", "-qw", f"net.ipv4.conf.{dev}.rp_filter=0")
         self.set_rate(self.spec.rate_bps)
         relay = ([str(relay_binary())] if self.spec.relay == "c"
                  else [sys.executable, "-m", "testbed.linkbench.relay"])
-        self.relay = subprocess.Popen(["ip", "netns", "exec", r, *relay, "dly", repr(self.spec.delay_s)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        line = self.relay.stdout.readline().strip()
-        if line != "ready":
-            raise LinkSetupError(f"delay relay did not start: {line} {self.relay.stderr.read()}")
+        for tun in dict.fromkeys(tuns.values()):
+            proc = subprocess.Popen(["ip", "netns", "exec", r, *relay, tun, repr(self.spec.delay_s)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.relays.append(proc)
+            line = proc.stdout.readline().strip()
+            if line != "ready":
+                raise LinkSetupError(f"delay relay did not start: {line} {proc.stderr.read()}")
+
+    @property
+    def relay(self) -> subprocess.Popen | None:
+        """The A->B relay (the only one when the layout is shared)."""
+        return self.relays[0] if self.relays else None
 
     def set_rate(self, rate_bps: float, queue_bytes: float | None = None) -> None:
         """tbf on both of R's egress veths: `burst` four full-size frames (tbf's timer is a
@@ -191,12 +225,16 @@ class DelayedLink:
 
     def relay_snapshot(self, timeout_s: float = 2.0) -> dict:
         """What the relay forwarded, and how late, since the last snapshot (SIGUSR1 -> one JSON line),
-        with `late` = `late_flag`; taken after each measured run."""
-        self.relay.send_signal(signal.SIGUSR1)
-        ready, _, _ = select.select([self.relay.stdout], [], [], timeout_s)
-        if not ready:
-            raise LinkSetupError(f"the delay relay gave no report within {timeout_s} s")
-        run = json.loads(self.relay.stdout.readline())
+        with `late` = `late_flag`; taken after each measured run. Per direction: the two relays' reports
+        merged (`merge_reports`), each under `directions`."""
+        reports = []
+        for proc in self.relays:
+            proc.send_signal(signal.SIGUSR1)
+            ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+            if not ready:
+                raise LinkSetupError(f"the delay relay gave no report within {timeout_s} s")
+            reports.append(json.loads(proc.stdout.readline()))
+        run = merge_reports(reports)
         return dict(run, late=late_flag(run, self.spec.delay_s))
 
     def drops(self) -> int:
@@ -220,12 +258,18 @@ class DelayedLink:
         return got
 
     def close(self) -> None:
-        if self.relay is not None and self.relay.poll() is None:
-            self.relay.terminate()
+        lives = []
+        for proc in self.relays:
+            if proc.poll() is not None:
+                continue
+            proc.terminate()
             try:
-                out, _ = self.relay.communicate(timeout=5)
-                self.relay_report = out.strip().splitlines()[-1] if out.strip() else ""
-            except subprocess.TimeoutExpired:
-                self.relay.kill()
+                out, _ = proc.communicate(timeout=5)
+                lives += [json.loads(out.strip().splitlines()[-1])] if out.strip() else []
+            except (subprocess.TimeoutExpired, ValueError):
+                proc.kill()
+                proc.wait()
+        if lives:
+            self.relay_report = json.dumps(merge_reports(lives))
         for ns in (self.ns_a, self.ns_r, self.ns_b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
