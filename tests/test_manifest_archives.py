@@ -90,15 +90,21 @@ def test_pack_runs_packs_into_the_named_archive_only_what_the_others_lack(folder
         pack_runs.pack(path, src)  # several archives: the one to pack must be named
 
 
-# ---- sets 5 and 6's profiles (measurements/cpu-tiny-llama-2026-11-28/manifest-set{5,6}.yaml) -----------------
+# ---- sets 5, 6 and 7's profiles (measurements/cpu-tiny-llama-2026-11-28/manifest-set{5,6,7}.yaml) -------------
 MEASURED = ROOT / "measurements" / "cpu-tiny-llama-2026-11-28"
 SET5 = MEASURED / "manifest-set5.yaml"
 SET6 = MEASURED / "manifest-set6.yaml"
-# the quick-table option each profile's validation runs chose (set 5: 3.30% / 4.58%,
-# docs/measurements/diag-cpu-2026-11-28b.md; set 6: 2.11% / 2.39%, docs/measurements/real-runs-2026-11-28c.md)
-TABLE_OPTION = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1"), "cpu-tiny-llama-set5-pp2-runs": (SET5, "0"),
-                "cpu-tiny-llama-set6-pp1-runs": (SET6, "0"), "cpu-tiny-llama-set6-pp2-runs": (SET6, "1")}
-REPEATS = {SET5: ((1, 2, 3, 4), (5, 6, 7)), SET6: ((1, 2, 3), (4, 5, 6))}  # (fit and validation, test)
+SET7 = MEASURED / "manifest-set7.yaml"
+# the options each profile's validation runs chose: the quick-table option and any further flags (set 5:
+# 3.30% / 4.58%, docs/measurements/diag-cpu-2026-11-28b.md; set 6: 2.11% / 2.39%,
+# docs/measurements/real-runs-2026-11-28c.md; set 7: 2.28% / 1.62%, P=2 with --inflight-handover,
+# docs/measurements/real-runs-2026-11-28d.md)
+FIT_OPTIONS = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1", ()), "cpu-tiny-llama-set5-pp2-runs": (SET5, "0", ()),
+               "cpu-tiny-llama-set6-pp1-runs": (SET6, "0", ()), "cpu-tiny-llama-set6-pp2-runs": (SET6, "1", ()),
+               "cpu-tiny-llama-set7-pp1-runs": (SET7, "0", ()),
+               "cpu-tiny-llama-set7-pp2-runs": (SET7, "0", ("--inflight-handover",))}
+REPEATS = {SET5: ((1, 2, 3, 4), (5, 6, 7)), SET6: ((1, 2, 3), (4, 5, 6)),
+           SET7: ((1, 2, 3), (4, 5, 6))}  # (fit and validation, test)
 
 
 @pytest.mark.parametrize("manifest", sorted(REPEATS), ids=lambda p: p.stem)
@@ -116,13 +122,13 @@ def test_each_sets_profiles_are_fitted_on_their_fit_runs_only_and_tested_on_late
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(TABLE_OPTION))
+@pytest.mark.parametrize("name", sorted(FIT_OPTIONS))
 def test_each_sets_profiles_refit_exactly_from_the_repository(tmp_path, name):
     from testbed.cli import main
 
-    manifest, option = TABLE_OPTION[name]
+    manifest, option, flags = FIT_OPTIONS[name]
     assert main(["calibrate", "runs", str(manifest), "--profile", name, "--table-option", option,
-                 "--hop", "receive", "--name", name, "--out", str(tmp_path)]) == 0
+                 "--hop", "receive", *flags, "--name", name, "--out", str(tmp_path)]) == 0
     fitted = yaml.safe_load((tmp_path / f"{name}.yaml").read_text())
     shipped = yaml.safe_load((manifest.parent / "profiles" / f"{name}.yaml").read_text())
     for key in set(shipped) - {"profile", "version"}:
