@@ -5,8 +5,8 @@ Why: on CPU the engine's stage-to-stage send is gloo's (engine/torch_exec/stage/
 `send_next`). A policy that is not structure-aware first sends the activation's metadata with the
 blocking `dist.send`, which returns only once the next stage has posted the matching receive; a
 structure-aware one posts `isend` and waits for the previous one before its next send (`send_wait`).
-Set 6's traces (tiny-llama P=2, 2-core CPU, measurements/cpu-tiny-llama-2026-11-28, set 6): where the sender was first, its
-send ended 0.28-0.38 ms (median) after the receiver's `recv` began, for MoLink, vLLM and gllm
+Set 6's traces (tiny-llama P=2, 2-core CPU; measurements/cpu-tiny-llama-2026-11-28): where the
+sender was first, its send ended 0.28-0.38 ms (median) after the receiver's `recv` began, for MoLink, vLLM and gllm
 alike (788 of 877 hops in pp2-azhi-molink-r1); SiPipe's `isend` returned at once. The simulator's
 blocking send (SimSettings.blocking_send) instead frees the stage once the bytes have left the
 link, so a sending stage may run ahead of a busy receiver. That matters only with more
