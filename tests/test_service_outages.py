@@ -62,6 +62,42 @@ def test_a_server_that_cannot_serve_now_is_waited_for(status, code, waited, monk
     assert server_unreachable(_error_of(status, code, monkeypatch)) is waited
 
 
+class _CutOff(http.server.BaseHTTPRequestHandler):
+    """Promises a 2-byte body and closes the connection before sending it: a server stopped while
+    it answered."""
+
+    def _answer(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.close_connection = True
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_server_that_closes_the_connection_mid_answer_is_waited_for(monkeypatch):
+    """"Connection broken: IncompleteRead" (the server stopped while it answered) is the server
+    going away, as a refused connection is: waited for (was: a traceback from log_batch)."""
+    from mlflow.tracking import MlflowClient
+
+    from testbed.tracking.tracker import server_unreachable
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CutOff)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(Exception) as caught:
+            MlflowClient(f"http://127.0.0.1:{server.server_address[1]}").search_experiments()
+    finally:
+        server.shutdown()
+    assert "IncompleteRead" in str(caught.value)
+    assert server_unreachable(caught.value)
+
+
 @pytest.fixture(scope="module")
 def pg_mlflow_server(postgres, tmp_path_factory):
     """`mlflow server` with its backend store on the session's PostgreSQL, as the recipe lays it out."""

@@ -96,13 +96,16 @@ UNAVAILABLE_STATUSES = (502, 503, 504)
 
 def server_unreachable(exc: BaseException) -> bool:
     """Whether an MLflow client error means the tracking server could not be reached (refused,
-    reset, a connect timeout) or answered that it cannot serve now (502, 503, 504, after MLflow's
-    own retries), not that it answered with an error."""
+    reset, a connect timeout, a connection it closed in the middle of its answer: "Connection
+    broken: IncompleteRead", seen once in a fresh-clone CI as the server was stopped mid-log_batch)
+    or answered that it cannot serve now (502, 503, 504, after MLflow's own retries), not that it
+    answered with an error."""
     import requests
 
     from testbed.cluster.reconnect import caused_by, chain
 
-    if caused_by(exc, (requests.exceptions.ConnectionError, ConnectionError)):
+    broken = (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError, ConnectionError)
+    if caused_by(exc, broken):
         return True
     return any(_unavailable(e) for e in chain(exc))
 
