@@ -23,7 +23,7 @@ T_START = time.perf_counter()  # end-to-end timing of `testbed run` starts here 
 from contextlib import nullcontext
 from pathlib import Path
 
-from engine.base.errors import TestbedError
+from engine.base.errors import ConfigError, TestbedError
 
 EXIT_USER_ERROR = 2
 
@@ -219,6 +219,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Run one workload on the torch engine and in the calibrated simulator; print the errors."""
+    if args.spread and not args.runs:
+        raise ConfigError(f"invalid --spread={args.spread:g}: it applies to replays of real runs only (--runs)")
     if args.runs:
         from testbed.calibrate.manifest import is_manifest
         from testbed.calibrate.offline import cmd_validate_runs
@@ -337,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "(once: logged beside the manifest) and the rank agreement")
     va.add_argument("--errors-csv", metavar="FILE", help="with --runs: one row per (run, metric, predicted, "
                                                          "actual, error)")
+    va.add_argument("--spread", type=float, default=0.0, metavar="S",
+                    help="with --runs: predict each run as the mean of 9 simulations at compute scales 1-S ... 1+S "
+                         "(the engine's speed moves between repeats; testbed/calibrate/spread_sim.py); default 0")
     va.set_defaults(func=cmd_validate)
     ca = sub.add_parser("calibrate", help="fit the cost model to measured GPU kernel tables and report its error")
     casub = ca.add_subparsers(dest="calibrate", metavar="SOURCE")

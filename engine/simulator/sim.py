@@ -78,8 +78,9 @@ class SimExecutor(Executor):
                  transfer_scheduler: Callable[[LinkState, Seq[PendingTransfer]], Transfer] | None = None,
                  num_cpu_samplers: int = 4, tracer: Tracer | None = None, blocking_send: bool = False,
                  event_driven: bool = False, link_model: str = "ideal",
-                 sampling: SamplerSettings | None = None) -> None:
+                 sampling: SamplerSettings | None = None, compute_scale: float = 1.0) -> None:
         self.cost = cost_model
+        self._forward_s = _scaled_forward(cost_model, compute_scale)
         self._sampling = sampling  # what GPU sampling is priced for (None: the host tables' path)
         self.pipeline_depth = P = cost_model.pp
         self.runtime = runtime
@@ -227,7 +228,7 @@ class SimExecutor(Executor):
         if counts is None:
             counts = self._by_counts[key] = self._price_counts(shape)
         # tuple.__new__ directly: a NamedTuple's own __new__ is Python code, run per micro-batch
-        return _new_tuple(Priced, (self.cost.stage_compute_all_s(shape), _FORWARD_NAMES[mb.kind], *counts))
+        return _new_tuple(Priced, (self._forward_s(shape), _FORWARD_NAMES[mb.kind], *counts))
 
     def _price_counts(self, shape) -> tuple:
         """What a batch costs besides its forward: (prep, sample, nbytes, dispatch, ret), functions of
@@ -413,6 +414,16 @@ class SimExecutor(Executor):
 
 
 _new_tuple = tuple.__new__
+
+
+def _scaled_forward(cost, scale: float) -> Callable:
+    """Every stage's forward price, times `scale` unless it is 1 (the cost model's own method then:
+    no extra call per micro-batch, and the default's results are the unscaled floats)."""
+    if scale == 1.0:
+        return cost.stage_compute_all_s
+    price = cost.stage_compute_all_s
+    return lambda shape: tuple([v * scale for v in price(shape)])
+
 _FORWARD_NAMES = {kind: f"forward:{kind}" for kind in ("prefill", "decode", "mixed")}  # by MicroBatch.kind
 def _fifo(link: LinkState, pending: Seq[PendingTransfer]) -> Transfer:
     return Transfer(pending[0], pending[0].remaining_bytes)
@@ -441,10 +452,18 @@ class SimSettings:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Every stage's forward time multiplied by this: a machine that runs this much slower (1.05) or
+    # faster (0.95) than its profile. The CPU engine's same-shape forward moved 5-13% between repeats
+    # of one command (set 7, docs/measurements/real-runs-2026-11-28d.md); `testbed validate --runs
+    # --spread s` predicts a run as the mean over scales 1 - s ... 1 + s (testbed/calibrate/spread_sim.py).
+    compute_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_cpu_samplers < 1:
             raise bad_value("executor.num_cpu_samplers", self.num_cpu_samplers, "must be >= 1")
+        if isinstance(self.compute_scale, bool) or not (isinstance(self.compute_scale, (int, float))
+                                                        and 0.0 < self.compute_scale < 100.0):
+            raise bad_value("executor.compute_scale", self.compute_scale, "must be a number in (0, 100)")
         _ = self.sampling  # validates the six settings (one `error:` line each)
 
     @property
@@ -463,7 +482,7 @@ def _make_sim(settings: SimSettings, build: ExecutorBuild) -> SimExecutor:
                        transfer_scheduler=build.policy.schedule_transfer if custom else None,
                        num_cpu_samplers=settings.num_cpu_samplers, tracer=build.tracer,
                        blocking_send=settings.blocking_send, link_model=build.link.model,
-                       sampling=settings.sampling)
+                       sampling=settings.sampling, compute_scale=float(settings.compute_scale))
 
 
 EXECUTORS.add("sim", ExecutorSpec(SimSettings, _make_sim))

@@ -187,7 +187,8 @@ def test_set_id(split: Split) -> str:
     return hashlib.sha256("\n".join(split.test).encode()).hexdigest()[:8]
 
 
-def record_test_report(manifest: Manifest, split: Split, hardware: str, version: str) -> list[str]:
+def record_test_report(manifest: Manifest, split: Split, hardware: str, version: str,
+                       spread: float = 0.0) -> list[str]:
     """Append this test report to `test_reports.log` beside the manifest; the earlier lines for the
     same profile and test set (a test set looked at again after a refit is no longer untouched).
     Lines without `test_set=` predate it: they reported the runs now in `spent_test` if the split
@@ -199,7 +200,8 @@ def record_test_report(manifest: Manifest, split: Split, hardware: str, version:
     try:
         with log.open("a") as fh:
             fh.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {split.name} hardware={hardware} "
-                     f"version={version} test_runs={len(split.test)} test_set={ident}\n")
+                     f"version={version} test_runs={len(split.test)} test_set={ident}"
+                     f"{f' spread={spread:g}' if spread else ''}\n")
     except OSError:
         pass  # a read-only checkout: the report still prints
     return earlier

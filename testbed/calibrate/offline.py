@@ -33,6 +33,7 @@ from testbed.calibrate.run_checks import distinct_runs, read_table
 from testbed.calibrate.runs import RealRun, group_by_setting, kv_num_blocks, load_run
 from testbed.calibrate.rank import (CSV_METRICS, Replayed, error_by_load, format_rank, rank_table, setting_label,
                                     write_errors_csv)
+from testbed.calibrate.spread_sim import check_spread, simulate_spread, spread_note
 from testbed.calibrate.stall_effects import stall_latency
 
 SPREAD_METRICS = ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s", "e2el_mean_s")
@@ -97,9 +98,9 @@ def _run_record(run: RealRun) -> dict:
             "throughput_tok_s": round(float(s["throughput_tok_s"]), 1)}
 
 
-def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None):
+def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None, compute_scale: float = 1.0):
     """The simulator on `run`'s requests with its settings (policy, workload, seed, P, KV pool)
-    and `hardware` instead of the engine; the RunResult."""
+    and `hardware` instead of the engine (its forward prices times `compute_scale`); the RunResult."""
     from testbed.config.composer import hardware_node
     from testbed.run.outputs import write_run_dir
     from testbed.run.runner import prepare_experiment
@@ -109,7 +110,7 @@ def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None):
     blocking = rc.executor.settings.device == "cpu"  # gloo's blocking send (SimSettings.blocking_send)
     samplers = rc.executor.settings.num_cpu_samplers  # SiPipe's pool as the engine ran it (the sim's default is 4)
     values = {"executor": {"name": "sim", "blocking_send": blocking, "host_device": blocking,
-                           "num_cpu_samplers": samplers}, "hardware": node,
+                           "num_cpu_samplers": samplers, "compute_scale": compute_scale}, "hardware": node,
               "kv.num_blocks": kv_num_blocks(run), "output.mlflow": False,
               "output.plots": False, "output.progress": False, "output.trace": "off"}
     spec = run.spec.with_values(values)
@@ -145,6 +146,7 @@ def cmd_validate_runs(args, console) -> int:
     if hardware is None or bad:
         raise ConfigError("testbed validate --runs takes hardware=<profile> and nothing else (each run keeps its "
                           f"own settings); got {' '.join(overrides) or 'nothing'}")
+    spread_s = check_spread(getattr(args, "spread", 0.0))
     get_hardware(hardware)
     out = Path(args.out) if args.out else Path("runs") / "validate" / f"{time.strftime('%Y%m%d-%H%M%S')}_runs-{hardware}"
     writable_dir("--out", out)  # before the replays
@@ -155,16 +157,16 @@ def cmd_validate_runs(args, console) -> int:
         sp, sims = spread(group), []
         for run in group:
             t = time.perf_counter()
-            sim = simulate_run(run, hardware, out / run.label / "sim")
-            sims.append(sim.summary)
-            errs = error_table(run.summary, sim.summary)
-            st = stalls_against(run, hardware, sim.summary)
+            _, predicted = simulate_spread(run, hardware, spread_s, out / run.label / "sim")
+            sims.append(predicted)
+            errs = error_table(run.summary, predicted)
+            st = stalls_against(run, hardware, predicted)
             rows.append({"run": run.label, "repeats": len(group), "spread": sp, "errors": errs, "stalls": st})
-            replays.append(replayed(run, sim.summary, st))
+            replays.append(replayed(run, predicted, st))
             console.print(f"  {run.label}: simulated in {time.perf_counter() - t:.1f} s")
         if len(group) > 1:
             rows.append(mean_row(group, sims, sp))
-    text = format_runs_table(rows, hardware)
+    text = format_runs_table(rows, hardware) + spread_note(spread_s)
     if rank_table(replays):  # two policies or more on one setting
         text += "\n" + format_rank(rank_table(replays), error_by_load(replays))
     if getattr(args, "errors_csv", None):

@@ -23,6 +23,7 @@ from engine.pricing.hardware import get_hardware
 from testbed.calibrate.manifest import Manifest, Split, load_manifest, record_test_report
 from testbed.calibrate.rank import CSV_METRICS, Replayed, error_by_load, format_rank, rank_table, write_errors_csv
 from testbed.calibrate.runs import ReplayDiverged, load_run
+from testbed.calibrate.spread_sim import check_spread, simulate_spread, spread_note
 
 TABLE_METRICS = ("throughput_tok_s", "ttft_mean_s", "tpot_mean_s")
 
@@ -52,6 +53,7 @@ def cmd_validate_manifest(args, console) -> int:
     from testbed.config.composer import load_saved_profiles
 
     load_saved_profiles()
+    spread_s = check_spread(getattr(args, "spread", 0.0))
     overrides = list(args.overrides) + [r for r in args.runs if "=" in r]
     hardware = _override(overrides, "hardware")
     if hardware is None or any(o.partition("=")[0] != "hardware" for o in overrides):
@@ -65,10 +67,10 @@ def cmd_validate_manifest(args, console) -> int:
     if args.test and unpacked_test:
         raise ConfigError(f"the test runs of {split.name} are not packed yet ({', '.join(m.absent) or m.path.name} "
                           f"missing): {', '.join(unpacked_test[:3])}")
-    rows = replay_all(m, split, sets, hardware, console)
-    text = format_split(rows, split, hardware, args.test)
+    rows = replay_all(m, split, sets, hardware, console, spread_s)
+    text = format_split(rows, split, hardware, args.test) + spread_note(spread_s)
     if args.test:
-        earlier = record_test_report(m, split, hardware, str(hw.version))
+        earlier = record_test_report(m, split, hardware, str(hw.version), spread_s)
         text += (f"\n\ntest runs of {split.name} reported before ({len(earlier)}x): {'; '.join(earlier[-3:])}: "
                  "they have been looked at already, say so when quoting them") if earlier else \
             f"\n\nfirst report of {split.name}'s test runs (recorded in {m.path.parent / 'test_reports.log'})"
@@ -83,14 +85,15 @@ def cmd_validate_manifest(args, console) -> int:
     return 0
 
 
-def replay_all(m: Manifest, split: Split, sets: tuple[str, ...], hardware: str, console) -> list[Replayed]:
-    from testbed.calibrate.offline import replayed, simulate_run, stalls_against
+def replay_all(m: Manifest, split: Split, sets: tuple[str, ...], hardware: str, console,
+               spread: float = 0.0) -> list[Replayed]:
+    from testbed.calibrate.offline import replayed, stalls_against
 
     rows = []
     for name in split.runs(sets):
         run = load_run(m.run_dir(name))
         t = time.perf_counter()
-        sim = simulate_run(run, hardware).summary
+        sim = simulate_spread(run, hardware, spread)[1]
         try:
             st = stalls_against(run, hardware, sim)
         except ReplayDiverged as exc:  # the stall check needs the shapes; the simulated run does not
