@@ -284,3 +284,30 @@ def test_the_refit_writes_the_shipped_profile_byte_for_byte(tmp_path):
     assert main(args) == 0
     shipped = Path(__file__).resolve().parents[1] / "engine" / "pricing" / "link_profiles" / "gloo-tcp.json"
     assert (tmp_path / "out.json").read_bytes() == shipped.read_bytes()
+
+
+def test_refitting_the_burst_chance_alone_recovers_it_and_keeps_the_other_constants():
+    """`fit --only-slow-burst-p` (measurements/linkbench-2026-11-28e): transfers priced with a known chance
+    are fitted back to it, every other constant untouched."""
+    from dataclasses import replace
+
+    from testbed.linkbench.fit import fit_slow_burst_p
+    from testbed.linkbench.measure import validation_plan
+
+    base = load_constants()
+    truth = replace(base, slow_burst_p=0.2)
+    plan = validation_plan(sizes=(1 << 20, 4 << 20, 16 << 20))
+    rows = [{"rate_bps": 400e6, "delay_s": 0.03, "n": p["n"], "msgs": p["msgs"], "gap_s": p["gap"]} for p in plan]
+    rows = [dict(r, measured_s=t) for r, t in zip(rows, predict_series(rows, truth))]
+    got = fit_slow_burst_p(rows, base)
+    assert got.slow_burst_p == pytest.approx(0.2, abs=0.02)
+    assert replace(got, slow_burst_p=base.slow_burst_p) == base
+
+
+def test_refitting_the_burst_chance_alone_refuses_other_fit_options(tmp_path, capsys):
+    from testbed.linkbench.fit import main
+
+    series = tmp_path / "s.json"
+    series.write_text('{"provenance": {}, "rows": []}')
+    assert main([str(tmp_path / "o.json"), "--fit", str(series), "--only-slow-burst-p", "--modes"]) == 2
+    assert capsys.readouterr().out.startswith("error: --only-slow-burst-p")

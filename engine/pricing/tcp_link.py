@@ -148,8 +148,9 @@ class TcpConstants:
         return self.slow_burst_p * slow + (1.0 - self.slow_burst_p) * queue
 
 
-def load_constants(name: str = DEFAULT_PROFILE) -> TcpConstants:
-    data = json.loads((PROFILE_DIR / f"{name}.json").read_text())
+def load_constants(name: str = DEFAULT_PROFILE, path: Path | None = None) -> TcpConstants:
+    """A shipped profile by name, or any profile file `fit.py` wrote (`path`: a candidate being judged)."""
+    data = json.loads((path or PROFILE_DIR / f"{name}.json").read_text())
     c = data["constants"]
     return TcpConstants(float(c["initial_window_bytes"]), float(c["goodput_fraction"]), float(c["per_message_s"]),
                         float(c["loss_beta"]), float(c["queue_bytes"]), str(data.get("source", "")),
