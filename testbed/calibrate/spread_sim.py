@@ -1,7 +1,8 @@
 """A run predicted as the mean over a spread of machine speeds (`testbed validate --runs --spread s`).
 
 Why: the CPU engine's same-shape forward time moved 5-13% between repeats of one command (set 7,
-docs/measurements/real-runs-2026-11-28d.md, "Diagnosed after the report"), not with the load. Near
+docs/measurements/real-runs-2026-11-28d.md, "Diagnosed after the report"), not with the one-minute
+load within a campaign (between campaigns the work beside the engine moved it 5-15%: set 8). Near
 saturation the figures are convex in that speed (1% of step price became 1.6-2.7% of mean TPOT), and
 some settings have two states: sarathi at P=2, Azure 9 req/s gave engine TPOTs of 35.9-59.6 ms over
 six repeats, while the simulator's single point sat at 51.6 ms, the top of its own range over compute
