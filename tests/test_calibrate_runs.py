@@ -14,7 +14,8 @@ from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel
 from engine.pricing.hardware import get_hardware
 from engine.pricing.models import get_model
 from testbed.calibrate.manifest import MEASUREMENTS_DIR, load_manifest
-from testbed.calibrate.offline import simulate_run, stalls, stalls_against
+from testbed.calibrate.offline import stalls, stalls_against
+from testbed.calibrate.replay_sim import simulate_run
 from testbed.calibrate.run_fit import fit_runs
 from testbed.calibrate.runs import ReplayDiverged, infer_kv_blocks, load_run, replay_shapes
 from testbed.config.overrides import merge

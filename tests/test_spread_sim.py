@@ -26,7 +26,7 @@ def test_a_slower_machine_takes_longer_and_scale_one_is_the_default():
 
 
 def test_the_spread_prediction_is_the_mean_of_the_scaled_replays(tmp_path):
-    from testbed.calibrate.offline import simulate_run
+    from testbed.calibrate.replay_sim import simulate_run
     from testbed.calibrate.runs import load_run
 
     res = run_experiment(small_config("policy=sarathi", "workload.num_requests=40", "workload.arrival=poisson",

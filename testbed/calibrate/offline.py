@@ -30,7 +30,7 @@ from testbed.run.out_checks import plain_name, writable_dir
 from testbed.calibrate.profile import TARGETS, VALIDATE_METRICS, error_table, profile_dir
 from testbed.calibrate.run_fit import fitted_spec, fit_runs
 from testbed.calibrate.run_checks import distinct_runs, read_table
-from testbed.calibrate.runs import RealRun, group_by_setting, kv_num_blocks, load_run
+from testbed.calibrate.runs import RealRun, group_by_setting, load_run
 from testbed.calibrate.rank import (CSV_METRICS, Replayed, error_by_load, format_rank, rank_table, setting_label,
                                     write_errors_csv)
 from testbed.calibrate.spread_sim import check_spread, simulate_spread, spread_note
@@ -96,31 +96,6 @@ def _run_record(run: RealRun) -> dict:
     return {"dir": run.label, "policy": run.spec.policy_name, "workload": run.spec.workload_name,
             "num_microbatches": int(s.get("num_microbatches", len(run.microbatches))),
             "throughput_tok_s": round(float(s["throughput_tok_s"]), 1)}
-
-
-def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None, compute_scale: float = 1.0):
-    """The simulator on `run`'s requests with its settings (policy, workload, seed, P, KV pool)
-    and `hardware` instead of the engine (its forward prices times `compute_scale`); the RunResult."""
-    from testbed.config.composer import hardware_node
-    from testbed.run.outputs import write_run_dir
-    from testbed.run.runner import prepare_experiment
-
-    node = hardware_node(hardware)
-    rc = run.spec.settings
-    blocking = rc.executor.settings.device == "cpu"  # gloo's blocking send (SimSettings.blocking_send)
-    samplers = rc.executor.settings.num_cpu_samplers  # SiPipe's pool as the engine ran it (the sim's default is 4)
-    values = {"executor": {"name": "sim", "blocking_send": blocking, "host_device": blocking,
-                           "num_cpu_samplers": samplers, "compute_scale": compute_scale}, "hardware": node,
-              "kv.num_blocks": kv_num_blocks(run), "output.mlflow": False,
-              "output.plots": False, "output.progress": False, "output.trace": "off"}
-    spec = run.spec.with_values(values)
-    # the policy plans with the cost model the engine's policy had (the run's own hardware)
-    res = prepare_experiment(spec, requests=list(run.requests), planning=run.spec).run()
-    if res.error:
-        raise ConfigError(f"the simulated replay of {run.path} failed: {res.error}")
-    if out_dir is not None:
-        write_run_dir(res, out_dir, plots=False)
-    return res
 
 
 def spread(runs: list[RealRun]) -> dict[str, float]:

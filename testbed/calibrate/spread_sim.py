@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 from engine.base.errors import ConfigError
+from testbed.calibrate.replay_sim import simulate_run
 from testbed.calibrate.runs import RealRun
 
 SPREAD_POINTS = 9
@@ -52,8 +53,6 @@ def mean_summary(summaries: list[dict]) -> dict:
 def simulate_spread(run: RealRun, hardware: str, spread: float, out_dir=None) -> tuple[object, dict]:
     """(the simulated run at scale 1, the summary the run is compared with: the mean over
     `compute_scales(spread)`, or that run's own summary when spread is 0)."""
-    from testbed.calibrate.offline import simulate_run
-
     point = simulate_run(run, hardware, out_dir)
     scales = compute_scales(spread)
     if len(scales) == 1:
