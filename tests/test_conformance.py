@@ -166,6 +166,7 @@ def reference_tokens(tmp_path_factory):
 def test_short_torch_run_same_greedy_tokens(policy, tmp_path, reference_tokens):
     res, _ = _torch_run(tmp_path, policy)
     assert _tokens(res) == reference_tokens
+    assert res.info["host"]["gemm_probe_ms"] > 0 and res.info["host"]["logical_cpus"] >= 1  # host_probe.py
 
 
 @pytest.mark.parametrize("count", [1, 2, 4])

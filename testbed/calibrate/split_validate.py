@@ -20,6 +20,7 @@ from pathlib import Path
 
 from engine.base.errors import ConfigError
 from engine.pricing.hardware import get_hardware
+from testbed.calibrate.host_check import host_report
 from testbed.calibrate.manifest import Manifest, Split, load_manifest, record_test_report
 from testbed.calibrate.rank import CSV_METRICS, Replayed, error_by_load, format_rank, rank_table, write_errors_csv
 from testbed.calibrate.runs import ReplayDiverged, load_run
@@ -69,6 +70,7 @@ def cmd_validate_manifest(args, console) -> int:
                           f"missing): {', '.join(unpacked_test[:3])}")
     rows = replay_all(m, split, sets, hardware, console, spread_s)
     text = format_split(rows, split, hardware, args.test) + spread_note(spread_s)
+    text += "\n" + host_report({which: [m.run_dir(r) for r in getattr(split, which)] for which in sets})
     if args.test:
         earlier = record_test_report(m, split, hardware, str(hw.version), spread_s)
         text += (f"\n\ntest runs of {split.name} reported before ({len(earlier)}x): {'; '.join(earlier[-3:])}: "

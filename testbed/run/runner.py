@@ -113,6 +113,9 @@ class PreparedRun:
         ctrl = self.controller
         error = None
         interrupted: KeyboardInterrupt | None = None
+        if self.info["executor"] == "torch":  # the host and its speed, before the workers (host_probe.py)
+            from testbed.run.host_probe import host_info
+            self.info["host"] = host_info()
         t_prep = time.perf_counter()
         t0 = t_prep
         try:

@@ -1,0 +1,61 @@
+"""Did the runs a profile is checked against run on the machine its fit runs ran on? (`validate --runs`)
+
+A CPU profile describes the machine of its fit runs: set 9's profile held 35 of 36 rows on the machine it
+was fitted on and 13 of 36 on the next session's machine, where the same engine ran 7-13% slower
+(testbed/run/host_probe.py). Each real run records its host (`host` in run_info.json: CPU model,
+logical CPUs, the median of a fixed one-thread GEMM); this compares the fit runs' with every other
+set's and says so when the CPU model differs or the probe's median moved by more than PROBE_TOLERANCE.
+Runs taken before the probe existed record none: the check then says it cannot tell.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+# The probe's own scatter on one machine: 1.96-2.12 ms over eight probes on the shared 2-core machine
+# at load ~3 (2026-11-28), i.e. within +-4% of its median; a move beyond 5% is the machine, not the probe.
+PROBE_TOLERANCE = 0.05
+
+
+def run_host(run_dir: Path) -> dict | None:
+    """The `host` a real run recorded (None: taken before the probe, or no run_info.json)."""
+    try:
+        info = json.loads((run_dir / "run_info.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    host = info.get("host")
+    return host if isinstance(host, dict) and isinstance(host.get("gemm_probe_ms"), (int, float)) else None
+
+
+def _describe(hosts: Sequence[dict]) -> tuple[str, float]:
+    models = sorted({str(h.get("cpu_model", "unknown")) for h in hosts})
+    probe = statistics.median(float(h["gemm_probe_ms"]) for h in hosts)
+    return " / ".join(models), probe
+
+
+def host_report(runs_by_set: dict[str, Iterable[Path]]) -> str:
+    """One line per set other than `fit`, comparing its hosts with the fit runs' (module docstring)."""
+    hosts = {name: [run_host(p) for p in paths] for name, paths in runs_by_set.items()}
+    fit = [h for h in hosts.get("fit", []) if h]
+    if not fit:
+        return ("host: the fit runs record no host probe (taken before testbed/run/host_probe.py): "
+                "whether the checked runs ran on the same machine is unknown")
+    fit_model, fit_probe = _describe(fit)
+    lines = [f"host: fit runs on {fit_model}, GEMM probe {fit_probe:.3f} ms (median of {len(fit)} runs)"]
+    for name, found in hosts.items():
+        if name == "fit":
+            continue
+        known = [h for h in found if h]
+        if not known:
+            lines.append(f"  {name} runs: no host probe recorded (taken before the probe): cannot tell")
+            continue
+        model, probe = _describe(known)
+        moved = probe / fit_probe - 1.0
+        same = model == fit_model and abs(moved) <= PROBE_TOLERANCE
+        verdict = "same machine by the probe" if same else (
+            "ANOTHER MACHINE or machine state: a CPU profile describes its fit runs' machine; refit on runs "
+            "of this one (testbed calibrate runs)")
+        lines.append(f"  {name} runs on {model}, probe {probe:.3f} ms ({moved:+.1%} against the fit runs): {verdict}")
+    return "\n".join(lines)
