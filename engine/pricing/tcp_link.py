@@ -104,6 +104,11 @@ class TcpConstants:
     # form); < 1: a burst that fits at `sender_Bps` is lost with chance 1 - this, and the connection is
     # priced over both outcomes (engine/pricing/tcp_modes.py)
     slow_burst_p: float = 1.0
+    # A lost first burst's recovery priced by what was lost (candidate M2, 2026-11-28f): this many round
+    # trips more per cut window of lost bytes (SACK recovery resends them at most a cut window per round
+    # trip). With per-direction relays a lost 4 MB burst at 400 Mbps / 25 ms took 327-330 ms against 242
+    # priced by `burst_loss_rtts` alone (measurements/linkbench-2026-11-28e). 0: not priced (older profiles).
+    lost_window_rtts: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.initial_window_bytes > 0:
@@ -114,7 +119,7 @@ class TcpConstants:
             raise bad_value("loss_beta", self.loss_beta, "must be in (0, 1)")
         if not self.sender_Bps > 0:
             raise bad_value("sender_Bps", self.sender_Bps, "must be > 0")
-        if min(self.per_message_s, self.queue_bytes, self.queue_bdp, self.burst_loss_rtts) < 0:
+        if min(self.per_message_s, self.queue_bytes, self.queue_bdp, self.burst_loss_rtts, self.lost_window_rtts) < 0:
             raise bad_value("per_message_s/queue_bytes/queue_bdp/burst_loss_rtts",
                             (self.per_message_s, self.queue_bytes, self.queue_bdp, self.burst_loss_rtts), "must be >= 0")
         if not 0 <= self.slow_burst_p <= 1:
@@ -155,7 +160,8 @@ def load_constants(name: str = DEFAULT_PROFILE, path: Path | None = None) -> Tcp
     return TcpConstants(float(c["initial_window_bytes"]), float(c["goodput_fraction"]), float(c["per_message_s"]),
                         float(c["loss_beta"]), float(c["queue_bytes"]), str(data.get("source", "")),
                         float(c.get("queue_bdp", 0.0)), float(c.get("burst_loss_rtts", 0.0)),
-                        float(c.get("sender_Bps") or math.inf), float(c.get("slow_burst_p", 1.0)))
+                        float(c.get("sender_Bps") or math.inf), float(c.get("slow_burst_p", 1.0)),
+                        float(c.get("lost_window_rtts", 0.0)))
 
 
 @dataclass
@@ -218,6 +224,7 @@ class TcpConnection:
                 # it idles for the rest of that round trip (link46e; validation 1 point off instead of 3)
                 t += c.burst_loss_rtts * rtt + max(0.0, rtt - absorbs / rate)
                 w0, w = w, self._cut(self._found_at(w, burst, absorbs))
+                t += c.lost_window_rtts * max(0.0, burst - absorbs) / w * rtt  # resent a cut window a round trip
                 # the burst's bytes cross at the rate, the rest at the cut window (link46d)
                 at_rate = min(left, w0)
                 t += at_rate / rate

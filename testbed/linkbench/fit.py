@@ -34,7 +34,8 @@ INITIAL_WINDOW = 14_480.0
 START = (0.95, 1e-4)
 BURST_STARTS = (0.25, 0.5, 1.0)  # round trips a queue-overflowing burst costs
 SENDER_GBPS_STARTS = (1.0, 3.0, 10.0)  # how fast the sending host bursts onto the path
-SLOW_STARTS = (0.4, 0.7)  # the chance a burst comes at that speed, not at line speed
+SLOW_STARTS = (0.4, 0.7)
+LOST_STARTS = (0.0, 1.0, 3.0)  # round trips per cut window of a lost burst's bytes (M2, 2026-11-28f)  # the chance a burst comes at that speed, not at line speed
 
 
 def repeat_means(rows: list[dict]) -> list[dict]:
@@ -88,14 +89,16 @@ def constants(x, queue: tuple[float, float], source: str = "") -> TcpConstants:
     burst = round(max(0.0, float(x[2])), 4) if len(x) > 2 else 0.0
     sender = float(round(max(1e-3, float(x[3])) * 1e9 / 8.0)) if len(x) > 3 else math.inf
     slow = round(min(1.0, max(0.0, float(x[4]))), 4) if len(x) > 4 else 1.0
+    lost = round(max(0.0, float(x[5])), 4) if len(x) > 5 else 0.0
     return TcpConstants(INITIAL_WINDOW, round(min(1.0, float(x[0])), 5), round(max(0.0, float(x[1])), 7), 0.5,
-                        queue[0], source, queue[1], burst, sender, slow)
+                        queue[0], source, queue[1], burst, sender, slow, lost)
 
 
 def fit(rows: list[dict], queue: tuple[float, float], burst: bool = False,
-        sender_Bps: float | None = None, modes: bool = False) -> TcpConstants:
+        sender_Bps: float | None = None, modes: bool = False, lost_window: bool = False) -> TcpConstants:
     """`sender_Bps`: the sender's burst speed as measured (relay_speed.py), not fitted. `modes`: also
-    fit `slow_burst_p` (a burst lost with a chance; the expected time over both outcomes)."""
+    fit `slow_burst_p` (a burst lost with a chance; the expected time over both outcomes). `lost_window`
+    (with `modes`): also fit `lost_window_rtts` (a lost burst's recovery by its lost bytes)."""
     fixed = () if sender_Bps is None or not burst else (sender_Bps * 8.0 / 1e9,)
     modes = modes and burst and not fixed
 
@@ -103,7 +106,7 @@ def fit(rows: list[dict], queue: tuple[float, float], burst: bool = False,
         x = tuple(x) + fixed
         if not 0.5 < x[0] <= 1.0 or x[1] < 0 or (burst and not (0 <= x[2] <= 10 and 0.05 <= x[3] <= 100)):
             return 1e9
-        if len(x) > 4 and not 0.0 <= x[4] <= 1.0:
+        if len(x) > 4 and not 0.0 <= x[4] <= 1.0 or len(x) > 5 and not 0.0 <= x[5] <= 20.0:
             return 1e9
         # Cauchy (robust) loss on the log error: a few transfers the model does not describe (a second
         # loss in Reno's recovery at 400 Mbps) must not pull the constants off the rest
@@ -115,6 +118,8 @@ def fit(rows: list[dict], queue: tuple[float, float], burst: bool = False,
     best = _best(lambda x: loss_on(x, means), starts)
     if modes:  # widened from the one-outcome optimum (a grid of 5-D starts takes too long)
         best = _best(lambda x: loss_on(x, means), [tuple(best) + (s,) for s in SLOW_STARTS])
+        if lost_window:  # widened again from the two-outcome optimum
+            best = _best(lambda x: loss_on(x, means), [tuple(best) + (s,) for s in LOST_STARTS])
     return constants(tuple(best) + fixed, queue)
 
 
@@ -188,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --burst-loss: also fit slow_burst_p (a burst lost by chance; priced over both outcomes)")
     ap.add_argument("--sender-Bps", type=float, default=None,
                     help="with --burst-loss: the sender's burst speed as measured (relay_speed.py), not fitted")
+    ap.add_argument("--lost-window", action="store_true",
+                    help="with --modes: also fit lost_window_rtts (a lost burst's recovery by its lost bytes)")
     ap.add_argument("--only-slow-burst-p", action="store_true",
                     help="refit slow_burst_p alone; every other constant the shipped profile's")
     a = ap.parse_args(argv)
@@ -202,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.sender_Bps is not None and not (a.burst_loss and a.sender_Bps > 0):
         print(f"error: --sender-Bps {a.sender_Bps}: a speed > 0 in bytes/s, with --burst-loss")
         return 2
+    if a.lost_window and not (a.burst_loss and a.modes):
+        print("error: --lost-window: only with --burst-loss --modes (the lost burst's two-outcome form)")
+        return 2
     if a.only_slow_burst_p and (a.burst_loss or a.modes or a.sender_Bps is not None or a.queue_bdp is not None):
         print("error: --only-slow-burst-p: alone (every other constant is the shipped profile's); drop "
               "--burst-loss / --modes / --sender-Bps / --queue-bdp")
@@ -211,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         c = fit_slow_burst_p(rows, load_constants())
         queue = (c.queue_bytes, c.queue_bdp)
     else:
-        c = fit(rows, queue, a.burst_loss, a.sender_Bps, a.modes)
+        c = fit(rows, queue, a.burst_loss, a.sender_Bps, a.modes, a.lost_window and a.modes)
     series = []
     for role, paths, data in (("fit", a.fit, fitted), ("held out", a.check, checked)):
         for p, d in zip(paths, data):
@@ -233,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                              "loss_beta": c.loss_beta, "queue_bytes": queue[0], "queue_bdp": queue[1],
                              "burst_loss_rtts": round(c.burst_loss_rtts, 4),
                              "sender_Bps": round(c.sender_Bps) if math.isfinite(c.sender_Bps) else None,
-                             "slow_burst_p": c.slow_burst_p},
+                             "slow_burst_p": c.slow_burst_p}
+                            | ({"lost_window_rtts": c.lost_window_rtts} if c.lost_window_rtts else {}),
                "series": series}
     Path(a.out).write_text(json.dumps(profile, indent=1) + "\n")
     if a.table:

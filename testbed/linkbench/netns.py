@@ -52,13 +52,24 @@ TBF_BURST_BYTES = 4 * 1514
 # The delay relays: "c" (delay_relay.c, built here with the system C compiler; the default since
 # 2026-11-28) or "python" (relay.py, the relay of every 2026-11-27 series). Both forward 1.2-1.5 GB/s
 # in bulk (relay_speed.py); the 400 Mbps spread is TCP's with either (docs/measurements/links-2026-11-28.md).
-RELAYS = ("c", "python")
+# "c-timer" (2026-11-28f): the same C relay with a reader thread that stamps each packet as it arrives and a
+# writer that releases it at arrival + delay (delay_relay.c, mode "timer"): "c" stamped a packet only when its
+# one loop got to read it, after writing the due ones, so a packet arriving behind a released burst was held
+# longer than the delay, by more the larger the burst (measurements/linkbench-2026-11-28f/lateness.txt).
+RELAYS = ("c", "python", "c-timer")
 # How the relays share the two directions. "shared": one TUN device and one relay for both (every series
 # up to 2026-11-28c). Its writes carry the kernel's forwarding (38-45 us a write at 400 Mbps against 7-13
 # at 60-200, 2026-11-28c), so the ACKs waited behind each released burst of data and every 15 ms /
 # 400 Mbps run was late by 3.3-6.0 ms on average. "per-direction": A->B and B->A each through their own
 # TUN device and relay process (two CPUs work in parallel; an ACK waits only behind other ACKs).
-RELAY_LAYOUTS = ("shared", "per-direction")
+# "rate-first" (2026-11-28f): per-direction relays, and each direction's tbf moved from R's egress veth to
+# the egress of its TUN device, so a packet is queued and serialised at the rate BEFORE the relay delays it
+# (a link's queue and serialiser, then its propagation delay). Before, a sender's burst reached the relay at
+# veth speed and every write carried the kernel's forwarding (tbf segmenting the GSO packet, the receiver's
+# TCP) in the relay's time, so a burst was released slower than it came and the release fell further
+# behind the larger the backlog (measured from outside the relay, lateness.py: mean 0.06 ms at < 64 KB held,
+# 2.6-6 ms at 1-4 MB held, 2026-11-28f lateness.txt); here the relay gets packets at most at the rate.
+RELAY_LAYOUTS = ("shared", "per-direction", "rate-first")
 RELAY_SOURCE = Path(__file__).with_name("delay_relay.c")
 # The delay is added by the user-space relay above: this machine's kernel (6.18; CONFIG_NET_SCH_FQ,
 # _ETF, _NETEM not set) cannot hold a packet in any qdisc it has. TCP_TX_DELAY, the kernel-side
@@ -72,6 +83,24 @@ RELAY_SOURCE = Path(__file__).with_name("delay_relay.c")
 # series 4.4 ms (29%). A packet held a whole extra delay doubles one round trip of its transfer.
 LATE_MEAN_SHARE = 0.05
 LATE_MAX_DELAYS = 1.0
+
+
+# Rate-first's bucket: RATE_FIRST_BURST_S of the rate (at least TBF_BURST_BYTES, at most one 64 KB GSO packet
+# with headers). tbf splits a GSO packet larger than its bucket into 1,514-byte frames; on the TUN device that
+# meant ~33,000 reads and writes a second per direction at 400 Mbps, and on this 2-core machine the relay fell
+# behind (smoke test 2026-11-28f: 16 MB x3 in 1.04 s against 0.71). The sender's packets carry about 1 ms of
+# its pacing rate (Linux's TSO autosizing), so a 2 ms bucket passes most whole. What it costs: after an idle
+# period up to one bucket (2 ms of the rate) leaves back to back instead of at the rate.
+# tbf counts a GSO packet's length with every segment's headers, so a full 64 KB one (67.5 KB so counted)
+# is larger than any bucket tbf allows (65,535 B) and was always split: the endpoints' GSO packets are
+# capped at RATE_FIRST_GSO_BYTES (~24 segments) and the bucket holds one.
+RATE_FIRST_BURST_S = 0.002
+RATE_FIRST_BURST_MAX = 36_000
+RATE_FIRST_GSO_BYTES = 32_768
+
+
+def rate_first_burst(rate_bps: float) -> int:
+    return int(min(RATE_FIRST_BURST_MAX, max(TBF_BURST_BYTES, rate_bps / 8.0 * RATE_FIRST_BURST_S)))
 
 
 class LinkSetupError(RuntimeError):
@@ -129,7 +158,7 @@ def relay_binary() -> Path:
         raise LinkSetupError("the C delay relay needs a C compiler (gcc or cc); or choose relay 'python'")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}")
-    sh(cc, "-O2", "-Wall", "-o", str(tmp), str(RELAY_SOURCE))
+    sh(cc, "-O2", "-Wall", "-pthread", "-o", str(tmp), str(RELAY_SOURCE))
     tmp.replace(out)
     return out
 
@@ -146,6 +175,7 @@ class DelayedLink:
         self.ns_a, self.ns_r, self.ns_b = f"{self.tag}a", f"{self.tag}r", f"{self.tag}b"
         self.addr_a, self.addr_b = f"10.{k}.1.1", f"10.{k}.2.1"
         self._k = k
+        self._rated: tuple[str, ...] = ("ra", "rb")  # the devices whose egress tbf is the link's rate
         self.relays: list[subprocess.Popen] = []  # A->B first; one for both directions when shared
         self.relay_report: str = ""
 
@@ -179,12 +209,16 @@ class DelayedLink:
             self._in(ns, "ip", "link", "set", dev, "up")
         for ns in (a, b):
             self._in(ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={CONGESTION_CONTROL}")
+        if self.spec.layout == "rate-first":  # GSO packets small enough for the bucket (RATE_FIRST_GSO_BYTES)
+            self._in(a, "ip", "link", "set", "va", "gso_max_size", str(RATE_FIRST_GSO_BYTES))
+            self._in(b, "ip", "link", "set", "vb", "gso_max_size", str(RATE_FIRST_GSO_BYTES))
         self._in(a, "ip", "route", "add", "default", "via", f"10.{k}.1.2")
         self._in(b, "ip", "route", "add", "default", "via", f"10.{k}.2.2")
         for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"):
             self._in(r, "sysctl", "-qw", key)
         # shared: both veths into "dly" (table 46); per-direction: from A into "dly", from B into "dlz" (47)
         tuns = {"ra": "dly", "rb": "dly" if self.spec.layout == "shared" else "dlz"}
+        self._rated = ("dly", "dlz") if self.spec.layout == "rate-first" else ("ra", "rb")
         for table, tun in enumerate(dict.fromkeys(tuns.values()), start=46):
             self._in(r, "ip", "tuntap", "add", "dev", tun, "mode", "tun", "vnet_hdr")
             # The ring between the kernel and the relay: a grown window leaves the sender at veth speed, and
@@ -198,10 +232,11 @@ class DelayedLink:
         for dev in ("ra", "rb"):
             self._in(r, "sysctl", "-qw", f"net.ipv4.conf.{dev}.rp_filter=0")
         self.set_rate(self.spec.rate_bps)
-        relay = ([str(relay_binary())] if self.spec.relay == "c"
-                 else [sys.executable, "-m", "testbed.linkbench.relay"])
+        relay = ([sys.executable, "-m", "testbed.linkbench.relay"] if self.spec.relay == "python"
+                 else [str(relay_binary())])
+        mode = ["timer"] if self.spec.relay == "c-timer" else []
         for tun in dict.fromkeys(tuns.values()):
-            proc = subprocess.Popen(["ip", "netns", "exec", r, *relay, tun, repr(self.spec.delay_s)],
+            proc = subprocess.Popen(["ip", "netns", "exec", r, *relay, tun, repr(self.spec.delay_s), *mode],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             self.relays.append(proc)
             line = proc.stdout.readline().strip()
@@ -217,9 +252,12 @@ class DelayedLink:
         """tbf on both of R's egress veths: `burst` four full-size frames (tbf's timer is a
         high-resolution one: it sustains 400 Mbps so), the queue `TBF_QUEUE_BYTES` long. A larger
         bucket lets a burst through at veth speed, as no real link does: with rate/250 s of bucket
-        (100 KB at 200 Mbps), 128 KB crossed a 10 ms link in 12.1 ms against 15-16 ms at the rate."""
-        burst, limit = TBF_BURST_BYTES, int(queue_bytes or TBF_QUEUE_BYTES)
-        for dev in ("ra", "rb"):
+        (100 KB at 200 Mbps), 128 KB crossed a 10 ms link in 12.1 ms against 15-16 ms at the rate.
+        Rate-first (tbf on the TUN devices): `rate_first_burst`, so the sender's GSO packets reach the relay
+        whole instead of segmented."""
+        burst = rate_first_burst(rate_bps) if self.spec.layout == "rate-first" else TBF_BURST_BYTES
+        limit = int(queue_bytes or TBF_QUEUE_BYTES)
+        for dev in self._rated:
             self._in(self.ns_r, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(rate_bps)}bit",
                      "burst", str(burst), "limit", str(limit))
 
@@ -240,7 +278,7 @@ class DelayedLink:
     def drops(self) -> int:
         """Packets the bottleneck queues dropped so far (both directions; `tc -s qdisc`)."""
         total = 0
-        for dev in ("ra", "rb"):
+        for dev in self._rated:
             out = self._in(self.ns_r, "tc", "-s", "qdisc", "show", "dev", dev)
             total += int(out.split("dropped ", 1)[1].split(",", 1)[0]) if "dropped " in out else 0
         return total
