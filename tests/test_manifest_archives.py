@@ -90,19 +90,24 @@ def test_pack_runs_packs_into_the_named_archive_only_what_the_others_lack(folder
         pack_runs.pack(path, src)  # several archives: the one to pack must be named
 
 
-# ---- sets 5-9's profiles (measurements/cpu-tiny-llama-2026-11-28/manifest-set{5,...,9}.yaml) -------------
+# ---- sets 5-11's profiles (measurements/cpu-tiny-llama-2026-11-28/manifest-set{5,...,11}.yaml) -----------
 MEASURED = ROOT / "measurements" / "cpu-tiny-llama-2026-11-28"
 SET5 = MEASURED / "manifest-set5.yaml"
 SET6 = MEASURED / "manifest-set6.yaml"
 SET7 = MEASURED / "manifest-set7.yaml"
 SET8 = MEASURED / "manifest-set8.yaml"
 SET9 = MEASURED / "manifest-set9.yaml"
+SET10 = MEASURED / "manifest-set10.yaml"
+SET11 = MEASURED / "manifest-set11.yaml"
 # the options each profile's validation runs chose: the quick-table option and any further flags (set 5:
 # 3.30% / 4.58%, docs/measurements/diag-cpu-2026-11-28b.md; set 6: 2.11% / 2.39%,
 # docs/measurements/real-runs-2026-11-28c.md; set 7: 2.28% / 1.62%, P=2 with --inflight-handover,
 # docs/measurements/real-runs-2026-11-28d.md; set 8, fitted on set 7's six repeats: 1.897% / 1.927%, P=2 with the
 # table and --inflight-handover, both predicted with `validate --spread 0.05`; set 9, fitted on set 8's r7-r9 with
-# set 8's options: spread 0.05 at P=1 (1.948%), none at P=2 (2.290%), docs/measurements/real-runs-2026-11-28e.md)
+# set 8's options: spread 0.05 at P=1 (1.948%), none at P=2 (2.290%), docs/measurements/real-runs-2026-11-28e.md;
+# set 10, set 9's fit chosen again on r7-r12: no decode-by-batch, no spread at both depths (1.939% / 2.965%); set 11,
+# fitted on this machine's r13-r15: P=1 --decode-by-batch (1.677%), P=2 spread 0.05 (2.182%),
+# docs/measurements/real-runs-2026-11-28f.md)
 FIT_OPTIONS = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1", ()), "cpu-tiny-llama-set5-pp2-runs": (SET5, "0", ()),
                "cpu-tiny-llama-set6-pp1-runs": (SET6, "0", ()), "cpu-tiny-llama-set6-pp2-runs": (SET6, "1", ()),
                "cpu-tiny-llama-set7-pp1-runs": (SET7, "0", ()),
@@ -110,10 +115,15 @@ FIT_OPTIONS = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1", ()), "cpu-tiny-llama-
                "cpu-tiny-llama-set8-pp1-runs": (SET8, "0", ()),
                "cpu-tiny-llama-set8-pp2-runs": (SET8, "1", ("--inflight-handover",)),
                "cpu-tiny-llama-set9-pp1-runs": (SET9, "0", ()),
-               "cpu-tiny-llama-set9-pp2-runs": (SET9, "0", ("--inflight-handover",))}
+               "cpu-tiny-llama-set9-pp2-runs": (SET9, "0", ("--inflight-handover",)),
+               "cpu-tiny-llama-set10-pp1-runs": (SET10, "0", ()),
+               "cpu-tiny-llama-set10-pp2-runs": (SET10, "0", ("--inflight-handover",)),
+               "cpu-tiny-llama-set11-pp1-runs": (SET11, "0", ("--decode-by-batch",)),
+               "cpu-tiny-llama-set11-pp2-runs": (SET11, "0", ("--inflight-handover",))}
 REPEATS = {SET5: ((1, 2, 3, 4), (5, 6, 7)), SET6: ((1, 2, 3), (4, 5, 6)),
            SET7: ((1, 2, 3), (4, 5, 6)), SET8: ((1, 2, 3, 4, 5, 6), (7, 8, 9)),
-           SET9: ((7, 8, 9), (10, 11, 12))}  # (fit and validation, test)
+           SET9: ((7, 8, 9), (10, 11, 12)), SET10: ((7, 8, 9, 10, 11, 12), (13, 14, 15)),
+           SET11: ((13, 14, 15), (16, 17, 18))}  # (fit and validation, test)
 
 
 @pytest.mark.parametrize("manifest", sorted(REPEATS), ids=lambda p: p.stem)
