@@ -1,7 +1,7 @@
 """Did the runs a profile is checked against run on the machine its fit runs ran on? (`validate --runs`)
 
 A CPU profile describes the machine of its fit runs: set 9's profile held 35 of 36 rows on the machine it
-was fitted on and 13 of 36 on the next session's machine, where the same engine ran 7-13% slower
+was fitted on and 13 of 36 on the next session's machine, where the same engine ran 3-13% slower
 (testbed/run/host_probe.py). Each real run records its host (`host` in run_info.json: CPU model,
 logical CPUs, the median of a fixed one-thread GEMM); this compares the fit runs' with every other
 set's and says so when the CPU model differs or the probe's median moved by more than PROBE_TOLERANCE.

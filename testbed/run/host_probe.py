@@ -2,7 +2,7 @@
 
 Why: a CPU profile fitted on one machine's runs did not hold on another's. Set 9's profile (fitted and
 tested on the previous session's machine: 35 of 36 rows within 10%) held 13 of 36 rows on set 10's runs
-of the same engine and commands, taken on this session's new machine, where the engine ran 7-8% slower
+of the same engine and commands, taken on this session's new machine, where the engine ran 3-7% slower
 offline and its mean TPOT 8-13% higher in the median (docs/measurements/real-runs-2026-11-28f.md). Nothing
 in the runs said the machine had changed. Each real run now records the host's CPU model, its logical
 cores, and a probe: the median time of a fixed one-thread fp32 GEMM (16 x 2048 by 2048 x 2048, the
