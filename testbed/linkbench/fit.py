@@ -34,8 +34,8 @@ INITIAL_WINDOW = 14_480.0
 START = (0.95, 1e-4)
 BURST_STARTS = (0.25, 0.5, 1.0)  # round trips a queue-overflowing burst costs
 SENDER_GBPS_STARTS = (1.0, 3.0, 10.0)  # how fast the sending host bursts onto the path
-SLOW_STARTS = (0.4, 0.7)
-LOST_STARTS = (0.0, 1.0, 3.0)  # round trips per cut window of a lost burst's bytes (M2, 2026-11-28f)  # the chance a burst comes at that speed, not at line speed
+SLOW_STARTS = (0.4, 0.7)  # the chance a burst comes at that speed, not at line speed
+LOST_STARTS = (0.0, 1.0, 3.0)  # round trips per cut window of a lost burst's bytes (M2, 2026-11-28f)
 
 
 def repeat_means(rows: list[dict]) -> list[dict]:
