@@ -67,7 +67,7 @@ def test_fit_refuses_lost_window_without_the_two_outcomes(tmp_path, capsys):
 
 
 def test_rate_first_timer_link_gives_the_asked_round_trip():
-    from tests.test_linkbench_delay import _ping
+    from test_linkbench_delay import _ping
 
     started: list = []
     delay = 0.010
