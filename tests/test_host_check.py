@@ -48,6 +48,9 @@ def test_another_cpu_model_is_another_machine_even_at_the_same_speed(tmp_path):
 def test_runs_without_a_probe_say_it_cannot_be_told(tmp_path):
     old = [_run(tmp_path, "f", None)]
     assert run_host(old[0]) is None
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "run_info.json").write_text("[1, 2]")  # not an object: no host, no traceback
+    assert run_host(tmp_path / "odd") is None
     assert "unknown" in host_report({"fit": old, "test": [_run(tmp_path, "t", _host(2.0))]})
     text = host_report({"fit": [_run(tmp_path, "f2", _host(2.0))], "test": [_run(tmp_path, "t2", None)]})
     assert "cannot tell" in text.splitlines()[1]

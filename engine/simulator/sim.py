@@ -424,6 +424,7 @@ def _scaled_forward(cost, scale: float) -> Callable:
     price = cost.stage_compute_all_s
     return lambda shape: tuple([v * scale for v in price(shape)])
 
+
 _FORWARD_NAMES = {kind: f"forward:{kind}" for kind in ("prefill", "decode", "mixed")}  # by MicroBatch.kind
 def _fifo(link: LinkState, pending: Seq[PendingTransfer]) -> Transfer:
     return Transfer(pending[0], pending[0].remaining_bytes)

@@ -9,10 +9,11 @@ Runs taken before the probe existed record none: the check then says it cannot t
 """
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from testbed.calibrate.run_checks import run_info
 
 # The probe's own scatter on one machine: 1.96-2.12 ms over eight probes on the shared 2-core machine
 # at load ~3 (2026-11-28), i.e. within +-4% of its median; a move beyond 5% is the machine, not the probe.
@@ -21,11 +22,7 @@ PROBE_TOLERANCE = 0.05
 
 def run_host(run_dir: Path) -> dict | None:
     """The `host` a real run recorded (None: taken before the probe, or no run_info.json)."""
-    try:
-        info = json.loads((run_dir / "run_info.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    host = info.get("host")
+    host = run_info(run_dir).get("host")
     return host if isinstance(host, dict) and isinstance(host.get("gemm_probe_ms"), (int, float)) else None
 
 
