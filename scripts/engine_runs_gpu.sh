@@ -22,7 +22,11 @@ left() { echo $(( BUDGET - (SECONDS - START) )); }
 cap() { local l=$(( $(left) - ${2:-0} )); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }  # cap <s> [reserve]
 spent() { [ "$(left)" -lt "$(( ${1:-10} + ${2:-0} ))" ] && echo "    (skipped: the budget is spent)"; }
 # the run folders' files only (never output.dir/models: a random checkpoint, 15 GB for a 7B model)
-pack() { (cd "$T" && ls -d runs/pp* >/dev/null 2>&1 && tar cf - --exclude='*.png' runs/pp* 2>/dev/null | xz -6 > "$OUT/runs.tar.xz"); }
+# (Python's tarfile: the GPU machine's image may lack the xz program)
+txz() { python3 -c "import sys, tarfile, glob
+with tarfile.open(sys.argv[1], 'w:xz', preset=1) as t:
+    [t.add(p, filter=lambda i: None if i.name.endswith('.png') else i) for g in sys.argv[2:] for p in sorted(glob.glob(g))]" "$@"; }
+pack() { (cd "$T" && ls -d runs/pp* >/dev/null 2>&1 && txz "$OUT/runs.tar.xz" 'runs/pp*'); }
 exec > >(tee "$OUT/log.txt") 2>&1
 if ls .gpu/whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$T/site" .gpu/whl/*.whl 2>&1 | grep -v WARNING
@@ -57,7 +61,7 @@ R_TESTS=270   # gpu tests 130 + bench 95 + samplers 45
 echo "=== 1. profile table, P=1, grid $GRID ($(left) s left)"; spent 20 "$R_TESTS" ||
 timeout -k 5 "$(cap 80 "$R_TESTS")" $TB profile executor=torch executor.device=$DEVICE model=$MODEL parallel.pp=1 \
   --grid "$GRID" --repeats 3 --name "engine-$MODEL-pp1-$GRID" --out "$T/profile" 2>&1 | tail -8
-(cd "$T" && tar cf - profile | xz -6 > "$OUT/profile.tar.xz")
+(cd "$T" && txz "$OUT/profile.tar.xz" profile)
 
 echo "=== 2. P=1 ShareGPT offline: fit and validation runs (r1), then every policy (r2)"
 one pp1-sharegpt-gllm-r1 60 "$R_TESTS" parallel.pp=1 policy=gllm $SG
