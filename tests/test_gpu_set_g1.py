@@ -41,3 +41,20 @@ def test_stages_recorded_their_cuda_graph_capture(manifest):
         assert len(info["stages"]) == P
         assert all(s["runtime_s"] > 0.5 and s["runtime_mib"] > 100 and s["device"].startswith("cuda")
                    for s in info["stages"])
+
+
+@pytest.mark.parametrize("depth,option", [(1, "1"), (2, "0")])
+def test_the_frozen_profiles_refit_exactly_from_the_repository(tmp_path, depth, option):
+    """The options choose-g1.txt chose on the validation run: P=1 without the serving table."""
+    import yaml
+
+    from testbed.cli import main
+
+    name = f"gpu-h200-q7-g1-pp{depth}-runs"
+    assert main(["calibrate", "runs", str(G1 / "manifest-g1.yaml"), "--profile", name, "--table-option", option,
+                 "--own-attention", "--hop", "receive", "--name", name, "--out", str(tmp_path)]) == 0
+    fitted = yaml.safe_load((tmp_path / f"{name}.yaml").read_text())
+    frozen = yaml.safe_load((G1 / "profiles" / f"{name}.yaml").read_text())
+    for key in set(frozen) - {"profile", "version"}:
+        assert fitted[key] == frozen[key], key
+    assert fitted["profile"]["errors"] == frozen["profile"]["errors"]
