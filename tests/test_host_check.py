@@ -54,3 +54,16 @@ def test_runs_without_a_probe_say_it_cannot_be_told(tmp_path):
     assert "unknown" in host_report({"fit": old, "test": [_run(tmp_path, "t", _host(2.0))]})
     text = host_report({"fit": [_run(tmp_path, "f2", _host(2.0))], "test": [_run(tmp_path, "t2", None)]})
     assert "cannot tell" in text.splitlines()[1]
+
+
+def test_on_a_gpu_a_slower_host_is_the_hosts_work_not_another_machine(tmp_path):
+    def gpu_run(name: str, probe: float):
+        d = _run(tmp_path, name, _host(probe, "Intel Xeon"))
+        info = json.loads((d / "run_info.json").read_text()) | {"stages": [{"device": "cuda:0"}]}
+        (d / "run_info.json").write_text(json.dumps(info))
+        return d
+
+    text = host_report({"fit": [gpu_run("f", 2.0)], "test": [gpu_run("t", 2.4)]})
+    assert "host ran at another speed" in text and "ANOTHER MACHINE" not in text
+    other = _run(tmp_path, "o", _host(2.0, "AMD EPYC"))  # another CPU model is another machine, GPU or not
+    assert "ANOTHER MACHINE" in host_report({"fit": [gpu_run("f2", 2.0)], "test": [other]})

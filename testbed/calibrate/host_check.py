@@ -5,7 +5,10 @@ was fitted on and 13 of 36 on the next session's machine, where the same engine 
 (testbed/run/host_probe.py). Each real run records its host (`host` in run_info.json: CPU model,
 logical CPUs, the median of a fixed one-thread GEMM); this compares the fit runs' with every other
 set's and says so when the CPU model differs or the probe's median moved by more than PROBE_TOLERANCE.
-Runs taken before the probe existed record none: the check then says it cannot tell.
+Runs taken before the probe existed record none: the check then says it cannot tell. On a GPU the probe
+says only how fast the host was (its prepare, sample and dispatch work), not the device: the H200 machine's
+host (16 cores, sandboxed) scattered 1.59-2.42 ms over set G1's 23 runs in 13 minutes, so there a move is
+reported as the host's, not as another machine.
 """
 from __future__ import annotations
 
@@ -26,6 +29,12 @@ def run_host(run_dir: Path) -> dict | None:
     return host if isinstance(host, dict) and isinstance(host.get("gemm_probe_ms"), (int, float)) else None
 
 
+def _on_gpu(run_dir: Path) -> bool:
+    stages = run_info(run_dir).get("stages")
+    return isinstance(stages, list) and any(str(s.get("device", "")).startswith("cuda")
+                                            for s in stages if isinstance(s, dict))
+
+
 def _describe(hosts: Sequence[dict]) -> tuple[str, float]:
     models = sorted({str(h.get("cpu_model", "unknown")) for h in hosts})
     probe = statistics.median(float(h["gemm_probe_ms"]) for h in hosts)
@@ -34,7 +43,9 @@ def _describe(hosts: Sequence[dict]) -> tuple[str, float]:
 
 def host_report(runs_by_set: dict[str, Iterable[Path]]) -> str:
     """One line per set other than `fit`, comparing its hosts with the fit runs' (module docstring)."""
+    runs_by_set = {name: list(paths) for name, paths in runs_by_set.items()}
     hosts = {name: [run_host(p) for p in paths] for name, paths in runs_by_set.items()}
+    gpu = any(_on_gpu(p) for paths in runs_by_set.values() for p in paths)
     fit = [h for h in hosts.get("fit", []) if h]
     if not fit:
         return ("host: the fit runs record no host probe (taken before testbed/run/host_probe.py): "
@@ -52,6 +63,8 @@ def host_report(runs_by_set: dict[str, Iterable[Path]]) -> str:
         moved = probe / fit_probe - 1.0
         same = model == fit_model and abs(moved) <= PROBE_TOLERANCE
         verdict = "same machine by the probe" if same else (
+            "the host ran at another speed (GPU runs: its host work, prepare / sample / dispatch, may be priced "
+            "off; the probe does not measure the GPU)" if gpu and model == fit_model else
             "ANOTHER MACHINE or machine state: a CPU profile describes its fit runs' machine; refit on runs "
             "of this one (testbed calibrate runs)")
         lines.append(f"  {name} runs on {model}, probe {probe:.3f} ms ({moved:+.1%} against the fit runs): {verdict}")
