@@ -1,9 +1,10 @@
 #!/bin/bash
-# Issue 47's device check in one call of at most BUDGET seconds (default 540): the engine's profile table,
-# every policy on the real engine at P=1 and P=2 (two stages on one GPU), the gpu tests with their full
-# output, the bench with its decode / MIXED / prefill floors, the GPU and CPU samplers (issue 46), then
-# Azure at two rates. Written for measurements/gpu-<device>-<model>-<date>/: the split is declared there
-# (manifest + test-set md) BEFORE this runs; the run names below are the manifest's.
+# Issue 47's device check in one call of at most BUDGET seconds (default 540), by PLAN: `g1` (set G1 as it ran
+# on 2026-11-28: the profile table, P=1 ShareGPT runs, the gpu tests, the bench, the samplers, P=2, Azure) or
+# `g2` (default: the bench and the gpu tests first, then P=1 fit runs of gllm at every workload and of SiPipe,
+# validation runs, every policy at ShareGPT and Azure 8, then P=2). Written for
+# measurements/gpu-<device>-<model>-<date>/: the split is declared there (manifest + test-set md) BEFORE this
+# runs; the run names below are the manifest's.
 #   OUT=/some/dir bash scripts/engine_runs_gpu.sh          (on the GPU machine, from the project root)
 #   DEVICE=cpu MODEL=tiny-llama GRID=quick BENCH_FLAGS=--quick OUT=/tmp/o bash scripts/engine_runs_gpu.sh  (plumbing, CPU)
 # Brings back (at most 8 files): log.txt, gpu_tests.txt, bench_engine.json, profile.tar.xz (the table and its
@@ -17,6 +18,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 MODEL=${MODEL:-qwen2.5-7b}; DEVICE=${DEVICE:-cuda}; BUDGET=${BUDGET:-540}; OUT=${OUT:?set OUT to the folder to bring back}
 GRID=${GRID:-serving}; LO=${LO:-8}; HI=${HI:-16}   # Azure req/s (the 1a5c8d9 engine served 8 req/s x 300 on an H100)
 POLICIES=${POLICIES:-"gllm sarathi vllm molink sipipe tdpipe"}
+case ${PLAN:=g2} in g1|g2) ;; *) echo "error: PLAN=$PLAN is not a plan; valid choices: g1, g2"; exit 2 ;; esac
 T=${TMPDIR:-/tmp}/engine_runs; rm -rf "$T"; mkdir -p "$T/runs" "$T/profile" "$OUT"; START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
 cap() { local l=$(( $(left) - ${2:-0} )); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }  # cap <s> [reserve]
@@ -55,43 +57,62 @@ one() {  # one <name> <seconds> <reserve> <overrides...>: a run, unless it would
   pack
 }
 workload() { case $1 in sharegpt) echo "$SG";; azlo) echo "$AZ workload.rate=$LO";; azhi) echo "$AZ workload.rate=$HI";; esac; }
-# phase reserves (s): what the later phases are sure to get
-R_TESTS=270   # gpu tests 130 + bench 95 + samplers 45
+phase_profile() {
+  echo "=== profile table, P=1, grid $GRID ($(left) s left)"; spent 20 "$1" && return
+  timeout -k 5 "$(cap 80 "$1")" $TB profile executor=torch executor.device=$DEVICE model=$MODEL parallel.pp=1 \
+    --grid "$GRID" --repeats 3 --name "engine-$MODEL-pp1-$GRID" --out "$T/profile" 2>&1 | tail -8
+  (cd "$T" && txz "$OUT/profile.tar.xz" profile)
+}
+first_run() {  # first_run <name> <reserve> <overrides>: a run; if it fails, a fallback for every later run
+  local name=$1 reserve=$2; shift 2
+  one "$name" 60 "$reserve" "$@"
+  for fallback in "executor.cuda_graphs=false" "executor.cuda_graphs=false executor.attention=torch"; do
+    [ -f "$T/runs/$name/summary.json" ] && break  # the first run failed: its log, then a fallback for all
+    tail -40 "$T/run.log"; EXTRA=$fallback; echo "    FALLBACK: every run from here on with $EXTRA"
+    rm -rf "${T:?}/runs/$name"; one "$name" 60 "$reserve" "$@"
+  done
+}
+phase_tests() {  # files holding gpu tests only (the others import MLflow/Optuna)
+  echo "=== gpu tests, full output ($(left) s left)"; spent && return
+  timeout -k 5 "$(cap 130)" python3 -m pytest -m gpu -p no:cacheprovider -v -rA -s --tb=long --timeout 90 \
+    $(grep -l "mark.gpu" tests/test_*.py) > "$OUT/gpu_tests.txt" 2>&1
+  grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.txt" | tail -60
+}
+phase_bench() {
+  echo "=== bench engine: grid, attention bandwidth, decode / MIXED (400 + 160 x 512) / prefill forward vs floor ($(left) s left)"
+  spent && return
+  timeout -k 5 "$(cap 95)" $TB bench engine model="$MODEL" executor.device=$DEVICE parallel.pp=1 policy=gllm \
+    workload.num_requests=64 seed=0 ${BENCH_FLAGS:---repeats 3} --attention-bandwidth --kernels --json "$OUT/bench_engine.json" 2>&1 \
+    | grep -v "^USDT" | tail -40
+}
+phase_samplers() {
+  echo "=== samplers: GPU kernels priced vs measured, CPU sampler on this host (issue 46) ($(left) s left)"
+  spent || timeout -k 5 "$(cap 25)" python3 scripts/measure_gpu_sampler.py --device "$DEVICE" --hardware h100-80g \
+    --repeats 10 --out "$OUT/gpu_sampler.json" 2>&1 | tail -12
+  spent || timeout -k 5 "$(cap 20)" python3 scripts/measure_cpu_sampler.py --repeats 3 --out "$OUT/cpu_sampler.json" 2>&1 | tail -6
+}
+runs() {  # runs <P> <workload> <reserve> <policies> <repeat>
+  local P=$1 wl=$2 reserve=$3 pols=$4 rep=$5 pol
+  for pol in $pols; do one "pp$P-$wl-$pol-r$rep" 60 "$reserve" parallel.pp=$P policy=$pol $(workload "$wl"); done
+}
 
-echo "=== 1. profile table, P=1, grid $GRID ($(left) s left)"; spent 20 "$R_TESTS" ||
-timeout -k 5 "$(cap 80 "$R_TESTS")" $TB profile executor=torch executor.device=$DEVICE model=$MODEL parallel.pp=1 \
-  --grid "$GRID" --repeats 3 --name "engine-$MODEL-pp1-$GRID" --out "$T/profile" 2>&1 | tail -8
-(cd "$T" && txz "$OUT/profile.tar.xz" profile)
-
-echo "=== 2. P=1 ShareGPT offline: fit and validation runs (r1), then every policy (r2)"
-one pp1-sharegpt-gllm-r1 60 "$R_TESTS" parallel.pp=1 policy=gllm $SG
-for fallback in "executor.cuda_graphs=false" "executor.cuda_graphs=false executor.attention=torch"; do
-  [ -f "$T/runs/pp1-sharegpt-gllm-r1/summary.json" ] && break  # the first run failed: its log, then a fallback for all
-  tail -40 "$T/run.log"; EXTRA=$fallback; echo "    FALLBACK: every run from here on with $EXTRA"
-  rm -rf "$T/runs/pp1-sharegpt-gllm-r1"; one pp1-sharegpt-gllm-r1 60 "$R_TESTS" parallel.pp=1 policy=gllm $SG
-done
-one pp1-sharegpt-sarathi-r1 60 "$R_TESTS" parallel.pp=1 policy=sarathi $SG
-for pol in $POLICIES; do one "pp1-sharegpt-$pol-r2" 60 "$R_TESTS" parallel.pp=1 policy=$pol $SG; done
-
-echo "=== 3. gpu tests, full output ($(left) s left)"; spent ||   # files holding gpu tests only (others import MLflow/Optuna)
-timeout -k 5 "$(cap 130)" python3 -m pytest -m gpu -p no:cacheprovider -v -rA -s --tb=long --timeout 90 \
-  $(grep -l "mark.gpu" tests/test_*.py) > "$OUT/gpu_tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.txt" | tail -60
-echo "=== 4. bench engine: grid, attention bandwidth, decode / MIXED (400 + 160 x 512) / prefill forward vs floor ($(left) s left)"
-spent || timeout -k 5 "$(cap 95)" $TB bench engine model="$MODEL" executor.device=$DEVICE parallel.pp=1 policy=gllm \
-  workload.num_requests=64 seed=0 ${BENCH_FLAGS:---repeats 3} --attention-bandwidth --kernels --json "$OUT/bench_engine.json" 2>&1 \
-  | grep -v "^USDT" | tail -40
-echo "=== 5. samplers: GPU kernels priced vs measured, CPU sampler on this host (issue 46) ($(left) s left)"
-spent || timeout -k 5 "$(cap 25)" python3 scripts/measure_gpu_sampler.py --device "$DEVICE" --hardware h100-80g \
-  --repeats 10 --out "$OUT/gpu_sampler.json" 2>&1 | tail -12
-spent || timeout -k 5 "$(cap 20)" python3 scripts/measure_cpu_sampler.py --repeats 3 --out "$OUT/cpu_sampler.json" 2>&1 | tail -6
-
-echo "=== 6. P=2 (two stages on one GPU) ShareGPT offline: r1 fit / validation, then every policy (r2)"
-one pp2-sharegpt-gllm-r1 70 0 parallel.pp=2 policy=gllm $SG
-one pp2-sharegpt-sarathi-r1 70 0 parallel.pp=2 policy=sarathi $SG
-for pol in $POLICIES; do one "pp2-sharegpt-$pol-r2" 70 0 parallel.pp=2 policy=$pol $SG; done
-echo "=== 7. Azure at $LO and $HI req/s, every policy, P=1 then P=2 (r2)"
-for spec in "1 azlo" "1 azhi" "2 azlo" "2 azhi"; do
-  set -- $spec
-  for pol in $POLICIES; do one "pp$1-$2-$pol-r2" 60 0 parallel.pp=$1 policy=$pol $(workload "$2"); done
-done
+case $PLAN in
+g1)  # set G1, 2026-11-28 (measurements/gpu-h200-qwen2.5-7b-2026-11-28): as it ran
+  R=270   # what the gpu tests (130), bench (95) and samplers (45) are sure to get
+  phase_profile $R
+  first_run pp1-sharegpt-gllm-r1 $R parallel.pp=1 policy=gllm $SG
+  runs 1 sharegpt $R sarathi 1; runs 1 sharegpt $R "$POLICIES" 2
+  phase_tests; phase_bench; phase_samplers
+  runs 2 sharegpt 0 "gllm sarathi" 1; runs 2 sharegpt 0 "$POLICIES" 2
+  for spec in "1 azlo" "1 azhi" "2 azlo" "2 azhi"; do runs ${spec% *} ${spec#* } 0 "$POLICIES" 2; done ;;
+g2)  # the next set (declare its manifest first): the bench and tests first (the alignment fix, 7e0e141),
+     # then P=1 fit runs of gllm at every workload and SiPipe (G1's fit lacked both), validation, every
+     # policy's test runs at ShareGPT and Azure 8; P=2 last
+  phase_bench; phase_tests
+  first_run pp1-sharegpt-gllm-r1 0 parallel.pp=1 policy=gllm $SG
+  runs 1 azlo 0 gllm 1; runs 1 azhi 0 gllm 1; runs 1 sharegpt 0 sipipe 1; runs 1 azlo 0 sipipe 1
+  runs 1 sharegpt 0 sarathi 1; runs 1 azlo 0 vllm 1
+  runs 1 sharegpt 0 "$POLICIES" 2; runs 1 azlo 0 "$POLICIES" 2
+  runs 2 sharegpt 0 "gllm sipipe sarathi" 1; runs 2 sharegpt 0 "$POLICIES" 2 ;;
+esac
 echo "=== done in $((SECONDS - START)) s; $(ls "$T/runs" | grep -c '^pp') run folders in $OUT/runs.tar.xz"
