@@ -9,7 +9,7 @@ setting meet: the engine cannot tell them apart; a single run has no range, so n
 counts as agreeing whatever the simulator says, and `agree` is True when no other pair is ordered
 the other way. A (setting, metric) where the engine ties EVERY pair (e.g. SLO attainment 1.0 for every
 policy) has no order to agree with: it is reported as "no order" and not counted among the orders (until
-2026-11-28 such rows counted as agreeing: every CPU set's six SLO orders but two were of that kind).
+2026-11-28 such rows counted as agreeing: four or five of every CPU set's six SLO orders were of that kind).
 The engine's figure for a policy is the mean of its repeats; the simulator's is its
 replay of the first (the simulator is deterministic: the repeats' replays differ only where the
 runs' KV pool or settings do).
