@@ -67,3 +67,16 @@ def test_on_a_gpu_a_slower_host_is_the_hosts_work_not_another_machine(tmp_path):
     assert "host ran at another speed" in text and "ANOTHER MACHINE" not in text
     other = _run(tmp_path, "o", _host(2.0, "AMD EPYC"))  # another CPU model is another machine, GPU or not
     assert "ANOTHER MACHINE" in host_report({"fit": [gpu_run("f2", 2.0)], "test": [other]})
+
+
+def test_runs_whose_stages_shared_a_gpu_are_named(tmp_path):
+    def run(name: str, devices: list[str]):
+        d = _run(tmp_path, name, _host(2.0, "Intel Xeon"))
+        info = json.loads((d / "run_info.json").read_text()) | {"stages": [{"device": x} for x in devices]}
+        (d / "run_info.json").write_text(json.dumps(info))
+        return d
+
+    text = host_report({"fit": [run("p1", ["cuda:0"])], "test": [run("p2", ["cuda:0", "cuda:0"])]})
+    assert "1 run(s) had stages sharing one GPU (p2)" in text
+    apart = host_report({"fit": [run("q1", ["cuda:0", "cuda:1"])], "test": [run("q2", ["cpu", "cpu"])]})
+    assert "sharing one GPU" not in apart

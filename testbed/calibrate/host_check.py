@@ -35,6 +35,14 @@ def _on_gpu(run_dir: Path) -> bool:
                                             for s in stages if isinstance(s, dict))
 
 
+def _shares_a_device(run_dir: Path) -> bool:
+    """Two or more stages on one GPU (parallel.pp above the GPUs visible: engine/torch_exec/shared/placement.py)."""
+    stages = run_info(run_dir).get("stages")
+    devices = [str(s.get("device", "")) for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
+    gpus = [d for d in devices if d.startswith("cuda")]
+    return len(gpus) != len(set(gpus))
+
+
 def _describe(hosts: Sequence[dict]) -> tuple[str, float]:
     models = sorted({str(h.get("cpu_model", "unknown")) for h in hosts})
     probe = statistics.median(float(h["gemm_probe_ms"]) for h in hosts)
@@ -68,4 +76,9 @@ def host_report(runs_by_set: dict[str, Iterable[Path]]) -> str:
             "ANOTHER MACHINE or machine state: a CPU profile describes its fit runs' machine; refit on runs "
             "of this one (testbed calibrate runs)")
         lines.append(f"  {name} runs on {model}, probe {probe:.3f} ms ({moved:+.1%} against the fit runs): {verdict}")
+    shared = sorted(p.name for paths in runs_by_set.values() for p in paths if _shares_a_device(p))
+    if shared:
+        lines.append(f"  {len(shared)} run(s) had stages sharing one GPU ({', '.join(shared[:3])}"
+                     f"{', ...' if len(shared) > 3 else ''}): their forwards took turns on it, while the simulator "
+                     "prices each stage on its own device (set G1's P=2: TTFT 23-41% low)")
     return "\n".join(lines)
