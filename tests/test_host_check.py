@@ -80,3 +80,7 @@ def test_runs_whose_stages_shared_a_gpu_are_named(tmp_path):
     assert "1 run(s) had stages sharing one GPU (p2)" in text
     apart = host_report({"fit": [run("q1", ["cuda:0", "cuda:1"])], "test": [run("q2", ["cpu", "cpu"])]})
     assert "sharing one GPU" not in apart
+    unprobed = _run(tmp_path, "u", None)  # no probe in the fit runs: the shared-GPU line still comes
+    info = json.loads((unprobed / "run_info.json").read_text()) | {"stages": [{"device": "cuda:0"}] * 2}
+    (unprobed / "run_info.json").write_text(json.dumps(info))
+    assert "1 run(s) had stages sharing one GPU (u)" in host_report({"fit": [unprobed]})

@@ -25,22 +25,19 @@ PROBE_TOLERANCE = 0.05
 
 def run_host(run_dir: Path) -> dict | None:
     """The `host` a real run recorded (None: taken before the probe, or no run_info.json)."""
-    host = run_info(run_dir).get("host")
+    return _host_of(run_info(run_dir))
+
+
+def _host_of(info: dict) -> dict | None:
+    host = info.get("host")
     return host if isinstance(host, dict) and isinstance(host.get("gemm_probe_ms"), (int, float)) else None
 
 
-def _on_gpu(run_dir: Path) -> bool:
-    stages = run_info(run_dir).get("stages")
-    return isinstance(stages, list) and any(str(s.get("device", "")).startswith("cuda")
-                                            for s in stages if isinstance(s, dict))
-
-
-def _shares_a_device(run_dir: Path) -> bool:
-    """Two or more stages on one GPU (parallel.pp above the GPUs visible: engine/torch_exec/shared/placement.py)."""
-    stages = run_info(run_dir).get("stages")
+def _gpus(info: dict) -> list[str]:
+    """The CUDA devices a run's stages ran on, one entry per stage (`stages` in run_info.json)."""
+    stages = info.get("stages")
     devices = [str(s.get("device", "")) for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
-    gpus = [d for d in devices if d.startswith("cuda")]
-    return len(gpus) != len(set(gpus))
+    return [d for d in devices if d.startswith("cuda")]
 
 
 def _describe(hosts: Sequence[dict]) -> tuple[str, float]:
@@ -50,14 +47,26 @@ def _describe(hosts: Sequence[dict]) -> tuple[str, float]:
 
 
 def host_report(runs_by_set: dict[str, Iterable[Path]]) -> str:
-    """One line per set other than `fit`, comparing its hosts with the fit runs' (module docstring)."""
-    runs_by_set = {name: list(paths) for name, paths in runs_by_set.items()}
-    hosts = {name: [run_host(p) for p in paths] for name, paths in runs_by_set.items()}
-    gpu = any(_on_gpu(p) for paths in runs_by_set.values() for p in paths)
+    """One line per set other than `fit`, comparing its hosts with the fit runs' (module docstring),
+    and one naming the runs whose stages shared a GPU (parallel.pp above the GPUs visible:
+    engine/torch_exec/shared/placement.py). Each run_info.json is read once."""
+    infos = {name: [(p, run_info(p)) for p in paths] for name, paths in runs_by_set.items()}
+    hosts = {name: [_host_of(info) for _, info in runs] for name, runs in infos.items()}
+    gpu = any(_gpus(info) for runs in infos.values() for _, info in runs)
+    lines = _host_lines(hosts, gpu)
+    shared = sorted(p.name for runs in infos.values() for p, info in runs if len(_gpus(info)) != len(set(_gpus(info))))
+    if shared:
+        lines.append(f"  {len(shared)} run(s) had stages sharing one GPU ({', '.join(shared[:3])}"
+                     f"{', ...' if len(shared) > 3 else ''}): their forwards took turns on it, while the simulator "
+                     "prices each stage on its own device (set G1's P=2: TTFT 23-41% low)")
+    return "\n".join(lines)
+
+
+def _host_lines(hosts: dict[str, list[dict | None]], gpu: bool) -> list[str]:
     fit = [h for h in hosts.get("fit", []) if h]
     if not fit:
-        return ("host: the fit runs record no host probe (taken before testbed/run/host_probe.py): "
-                "whether the checked runs ran on the same machine is unknown")
+        return ["host: the fit runs record no host probe (taken before testbed/run/host_probe.py): "
+                "whether the checked runs ran on the same machine is unknown"]
     fit_model, fit_probe = _describe(fit)
     lines = [f"host: fit runs on {fit_model}, GEMM probe {fit_probe:.3f} ms (median of {len(fit)} runs)"]
     for name, found in hosts.items():
@@ -76,9 +85,4 @@ def host_report(runs_by_set: dict[str, Iterable[Path]]) -> str:
             "ANOTHER MACHINE or machine state: a CPU profile describes its fit runs' machine; refit on runs "
             "of this one (testbed calibrate runs)")
         lines.append(f"  {name} runs on {model}, probe {probe:.3f} ms ({moved:+.1%} against the fit runs): {verdict}")
-    shared = sorted(p.name for paths in runs_by_set.values() for p in paths if _shares_a_device(p))
-    if shared:
-        lines.append(f"  {len(shared)} run(s) had stages sharing one GPU ({', '.join(shared[:3])}"
-                     f"{', ...' if len(shared) > 3 else ''}): their forwards took turns on it, while the simulator "
-                     "prices each stage on its own device (set G1's P=2: TTFT 23-41% low)")
-    return "\n".join(lines)
+    return lines
