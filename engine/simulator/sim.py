@@ -313,7 +313,7 @@ class SimExecutor(Executor):
             # single-process time (plus the fixed cost).
             n = len(self._sampler_free_at)
             start = max(now, max(self._sampler_free_at))
-            end = start + self.cost.cpu_sample_s(mb.shape, workers=n)
+            end = start + self.cost.cpu_sample_s(mb.shape, workers=n, sampling=self._sampling)
             for k in range(n):
                 self._sampler_free_at[k] = end
                 self.tracer.span(f"sampler{k}", "sample", start, end, mb_id)
