@@ -381,6 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--decode-by-batch", action="store_true",
                     help="after the forward fit, correct the decode-only price per stage and batch size by the runs' "
                          "mean measured / priced (testbed/calibrate/decode_batch_fit.py); off by default")
+    cr.add_argument("--shared-gpu", action="store_true",
+                    help="where a run's stages shared a GPU (P above the GPUs), fit each forward as its own work "
+                         "(overlapping forwards share the time) and let replays take turns on the device "
+                         "(testbed/calibrate/shared_device.py); off by default")
     cr.add_argument("--commit", help="the project commit the runs measured (recorded in the profile's provenance)")
     cr.add_argument("--out", help="directory (default: $TESTBED_PROFILE_DIR or runs/profiles; the shipped "
                                   "profiles: engine/pricing/hardware_profiles)")

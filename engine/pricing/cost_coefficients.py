@@ -186,6 +186,11 @@ class CostCoefficients:
     # the set-6 P=1 profile priced 1 / 2-3 / 4-6 sequences 12% cheap / 15-19% dear / 11-16% cheap.
     # Empty = off.
     decode_batch_factors: tuple[tuple[float, ...], ...] = ()
+    # 1: the forward prices are a stage's own work on a GPU its stages shared (`testbed calibrate runs
+    # --shared-gpu`, testbed/calibrate/shared_device.py), so a replay of a run whose stages shared a GPU
+    # lets them take turns on it (`executor.devices`); 0: fitted as measured (the stretch of sharing
+    # priced into every forward). The cost model itself does not read it.
+    shared_device_fit: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decode_batch_factors", _factor_rows(self.decode_batch_factors))
@@ -209,6 +214,8 @@ class CostCoefficients:
                 raise ConfigError(f"invalid cost.{f.name}={value!r}: must be >= 0")
         if not isinstance(self.gemv_rows, int) or self.gemv_rows < 0:
             raise ConfigError(f"invalid cost.gemv_rows={self.gemv_rows!r}: must be an integer >= 0")
+        if self.shared_device_fit not in (0, 1):
+            raise ConfigError(f"invalid cost.shared_device_fit={self.shared_device_fit!r}: must be 0 or 1")
         if not isinstance(self.activation_copies, int) or self.activation_copies < 1:
             raise ConfigError(f"invalid cost.activation_copies={self.activation_copies!r}: must be an integer >= 1")
 

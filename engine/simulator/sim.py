@@ -46,6 +46,7 @@ from engine.pricing.sampling_ops import SamplerSettings
 from engine.pricing.tcp_modes import tcp_links
 
 from engine.simulator.handover import RELEASE, handover_for, receive_start
+from engine.simulator.shared_device import SharedDevices, device_map
 from engine.simulator.fifo_pipeline import (  # noqa: F401  (the event names are this module's API)
     ARRIVE, COMPLETE, EVENT_NAMES, LINK_DONE, PREP_DONE, SAMPLE_DONE, STAGE_DONE, FifoPipeline, PipelineView, Priced)
 
@@ -78,7 +79,7 @@ class SimExecutor(Executor):
                  transfer_scheduler: Callable[[LinkState, Seq[PendingTransfer]], Transfer] | None = None,
                  num_cpu_samplers: int = 4, tracer: Tracer | None = None, blocking_send: bool = False,
                  event_driven: bool = False, link_model: str = "ideal",
-                 sampling: SamplerSettings | None = None, compute_scale: float = 1.0) -> None:
+                 sampling: SamplerSettings | None = None, compute_scale: float = 1.0, devices: int = 0) -> None:
         self.cost = cost_model
         self._forward_s = _scaled_forward(cost_model, compute_scale)
         self._sampling = sampling  # what GPU sampling is priced for (None: the host tables' path)
@@ -110,6 +111,9 @@ class SimExecutor(Executor):
         self._blocked_since: list[float | None] = [None] * P  # blocking send: stage held since
         self._last_result_at = -math.inf  # when the last stage last finished (`last_stage_request_s` counts from it)
         self._stage_tracks = [f"stage{s}" for s in range(P)]
+        # stages sharing a device take turns on it (shared_device.py; None: a device per stage)
+        placed = device_map(P, devices)
+        self._devices = SharedDevices(placed) if placed is not None else None
         self._link_tracks = [f"link{s}-{s + 1}" for s in range(P - 1)]
         # Hot-path state (see `_price`, `_try_send`): the heap and its tie counter used directly,
         # each in-flight batch's costs computed once at launch, and FIFO sends without building
@@ -136,7 +140,7 @@ class SimExecutor(Executor):
         self._request_after_result = P > 1 and bool(c.last_stage_request_fixed_s or c.last_stage_request_per_seq_s
                                                     or c.last_stage_request_per_context_token_s)
         fifo_only = not (runtime.overlap_input_prep or runtime.cpu_sampling or blocking_send or host_recv
-                         or self._request_after_result) and self._fifo_sends
+                         or self._request_after_result or self._devices is not None) and self._fifo_sends
         plain_tracer = type(self.tracer).span is Tracer.span and type(self.tracer).chain is Tracer.chain
         self._fifo = FifoPipeline(self._pipeline_view()) if fifo_only and plain_tracer and not event_driven else None
 
@@ -279,7 +283,11 @@ class SimExecutor(Executor):
             freed = self._handover.taken(s - 1, mb_id, now if arrived else receive_start(now, parts))
             if freed is not None:
                 heapq.heappush(self._heap, (freed[0], RELEASE, next(self._counter), (s - 1, freed[1])))
-        t = self.tracer.chain(self._stage_tracks[s], now, parts, mb_id)
+        if self._devices is None:
+            t = self.tracer.chain(self._stage_tracks[s], now, parts, mb_id)
+        else:  # the forward and what follows it wait for the device
+            at = next(i for i, part in enumerate(parts) if part[0] == priced.forward_name)
+            t = self._devices.chain(self.tracer, self._stage_tracks[s], s, now, parts, at, mb_id)
         self._gpu_busy[s] = True
         self._running[s] = (now, t, mb_id)
         heapq.heappush(self._heap, (t, STAGE_DONE, next(self._counter), (s, mb_id)))
@@ -458,10 +466,15 @@ class SimSettings:
     # of one command (set 7, docs/measurements/real-runs-2026-11-28d.md); `testbed validate --runs
     # --spread s` predicts a run as the mean over scales 1 - s ... 1 + s (testbed/calibrate/spread_sim.py).
     compute_scale: float = 1.0
+    # The devices the P stages run on, stage s on s mod devices as the torch engine places them; fewer
+    # than P: stages sharing a device take turns on it (engine/simulator/shared_device.py). 0: one each.
+    devices: int = 0
 
     def __post_init__(self) -> None:
         if self.num_cpu_samplers < 1:
             raise bad_value("executor.num_cpu_samplers", self.num_cpu_samplers, "must be >= 1")
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 0:
+            raise bad_value("executor.devices", self.devices, "must be an integer >= 0 (0: one device per stage)")
         if isinstance(self.compute_scale, bool) or not (isinstance(self.compute_scale, (int, float))
                                                         and 0.0 < self.compute_scale < 100.0):
             raise bad_value("executor.compute_scale", self.compute_scale, "must be a number in (0, 100)")
@@ -483,7 +496,8 @@ def _make_sim(settings: SimSettings, build: ExecutorBuild) -> SimExecutor:
                        transfer_scheduler=build.policy.schedule_transfer if custom else None,
                        num_cpu_samplers=settings.num_cpu_samplers, tracer=build.tracer,
                        blocking_send=settings.blocking_send, link_model=build.link.model,
-                       sampling=settings.sampling, compute_scale=float(settings.compute_scale))
+                       sampling=settings.sampling, compute_scale=float(settings.compute_scale),
+                       devices=settings.devices)
 
 
 EXECUTORS.add("sim", ExecutorSpec(SimSettings, _make_sim))

@@ -30,6 +30,7 @@ from testbed.run.out_checks import plain_name, writable_dir
 from testbed.calibrate.profile import TARGETS, VALIDATE_METRICS, error_table, profile_dir
 from testbed.calibrate.run_fit import fitted_spec, fit_runs
 from testbed.calibrate.run_checks import distinct_runs, read_table
+from testbed.calibrate.shared_device import check_some_shared
 from testbed.calibrate.runs import RealRun, group_by_setting, load_run
 from testbed.calibrate.rank import (CSV_METRICS, Replayed, error_by_load, format_rank, rank_table, setting_label,
                                     write_errors_csv)
@@ -52,13 +53,16 @@ def cmd_calibrate_runs(args, console) -> int:
     runs = [load_run(p, need_trace=True) for p in args.runs]
     base = get_hardware(args.base)
     table = read_table(args.table) if args.table else None
+    if getattr(args, "shared_gpu", False):
+        check_some_shared(runs)  # before any work
     console.print(f"calibrate runs: {len(runs)} run(s) on base {base.name}; rebuilding micro-batch shapes")
     t0 = time.perf_counter()
     hop = getattr(args, "hop", None) or "link"
     handover = bool(getattr(args, "inflight_handover", False))
     by_batch = bool(getattr(args, "decode_by_batch", False))
+    shared_gpu = bool(getattr(args, "shared_gpu", False))
     fit = fit_runs(runs, base, table, own_attention=args.own_attention, hop=hop, inflight_handover=handover,
-                   decode_by_batch=by_batch)
+                   decode_by_batch=by_batch, shared_gpu=shared_gpu)
     rc = runs[0].spec.settings
     desc = (f"{base.description.split(';')[0]}; this project's torch engine ({rc.model.name}, P={rc.parallel.pp}, "
             f"{rc.executor.settings.device}) calibrated from real runs (testbed calibrate runs)")
@@ -72,6 +76,7 @@ def cmd_calibrate_runs(args, console) -> int:
                   "own_attention": args.own_attention, "hop": hop,
                   **({"inflight_handover": True} if handover else {}),
                   **({"decode_by_batch": True} if by_batch else {}),
+                  **({"shared_gpu": True} if shared_gpu else {}),
                   **({"manifest": _portable(manifest), "split": args.profile} if manifest else {}),
                   "errors": fit.errors,
                   "first_use_s": [round(x, 6) for x in fit.first_use_s]}

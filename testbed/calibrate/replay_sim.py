@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine.base.errors import ConfigError
 from testbed.calibrate.runs import RealRun, kv_num_blocks
+from testbed.calibrate.shared_device import shared_devices
 
 
 def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None, compute_scale: float = 1.0):
@@ -22,8 +23,11 @@ def simulate_run(run: RealRun, hardware: str, out_dir: Path | None = None, compu
     rc = run.spec.settings
     blocking = rc.executor.settings.device == "cpu"  # gloo's blocking send (SimSettings.blocking_send)
     samplers = rc.executor.settings.num_cpu_samplers  # SiPipe's pool as the engine ran it (the sim's default is 4)
+    # stages that shared a GPU take turns on it, where the profile priced their own work (shared_device.py)
+    devices = shared_devices(run) if (node.get("calibration") or {}).get("shared_device_fit") else 0
     values = {"executor": {"name": "sim", "blocking_send": blocking, "host_device": blocking,
-                           "num_cpu_samplers": samplers, "compute_scale": compute_scale}, "hardware": node,
+                           "num_cpu_samplers": samplers, "compute_scale": compute_scale, "devices": devices},
+              "hardware": node,
               "kv.num_blocks": kv_num_blocks(run), "output.mlflow": False,
               "output.plots": False, "output.progress": False, "output.trace": "off"}
     spec = run.spec.with_values(values)

@@ -53,6 +53,7 @@ from testbed.calibrate.cpu_sampling_fit import cpu_sampling_samples, fit_cpu_sam
 from testbed.calibrate.fit import FORWARD_PARAMS, _nnls
 from testbed.calibrate.handover_fit import fit_handover
 from testbed.calibrate.hop_fit import HOP_MODES, price_hops_once
+from testbed.calibrate.shared_device import check_some_shared
 from testbed.calibrate.runs import RealRun, ReplayedBatch, replayed_batches
 
 # The engine terms fitted above a kernel-table base (module docstring).
@@ -326,12 +327,13 @@ def _data_starts(samples: Sequence[ForwardSample], model, hw: HardwareSpec, pp: 
 
 def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | None = None,
              own_attention: bool = False, hop: str = "link", inflight_handover: bool = False,
-             decode_by_batch: bool = False) -> RunFit:
+             decode_by_batch: bool = False, shared_gpu: bool = False) -> RunFit:
     """Fit `base`'s engine terms (or, on a roofline base, its coefficients) to the runs (module
     docstring), and with `own_attention` its decode attention's read rate and few-blocks term;
     `hop="receive"`: a host hop and the return priced once (testbed/calibrate/hop_fit.py);
     `inflight_handover`: the blocking send held until the receive (testbed/calibrate/handover_fit.py);
-    `decode_by_batch`: the decode-only price corrected by batch size (testbed/calibrate/decode_batch_fit.py).
+    `decode_by_batch`: the decode-only price corrected by batch size (testbed/calibrate/decode_batch_fit.py);
+    `shared_gpu`: forwards fitted as their own work where the stages shared a GPU (testbed/calibrate/shared_device.py).
     Every run must use the same model, P and layer split."""
     if hop not in HOP_MODES:
         raise bad_value("--hop", hop, f"choose one of {', '.join(HOP_MODES)}")
@@ -345,6 +347,10 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
         if (rc.model.name, rc.parallel.pp, rc.parallel.layer_split) != (model.name, pp, split):
             raise ConfigError(f"run {run.path} has model={rc.model.name} parallel.pp={rc.parallel.pp}; "
                               f"{runs[0].path} has model={model.name} parallel.pp={pp}: fit one setting at a time")
+    if shared_gpu:
+        check_some_shared(runs)
+        for run in runs:
+            run.own_work = True
     base_vals = asdict(CostCoefficients(**(base.calibration or {})))
     base_vals["decode_batch_factors"] = ()  # a base's own correction is refitted (--decode-by-batch), never compounded
     probe = _cost(model, base, pp, split, base_vals)
@@ -384,6 +390,8 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
     kernels = own_attention_terms(*(fitted.pop(n) for n in OWN_ATTENTION_PARAMS)) if own_attention else {}
     if kernels:
         base = replace(base, kernels=dict(base.kernels, **kernels))
+    if shared_gpu:
+        fitted["shared_device_fit"] = 1
     result = RunFit(fitted, counts={"forward": len(fwd), "runs": len(runs)}, kernels=kernels)
     if decode_by_batch:  # after the forward fit, from the runs' own decode forwards (not the table's rows)
         from testbed.calibrate.decode_batch_fit import fit_decode_batch, summary

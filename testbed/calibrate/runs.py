@@ -84,6 +84,8 @@ class RealRun:
     # what the replay found, kept: a fit, a validate and its stall check each ask for it
     _kv_blocks: int | None = field(default=None, repr=False)
     _shapes: dict | None = field(default=None, repr=False)
+    # `calibrate runs --shared-gpu`: forwards as their own work where stages shared a GPU (shared_device.py)
+    own_work: bool = False
 
     @property
     def label(self) -> str:
@@ -277,25 +279,14 @@ class ReplayExecutor(Executor):
 def replay_shapes(run: RealRun) -> dict[int, tuple[BatchShape, float | None]]:
     """mb_id -> (its shape, the completion time its launch followed), by replaying the run's
     controller (module docstring). Raises ReplayDiverged when the policy forms other batches."""
-    from testbed.run.runner import build_cost_model, link_settings
-    from workloads.history import history_for_run
-
     if run._shapes is not None:
         return run._shapes
-    spec = run.spec
-    cost = build_cost_model(spec)
-    link = link_settings(spec.settings, cost)
     blocks = kv_num_blocks(run)
     flipped: set[int] = set()
     while True:
-        policy = _prepared_policy(run)
-        ex = ReplayExecutor(cost.pp, run.microbatches, admit_at_event=frozenset(flipped))
-        ctrl = Controller(list(run.requests), policy, ex, BlockManager(blocks, spec.settings.kv.block_size),
-                          cost_model=cost, data_dir=spec.data_dir,
-                          num_microbatches=spec.settings.parallel.num_microbatches, link_bandwidth_Bps=link.bandwidth_Bps,
-                          link_latency_s=link.latency_s, history=history_for_run)
+        ex = ReplayExecutor(run.pp, run.microbatches, admit_at_event=frozenset(flipped))
         try:
-            ctrl.run()
+            _replay_controller(run, ex, BlockManager(blocks, run.spec.settings.kv.block_size)).run()
             break
         except ReplayDiverged as exc:
             if exc.mb_id is None or exc.mb_id in flipped or len(flipped) >= MAX_REPLAY_FLIPS:
@@ -308,13 +299,21 @@ def replay_shapes(run: RealRun) -> dict[int, tuple[BatchShape, float | None]]:
     return run._shapes
 
 
-def _prepared_policy(run: RealRun):
-    """The run's policy, prepared as for a run (a replay needs no short simulations)."""
-    from testbed.run.runner import build_policy
+def _replay_controller(run: RealRun, ex: ReplayExecutor, kv: BlockManager) -> Controller:
+    """The run's controller over `ex` and `kv`: its policy prepared as for a run (a replay needs no
+    short simulations), its requests, cost model, link (MoLink counts its micro-batches from it),
+    micro-batch count and the predictor's history, as the run had them."""
+    from testbed.run.runner import build_cost_model, build_policy, link_settings
+    from workloads.history import history_for_run
 
-    policy = build_policy(run.spec)
+    spec = run.spec
+    policy = build_policy(spec)
     policy.prepare(PrepareContext(run.pp, lambda params, n: None))
-    return policy
+    cost = build_cost_model(spec)
+    link = link_settings(spec.settings, cost)
+    return Controller(list(run.requests), policy, ex, kv, cost_model=cost, data_dir=spec.data_dir,
+                      num_microbatches=spec.settings.parallel.num_microbatches, link_bandwidth_Bps=link.bandwidth_Bps,
+                      link_latency_s=link.latency_s, history=history_for_run)
 
 
 def kv_num_blocks(run: RealRun) -> int:
@@ -328,20 +327,13 @@ def infer_kv_blocks(run: RealRun) -> int:
     """The KV pool a run measured (CUDA sizes it from free memory; the tables record only its
     usage): the blocks the first micro-batch holds, replayed on a pool too big to matter, over the
     usage the run recorded after it."""
-    from testbed.run.runner import build_cost_model, link_settings
-
     usage = float(run.microbatches["kv_usage"].iloc[0])
     if not usage > 0:
         raise ConfigError(f"run {run.path}: cannot infer its KV pool size from microbatches.csv; pass kv.num_blocks=")
-    policy = _prepared_policy(run)
     block = run.spec.settings.kv.block_size
     kv = BlockManager(sum(-(-(r.prompt_len + r.output_len) // block) for r in run.requests) + 1, block)
-    ex = ReplayExecutor(run.pp, run.microbatches, stop_after=1)
-    cost = build_cost_model(run.spec)
-    link = link_settings(run.spec.settings, cost)  # MoLink counts its micro-batches from the link (as the run did)
     try:
-        Controller(list(run.requests), policy, ex, kv, cost_model=cost, link_bandwidth_Bps=link.bandwidth_Bps,
-                   link_latency_s=link.latency_s).run()
+        _replay_controller(run, ReplayExecutor(run.pp, run.microbatches, stop_after=1), kv).run()
     except _FirstLaunch:
         pass
     return int(round(kv.num_used / usage))
@@ -352,16 +344,27 @@ def replayed_batches(run: RealRun) -> list[ReplayedBatch]:
     if run.spans is None:
         raise ConfigError(f"run {run.path} has no trace.json: rerun it with output.trace=full")
     shapes = replay_shapes(run)
+    work = _own_work(run) if run.own_work else {}
     out = []
     for row in run.microbatches.itertuples():
         shape, after = shapes[int(row.mb_id)]
-        stages = tuple(_stage_spans(run.spans.get((int(row.mb_id), s), {})) for s in range(run.pp))
+        mb = int(row.mb_id)
+        stages = tuple(_stage_spans(run.spans.get((mb, s), {}), work.get((mb, s))) for s in range(run.pp))
         out.append(ReplayedBatch(int(row.mb_id), str(row.kind), shape, float(row.scheduled_s),
                                  float(row.completed_s), after, stages))
     return out
 
 
-def _stage_spans(spans: dict[str, tuple[float, float]]) -> StageSpans:
+def _own_work(run: RealRun) -> dict[tuple[int, int], float]:
+    """Each forward's own work where the run's stages shared a GPU, else nothing (as measured)."""
+    from testbed.calibrate.shared_device import own_work, shared_devices, stage_devices
+
+    if not shared_devices(run):
+        return {}
+    return own_work(run.spans, dict(enumerate(stage_devices(run))))
+
+
+def _stage_spans(spans: dict[str, tuple[float, float]], forward_work: float | None = None) -> StageSpans:
     def start(name: str) -> float | None:
         return spans[name][0] if name in spans else None
 
@@ -372,7 +375,8 @@ def _stage_spans(spans: dict[str, tuple[float, float]]) -> StageSpans:
         return spans[name][0] + spans[name][1] if name in spans else None
 
     ends = [s + d for name, (s, d) in spans.items() if name != "wait"]
-    return StageSpans(start("prepare"), dur("prepare"), dur("forward"), end("sample"), dur("sample"),
+    forward = dur("forward") if forward_work is None else forward_work
+    return StageSpans(start("prepare"), dur("prepare"), forward, end("sample"), dur("sample"),
                       start("send"), start("recv"), end("recv"), max(ends) if ends else None, dur("to_samplers"))
 
 
