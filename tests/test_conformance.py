@@ -170,6 +170,8 @@ def test_short_torch_run_same_greedy_tokens(policy, tmp_path, reference_tokens):
     stages = res.info["stages"]  # each stage's set-up as its Ready said (CUDA graph capture on a GPU)
     assert len(stages) == res.spec.settings.parallel.pp
     assert all(s["load_s"] > 0 and s["init_s"] >= s["runtime_s"] >= 0 and s["runtime_mib"] == 0 for s in stages)
+    # the serving path warmed before the first micro-batch (stage/profile_run.py), tokens unchanged (above)
+    assert all(s["warmup_s"] > 0 and s["init_s"] >= s["runtime_s"] + s["warmup_s"] for s in stages)
 
 
 @pytest.mark.parametrize("count", [1, 2, 4])

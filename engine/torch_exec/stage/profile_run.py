@@ -4,11 +4,12 @@ for the driver, which derives the one pool size of all stages (engine/torch_exec
 from __future__ import annotations
 
 import socket
+import time
 
 import torch
 
 import engine.torch_exec.wire.messages as wire
-from engine.torch_exec.shared.kv_sizing import block_bytes, warmup_batch
+from engine.torch_exec.shared.kv_sizing import block_bytes, warmup_batch, warmup_shape
 
 
 def warm_up(model, tokens: int, first: bool) -> int:
@@ -27,6 +28,29 @@ def warm_up(model, tokens: int, first: bool) -> int:
     model.allocate_kv(1)  # the warm-up pool goes; the measured one comes with the driver's answer
     torch.cuda.empty_cache()
     return int(peak)
+
+
+WARM_TOKENS = 64  # the serving path's warm-up: 32 prompt tokens and 32 one-block decodes
+
+
+def warm_serving_path(model, first: bool, num_blocks: int) -> float:
+    """One small micro-batch through `prepare` and `forward` on the stage's own pool, where no
+    profile run did (a pool the driver sized from `kv.num_blocks`, and every CPU run); returns its
+    seconds. The first micro-batch of a run paid for what it warms: on the shared 2-core CPU
+    (tiny-llama P=2, 2026-11-29) its `prepare` took 136 / 173 ms on stages 0 / 1 against 0.5-0.9 ms
+    for the next ones, and each forward ~35 ms more. It writes K/V into blocks that a sequence
+    overwrites before it reads them, and samples nothing (the samplers keep per-sequence state)."""
+    if warmup_shape(WARM_TOKENS, model.block_size)[2] > num_blocks:
+        return 0.0
+    t0 = time.perf_counter()
+    chunk, rows = warmup_batch(WARM_TOKENS, model.block_size)
+    b = model.prepare(chunk, rows)
+    hidden = None if first else torch.zeros((b.num_tokens, model.arch.hidden_size), dtype=model.dtype,
+                                            device=model.device)
+    model.forward(b, hidden)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def device_key(device: str) -> str:

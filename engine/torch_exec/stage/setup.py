@@ -37,12 +37,17 @@ class StageSetup:
         t_runtime, reserved = time.perf_counter(), self.reserved_mib()
         self.setup_runtime(init)
         runtime_s, runtime_mib = time.perf_counter() - t_runtime, self.reserved_mib() - reserved
+        warmup_s = 0.0
+        if init.num_blocks:  # a profile run (size_kv) warmed the path otherwise
+            from engine.torch_exec.stage.profile_run import warm_serving_path
+
+            warmup_s = warm_serving_path(self.model, self.first, init.num_blocks)
         if self.P > 1 and (self.bw or self.lat):
             self.setup_links(init)
         if self.last:
             self.setup_sampling(init)
         self.send(wire.Ready(self.stage, os.getpid(), str(self.device), t_load, time.perf_counter() - t0,
-                             runtime_s, runtime_mib))
+                             runtime_s, runtime_mib, warmup_s))
         self.line.use_lane()  # the driver writes to the lane from Ready on
 
     def reserved_mib(self) -> float:

@@ -239,7 +239,8 @@ class KvPool:
 @dataclass(frozen=True)
 class Ready:
     """A stage is set up. `runtime_s` / `runtime_mib`: the runtime's set-up alone (on CUDA the capture of
-    every CUDA graph) and the device memory it reserved (0 on CPU), so a run records what capture costs."""
+    every CUDA graph) and the device memory it reserved (0 on CPU), so a run records what capture costs;
+    `warmup_s`: its warm-up micro-batch where no profile run warmed it (0 after one)."""
 
     stage: int
     pid: int
@@ -248,6 +249,7 @@ class Ready:
     init_s: float
     runtime_s: float = 0.0
     runtime_mib: float = 0.0
+    warmup_s: float = 0.0  # the serving path's warm-up on a pool given by the driver (stage/profile_run.py)
 
 
 @message("ping")
