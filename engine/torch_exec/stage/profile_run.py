@@ -53,6 +53,17 @@ def warm_serving_path(model, first: bool, num_blocks: int) -> float:
     return time.perf_counter() - t0
 
 
+def warm_sampling(vocab: int, settings: dict, device) -> float:
+    """The run's sampling once on two rows of zeros, by a throwaway sampler (the stage's own keeps
+    per-sequence state); returns its seconds. Sampling's first call on the H100 took 7.1 ms, 0.35 ms
+    after (testbed/calibrate/run_fit.py), and no profile run samples."""
+    from engine.torch_exec.stage.sampling import Sampler
+
+    t0 = time.perf_counter()
+    Sampler(vocab, **settings).sample(torch.zeros((2, vocab), device=device), [(-1, 0), (-2, 0)])
+    return time.perf_counter() - t0
+
+
 def device_key(device: str) -> str:
     """Host and GPU UUID: equal for stages that share a physical GPU."""
     props = torch.cuda.get_device_properties(device)

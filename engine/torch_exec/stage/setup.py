@@ -46,6 +46,9 @@ class StageSetup:
             self.setup_links(init)
         if self.last:
             self.setup_sampling(init)
+            from engine.torch_exec.stage.profile_run import warm_sampling
+
+            warmup_s += warm_sampling(self.arch.vocab_size, init.sampling.kwargs(), self.model.device)
         self.send(wire.Ready(self.stage, os.getpid(), str(self.device), t_load, time.perf_counter() - t0,
                              runtime_s, runtime_mib, warmup_s))
         self.line.use_lane()  # the driver writes to the lane from Ready on
