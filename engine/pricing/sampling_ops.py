@@ -28,10 +28,9 @@ reduction), launch floor `elementwise_floor_s`. A run is priced as the table's r
   `SEGMENTED_RADIX_BITS` = 6 for keys wider than a byte): ceil(key bits / 6) passes, each reading
   the keys once to count and reading and writing keys and indices once to scatter.
 Not modelled: min-p, min-tokens, logprobs beyond the sampled token, beam search, `n` > 1, the
-host work of building the sampling tensors (in the table's fixed part), and the sort's scattered
-writes running below streaming bandwidth (a radix pass is priced as a stream: a lower bound).
-Not validated on a GPU: no device was lent (the check waits, docs/measurements/
-sampling-base46b-2026-11-27.md says what to run).
+host work of building the sampling tensors (in the table's fixed part). A radix pass runs at the
+measured `SORT_EFFICIENCY` of the streaming rate (its scattered writes). Checked on a GPU (the H200 of
+set G1): docs/measurements/sampling-sort-2026-11-29.md.
 """
 from __future__ import annotations
 
@@ -40,6 +39,14 @@ import math
 from engine.base.sampling import SamplerSettings
 
 EW, RED = "ew", "red"  # element-wise (add_efficiency), row reduction (norm_efficiency)
+SORT = "sort"  # a radix-sort pass: element-wise bytes at SORT_EFFICIENCY of the element-wise rate
+# A radix pass's scattered writes run at 18.4% of the element-wise streaming rate: fitted on the H200
+# (set G1, torch.sort of fp16 logits, rows 256 / 512 x vocabularies 32k / 128k, top-p + top-k over the
+# reference path; testbed/calibrate/gpu_sampling_fit.py, declared in docs/measurements/
+# sampling-sort-2026-11-29.md). Priced as a stream (1.0) the extra was 36-35% of the measured; fitted,
+# -5.3% to +6.2% on the fit points, and on the held-out `all` setting (penalties too) -4.3% / -5.9% at
+# 128k and -18.4% / -31.3% at 32k (its small penalty kernels are launch-bound there).
+SORT_EFFICIENCY = 0.1841
 RADIX_BITS = 6  # cub DeviceSegmentedRadixSort, SEGMENTED_RADIX_BITS for keys > 1 byte
 INDEX_BYTES = 8  # torch.sort's int64 indices; the bin counts are int64 too
 PROB_BYTES = 4  # softmax / log_softmax to float32
@@ -80,7 +87,7 @@ def _penalty_kernels(d: int) -> list[tuple[str, float]]:
 def _top_k_top_p_kernels(d: int) -> list[tuple[str, float]]:
     i = INDEX_BYTES
     passes = math.ceil(8 * d / RADIX_BITS)
-    sort = [(EW, 2 * d), (EW, i)] + [(EW, 3 * d + 2 * i)] * passes  # copy keys, iota indices, passes
+    sort = [(EW, 2 * d), (EW, i)] + [(SORT, 3 * d + 2 * i)] * passes  # copy keys, iota indices, passes
     return sort + [
         (EW, d + 1), (EW, 1 + 2 * d),  # below the k-th value, masked_fill_
         (RED, 2 * d), (RED, 2 * d),  # softmax, cumsum
@@ -91,8 +98,8 @@ def _top_k_top_p_kernels(d: int) -> list[tuple[str, float]]:
 
 
 def kernels_s(s: SamplerSettings, rows: int, vocab: int, d: int, bw_Bps: float, ew_eff: float,
-              red_eff: float, floor_s: float) -> float:
+              red_eff: float, floor_s: float, sort_eff: float = SORT_EFFICIENCY) -> float:
     """Seconds of `sampler_kernels(s, d)` on `rows` x `vocab` logits."""
     entries = rows * vocab
-    rate = {EW: bw_Bps * ew_eff, RED: bw_Bps * red_eff}
+    rate = {EW: bw_Bps * ew_eff, RED: bw_Bps * red_eff, SORT: bw_Bps * ew_eff * sort_eff}
     return sum(floor_s + entries * nbytes / rate[kind] for kind, nbytes in sampler_kernels(s, d))
