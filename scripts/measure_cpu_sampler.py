@@ -14,6 +14,7 @@ took the penalties setting's median error from 20% to 3.5% (base46b, same 18 poi
 
     python scripts/measure_cpu_sampler.py --out engine/pricing/measured/cpu_sampler.json
     python scripts/measure_cpu_sampler.py --refit engine/pricing/measured/cpu_sampler.json  # fit the stored points again
+    python scripts/measure_cpu_sampler.py --paths --out engine/pricing/measured/cpu_sampler_paths.json
 
 The JSON keeps the points, the fits and the provenance (host CPU, torch, threads, load, date,
 commit). The IPC of a job (ZeroMQ frames of the rows' logits) is not in it.
@@ -29,11 +30,24 @@ import subprocess
 import time
 from pathlib import Path
 
+PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1)  # SiPipe's, as measured
 SETTINGS = {
     "greedy": dict(method="greedy"),
     "top_p_top_k": dict(method="random", temperature=0.8, top_p=0.95, top_k=50),
-    "top_p_top_k_penalties": dict(method="random", temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1,
-                                  presence_penalty=0.1, frequency_penalty=0.1),
+    "top_p_top_k_penalties": dict(method="random", temperature=0.8, top_p=0.95, top_k=50, **PENALTIES),
+}
+# `--paths`: every path the sampler can take (engine/pricing/cpu_sampling_paths.py names them): greedy
+# or random; random with top-k (then top-p on the k), with top-p alone (a full-vocabulary sort) or
+# with neither (a softmax over the vocabulary); each with and without the penalties.
+PATHS = {
+    "greedy": dict(method="greedy"),
+    "greedy_penalties": dict(method="greedy", **PENALTIES),
+    "random": dict(method="random", temperature=0.8),
+    "random_penalties": dict(method="random", temperature=0.8, **PENALTIES),
+    "top_k": dict(method="random", temperature=0.8, top_p=0.95, top_k=50),
+    "top_k_penalties": dict(method="random", temperature=0.8, top_p=0.95, top_k=50, **PENALTIES),
+    "top_p": dict(method="random", temperature=0.8, top_p=0.95),
+    "top_p_penalties": dict(method="random", temperature=0.8, top_p=0.95, **PENALTIES),
 }
 ROWS = (1, 8, 32)
 VOCABS = (32000, 152064)
@@ -58,7 +72,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def measure(repeats: int) -> list[dict]:
+def measure(repeats: int, settings: dict[str, dict]) -> list[dict]:
     import torch
 
     from engine.torch_exec.stage.sampling import Sampler
@@ -66,7 +80,7 @@ def measure(repeats: int) -> list[dict]:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     points = []
-    for name, kw in SETTINGS.items():
+    for name, kw in settings.items():
         for vocab in VOCABS:
             for rows in ROWS:
                 sampler = Sampler(vocab, **kw)
@@ -88,7 +102,7 @@ def fit(points: list[dict]) -> dict:
     from scipy.optimize import lsq_linear
 
     out = {}
-    for name in SETTINGS:
+    for name in dict.fromkeys(p["setting"] for p in points):
         sel = [p for p in points if p["setting"] == name]
         rows = np.array([p["rows"] for p in sel], dtype=float)
         x = np.array([p["rows"] * p["vocab"] for p in sel], dtype=float)
@@ -108,6 +122,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--refit", type=Path, help="fit the points of this JSON again and rewrite its fit")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--paths", action="store_true", help="every sampler path (PATHS), not the studies' three settings")
     args = ap.parse_args()
     if args.refit is not None:
         record = json.loads(args.refit.read_text())
@@ -117,19 +132,21 @@ def main() -> int:
         return 0
     if args.out is None:
         ap.error("--out or --refit is required")
+    settings = PATHS if args.paths else SETTINGS
     load_before = os.getloadavg()
-    points = measure(args.repeats)
+    points = measure(args.repeats, settings)
     import torch
 
     record = {
         "what": "engine/torch_exec/stage/sampling.py Sampler.sample on CPU, one thread, fp32 logits",
-        "command": f"python scripts/measure_cpu_sampler.py --out {args.out} --repeats {args.repeats}",
+        "command": f"python scripts/measure_cpu_sampler.py --out {args.out} --repeats {args.repeats}"
+                   + (" --paths" if args.paths else ""),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "commit": _commit(), "cpu": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
         "threads": 1, "loadavg_before": [round(v, 2) for v in load_before],
         "loadavg_after": [round(v, 2) for v in os.getloadavg()],
         "statistic": f"fastest of {args.repeats} calls, thread CPU time (time.thread_time)",
-        "settings": SETTINGS, "prompt_tokens_per_row": PROMPT, "points": points, "fit": fit(points),
+        "settings": settings, "prompt_tokens_per_row": PROMPT, "points": points, "fit": fit(points),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")

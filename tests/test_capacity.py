@@ -216,8 +216,12 @@ def test_a_live_search_probes_a_real_server_with_bench_serve(tmp_path, capsys):
         assert table["search"][0].startswith("host-bound before any probe") and "capacity_req_s" not in table
         return
     assert (probes["status"] == "finished").all()
-    flagged = probes["host_flag"].fillna("").astype(bool)  # a busy shared machine may starve client or server
-    assert not flagged.iloc[:-1].any() and (table["status"][0] == "host-bound") == flagged.iloc[-1]
+    flagged = probes["host_flag"].map(lambda v: isinstance(v, str) and v != "")  # a busy machine may starve client or server
+    # the search stops at its first host-bound probe: the last of its window's rows (rows go by window,
+    # so a hold-out probed earlier may follow it in probes.csv)
+    assert flagged.sum() <= 1 and (table["status"][0] == "host-bound") == flagged.any()
+    if flagged.any():
+        assert probes.index[flagged][0] == probes.index[probes["window"] == probes["window"][flagged].iloc[0]][-1]
     for (_, p), flag in zip(probes.iterrows(), flagged):  # each sent rate x 10 s of requests, judged what came back
         assert len(pd.read_csv(Path(p["run_dir"]) / "requests.csv")) == math.ceil(p["workload.rate"] * 10)
         if not flag:

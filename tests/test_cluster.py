@@ -41,6 +41,30 @@ def test_a_same_named_hosts_live_trial_is_not_failed(tmp_path):
     assert states == {other.number: "RUNNING", dead_here.number: "FAIL"}
 
 
+def test_a_trial_no_worker_claimed_is_failed_once_no_other_worker_lives(tmp_path):
+    """A worker killed between Optuna's `ask` and its claim left a RUNNING trial with no owner,
+    which nothing failed on SQLite (no heartbeat): a killed `tune` kept it RUNNING for good. It is
+    failed once every other registered worker is gone, and left alone while one lives."""
+    from testbed.cluster import identity
+    from testbed.tune.storage import fail_stale
+
+    study = _sqlite_study(tmp_path)
+    me = identity.this_worker(0)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        study.set_user_attr(f"worker:{me.host}-live.0", {"host": me.host, "pid": live.pid, "namespace": me.namespace})
+        unclaimed = study.ask()
+        assert fail_stale(study, study._storage, None) == []  # the live worker may be about to claim it
+        assert study.get_trials()[0].state.name == "RUNNING"
+    finally:
+        live.kill()
+        live.wait()
+    study.set_user_attr(f"worker:{me.host}-me.0", me.process())  # this process: never a reason to wait
+    notes = fail_stale(study, study._storage, None)
+    assert len(notes) == 1 and f"trial {unclaimed.number}" in notes[0]
+    assert study.get_trials()[0].state.name == "FAIL"
+
+
 def test_retried_and_interrupted_trials_do_not_count():
     import optuna
     from optuna.trial import TrialState

@@ -167,6 +167,9 @@ def test_short_torch_run_same_greedy_tokens(policy, tmp_path, reference_tokens):
     res, _ = _torch_run(tmp_path, policy)
     assert _tokens(res) == reference_tokens
     assert res.info["host"]["gemm_probe_ms"] > 0 and res.info["host"]["logical_cpus"] >= 1  # host_probe.py
+    stages = res.info["stages"]  # each stage's set-up as its Ready said (CUDA graph capture on a GPU)
+    assert len(stages) == res.spec.settings.parallel.pp
+    assert all(s["load_s"] > 0 and s["init_s"] >= s["runtime_s"] >= 0 and s["runtime_mib"] == 0 for s in stages)
 
 
 @pytest.mark.parametrize("count", [1, 2, 4])

@@ -50,6 +50,23 @@ def test_policies_whose_repeats_overlap_are_ties_and_any_order_of_them_agrees():
     assert not tp["agree"] and tp["discordant"] == 2
 
 
+def test_a_metric_the_engine_ties_everywhere_is_no_order_and_not_counted():
+    """SLO attainment 1.0 for every policy: nothing to agree with (it used to count as agreeing)."""
+    from testbed.calibrate.rank import format_rank
+
+    def metrics(tp: float, lat: float) -> dict:
+        return {"throughput_tok_s": tp, "ttft_mean_s": lat, "tpot_mean_s": lat, "slo_attainment": 1.0}
+
+    rows = [Replayed(f"{p}{i}", "test", p, "P=1 azure 3 req/s", None, metrics(tp + i, lat + i), metrics(sim, lat))
+            for p, tp, sim, lat in (("a", 100, 90, 1), ("b", 50, 60, 5), ("c", 10, 70, 9)) for i in range(2)]
+    table = rank_table(rows)
+    slo = next(t for t in table if t["metric"] == "SLO attainment")
+    tp = next(t for t in table if t["metric"] == "throughput")
+    assert not slo["ordered"] and tp["ordered"] and not tp["agree"]
+    text = format_rank(table, [])
+    assert "2 of 3 (setting, metric) orders agree" in text and "1 more with every pair tied" in text
+
+
 # ---- stalls on latency ---------------------------------------------------------------------------
 def test_a_stall_lengthens_the_ttft_of_the_waiting_and_the_tpot_of_the_decoding(tmp_path):
     reqs = pd.DataFrame({"arrival_s": [0.0, 0.0], "first_token_s": [3.0, 0.5], "finish_s": [4.0, 4.5],

@@ -83,3 +83,13 @@ def test_rate_first_timer_link_gives_the_asked_round_trip():
             p.wait()
     assert 2 * delay <= rtt < 2 * delay + 0.003, rtt
     assert run["late_max_s"] < delay, run
+
+
+def test_lateness_refuses_an_output_it_cannot_write_before_measuring(tmp_path, capsys):
+    from testbed.linkbench.lateness import main as lateness_main
+
+    assert lateness_main([str(tmp_path / "no-such-folder" / "out.json")]) == 2
+    assert capsys.readouterr().out.startswith("error: out ")
+    assert lateness_main([str(tmp_path / "out.json"), "--figure", str(tmp_path / "nope" / "f.png")]) == 2
+    assert "--figure" in capsys.readouterr().out
+    assert not (tmp_path / "out.json").exists()

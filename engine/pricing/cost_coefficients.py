@@ -93,7 +93,8 @@ class CostCoefficients:
     # when the sampler sorted the whole vocabulary per row (7.7 ms a 152k row).
     # engine/pricing/measured/cpu_sampler.json (scripts/measure_cpu_sampler.py) has the points and
     # provenance. The fixed part (a job's messages) is not measured: 200 us, hand-set (the sampler
-    # call's own fixed part fits at 137 us).
+    # call's own fixed part fits at 137 us). Other sampling settings take other paths of the sampler,
+    # priced as these terms + the difference between the paths (engine/pricing/cpu_sampling_paths.py).
     cpu_sample_fixed_s: float = 200e-6
     cpu_sample_per_row_s: float = 5.697542711005174e-05
     cpu_sample_per_token_vocab_s: float = 1.4074301729565028e-09

@@ -39,6 +39,7 @@ from engine.pricing.launch_floor import use_launch_floor
 from engine.pricing.layer_balance import split_layers
 from engine.pricing.small_m import use_gemv_rows
 from engine.pricing.models import ModelSpec
+from engine.pricing.cpu_sampling_paths import path_delta_s
 from engine.pricing.sampling_ops import REFERENCE, SamplerSettings, kernels_s
 
 __all__ = ["split_layers", "CostCoefficients", "BatchShape", "CostModel"]
@@ -397,14 +398,20 @@ class CostModel:
         return (c.last_stage_request_fixed_s + c.last_stage_request_per_seq_s * shape.num_seqs
                 + c.last_stage_request_per_context_token_s * (shape.decode_context_sum + shape.prefill_context_sum))
 
-    def cpu_sample_s(self, shape: BatchShape, workers: int = 1) -> float:
-        """CPU sampling of `shape`'s rows spread over `workers` sampler processes (SiPipe)."""
+    def cpu_sample_s(self, shape: BatchShape, workers: int = 1, sampling: SamplerSettings | None = None) -> float:
+        """CPU sampling of `shape`'s rows spread over `workers` sampler processes (SiPipe), on the
+        sampler's path for `sampling` (engine/pricing/cpu_sampling_paths.py; None or the defaults:
+        the terms' own path)."""
         rows = shape.num_sampled
         if not rows:
             return 0.0
         c = self.coefficients
+        fixed = c.cpu_sample_fixed_s
         per_row = c.cpu_sample_per_row_s + c.cpu_sample_per_token_vocab_s * self._vocab
-        return c.cpu_sample_fixed_s + per_row * rows / max(1, workers)
+        if sampling is not None and sampling != REFERENCE:
+            d_fixed, d_row = path_delta_s(sampling, self._vocab)
+            fixed, per_row = max(0.0, fixed + d_fixed), max(0.0, per_row + d_row)
+        return fixed + per_row * rows / max(1, workers)
 
     def cpu_handoff_s(self, shape: BatchShape) -> float:
         """The last stage's copy of `shape`'s logits to the CPU samplers, on the stage (SiPipe)."""

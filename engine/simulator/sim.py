@@ -313,7 +313,7 @@ class SimExecutor(Executor):
             # single-process time (plus the fixed cost).
             n = len(self._sampler_free_at)
             start = max(now, max(self._sampler_free_at))
-            end = start + self.cost.cpu_sample_s(mb.shape, workers=n)
+            end = start + self.cost.cpu_sample_s(mb.shape, workers=n, sampling=self._sampling)
             for k in range(n):
                 self._sampler_free_at[k] = end
                 self.tracer.span(f"sampler{k}", "sample", start, end, mb_id)
@@ -423,6 +423,7 @@ def _scaled_forward(cost, scale: float) -> Callable:
         return cost.stage_compute_all_s
     price = cost.stage_compute_all_s
     return lambda shape: tuple([v * scale for v in price(shape)])
+
 
 _FORWARD_NAMES = {kind: f"forward:{kind}" for kind in ("prefill", "decode", "mixed")}  # by MicroBatch.kind
 def _fifo(link: LinkState, pending: Seq[PendingTransfer]) -> Transfer:

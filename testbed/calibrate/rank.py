@@ -7,7 +7,10 @@ mean TPOT, SLO attainment), by Kendall's tau-b over the policies' pairs. A pair 
 engine's side when its repeats overlap (the ranges [min, max] of the two policies' runs of that
 setting meet: the engine cannot tell them apart; a single run has no range, so no ties); a tied pair
 counts as agreeing whatever the simulator says, and `agree` is True when no other pair is ordered
-the other way. The engine's figure for a policy is the mean of its repeats; the simulator's is its
+the other way. A (setting, metric) where the engine ties EVERY pair (e.g. SLO attainment 1.0 for every
+policy) has no order to agree with: it is reported as "no order" and not counted among the orders (until
+2026-11-28 such rows counted as agreeing: four or five of every CPU set's six SLO orders were of that kind).
+The engine's figure for a policy is the mean of its repeats; the simulator's is its
 replay of the first (the simulator is deterministic: the repeats' replays differ only where the
 runs' KV pool or settings do).
 """
@@ -89,6 +92,7 @@ def rank_table(rows: Sequence[Replayed]) -> list[dict]:
             higher = metric in ("throughput_tok_s", "slo_attainment")
             out.append({"setting": setting, "metric": label, "tau": tau, "concordant": conc, "discordant": disc,
                         "engine_ties": ties, "agree": disc == 0,
+                        "ordered": ties < len(policies) * (len(policies) - 1) // 2,
                         "engine_order": _order(dict(zip(policies, means)), higher),
                         "sim_order": _order(sim, higher)})
     return out
@@ -158,15 +162,22 @@ def _num(x) -> str:
         return ""
 
 
+def _verdict(t: dict) -> str:
+    return "-" if not t["ordered"] else "yes" if t["agree"] else "NO"
+
+
 def format_rank(table: list[dict], by_load: list[dict]) -> str:
     lines = ["\nrank agreement: the policies ordered by the engine (mean of its repeats) and by the simulator",
              f"  {'setting':<28}{'metric':<16}{'tau':>6}{'disc.':>6}{'ties':>5}  agree  engine order | simulator order"]
     for t in table:
         tau = "  nan" if not math.isfinite(t["tau"]) else f"{t['tau']:+.2f}"
         lines.append(f"  {t['setting']:<28}{t['metric']:<16}{tau:>6}{t['discordant']:>6}{t['engine_ties']:>5}  "
-                     f"{'yes' if t['agree'] else 'NO ':<5}  {t['engine_order']} | {t['sim_order']}")
-    n_agree = sum(t["agree"] for t in table)
-    lines.append(f"  {n_agree} of {len(table)} (setting, metric) orders agree (ties: the engine's repeats overlap)")
+                     f"{_verdict(t):<5}  {t['engine_order']} | {t['sim_order']}")
+    ordered = [t for t in table if t["ordered"]]
+    n_agree = sum(t["agree"] for t in ordered)
+    lines.append(f"  {n_agree} of {len(ordered)} (setting, metric) orders agree (ties: the engine's repeats overlap)"
+                 + (f"; {len(table) - len(ordered)} more with every pair tied on the engine: no order, not counted"
+                    if len(ordered) < len(table) else ""))
     lines.append("\nerror by load (mean |sim / real - 1| over the setting's runs; load = offered / served req/s)")
     lines.append(f"  {'setting':<28}{'runs':>5}{'load':>9}{'throughput':>12}{'TTFT mean':>11}{'TPOT mean':>11}")
     for e in by_load:

@@ -126,14 +126,15 @@ def check_config(path: Path, tree: Any, spec: Any, reqs: pd.DataFrame) -> None:
     if isinstance(said, int) and said != len(reqs):
         raise _bad(path / "config.yaml", None, f"workload.num_requests={said} but requests.csv has {len(reqs)} "
                                                f"requests: the config is not this run's")
-    info = _run_info(path)
+    info = run_info(path)
     block = info.get("kv_block_size")
     if isinstance(block, int) and block != spec.settings.kv.block_size:
         raise _bad(path / "config.yaml", None, f"kv.block_size={spec.settings.kv.block_size} but run_info.json "
                                                f"says the run used {block}: the config is not this run's")
 
 
-def _run_info(path: Path) -> dict:
+def run_info(path: Path) -> dict:
+    """A run folder's run_info.json as a dict ({} where it is missing, unreadable or not an object)."""
     import json
 
     try:

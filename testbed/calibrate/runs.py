@@ -328,7 +328,7 @@ def infer_kv_blocks(run: RealRun) -> int:
     """The KV pool a run measured (CUDA sizes it from free memory; the tables record only its
     usage): the blocks the first micro-batch holds, replayed on a pool too big to matter, over the
     usage the run recorded after it."""
-    from testbed.run.runner import build_cost_model
+    from testbed.run.runner import build_cost_model, link_settings
 
     usage = float(run.microbatches["kv_usage"].iloc[0])
     if not usage > 0:
@@ -337,8 +337,11 @@ def infer_kv_blocks(run: RealRun) -> int:
     block = run.spec.settings.kv.block_size
     kv = BlockManager(sum(-(-(r.prompt_len + r.output_len) // block) for r in run.requests) + 1, block)
     ex = ReplayExecutor(run.pp, run.microbatches, stop_after=1)
+    cost = build_cost_model(run.spec)
+    link = link_settings(run.spec.settings, cost)  # MoLink counts its micro-batches from the link (as the run did)
     try:
-        Controller(list(run.requests), policy, ex, kv, cost_model=build_cost_model(run.spec)).run()
+        Controller(list(run.requests), policy, ex, kv, cost_model=cost, link_bandwidth_Bps=link.bandwidth_Bps,
+                   link_latency_s=link.latency_s).run()
     except _FirstLaunch:
         pass
     return int(round(kv.num_used / usage))

@@ -92,6 +92,24 @@ def owned_by_dead_local_process(trial_attrs: dict, study_attrs: dict) -> bool:
     return dead_local_process(study_attrs.get(f"worker:{trial_attrs.get('worker')}") or {})
 
 
+def no_live_worker_but_me(study_attrs: dict) -> bool:
+    """True when every worker registered in the study ran in this pid namespace and is gone,
+    this process excepted. A RUNNING trial with no `worker` attribute was asked for by a worker
+    that died before it claimed it (a SIGKILL or the orphan's exit between Optuna's `ask` and the
+    claim's commit); with SQLite no heartbeat recovers it, so it stayed RUNNING for good (a
+    fresh-clone CI failure, 1 in 3 runs). Only when no other worker can be in that window may it
+    be failed; a worker of another host or namespace (or a live local one) keeps it waiting."""
+    me = os.getpid()
+    for key, where in study_attrs.items():
+        if not key.startswith("worker:") or not isinstance(where, dict):
+            continue
+        if where.get("namespace") == local_namespace() and where.get("pid") == me:
+            continue
+        if not dead_local_process(where):
+            return False
+    return True
+
+
 def dead_local_process(where: dict) -> bool:
     """True when `where` ({"namespace", "pid"}, as `WorkerIdentity.process` records it) names a
     process of this pid namespace that is gone."""

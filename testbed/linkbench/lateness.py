@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import statistics
@@ -179,8 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: --relays {bad[0]!r}: RELAY:LAYOUT, relays {', '.join(RELAYS)}, layouts {', '.join(RELAY_LAYOUTS)}")
         return 2
-    load_before = Path("/proc/loadavg").read_text().split()[:3]
     out = Path(a.out)
+    for option, path in (("out", a.out), ("--table", a.table), ("--figure", a.figure)):
+        parent = Path(path).parent if path else None
+        if parent is not None and not (parent.is_dir() and os.access(parent, os.W_OK)):
+            print(f"error: {option} {path!r}: its folder {str(parent)!r} is not a writable folder")
+            return 2
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "delay_s": a.delay,
               "rate_bps": a.rate * 1e6, "repeats": a.repeats, "load_before": load_before,
               "relays": [run_relay(r, l, a.delay, a.rate * 1e6, a.repeats, out.parent) for r, l in relays]}

@@ -121,6 +121,8 @@ class PreparedRun:
         try:
             ctrl.start()  # executor workers up, policy preparation (not serving time)
             self.info["kv_num_blocks"] = ctrl.kv.num_blocks  # measured by the executor, or as configured
+            if getattr(ctrl.executor, "stage_info", None):  # a real run's stages: load, set-up, capture time and memory
+                self.info["stages"] = ctrl.executor.stage_info
             t0 = time.perf_counter()
             ctrl.run()
         except RunFailedError as exc:

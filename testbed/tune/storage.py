@@ -240,11 +240,13 @@ def fail_stale(study: Any, storage: Any, tracker: Any, recover: Callable[[Any], 
     whatever its name: issue 24 item 5): completed by `recover(trial)` when it can (its results
     were recorded: tune/reclaim.py), else marked interrupted + FAILED with their MLflow runs
     KILLED. Other hosts' dead workers are found by their heartbeats (cluster/heartbeat.py).
+    A trial no worker claimed is failed too once no other worker lives (`no_live_worker_but_me`).
     One line per trial, naming it and its worker."""
     notes = []
     workers = study.user_attrs
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if not identity.owned_by_dead_local_process(t.user_attrs, workers):
+        ownerless = "worker" not in t.user_attrs and identity.no_live_worker_but_me(workers)
+        if not (ownerless or identity.owned_by_dead_local_process(t.user_attrs, workers)):
             continue
         who = f"trial {t.number} (worker {t.user_attrs.get('worker')}, gone)"
         if recover is not None and recover(t):

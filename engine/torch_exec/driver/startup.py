@@ -38,7 +38,8 @@ class StageStartup:
         if self.measure_kv:
             self._size_pool(deadline)
         for s, r in enumerate(self._gather(wire.Ready, deadline)):
-            self.stage_info[s].update(load_s=r.load_s, init_s=r.init_s, pid=r.pid, device=r.device)
+            self.stage_info[s].update(load_s=r.load_s, init_s=r.init_s, runtime_s=r.runtime_s,
+                                      runtime_mib=r.runtime_mib, pid=r.pid, device=r.device)
         self._lanes.on = bool(self._lanes.lanes)  # each spawned stage reads its lane from Ready on
         self._clock_offsets(deadline)
         self._t0 = time.perf_counter()

@@ -50,11 +50,17 @@ BLOCK_N = 64  # keys per loop step
 # contexts, tiles, slots) are views into one packed buffer at data-dependent offsets
 # (engine/torch_exec/tensors/inputs.py), so their alignment changes from step to step: all 8 stalls
 # of the 1a5c8d9 H100 runs fall on a micro-batch whose key was new once that is counted (the table
-# width, `stride_tab`, explained 3). No pointer argument is specialised on alignment and no
-# data-dependent integer on its value: one variant per tile size and dtype, compiled at start-up
-# (`compiled_variants` counts them; tests/test_engine_gpu.py checks none is added by a run).
+# width, `stride_tab`, explained 3). Those are not specialised on alignment, nor the table width on its
+# value. The tensors (q, k, v, o and the KV caches) ARE: their alignment is fixed for a run (allocator
+# blocks, constant column offsets), and without it the loads of K and V are not vectorised: with every
+# pointer unspecialised (c45993e) the kernel took 11.7 of a 17.7 ms decode forward at 128 x 512 on an
+# H200 (0.42 ms a layer, 160 GB/s of K/V) and 55 of 95 ms of a 2,048-token prefill
+# (measurements/gpu-h200-qwen2.5-7b-2026-11-28/call1/bench_engine.json); 53 us a layer on the H100
+# before it (1a5c8d9). One variant per tile size and dtype, compiled at start-up (`compiled_variants`
+# counts them; tests/test_no_jit_in_run.py checks none is added by a run: on this split, not yet run on
+# a GPU).
 NO_ALIGN = dict(do_not_specialize_on_alignment=["tables_ptr", "qstart_ptr", "ctx_ptr", "tile_seq_ptr",
-                                                "tile_idx_ptr", "q_ptr", "k_ptr", "v_ptr", "o_ptr"])
+                                                "tile_idx_ptr"])
 
 if HAVE_TRITON:
     @triton.jit(do_not_specialize=["stride_tab"], **NO_ALIGN)
@@ -126,7 +132,7 @@ if HAVE_TRITON:
         o_ptrs = o_ptr + (q0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
-    @triton.jit(do_not_specialize_on_alignment=["k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "slots_ptr"])
+    @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
     def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr,
                          stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_ch, stride_cs,

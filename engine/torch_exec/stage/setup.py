@@ -34,13 +34,21 @@ class StageSetup:
             from engine.torch_exec.stage.rendezvous import join_group
 
             self.dist, self._store_socket = join_group(init, self.stage)
+        t_runtime, reserved = time.perf_counter(), self.reserved_mib()
         self.setup_runtime(init)
+        runtime_s, runtime_mib = time.perf_counter() - t_runtime, self.reserved_mib() - reserved
         if self.P > 1 and (self.bw or self.lat):
             self.setup_links(init)
         if self.last:
             self.setup_sampling(init)
-        self.send(wire.Ready(self.stage, os.getpid(), str(self.device), t_load, time.perf_counter() - t0))
+        self.send(wire.Ready(self.stage, os.getpid(), str(self.device), t_load, time.perf_counter() - t0,
+                             runtime_s, runtime_mib))
         self.line.use_lane()  # the driver writes to the lane from Ready on
+
+    def reserved_mib(self) -> float:
+        """Device memory the caching allocator holds (CUDA graphs' pools included); 0 off CUDA."""
+        torch = self.torch
+        return torch.cuda.memory_reserved(self.device) / 2**20 if str(self.device).startswith("cuda") else 0.0
 
     def setup_device(self, init: wire.StageInit) -> None:
         torch = self.torch

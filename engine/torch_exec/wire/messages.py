@@ -238,11 +238,16 @@ class KvPool:
 @message("ready")
 @dataclass(frozen=True)
 class Ready:
+    """A stage is set up. `runtime_s` / `runtime_mib`: the runtime's set-up alone (on CUDA the capture of
+    every CUDA graph) and the device memory it reserved (0 on CPU), so a run records what capture costs."""
+
     stage: int
     pid: int
     device: str
     load_s: float
     init_s: float
+    runtime_s: float = 0.0
+    runtime_mib: float = 0.0
 
 
 @message("ping")
