@@ -2,6 +2,7 @@
 measure (testbed/linkbench/lateness.py) and candidate M2's lost-burst recovery (engine/pricing/tcp_link.py)."""
 from __future__ import annotations
 
+import json
 import subprocess
 from dataclasses import replace
 
@@ -59,10 +60,10 @@ def test_a_lost_burst_costs_lost_window_rtts_per_cut_window_of_lost_bytes():
     assert t1 - t0 == pytest.approx(2.0 * lost / cut * 2 * d, rel=1e-6)
 
 
-def test_fit_refuses_lost_window_without_the_two_outcomes(tmp_path, capsys):
+def test_fit_refuses_lost_window_without_the_burst_loss(tmp_path, capsys):
     f = tmp_path / "s.json"
     f.write_text('{"provenance": {}, "rows": []}')
-    assert fit_main([str(tmp_path / "p.json"), "--fit", str(f), "--burst-loss", "--lost-window"]) == 2
+    assert fit_main([str(tmp_path / "p.json"), "--fit", str(f), "--lost-window"]) == 2
     assert "error: --lost-window" in capsys.readouterr().out
 
 
@@ -93,3 +94,42 @@ def test_lateness_refuses_an_output_it_cannot_write_before_measuring(tmp_path, c
     assert lateness_main([str(tmp_path / "out.json"), "--figure", str(tmp_path / "nope" / "f.png")]) == 2
     assert "--figure" in capsys.readouterr().out
     assert not (tmp_path / "out.json").exists()
+
+
+def _synthetic_series(tmp_path, truth):
+    """A series priced by `truth` (two rates, two delays, 1-16 MB): what a fit must give back."""
+    from engine.pricing.tcp_modes import predict_series
+    from testbed.linkbench.measure import validation_plan
+
+    plan = validation_plan(sizes=(1 << 20, 4 << 20, 16 << 20))
+    rows = [{"rate_bps": r, "delay_s": d, "n": p["n"], "msgs": p["msgs"], "gap_s": p["gap"]}
+            for r in (200e6, 400e6) for d in (0.015, 0.035) for p in plan]
+    rows = [dict(r, measured_s=t) for r, t in zip(rows, predict_series(rows, truth))]
+    f = tmp_path / "syn.json"
+    f.write_text(json.dumps({"provenance": {"synthetic": True}, "rows": rows}))
+    return f, rows
+
+
+def test_fit_one_outcome_lost_window_pins_the_chance_and_gives_the_series_back(tmp_path):
+    """Candidate M3 (measurements/linkbench-2026-11-28g): `--burst-loss --lost-window` without --modes fits
+    goodput, per-message, burst_loss_rtts, sender and lost_window_rtts with slow_burst_p exactly 1.0 (one
+    outcome). Refused before 28g (exit 2). Transfers priced with known constants (lost_window_rtts 1.5
+    moves 6 of the 28 points by 2-28%) are fitted back to within 1%, with lost_window_rtts recovered."""
+    truth = replace(load_constants(), slow_burst_p=1.0, lost_window_rtts=1.5)
+    f, rows = _synthetic_series(tmp_path, truth)
+    out = tmp_path / "m3.json"
+    assert fit_main([str(out), "--fit", str(f), "--burst-loss", "--lost-window"]) == 0
+    got = load_constants(path=out)
+    assert got.slow_burst_p == 1.0 and json.loads(out.read_text())["constants"]["slow_burst_p"] == 1.0
+    assert got.lost_window_rtts == pytest.approx(1.5, rel=0.1)
+    from engine.pricing.tcp_modes import predict_series
+    assert max(abs(p / r["measured_s"] - 1) for p, r in zip(predict_series(rows, got), rows)) < 0.01
+
+
+def test_fit_refuses_lost_window_with_a_measured_sender(tmp_path, capsys):
+    f = tmp_path / "s.json"
+    f.write_text('{"provenance": {}, "rows": []}')
+    assert fit_main([str(tmp_path / "p.json"), "--fit", str(f), "--burst-loss", "--lost-window",
+                     "--sender-Bps", "1e8"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("error: --lost-window") and out.count("\n") == 1

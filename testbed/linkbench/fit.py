@@ -3,8 +3,9 @@
 `python -m testbed.linkbench.fit OUT_PROFILE.json --fit A.json [--fit B.json] --check C.json ...`
 fits `goodput_fraction`, `per_message_s` and, with --burst-loss, `burst_loss_rtts` and `sender_Bps` (or takes
 the last as measured: --sender-Bps) and, with --modes, `slow_burst_p` (engine/pricing/tcp_link.py;
-the initial window and Reno's cut are the kernel's), or with --only-slow-burst-p that chance alone (the other
-constants the shipped profile's)
+the initial window and Reno's cut are the kernel's), and with --lost-window `lost_window_rtts` (with or
+without --modes; without, `slow_burst_p` stays 1.0: one outcome, candidate M3 of 2026-11-28g), or with
+--only-slow-burst-p that chance alone (the other constants the shipped profile's)
 by robust least squares on the log of the transfer times of the `--fit` series, then reports the error on
 every series (`--check` ones held out of the fit) and writes the profile: the constants, where they
 came from, and every measured row beside its modelled time.
@@ -97,13 +98,17 @@ def constants(x, queue: tuple[float, float], source: str = "") -> TcpConstants:
 def fit(rows: list[dict], queue: tuple[float, float], burst: bool = False,
         sender_Bps: float | None = None, modes: bool = False, lost_window: bool = False) -> TcpConstants:
     """`sender_Bps`: the sender's burst speed as measured (relay_speed.py), not fitted. `modes`: also
-    fit `slow_burst_p` (a burst lost with a chance; the expected time over both outcomes). `lost_window`
-    (with `modes`): also fit `lost_window_rtts` (a lost burst's recovery by its lost bytes)."""
+    fit `slow_burst_p` (a burst lost with a chance; the expected time over both outcomes). `lost_window`:
+    also fit `lost_window_rtts` (a lost burst's recovery by its lost bytes); without `modes`,
+    `slow_burst_p` is pinned at 1.0 (one outcome, engine/pricing/tcp_modes.py: the deterministic
+    model's times; candidate M3, measurements/linkbench-2026-11-28g)."""
     fixed = () if sender_Bps is None or not burst else (sender_Bps * 8.0 / 1e9,)
     modes = modes and burst and not fixed
+    lost_window = lost_window and burst and not fixed
+    full = _one_outcome if lost_window and not modes else (lambda x: tuple(x) + fixed)
 
     def loss_on(x, rows) -> float:
-        x = tuple(x) + fixed
+        x = full(x)
         if not 0.5 < x[0] <= 1.0 or x[1] < 0 or (burst and not (0 <= x[2] <= 10 and 0.05 <= x[3] <= 100)):
             return 1e9
         if len(x) > 4 and not 0.0 <= x[4] <= 1.0 or len(x) > 5 and not 0.0 <= x[5] <= 20.0:
@@ -118,9 +123,16 @@ def fit(rows: list[dict], queue: tuple[float, float], burst: bool = False,
     best = _best(lambda x: loss_on(x, means), starts)
     if modes:  # widened from the one-outcome optimum (a grid of 5-D starts takes too long)
         best = _best(lambda x: loss_on(x, means), [tuple(best) + (s,) for s in SLOW_STARTS])
-        if lost_window:  # widened again from the two-outcome optimum
-            best = _best(lambda x: loss_on(x, means), [tuple(best) + (s,) for s in LOST_STARTS])
-    return constants(tuple(best) + fixed, queue)
+    if lost_window:  # widened again from the one- or two-outcome optimum
+        best = _best(lambda x: loss_on(x, means), [tuple(best) + (s,) for s in LOST_STARTS])
+    return constants(full(best), queue)
+
+
+def _one_outcome(x) -> tuple:
+    """M3's fitted vector (goodput, per-message, burst rtts, sender Gbit/s[, lost_window_rtts]) as
+    `constants` takes it: `slow_burst_p` 1.0 put in its slot (the burst always at the sender's speed)."""
+    x = tuple(x)
+    return x if len(x) <= 4 else x[:4] + (1.0,) + x[4:]
 
 
 def fit_slow_burst_p(rows: list[dict], base: TcpConstants) -> TcpConstants:
@@ -194,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sender-Bps", type=float, default=None,
                     help="with --burst-loss: the sender's burst speed as measured (relay_speed.py), not fitted")
     ap.add_argument("--lost-window", action="store_true",
-                    help="with --modes: also fit lost_window_rtts (a lost burst's recovery by its lost bytes)")
+                    help="with --burst-loss: also fit lost_window_rtts (a lost burst's recovery by its lost "
+                         "bytes); without --modes slow_burst_p stays 1.0 (one outcome)")
     ap.add_argument("--only-slow-burst-p", action="store_true",
                     help="refit slow_burst_p alone; every other constant the shipped profile's")
     a = ap.parse_args(argv)
@@ -209,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.sender_Bps is not None and not (a.burst_loss and a.sender_Bps > 0):
         print(f"error: --sender-Bps {a.sender_Bps}: a speed > 0 in bytes/s, with --burst-loss")
         return 2
-    if a.lost_window and not (a.burst_loss and a.modes):
-        print("error: --lost-window: only with --burst-loss --modes (the lost burst's two-outcome form)")
+    if a.lost_window and not (a.burst_loss and a.sender_Bps is None):
+        print("error: --lost-window: only with --burst-loss and a fitted sender (no --sender-Bps); valid: "
+              "--burst-loss --lost-window (one outcome) or --burst-loss --modes --lost-window")
         return 2
     if a.only_slow_burst_p and (a.burst_loss or a.modes or a.sender_Bps is not None or a.queue_bdp is not None):
         print("error: --only-slow-burst-p: alone (every other constant is the shipped profile's); drop "
@@ -221,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         c = fit_slow_burst_p(rows, load_constants())
         queue = (c.queue_bytes, c.queue_bdp)
     else:
-        c = fit(rows, queue, a.burst_loss, a.sender_Bps, a.modes, a.lost_window and a.modes)
+        c = fit(rows, queue, a.burst_loss, a.sender_Bps, a.modes, a.lost_window)
     series = []
     for role, paths, data in (("fit", a.fit, fitted), ("held out", a.check, checked)):
         for p, d in zip(paths, data):
