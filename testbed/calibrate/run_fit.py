@@ -328,6 +328,21 @@ def _data_starts(samples: Sequence[ForwardSample], model, hw: HardwareSpec, pp: 
 def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | None = None,
              own_attention: bool = False, hop: str = "link", inflight_handover: bool = False,
              decode_by_batch: bool = False, shared_gpu: bool = False) -> RunFit:
+    """`_fit_runs`, with the runs read as their own work on a shared GPU for the fit alone (`shared_gpu`)."""
+    if shared_gpu:
+        check_some_shared(runs)
+    try:
+        for run in runs:
+            run.own_work = shared_gpu
+        return _fit_runs(runs, base, table, own_attention, hop, inflight_handover, decode_by_batch, shared_gpu)
+    finally:
+        for run in runs:
+            run.own_work = False
+
+
+def _fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | None,
+              own_attention: bool, hop: str, inflight_handover: bool, decode_by_batch: bool,
+              shared_gpu: bool) -> RunFit:
     """Fit `base`'s engine terms (or, on a roofline base, its coefficients) to the runs (module
     docstring), and with `own_attention` its decode attention's read rate and few-blocks term;
     `hop="receive"`: a host hop and the return priced once (testbed/calibrate/hop_fit.py);
@@ -347,10 +362,6 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
         if (rc.model.name, rc.parallel.pp, rc.parallel.layer_split) != (model.name, pp, split):
             raise ConfigError(f"run {run.path} has model={rc.model.name} parallel.pp={rc.parallel.pp}; "
                               f"{runs[0].path} has model={model.name} parallel.pp={pp}: fit one setting at a time")
-    if shared_gpu:
-        check_some_shared(runs)
-        for run in runs:
-            run.own_work = True
     base_vals = asdict(CostCoefficients(**(base.calibration or {})))
     base_vals["decode_batch_factors"] = ()  # a base's own correction is refitted (--decode-by-batch), never compounded
     probe = _cost(model, base, pp, split, base_vals)
