@@ -50,6 +50,7 @@ def _fits() -> dict[str, dict[str, float]]:
     return json.loads(MEASURED.read_text())["fit"]
 
 
+@lru_cache(maxsize=64)
 def path_delta_s(s: SamplerSettings, vocab: int) -> tuple[float, float]:
     """(fixed, per row) seconds the path of `s` costs more (or less) than the reference path, for
     rows of `vocab` entries."""

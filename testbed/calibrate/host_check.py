@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from testbed.calibrate.run_checks import run_info
+from testbed.calibrate.shared_device import stage_gpus
 
 # The probe's own scatter on one machine: 1.96-2.12 ms over eight probes on the shared 2-core machine
 # at load ~3 (2026-11-28), i.e. within +-4% of its median; a move beyond 5% is the machine, not the probe.
@@ -33,11 +34,8 @@ def _host_of(info: dict) -> dict | None:
     return host if isinstance(host, dict) and isinstance(host.get("gemm_probe_ms"), (int, float)) else None
 
 
-def _gpus(info: dict) -> list[str]:
-    """The CUDA devices a run's stages ran on, one entry per stage (`stages` in run_info.json)."""
-    stages = info.get("stages")
-    devices = [str(s.get("device", "")) for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
-    return [d for d in devices if d.startswith("cuda")]
+def _shares_a_gpu(gpus: list[str]) -> bool:
+    return len(gpus) != len(set(gpus))
 
 
 def _describe(hosts: Sequence[dict]) -> tuple[str, float]:
@@ -52,13 +50,13 @@ def host_report(runs_by_set: dict[str, Iterable[Path]]) -> str:
     engine/torch_exec/shared/placement.py). Each run_info.json is read once."""
     infos = {name: [(p, run_info(p)) for p in paths] for name, paths in runs_by_set.items()}
     hosts = {name: [_host_of(info) for _, info in runs] for name, runs in infos.items()}
-    gpu = any(_gpus(info) for runs in infos.values() for _, info in runs)
+    gpu = any(stage_gpus(info) for runs in infos.values() for _, info in runs)
     lines = _host_lines(hosts, gpu)
-    shared = sorted(p.name for runs in infos.values() for p, info in runs if len(_gpus(info)) != len(set(_gpus(info))))
+    shared = sorted(p.name for runs in infos.values() for p, info in runs if _shares_a_gpu(stage_gpus(info)))
     if shared:
         lines.append(f"  {len(shared)} run(s) had stages sharing one GPU ({', '.join(shared[:3])}"
-                     f"{', ...' if len(shared) > 3 else ''}): their forwards took turns on it, while the simulator "
-                     "prices each stage on its own device (set G1's P=2: TTFT 23-41% low)")
+                     f"{', ...' if len(shared) > 3 else ''}): their forwards took turns on it; the simulator "
+                     "prices each stage on its own device unless the profile was fitted with `calibrate runs --shared-gpu`")
     return "\n".join(lines)
 
 

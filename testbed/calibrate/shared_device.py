@@ -16,30 +16,29 @@ Runs whose stages each had a GPU (or whose run_info.json does not say) are fitte
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
 from engine.base.errors import ConfigError
+from testbed.calibrate.run_checks import run_info
+
+
+def stage_gpus(info: Mapping) -> list[str]:
+    """The CUDA devices a run's stages ran on, one entry per stage (`stages` in run_info.json)."""
+    stages = info.get("stages")
+    devices = [str(s.get("device", "")) for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
+    return [d for d in devices if d.startswith("cuda")]
 
 
 def stage_devices(run) -> list[str]:
-    """The device each stage of `run` ran on (`stages` in run_info.json; [] when not recorded)."""
-    try:
-        info = json.loads((run.path / "run_info.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
-    stages = info.get("stages") if isinstance(info, dict) else None
-    if not isinstance(stages, list) or len(stages) != run.pp:
-        return []
-    devices = [str(s.get("device", "")) if isinstance(s, dict) else "" for s in stages]
-    return devices if all(d.startswith("cuda") for d in devices) else []
+    """The device each stage of `run` ran on ([] when run_info.json does not say it for every stage)."""
+    devices = stage_gpus(run_info(run.path))
+    return devices if len(devices) == run.pp else []
 
 
 def shared_devices(run) -> int:
     """How many GPUs `run`'s stages shared (fewer than P), else 0 (each had its own, or unknown)."""
-    devices = stage_devices(run)
-    n = len(set(devices))
-    return n if devices and n < run.pp else 0
+    n = len(set(stage_devices(run)))
+    return n if 0 < n < run.pp else 0
 
 
 def own_work(spans: Mapping[tuple[int, int], Mapping[str, tuple[float, float]]],

@@ -15,16 +15,10 @@ from engine.torch_exec.shared.kv_sizing import block_bytes, warmup_batch, warmup
 def warm_up(model, tokens: int, first: bool) -> int:
     """Run the warm-up micro-batch; returns the peak allocated bytes (weights + activations).
     The model's pool must hold `warmup_shape(tokens, block_size)[2]` blocks."""
-    chunk, rows = warmup_batch(tokens, model.block_size)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    b = model.prepare(chunk, rows)
-    hidden = None if first else torch.zeros((b.num_tokens, model.arch.hidden_size), dtype=model.dtype,
-                                            device=model.device)
-    model.forward(b, hidden)
-    torch.cuda.synchronize()
+    _run_warmup_batch(model, tokens, first)
     peak = torch.cuda.max_memory_allocated()
-    del b, hidden
     model.allocate_kv(1)  # the warm-up pool goes; the measured one comes with the driver's answer
     torch.cuda.empty_cache()
     return int(peak)
@@ -43,14 +37,20 @@ def warm_serving_path(model, first: bool, num_blocks: int) -> float:
     if warmup_shape(WARM_TOKENS, model.block_size)[2] > num_blocks:
         return 0.0
     t0 = time.perf_counter()
-    chunk, rows = warmup_batch(WARM_TOKENS, model.block_size)
+    _run_warmup_batch(model, WARM_TOKENS, first)
+    return time.perf_counter() - t0
+
+
+def _run_warmup_batch(model, tokens: int, first: bool) -> None:
+    """`warmup_batch(tokens)` through `prepare` and `forward` (stage 0 embeds its ids, a later stage
+    takes zeros for the activation), waited for on a GPU."""
+    chunk, rows = warmup_batch(tokens, model.block_size)
     b = model.prepare(chunk, rows)
     hidden = None if first else torch.zeros((b.num_tokens, model.arch.hidden_size), dtype=model.dtype,
                                             device=model.device)
     model.forward(b, hidden)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def warm_sampling(vocab: int, settings: dict, device) -> float:
