@@ -6,6 +6,8 @@
 # measurements/gpu-<device>-<model>-<date>/: the split is declared there (manifest + test-set md) BEFORE this
 # runs; the run names below are the manifest's.
 #   OUT=/some/dir bash scripts/engine_runs_gpu.sh          (on the GPU machine, from the project root)
+#   (from a checkout slimmed for the call: `bash scripts/device_tree.sh slim` here first, `restore` after; the copy's
+#   64 MiB limit, docs/calibrate-runs.md#re-measuring)
 #   DEVICE=cpu MODEL=tiny-llama GRID=quick BENCH_FLAGS=--quick OUT=/tmp/o bash scripts/engine_runs_gpu.sh  (plumbing, CPU)
 # Brings back (at most 8 files): log.txt, gpu_tests.txt, bench_engine.json, profile.tar.xz (the table and its
 # fit), gpu_sampler.json, cpu_sampler.json, runs.tar.xz (run folders pp<P>-<workload>-<policy>-r<k>, with
