@@ -275,6 +275,7 @@ def test_validate_runs_compares_repeated_runs_by_their_mean(tmp_path, capsys, mo
     assert errors["tpot_mean_s"] == pytest.approx(1 / 1.25 - 1, rel=1e-9)
     assert errors["throughput_tok_s"] == pytest.approx(1 / 0.9 - 1, rel=1e-9)
     assert errors["ttft_mean_s"] == pytest.approx(0.0, abs=1e-9)
+    assert (tmp_path / "v" / "errors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the figure beside the table
 
 
 @pytest.mark.parametrize("argv, message", [

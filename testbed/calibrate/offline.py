@@ -32,6 +32,7 @@ from testbed.calibrate.run_fit import fitted_spec, fit_runs
 from testbed.calibrate.run_checks import distinct_runs, read_table
 from testbed.calibrate.shared_device import check_some_shared
 from testbed.calibrate.runs import RealRun, group_by_setting, load_run
+from testbed.calibrate.error_figure import error_figure, frame_of
 from testbed.calibrate.rank import (CSV_METRICS, Replayed, error_by_load, format_rank, rank_table, setting_label,
                                     write_errors_csv)
 from testbed.calibrate.spread_sim import check_spread, simulate_spread, spread_note
@@ -154,6 +155,7 @@ def cmd_validate_runs(args, console) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "errors.md").write_text("```\n" + text + "\n```\n")
     (out / "errors.json").write_text(json.dumps(rows, indent=2, default=float))
+    error_figure(frame_of(replays), out / "errors.png", f"{len(runs)} runs simulated on {hardware} vs the engine")
     print(text)
     print(out.resolve())
     return 0

@@ -22,6 +22,7 @@ from engine.base.errors import ConfigError
 from engine.pricing.hardware import get_hardware
 from testbed.calibrate.host_check import host_report
 from testbed.calibrate.manifest import Manifest, Split, load_manifest, record_test_report
+from testbed.calibrate.error_figure import error_figure, frame_of
 from testbed.calibrate.rank import CSV_METRICS, Replayed, error_by_load, format_rank, rank_table, write_errors_csv
 from testbed.calibrate.runs import ReplayDiverged, load_run
 from testbed.calibrate.spread_sim import check_spread, simulate_spread, spread_note
@@ -80,6 +81,7 @@ def cmd_validate_manifest(args, console) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "errors.md").write_text("```\n" + text + "\n```\n")
     (out / "replays.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=float))
+    error_figure(frame_of(rows), out / "errors.png", f"{split.name}: simulated on {hardware} vs the engine")
     if args.errors_csv:
         write_errors_csv(rows, Path(args.errors_csv), CSV_METRICS)
     print(text)
