@@ -105,6 +105,20 @@ def test_a_bad_manifest_is_one_error_line(tmp_path, capsys, body, message):
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
 
 
+def test_a_bad_output_path_fails_before_any_replay_and_logs_no_test_report(tmp_path, capsys):
+    from testbed.cli import main
+
+    for name in ("fit1", "test1"):
+        (tmp_path / "m" / "runs" / name).mkdir(parents=True)  # empty: a replay would fail on them
+    path = _manifest(tmp_path, {"p": {"base": "h100-80g", "fit": ["fit1"], "test": ["test1"]}})
+    (tmp_path / "a-folder").mkdir()
+    assert main(["validate", "--runs", str(path), "hardware=h100-80g", "--test",
+                 "--errors-csv", str(tmp_path / "a-folder")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: invalid --errors-csv=") and "it is a folder" in err[0]
+    assert not (path.parent / "test_reports.log").exists()
+
+
 def test_calibrate_fits_the_fit_runs_only_and_validate_reports_the_test_runs_once(tmp_path, capsys, monkeypatch):
     from engine.pricing.hardware import HARDWARE
     from testbed.calibrate.fit import save_hardware_profile

@@ -26,7 +26,7 @@ from pathlib import Path
 from engine.base.errors import ConfigError
 from engine.pricing.hardware import get_hardware
 from testbed.calibrate.keep import save_profile_or_keep
-from testbed.run.out_checks import plain_name, writable_dir
+from testbed.run.out_checks import plain_name, writable_dir, writable_file
 from testbed.calibrate.profile import TARGETS, VALIDATE_METRICS, error_table, profile_dir
 from testbed.calibrate.run_fit import fitted_spec, fit_runs
 from testbed.calibrate.run_checks import distinct_runs, read_table
@@ -131,6 +131,8 @@ def cmd_validate_runs(args, console) -> int:
     get_hardware(hardware)
     out = Path(args.out) if args.out else Path("runs") / "validate" / f"{time.strftime('%Y%m%d-%H%M%S')}_runs-{hardware}"
     writable_dir("--out", out)  # before the replays
+    if getattr(args, "errors_csv", None):
+        writable_file("--errors-csv", args.errors_csv)
     distinct_runs(paths)
     runs = [load_run(p) for p in paths]
     rows, replays = [], []

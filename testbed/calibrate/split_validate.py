@@ -23,6 +23,7 @@ from engine.pricing.hardware import get_hardware
 from testbed.calibrate.host_check import host_report
 from testbed.calibrate.manifest import Manifest, Split, load_manifest, record_test_report
 from testbed.calibrate.error_figure import error_figure, frame_of
+from testbed.run.out_checks import writable_dir, writable_file
 from testbed.calibrate.rank import CSV_METRICS, Replayed, error_by_load, format_rank, rank_table, write_errors_csv
 from testbed.calibrate.runs import ReplayDiverged, load_run
 from testbed.calibrate.spread_sim import check_spread, simulate_spread, spread_note
@@ -69,6 +70,10 @@ def cmd_validate_manifest(args, console) -> int:
     if args.test and unpacked_test:
         raise ConfigError(f"the test runs of {split.name} are not packed yet ({', '.join(m.absent) or m.path.name} "
                           f"missing): {', '.join(unpacked_test[:3])}")
+    out = Path(args.out) if args.out else Path("runs") / "validate" / f"{time.strftime('%Y%m%d-%H%M%S')}_{split.name}"
+    writable_dir("--out", out)  # before the replays (minutes): a bad path fails at once
+    if args.errors_csv:
+        writable_file("--errors-csv", args.errors_csv)
     rows = replay_all(m, split, sets, hardware, console, spread_s)
     text = format_split(rows, split, hardware, args.test) + spread_note(spread_s)
     text += "\n" + host_report({which: [m.run_dir(r) for r in getattr(split, which)] for which in sets})
@@ -77,7 +82,6 @@ def cmd_validate_manifest(args, console) -> int:
         text += (f"\n\ntest runs of {split.name} reported before ({len(earlier)}x): {'; '.join(earlier[-3:])}: "
                  "they have been looked at already, say so when quoting them") if earlier else \
             f"\n\nfirst report of {split.name}'s test runs (recorded in {m.path.parent / 'test_reports.log'})"
-    out = Path(args.out) if args.out else Path("runs") / "validate" / f"{time.strftime('%Y%m%d-%H%M%S')}_{split.name}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "errors.md").write_text("```\n" + text + "\n```\n")
     (out / "replays.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=float))
