@@ -49,6 +49,10 @@ sampling; TD-Pipe queues every step on every worker when it schedules it. `cost.
 price it from this machine's measurement (docs/measurements/reproduction-2026-11-28.md); off by default.
 `runtime=shared` is this testbed's earlier idealisation, kept to show what the split costs: one KV
 pool, a free virtual engine admits any waiting prompt, `max_num_batched_tokens` 8192 by default.
+`chunked_prefill=true` is the same v0 runtime with vLLM's chunked prefill (`--enable-chunked-prefill`): each
+virtual engine's step is a hybrid micro-batch under a 2,048-token budget by default (`_hybrid_batch`); vLLM
+0.8.1 turns it on by itself only above 32,768 tokens of context (`EngineArgs._set_default_args_v0`,
+vllm/engine/arg_utils.py), and with PP it runs the v0 engine (`_is_v1_supported_oracle`: PP falls back).
 `virtual_engines=false` makes one scheduler serve every slot (the PP pitfall of vllm issue 41682).
 A prompt longer than `max_num_batched_tokens` is admitted alone rather than never.
 """
@@ -66,17 +70,19 @@ RUNTIMES = ("v0", "shared")
 PLACEMENTS = ("step-start", "arrival")  # v0: when an arrival is placed (vLLM: an engine_step's start)
 IDLE_ENGINES = ("step", "park")  # v0: an engine with work is stepped (vLLM) / the "park" what-if (`_park_or_restart`)
 SHARED_BATCHED_TOKENS = 8192  # the `shared` idealisation's budget (this testbed's earlier default)
+CHUNKED_BATCHED_TOKENS = 2048  # v0 with chunked prefill: `SchedulerConfig.__post_init__` (vllm/config.py, 0.8.1)
 WATERMARK = 0.01  # vLLM's `CacheConfig.watermark`: blocks a prefill admission must leave free
 
 
 @dataclass(frozen=True)
 class VllmParams:
-    max_num_batched_tokens: int = 0  # 0: vLLM's default (v0: max(max_model_len, 2048); shared: 8192)
+    max_num_batched_tokens: int = 0  # 0: vLLM's default (v0: max(max_model_len, 2048); chunked_prefill: 2048; shared: 8192)
     max_num_seqs: int = 256  # vLLM's default, per virtual engine
     virtual_engines: bool = True
     runtime: str = "v0"
     placement: str = "step-start"  # v0 only: "step-start" is vLLM (`_arrivals_read`), "arrival" the earlier model
     idle_engines: str = "step"  # v0 only: "step" is vLLM's run_engine_loop as it runs; "park" a what-if it does not do
+    chunked_prefill: bool = False  # v0 only: each virtual engine's step as `Scheduler._schedule_chunked_prefill`
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 0:
@@ -90,6 +96,9 @@ class VllmParams:
             raise bad_value("policy.placement", self.placement, f"choose one of {', '.join(PLACEMENTS)}")
         if self.idle_engines not in IDLE_ENGINES:
             raise bad_value("policy.idle_engines", self.idle_engines, f"choose one of {', '.join(IDLE_ENGINES)}")
+        if self.chunked_prefill and (self.runtime != "v0" or not self.virtual_engines):
+            raise bad_value("policy.chunked_prefill", self.chunked_prefill,
+                            "needs policy.runtime=v0 with policy.virtual_engines=true (vLLM's own PP runtime)")
 
 
 @register_policy("vllm")
@@ -116,7 +125,9 @@ class VllmPolicy(Policy):
 
     def start(self, view: SchedulerView) -> None:
         model = getattr(view.cost_model, "model", None)
-        if self.params.runtime == "v0" and not self.params.max_num_batched_tokens and model is not None:
+        if self.params.chunked_prefill and not self.params.max_num_batched_tokens:
+            self._budget = CHUNKED_BATCHED_TOKENS
+        elif self.params.runtime == "v0" and not self.params.max_num_batched_tokens and model is not None:
             self._budget = max(model.max_position_embeddings, 2048)  # without a model: 8,192
 
     def schedule(self, view: SchedulerView):
@@ -205,6 +216,8 @@ class VllmPolicy(Policy):
         else:
             mine = [s for s in view.running if not s.in_flight]
         free = self._kv_share_free(view, mine, engines) if self._v0 else None
+        if p.chunked_prefill:
+            return self._hybrid_batch(view, ve, mine, free)
         mb = self._prefill_batch(view, ve, len(mine) if p.virtual_engines else view.num_running, free, mine)
         return mb if mb is not None else self._decode_batch(view, mine, free)
 
@@ -232,6 +245,52 @@ class VllmPolicy(Policy):
                 if not (free is not None and not mine and not b.num_seqs and self._alone(view, b, seq, n)):
                     break
             self._admit(seq, ve)
+            running += 1
+        return view.finish(b)
+
+    def _hybrid_batch(self, view: SchedulerView, ve: int, mine: list[Sequence], free: int) -> MicroBatch | None:
+        """One virtual engine's step with chunked prefill (`Scheduler._schedule_chunked_prefill`,
+        vllm/core/scheduler.py, 0.8.1): its running decodes first, FCFS, one token each (a decode
+        without a free block preempts the engine's latest running sequence, `_schedule_running`); then
+        the next chunk of its partial prompts; then its waiting prompts FCFS (`_schedule_prefills` with
+        `enable_chunking`), each chunk min(what is left of the prompt, the budget left); a new prompt is
+        admitted only while its whole prompt's blocks fit the engine's share less the watermark
+        (`BlockSpaceManager.can_allocate` at admission) and the engine runs fewer than `max_num_seqs`."""
+        p = self.params
+        b = view.new_batch()
+        b.tags["phase"] = "hybrid"
+        b.free_blocks = min(b.free_blocks, free)
+        budget = self._budget
+        decoding, prefilling = SeqStatus.DECODING, SeqStatus.PREFILLING
+        decodes = [s for s in mine if s.status is decoding]
+        first = b.add_decodes(decodes, min(budget, p.max_num_seqs))
+        victims = list(mine) if first < len(decodes) else []
+        for seq in decodes[first:]:
+            if b.num_decode_seqs >= min(budget, p.max_num_seqs):
+                break
+            if seq not in b:
+                add_decode_or_preempt(b, seq, victims)
+        budget -= b.num_decode_seqs
+        for seq in mine:
+            if budget <= 0:
+                break
+            if seq.status is prefilling and seq not in b and not seq.in_flight:
+                n = min(seq.remaining_prefill, budget)
+                if b.add_prefill(seq, n):
+                    budget -= n
+        b.free_blocks -= int(WATERMARK * (view.kv_total_blocks // max(1, self.num_engines(view))))
+        running = len(mine) - len(b.preempted)
+        for seq in view.waiting:
+            if budget <= 0 or running >= p.max_num_seqs:
+                break
+            if self._engine_of.get(seq.seq_id) != ve or seq in b:
+                continue
+            n = min(seq.remaining_prefill, budget)
+            if not b.add_prefill(seq, n, reserve_tokens=seq.prefill_target):
+                if not (not mine and not b.num_seqs and self._alone(view, b, seq, n)):
+                    break
+            self._admit(seq, ve)
+            budget -= n
             running += 1
         return view.finish(b)
 

@@ -153,3 +153,41 @@ def test_placement_and_parking_change_online_runs_and_leave_offline_runs_bit_for
     online = _requests_csv(tmp_path / "d", "workload.rate=2")
     assert online != _requests_csv(tmp_path / "e", "workload.rate=2", *old)
     assert online != _requests_csv(tmp_path / "f", "workload.rate=2", "policy.idle_engines=park")
+
+
+# --- chunked prefill on the v0 runtime (`policy.chunked_prefill=true`: gLLM's vLLM 0.8.1 baseline) -----------
+def _chunks(mb):
+    return [(c.seq.seq_id, c.num_tokens) for c in mb.prefills]
+
+
+def test_chunked_prefill_chunks_a_prompt_under_the_2048_token_budget_within_its_engine():
+    pol = VllmPolicy(VllmParams(chunked_prefill=True))
+    ctrl, _ = make_state(pol, pp=2, num_blocks=2000, waiting=[(3000, 5), (100, 5), (500, 5)])
+    pol.start(ctrl.view)
+    first = pol.schedule(ctrl.view)  # engine 0 holds prompts 0 and 2, engine 1 prompt 1
+    assert (first.tags["ve"], _chunks(first)) == (0, [(0, 2048)])
+    ctrl._commit(first)
+    second = pol.schedule(ctrl.view)
+    assert (second.tags["ve"], _chunks(second)) == (1, [(1, 100)])
+    ctrl.complete(Completion(first.mb_id, 1.0))
+    ctrl._commit(second)
+    third = pol.schedule(ctrl.view)  # engine 0 again: the rest of prompt 0, then prompt 2 in the budget left
+    assert (third.tags["ve"], _chunks(third)) == (0, [(0, 952), (2, 500)])
+
+
+def test_chunked_prefill_puts_an_engines_decodes_first_in_a_hybrid_batch():
+    pol = VllmPolicy(VllmParams(chunked_prefill=True, max_num_batched_tokens=100))
+    ctrl, _ = make_state(pol, pp=1, num_blocks=2000, waiting=[(40, 5), (40, 5), (300, 5)])
+    pol.start(ctrl.view)
+    mb = pol.schedule(ctrl.view)
+    assert _chunks(mb) == [(0, 40), (1, 40), (2, 20)]
+    ctrl._commit(mb)
+    ctrl.complete(Completion(mb.mb_id, 1.0))
+    mb = pol.schedule(ctrl.view)  # two decodes, then 98 more tokens of prompt 2
+    assert [s.seq_id for s in mb.decodes] == [0, 1] and _chunks(mb) == [(2, 98)]
+
+
+def test_chunked_prefill_needs_vllms_own_pp_runtime():
+    for bad in ({"runtime": "shared"}, {"virtual_engines": False}):
+        with pytest.raises(ConfigError, match="policy.chunked_prefill"):
+            VllmParams(chunked_prefill=True, **bad)
