@@ -359,10 +359,10 @@ def test_the_gllm_capacity_study_compares_capacities_with_the_verdict_rules(tmp_
     assert code == 0, capsys.readouterr().err[-2000:]
     out_dir = tmp_path / "reproduce" / "gllm-capacity-quick"
     claims = {c["id"]: c for c in json.loads((out_dir / "claims.json").read_text())}
-    assert set(claims) == {"capacity-vs-separate-batching", "capacity-vs-sarathi"}
+    assert set(claims) == {"capacity-vs-separate-batching", "capacity-vs-chunked-prefill"}
     table = pd.read_csv(out_dir / "table.csv").set_index("system")
-    assert set(table.index) == {"gLLM", "vLLM-SB", "Sarathi-2048"}
-    for cid, base in (("capacity-vs-separate-batching", "vLLM-SB"), ("capacity-vs-sarathi", "Sarathi-2048")):
+    assert set(table.index) == {"gLLM", "vLLM-SB", "vLLM-0.8.1-CP", "Sarathi-2048"}
+    for cid, base in (("capacity-vs-separate-batching", "vLLM-SB"), ("capacity-vs-chunked-prefill", "vLLM-0.8.1-CP")):
         c = claims[cid]
         if table.loc["gLLM", "status"] == table.loc[base, "status"] == "finished":
             ratio = table.loc["gLLM", "capacity_req_s"] / table.loc[base, "capacity_req_s"]
