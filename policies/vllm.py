@@ -53,6 +53,8 @@ pool, a free virtual engine admits any waiting prompt, `max_num_batched_tokens` 
 virtual engine's step is a hybrid micro-batch under a 2,048-token budget by default (`_hybrid_batch`); vLLM
 0.8.1 turns it on by itself only above 32,768 tokens of context (`EngineArgs._set_default_args_v0`,
 vllm/engine/arg_utils.py), and with PP it runs the v0 engine (`_is_v1_supported_oracle`: PP falls back).
+0.5.3 has the same step (`_schedule_chunked_prefill`) and allows it with PP, at a 512-token default
+(`SchedulerConfig.__init__`): `max_num_batched_tokens=512` is that version (tdpipe-scaling's PP+HB).
 `virtual_engines=false` makes one scheduler serve every slot (the PP pitfall of vllm issue 41682).
 A prompt longer than `max_num_batched_tokens` is admitted alone rather than never.
 """
