@@ -266,9 +266,12 @@ for _spec in (
     # Qwen/Qwen2.5-14B: 48 layers, 5120, 40 heads, 8 KV heads, 13824, vocab 152064, untied.
     ModelSpec("qwen2.5-14b", "qwen2", 48, 5120, 40, 8, 128, 13824, 152064, qkv_bias=True,
               rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=131072),
-    # Qwen/Qwen2.5-32B: 64 layers, 5120, 40 heads, 8 KV heads, 27648, vocab 152064, untied.
+    # Qwen/Qwen2.5-32B-Instruct, the checkpoint TD-Pipe and gLLM ran on L20s: 64 layers, 5120, 40 heads, 8 KV
+    # heads, 27648, vocab 152064, untied. Its config.json sets 32,768 positions (131,072 only with YaRN added
+    # by hand: huggingface.co/Qwen/Qwen2.5-32B-Instruct discussion 5); the base Qwen/Qwen2.5-32B's is 131,072.
+    # vLLM's max_model_len, so its separate-batching budget (policies/vllm.py) and the no-chunked-prefill default.
     ModelSpec("qwen2.5-32b", "qwen2", 64, 5120, 40, 8, 128, 27648, 152064, qkv_bias=True,
-              rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=131072),
+              rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=32768),
     # Qwen/Qwen2.5-72B: 80 layers, 8192, 64 heads, 8 KV heads, 29568, vocab 152064, untied.
     ModelSpec("qwen2.5-72b", "qwen2", 80, 8192, 64, 8, 128, 29568, 152064, qkv_bias=True,
               rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=131072),
