@@ -100,6 +100,7 @@ SET9 = MEASURED / "manifest-set9.yaml"
 SET10 = MEASURED / "manifest-set10.yaml"
 SET11 = MEASURED / "manifest-set11.yaml"
 SET12 = MEASURED / "manifest-set12.yaml"
+SET13 = MEASURED / "manifest-set13.yaml"
 # the options each profile's validation runs chose: the quick-table option and any further flags (set 5:
 # 3.30% / 4.58%, docs/measurements/diag-cpu-2026-11-28b.md; set 6: 2.11% / 2.39%,
 # docs/measurements/real-runs-2026-11-28c.md; set 7: 2.28% / 1.62%, P=2 with --inflight-handover,
@@ -109,7 +110,8 @@ SET12 = MEASURED / "manifest-set12.yaml"
 # set 10, set 9's fit chosen again on r7-r12: no decode-by-batch, no spread at both depths (1.939% / 2.965%); set 11,
 # fitted on this machine's r13-r15: P=1 --decode-by-batch (1.677%), P=2 spread 0.05 (2.182%),
 # docs/measurements/real-runs-2026-11-28f.md; set 12, fit and test interleaved in one campaign: P=1 as fitted (1.812%),
-# P=2 --decode-by-batch, spread 0.025 (2.076%))
+# P=2 --decode-by-batch, spread 0.025 (2.076%); set 13, the same design on the warmed engine: --decode-by-batch at
+# both depths, no spread (1.349% / 2.245%))
 FIT_OPTIONS = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1", ()), "cpu-tiny-llama-set5-pp2-runs": (SET5, "0", ()),
                "cpu-tiny-llama-set6-pp1-runs": (SET6, "0", ()), "cpu-tiny-llama-set6-pp2-runs": (SET6, "1", ()),
                "cpu-tiny-llama-set7-pp1-runs": (SET7, "0", ()),
@@ -123,11 +125,14 @@ FIT_OPTIONS = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1", ()), "cpu-tiny-llama-
                "cpu-tiny-llama-set11-pp1-runs": (SET11, "0", ("--decode-by-batch",)),
                "cpu-tiny-llama-set11-pp2-runs": (SET11, "0", ("--inflight-handover",)),
                "cpu-tiny-llama-set12-pp1-runs": (SET12, "0", ()),
-               "cpu-tiny-llama-set12-pp2-runs": (SET12, "0", ("--inflight-handover", "--decode-by-batch"))}
+               "cpu-tiny-llama-set12-pp2-runs": (SET12, "0", ("--inflight-handover", "--decode-by-batch")),
+               "cpu-tiny-llama-set13-pp1-runs": (SET13, "0", ("--decode-by-batch",)),
+               "cpu-tiny-llama-set13-pp2-runs": (SET13, "0", ("--inflight-handover", "--decode-by-batch"))}
 REPEATS = {SET5: ((1, 2, 3, 4), (5, 6, 7)), SET6: ((1, 2, 3), (4, 5, 6)),
            SET7: ((1, 2, 3), (4, 5, 6)), SET8: ((1, 2, 3, 4, 5, 6), (7, 8, 9)),
            SET9: ((7, 8, 9), (10, 11, 12)), SET10: ((7, 8, 9, 10, 11, 12), (13, 14, 15)),
-           SET11: ((13, 14, 15), (16, 17, 18)), SET12: ((19, 21, 23), (20, 22, 24))}  # (fit and validation, test)
+           SET11: ((13, 14, 15), (16, 17, 18)), SET12: ((19, 21, 23), (20, 22, 24)),
+           SET13: ((25, 27, 29), (26, 28, 30))}  # (fit and validation, test)
 
 
 @pytest.mark.parametrize("manifest", sorted(REPEATS), ids=lambda p: p.stem)
