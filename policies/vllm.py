@@ -229,26 +229,36 @@ class VllmPolicy(Policy):
 
     def _prefill_batch(self, view: SchedulerView, ve: int, running: int, free: int | None,
                        mine: list[Sequence]) -> MicroBatch | None:
-        p = self.params
         b = view.new_batch()
         b.tags["phase"] = "prefill"
         if free is not None:  # the share less the watermark
-            watermark = int(WATERMARK * (view.kv_total_blocks // max(1, self.num_engines(view))))
-            b.free_blocks = min(b.free_blocks, free - watermark)
+            b.free_blocks = min(b.free_blocks, free - self._watermark(view))
+        self._admit_prompts(view, b, ve, mine, running, free, self._budget, chunked=False)
+        return view.finish(b)
+
+    def _watermark(self, view: SchedulerView) -> int:
+        """Blocks a prompt's admission leaves free in an engine's share (`CacheConfig.watermark`)."""
+        return int(WATERMARK * (view.kv_total_blocks // max(1, self.num_engines(view))))
+
+    def _admit_prompts(self, view: SchedulerView, b, ve: int, mine: list[Sequence], running: int,
+                       free: int | None, budget: int, chunked: bool) -> None:
+        """The engine's waiting prompts into `b`, FCFS, while it runs fewer than `max_num_seqs` and
+        `budget` prompt tokens are left: whole prompts, or (`chunked`) a prompt's next chunk of at most
+        what is left; each admitted only while its whole prompt's blocks fit (reserved at admission)."""
         for seq in view.waiting:
-            if self._v0 and self._engine_of.get(seq.seq_id) != ve:
+            if self._v0 and self._engine_of.get(seq.seq_id) != ve or seq in b:
                 continue
-            if running >= p.max_num_seqs:
+            if running >= self.params.max_num_seqs or budget <= 0:
                 break
-            n = seq.remaining_prefill
-            if b.num_prefill_tokens + n > self._budget and b.num_seqs > 0:
+            n = min(seq.remaining_prefill, budget) if chunked else seq.remaining_prefill
+            if n > budget and b.num_seqs > 0:
                 break
             if not b.add_prefill(seq, n, reserve_tokens=seq.prefill_target):
                 if not (free is not None and not mine and not b.num_seqs and self._alone(view, b, seq, n)):
                     break
             self._admit(seq, ve)
+            budget -= n
             running += 1
-        return view.finish(b)
 
     def _hybrid_batch(self, view: SchedulerView, ve: int, mine: list[Sequence], free: int) -> MicroBatch | None:
         """One virtual engine's step with chunked prefill (`Scheduler._schedule_chunked_prefill`,
@@ -258,21 +268,12 @@ class VllmPolicy(Policy):
         `enable_chunking`), each chunk min(what is left of the prompt, the budget left); a new prompt is
         admitted only while its whole prompt's blocks fit the engine's share less the watermark
         (`BlockSpaceManager.can_allocate` at admission) and the engine runs fewer than `max_num_seqs`."""
-        p = self.params
         b = view.new_batch()
         b.tags["phase"] = "hybrid"
         b.free_blocks = min(b.free_blocks, free)
-        budget = self._budget
-        decoding, prefilling = SeqStatus.DECODING, SeqStatus.PREFILLING
-        decodes = [s for s in mine if s.status is decoding]
-        first = b.add_decodes(decodes, min(budget, p.max_num_seqs))
-        victims = list(mine) if first < len(decodes) else []
-        for seq in decodes[first:]:
-            if b.num_decode_seqs >= min(budget, p.max_num_seqs):
-                break
-            if seq not in b:
-                add_decode_or_preempt(b, seq, victims)
-        budget -= b.num_decode_seqs
+        self._add_decodes(b, mine, min(self._budget, self.params.max_num_seqs))
+        budget = self._budget - b.num_decode_seqs
+        prefilling = SeqStatus.PREFILLING
         for seq in mine:
             if budget <= 0:
                 break
@@ -280,20 +281,8 @@ class VllmPolicy(Policy):
                 n = min(seq.remaining_prefill, budget)
                 if b.add_prefill(seq, n):
                     budget -= n
-        b.free_blocks -= int(WATERMARK * (view.kv_total_blocks // max(1, self.num_engines(view))))
-        running = len(mine) - len(b.preempted)
-        for seq in view.waiting:
-            if budget <= 0 or running >= p.max_num_seqs:
-                break
-            if self._engine_of.get(seq.seq_id) != ve or seq in b:
-                continue
-            n = min(seq.remaining_prefill, budget)
-            if not b.add_prefill(seq, n, reserve_tokens=seq.prefill_target):
-                if not (not mine and not b.num_seqs and self._alone(view, b, seq, n)):
-                    break
-            self._admit(seq, ve)
-            budget -= n
-            running += 1
+        b.free_blocks -= self._watermark(view)
+        self._admit_prompts(view, b, ve, mine, len(mine) - len(b.preempted), free, budget, chunked=True)
         return view.finish(b)
 
     @staticmethod
@@ -310,16 +299,22 @@ class VllmPolicy(Policy):
         b.tags["phase"] = "decode"
         if free is not None:
             b.free_blocks = min(b.free_blocks, free)
+        self._add_decodes(b, mine, self.params.max_num_seqs)
+        return view.finish(b)
+
+    @staticmethod
+    def _add_decodes(b, mine: list[Sequence], limit: int) -> None:
+        """The engine's decodes into `b`, FCFS, up to `limit`; one short of a block preempts the engine's
+        latest running sequence (`_schedule_running`)."""
         decoding = SeqStatus.DECODING
         decodes = [s for s in mine if s.status is decoding]
-        first = b.add_decodes(decodes, self.params.max_num_seqs)  # all that fit in one call, the common case
+        first = b.add_decodes(decodes, limit)  # all that fit in one call, the common case
         victims = list(mine) if first < len(decodes) else []  # preemption candidates: the slow path only
         for seq in decodes[first:]:
-            if b.num_decode_seqs >= self.params.max_num_seqs:
+            if b.num_decode_seqs >= limit:
                 break
             if seq not in b:
                 add_decode_or_preempt(b, seq, victims)
-        return view.finish(b)
 
     def _admit(self, seq: Sequence, ve: int) -> None:
         old = self._engine_of.get(seq.seq_id)
