@@ -302,9 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--metrics", help="comma list of metrics for the table and figures")
     rp.set_defaults(func=cmd_report)
     rr = sub.add_parser("reproduce", help="rerun a paper's headline experiments and judge its claims "
-                                          "(--list; <study> [--quick] [key=value ...])")
+                                          "(--list; --verdicts [DIR]; <study> [--quick] [key=value ...])")
     rr.add_argument("--list", action="store_true", help="list the studies")
     rr.add_argument("--quick", action="store_true", help="few requests and sweep points (smoke test)")
+    rr.add_argument("--verdicts", action="store_true",
+                    help="every study's latest full-size verdicts in one table, each claim's baseline as run "
+                         "([DIR], default runs/reproduce; also written to DIR/verdicts.md)")
     rr.add_argument("--workers", type=int, help="grid points run at once, in processes (default 1)")
     rr.add_argument("--experiment", help="MLflow experiment (default: reproduce-<study>[-quick])")
     rr.add_argument("args", nargs=argparse.REMAINDER, help="<study> then key=value overrides for every run")

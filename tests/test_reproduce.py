@@ -66,6 +66,7 @@ def test_every_study_runs_quick_and_writes_its_report(study, tmp_path, capsys):
     assert len(parents) == 1
     info = json.loads((report.parent / "reproduce.json").read_text())
     assert info["state"] == "done" and len(runs) == 1 + info["runs"]
+    assert info["overrides"] == [] and info["commit"]  # output.* keys move no result: not recorded as overrides
     assert all(r.data.tags.get("testbed.parent_run") == parents[0].info.run_id
                and "mlflow.parentRunId" not in r.data.tags for r in runs if r not in parents)
     assert {a.path for a in client.list_artifacts(parents[0].info.run_id)} >= {"report.md", "table.csv", "figures"}

@@ -52,7 +52,7 @@ def _text(v: Any) -> str:
     return str(v)
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=5)
@@ -88,7 +88,7 @@ def render_report(study: Study, *, quick: bool, claims: Sequence[ClaimResult], d
              f"Study `{study.name}` ({mode}); "
              f"paper: {study.paper}; claims from {study.reference}.", "",
              f"- command: `{cmd}`",
-             f"- {now}; testbed commit {_git_commit()}; {runs} simulated run(s), {len(df)} point(s), "
+             f"- {now}; testbed commit {git_commit()}; {runs} simulated run(s), {len(df)} point(s), "
              f"{wall_s:.1f} s wall time",
              f"- MLflow experiment `{experiment}` (one parent run, one nested run per distinct point)", ""]
     lines += _setup_lines(study, quick, user, notes)

@@ -30,10 +30,10 @@ from testbed.config.spec import RunSpec
 from testbed.reproduce.claims import ClaimResult, evaluate_safely
 from testbed.reproduce.planning import (Planned, config_value, derived_columns, identity, key_of, plan, study_axes,
                                         system_label)
-from testbed.reproduce.render import print_claims, render_report, write_figures
-from testbed.reproduce.studies import FigureSpec, Study, check_requirements, describe_studies, list_studies, load_study
+from testbed.reproduce.render import git_commit, print_claims, render_report, write_figures
+from testbed.reproduce.studies import (MARKER, FigureSpec, Study, check_requirements, describe_studies, list_studies,
+                                       load_study)
 
-MARKER = "reproduce.json"  # written in every study directory; only such a directory is replaced
 
 
 @dataclass
@@ -263,7 +263,8 @@ def _write_results(run: StudyRun, job_rows: list[dict], wall: float, user: list[
     report.write_text(render_report(run.study, quick=run.quick, claims=claims, df=df, axes=run.axes, figures=figures,
                                     notes=run.notes, user=user, experiment=run.experiment, wall_s=wall,
                                     runs=len(run.jobs), out_dir=run.out_dir, argv=argv))
-    _mark(run, state="done", wall_s=wall, experiment=run.experiment, points=len(run.points), runs=len(run.jobs))
+    _mark(run, state="done", wall_s=wall, experiment=run.experiment, points=len(run.points), runs=len(run.jobs),
+          commit=git_commit(), overrides=[u for u in user if not u.startswith("output.")])
     return StudyOutcome(run.study, run.out_dir, report, run.experiment, claims, df, wall, run.notes)
 
 
@@ -282,6 +283,7 @@ def _option_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="testbed reproduce", add_help=False)
     p.add_argument("--list", action="store_true")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--verdicts", action="store_true")
     p.add_argument("--workers", type=int)
     p.add_argument("--experiment")
     p.add_argument("items", nargs="*")
@@ -296,6 +298,10 @@ def cli_reproduce(args: Any, console: Any) -> int:
         for line in describe_studies():
             print(line)
         return 0
+    if getattr(args, "verdicts", False) or rest.verdicts:
+        from testbed.reproduce.summary import cli_verdicts
+
+        return cli_verdicts(rest.items[0] if rest.items else None)
     if not rest.items:
         raise ConfigError(f"name a study (testbed reproduce <study> [--quick] [key=value ...]); valid choices: "
                           f"{', '.join(list_studies())}")

@@ -17,6 +17,7 @@ from engine.core.policy import POLICIES
 from testbed.reproduce.verdicts import DEFAULT_ABS_TOL, DEFAULT_MIN_EFFECT, DEFAULT_TOLERANCE, REDUCERS
 
 STUDY_SUFFIX = ".yaml"
+MARKER = "reproduce.json"  # written in every study directory; only such a directory is replaced
 
 
 def studies_dir() -> Path:
