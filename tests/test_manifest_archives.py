@@ -16,6 +16,7 @@ import yaml
 
 from engine.base.errors import ConfigError
 from testbed.calibrate.manifest import load_manifest
+from testbed.calibrate.manifest import test_set_id as set_id_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,6 +102,7 @@ SET10 = MEASURED / "manifest-set10.yaml"
 SET11 = MEASURED / "manifest-set11.yaml"
 SET12 = MEASURED / "manifest-set12.yaml"
 SET13 = MEASURED / "manifest-set13.yaml"
+SET14 = MEASURED / "manifest-set14.yaml"  # set 13's frozen profiles tested on a later campaign: no refit
 # the options each profile's validation runs chose: the quick-table option and any further flags (set 5:
 # 3.30% / 4.58%, docs/measurements/diag-cpu-2026-11-28b.md; set 6: 2.11% / 2.39%,
 # docs/measurements/real-runs-2026-11-28c.md; set 7: 2.28% / 1.62%, P=2 with --inflight-handover,
@@ -132,7 +134,7 @@ REPEATS = {SET5: ((1, 2, 3, 4), (5, 6, 7)), SET6: ((1, 2, 3), (4, 5, 6)),
            SET7: ((1, 2, 3), (4, 5, 6)), SET8: ((1, 2, 3, 4, 5, 6), (7, 8, 9)),
            SET9: ((7, 8, 9), (10, 11, 12)), SET10: ((7, 8, 9, 10, 11, 12), (13, 14, 15)),
            SET11: ((13, 14, 15), (16, 17, 18)), SET12: ((19, 21, 23), (20, 22, 24)),
-           SET13: ((25, 27, 29), (26, 28, 30))}  # (fit and validation, test)
+           SET13: ((25, 27, 29), (26, 28, 30)), SET14: ((25, 27, 29), (31, 32, 33))}  # (fit and validation, test)
 
 
 @pytest.mark.parametrize("manifest", sorted(REPEATS), ids=lambda p: p.stem)
@@ -162,6 +164,22 @@ def test_each_sets_profiles_refit_exactly_from_the_repository(tmp_path, name):
     for key in set(shipped) - {"profile", "version"}:
         assert fitted[key] == shipped[key], key
     assert fitted["profile"]["errors"] == shipped["profile"]["errors"]
+
+
+def test_set14_tests_set13s_frozen_profiles_on_new_runs_only():
+    """Set 14 refits nothing: its profiles are set 13's, fitted and chosen on set 13's runs, and set 13's test
+    runs are spent (neither fitted on, chosen on nor reported again)."""
+    m13, m14 = load_manifest(SET13), load_manifest(SET14)
+    assert set(m14.profiles) == set(m13.profiles)
+    for name, split in m14.profiles.items():
+        old = m13.profiles[name]
+        assert (split.fit, split.validation, split.spent_test) == (old.fit, old.validation, old.test)
+        assert not set(split.test) & set(old.test + old.fit + old.validation)
+        assert split.options["decode_by_batch"] == [True] and split.options["spread"] == [0.0]
+        assert all(m14.run_dir(r).is_dir() for r in split.test)
+    log = (SET14.parent / "test_reports.log").read_text()
+    assert sum(f"{name} " in ln and f"test_set={set_id_of(m14.profiles[name])}" in ln
+               for name in m14.profiles for ln in log.splitlines()) == 2  # each reported once
 
 
 def test_a_micro_batch_launched_behind_another_is_timed_from_that_ones_completion():
