@@ -9,6 +9,8 @@
 #   (from a checkout slimmed for the call: `bash scripts/device_tree.sh slim` here first, `restore` after; the copy's
 #   64 MiB limit, docs/calibrate-runs.md#re-measuring)
 #   DEVICE=cpu MODEL=tiny-llama GRID=quick BENCH_FLAGS=--quick OUT=/tmp/o bash scripts/engine_runs_gpu.sh  (plumbing, CPU)
+#   DRY=1 OUT=/tmp/o bash scripts/engine_runs_gpu.sh   (names every run and phase in order, runs nothing: the names
+#   scripts/declare_gpu_set.py writes into the manifest, checked by tests/test_declare_gpu_set.py)
 # Brings back (at most 8 files): log.txt, gpu_tests.txt, bench_engine.json, profile.tar.xz (the table and its
 # fit), gpu_sampler.json, cpu_sampler.json, runs.tar.xz (run folders pp<P>-<workload>-<policy>-r<k>, with
 # trace.json, run_info.json: host probe, each stage's load / set-up / CUDA graph capture time and memory).
@@ -49,6 +51,7 @@ AZ="workload=azure workload.num_requests=100 workload.max_input_len=1024 workloa
 EXTRA=""  # the engine settings of every run: set once by the fallback below if the first run fails
 one() {  # one <name> <seconds> <reserve> <overrides...>: a run, unless it would eat the reserve
   local name=$1 limit=$2 reserve=$3; shift 3
+  [ -n "${DRY:-}" ] && { echo "RUN $name"; return; }
   echo "=== $name ($(left) s left) load $(cut -d' ' -f1-3 /proc/loadavg)"; spent 30 "$reserve" && return
   timeout -k 5 "$(cap "$limit" "$reserve")" $TB run $COMMON $EXTRA "$@" output.run_name="$name" > "$T/run.log" 2>&1
   grep -E "throughput_tok_s|ttft|tpot|error|Error|time:" "$T/run.log"
@@ -60,6 +63,7 @@ one() {  # one <name> <seconds> <reserve> <overrides...>: a run, unless it would
 }
 workload() { case $1 in sharegpt) echo "$SG";; azlo) echo "$AZ workload.rate=$LO";; azhi) echo "$AZ workload.rate=$HI";; esac; }
 phase_profile() {
+  [ -n "${DRY:-}" ] && { echo "PHASE ${FUNCNAME[0]}"; return; }
   echo "=== profile table, P=1, grid $GRID ($(left) s left)"; spent 20 "$1" && return
   timeout -k 5 "$(cap 80 "$1")" $TB profile executor=torch executor.device=$DEVICE model=$MODEL parallel.pp=1 \
     --grid "$GRID" --repeats 3 --name "engine-$MODEL-pp1-$GRID" --out "$T/profile" 2>&1 | tail -8
@@ -68,6 +72,7 @@ phase_profile() {
 first_run() {  # first_run <name> <reserve> <overrides>: a run; if it fails, a fallback for every later run
   local name=$1 reserve=$2; shift 2
   one "$name" 60 "$reserve" "$@"
+  [ -n "${DRY:-}" ] && return
   for fallback in "executor.cuda_graphs=false" "executor.cuda_graphs=false executor.attention=torch"; do
     [ -f "$T/runs/$name/summary.json" ] && break  # the first run failed: its log, then a fallback for all
     tail -40 "$T/run.log"; EXTRA=$fallback; echo "    FALLBACK: every run from here on with $EXTRA"
@@ -75,12 +80,14 @@ first_run() {  # first_run <name> <reserve> <overrides>: a run; if it fails, a f
   done
 }
 phase_tests() {  # files holding gpu tests only (the others import MLflow/Optuna)
+  [ -n "${DRY:-}" ] && { echo "PHASE ${FUNCNAME[0]}"; return; }
   echo "=== gpu tests, full output ($(left) s left)"; spent && return
   timeout -k 5 "$(cap 130)" python3 -m pytest -m gpu -p no:cacheprovider -v -rA -s --tb=long --timeout 90 \
     $(grep -l "mark.gpu" tests/test_*.py) > "$OUT/gpu_tests.txt" 2>&1
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.txt" | tail -60
 }
 phase_bench() {
+  [ -n "${DRY:-}" ] && { echo "PHASE ${FUNCNAME[0]}"; return; }
   echo "=== bench engine: grid, attention bandwidth, decode / MIXED (400 + 160 x 512) / prefill forward vs floor ($(left) s left)"
   spent && return
   timeout -k 5 "$(cap 95)" $TB bench engine model="$MODEL" executor.device=$DEVICE parallel.pp=1 policy=gllm \
@@ -88,6 +95,7 @@ phase_bench() {
     | grep -v "^USDT" | tail -40
 }
 phase_samplers() {
+  [ -n "${DRY:-}" ] && { echo "PHASE ${FUNCNAME[0]}"; return; }
   echo "=== samplers: GPU kernels priced vs measured, CPU sampler on this host (issue 46) ($(left) s left)"
   spent || timeout -k 5 "$(cap 25)" python3 scripts/measure_gpu_sampler.py --device "$DEVICE" --hardware h100-80g \
     --repeats 10 --out "$OUT/gpu_sampler.json" 2>&1 | tail -12
