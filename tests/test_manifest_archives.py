@@ -65,6 +65,17 @@ def test_an_absent_archive_does_not_excuse_a_missing_fit_or_validation_run(folde
         load_manifest(_manifest(folder, "a.tar.xz"))
 
 
+def test_a_set_declared_before_any_run_was_packed_says_so(folder, capsys):
+    from testbed.cli import main
+
+    path = _manifest(folder, ["x.tar.xz", "y.tar.xz"])
+    with pytest.raises(ConfigError, match=r"none of its archives exists yet \(x.tar.xz, y.tar.xz\).*pack_runs.py"):
+        load_manifest(path)
+    assert main(["validate", "--runs", str(path), "hardware=h100-80g"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: manifest") and "none of its archives exists yet" in err[0]
+
+
 def test_validate_test_says_the_test_runs_are_not_packed_yet(folder, capsys):
     from testbed.cli import main
 

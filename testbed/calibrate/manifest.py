@@ -108,6 +108,9 @@ def load_manifest(path: str | Path) -> Manifest:
     archives = [path.parent / str(r) for r in listed]
     absent = tuple(a.name for a in archives if len(archives) > 1 and a.suffix == ".xz" and not a.exists())
     present = [a for a in archives if a.name not in absent]
+    if not present:  # a set declared before any of its runs was packed
+        raise ConfigError(f"manifest {path}: none of its archives exists yet ({', '.join(map(str, listed))}): "
+                          f"pack its runs with scripts/pack_runs.py {path} <runs folder> <archive>")
     runs = present[0] if len(present) == 1 else path.parent
     runs_dir = runs if runs.is_dir() and len(present) == 1 else unpacked(present) if all(a.is_file() for a in present) else None
     if runs_dir is None or not runs_dir.is_dir():
