@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.base.errors import ConfigError
+from testbed.reproduce.claims import format_value
 from testbed.reproduce.studies import MARKER, Claim, Study, list_studies, load_study
+from testbed.reproduce.verdicts import UNSIZED_TEXT, VERDICT_TEXT
 
-# the order the counts are quoted in (docs/reproduction.md)
-LABELS = ("reproduced in direction and size", "reproduced in direction only",
-          "reproduced in direction (no size published)", "not reproduced",
-          "no published number (shown for information)")
+# the verdicts counted, in the order the counts are quoted in (docs/reproduction.md); "not assessed"
+# (VERDICT_TEXT["n/a"]) is counted apart
+LABELS = (VERDICT_TEXT["size"], VERDICT_TEXT["direction"], UNSIZED_TEXT, VERDICT_TEXT["none"], VERDICT_TEXT["info"])
 SHORT = dict(zip(LABELS, ("size", "direction only", "direction, no size published", "not reproduced",
                           "information")))
 
@@ -33,7 +34,7 @@ class VerdictRow:
     baseline: str  # the system the claim's value is measured against, as it ran
     published: str
     measured: str
-    verdict: str  # one of LABELS (or "not assessed")
+    verdict: str  # one of LABELS, or VERDICT_TEXT["n/a"]
 
 
 def baseline_of(study: Study, claim: Claim) -> str:
@@ -49,29 +50,33 @@ def baseline_of(study: Study, claim: Claim) -> str:
     return "; ".join(t for t in (text, rest) if t) or "-"
 
 
-def _measured(entry: dict) -> str:
-    value = entry.get("measured")
-    if value is None:
-        return "-"
-    if entry.get("kind") == "ratio" or entry.get("kind") == "value" and entry.get("baseline") == 1.0:
-        return f"{value:.3f}x"
-    return f"{value:.4g}"
-
-
 def study_rows(study: Study, folder: Path) -> list[VerdictRow]:
     entries = {e["id"]: e for e in json.loads((folder / "claims.json").read_text())}
     rows = []
     for claim in study.claims:
         e = entries.get(claim.id)
         if e is None:
-            raise ConfigError(f"{folder / 'claims.json'} has no claim {claim.id!r}: it was written by another "
-                              f"version of study {study.name}; rerun `testbed reproduce {study.name}`")
-        label = e.get("verdict_text", "not assessed")
-        if label == "reproduced in direction only" and claim.claimed is None:
-            label = "reproduced in direction (no size published)"
+            raise _stale(folder, study.name, f"has no claim {claim.id!r}")
         rows.append(VerdictRow(study.paper, study.name, claim.text, baseline_of(study, claim), claim.published,
-                               _measured(e), label))
+                               format_value(claim, e.get("measured")), _label(e, folder, study.name)))
     return rows
+
+
+def _label(entry: dict, folder: Path, study: str) -> str:
+    """The verdict as the study's report printed it: `verdict_text` is `Verdict.label`, written by
+    `ClaimResult.as_dict` (so a claim published without a number already reads "no size published": all
+    nine full-size claims.json of 2026-11-29 do); text from another version is an error, not a guess."""
+    label = entry.get("verdict_text", VERDICT_TEXT["n/a"])
+    valid = (*LABELS, VERDICT_TEXT["n/a"])
+    if label not in valid:
+        raise _stale(folder, study, f"gives claim {entry.get('id')!r} the verdict {label!r}, not one of "
+                                    f"{', '.join(map(repr, valid))}")
+    return label
+
+
+def _stale(folder: Path, study: str, what: str) -> ConfigError:
+    return ConfigError(f"{folder / 'claims.json'} {what}: it was written by another version of study {study}; "
+                       f"rerun `testbed reproduce {study}`")
 
 
 def collect(root: Path) -> tuple[list[VerdictRow], list[str]]:
@@ -100,7 +105,7 @@ def counts_line(rows: list[VerdictRow]) -> str:
     n = Counter(r.verdict for r in rows)
     parts = [f"{n.get(label, 0)} {SHORT[label]}" for label in LABELS]
     other = len(rows) - sum(n.get(label, 0) for label in LABELS)
-    return f"{len(rows)} claims: " + " / ".join(parts) + (f" / {other} not assessed" if other else "")
+    return f"{len(rows)} claims: " + " / ".join(parts) + (f" / {other} {VERDICT_TEXT['n/a']}" if other else "")
 
 
 def by_paper(rows: list[VerdictRow]) -> list[str]:

@@ -17,6 +17,8 @@ VERDICT_TEXT = {
     "info": "no published number (shown for information)",
     "n/a": "not assessed",
 }
+# a "direction" verdict on a claim published without a number: direction was all there was to reproduce
+UNSIZED_TEXT = "reproduced in direction (no size published)"
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class Verdict:
     @property
     def label(self) -> str:
         if self.category == "direction" and not self.sized:
-            return "reproduced in direction (no size published)"
+            return UNSIZED_TEXT
         return VERDICT_TEXT[self.category]
 
 
