@@ -156,6 +156,22 @@ class Layer:
     b_down: torch.Tensor | None = None
 
 
+def head_layout(lm_head: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """The lm_head as the head's GEMM reads it fastest: on CPU the same values stored [hidden, vocab]
+    (a transposed view of a column-major copy), elsewhere as given.
+
+    Why: torch's CPU float32 GEMM with a row-major [vocab, hidden] weight takes a per-row path below
+    4 rows, so the head cost more at 3 sampled rows than at 4: tiny-llama's (32,000 x 256) took
+    1.67 / 3.13 / 4.76 / 2.87 ms at 1 / 2 / 3 / 4 rows, against 0.89 / 1.81 / 2.83 / 2.37 ms stored
+    [hidden, vocab], and 0.94-1.0x at 64-512 rows (one thread, `chrt -f 10`, the shared 2-core AMD EPYC,
+    2026-11-29; the layers' smaller GEMMs showed no difference). No price of a roofline follows a head
+    that costs less at 4 rows than at 3: set 15's P=2 fit runs priced gllm's small mixed steps 0.3-0.8 ms
+    low on the last stage (docs/measurements/real-runs-2026-11-29.md, "Set 16")."""
+    if lm_head is None or device.type != "cpu":
+        return lm_head
+    return lm_head.t().contiguous().t()
+
+
 class StageModel:
     def __init__(self, arch: ModelSpec, first_layer: int, num_layers: int, first: bool, last: bool,
                  num_blocks: int, block_size: int, dtype: str = "float32", device: str = "cpu",
@@ -235,7 +251,7 @@ class StageModel:
         checkpoint.random_tensors), already on the device in the stage's dtype."""
         self.embed = got.get(EMBED)
         self.norm = got.get(NORM)
-        self.lm_head = got.get(LM_HEAD)
+        self.lm_head = head_layout(got.get(LM_HEAD), self.device)
         for i in range(self.first_layer, self.first_layer + self.num_layers):
             p = f"model.layers.{i}."
             g = lambda n: got.get(p + n)  # noqa: E731
