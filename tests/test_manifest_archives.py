@@ -114,6 +114,7 @@ SET11 = MEASURED / "manifest-set11.yaml"
 SET12 = MEASURED / "manifest-set12.yaml"
 SET13 = MEASURED / "manifest-set13.yaml"
 SET15 = MEASURED / "manifest-set15.yaml"
+SET16 = MEASURED / "manifest-set16.yaml"  # set 13's design on the engine with the column-major CPU head
 SET14 = MEASURED / "manifest-set14.yaml"  # set 13's frozen profiles tested on a later campaign: no refit
 # the options each profile's validation runs chose: the quick-table option and any further flags (set 5:
 # 3.30% / 4.58%, docs/measurements/diag-cpu-2026-11-28b.md; set 6: 2.11% / 2.39%,
@@ -126,7 +127,9 @@ SET14 = MEASURED / "manifest-set14.yaml"  # set 13's frozen profiles tested on a
 # docs/measurements/real-runs-2026-11-28f.md; set 12, fit and test interleaved in one campaign: P=1 as fitted (1.812%),
 # P=2 --decode-by-batch, spread 0.025 (2.076%); set 13, the same design on the warmed engine: --decode-by-batch at
 # both depths, no spread (1.349% / 2.245%); set 15, set 13's design repeated: --decode-by-batch at both depths,
-# spread 0.05 at P=1 (2.242%), none at P=2 (1.951%))
+# spread 0.05 at P=1 (2.242%), none at P=2 (1.951%); set 16, the same design on the engine with the column-major CPU
+# head and its own quick tables as bases: --decode-by-batch at both depths, spread 0.05 at P=1 (3.065%), 0.025 at P=2
+# (2.759%))
 FIT_OPTIONS = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1", ()), "cpu-tiny-llama-set5-pp2-runs": (SET5, "0", ()),
                "cpu-tiny-llama-set6-pp1-runs": (SET6, "0", ()), "cpu-tiny-llama-set6-pp2-runs": (SET6, "1", ()),
                "cpu-tiny-llama-set7-pp1-runs": (SET7, "0", ()),
@@ -144,13 +147,15 @@ FIT_OPTIONS = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1", ()), "cpu-tiny-llama-
                "cpu-tiny-llama-set13-pp1-runs": (SET13, "0", ("--decode-by-batch",)),
                "cpu-tiny-llama-set13-pp2-runs": (SET13, "0", ("--inflight-handover", "--decode-by-batch")),
                "cpu-tiny-llama-set15-pp1-runs": (SET15, "0", ("--decode-by-batch",)),
-               "cpu-tiny-llama-set15-pp2-runs": (SET15, "0", ("--inflight-handover", "--decode-by-batch"))}
+               "cpu-tiny-llama-set15-pp2-runs": (SET15, "0", ("--inflight-handover", "--decode-by-batch")),
+               "cpu-tiny-llama-set16-pp1-runs": (SET16, "0", ("--decode-by-batch",)),
+               "cpu-tiny-llama-set16-pp2-runs": (SET16, "0", ("--inflight-handover", "--decode-by-batch"))}
 REPEATS = {SET5: ((1, 2, 3, 4), (5, 6, 7)), SET6: ((1, 2, 3), (4, 5, 6)),
            SET7: ((1, 2, 3), (4, 5, 6)), SET8: ((1, 2, 3, 4, 5, 6), (7, 8, 9)),
            SET9: ((7, 8, 9), (10, 11, 12)), SET10: ((7, 8, 9, 10, 11, 12), (13, 14, 15)),
            SET11: ((13, 14, 15), (16, 17, 18)), SET12: ((19, 21, 23), (20, 22, 24)),
            SET13: ((25, 27, 29), (26, 28, 30)), SET14: ((25, 27, 29), (31, 32, 33)),
-           SET15: ((35, 37, 39), (36, 38, 40))}  # (fit and validation, test)
+           SET15: ((35, 37, 39), (36, 38, 40)), SET16: ((41, 43, 45), (42, 44, 46))}  # (fit and validation, test)
 
 
 @pytest.mark.parametrize("manifest", sorted(REPEATS), ids=lambda p: p.stem)

@@ -4,7 +4,8 @@ Why: on the CPU engine (tiny-llama, fp32, set 6 of issue 47) a decode step's tim
 its sequences (3 sequences 13.6-15.2 ms, 4 sequences 10.2-10.7 ms at P=1) and the roofline form
 cannot follow it: the set-6 P=1 profile priced decode forwards of 1 sequence 12% cheap, 2-3
 sequences 15-19% dear and 4-6 sequences 11-16% cheap (mean measured / priced on its fit runs).
-Summed over a run these cancel, but under congestion the batches grow to 4-7 sequences, where the
+(Much of that was the lm_head's per-row path below 4 rows, which the engine no longer takes since 14801a3:
+engine/torch_exec/stage/model.py `head_layout`.) Summed over a run these cancel, but under congestion the batches grow to 4-7 sequences, where the
 price is low, and the high-rate TPOT came out 10-13% fast. `testbed calibrate runs --decode-by-batch`
 fits one factor per stage and batch size (testbed/calibrate/decode_batch_fit.py); this module
 applies it: a decode-only step of n sequences on stage s costs factors[s][n - 1] x its price, the

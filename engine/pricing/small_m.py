@@ -8,6 +8,9 @@ once per row, from 4 it runs a blocked GEMM. The layers' GEMMs do the same (1376
 too much and a two- or three-decode step too little: on the P=1 Azure fit run, decode forwards of
 1 / 2 / 3-4 sequences were priced 7.0 / 7.8 / 8.9 ms for 6.0 / 9.4 / 12.5 ms measured, and a
 request's time per output token (weighted by the sequences a step carries) came out 10% short.
+The engine's head has not done so since 14801a3 (it keeps the CPU head `[hidden, vocab]`: 0.89 / 1.81 /
+2.83 / 2.37 ms at 1-4 rows; engine/torch_exec/stage/model.py `head_layout`); the layers still do, and
+profiles fitted on runs of the engine before it carry the head's part too.
 
 With `gemv_rows = g` > 0, a GEMM of M <= g rows costs M x its one-row time: the layers' linear part
 by the step's tokens, the lm_head by its sampled rows. Fitted by `testbed calibrate runs` on a
