@@ -104,8 +104,8 @@ def point_row(pt: Any, search: RateSearch, probe_rows: list[dict], error: str | 
     return row
 
 
-def group_row(rows: list[dict], point: Any, units: Mapping[int, Any], gpu_budget: int | None,
-              interrupted: bool = False) -> dict:
+def group_row(rows: list[dict], point: Any, units: Mapping[int, Any], probe_rows: Mapping[int, list[dict]],
+              gpu_budget: int | None, interrupted: bool = False) -> dict:
     """A grid point's row from its windows' rows (testbed/capacity/cover.py): the capacity is the
     lowest window capacity, printed only once confirmed; `binding` the window that gave it; the
     median and range of the windows' own capacities as information; the confirmation probes
@@ -120,7 +120,7 @@ def group_row(rows: list[dict], point: Any, units: Mapping[int, Any], gpu_budget
     base = by_unit.get(binding) if binding in by_unit else (lacking[0] if lacking else (found[0] if found else rows[0]))
     row = dict(base)
     caps = [r["capacity_req_s"] for r in found]
-    row.update(windows=len(rows), probes=sum(r["probes"] for r in rows) + _holdout_probes(point, units),
+    row.update(windows=len(rows), probes=sum(r["probes"] for r in rows) + _holdout_probes(point, probe_rows),
                capacities=" ".join(f"{r['window_label']}:{r.get('capacity_req_s') or math.nan:.4g}" for r in rows),
                rates=" | ".join(f"{r['window_label'].split(' ')[0]} {r['rates']}" for r in rows))
     if caps:
@@ -186,8 +186,11 @@ def _violations(point: Any) -> list[str]:
     return out
 
 
-def _holdout_probes(point: Any, units: Mapping[int, Any]) -> int:
-    return sum(len(point.searches[u].probes) for u in point.tried if u not in point.windows)
+def _holdout_probes(point: Any, probe_rows: Mapping[int, list[dict]]) -> int:
+    """The point's probes outside its windows (hold-out stretches), counted as probes.csv lists them: a
+    host-bound or failed probe is a row there but never enters its search (the fresh-clone CI of
+    2026-11-29 caught a table saying 7 probes beside 8 rows, the host-bound one in a hold-out)."""
+    return sum(len(probe_rows.get(u, ())) for u in point.tried if u not in point.windows)
 
 
 def _confirmation(row: dict, point: Any, units: Mapping[int, Any]) -> None:
@@ -283,7 +286,7 @@ def collect(p: Any, feed: Any, interrupted: bool = False) -> pd.DataFrame:
             continue
         per = [point_row(pt, feed.searches[pt.index], feed.probe_rows[pt.index], feed.errors.get(pt.index))
                for pt in windows]
-        row = group_row(per, point, units, p.settings.gpus, interrupted)
+        row = group_row(per, point, units, feed.probe_rows, p.settings.gpus, interrupted)
         # what the table's footer names a row without a capacity by ("host-bound None: None" before)
         row["run_name"] = f"point {g.group} ({g.label})"
         if row["status"] != "finished" and not row.get("error"):
