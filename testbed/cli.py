@@ -384,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--decode-by-batch", action="store_true",
                     help="after the forward fit, correct the decode-only price per stage and batch size by the runs' "
                          "mean measured / priced (testbed/calibrate/decode_batch_fit.py); off by default")
+    cr.add_argument("--mixed-by-rows", action="store_true",
+                    help="after the forward fit, correct the price of a step with a prefill chunk per stage and "
+                         "sampled-row count by the runs' mean measured - priced (testbed/calibrate/mixed_rows_fit.py); "
+                         "off by default")
     cr.add_argument("--shared-gpu", action="store_true",
                     help="where a run's stages shared a GPU (P above the GPUs), fit each forward as its own work "
                          "(overlapping forwards share the time) and let replays take turns on the device "

@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 
 from engine.base.errors import ConfigError
 
+TABLE_FIELDS = ("decode_batch_factors", "mixed_row_extra_s")  # per-stage tables, not numbers
+
 __all__ = ["CostCoefficients"]
 
 
@@ -186,6 +188,12 @@ class CostCoefficients:
     # the set-6 P=1 profile priced 1 / 2-3 / 4-6 sequences 12% cheap / 15-19% dear / 11-16% cheap.
     # Empty = off.
     decode_batch_factors: tuple[tuple[float, ...], ...] = ()
+    # A measured correction of a step with a prefill chunk by its sampled rows, one row per stage: such
+    # a step sampling r rows costs its price + row_s[r] seconds on stage s, the last entry held above
+    # (engine/pricing/mixed_rows.py; `testbed calibrate runs --mixed-by-rows`). On the CPU engine the
+    # set-16 P=1 profile priced 3-5 rows 0.65-1.08 ms cheap (the lm_head) and 0 rows 0.73 ms dear.
+    # Empty = off.
+    mixed_row_extra_s: tuple[tuple[float, ...], ...] = ()
     # 1: the forward prices are a stage's own work on a GPU its stages shared (`testbed calibrate runs
     # --shared-gpu`, testbed/calibrate/shared_device.py), so a replay of a run whose stages shared a GPU
     # lets them take turns on it (`executor.devices`); 0: fitted as measured (the stretch of sharing
@@ -194,9 +202,10 @@ class CostCoefficients:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decode_batch_factors", _factor_rows(self.decode_batch_factors))
+        object.__setattr__(self, "mixed_row_extra_s", _extra_rows(self.mixed_row_extra_s))
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "decode_batch_factors":
+            if f.name in TABLE_FIELDS:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"invalid cost.{f.name}={value!r}: must be a finite number")
@@ -225,6 +234,19 @@ def _factor_rows(value) -> tuple[tuple[float, ...], ...]:
     non-empty row of finite factors > 0."""
     bad = ConfigError(f"invalid cost.decode_batch_factors={value!r}: must be one list per stage of factors > 0 "
                       "(for 1, 2, 3, ... sequences), or [] for off")
+    return _stage_rows(value, bad, lambda x: x > 0)
+
+
+def _extra_rows(value) -> tuple[tuple[float, ...], ...]:
+    """`mixed_row_extra_s` as a tuple of per-stage tuples, each a non-empty row of finite seconds
+    (negative allowed: a step priced dear)."""
+    bad = ConfigError(f"invalid cost.mixed_row_extra_s={value!r}: must be one list per stage of seconds "
+                      "(for 0, 1, 2, ... sampled rows), or [] for off")
+    return _stage_rows(value, bad, lambda x: True)
+
+
+def _stage_rows(value, bad: ConfigError, allowed) -> tuple[tuple[float, ...], ...]:
+    """A per-stage table (lists of finite numbers passing `allowed`) as tuples; `bad` otherwise."""
     if not isinstance(value, (list, tuple)):
         raise bad
     rows = []
@@ -232,7 +254,7 @@ def _factor_rows(value) -> tuple[tuple[float, ...], ...]:
         if not isinstance(row, (list, tuple)) or not row:
             raise bad
         for x in row:
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not allowed(x):
                 raise bad
         rows.append(tuple(float(x) for x in row))
     return tuple(rows)

@@ -171,6 +171,10 @@ class CostModel:
             from engine.pricing.decode_batch import use_decode_batch_factors
 
             use_decode_batch_factors(self, c.decode_batch_factors)
+        if c.mixed_row_extra_s:  # a measured mixed-step price by sampled rows (engine/pricing/mixed_rows.py)
+            from engine.pricing.mixed_rows import use_mixed_row_extra
+
+            use_mixed_row_extra(self, c.mixed_row_extra_s)
 
     def _use_kernels(self, consts: list[tuple], decode_fixed: list[float]) -> None:
         """Price operators with the hardware profile's fitted kernels (engine/pricing/kernels.py) instead of

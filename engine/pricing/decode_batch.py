@@ -16,35 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.base.errors import ConfigError
+from engine.pricing.stage_tables import correct_stage_times, held
 
 
 def use_decode_batch_factors(cost: Any, factors: tuple[tuple[float, ...], ...]) -> None:
     """Swap `cost`'s (a CostModel's) stage-time methods for ones that scale a decode-only step by
     its stage's factor for its sequences, per instance (a profile without the term pays no branch).
     Called last by CostModel, so the factor multiplies the whole decode price."""
-    if len(factors) != cost.pp:
-        raise ConfigError(f"invalid cost.decode_batch_factors: {len(factors)} row(s) for parallel.pp={cost.pp}; "
-                          "it needs one row per stage (a profile fitted at another depth?)")
-    rows = tuple(tuple(r) for r in factors)
-    pp = cost.pp
-    plain_one, plain_all = cost.stage_compute_s, cost.stage_compute_all_s
-
-    def factor(row: tuple[float, ...], n: int) -> float:
-        return row[n - 1] if n <= len(row) else row[-1]
-
-    def one(stage: int, shape: Any) -> float:
-        t = plain_one(stage, shape)
-        if shape.num_prefill_tokens or not t:
-            return t
-        return t * factor(rows[stage % pp], shape.num_decode_seqs)
-
-    def every(shape: Any) -> tuple[float, ...]:
-        times = plain_all(shape)
-        n = shape.num_decode_seqs
-        if shape.num_prefill_tokens or not n:
-            return times
-        return tuple([t * factor(r, n) for t, r in zip(times, rows)])
-
-    cost.stage_compute_s = one  # type: ignore[method-assign]
-    cost.stage_compute_all_s = every  # type: ignore[method-assign]
+    correct_stage_times(cost, "decode_batch_factors", factors,
+                        lambda shape: not shape.num_prefill_tokens and shape.num_decode_seqs > 0,
+                        lambda row, shape, t: t * held(row, shape.num_decode_seqs - 1))

@@ -50,12 +50,18 @@ def decode_ratios(samples: Sequence[Any], cost: Any) -> dict[int, dict[int, list
 def factor_row(by_size: dict[int, list[float]], min_samples: int = MIN_SAMPLES) -> list[float]:
     """Factors for 1..largest measured size (module docstring); [1.0] when no size has enough."""
     kept = {n: [x for x in v if 1.0 / TRIM < x < TRIM] for n, v in by_size.items()}
-    sizes = sorted(n for n, v in kept.items() if len(v) >= min_samples)
-    if not sizes:
-        return [1.0]
-    mean = [float(np.mean(kept[n])) for n in sizes]
-    row = np.interp(np.arange(1, sizes[-1] + 1), sizes, mean)  # held below the smallest size
-    return [round(float(x), 4) for x in row]
+    return mean_row(kept, 1, min_samples, 1.0, 4)
+
+
+def mean_row(by_key: dict[int, list[float]], first: int, min_samples: int, empty: float, digits: int) -> list[float]:
+    """The mean of each key's values for keys first..largest with `min_samples` values, interpolated
+    linearly between such keys and held below the smallest; [empty] when no key has enough."""
+    keys = sorted(k for k, v in by_key.items() if len(v) >= min_samples)
+    if not keys:
+        return [empty]
+    mean = [float(np.mean(by_key[k])) for k in keys]
+    row = np.interp(np.arange(first, keys[-1] + 1), keys, mean)
+    return [round(float(x), digits) for x in row]
 
 
 def fit_decode_batch(samples: Sequence[Any], cost: Any, min_samples: int = MIN_SAMPLES) -> list[list[float]]:

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from engine.pricing.cost_coefficients import TABLE_FIELDS
 from engine.pricing.costmodel import BatchShape, CostCoefficients, CostModel
 from engine.base.errors import ConfigError, bad_value
 from engine.pricing.hardware import HardwareSpec
@@ -327,14 +328,15 @@ def _data_starts(samples: Sequence[ForwardSample], model, hw: HardwareSpec, pp: 
 
 def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | None = None,
              own_attention: bool = False, hop: str = "link", inflight_handover: bool = False,
-             decode_by_batch: bool = False, shared_gpu: bool = False) -> RunFit:
+             decode_by_batch: bool = False, shared_gpu: bool = False, mixed_by_rows: bool = False) -> RunFit:
     """`_fit_runs`, with the runs read as their own work on a shared GPU for the fit alone (`shared_gpu`)."""
     if shared_gpu:
         check_some_shared(runs)
     try:
         for run in runs:
             run.own_work = shared_gpu
-        return _fit_runs(runs, base, table, own_attention, hop, inflight_handover, decode_by_batch, shared_gpu)
+        return _fit_runs(runs, base, table, own_attention, hop, inflight_handover, decode_by_batch, shared_gpu,
+                         mixed_by_rows)
     finally:
         for run in runs:
             run.own_work = False
@@ -342,12 +344,13 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
 
 def _fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | None,
               own_attention: bool, hop: str, inflight_handover: bool, decode_by_batch: bool,
-              shared_gpu: bool) -> RunFit:
+              shared_gpu: bool, mixed_by_rows: bool = False) -> RunFit:
     """Fit `base`'s engine terms (or, on a roofline base, its coefficients) to the runs (module
     docstring), and with `own_attention` its decode attention's read rate and few-blocks term;
     `hop="receive"`: a host hop and the return priced once (testbed/calibrate/hop_fit.py);
     `inflight_handover`: the blocking send held until the receive (testbed/calibrate/handover_fit.py);
     `decode_by_batch`: the decode-only price corrected by batch size (testbed/calibrate/decode_batch_fit.py);
+    `mixed_by_rows`: a mixed step's price corrected by its sampled rows (testbed/calibrate/mixed_rows_fit.py);
     `shared_gpu`: forwards fitted as their own work where the stages shared a GPU (testbed/calibrate/shared_device.py).
     Every run must use the same model, P and layer split."""
     if hop not in HOP_MODES:
@@ -363,7 +366,8 @@ def _fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable |
             raise ConfigError(f"run {run.path} has model={rc.model.name} parallel.pp={rc.parallel.pp}; "
                               f"{runs[0].path} has model={model.name} parallel.pp={pp}: fit one setting at a time")
     base_vals = asdict(CostCoefficients(**(base.calibration or {})))
-    base_vals["decode_batch_factors"] = ()  # a base's own correction is refitted (--decode-by-batch), never compounded
+    for name in TABLE_FIELDS:  # a base's own corrections are refitted (--decode-by-batch, --mixed-by-rows), never compounded
+        base_vals[name] = ()
     probe = _cost(model, base, pp, split, base_vals)
     data = engine_samples(runs, probe)
     fwd = list(data.forward)
@@ -390,7 +394,7 @@ def _fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable |
             base_vals["decode_overhead_ratio"] = 1.0
         if any(_padded(s.shape) for s in fwd):
             names.append("decode_padding")
-    fitted = {k: v for k, v in (base.calibration or {}).items() if k != "decode_batch_factors"}
+    fitted = {k: v for k, v in (base.calibration or {}).items() if k not in TABLE_FIELDS}
     if base.kernels is not None:
         fitted["stage_overhead_s"] = base_vals["stage_overhead_s"]
     elif "decode_overhead_ratio" not in names:
@@ -410,6 +414,12 @@ def _fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable |
         plain = _cost(model, base, pp, split, {**base_vals, **fitted, "decode_batch_factors": ()})
         fitted["decode_batch_factors"] = fit_decode_batch(data.forward, plain)
         result.notes = summary(data.forward, plain)
+    if mixed_by_rows:  # the same, for the steps with a prefill chunk (the decode factors do not touch them)
+        from testbed.calibrate import mixed_rows_fit
+
+        plain = _cost(model, base, pp, split, {**base_vals, **fitted, "mixed_row_extra_s": ()})
+        fitted["mixed_row_extra_s"] = mixed_rows_fit.fit_mixed_rows(data.forward, plain)
+        result.notes += mixed_rows_fit.summary(data.forward, plain)
     _fit_linear_terms(result, data, model.vocab_size)
     before_return = 0.0  # what the simulator adds before the return term (`hop="receive"`: its latency)
     if hop == "receive":
