@@ -294,3 +294,18 @@ def test_every_point_of_a_grid_narrows_on_its_own(tmp_path, live):
     first, second = feed.points[0], feed.points[1]
     assert first.status == "confirmed" and 1.6 / 1.05 <= first.answer <= 1.6 and len(first.tried) == 3
     assert second.status == "confirmed" and 3.0 / 1.05 <= second.answer <= 3.0 and len(second.tried) == 1
+
+
+def test_a_points_probe_count_counts_its_hold_out_probes_as_probes_csv_lists_them():
+    """A host-bound or failed probe is a row of probes.csv but never enters its unit's search: the
+    table's probe count must follow probes.csv (the fresh-clone CI of 2026-11-29 printed 7 probes
+    beside 8 rows, the host-bound one in a hold-out stretch)."""
+    from types import SimpleNamespace
+
+    from testbed.capacity.results import _holdout_probes
+
+    searches = {0: SimpleNamespace(probes=[1, 2, 3]), 1: SimpleNamespace(probes=[1]), 2: SimpleNamespace(probes=[])}
+    point = SimpleNamespace(windows=[0], tried=[0, 1, 2], searches=searches)
+    rows = {0: [{}] * 3, 1: [{"status": "finished"}, {"status": "host-bound"}], 2: [{"status": "failed"}]}
+    assert _holdout_probes(point, rows) == 3  # units 1 and 2: 2 + 1 rows, though their searches hold 1 + 0
+    assert _holdout_probes(SimpleNamespace(windows=[0, 1, 2], tried=[0, 1, 2], searches=searches), rows) == 0

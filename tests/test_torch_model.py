@@ -229,6 +229,7 @@ def test_cpu_head_is_stored_hidden_by_vocab_with_the_checkpoint_values(ckpts):
     weight took 4.76 ms at 3 rows against 2.87 ms at 4), the same values as the checkpoint, and its logits
     are the row-major GEMM's to float32 rounding with the same greedy tokens."""
     from safetensors import safe_open
+    from engine.torch_exec.kernels.fused import rms_norm
     from engine.torch_exec.stage.model import head_layout
     from engine.torch_exec.weights.checkpoint import LM_HEAD, tensor_files
 
@@ -243,8 +244,7 @@ def test_cpu_head_is_stored_hidden_by_vocab_with_the_checkpoint_values(ckpts):
     torch.manual_seed(0)
     for rows in (1, 3, 4, 64):
         x = torch.randn(rows, hidden)
-        got, want = last.logits(x), torch.nn.functional.linear(
-            x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + last.arch.rms_norm_eps) * last.norm, ref)
+        got, want = last.logits(x), torch.nn.functional.linear(rms_norm(x, last.norm, last.arch.rms_norm_eps), ref)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     row_major = torch.randn(8, 4)
