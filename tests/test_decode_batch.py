@@ -110,42 +110,19 @@ def test_calibrate_runs_decode_by_batch_stores_the_factors_and_the_profile_price
     no smooth term of the forward fit absorbs): the
     option writes one row of factors, and the saved profile, loaded back, prices the fit run's
     decode forwards of each well-sampled size at their mean (measured / priced 1 there)."""
-    from test_calibrate_runs import as_cpu_engine_run
+    from correction_fit import fit_correction, forget
     from testbed.calibrate.decode_batch_fit import decode_ratios
-    from testbed.calibrate.fit import save_hardware_profile
-    from testbed.calibrate.run_fit import engine_samples
+    from testbed.calibrate.run_fit import fit_runs
     from testbed.calibrate.runs import load_run
-    from testbed.config.composer import load_saved_profiles
-    from testbed.config.overrides import merge
-    from testbed.config.spec import compose_spec
-    from testbed.run.runner import run_experiment
-    from engine.pricing.hardware import HARDWARE
 
-    cpu = dataclasses.replace(get_hardware("a100-80g"), name="dbb-cpu", kernels=None, calibration={})
-    monkeypatch.setenv("TESTBED_PROFILE_DIR", str(tmp_path / "profiles"))
-    save_hardware_profile(cpu, tmp_path / "profiles" / "dbb-cpu.yaml")
     try:
-        res = run_experiment(compose_spec(merge(
-            ["executor=sim", "model=tiny-llama", "hardware=dbb-cpu", "parallel.pp=1", "policy=gllm",
-             "workload=synthetic", "workload.num_requests=5", "workload.arrival=offline", "workload.input_mean=64",
-             "workload.output_dist=uniform", "workload.output_min=40", "workload.output_max=400",
-             "kv.num_blocks=4096", "output.mlflow=false", "output.plots=false", "output.progress=false",
-             "output.trace=full", "output.microbatches=true", f"output.dir={tmp_path}",
-             "cost.stage_overhead_s=4e-3", "cost.memory_efficiency=0.3"],
-            ["cost.decode_batch_factors=[[1.0, 1.0, 1.0, 1.3, 1.0]]"])))
-        run_dir = as_cpu_engine_run(res, tmp_path / "cpu")
-        assert main(["calibrate", "runs", str(run_dir), "--base", "dbb-cpu", "--name", "dbb-fit", "--decode-by-batch",
-                     "--out", str(tmp_path / "profiles")]) == 0
-        saved = yaml.safe_load((tmp_path / "profiles" / "dbb-fit.yaml").read_text())
-        rows = saved["calibration"]["decode_batch_factors"]
-        assert saved["profile"]["decode_by_batch"] is True and len(rows) == 1
-        load_saved_profiles()
-        fitted = get_hardware("dbb-fit")
-        cost = CostModel(get_model("tiny-llama"), fitted, 1, coefficients=CostCoefficients(**fitted.calibration))
-        plain = CostModel(get_model("tiny-llama"), fitted, 1, coefficients=CostCoefficients(
-            **dict(fitted.calibration, decode_batch_factors=())))
-        samples = engine_samples([load_run(run_dir, need_trace=True)], cost).forward
-        before, after = decode_ratios(samples, plain)[0], decode_ratios(samples, cost)[0]
+        f = fit_correction(tmp_path, monkeypatch, "dbb", [
+            "policy=gllm", "workload.num_requests=5", "workload.input_mean=64", "workload.output_dist=uniform",
+            "workload.output_min=40", "workload.output_max=400"],
+            "cost.decode_batch_factors=[[1.0, 1.0, 1.0, 1.3, 1.0]]", "--decode-by-batch", "decode_batch_factors")
+        rows = f.table
+        assert f.saved["profile"]["decode_by_batch"] is True and len(rows) == 1
+        before, after = decode_ratios(f.samples, f.plain)[0], decode_ratios(f.samples, f.cost)[0]
         sized = [n for n, v in before.items() if len(v) >= MIN_SAMPLES]
         assert 2 in sized and 4 in sized, sorted((n, len(v)) for n, v in before.items())
         # the forward fit's smooth terms absorb part of the bump at 4 sequences, not all of it ...
@@ -155,9 +132,7 @@ def test_calibrate_runs_decode_by_batch_stores_the_factors_and_the_profile_price
         for n in sized:
             assert sum(after[n]) / len(after[n]) == pytest.approx(1.0, abs=0.005), n
         # refitted on that profile as its base without the option: its correction is not carried over
-        from testbed.calibrate.run_fit import fit_runs
-
-        assert "decode_batch_factors" not in fit_runs([load_run(run_dir, need_trace=True)], fitted).coefficients
+        fitted = get_hardware("dbb-fit")
+        assert "decode_batch_factors" not in fit_runs([load_run(f.run_dir, need_trace=True)], fitted).coefficients
     finally:
-        for name in ("dbb-cpu", "dbb-fit"):
-            HARDWARE.pop(name, None)
+        forget("dbb")

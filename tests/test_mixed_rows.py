@@ -132,42 +132,19 @@ def test_calibrate_runs_mixed_by_rows_stores_the_terms_and_the_profile_prices_wi
     rows (a bump no smooth term of the forward fit absorbs): the option writes one row of terms, and
     the saved profile, loaded back, prices the fit run's mixed forwards of each well-sampled row count
     at their mean (measured - priced 0 there)."""
-    from test_calibrate_runs import as_cpu_engine_run
-    from testbed.calibrate.fit import save_hardware_profile
+    from correction_fit import fit_correction, forget
     from testbed.calibrate.mixed_rows_fit import mixed_residuals
-    from testbed.calibrate.run_fit import engine_samples, fit_runs
+    from testbed.calibrate.run_fit import fit_runs
     from testbed.calibrate.runs import load_run
-    from testbed.config.composer import load_saved_profiles
-    from testbed.config.overrides import merge
-    from testbed.config.spec import compose_spec
-    from testbed.run.runner import run_experiment
-    from engine.pricing.hardware import HARDWARE
 
-    cpu = dataclasses.replace(get_hardware("a100-80g"), name="mbr-cpu", kernels=None, calibration={})
-    monkeypatch.setenv("TESTBED_PROFILE_DIR", str(tmp_path / "profiles"))
-    save_hardware_profile(cpu, tmp_path / "profiles" / "mbr-cpu.yaml")
     try:
-        res = run_experiment(compose_spec(merge(
-            ["executor=sim", "model=tiny-llama", "hardware=mbr-cpu", "parallel.pp=1", "policy=sarathi",
-             "workload=synthetic", "workload.num_requests=40", "workload.arrival=offline", "workload.input_mean=500",
-             "workload.output_dist=uniform", "workload.output_min=4", "workload.output_max=60",
-             "kv.num_blocks=4096", "output.mlflow=false", "output.plots=false", "output.progress=false",
-             "output.trace=full", "output.microbatches=true", f"output.dir={tmp_path}", "policy.token_budget=64", "policy.max_num_seqs=4",
-             "cost.stage_overhead_s=4e-3", "cost.memory_efficiency=0.3"],
-            ["cost.mixed_row_extra_s=[[0.0, 0.006, 0.0, 0.003, 0.0]]"])))
-        run_dir = as_cpu_engine_run(res, tmp_path / "cpu")
-        assert main(["calibrate", "runs", str(run_dir), "--base", "mbr-cpu", "--name", "mbr-fit", "--mixed-by-rows",
-                     "--out", str(tmp_path / "profiles")]) == 0
-        saved = yaml.safe_load((tmp_path / "profiles" / "mbr-fit.yaml").read_text())
-        rows = saved["calibration"]["mixed_row_extra_s"]
-        assert saved["profile"]["mixed_by_rows"] is True and len(rows) == 1
-        load_saved_profiles()
-        fitted = get_hardware("mbr-fit")
-        cost = CostModel(get_model("tiny-llama"), fitted, 1, coefficients=CostCoefficients(**fitted.calibration))
-        plain = CostModel(get_model("tiny-llama"), fitted, 1, coefficients=CostCoefficients(
-            **dict(fitted.calibration, mixed_row_extra_s=())))
-        samples = engine_samples([load_run(run_dir, need_trace=True)], cost).forward
-        before, after = mixed_residuals(samples, plain)[0], mixed_residuals(samples, cost)[0]
+        f = fit_correction(tmp_path, monkeypatch, "mbr", [
+            "policy=sarathi", "workload.num_requests=40", "workload.input_mean=500", "workload.output_dist=uniform",
+            "workload.output_min=4", "workload.output_max=60", "policy.token_budget=64", "policy.max_num_seqs=4"],
+            "cost.mixed_row_extra_s=[[0.0, 0.006, 0.0, 0.003, 0.0]]", "--mixed-by-rows", "mixed_row_extra_s")
+        rows = f.table
+        assert f.saved["profile"]["mixed_by_rows"] is True and len(rows) == 1
+        before, after = mixed_residuals(f.samples, f.plain)[0], mixed_residuals(f.samples, f.cost)[0]
         counted = [r for r, v in before.items() if len(v) >= MIN_SAMPLES]
         assert 1 in counted and 2 in counted, sorted((r, len(v)) for r, v in before.items())
         # the forward fit's smooth terms absorb part of the bump at 1 row, not all of it ...
@@ -176,7 +153,7 @@ def test_calibrate_runs_mixed_by_rows_stores_the_terms_and_the_profile_prices_wi
         for r in counted:
             assert sum(after[r]) / len(after[r]) == pytest.approx(0.0, abs=2e-4), r
         # refitted on that profile as its base without the option: its correction is not carried over
-        assert "mixed_row_extra_s" not in fit_runs([load_run(run_dir, need_trace=True)], fitted).coefficients
+        fitted = get_hardware("mbr-fit")
+        assert "mixed_row_extra_s" not in fit_runs([load_run(f.run_dir, need_trace=True)], fitted).coefficients
     finally:
-        for name in ("mbr-cpu", "mbr-fit"):
-            HARDWARE.pop(name, None)
+        forget("mbr")
