@@ -116,6 +116,7 @@ SET13 = MEASURED / "manifest-set13.yaml"
 SET15 = MEASURED / "manifest-set15.yaml"
 SET16 = MEASURED / "manifest-set16.yaml"  # set 13's design on the engine with the column-major CPU head
 SET14 = MEASURED / "manifest-set14.yaml"  # set 13's frozen profiles tested on a later campaign: no refit
+SET17 = MEASURED / "manifest-set17.yaml"  # set 16's runs, --mixed-by-rows a candidate (lost), tested on r47-r49
 # the options each profile's validation runs chose: the quick-table option and any further flags (set 5:
 # 3.30% / 4.58%, docs/measurements/diag-cpu-2026-11-28b.md; set 6: 2.11% / 2.39%,
 # docs/measurements/real-runs-2026-11-28c.md; set 7: 2.28% / 1.62%, P=2 with --inflight-handover,
@@ -129,7 +130,7 @@ SET14 = MEASURED / "manifest-set14.yaml"  # set 13's frozen profiles tested on a
 # both depths, no spread (1.349% / 2.245%); set 15, set 13's design repeated: --decode-by-batch at both depths,
 # spread 0.05 at P=1 (2.242%), none at P=2 (1.951%); set 16, the same design on the engine with the column-major CPU
 # head and its own quick tables as bases: --decode-by-batch at both depths, spread 0.05 at P=1 (3.065%), 0.025 at P=2
-# (2.759%))
+# (2.759%); set 17, set 16's runs with --mixed-by-rows a candidate: it lost, set 16's choices again)
 FIT_OPTIONS = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1", ()), "cpu-tiny-llama-set5-pp2-runs": (SET5, "0", ()),
                "cpu-tiny-llama-set6-pp1-runs": (SET6, "0", ()), "cpu-tiny-llama-set6-pp2-runs": (SET6, "1", ()),
                "cpu-tiny-llama-set7-pp1-runs": (SET7, "0", ()),
@@ -149,13 +150,16 @@ FIT_OPTIONS = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1", ()), "cpu-tiny-llama-
                "cpu-tiny-llama-set15-pp1-runs": (SET15, "0", ("--decode-by-batch",)),
                "cpu-tiny-llama-set15-pp2-runs": (SET15, "0", ("--inflight-handover", "--decode-by-batch")),
                "cpu-tiny-llama-set16-pp1-runs": (SET16, "0", ("--decode-by-batch",)),
-               "cpu-tiny-llama-set16-pp2-runs": (SET16, "0", ("--inflight-handover", "--decode-by-batch"))}
+               "cpu-tiny-llama-set16-pp2-runs": (SET16, "0", ("--inflight-handover", "--decode-by-batch")),
+               "cpu-tiny-llama-set17-pp1-runs": (SET17, "0", ("--decode-by-batch",)),
+               "cpu-tiny-llama-set17-pp2-runs": (SET17, "0", ("--inflight-handover", "--decode-by-batch"))}
 REPEATS = {SET5: ((1, 2, 3, 4), (5, 6, 7)), SET6: ((1, 2, 3), (4, 5, 6)),
            SET7: ((1, 2, 3), (4, 5, 6)), SET8: ((1, 2, 3, 4, 5, 6), (7, 8, 9)),
            SET9: ((7, 8, 9), (10, 11, 12)), SET10: ((7, 8, 9, 10, 11, 12), (13, 14, 15)),
            SET11: ((13, 14, 15), (16, 17, 18)), SET12: ((19, 21, 23), (20, 22, 24)),
            SET13: ((25, 27, 29), (26, 28, 30)), SET14: ((25, 27, 29), (31, 32, 33)),
-           SET15: ((35, 37, 39), (36, 38, 40)), SET16: ((41, 43, 45), (42, 44, 46))}  # (fit and validation, test)
+           SET15: ((35, 37, 39), (36, 38, 40)), SET16: ((41, 43, 45), (42, 44, 46)),
+           SET17: ((41, 43, 45), (47, 48, 49))}  # (fit and validation, test)
 
 
 @pytest.mark.parametrize("manifest", sorted(REPEATS), ids=lambda p: p.stem)
@@ -201,6 +205,25 @@ def test_set14_tests_set13s_frozen_profiles_on_new_runs_only():
     log = (SET14.parent / "test_reports.log").read_text()
     assert sum(f"{name} " in ln and f"test_set={set_id_of(m14.profiles[name])}" in ln
                for name in m14.profiles for ln in log.splitlines()) == 2  # each reported once
+
+
+def test_set17_refits_set16s_runs_and_tests_its_choice_on_new_runs_only():
+    """Set 17 fits and chooses on set 16's fit and validation runs (its candidate --mixed-by-rows lost), so its
+    profiles price as set 16's; set 16's test runs are spent, set 17's are new and reported once."""
+    m16, m17 = load_manifest(SET16), load_manifest(SET17)
+    for name, split in m17.profiles.items():
+        old = m16.profiles[name.replace("set17", "set16")]
+        assert (split.fit, split.validation, split.spent_test) == (old.fit, old.validation, old.test)
+        assert not set(split.test) & set(old.test + old.fit + old.validation)
+        assert split.options["mixed_by_rows"] == [False, True] and split.options["decode_by_batch"] == [True]
+        shipped = [yaml.safe_load((SET17.parent / "profiles" / f"{n}.yaml").read_text())
+                   for n in (name, name.replace("set17", "set16"))]
+        assert shipped[0]["calibration"] == shipped[1]["calibration"]
+        assert "mixed_row_extra_s" not in shipped[0]["calibration"]
+        assert all(m17.run_dir(r).is_dir() for r in split.test)
+    log = (SET17.parent / "test_reports.log").read_text()
+    assert sum(f"{name} " in ln and f"test_set={set_id_of(m17.profiles[name])}" in ln
+               for name in m17.profiles for ln in log.splitlines()) == 2  # each reported once
 
 
 def test_a_micro_batch_launched_behind_another_is_timed_from_that_ones_completion():
