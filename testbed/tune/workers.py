@@ -127,8 +127,11 @@ def _end_for_dead_parent(problem: Problem) -> None:
         if tracker is not None and problem.parent_run_id:
             reclaim.kill_running_trials(tracker, problem.parent_run_id)
             owners.end_shared(tracker, problem.parent_run_id, "KILLED")  # not while another host runs the study
-    except Exception:  # noqa: BLE001 - the next `tune` reclaims what could not be ended here
-        pass
+    except Exception as exc:  # noqa: BLE001 - the next `tune` reclaims what could not be ended here
+        # one line, so that a run left RUNNING says why (a fresh-clone CI once found the study run
+        # and worker 0's trial RUNNING after a killed tune, with no word from the orphan)
+        print(f"tune worker: the killed command's runs not ended here ({type(exc).__name__}: {exc}); "
+              "the next `tune` of this study ends them", file=sys.stderr, flush=True)
 
 
 class _Drain:
