@@ -168,7 +168,7 @@ def head_layout(lm_head: torch.Tensor | None, device: torch.device) -> torch.Ten
     that costs less at 4 rows than at 3: set 15's P=2 fit runs priced gllm's small mixed steps 0.3-0.8 ms
     low on the last stage (docs/measurements/real-runs-2026-11-29.md, "Set 16"). The copy is new
     memory: a tied head on a stage that is both first and last (P=1) keeps the embedding and this
-    copy, vocab x hidden more floats (32.8 MB at tiny-llama's size in float32); an untied head is replaced."""
+    copy, vocab x hidden more floats (tiny-qwen2, tied, at P=1: +49 MB in float32); an untied head is replaced."""
     if lm_head is None or device.type != "cpu":
         return lm_head
     return lm_head.t().contiguous().t()
