@@ -9,8 +9,11 @@ from typing import Any
 from engine.base.errors import ConfigError
 
 
-def correct_stage_times(cost: Any, name: str, table: tuple[tuple[float, ...], ...],
-                        applies: Callable[[Any], bool], adjust: Callable[[tuple[float, ...], Any, float], float]) -> None:
+Row = tuple[float, ...]
+
+
+def correct_stage_times(cost: Any, name: str, table: tuple[Row, ...], applies: Callable[[Any], bool],
+                        adjust: Callable[[Row, Any, float], float]) -> None:
     """Swap `cost`'s stage-time methods for ones that, for a shape `applies` holds for, replace a
     stage's non-zero time t by `adjust(that stage's row of table, shape, t)` (a profile without the
     table pays no branch). `name`: the coefficient, for the error when the depths differ."""
@@ -35,6 +38,6 @@ def correct_stage_times(cost: Any, name: str, table: tuple[tuple[float, ...], ..
     cost.stage_compute_all_s = every  # type: ignore[method-assign]
 
 
-def held(row: tuple[float, ...], i: int) -> float:
+def held(row: Row, i: int) -> float:
     """row[i], the last entry held above the table."""
     return row[i] if i < len(row) else row[-1]
