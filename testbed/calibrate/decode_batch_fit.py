@@ -66,17 +66,21 @@ def mean_row(by_key: dict[int, list[float]], first: int, min_samples: int, empty
 
 def fit_decode_batch(samples: Sequence[Any], cost: Any, min_samples: int = MIN_SAMPLES) -> list[list[float]]:
     """`cost.decode_batch_factors` (lists, as a profile's YAML holds them): one row per stage."""
-    ratios = decode_ratios(samples, cost)
-    return [factor_row(ratios.get(s, {}), min_samples) for s in range(cost.pp)]
+    return factors(decode_ratios(samples, cost), cost.pp, min_samples)
 
 
-def summary(samples: Sequence[Any], cost: Any, min_samples: int = MIN_SAMPLES, sizes: int = 8) -> list[str]:
-    """Lines for `calibrate runs`' output: per stage, the first `sizes` batch sizes' forwards and
-    mean measured / priced within TRIM (before the correction)."""
-    ratios = decode_ratios(samples, cost)
+def factors(ratios: dict[int, dict[int, list[float]]], pp: int, min_samples: int = MIN_SAMPLES) -> list[list[float]]:
+    """`fit_decode_batch` from the ratios `decode_ratios` gave (priced once for the factors and the summary)."""
+    return [factor_row(ratios.get(s, {}), min_samples) for s in range(pp)]
+
+
+def summary(ratios: dict[int, dict[int, list[float]]], pp: int, min_samples: int = MIN_SAMPLES,
+            sizes: int = 8) -> list[str]:
+    """Lines for `calibrate runs`' output from `decode_ratios`: per stage, the first `sizes` batch
+    sizes' forwards and mean measured / priced within TRIM (before the correction)."""
     out = [f"  decode price by batch size (--decode-by-batch; mean measured / priced within {TRIM:g}x, n >= "
            f"{min_samples} for its own factor):"]
-    for s in range(cost.pp):
+    for s in range(pp):
         kept = {n: [x for x in v if 1.0 / TRIM < x < TRIM] for n, v in ratios.get(s, {}).items()}
         cells = [f"{n}: {float(np.mean(v)):.3f} (n={len(v)})" for n, v in sorted(kept.items()) if n <= sizes and v]
         out.append(f"    stage {s}: " + (", ".join(cells) or "no decode-only forwards"))

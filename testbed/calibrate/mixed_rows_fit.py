@@ -47,17 +47,21 @@ def extra_row(by_rows: dict[int, list[float]], min_samples: int = MIN_SAMPLES) -
 
 def fit_mixed_rows(samples: Sequence[Any], cost: Any, min_samples: int = MIN_SAMPLES) -> list[list[float]]:
     """`cost.mixed_row_extra_s` (lists, as a profile's YAML holds them): one row per stage."""
-    residuals = mixed_residuals(samples, cost)
-    return [extra_row(residuals.get(s, {}), min_samples) for s in range(cost.pp)]
+    return terms(mixed_residuals(samples, cost), cost.pp, min_samples)
 
 
-def summary(samples: Sequence[Any], cost: Any, min_samples: int = MIN_SAMPLES, counts: int = 9) -> list[str]:
-    """Lines for `calibrate runs`' output: per stage, the first `counts` row counts' forwards with a
-    prefill chunk and their mean measured minus priced (before the correction)."""
-    residuals = mixed_residuals(samples, cost)
+def terms(residuals: dict[int, dict[int, list[float]]], pp: int, min_samples: int = MIN_SAMPLES) -> list[list[float]]:
+    """`fit_mixed_rows` from the residuals `mixed_residuals` gave (priced once for the terms and the summary)."""
+    return [extra_row(residuals.get(s, {}), min_samples) for s in range(pp)]
+
+
+def summary(residuals: dict[int, dict[int, list[float]]], pp: int, min_samples: int = MIN_SAMPLES,
+            counts: int = 9) -> list[str]:
+    """Lines for `calibrate runs`' output from `mixed_residuals`: per stage, the first `counts` row
+    counts' forwards with a prefill chunk and their mean measured minus priced (before the correction)."""
     out = [f"  mixed-step price by sampled rows (--mixed-by-rows; mean measured - priced within {TRIM:g}x, n >= "
            f"{min_samples} for its own term):"]
-    for s in range(cost.pp):
+    for s in range(pp):
         cells = [f"{r}: {1e3 * float(np.mean(v)):+.2f} ms (n={len(v)})"
                  for r, v in sorted(residuals.get(s, {}).items()) if r < counts and v]
         out.append(f"    stage {s}: " + (", ".join(cells) or "no forwards with a prefill chunk"))

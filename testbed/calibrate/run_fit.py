@@ -409,17 +409,19 @@ def _fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable |
         fitted["shared_device_fit"] = 1
     result = RunFit(fitted, counts={"forward": len(fwd), "runs": len(runs)}, kernels=kernels)
     if decode_by_batch:  # after the forward fit, from the runs' own decode forwards (not the table's rows)
-        from testbed.calibrate.decode_batch_fit import fit_decode_batch, summary
+        from testbed.calibrate import decode_batch_fit
 
         plain = _cost(model, base, pp, split, {**base_vals, **fitted, "decode_batch_factors": ()})
-        fitted["decode_batch_factors"] = fit_decode_batch(data.forward, plain)
-        result.notes = summary(data.forward, plain)
+        ratios = decode_batch_fit.decode_ratios(data.forward, plain)
+        fitted["decode_batch_factors"] = decode_batch_fit.factors(ratios, pp)
+        result.notes = decode_batch_fit.summary(ratios, pp)
     if mixed_by_rows:  # the same, for the steps with a prefill chunk (the decode factors do not touch them)
         from testbed.calibrate import mixed_rows_fit
 
         plain = _cost(model, base, pp, split, {**base_vals, **fitted, "mixed_row_extra_s": ()})
-        fitted["mixed_row_extra_s"] = mixed_rows_fit.fit_mixed_rows(data.forward, plain)
-        result.notes += mixed_rows_fit.summary(data.forward, plain)
+        residuals = mixed_rows_fit.mixed_residuals(data.forward, plain)
+        fitted["mixed_row_extra_s"] = mixed_rows_fit.terms(residuals, pp)
+        result.notes += mixed_rows_fit.summary(residuals, pp)
     _fit_linear_terms(result, data, model.vocab_size)
     before_return = 0.0  # what the simulator adds before the return term (`hop="receive"`: its latency)
     if hop == "receive":
