@@ -317,6 +317,14 @@ class Controller:
         seq.fail_reason = reason
         self.num_failed += 1
 
+    def drop_half_written_rows(self) -> int:
+        """After a stop signal: drop a micro-batch record or a breakdown gap that the signal cut
+        off half-written (`MicroBatchRecords.trim_to_whole_rows`, `StageLedger.trim_to_whole_rows`),
+        so that the partial run's tables and breakdown can be read; the number of columns cut."""
+        tracer = getattr(self.executor, "tracer", None)
+        cut = self.records.trim_to_whole_rows()
+        return cut + (tracer.ledger.trim_to_whole_rows() if tracer is not None else 0)
+
     def fail_unfinished(self, reason: str) -> int:
         """Mark every request not yet done as FAILED (after a stall or an executor failure)."""
         n = 0

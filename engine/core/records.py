@@ -12,6 +12,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from engine.core.trace import trim_columns
+
 
 @dataclass(slots=True)
 class MicroBatchRecord:
@@ -74,6 +76,11 @@ class MicroBatchRecords:
 
     def __len__(self) -> int:
         return len(self.kind)
+
+    def trim_to_whole_rows(self) -> int:
+        """Drop a record that is in some columns only (a stop signal raised inside `append`); the
+        number of columns cut. After a stop, before the run's tables and breakdown are read."""
+        return trim_columns(*(getattr(self, name) for name in self.__slots__ if name != "_shared_tags"))
 
     def __getitem__(self, i):
         if isinstance(i, slice):

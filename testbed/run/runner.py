@@ -131,6 +131,7 @@ class PreparedRun:
         except KeyboardInterrupt as exc:
             interrupted = exc
             error = f"interrupted ({signal_name(exc)})"
+            ctrl.drop_half_written_rows()  # the signal may have struck inside an append
             ctrl.fail_unfinished(f"run {error}")
         except BaseException as exc:
             ctrl.fail_unfinished(f"run aborted: {type(exc).__name__}: {exc}")
