@@ -388,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after the forward fit, correct the price of a step with a prefill chunk per stage and "
                          "sampled-row count by the runs' mean measured - priced (testbed/calibrate/mixed_rows_fit.py); "
                          "off by default")
+    cr.add_argument("--sampler-contention", action="store_true",
+                    help="fit the CPU-sampling path (SiPipe) with a term per stage before the last that is working when "
+                         "it starts (testbed/calibrate/cpu_sampling_fit.py); off by default")
     cr.add_argument("--shared-gpu", action="store_true",
                     help="where a run's stages shared a GPU (P above the GPUs), fit each forward as its own work "
                          "(overlapping forwards share the time) and let replays take turns on the device "

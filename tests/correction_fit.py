@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from engine.pricing.cost_coefficients import TABLE_FIELDS
 from engine.pricing.costmodel import CostCoefficients, CostModel
 from engine.pricing.hardware import HARDWARE, get_hardware
 from engine.pricing.models import get_model
@@ -56,8 +57,9 @@ def fit_correction(tmp_path: Path, monkeypatch, prefix: str, run_values: list[st
     load_saved_profiles()
     fitted = get_hardware(f"{prefix}-fit")
     cost = CostModel(get_model("tiny-llama"), fitted, 1, coefficients=CostCoefficients(**fitted.calibration))
+    off = () if field in TABLE_FIELDS else 0.0  # a per-stage table, or one number
     plain = CostModel(get_model("tiny-llama"), fitted, 1,
-                      coefficients=CostCoefficients(**dict(fitted.calibration, **{field: ()})))
+                      coefficients=CostCoefficients(**dict(fitted.calibration, **{field: off})))
     samples = engine_samples([load_run(run_dir, need_trace=True)], cost).forward
     return FittedCorrection(saved, saved["calibration"][field], cost, plain, samples, run_dir)
 

@@ -100,6 +100,10 @@ class CostCoefficients:
     cpu_sample_fixed_s: float = 200e-6
     cpu_sample_per_row_s: float = 5.697542711005174e-05
     cpu_sample_per_token_vocab_s: float = 1.4074301729565028e-09
+    # The path's growth per stage before the last that is working when it starts (the samplers are
+    # more processes on the same cores). 0 = not modelled; fitted from runs by `calibrate runs
+    # --sampler-contention` (testbed/calibrate/cpu_sampling_fit.py).
+    cpu_sample_per_busy_stage_s: float = 0.0
     # Extra per-hop cost of a transfer that is not structure-aware (size, metadata blob, then each
     # tensor). SiPipe measured 2-5 ms per hop; we take the low end, consistent with its 3-6%
     # end-to-end gain from structure-aware transmission.

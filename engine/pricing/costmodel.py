@@ -402,10 +402,11 @@ class CostModel:
         return (c.last_stage_request_fixed_s + c.last_stage_request_per_seq_s * shape.num_seqs
                 + c.last_stage_request_per_context_token_s * (shape.decode_context_sum + shape.prefill_context_sum))
 
-    def cpu_sample_s(self, shape: BatchShape, workers: int = 1, sampling: SamplerSettings | None = None) -> float:
+    def cpu_sample_s(self, shape: BatchShape, workers: int = 1, sampling: SamplerSettings | None = None,
+                     busy_stages: int = 0) -> float:
         """CPU sampling of `shape`'s rows spread over `workers` sampler processes (SiPipe), on the
         sampler's path for `sampling` (engine/pricing/cpu_sampling_paths.py; None or the defaults:
-        the terms' own path)."""
+        the terms' own path), with `busy_stages` stages before the last working as it starts."""
         rows = shape.num_sampled
         if not rows:
             return 0.0
@@ -415,7 +416,7 @@ class CostModel:
         if sampling is not None and sampling != REFERENCE:
             d_fixed, d_row = path_delta_s(sampling, self._vocab)
             fixed, per_row = max(0.0, fixed + d_fixed), max(0.0, per_row + d_row)
-        return fixed + per_row * rows / max(1, workers)
+        return fixed + per_row * rows / max(1, workers) + c.cpu_sample_per_busy_stage_s * busy_stages
 
     def cpu_handoff_s(self, shape: BatchShape) -> float:
         """The last stage's copy of `shape`'s logits to the CPU samplers, on the stage (SiPipe)."""

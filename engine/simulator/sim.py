@@ -321,7 +321,8 @@ class SimExecutor(Executor):
             # single-process time (plus the fixed cost).
             n = len(self._sampler_free_at)
             start = max(now, max(self._sampler_free_at))
-            end = start + self.cost.cpu_sample_s(mb.shape, workers=n, sampling=self._sampling)
+            busy = sum(self._gpu_busy[:s])  # the stages before this one, working beside the samplers
+            end = start + self.cost.cpu_sample_s(mb.shape, workers=n, sampling=self._sampling, busy_stages=busy)
             for k in range(n):
                 self._sampler_free_at[k] = end
                 self.tracer.span(f"sampler{k}", "sample", start, end, mb_id)

@@ -62,9 +62,11 @@ def cmd_calibrate_runs(args, console) -> int:
     handover = bool(getattr(args, "inflight_handover", False))
     by_batch = bool(getattr(args, "decode_by_batch", False))
     by_rows = bool(getattr(args, "mixed_by_rows", False))
+    contention = bool(getattr(args, "sampler_contention", False))
     shared_gpu = bool(getattr(args, "shared_gpu", False))
     fit = fit_runs(runs, base, table, own_attention=args.own_attention, hop=hop, inflight_handover=handover,
-                   decode_by_batch=by_batch, shared_gpu=shared_gpu, mixed_by_rows=by_rows)
+                   decode_by_batch=by_batch, shared_gpu=shared_gpu, mixed_by_rows=by_rows,
+                   sampler_contention=contention)
     rc = runs[0].spec.settings
     desc = (f"{base.description.split(';')[0]}; this project's torch engine ({rc.model.name}, P={rc.parallel.pp}, "
             f"{rc.executor.settings.device}) calibrated from real runs (testbed calibrate runs)")
@@ -79,6 +81,7 @@ def cmd_calibrate_runs(args, console) -> int:
                   **({"inflight_handover": True} if handover else {}),
                   **({"decode_by_batch": True} if by_batch else {}),
                   **({"mixed_by_rows": True} if by_rows else {}),
+                  **({"sampler_contention": True} if contention else {}),
                   **({"shared_gpu": True} if shared_gpu else {}),
                   **({"manifest": _portable(manifest), "split": args.profile} if manifest else {}),
                   "errors": fit.errors,

@@ -328,7 +328,8 @@ def _data_starts(samples: Sequence[ForwardSample], model, hw: HardwareSpec, pp: 
 
 def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | None = None,
              own_attention: bool = False, hop: str = "link", inflight_handover: bool = False,
-             decode_by_batch: bool = False, shared_gpu: bool = False, mixed_by_rows: bool = False) -> RunFit:
+             decode_by_batch: bool = False, shared_gpu: bool = False, mixed_by_rows: bool = False,
+             sampler_contention: bool = False) -> RunFit:
     """`_fit_runs`, with the runs read as their own work on a shared GPU for the fit alone (`shared_gpu`)."""
     if shared_gpu:
         check_some_shared(runs)
@@ -336,7 +337,7 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
         for run in runs:
             run.own_work = shared_gpu
         return _fit_runs(runs, base, table, own_attention, hop, inflight_handover, decode_by_batch, shared_gpu,
-                         mixed_by_rows)
+                         mixed_by_rows, sampler_contention)
     finally:
         for run in runs:
             run.own_work = False
@@ -344,13 +345,14 @@ def fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | 
 
 def _fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable | None,
               own_attention: bool, hop: str, inflight_handover: bool, decode_by_batch: bool,
-              shared_gpu: bool, mixed_by_rows: bool = False) -> RunFit:
+              shared_gpu: bool, mixed_by_rows: bool = False, sampler_contention: bool = False) -> RunFit:
     """Fit `base`'s engine terms (or, on a roofline base, its coefficients) to the runs (module
     docstring), and with `own_attention` its decode attention's read rate and few-blocks term;
     `hop="receive"`: a host hop and the return priced once (testbed/calibrate/hop_fit.py);
     `inflight_handover`: the blocking send held until the receive (testbed/calibrate/handover_fit.py);
     `decode_by_batch`: the decode-only price corrected by batch size (testbed/calibrate/decode_batch_fit.py);
     `mixed_by_rows`: a mixed step's price corrected by its sampled rows (testbed/calibrate/mixed_rows_fit.py);
+    `sampler_contention`: the CPU-sampling path with a term per stage working as it starts (cpu_sampling_fit.py);
     `shared_gpu`: forwards fitted as their own work where the stages shared a GPU (testbed/calibrate/shared_device.py).
     Every run must use the same model, P and layer split."""
     if hop not in HOP_MODES:
@@ -432,7 +434,8 @@ def _fit_runs(runs: Sequence[RealRun], base: HardwareSpec, table: ProfileTable |
         if handover is not None:
             result.coefficients["handover_rendezvous_s"], result.counts["handover"] = handover
     result.coefficients.update(fit_cpu_sampling(cpu_sampling_samples(runs), model.vocab_size,
-                                                result.coefficients.get("return_fixed_s", 0.0) + before_return))
+                                                result.coefficients.get("return_fixed_s", 0.0) + before_return,
+                                                contention=sampler_contention))
     cost = _cost(model, base, pp, split, dict(base_vals, **result.coefficients))
     result.errors = _error_rows("forward", [s.kind for s in fwd],
                                 [cost.stage_compute_s(s.stage, s.shape) for s in fwd], [s.time_s for s in fwd])
