@@ -117,6 +117,7 @@ SET15 = MEASURED / "manifest-set15.yaml"
 SET16 = MEASURED / "manifest-set16.yaml"  # set 13's design on the engine with the column-major CPU head
 SET14 = MEASURED / "manifest-set14.yaml"  # set 13's frozen profiles tested on a later campaign: no refit
 SET17 = MEASURED / "manifest-set17.yaml"  # set 16's runs, --mixed-by-rows a candidate (lost), tested on r47-r49
+SET18 = MEASURED / "manifest-set18.yaml"  # set 16's runs, --sampler-contention a candidate (won at P=2), r50-r52
 # the options each profile's validation runs chose: the quick-table option and any further flags (set 5:
 # 3.30% / 4.58%, docs/measurements/diag-cpu-2026-11-28b.md; set 6: 2.11% / 2.39%,
 # docs/measurements/real-runs-2026-11-28c.md; set 7: 2.28% / 1.62%, P=2 with --inflight-handover,
@@ -130,7 +131,9 @@ SET17 = MEASURED / "manifest-set17.yaml"  # set 16's runs, --mixed-by-rows a can
 # both depths, no spread (1.349% / 2.245%); set 15, set 13's design repeated: --decode-by-batch at both depths,
 # spread 0.05 at P=1 (2.242%), none at P=2 (1.951%); set 16, the same design on the engine with the column-major CPU
 # head and its own quick tables as bases: --decode-by-batch at both depths, spread 0.05 at P=1 (3.065%), 0.025 at P=2
-# (2.759%); set 17, set 16's runs with --mixed-by-rows a candidate: it lost, set 16's choices again)
+# (2.759%); set 17, set 16's runs with --mixed-by-rows a candidate: it lost, set 16's choices again; set 18, set 16's
+# runs with --sampler-contention a candidate: it fits to 0 at P=1 (set 16's choice again), and won at P=2, spread
+# 0.025 (2.631%))
 FIT_OPTIONS = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1", ()), "cpu-tiny-llama-set5-pp2-runs": (SET5, "0", ()),
                "cpu-tiny-llama-set6-pp1-runs": (SET6, "0", ()), "cpu-tiny-llama-set6-pp2-runs": (SET6, "1", ()),
                "cpu-tiny-llama-set7-pp1-runs": (SET7, "0", ()),
@@ -152,7 +155,10 @@ FIT_OPTIONS = {"cpu-tiny-llama-set5-pp1-runs": (SET5, "1", ()), "cpu-tiny-llama-
                "cpu-tiny-llama-set16-pp1-runs": (SET16, "0", ("--decode-by-batch",)),
                "cpu-tiny-llama-set16-pp2-runs": (SET16, "0", ("--inflight-handover", "--decode-by-batch")),
                "cpu-tiny-llama-set17-pp1-runs": (SET17, "0", ("--decode-by-batch",)),
-               "cpu-tiny-llama-set17-pp2-runs": (SET17, "0", ("--inflight-handover", "--decode-by-batch"))}
+               "cpu-tiny-llama-set17-pp2-runs": (SET17, "0", ("--inflight-handover", "--decode-by-batch")),
+               "cpu-tiny-llama-set18-pp1-runs": (SET18, "0", ("--decode-by-batch",)),
+               "cpu-tiny-llama-set18-pp2-runs": (SET18, "0", ("--inflight-handover", "--decode-by-batch",
+                                                              "--sampler-contention"))}
 REPEATS = {SET5: ((1, 2, 3, 4), (5, 6, 7)), SET6: ((1, 2, 3), (4, 5, 6)),
            SET7: ((1, 2, 3), (4, 5, 6)), SET8: ((1, 2, 3, 4, 5, 6), (7, 8, 9)),
            SET9: ((7, 8, 9), (10, 11, 12)), SET10: ((7, 8, 9, 10, 11, 12), (13, 14, 15)),
@@ -224,6 +230,24 @@ def test_set17_refits_set16s_runs_and_tests_its_choice_on_new_runs_only():
     log = (SET17.parent / "test_reports.log").read_text()
     assert sum(f"{name} " in ln and f"test_set={set_id_of(m17.profiles[name])}" in ln
                for name in m17.profiles for ln in log.splitlines()) == 2  # each reported once
+
+
+def test_set18_fits_set16s_runs_with_its_chosen_term_and_spends_both_earlier_test_sets():
+    """Set 18 fits and chooses on set 16's fit and validation runs; its candidate --sampler-contention fits to 0 at
+    P=1 (set 16's profile again) and carries a term at P=2; set 16's and set 17's test runs are spent."""
+    m16, m17, m18 = load_manifest(SET16), load_manifest(SET17), load_manifest(SET18)
+    for name, split in m18.profiles.items():
+        old, spent = m16.profiles[name.replace("set18", "set16")], m17.profiles[name.replace("set18", "set17")]
+        assert (split.fit, split.validation) == (old.fit, old.validation)
+        assert split.spent_test == old.test + spent.test
+        assert not set(split.test) & set(split.spent_test + old.fit + old.validation)
+        assert split.options["sampler_contention"] == [False, True] and split.options["mixed_by_rows"] == [False]
+        shipped = [yaml.safe_load((SET18.parent / "profiles" / f"{n}.yaml").read_text())["calibration"]
+                   for n in (name, name.replace("set18", "set16"))]
+        if name.endswith("pp1-runs"):
+            assert shipped[0] == shipped[1]
+        else:
+            assert shipped[0]["cpu_sample_per_busy_stage_s"] > 0 and "cpu_sample_per_busy_stage_s" not in shipped[1]
 
 
 def test_a_micro_batch_launched_behind_another_is_timed_from_that_ones_completion():
