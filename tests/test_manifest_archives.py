@@ -165,7 +165,7 @@ REPEATS = {SET5: ((1, 2, 3, 4), (5, 6, 7)), SET6: ((1, 2, 3), (4, 5, 6)),
            SET11: ((13, 14, 15), (16, 17, 18)), SET12: ((19, 21, 23), (20, 22, 24)),
            SET13: ((25, 27, 29), (26, 28, 30)), SET14: ((25, 27, 29), (31, 32, 33)),
            SET15: ((35, 37, 39), (36, 38, 40)), SET16: ((41, 43, 45), (42, 44, 46)),
-           SET17: ((41, 43, 45), (47, 48, 49))}  # (fit and validation, test)
+           SET17: ((41, 43, 45), (47, 48, 49)), SET18: ((41, 43, 45), (50, 51, 52))}  # (fit and validation, test)
 
 
 @pytest.mark.parametrize("manifest", sorted(REPEATS), ids=lambda p: p.stem)
@@ -248,6 +248,10 @@ def test_set18_fits_set16s_runs_with_its_chosen_term_and_spends_both_earlier_tes
             assert shipped[0] == shipped[1]
         else:
             assert shipped[0]["cpu_sample_per_busy_stage_s"] > 0 and "cpu_sample_per_busy_stage_s" not in shipped[1]
+        assert all(m18.run_dir(r).is_dir() for r in split.test)
+    log = (SET18.parent / "test_reports.log").read_text()
+    assert sum(f"{name} " in ln and f"test_set={set_id_of(m18.profiles[name])}" in ln
+               for name in m18.profiles for ln in log.splitlines()) == 2  # each reported once
 
 
 def test_a_micro_batch_launched_behind_another_is_timed_from_that_ones_completion():
