@@ -7,11 +7,12 @@ free host cores), where on this host the last stage copies the logits to the sam
 median, `to_samplers`) and the samplers, two more processes on two busy cores, wait for a core
 before they sample (0.2 ms) and hand the ids to the driver: the stage's wait for its next
 micro-batch went from 0.80 ms (sarathi, inline sampling) to 3.41 ms median (tiny-llama, P=1,
-ShareGPT 100, load ~10 of other tenants). Host contention is not modelled as such (the simulator
-does not know the load); the path's time on this host is, like every other engine term: from the
+ShareGPT 100, load ~10 of other tenants). Other tenants' load is not modelled (the simulator
+does not know it); the path's time on this host is, like every other engine term: from the
 end of the last stage's logits handoff (`to_samplers`, its own term on the stage: run_fit.py) to the
 completion, less the return the simulator adds after it, fitted as fixed + per row x vocab /
-samplers (`CostModel.cpu_sample_s`) by non-negative least squares.
+samplers (`CostModel.cpu_sample_s`) by non-negative least squares; with `--sampler-contention`,
++ a term per stage of the run's own working beside the samplers as the path starts.
 A profile fitted without such a run keeps the defaults (a GPU host's free cores).
 """
 from __future__ import annotations
