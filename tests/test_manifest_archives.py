@@ -118,6 +118,7 @@ SET16 = MEASURED / "manifest-set16.yaml"  # set 13's design on the engine with t
 SET14 = MEASURED / "manifest-set14.yaml"  # set 13's frozen profiles tested on a later campaign: no refit
 SET17 = MEASURED / "manifest-set17.yaml"  # set 16's runs, --mixed-by-rows a candidate (lost), tested on r47-r49
 SET18 = MEASURED / "manifest-set18.yaml"  # set 16's runs, --sampler-contention a candidate (won at P=2), r50-r52
+SET19 = MEASURED / "manifest-set19.yaml"  # set 18's frozen profiles tested on a later campaign (r53-r55): no refit
 # the options each profile's validation runs chose: the quick-table option and any further flags (set 5:
 # 3.30% / 4.58%, docs/measurements/diag-cpu-2026-11-28b.md; set 6: 2.11% / 2.39%,
 # docs/measurements/real-runs-2026-11-28c.md; set 7: 2.28% / 1.62%, P=2 with --inflight-handover,
@@ -165,7 +166,8 @@ REPEATS = {SET5: ((1, 2, 3, 4), (5, 6, 7)), SET6: ((1, 2, 3), (4, 5, 6)),
            SET11: ((13, 14, 15), (16, 17, 18)), SET12: ((19, 21, 23), (20, 22, 24)),
            SET13: ((25, 27, 29), (26, 28, 30)), SET14: ((25, 27, 29), (31, 32, 33)),
            SET15: ((35, 37, 39), (36, 38, 40)), SET16: ((41, 43, 45), (42, 44, 46)),
-           SET17: ((41, 43, 45), (47, 48, 49)), SET18: ((41, 43, 45), (50, 51, 52))}  # (fit and validation, test)
+           SET17: ((41, 43, 45), (47, 48, 49)), SET18: ((41, 43, 45), (50, 51, 52)),
+           SET19: ((41, 43, 45), (53, 54, 55))}  # (fit and validation, test)
 
 
 @pytest.mark.parametrize("manifest", sorted(REPEATS), ids=lambda p: p.stem)
@@ -252,6 +254,23 @@ def test_set18_fits_set16s_runs_with_its_chosen_term_and_spends_both_earlier_tes
     log = (SET18.parent / "test_reports.log").read_text()
     assert sum(f"{name} " in ln and f"test_set={set_id_of(m18.profiles[name])}" in ln
                for name in m18.profiles for ln in log.splitlines()) == 2  # each reported once
+
+
+def test_set19_tests_set18s_frozen_profiles_on_new_runs_only():
+    """Set 19 refits nothing: its profiles are set 18's with the options set 18's validation chose, and every
+    earlier test set of those profiles (sets 16-18) is spent."""
+    m18, m19 = load_manifest(SET18), load_manifest(SET19)
+    assert set(m19.profiles) == set(m18.profiles)
+    for name, split in m19.profiles.items():
+        old = m18.profiles[name]
+        assert (split.fit, split.validation, split.spent_test) == (old.fit, old.validation, old.spent_test + old.test)
+        assert not set(split.test) & set(split.spent_test + old.fit + old.validation)
+        chosen = {"pp1": ([False], [0.05]), "pp2": ([True], [0.025])}[name.split("-")[-2]]
+        assert (split.options["sampler_contention"], split.options["spread"]) == chosen
+        assert all(m19.run_dir(r).is_dir() for r in split.test)
+    log = (SET19.parent / "test_reports.log").read_text()
+    assert sum(f"{name} " in ln and f"test_set={set_id_of(m19.profiles[name])}" in ln
+               for name in m19.profiles for ln in log.splitlines()) == 2  # each reported once
 
 
 def test_a_micro_batch_launched_behind_another_is_timed_from_that_ones_completion():
